@@ -1,0 +1,18 @@
+"""Model execution only: backends (torch, ONNX Runtime, no-op) and task adapters behind one protocol.
+
+Nothing here imports from `appliance` or `tui`, so runtimes can be tested and benchmarked alone.
+"""
+
+from runtimes.base import InputTooLong, ModelInfo, ModelSource, Runtime, RuntimeKind, Task, Tokenized
+from runtimes.loader import load_runtime
+
+__all__ = [
+    "InputTooLong",
+    "ModelInfo",
+    "ModelSource",
+    "Runtime",
+    "RuntimeKind",
+    "Task",
+    "Tokenized",
+    "load_runtime",
+]

@@ -1,0 +1,123 @@
+"""The seam between serving and model execution: tasks, tokenised inputs, and the runtime protocol.
+
+A runtime runs one batch of one task for one model on one device. It is called from a worker
+thread, never from the event loop, and knows nothing of NATS or HTTP: what crosses this seam is
+plain token ids in and numpy arrays out. The batcher above packs `Tokenized` rows by their
+`length`; everything a runtime needs to pad and run a batch is in those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Task(StrEnum):
+    EMBED = "embed"
+    SCORE = "score"
+    CLASSIFY = "classify"
+    EXTRACT = "extract"
+    GENERATE = "generate"
+
+
+class RuntimeKind(StrEnum):
+    TORCH = "torch"
+    ONNX = "onnx"
+    NOOP = "noop"
+
+
+class InputTooLong(ValueError):
+    """An input is longer than the model allows and the caller asked not to truncate."""
+
+    def __init__(self, index: int, max_length: int) -> None:
+        super().__init__(
+            f"input {index} is longer than the model's maximum of {max_length} tokens; "
+            'shorten it, or leave "truncate" at its default (true) to cut it to the maximum'
+        )
+        self.index = index
+        self.max_length = max_length
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSource:
+    """Where a model's files are and how to run them; everything a runtime needs to load it."""
+
+    path: Path
+    task: Task
+    runtime: RuntimeKind = RuntimeKind.TORCH
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    # Runtime-specific knobs (e.g. the no-op runtime's simulated cost); plain data only.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Tokenized:
+    """One input after tokenisation: the unit the batcher sorts and packs."""
+
+    ids: np.ndarray  # int64 token ids, special tokens included
+    type_ids: np.ndarray | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """What the serving side may know about a loaded model."""
+
+    task: Task
+    max_length: int
+    nbytes: int  # weights plus the activation peak measured at warm-up
+    dimensions: int | None = None  # embedding width, for `embed`
+    labels: tuple[str, ...] = ()
+
+
+class Backend(Protocol):
+    """A network on a device: padded token ids in, the model's main output out. Knows no task."""
+
+    weight_bytes: int
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray | None) -> np.ndarray:
+        """`last_hidden_state` for an encoder, `logits` for a classification head."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Runtime(Protocol):
+    """A loaded model. `tokenize` and `run` are called from worker threads."""
+
+    info: ModelInfo
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
+        """Tokenise; raises `InputTooLong` for an over-long input when `truncate` is false."""
+        ...
+
+    def run(self, batch: Sequence[Tokenized]) -> np.ndarray:
+        """One forward pass over a batch; returns one output row per input, in order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def pad(batch: Sequence[Tokenized], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Right-pad a batch to its longest row: (input_ids, attention_mask, token_type_ids)."""
+    width = max(row.length for row in batch)
+    ids = np.full((len(batch), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(batch), width), dtype=np.int64)
+    with_types = batch[0].type_ids is not None
+    types = np.zeros((len(batch), width), dtype=np.int64) if with_types else None
+    for i, row in enumerate(batch):
+        ids[i, : row.length] = row.ids
+        mask[i, : row.length] = 1
+        if types is not None and row.type_ids is not None:
+            types[i, : row.length] = row.type_ids
+    return ids, mask, types

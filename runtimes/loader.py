@@ -1,0 +1,18 @@
+"""Loads a `ModelSource` into a `Runtime`: picks the backend by runtime kind and the head by task."""
+
+from __future__ import annotations
+
+from runtimes.base import ModelSource, Runtime, RuntimeKind
+
+
+def load_runtime(source: ModelSource) -> Runtime:
+    if source.runtime is RuntimeKind.NOOP:
+        from runtimes.noop import NoopRuntime
+
+        return NoopRuntime(source)
+    if source.runtime is RuntimeKind.TORCH:
+        from runtimes.encoder import build_encoder_runtime
+        from runtimes.torch_backend import TorchBackend
+
+        return build_encoder_runtime(source, TorchBackend(source))
+    raise NotImplementedError(f"runtime {source.runtime} is not available yet")

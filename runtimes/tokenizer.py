@@ -1,0 +1,75 @@
+"""Fast (Rust) tokenisation for a model folder, with TEI-style truncation.
+
+The one trick: over-long inputs are detected without tokenising a huge text twice. A second
+tokenizer truncates one token past the model's maximum, so a row of `max_length + 1` tokens means
+"too long" when the caller refused truncation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Encoding, Tokenizer
+
+from runtimes.base import InputTooLong, Tokenized
+
+_FALLBACK_MAX_LENGTH = 512
+
+
+def model_max_length(folder: Path) -> int:
+    """The longest input the model accepts, as sentence-transformers would truncate it."""
+    st_config = folder / "sentence_bert_config.json"
+    if st_config.is_file():
+        value = json.loads(st_config.read_text()).get("max_seq_length")
+        if isinstance(value, int) and value > 0:
+            return value
+    limits: list[int] = []
+    tok_config = folder / "tokenizer_config.json"
+    if tok_config.is_file():
+        value = json.loads(tok_config.read_text()).get("model_max_length")
+        if isinstance(value, int) and 0 < value < 1_000_000:
+            limits.append(value)
+    config = folder / "config.json"
+    if config.is_file():
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            limits.append(value)
+    return min(limits) if limits else _FALLBACK_MAX_LENGTH
+
+
+class TextTokenizer:
+    """Turns texts (or text pairs) into `Tokenized` rows; thread-safe once built."""
+
+    def __init__(self, folder: Path, max_length: int | None = None) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json (a fast tokenizer is required)")
+        self.max_length = max_length or model_max_length(folder)
+        self._truncating = Tokenizer.from_file(str(path))
+        self._truncating.no_padding()
+        self._truncating.enable_truncation(self.max_length)
+        self._probing = Tokenizer.from_file(str(path))
+        self._probing.no_padding()
+        self._probing.enable_truncation(self.max_length + 1)
+        self.pad_id = self._truncating.token_to_id("[PAD]") or 0
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
+        encodings = self.encode(texts, truncate=truncate)
+        return [_to_row(enc) for enc in encodings]
+
+    def encode(self, texts: Sequence[str], *, truncate: bool = True) -> list[Encoding]:
+        """Raw encodings (with offsets), for tasks that map tokens back to characters."""
+        if truncate:
+            return self._truncating.encode_batch(list(texts))
+        encodings = self._probing.encode_batch(list(texts))
+        for index, enc in enumerate(encodings):
+            if len(enc.ids) > self.max_length:
+                raise InputTooLong(index, self.max_length)
+        return encodings
+
+
+def _to_row(enc: Encoding) -> Tokenized:
+    return Tokenized(ids=np.asarray(enc.ids, dtype=np.int64), type_ids=np.asarray(enc.type_ids, dtype=np.int64))

@@ -1,0 +1,77 @@
+"""The torch backend: a transformers model in inference mode on one device.
+
+The model class follows the task (encoder for `embed`, a sequence or token classification head for
+the others), loaded from a local folder only: no hub, no `trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtimes.base import ModelSource, Task
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _model_class(task: Task):  # noqa: ANN202 - a transformers auto class
+    import transformers
+
+    return {
+        Task.EMBED: transformers.AutoModel,
+        Task.SCORE: transformers.AutoModelForSequenceClassification,
+        Task.CLASSIFY: transformers.AutoModelForSequenceClassification,
+        Task.EXTRACT: transformers.AutoModelForTokenClassification,
+        Task.GENERATE: transformers.AutoModelForCausalLM,
+    }[task]
+
+
+class TorchBackend:
+    def __init__(self, source: ModelSource) -> None:
+        if source.threads:
+            torch.set_num_threads(source.threads)
+        self.device = torch.device(source.device)
+        self.dtype = _DTYPES[source.dtype]
+        self.task = source.task
+        self.model = load_torch_model(source.path, source.task, self.dtype).to(self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
+            b.numel() * b.element_size() for b in self.model.buffers()
+        )
+
+    @torch.inference_mode()
+    def forward(self, ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray | None) -> np.ndarray:
+        inputs = {
+            "input_ids": torch.from_numpy(ids).to(self.device, non_blocking=True),
+            "attention_mask": torch.from_numpy(mask).to(self.device, non_blocking=True),
+        }
+        if type_ids is not None and self._accepts_token_types:
+            inputs["token_type_ids"] = torch.from_numpy(type_ids).to(self.device, non_blocking=True)
+        output = self.model(**inputs)
+        main = output.last_hidden_state if self.task is Task.EMBED else output.logits
+        return main.float().cpu().numpy()
+
+    @property
+    def _accepts_token_types(self) -> bool:
+        return getattr(self.model.config, "type_vocab_size", 0) > 0
+
+    def peak_activation_bytes(self) -> int | None:
+        """The allocator's peak above the weights since the last reset, on CUDA; None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return max(0, peak - self.weight_bytes)
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):  # noqa: ANN201
+    model = _model_class(task).from_pretrained(
+        str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
+    )
+    return model.eval()
