@@ -1,0 +1,247 @@
+"""The local batcher of one model: packs tokenised rows from many requests into device batches.
+
+The batching rule: a batch is anchored on the oldest waiting row (so no row starves), then filled
+with the rows of the nearest lengths while `rows × longest row` (padding counted) stays within
+`max_batch_tokens` and the row count within `max_batch_size`. A partial batch waits at most
+`max_wait_ms` for company. Rows whose request's deadline has passed are dropped before any compute
+is spent on them. Two batches may be in flight: one on the device, the next one ready behind it,
+so the device never waits for the event loop.
+
+One task owns the pending list; others only call `submit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from appliance.catalog import Batching
+from appliance.envelope import RequestMeta
+from appliance.errors import deadline_passed
+from appliance.metrics import Metrics
+from runtimes import Runtime, Tokenized
+
+log = logging.getLogger(__name__)
+
+_BATCHES_IN_FLIGHT = 2
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One request being served: its rows, its results as they come, and what to answer with."""
+
+    meta: RequestMeta
+    rows: list[Tokenized]
+    params: Any = None
+    handle: Any = None  # the NATS message, for the worker to reply and ack
+    results: list[np.ndarray | None] = field(default_factory=list)
+    remaining: int = 0
+    started_ms: float = 0.0  # unix ms when its first row entered a batch
+    compute_ms: float = 0.0
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.rows)
+        self.remaining = len(self.rows)
+
+    @property
+    def expired(self) -> bool:
+        return time.time() * 1000 >= self.meta.deadline_ms
+
+
+@dataclass(slots=True, eq=False)
+class WorkItem:
+    job: Job
+    index: int
+    row: Tokenized
+    arrived: float  # loop time
+
+    @property
+    def length(self) -> int:
+        return self.row.length
+
+
+class Batcher:
+    """Feeds one runtime; calls `on_done(job)` once per job, with results or an error set."""
+
+    def __init__(
+        self,
+        model: str,
+        runtime: Runtime,
+        batching: Batching,
+        executor: Executor,
+        metrics: Metrics,
+        on_done: Callable[[Job, Exception | None], None],
+    ) -> None:
+        self.model = model
+        self.runtime = runtime
+        self.batching = batching
+        self._executor = executor
+        self._metrics = metrics
+        self._on_done = on_done
+        self._pending: list[WorkItem] = []  # arrival order
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(_BATCHES_IN_FLIGHT)
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def pending_rows(self) -> int:
+        return len(self._pending)
+
+    def submit(self, job: Job) -> None:
+        now = asyncio.get_running_loop().time()
+        self._pending.extend(WorkItem(job, i, row, now) for i, row in enumerate(job.rows))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"batcher:{self.model}")
+
+    async def drain(self) -> list[Job]:
+        """Stop forming batches, finish those in flight; return the jobs never started."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        unstarted: dict[int, Job] = {}
+        for item in self._pending:
+            if not item.job.done:
+                unstarted[id(item.job)] = item.job
+        self._pending.clear()
+        return list(unstarted.values())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._slots.acquire()
+            try:
+                await self._wait_for_company(loop)
+                batch = self._take_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
+                continue
+            task = asyncio.create_task(self._compute(batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _wait_for_company(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait up to max_wait_ms after the oldest row arrived, unless a full batch is already there."""
+        limit = self._pending[0].arrived + self.batching.max_wait_ms / 1000
+        while not self._full() and loop.time() < limit:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), limit - loop.time())
+            except TimeoutError:
+                break
+
+    def _full(self) -> bool:
+        if len(self._pending) >= self.batching.max_batch_size:
+            return True
+        return sum(item.length for item in self._pending) >= self.batching.max_batch_tokens
+
+    def _take_batch(self) -> list[WorkItem]:
+        self._drop_expired()
+        if not self._pending:
+            return []
+        anchor = self._pending[0]
+        by_length = sorted(self._pending, key=lambda item: item.length)
+        at = next(i for i, item in enumerate(by_length) if item is anchor)
+        lo, hi = at, at + 1  # the batch is by_length[lo:hi]
+        longest = anchor.length
+        budget, max_rows = self.batching.max_batch_tokens, self.batching.max_batch_size
+        while hi - lo < max_rows:
+            rows = hi - lo + 1
+            # Shorter rows cost no extra padding; take one when it fits, else try a longer one.
+            if lo > 0 and rows * longest <= budget:
+                lo -= 1
+            elif hi < len(by_length) and rows * by_length[hi].length <= budget:
+                longest = by_length[hi].length
+                hi += 1
+            else:
+                break
+        batch = by_length[lo:hi]
+        chosen = {id(item) for item in batch}
+        self._pending = [item for item in self._pending if id(item) not in chosen]
+        return batch
+
+    def _drop_expired(self) -> None:
+        kept: list[WorkItem] = []
+        for item in self._pending:
+            job = item.job
+            if job.done:
+                continue
+            if job.expired:
+                self._finish(job, deadline_passed(job.meta.id))
+                self._metrics.expired.labels(self.model).inc()
+                continue
+            kept.append(item)
+        self._pending = kept
+
+    async def _compute(self, batch: list[WorkItem]) -> None:
+        try:
+            started = time.time() * 1000
+            for item in batch:
+                if item.job.started_ms == 0.0:
+                    item.job.started_ms = started
+                    self._metrics.queue_ms.labels(self.model).observe(max(0.0, started - item.job.meta.sent_ms))
+            await self._run_rows(batch)
+        finally:
+            self._slots.release()
+            self._wake.set()
+
+    async def _run_rows(self, batch: list[WorkItem]) -> None:
+        loop = asyncio.get_running_loop()
+        rows = [item.row for item in batch]
+        t0 = time.perf_counter()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self.runtime.run, rows)
+        except Exception as exc:  # a failing batch must not take its neighbours down
+            if len(batch) > 1:
+                log.warning("batch failed; splitting", extra={"model": self.model, "error": repr(exc)})
+                half = len(batch) // 2
+                await self._run_rows(batch[:half])
+                await self._run_rows(batch[half:])
+                return
+            log.error(
+                "input failed", extra={"model": self.model, "request_id": batch[0].job.meta.id, "error": repr(exc)}
+            )
+            self._finish(batch[0].job, exc)
+            return
+        elapsed_ms = (time.perf_counter() - t0) * 1000
+        self._metrics.compute_ms.labels(self.model).observe(elapsed_ms)
+        self._metrics.batch_size.labels(self.model).observe(len(rows))
+        self._metrics.batch_tokens.labels(self.model).observe(len(rows) * max(r.length for r in rows))
+        self._metrics.rows_computed.labels(self.model).inc(len(rows))
+        for item, output in zip(batch, outputs, strict=True):
+            job = item.job
+            if job.done:
+                continue
+            job.results[item.index] = output
+            job.compute_ms += elapsed_ms / len(batch)
+            job.remaining -= 1
+            if job.remaining == 0:
+                self._finish(job, None)
+
+    def _finish(self, job: Job, error: Exception | None) -> None:
+        if job.done:
+            return
+        job.done = True
+        self._on_done(job, error)

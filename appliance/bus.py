@@ -1,0 +1,132 @@
+"""Every NATS name fleetbox uses, and the idempotent set-up of streams and consumers.
+
+Subjects, streams, consumers and buckets are built by the functions here and spelled nowhere
+else. Set-up is create-if-missing: a second box starting against the same NATS never resets the
+queue or a consumer's position.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+REQUEST_STREAM = "FBX_REQ"
+DEAD_LETTER_STREAM = "FBX_DLQ"
+MODELS_BUCKET = "fbx_models"
+BOXES_BUCKET = "fbx_boxes"
+BLOBS_BUCKET = "fbx_blobs"
+
+_SLUG_UNSAFE = re.compile(r"[^a-z0-9_-]+")
+
+
+def model_slug(name: str) -> str:
+    """A model name as one NATS subject token and consumer name: lowercase, [a-z0-9_-]."""
+    slug = _SLUG_UNSAFE.sub("-", name.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"model name {name!r} has no usable characters")
+    return slug
+
+
+def request_subject(slug: str) -> str:
+    return f"fbx.req.{slug}"
+
+
+def request_subjects() -> str:
+    return "fbx.req.>"
+
+
+def consumer_name(slug: str) -> str:
+    return f"req_{slug}"
+
+
+def reply_subject(box_id: str) -> str:
+    """Where a gateway waits for its answers; the request carries it in `Fbx-Reply`."""
+    return f"fbx.rep.{box_id}"
+
+
+def pull_inbox(box_id: str, slug: str) -> str:
+    """Where one box's pull requests for one model are answered."""
+    return f"_FBX.pull.{box_id}.{slug}"
+
+
+def pull_request_subject(slug: str) -> str:
+    return f"$JS.API.CONSUMER.MSG.NEXT.{REQUEST_STREAM}.{consumer_name(slug)}"
+
+
+def control_subject(box_id: str, verb: str) -> str:
+    return f"fbx.ctl.{box_id}.{verb}"
+
+
+async def ensure_request_stream(
+    js: JetStreamContext,
+    *,
+    max_msgs: int,
+    max_bytes: int,
+    max_age_s: float,
+    file_storage: bool = False,
+    replicas: int = 1,
+) -> None:
+    """Create FBX_REQ if it is missing; an existing stream is left exactly as it is."""
+    try:
+        await js.stream_info(REQUEST_STREAM)
+        return
+    except NotFoundError:
+        pass
+    config = StreamConfig(
+        name=REQUEST_STREAM,
+        subjects=[request_subjects()],
+        retention=RetentionPolicy.WORK_QUEUE,
+        discard=DiscardPolicy.NEW,
+        max_msgs=max_msgs,
+        max_bytes=max_bytes,
+        max_age=max_age_s,
+        storage=StorageType.FILE if file_storage else StorageType.MEMORY,
+        num_replicas=replicas,
+        duplicate_window=120.0,
+    )
+    try:
+        await js.add_stream(config)
+        log.info("stream created", extra={"stream": REQUEST_STREAM})
+    except BadRequestError as exc:
+        # Another box created it between our look and our create: that is the same stream.
+        if exc.err_code != 10058:  # stream name already in use
+            raise
+
+
+async def ensure_request_consumer(
+    js: JetStreamContext, slug: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
+) -> None:
+    """Create the shared durable pull consumer for one model if it is missing."""
+    name = consumer_name(slug)
+    try:
+        await js.consumer_info(REQUEST_STREAM, name)
+        return
+    except NotFoundError:
+        pass
+    config = ConsumerConfig(
+        durable_name=name,
+        filter_subject=request_subject(slug),
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+        max_ack_pending=max_ack_pending,
+        max_waiting=512,
+    )
+    try:
+        await js.add_consumer(REQUEST_STREAM, config)
+    except BadRequestError as exc:
+        if exc.err_code != 10148:  # consumer already exists (created concurrently)
+            raise

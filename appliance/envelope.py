@@ -1,0 +1,148 @@
+"""The wire format: request and reply metadata as NATS headers around the client's own bytes.
+
+The gateway never re-serialises a body; everything routing and the batcher need rides in
+headers, parsed here and nowhere else. Parsing is total: a bad header is a `ValueError`, never a
+crash further down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ID = "Fbx-Id"
+MSG_ID = "Nats-Msg-Id"
+TASK = "Fbx-Task"
+MODEL = "Fbx-Model"
+ADAPTER = "Fbx-Adapter"
+DEADLINE = "Fbx-Deadline"
+PRIORITY = "Fbx-Priority"
+TOKENS = "Fbx-Tokens"
+BLOB = "Fbx-Blob"
+REPLY = "Fbx-Reply"
+SENT = "Fbx-Sent"
+STATUS = "Fbx-Status"
+QUEUE_MS = "Fbx-Queue-Ms"
+COMPUTE_MS = "Fbx-Compute-Ms"
+BOX = "Fbx-Box"
+ROWS = "Fbx-Rows"
+DIMS = "Fbx-Dims"
+USAGE_TOKENS = "Fbx-Usage-Tokens"
+
+PRIORITIES = ("interactive", "batch")
+
+
+@dataclass(slots=True, frozen=True)
+class RequestMeta:
+    id: str
+    task: str
+    model: str
+    reply: str
+    deadline_ms: int  # unix ms
+    sent_ms: int  # unix ms, when the gateway published it
+    tokens: int = 0  # the gateway's cheap estimate
+    adapter: str | None = None
+    priority: str = "interactive"
+    blob: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        headers = {
+            ID: self.id,
+            MSG_ID: self.id,
+            TASK: self.task,
+            MODEL: self.model,
+            REPLY: self.reply,
+            DEADLINE: str(self.deadline_ms),
+            SENT: str(self.sent_ms),
+            TOKENS: str(self.tokens),
+            PRIORITY: self.priority,
+        }
+        if self.adapter:
+            headers[ADAPTER] = self.adapter
+        if self.blob:
+            headers[BLOB] = self.blob
+        return headers
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str] | None) -> RequestMeta:
+        if not headers:
+            raise ValueError("request has no headers")
+        try:
+            request_id, task, model, reply = headers[ID], headers[TASK], headers[MODEL], headers[REPLY]
+        except KeyError as exc:
+            raise ValueError(f"request header {exc.args[0]} is missing") from None
+        if not (request_id and task and model and reply):
+            raise ValueError("request has an empty required header")
+        priority = headers.get(PRIORITY) or "interactive"
+        if priority not in PRIORITIES:
+            raise ValueError(f"unknown priority {priority!r}")
+        return cls(
+            id=request_id,
+            task=task,
+            model=model,
+            reply=reply,
+            deadline_ms=_int(headers, DEADLINE),
+            sent_ms=_int(headers, SENT, default=0),
+            tokens=_int(headers, TOKENS, default=0),
+            adapter=headers.get(ADAPTER) or None,
+            priority=priority,
+            blob=headers.get(BLOB) or None,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class ReplyMeta:
+    id: str
+    status: int
+    box: str
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    rows: int = 0
+    dims: int = 0
+    usage_tokens: int = 0
+
+    def headers(self) -> dict[str, str]:
+        return {
+            ID: self.id,
+            STATUS: str(self.status),
+            BOX: self.box,
+            QUEUE_MS: f"{self.queue_ms:.3f}",
+            COMPUTE_MS: f"{self.compute_ms:.3f}",
+            ROWS: str(self.rows),
+            DIMS: str(self.dims),
+            USAGE_TOKENS: str(self.usage_tokens),
+        }
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str] | None) -> ReplyMeta:
+        if not headers or not headers.get(ID):
+            raise ValueError("reply has no Fbx-Id")
+        return cls(
+            id=headers[ID],
+            status=_int(headers, STATUS),
+            box=headers.get(BOX, ""),
+            queue_ms=_float(headers, QUEUE_MS),
+            compute_ms=_float(headers, COMPUTE_MS),
+            rows=_int(headers, ROWS, default=0),
+            dims=_int(headers, DIMS, default=0),
+            usage_tokens=_int(headers, USAGE_TOKENS, default=0),
+        )
+
+
+def _int(headers: Mapping[str, str], key: str, default: int | None = None) -> int:
+    raw = headers.get(key)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"header {key} is missing")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"header {key} is not an integer: {raw!r}") from None
+
+
+def _float(headers: Mapping[str, str], key: str) -> float:
+    try:
+        return float(headers.get(key) or 0.0)
+    except ValueError:
+        raise ValueError(f"header {key} is not a number") from None

@@ -1,0 +1,114 @@
+"""Typed errors that map to HTTP statuses and the `{"error": {"message", "type", "code"}}` shape.
+
+Handlers and workers raise these; one gateway middleware turns them into responses, and a worker
+sends them back as a reply with `Fbx-Status`, so a client sees the same error whichever box failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class FleetboxError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+class BadRequest(FleetboxError):
+    status, type, code = 400, "invalid_request_error", "bad_request"
+
+
+class Unauthorized(FleetboxError):
+    status, type, code = 401, "authentication_error", "unauthorized"
+
+
+class Forbidden(FleetboxError):
+    status, type, code = 403, "permission_error", "forbidden"
+
+
+class NotFound(FleetboxError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(FleetboxError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class PayloadTooLarge(FleetboxError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class UnsupportedMediaType(FleetboxError):
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class Unprocessable(FleetboxError):
+    status, type, code = 422, "invalid_request_error", "invalid_input"
+
+
+class TooManyRequests(FleetboxError):
+    status, type, code = 429, "rate_limit_error", "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+
+
+class InternalError(FleetboxError):
+    status, type, code = 500, "server_error", "internal_error"
+
+
+class ServiceUnavailable(FleetboxError):
+    status, type, code = 503, "server_error", "unavailable"
+
+
+class GatewayTimeout(FleetboxError):
+    status, type, code = 504, "timeout_error", "deadline_exceeded"
+
+
+def deadline_passed(request_id: str) -> GatewayTimeout:
+    return GatewayTimeout(f"request {request_id} passed its deadline while queued; it was not computed")
+
+
+_BY_STATUS: dict[int, type[FleetboxError]] = {
+    cls.status: cls
+    for cls in (
+        BadRequest,
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        MethodNotAllowed,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+        Unprocessable,
+        InternalError,
+        ServiceUnavailable,
+        GatewayTimeout,
+    )
+}
+
+
+def error_from_reply(status: int, body: bytes) -> FleetboxError:
+    """Rebuild the error a worker sent, keeping its message and code."""
+    try:
+        fields = orjson.loads(body)["error"]
+        message, code = str(fields["message"]), str(fields.get("code") or "")
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message, code = body.decode("utf-8", "replace") or f"worker answered {status}", ""
+    cls = _BY_STATUS.get(status, InternalError)
+    return cls(message, code=code or None)

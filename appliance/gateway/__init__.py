@@ -1,0 +1,1 @@
+"""The HTTP gateway: validates, annotates and enqueues; never imports a runtime."""

@@ -1,0 +1,82 @@
+"""The aiohttp application: routes, and the one middleware that turns every failure into the error shape.
+
+No route returns a 500 for anything a client can send: typed errors carry their status; aiohttp's
+own HTTP errors (unknown route, wrong method, too large) are reshaped; anything else is logged
+with its request id and answered 500, the only path to one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
+from appliance.gateway import embeddings, ops
+from appliance.gateway.context import CONTEXT, GatewayContext
+from appliance.gateway.http import json_response
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    ctx = GatewayContext.of(request)
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except FleetboxError as exc:
+        response = _error_response(exc)
+    except web.HTTPException as exc:
+        response = _error_response(_from_http_exception(exc))
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        response = _error_response(InternalError("internal error; see the box's log"))
+    route = _route_label(request)
+    ctx.metrics.requests.labels(route, str(response.status)).inc()
+    ctx.metrics.request_ms.labels(route).observe((time.perf_counter() - started) * 1000)
+    return response
+
+
+def _from_http_exception(exc: web.HTTPException) -> FleetboxError:
+    if exc.status == 404:
+        return NotFound("no such route; see /openapi.json for the API", code="route_not_found")
+    if exc.status == 405:
+        return MethodNotAllowed(f"method not allowed; allowed: {exc.headers.get('Allow', '')}")
+    if exc.status == 413:
+        return PayloadTooLarge("request body too large")
+    error = FleetboxError(exc.reason or "HTTP error")
+    error.status = exc.status
+    error.type = "invalid_request_error" if exc.status < 500 else "server_error"
+    error.code = (exc.reason or "http_error").lower().replace(" ", "_")
+    return error
+
+
+def _error_response(error: FleetboxError) -> web.Response:
+    response = json_response(error.body(), status=error.status, headers=error.headers)
+    return response
+
+
+def build_app(context: GatewayContext, *, inference: bool = True) -> web.Application:
+    app = web.Application(middlewares=[errors_and_metrics], client_max_size=context.settings.max_body_bytes)
+    app[CONTEXT] = context
+    routes = [
+        web.get("/healthz", ops.healthz),
+        web.get("/readyz", ops.readyz),
+        web.get("/metrics", ops.metrics),
+        web.get("/openapi.json", ops.openapi),
+        web.get("/v1/models", ops.list_models),
+    ]
+    if inference:
+        routes.append(web.post("/v1/embeddings", embeddings.create_embeddings))
+    app.add_routes(routes)
+    return app

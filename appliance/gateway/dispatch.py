@@ -1,0 +1,139 @@
+"""Publishing requests to the queue and waiting for their answers.
+
+One `Dispatcher` per gateway owns the table of reply waiters: a request's future is resolved by
+the first reply carrying its id; any later reply for the same id (a redelivery computed twice) is
+counted and dropped, so the client gets exactly one answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+from nats.nuid import NUID
+
+from appliance import bus
+from appliance.catalog import ModelSpec
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
+from appliance.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
+
+
+@dataclass(slots=True, frozen=True)
+class Reply:
+    meta: ReplyMeta
+    body: bytes
+
+
+class Dispatcher:
+    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext, metrics: Metrics, max_waiting: int) -> None:
+        self.box_id = box_id
+        self._nc = nc
+        self._js = js
+        self._metrics = metrics
+        self._max_waiting = max_waiting
+        self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._nuid = NUID()
+        self._reply_subject = bus.reply_subject(box_id)
+        self._answered: deque[float] = deque(maxlen=4096)  # reply times, for the Retry-After estimate
+        self.backlog = 0  # kept fresh by the box's stream monitor
+
+    async def start(self) -> None:
+        await self._nc.subscribe(self._reply_subject, cb=self._on_reply)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def call(
+        self,
+        *,
+        spec: ModelSpec,
+        task: str,
+        body: bytes,
+        timeout_s: float,
+        tokens: int,
+        adapter: str | None = None,
+        priority: str = "interactive",
+    ) -> Reply:
+        if len(self._waiters) >= self._max_waiting:
+            raise self._overloaded(f"this gateway already waits on {len(self._waiters)} requests")
+        request_id = self._nuid.next().decode()
+        now_ms = int(time.time() * 1000)
+        meta = RequestMeta(
+            id=request_id,
+            task=task,
+            model=spec.name,
+            reply=self._reply_subject,
+            deadline_ms=now_ms + int(timeout_s * 1000),
+            sent_ms=now_ms,
+            tokens=tokens,
+            adapter=adapter,
+            priority=priority,
+        )
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = future
+        try:
+            await self._publish(spec, body, meta, timeout_s)
+            try:
+                return await asyncio.wait_for(future, timeout_s)
+            except TimeoutError:
+                raise GatewayTimeout(
+                    f"no answer within the request's deadline of {timeout_s:g}s; "
+                    "raise it with the `timeout` field or header, or retry later",
+                ) from None
+        finally:
+            self._waiters.pop(request_id, None)
+
+    async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta, timeout_s: float) -> None:
+        try:
+            await self._js.publish(
+                bus.request_subject(spec.slug), body, timeout=min(timeout_s, 5.0), headers=meta.headers()
+            )
+        except APIError as exc:
+            if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
+                raise self._overloaded("the request queue is full") from None
+            log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
+            raise ServiceUnavailable(f"the request queue refused the request: {exc.description}") from None
+        except (NatsTimeout, NoRespondersError):
+            raise ServiceUnavailable("the request queue (NATS JetStream) is not answering") from None
+
+    def _overloaded(self, why: str) -> TooManyRequests:
+        retry = self.retry_after_s()
+        return TooManyRequests(f"{why}; retry in {retry}s", retry_after_s=retry)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the backlog would drain at the rate answers have been arriving lately."""
+        now = time.monotonic()
+        recent = [t for t in self._answered if now - t <= 10.0]
+        rate = len(recent) / 10.0
+        if rate <= 0:
+            return 1
+        return max(1, min(60, math.ceil((self.backlog + self.waiting) / rate)))
+
+    async def _on_reply(self, msg: Msg) -> None:
+        try:
+            meta = ReplyMeta.from_headers(msg.headers)
+        except ValueError as exc:
+            log.warning("malformed reply dropped", extra={"error": str(exc)})
+            return
+        future = self._waiters.get(meta.id)
+        if future is None or future.done():
+            self._metrics.duplicate_replies.inc()
+            return
+        self._answered.append(time.monotonic())
+        future.set_result(Reply(meta, msg.data))

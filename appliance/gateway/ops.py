@@ -1,0 +1,55 @@
+"""Operations routes: liveness, readiness, Prometheus metrics, the model list and the OpenAPI spec."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from appliance.gateway.context import GatewayContext
+from appliance.gateway.http import json_response
+from appliance.gateway.openapi import openapi_spec
+
+_STARTED = int(time.time())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    reason = GatewayContext.of(request).not_ready_reason()
+    if reason is not None:
+        return json_response({"status": "not ready", "reason": reason}, status=503)
+    return json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    response = web.Response(body=generate_latest(ctx.metrics.registry))
+    response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    data = [
+        {
+            "id": spec.name,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "fleetbox",
+            "task": spec.task.value,
+            "runtime": spec.runtime.value,
+            "aliases": list(spec.aliases),
+            "pinned": spec.pinned,
+            **ctx.model_state(spec.name),
+        }
+        for spec in ctx.catalog
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_spec())

@@ -1,0 +1,35 @@
+"""Structured logs: one JSON line per event, with the `extra` fields (request id, model, box)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import orjson
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        event = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        event.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        if record.exc_info:
+            event["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(event, default=str).decode()
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("aiohttp.access", "transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

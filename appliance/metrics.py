@@ -1,0 +1,63 @@
+"""Prometheus metrics of one box, in a registry the box owns (no module-level globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fbx_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.request_ms = Histogram(
+            "fbx_http_request_ms", "HTTP request latency (ms)", ["route"], buckets=_MS_BUCKETS, registry=r
+        )
+        self.queue_ms = Histogram(
+            "fbx_queue_ms", "Time from publish to batch start (ms)", ["model"], buckets=_MS_BUCKETS, registry=r
+        )
+        self.compute_ms = Histogram(
+            "fbx_compute_ms", "Forward pass time per batch (ms)", ["model"], buckets=_MS_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "fbx_batch_size",
+            "Rows per batch",
+            ["model"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "fbx_batch_tokens",
+            "Padded tokens per batch",
+            ["model"],
+            buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
+            registry=r,
+        )
+        self.rows_computed = Counter("fbx_rows_computed", "Inputs run through a model", ["model"], registry=r)
+        self.expired = Counter(
+            "fbx_expired_requests", "Requests dropped because their deadline passed", ["model"], registry=r
+        )
+        self.duplicate_replies = Counter(
+            "fbx_ignored_replies",
+            "Replies dropped because their request was already answered (a redelivery) or abandoned",
+            registry=r,
+        )
+        self.redelivered = Counter(
+            "fbx_redelivered_requests", "Requests received again after another box held them", ["model"], registry=r
+        )
+        self.backlog = Gauge("fbx_stream_backlog", "Messages waiting in the request stream", registry=r)
+        self.resident_bytes = Gauge(
+            "fbx_resident_model_bytes", "Measured bytes of each resident model", ["model"], registry=r
+        )
+        self.loads = Counter("fbx_model_loads", "Model loads", ["model"], registry=r)
+        self.load_seconds = Histogram(
+            "fbx_model_load_seconds",
+            "Model load time (s)",
+            ["model"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=r,
+        )

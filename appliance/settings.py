@@ -1,0 +1,119 @@
+"""Every setting of a box, in one place: defaults < TOML file (`--config`) < `FBX_*` env < CLI flags.
+
+Settings are plain values resolved once at start; nothing reads the environment after that.
+Models come from `[[models]]` tables of the same TOML file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+Role = Literal["all", "gateway", "worker"]
+
+
+class ModelEntry(BaseModel):
+    """One `[[models]]` table: a model the box should know at start."""
+
+    name: str
+    path: Path | None = None  # a folder; None for the packaged default model
+    task: str | None = None
+    runtime: str = "torch"
+    aliases: list[str] = Field(default_factory=list)
+    pinned: bool = False
+    device: str | None = None
+    dtype: str = "float32"
+    options: dict[str, Any] = Field(default_factory=dict)
+    max_batch_tokens: int | None = None
+    max_batch_size: int | None = None
+    max_wait_ms: float | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FBX_", extra="ignore")
+
+    # HTTP gateway
+    host: str = "127.0.0.1"
+    port: int = 8080
+    role: Role = "all"
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_inputs: int = 2048
+    default_timeout_s: float = 30.0
+    max_timeout_s: float = 300.0
+    max_waiting: int = 8192  # requests one gateway awaits at once; past it, 429
+
+    # NATS
+    nats: str | None = None  # comma-separated URLs; None starts the embedded server
+    nats_port: int = 4222
+    nats_host: str = "127.0.0.1"
+    state_dir: Path = Path(".fleetbox")
+    box_id: str | None = None
+
+    # Stream FBX_REQ bounds (discard-new: a full queue is an immediate 429)
+    stream_max_msgs: int = 100_000
+    stream_max_bytes: int = 1024 * 1024 * 1024
+    stream_max_age_s: float = 600.0
+    # Consumer req_<slug>
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    max_ack_pending: int = 10_000
+
+    # Worker and batcher defaults (a profile or a model entry overrides them)
+    max_batch_tokens: int = 16_384
+    max_batch_size: int = 256
+    max_wait_ms: float = 2.0
+    worker_capacity: int = 1024  # messages one box holds per model (pulled, not yet acked)
+    device: str = "auto"
+    threads: int | None = None
+
+    # Catalog
+    default_model: bool = True
+    models: list[ModelEntry] = Field(default_factory=list)
+
+    log_level: str = "INFO"
+    shutdown_grace_s: float = 10.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Flags beat the environment, which beats the TOML file, which beats the defaults.
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @property
+    def nats_urls(self) -> list[str]:
+        return [url.strip() for url in (self.nats or "").split(",") if url.strip()]
+
+    @property
+    def serves_http(self) -> bool:
+        return self.role in ("all", "gateway")
+
+    @property
+    def runs_models(self) -> bool:
+        return self.role in ("all", "worker")
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Resolve settings; `overrides` are the CLI flags the user actually gave (None = not given)."""
+    config_file = config_file or (Path(os.environ["FBX_CONFIG"]) if os.environ.get("FBX_CONFIG") else None)
+    settings_cls: type[Settings] = Settings
+    if config_file is not None:
+        if not config_file.is_file():
+            raise FileNotFoundError(f"config file {config_file} does not exist")
+        config = SettingsConfigDict(**{**Settings.model_config, "toml_file": config_file})
+        settings_cls = type("Settings", (Settings,), {"model_config": config})
+    return settings_cls(**{k: v for k, v in overrides.items() if v is not None})

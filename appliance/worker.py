@@ -1,0 +1,266 @@
+"""The worker side of a box: pulls requests for the models it holds and answers them.
+
+The pull rule: a box asks the shared durable consumer for exactly as many messages as it has room
+for (held but unanswered requests below `worker_capacity`, and local rows below two batches), with
+at most one pull request outstanding per model. A slow or busy box simply asks less; no router
+ever guesses its state. Every answer is a reply to the gateway's subject first, then the ack: if
+the box dies in between, JetStream redelivers and the gateway drops the second answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from appliance import bus
+from appliance.batcher import Batcher, Job
+from appliance.catalog import ModelSpec
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import BadRequest, FleetboxError, InternalError, deadline_passed
+from appliance.jobs import TaskJobs, jobs_for
+from appliance.metrics import Metrics
+from appliance.settings import Settings
+from runtimes import Runtime
+
+log = logging.getLogger(__name__)
+
+_PULL_EXPIRES_S = 2.0
+_BIG_BODY = 16 * 1024  # tokenise bodies above this off the event loop
+
+
+class Puller:
+    """Keeps at most one pull request open for one model, sized to the room the box has now."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        slug: str,
+        inbox: str,
+        room: Callable[[], int],
+        on_message: Callable[[Msg], None],
+    ) -> None:
+        self._nc = nc
+        self._subject = bus.pull_request_subject(slug)
+        self._inbox = inbox
+        self._room = room
+        self._on_message = on_message
+        self._sub: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._seq = 0
+        self._remaining = 0  # messages the open request may still deliver
+        self._open_until = 0.0  # loop time the open request expires (plus grace)
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._receive)
+        self._task = asyncio.create_task(self._loop(), name=f"puller:{self._subject}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    def poke(self) -> None:
+        """Room may have grown: consider asking for more."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            if self._remaining > 0 and now >= self._open_until:
+                self._remaining = 0  # its end-of-request status was lost (e.g. a reconnect)
+            if self._remaining == 0:
+                want = self._room()
+                if want > 0 and self._nc.is_connected:
+                    await self._request(want, loop)
+            self._wake.clear()
+            timeout = max(0.01, self._open_until - loop.time()) if self._remaining else 1.0
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def _request(self, batch: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._seq += 1
+        self._remaining = batch
+        self._open_until = loop.time() + _PULL_EXPIRES_S + 1.0
+        payload = orjson.dumps({"batch": batch, "expires": int(_PULL_EXPIRES_S * 1e9)})
+        await self._nc.publish(self._subject, payload, reply=f"{self._inbox}.{self._seq}")
+
+    async def _receive(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is not None and not msg.data:
+            # 408 (expired), 409 (limits) or 404 end a pull request; 100 is a heartbeat.
+            if status != "100" and msg.subject.endswith(f".{self._seq}"):
+                self._remaining = 0
+                self._wake.set()
+            return
+        self._remaining = max(0, self._remaining - 1)
+        if self._remaining == 0:
+            self._wake.set()
+        self._on_message(msg)
+
+
+class ModelWorker:
+    """Serves one model on this box: its puller, its batcher, and the answers."""
+
+    def __init__(
+        self,
+        box_id: str,
+        nc: NATS,
+        spec: ModelSpec,
+        runtime: Runtime,
+        settings: Settings,
+        metrics: Metrics,
+        device_executor: Executor,
+        cpu_executor: Executor,
+    ) -> None:
+        self.box_id = box_id
+        self.spec = spec
+        self.runtime = runtime
+        self._nc = nc
+        self._settings = settings
+        self._metrics = metrics
+        self._cpu_executor = cpu_executor
+        self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batcher = Batcher(spec.name, runtime, spec.batching, device_executor, metrics, self._on_done)
+        self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.batcher.start()
+        await self.puller.start()
+        self._ticker = asyncio.create_task(self._keep_alive(), name=f"in-progress:{self.spec.slug}")
+        log.info("worker pulling", extra={"model": self.spec.name, "box": self.box_id})
+
+    async def drain(self) -> None:
+        """Stop pulling, finish the batches in flight, hand unstarted requests back for redelivery."""
+        await self.puller.stop()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job in await self.batcher.drain():
+            self._held.pop(job.meta.id, None)
+            await job.handle.nak()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def _room(self) -> int:
+        if self.batcher.pending_rows >= 2 * self.spec.batching.max_batch_size:
+            return 0
+        return max(0, self._settings.worker_capacity - len(self._held))
+
+    def _on_message(self, msg: Msg) -> None:
+        try:
+            meta = RequestMeta.from_headers(msg.headers)
+        except ValueError as exc:
+            log.warning("malformed request message dropped", extra={"error": str(exc)})
+            self._spawn(msg.term())
+            return
+        if meta.id in self._held:
+            return  # a redelivery of something this box is already working on
+        if msg.metadata.num_delivered > 1:
+            self._metrics.redelivered.labels(self.spec.name).inc()
+        self._held[meta.id] = msg
+        if time.time() * 1000 >= meta.deadline_ms:
+            self._metrics.expired.labels(self.spec.name).inc()
+            self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
+            return
+        jobs = jobs_for(meta.task)
+        if jobs is None:
+            self._spawn(self._answer_error(meta, msg, BadRequest(f"model {meta.model} does not serve {meta.task}")))
+            return
+        if len(msg.data) > _BIG_BODY:
+            self._spawn(self._prepare_off_loop(meta, msg, jobs))
+        else:
+            self._prepare(meta, msg, jobs)
+
+    def _prepare(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
+        try:
+            rows, params = jobs.prepare(msg.data, self.runtime)
+        except FleetboxError as exc:
+            self._spawn(self._answer_error(meta, msg, exc))
+            return
+        self._submit(meta, msg, rows, params)
+
+    async def _prepare_off_loop(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            rows, params = await loop.run_in_executor(self._cpu_executor, jobs.prepare, msg.data, self.runtime)
+        except FleetboxError as exc:
+            await self._answer_error(meta, msg, exc)
+            return
+        self._submit(meta, msg, rows, params)
+
+    def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
+        job = Job(meta=meta, rows=rows, params=params, handle=msg)
+        self._held[meta.id] = job
+        self.batcher.submit(job)
+
+    def _on_done(self, job: Job, error: Exception | None) -> None:
+        self._spawn(self._answer(job, error))
+
+    async def _answer(self, job: Job, error: Exception | None) -> None:
+        meta, msg = job.meta, job.handle
+        if error is not None:
+            if not isinstance(error, FleetboxError):
+                error = InternalError(f"the model failed on this request: {error!r}", code="model_error")
+            await self._answer_error(meta, msg, error)
+            return
+        queue_ms = max(0.0, job.started_ms - meta.sent_ms) if meta.sent_ms else 0.0
+        draft = ReplyMeta(id=meta.id, status=200, box=self.box_id, queue_ms=queue_ms, compute_ms=job.compute_ms)
+        jobs = jobs_for(meta.task)
+        assert jobs is not None
+        try:
+            body, reply = jobs.finish(job, draft)
+        except FleetboxError as exc:
+            await self._answer_error(meta, msg, exc)
+            return
+        await self._send(meta, msg, body, reply.headers())
+
+    async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
+        reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id)
+        await self._send(meta, msg, error.to_json(), reply.headers())
+
+    async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, headers: dict[str, str]) -> None:
+        try:
+            await self._nc.publish(meta.reply, body, headers=headers)
+            await msg.ack()
+        finally:
+            self._held.pop(meta.id, None)
+            self.puller.poke()
+
+    async def _keep_alive(self) -> None:
+        """Tell JetStream that held requests are still being worked on, so slow batches are not redelivered."""
+        period = max(0.5, self._settings.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            for held in list(self._held.values()):
+                msg = held.handle if isinstance(held, Job) else held
+                try:
+                    await msg.in_progress()
+                except Exception as exc:
+                    log.debug("in-progress ack failed", extra={"error": repr(exc)})
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
