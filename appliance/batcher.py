@@ -189,8 +189,7 @@ class Batcher:
             if job.done:
                 continue
             if job.expired:
-                self._finish(job, deadline_passed(job.meta.id))
-                self._metrics.expired.labels(self.model).inc()
+                self._expire(job)
                 continue
             kept.append(item)
         self._pending = kept
@@ -209,10 +208,9 @@ class Batcher:
 
     async def _run_rows(self, batch: list[WorkItem]) -> None:
         loop = asyncio.get_running_loop()
-        rows = [item.row for item in batch]
         t0 = time.perf_counter()
         try:
-            outputs = await loop.run_in_executor(self._executor, self.runtime.run, rows)
+            live, outputs = await loop.run_in_executor(self._executor, self._run_live, batch)
         except Exception as exc:  # a failing batch must not take its neighbours down
             if len(batch) > 1:
                 log.warning("batch failed; splitting", extra={"model": self.model, "error": repr(exc)})
@@ -220,25 +218,41 @@ class Batcher:
                 await self._run_rows(batch[:half])
                 await self._run_rows(batch[half:])
                 return
-            log.error(
-                "input failed", extra={"model": self.model, "request_id": batch[0].job.meta.id, "error": repr(exc)}
-            )
-            self._finish(batch[0].job, exc)
+            job = batch[0].job
+            log.error("input failed", extra={"model": self.model, "request_id": job.meta.id, "error": repr(exc)})
+            self._finish(job, exc)
+            return
+        for item in batch:
+            if item.job.expired and not item.job.done:
+                self._expire(item.job)
+        if not live:
             return
         elapsed_ms = (time.perf_counter() - t0) * 1000
+        rows = len(live)
         self._metrics.compute_ms.labels(self.model).observe(elapsed_ms)
-        self._metrics.batch_size.labels(self.model).observe(len(rows))
-        self._metrics.batch_tokens.labels(self.model).observe(len(rows) * max(r.length for r in rows))
-        self._metrics.rows_computed.labels(self.model).inc(len(rows))
-        for item, output in zip(batch, outputs, strict=True):
+        self._metrics.batch_size.labels(self.model).observe(rows)
+        self._metrics.batch_tokens.labels(self.model).observe(rows * max(item.length for item in live))
+        self._metrics.rows_computed.labels(self.model).inc(rows)
+        for item, output in zip(live, outputs, strict=True):
             job = item.job
             if job.done:
                 continue
             job.results[item.index] = output
-            job.compute_ms += elapsed_ms / len(batch)
+            job.compute_ms += elapsed_ms / rows
             job.remaining -= 1
             if job.remaining == 0:
                 self._finish(job, None)
+
+    def _run_live(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None]:
+        """On the device thread: the last look at deadlines before compute is spent, then the forward pass."""
+        live = [item for item in batch if not item.job.done and not item.job.expired]
+        if not live:
+            return live, None
+        return live, self.runtime.run([item.row for item in live])
+
+    def _expire(self, job: Job) -> None:
+        self._metrics.expired.labels(self.model).inc()
+        self._finish(job, deadline_passed(job.meta.id))
 
     def _finish(self, job: Job, error: Exception | None) -> None:
         if job.done:

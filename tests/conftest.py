@@ -1,0 +1,96 @@
+"""Shared fixtures: real nats-server processes on free loopback ports, and boxes started in-process.
+
+Nothing here is a fake: every box talks to a real JetStream. The session-wide `default_box`
+serves the packaged all-MiniLM-L6-v2 so the tests that only need "a box" share one model load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from appliance.app import Box
+from appliance.natsd import EmbeddedNats, free_port
+from appliance.settings import ModelEntry, Settings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+async def start_nats(store: Path) -> EmbeddedNats:
+    server = EmbeddedNats(store_dir=store, port=free_port())
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    server = await start_nats(tmp_path / "nats")
+    yield server
+    await server.stop()
+
+
+BoxFactory = Callable[..., Awaitable[Box]]
+
+
+def box_settings(nats_url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {"nats": nats_url, "port": 0, "host": "127.0.0.1", "device": "cpu"}
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+async def start_box(nats_server: EmbeddedNats) -> AsyncIterator[BoxFactory]:
+    """Start boxes on the test's NATS; all are stopped at the end of the test."""
+    boxes: list[Box] = []
+
+    async def start(**overrides: Any) -> Box:
+        box = Box(box_settings(nats_server.url, **overrides))
+        await box.start()
+        boxes.append(box)
+        return box
+
+    yield start
+    for box in reversed(boxes):
+        await box.stop()
+
+
+def noop_model(name: str = "noop", **options: Any) -> ModelEntry:
+    """A model on the no-op runtime: the serving path without model cost (or with a set cost)."""
+    return ModelEntry(name=name, runtime="noop", pinned=True, options=options)
+
+
+@pytest.fixture(scope="session")
+async def default_box(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Box]:
+    server = await start_nats(tmp_path_factory.mktemp("nats-default"))
+    box = Box(box_settings(server.url, box_id="default-box"))
+    await box.start()
+    yield box
+    await box.stop()
+    await server.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+def url(box: Box, path: str) -> str:
+    return f"http://127.0.0.1:{box.http_port}{path}"
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition") -> None:
+    """Poll an async condition until it holds, bounded; no bare sleeps as synchronisation."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if await condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -1,0 +1,97 @@
+"""The batching rule, checked on the real batcher with the no-op runtime (the policy is under test)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from appliance.batcher import Batcher, Job
+from appliance.catalog import Batching
+from appliance.envelope import RequestMeta
+from appliance.metrics import Metrics
+from runtimes import ModelSource, Task, Tokenized
+from runtimes.noop import NoopRuntime
+
+
+class RecordingRuntime(NoopRuntime):
+    """The no-op runtime, remembering each batch's row lengths."""
+
+    def __init__(self) -> None:
+        super().__init__(ModelSource(path=".", task=Task.EMBED))  # type: ignore[arg-type]
+        self.batches: list[list[int]] = []
+
+    def run(self, batch):
+        self.batches.append([row.length for row in batch])
+        return super().run(batch)
+
+
+_ids = itertools.count()
+
+
+def job(lengths: list[int], timeout_s: float = 30.0) -> Job:
+    now = int(time.time() * 1000)
+    deadline = now + int(timeout_s * 1000)
+    meta = RequestMeta(id=f"job-{next(_ids)}", task="embed", model="m", reply="r", deadline_ms=deadline, sent_ms=now)
+    return Job(meta=meta, rows=[Tokenized(ids=np.ones(n, dtype=np.int64)) for n in lengths])
+
+
+async def run_batcher(jobs: list[Job], batching: Batching) -> tuple[RecordingRuntime, list[tuple[Job, object]]]:
+    runtime = RecordingRuntime()
+    done: list[tuple[Job, object]] = []
+    finished = asyncio.Event()
+
+    def on_done(j: Job, error: object) -> None:
+        done.append((j, error))
+        if len(done) == len(jobs):
+            finished.set()
+
+    with ThreadPoolExecutor(1) as executor:
+        batcher = Batcher("m", runtime, batching, executor, Metrics(), on_done)
+        for j in jobs:
+            batcher.submit(j)
+        batcher.start()
+        await asyncio.wait_for(finished.wait(), 10)
+        await batcher.drain()
+    return runtime, done
+
+
+async def test_batches_respect_the_token_budget_with_padding_counted() -> None:
+    lengths = [5, 50, 7, 48, 6, 52, 8, 49, 9, 51]
+    runtime, done = await run_batcher([job(lengths)], Batching(max_batch_tokens=160, max_batch_size=64, max_wait_ms=1))
+    assert sorted(n for batch in runtime.batches for n in batch) == sorted(lengths)
+    for batch in runtime.batches:
+        assert len(batch) * max(batch) <= 160
+    assert done[0][1] is None and all(r is not None for r in done[0][0].results)
+
+
+async def test_similar_lengths_are_batched_together() -> None:
+    lengths = [5, 50, 7, 48, 6, 52, 8, 49]
+    runtime, _ = await run_batcher([job(lengths)], Batching(max_batch_tokens=208, max_batch_size=4, max_wait_ms=1))
+    assert sorted(sorted(b) for b in runtime.batches) == [[5, 6, 7, 8], [48, 49, 50, 52]]
+
+
+async def test_batch_size_is_capped() -> None:
+    runtime, _ = await run_batcher([job([3] * 10)], Batching(max_batch_tokens=10_000, max_batch_size=4, max_wait_ms=1))
+    assert max(len(b) for b in runtime.batches) == 4
+    assert sum(len(b) for b in runtime.batches) == 10
+
+
+async def test_results_come_back_in_input_order() -> None:
+    lengths = [30, 3, 20, 10]
+    the_job = job(lengths)
+    runtime, _ = await run_batcher([the_job], Batching(max_batch_tokens=10_000, max_batch_size=64, max_wait_ms=1))
+    assert len(runtime.batches) == 1 and runtime.batches[0] == sorted(lengths)  # sorted for the device...
+    assert all(result is not None for result in the_job.results)  # ...scattered back per input
+
+
+async def test_expired_job_is_answered_with_504_and_never_computed() -> None:
+    alive, dead = job([4, 4]), job([4], timeout_s=-1)
+    runtime, done = await run_batcher([alive, dead], Batching(max_batch_tokens=1000, max_batch_size=8, max_wait_ms=1))
+    errors = {j.meta.id: error for j, error in done}
+    assert errors[alive.meta.id] is None
+    assert getattr(errors[dead.meta.id], "status", None) == 504
+    assert sum(len(b) for b in runtime.batches) == 2

@@ -1,0 +1,50 @@
+"""The wire format: round trips, and header parsing that fails only with ValueError on any input."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.envelope import ReplyMeta, RequestMeta
+
+
+def test_request_meta_round_trips_through_headers() -> None:
+    meta = RequestMeta(id="a1", task="embed", model="m", reply="fbx.rep.b", deadline_ms=10, sent_ms=5, tokens=3,
+                       adapter="lora", priority="batch", blob="k")  # fmt: skip
+    headers = meta.headers()
+    assert headers["Nats-Msg-Id"] == "a1"
+    assert RequestMeta.from_headers(headers) == meta
+
+
+def test_reply_meta_round_trips_through_headers() -> None:
+    meta = ReplyMeta(id="a1", status=413, box="b", queue_ms=1.5, compute_ms=2.25, rows=2, dims=3, usage_tokens=9)
+    assert ReplyMeta.from_headers(meta.headers()) == meta
+
+
+def test_missing_deadline_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="Fbx-Deadline"):
+        RequestMeta.from_headers({"Fbx-Id": "a", "Fbx-Task": "embed", "Fbx-Model": "m", "Fbx-Reply": "r"})
+
+
+headers = st.dictionaries(
+    st.sampled_from(["Fbx-Id", "Fbx-Task", "Fbx-Model", "Fbx-Reply", "Fbx-Deadline", "Fbx-Sent", "Fbx-Tokens",
+                     "Fbx-Priority", "Fbx-Status", "Fbx-Queue-Ms", "Fbx-Rows", "Other"]),
+    st.text(max_size=20),
+)  # fmt: skip
+
+
+@given(headers)
+def test_request_header_parsing_raises_only_value_error(raw: dict[str, str]) -> None:
+    try:
+        RequestMeta.from_headers(raw)
+    except ValueError:
+        pass
+
+
+@given(headers)
+def test_reply_header_parsing_raises_only_value_error(raw: dict[str, str]) -> None:
+    try:
+        ReplyMeta.from_headers(raw)
+    except ValueError:
+        pass

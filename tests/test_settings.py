@@ -1,0 +1,27 @@
+"""Settings precedence: flags over FBX_* environment over the TOML file over defaults."""
+
+from __future__ import annotations
+
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
+from appliance.settings import load_settings
+
+
+def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
+    config = tmp_path / "box.toml"
+    config.write_text('port = 9000\nmax_wait_ms = 7\nnats = "nats://a:4222,nats://b:4222"\n')
+    monkeypatch.setenv("FBX_PORT", "9100")
+    settings = load_settings(config)
+    assert settings.port == 9100  # env beats the file
+    assert settings.max_wait_ms == 7  # the file beats the default
+    assert settings.nats_urls == ["nats://a:4222", "nats://b:4222"]
+    assert settings.max_inputs == 2048 and settings.max_body_bytes == 8 * 1024 * 1024
+    assert load_settings(config, port=1).port == 1  # a flag beats everything
+
+
+def test_models_from_toml_join_the_default_model(tmp_path) -> None:
+    config = tmp_path / "box.toml"
+    config.write_text('[[models]]\nname = "fast"\nruntime = "noop"\nmax_batch_size = 8\n')
+    catalog = Catalog.from_settings(load_settings(config))
+    assert catalog.resolve("fast").batching.max_batch_size == 8
+    assert catalog.resolve("all-minilm-l6-v2").name == DEFAULT_MODEL_NAME
+    assert catalog.resolve(DEFAULT_MODEL_NAME).pinned

@@ -1,0 +1,147 @@
+"""The pull path: deadlines, sharing one consumer, redelivery after a dead box, duplicate replies.
+
+These use the no-op runtime with a set cost, so "slow" and "busy" are exact rather than timed
+guesses; the queue, the consumers and the boxes are all real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import nats
+
+from appliance import bus
+from appliance.catalog import Catalog
+from appliance.envelope import ReplyMeta, RequestMeta
+from tests.conftest import noop_model, url, wait_for
+
+NOOP_BODY = {"input": ["one two three"], "model": "noop"}
+
+
+def counter(box, name: str, model: str = "noop") -> float:
+    value = box.metrics.registry.get_sample_value(f"{name}_total", {"model": model})
+    return value or 0.0
+
+
+async def test_request_past_its_deadline_is_never_computed(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1)
+    slow = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 10}))
+    await wait_for(
+        lambda: _async(
+            box.workers["noop"].batcher.pending_rows == 0
+            and counter(box, "fbx_rows_computed") == 0
+            and box.workers["noop"].held == 1
+        ),
+        what="the slow request on the device",
+    )
+    async with http.post(url(box, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 0.1}) as response:
+        assert response.status == 504
+    async with await slow as response:
+        assert response.status == 200
+    await wait_for(lambda: _async(counter(box, "fbx_expired_requests") == 1), what="the expired request dropped")
+    assert counter(box, "fbx_rows_computed") == 1  # only the slow one ran
+
+
+async def test_message_already_expired_on_arrival_is_answered_504_and_not_computed(start_box, nats_server) -> None:
+    box = await start_box(default_model=False, models=[noop_model()])
+    nc = await nats.connect(nats_server.url)
+    replies: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe("test.replies", cb=replies.put)
+    now = int(time.time() * 1000)
+    meta = RequestMeta(
+        id="late-1", task="embed", model="noop", reply="test.replies", deadline_ms=now - 1, sent_ms=now - 5
+    )
+    await nc.jetstream().publish(
+        bus.request_subject("noop"), b'{"input": "x", "model": "noop"}', headers=meta.headers()
+    )
+    reply = await asyncio.wait_for(replies.get(), 10)
+    assert ReplyMeta.from_headers(reply.headers).status == 504
+    assert counter(box, "fbx_expired_requests") == 1
+    assert counter(box, "fbx_rows_computed") == 0
+    await nc.close()
+
+
+async def test_two_workers_on_one_consumer_share_the_work(start_box, http) -> None:
+    models = [noop_model(cost_ms=40)]
+    first = await start_box(role="worker", box_id="worker-a", default_model=False, models=models, worker_capacity=2)
+    second = await start_box(role="worker", box_id="worker-b", default_model=False, models=models, worker_capacity=2)
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=models)
+
+    async def one(i: int) -> str:
+        async with http.post(url(gateway, "/v1/embeddings"), json={**NOOP_BODY, "input": [f"r {i}"]}) as response:
+            assert response.status == 200
+            return response.headers["Fbx-Box"]
+
+    boxes = await asyncio.gather(*(one(i) for i in range(24)))
+    assert set(boxes) == {"worker-a", "worker-b"}
+    assert counter(first, "fbx_rows_computed") + counter(second, "fbx_rows_computed") == 24
+
+
+async def test_killed_worker_request_is_redelivered_and_answered_once(start_box, nats_server, http, tmp_path) -> None:
+    config = tmp_path / "slow.toml"
+    config.write_text(
+        'default_model = false\nack_wait_s = 2\n[[models]]\nname = "noop"\nruntime = "noop"\npinned = true\n'
+        "options = { cost_ms = 600000 }\n"
+    )
+    env = {**os.environ, "FBX_LOG_LEVEL": "WARNING"}
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--role", "worker", "--nats", nats_server.url,
+         "--box-id", "doomed", "--config", str(config)],
+        env=env,
+    )  # fmt: skip
+    try:
+        gateway = await start_box(role="gateway", default_model=False, models=[noop_model()], ack_wait_s=2)
+        js = gateway.js
+        answer = asyncio.create_task(http.post(url(gateway, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 60}))
+
+        async def doomed_holds_it() -> bool:
+            info = await js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
+            return info.num_ack_pending == 1
+
+        await wait_for(doomed_holds_it, timeout_s=60, what="the doomed worker to pull the request")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(10)
+        rescuer = await start_box(role="worker", box_id="rescuer", default_model=False, models=[noop_model()],
+                                  ack_wait_s=2)  # fmt: skip
+        async with await answer as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["Fbx-Box"] == "rescuer"
+        assert counter(rescuer, "fbx_redelivered_requests") == 1
+        assert gateway.metrics.registry.get_sample_value("fbx_ignored_replies_total") == 0
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(10)
+
+
+async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_server) -> None:
+    gateway = await start_box(role="gateway", default_model=False, models=[noop_model()])
+    spec = Catalog.from_settings(gateway.settings).resolve("noop")
+    call = asyncio.create_task(
+        gateway.dispatcher.call(
+            spec=spec, task="embed", body=b'{"input": "x", "model": "noop"}', timeout_s=10, tokens=1
+        )
+    )
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    sub = await js.pull_subscribe_bind(bus.consumer_name("noop"), stream=bus.REQUEST_STREAM)
+    (msg,) = await sub.fetch(1, timeout=10)
+    meta = RequestMeta.from_headers(msg.headers)
+    for box in ("first", "second"):
+        reply = ReplyMeta(id=meta.id, status=200, box=box, rows=1, dims=1)
+        await nc.publish(meta.reply, b"\x00\x00\x80?", headers=reply.headers())
+    await msg.ack()
+    result = await asyncio.wait_for(call, 10)
+    assert result.meta.box == "first"
+    await wait_for(lambda: _async(gateway.metrics.registry.get_sample_value("fbx_ignored_replies_total") == 1),
+                   what="the second reply to be dropped")  # fmt: skip
+    await nc.close()
+
+
+async def _async(value: bool) -> bool:
+    return value
