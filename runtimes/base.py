@@ -43,6 +43,18 @@ class InputTooLong(ValueError):
         self.max_length = max_length
 
 
+class UnsupportedModel(ValueError):
+    """A model folder fleetbox cannot serve (architecture, missing files, or an adapter that does not fit)."""
+
+
+class UnknownAdapter(LookupError):
+    """A request named a LoRA adapter that is not loaded on this runtime."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"LoRA adapter {name!r} is not loaded on this model")
+        self.name = name
+
+
 @dataclass(slots=True, frozen=True)
 class ModelSource:
     """Where a model's files are and how to run them; everything a runtime needs to load it."""
@@ -63,6 +75,8 @@ class Tokenized:
 
     ids: np.ndarray  # int64 token ids, special tokens included
     type_ids: np.ndarray | None = None
+    # (length, 2) int64 character spans into the input text, (-1, -1) for special tokens; `extract` only.
+    offsets: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -101,8 +115,11 @@ class Runtime(Protocol):
         """Tokenise; raises `InputTooLong` for an over-long input when `truncate` is false."""
         ...
 
-    def run(self, batch: Sequence[Tokenized]) -> np.ndarray:
-        """One forward pass over a batch; returns one output row per input, in order."""
+    def run(self, batch: Sequence[Tokenized], adapter: str | None = None) -> np.ndarray:
+        """One forward pass over a batch; returns one output row per input, in order.
+
+        `adapter` names a loaded LoRA adapter to apply to the whole batch; `UnknownAdapter` otherwise.
+        """
         ...
 
     def close(self) -> None: ...

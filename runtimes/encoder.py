@@ -2,44 +2,89 @@
 
 Each task's head turns the backend's raw output for a padded batch into one row per input; the
 warm-up at load runs the longest batch the model will see, so the measured peak is honest.
+What `run` returns, per task, and how the serving side turns it into an answer:
+
+- embed: (n, dimensions) float32 vectors, pooled and normalised as the folder says.
+- score: (n,) relevance logits for `tokenize_pairs` rows; `head.scores(logits, raw_scores=...)`.
+- classify: (n, labels) logits; `head.predictions(logits, raw_scores=..., top_k=...)`.
+- extract: (n, tokens, labels) logits, padded; `head.entities(text, logits[i], batch[i].offsets)`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from runtimes.base import Backend, ModelInfo, ModelSource, Task, Tokenized, pad
+from runtimes.base import Backend, ModelInfo, ModelSource, Task, Tokenized, UnknownAdapter, UnsupportedModel, pad
+from runtimes.tasks.classify import ClassifyHead
 from runtimes.tasks.embed import EmbedHead
+from runtimes.tasks.extract import ExtractHead
+from runtimes.tasks.score import ScoreHead
 from runtimes.tokenizer import TextTokenizer
 
 _WARMUP_ROWS = 8
 
 
-class EmbedRuntime:
-    """Sentence embeddings: pooled, normalised as the folder says, float32 rows."""
+class EncoderRuntime:
+    """What every encoder task shares: tokenisation, padding, LoRA adapters, warm-up, close.
+
+    A subclass sets `task` and turns the backend's padded output into its rows in `_rows`.
+    """
+
+    task: Task
 
     def __init__(self, source: ModelSource, backend: Backend) -> None:
         self.tokenizer = TextTokenizer(source.path)
         self.backend = backend
-        self.head = EmbedHead.from_folder(source.path)
-        probe = self.run(self.tokenize(["warm up"]))
-        peak = self._warm_up()
-        self.info = ModelInfo(
-            task=Task.EMBED,
+        self._hidden_size = _hidden_size(source.path)
+
+    def _measure(self, **info: object) -> ModelInfo:
+        """Warm up, then describe the model; subclasses call this last in their `__init__`."""
+        return ModelInfo(
+            task=self.task,
             max_length=self.tokenizer.max_length,
-            nbytes=backend.weight_bytes + peak,
-            dimensions=int(probe.shape[1]),
+            nbytes=self.backend.weight_bytes + self._warm_up(),
+            **info,  # type: ignore[arg-type]
         )
 
     def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
         return self.tokenizer.tokenize(texts, truncate=truncate)
 
-    def run(self, batch: Sequence[Tokenized]) -> np.ndarray:
+    def run(self, batch: Sequence[Tokenized], adapter: str | None = None) -> np.ndarray:
         ids, mask, types = pad(batch, self.tokenizer.pad_id)
-        hidden = self.backend.forward(ids, mask, types)
-        return self.head.pool(hidden, mask)
+        return self._rows(self._forward(ids, mask, types, adapter), mask)
+
+    def _rows(self, output: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return output
+
+    def _forward(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray | None, adapter: str | None) -> np.ndarray:
+        if adapter is None:
+            return self.backend.forward(ids, mask, types)
+        if getattr(self.backend, "adapters", None) is None:
+            raise UnknownAdapter(adapter)
+        return self.backend.forward(ids, mask, types, adapter=adapter)  # type: ignore[call-arg]
+
+    # LoRA adapters (torch backend only): see runtimes/lora.py.
+    def load_adapter(self, name: str, path: Path) -> int:
+        """Load a LoRA adapter onto this model; returns the bytes it added."""
+        adapters = getattr(self.backend, "adapters", None)
+        if adapters is None:
+            raise UnsupportedModel(f"LoRA adapters need the torch runtime; {name!r} cannot be loaded here")
+        return adapters.load(name, path)
+
+    def evict_adapter(self, name: str) -> None:
+        adapters = getattr(self.backend, "adapters", None)
+        if adapters is None:
+            raise UnknownAdapter(name)
+        adapters.evict(name)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        adapters = getattr(self.backend, "adapters", None)
+        return () if adapters is None else adapters.names
 
     def _warm_up(self) -> int:
         """Run a full-length batch; return the activation peak (measured on CUDA, estimated on CPU)."""
@@ -47,17 +92,104 @@ class EmbedRuntime:
             ids=np.full(self.tokenizer.max_length, 100, dtype=np.int64),
             type_ids=np.zeros(self.tokenizer.max_length, dtype=np.int64),
         )
-        hidden = self.backend.forward(*pad([row] * _WARMUP_ROWS, self.tokenizer.pad_id))
+        output = self.backend.forward(*pad([row] * _WARMUP_ROWS, self.tokenizer.pad_id))
         measured = getattr(self.backend, "peak_activation_bytes", lambda: None)()
+        if measured is not None:
+            return measured
         # On CPU there is no allocator peak to read: count the hidden states of the warm-up batch
         # a few times over (attention and feed-forward intermediates are of that order).
-        return measured if measured is not None else int(hidden.nbytes * 8)
+        width = self._hidden_size or output.shape[-1]
+        return int(_WARMUP_ROWS * self.tokenizer.max_length * width * 4 * 8)
 
     def close(self) -> None:
         self.backend.close()
 
 
-def build_encoder_runtime(source: ModelSource, backend: Backend) -> EmbedRuntime:
-    if source.task is Task.EMBED:
-        return EmbedRuntime(source, backend)
-    raise NotImplementedError(f"task {source.task} has no runtime yet")
+class EmbedRuntime(EncoderRuntime):
+    """Sentence embeddings: pooled, normalised as the folder says, float32 rows."""
+
+    task = Task.EMBED
+
+    def __init__(self, source: ModelSource, backend: Backend) -> None:
+        super().__init__(source, backend)
+        self.head = EmbedHead.from_folder(source.path)
+        probe = self.run(self.tokenize(["warm up"]))
+        self.info = self._measure(dimensions=int(probe.shape[1]))
+
+    def _rows(self, output: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return self.head.pool(output, mask)
+
+
+class ScoreRuntime(EncoderRuntime):
+    """Cross-encoder rerank: rows are (query, document) pairs, the output one relevance logit each."""
+
+    task = Task.SCORE
+    head = ScoreHead()
+
+    def __init__(self, source: ModelSource, backend: Backend) -> None:
+        super().__init__(source, backend)
+        labels = ClassifyHead.from_folder(source.path).labels
+        if len(labels) != 1:
+            raise UnsupportedModel(
+                f"{source.path} has {len(labels)} labels; a reranker (score) has exactly one relevance logit"
+            )
+        self.info = self._measure()
+
+    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]:
+        """(query, document) pairs; over-long pairs lose document tokens first (longest-first)."""
+        return self.tokenizer.tokenize_pairs(pairs, truncate=truncate)
+
+    def _rows(self, output: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(output[:, 0], dtype=np.float32)
+
+
+class ClassifyRuntime(EncoderRuntime):
+    """Sequence classification: one row of label logits per input."""
+
+    task = Task.CLASSIFY
+
+    def __init__(self, source: ModelSource, backend: Backend) -> None:
+        super().__init__(source, backend)
+        self.head = ClassifyHead.from_folder(source.path)
+        self.info = self._measure(labels=self.head.labels)
+
+
+class ExtractRuntime(EncoderRuntime):
+    """Token classification: rows carry character offsets, the output is label logits per token."""
+
+    task = Task.EXTRACT
+
+    def __init__(self, source: ModelSource, backend: Backend) -> None:
+        super().__init__(source, backend)
+        self.head = ExtractHead.from_folder(source.path)
+        self.info = self._measure(labels=self.head.labels)
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
+        return self.tokenizer.tokenize(texts, truncate=truncate, with_offsets=True)
+
+
+_RUNTIMES: dict[Task, type[EncoderRuntime]] = {
+    Task.EMBED: EmbedRuntime,
+    Task.SCORE: ScoreRuntime,
+    Task.CLASSIFY: ClassifyRuntime,
+    Task.EXTRACT: ExtractRuntime,
+}
+
+
+def build_encoder_runtime(source: ModelSource, backend: Backend) -> EncoderRuntime:
+    runtime = _RUNTIMES.get(source.task)
+    if runtime is None:
+        raise NotImplementedError(f"task {source.task} is not an encoder task")
+    try:
+        return runtime(source, backend)
+    except BaseException:
+        backend.close()  # the caller never gets the backend to close when its runtime fails to build
+        raise
+
+
+def _hidden_size(folder: Path) -> int | None:
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("hidden_size")
+    return value if isinstance(value, int) else None

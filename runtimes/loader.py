@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtimes.base import ModelSource, Runtime, RuntimeKind
+from runtimes.base import ModelSource, Runtime, RuntimeKind, Task
 
 
 def load_runtime(source: ModelSource) -> Runtime:
@@ -10,6 +10,12 @@ def load_runtime(source: ModelSource) -> Runtime:
         from runtimes.noop import NoopRuntime
 
         return NoopRuntime(source)
+    if source.task is Task.GENERATE:
+        if source.runtime is not RuntimeKind.TORCH:
+            raise NotImplementedError(f"generation runs on the torch runtime, not {source.runtime}")
+        from runtimes.generate import GenerateRuntime
+
+        return GenerateRuntime(source)
     if source.runtime is RuntimeKind.TORCH:
         from runtimes.encoder import build_encoder_runtime
         from runtimes.torch_backend import TorchBackend

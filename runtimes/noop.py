@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized
+from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnknownAdapter
 
 _DIMENSIONS = 8
 
@@ -38,7 +38,9 @@ class NoopRuntime:
             rows.append(Tokenized(ids=np.ones(length, dtype=np.int64)))
         return rows
 
-    def run(self, batch: Sequence[Tokenized]) -> np.ndarray:
+    def run(self, batch: Sequence[Tokenized], adapter: str | None = None) -> np.ndarray:
+        if adapter is not None:
+            raise UnknownAdapter(adapter)
         cost = self._cost_s + self._per_token_s * len(batch) * max(row.length for row in batch)
         if cost > 0:
             time.sleep(cost)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
@@ -43,33 +44,73 @@ def model_max_length(folder: Path) -> int:
 class TextTokenizer:
     """Turns texts (or text pairs) into `Tokenized` rows; thread-safe once built."""
 
-    def __init__(self, folder: Path, max_length: int | None = None) -> None:
+    def __init__(self, folder: Path, max_length: int | None = None, *, keep: Literal["start", "end"] = "start") -> None:
+        """`keep="end"` truncates from the left, for prompts: a causal LM continues the end of its input."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json (a fast tokenizer is required)")
         self.max_length = max_length or model_max_length(folder)
+        direction = "left" if keep == "end" else "right"
         self._truncating = Tokenizer.from_file(str(path))
         self._truncating.no_padding()
-        self._truncating.enable_truncation(self.max_length)
+        self._truncating.enable_truncation(self.max_length, direction=direction)
         self._probing = Tokenizer.from_file(str(path))
         self._probing.no_padding()
-        self._probing.enable_truncation(self.max_length + 1)
+        self._probing.enable_truncation(self.max_length + 1, direction=direction)
         self.pad_id = self._truncating.token_to_id("[PAD]") or 0
 
-    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
-        encodings = self.encode(texts, truncate=truncate)
-        return [_to_row(enc) for enc in encodings]
+    def tokenize(
+        self,
+        texts: Sequence[str],
+        *,
+        truncate: bool = True,
+        with_offsets: bool = False,
+        add_special_tokens: bool = True,
+    ) -> list[Tokenized]:
+        """`with_offsets` keeps each token's character span, for tasks that point back into the text."""
+        encodings = self.encode(texts, truncate=truncate, add_special_tokens=add_special_tokens)
+        return [_to_row(enc, with_offsets) for enc in encodings]
 
-    def encode(self, texts: Sequence[str], *, truncate: bool = True) -> list[Encoding]:
+    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]:
+        """(query, document) pairs as one row each, `[CLS] q [SEP] d [SEP]` with type ids 0 then 1.
+
+        Truncation is longest-first, as a cross-encoder was trained and as sentence-transformers cuts:
+        with a short query and a long document only the document loses tokens.
+        """
+        return [_to_row(enc, False) for enc in self.encode(pairs, truncate=truncate)]
+
+    def encode(
+        self,
+        texts: Sequence[str] | Sequence[tuple[str, str]],
+        *,
+        truncate: bool = True,
+        add_special_tokens: bool = True,
+    ) -> list[Encoding]:
         """Raw encodings (with offsets), for tasks that map tokens back to characters."""
+        inputs = list(texts)
         if truncate:
-            return self._truncating.encode_batch(list(texts))
-        encodings = self._probing.encode_batch(list(texts))
+            return self._truncating.encode_batch(inputs, add_special_tokens=add_special_tokens)
+        encodings = self._probing.encode_batch(inputs, add_special_tokens=add_special_tokens)
         for index, enc in enumerate(encodings):
             if len(enc.ids) > self.max_length:
                 raise InputTooLong(index, self.max_length)
         return encodings
 
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._truncating.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-def _to_row(enc: Encoding) -> Tokenized:
-    return Tokenized(ids=np.asarray(enc.ids, dtype=np.int64), type_ids=np.asarray(enc.type_ids, dtype=np.int64))
+    def token_id(self, token: str) -> int | None:
+        return self._truncating.token_to_id(token)
+
+
+def _to_row(enc: Encoding, with_offsets: bool) -> Tokenized:
+    offsets = None
+    if with_offsets:
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        # Special tokens point at no text; mark them so nothing downstream mistakes (0, 0) for a span.
+        offsets[np.asarray(enc.special_tokens_mask, dtype=bool)] = -1
+    return Tokenized(
+        ids=np.asarray(enc.ids, dtype=np.int64),
+        type_ids=np.asarray(enc.type_ids, dtype=np.int64),
+        offsets=offsets,
+    )

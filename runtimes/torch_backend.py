@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from runtimes.base import ModelSource, Task
+from runtimes.lora import LoraAdapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -36,19 +37,23 @@ class TorchBackend:
         self.dtype = _DTYPES[source.dtype]
         self.task = source.task
         self.model = load_torch_model(source.path, source.task, self.dtype).to(self.device)
+        self.adapters = LoraAdapters(self.model)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for b in self.model.buffers()
         )
 
     @torch.inference_mode()
-    def forward(self, ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray | None) -> np.ndarray:
+    def forward(
+        self, ids: np.ndarray, mask: np.ndarray, type_ids: np.ndarray | None, adapter: str | None = None
+    ) -> np.ndarray:
+        """`adapter`: a LoRA adapter loaded through `self.adapters`, applied to every row."""
         inputs = {
             "input_ids": torch.from_numpy(ids).to(self.device, non_blocking=True),
             "attention_mask": torch.from_numpy(mask).to(self.device, non_blocking=True),
         }
         if type_ids is not None and self._accepts_token_types:
             inputs["token_type_ids"] = torch.from_numpy(type_ids).to(self.device, non_blocking=True)
-        output = self.model(**inputs)
+        output = self.adapters(None if adapter is None else [adapter] * ids.shape[0], **inputs)
         main = output.last_hidden_state if self.task is Task.EMBED else output.logits
         return main.float().cpu().numpy()
 

@@ -1,0 +1,87 @@
+"""Which task a model folder serves, read from its files before anything is loaded.
+
+The rule, in order: a `*ForSequenceClassification` head scores (one label: a reranker) or classifies
+(more); a `*ForTokenClassification` head extracts; a sentence-transformers folder (`modules.json`)
+embeds, even when its backbone is a causal LM (Qwen3-Embedding, say); a `*ForCausalLM` generates;
+a bare text encoder (`BertModel`, `XLMRobertaModel`, ...) embeds with mean pooling. The model type
+must be one transformers implements itself, since fleetbox never runs a folder's own code, and a
+fast tokenizer (`tokenizer.json`) is required for all of them. Anything else is `UnsupportedModel`,
+with a message that lists what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runtimes.base import Task, UnsupportedModel
+from runtimes.tasks.classify import labels_from_config
+
+__all__ = ["SUPPORTED", "UnsupportedModel", "detect_task"]
+
+SUPPORTED = (
+    "*ForSequenceClassification with one label (score) or more (classify), "
+    "*ForTokenClassification (extract), *ForCausalLM or *LMHeadModel (generate), "
+    "and sentence-transformers folders or bare text encoders such as BertModel (embed)"
+)
+
+
+def detect_task(folder: Path) -> Task:
+    """The task this folder serves; `UnsupportedModel` says why not when there is none."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(f"{folder} has no config.json; a transformers model folder is expected")
+    config = json.loads(config_file.read_text())
+    if not (folder / "tokenizer.json").is_file():
+        raise UnsupportedModel(f"{folder} has no tokenizer.json; fleetbox needs a fast (Rust) tokenizer")
+    architectures = tuple(config.get("architectures") or ())
+    model_type = str(config.get("model_type", ""))
+    task = _task_from(architectures, model_type, config, sentence_transformers=(folder / "modules.json").is_file())
+    if task is None:
+        named = ", ".join(architectures) or f"model type {model_type or 'unknown'}"
+        raise UnsupportedModel(f"{folder}: {named} is not supported; fleetbox serves {SUPPORTED}")
+    if not _implemented(model_type, task):
+        raise UnsupportedModel(
+            f"{folder}: model type {model_type!r} is not implemented in transformers (fleetbox never runs a "
+            f"model folder's own code); fleetbox serves {SUPPORTED}"
+        )
+    return task
+
+
+def _task_from(
+    architectures: tuple[str, ...], model_type: str, config: dict, *, sentence_transformers: bool
+) -> Task | None:
+    def has(*suffixes: str) -> bool:
+        return any(name.endswith(suffixes) for name in architectures)
+
+    if has("ForSequenceClassification"):
+        return Task.SCORE if len(labels_from_config(config)) == 1 else Task.CLASSIFY
+    if has("ForTokenClassification"):
+        return Task.EXTRACT
+    if sentence_transformers:
+        return Task.EMBED
+    if has("ForCausalLM", "LMHeadModel"):
+        return Task.GENERATE
+    if has("Model", "ForMaskedLM") or not architectures:
+        return Task.EMBED if _is_text_encoder(model_type) else None
+    return None
+
+
+def _is_text_encoder(model_type: str) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    return model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def _implemented(model_type: str, task: Task) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    table = {
+        Task.EMBED: modeling_auto.MODEL_MAPPING_NAMES,
+        Task.SCORE: modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        Task.CLASSIFY: modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        Task.EXTRACT: modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        Task.GENERATE: modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    }[task]
+    return model_type in table

@@ -1,0 +1,387 @@
+"""Causal-LM generation for many requests at once: one decode batch that requests join and leave.
+
+The one idea is the step: `step()` advances every active request by one token in one forward pass
+over the shared, left-padded KV cache (`runtimes/kv_batch.py`), then prefills the requests that
+arrived since, and merges their caches into the batch. A request never waits for another to
+finish, and a long one never holds the others back for more than one step.
+
+How the serving side drives it (one runner thread per model calls `step`; `add` and `cancel` may be
+called from any thread):
+
+    prompt = runtime.apply_chat_template(messages)           # chat: ids from the model's template
+    prompt = runtime.tokenize([text])[0].ids                 # completions: plain text
+    runtime.add(request_id, prompt, SamplingParams(max_tokens=64, temperature=0.7, stop=("\\n\\n",)),
+                adapter=None)                                # InputTooLong, UnknownAdapter, ValueError
+    while runtime.has_work:
+        for out in runtime.step():                           # StepOutput per active request
+            stream(out.request_id, out.text_delta)           # out.usage is set on the last one
+    runtime.cancel(request_id)                               # client gone: dropped at the next step
+
+Greedy decoding (temperature 0) gives the tokens `model.generate(do_sample=False)` gives for the
+prompt alone; a seeded request draws the same tokens every time. Models are loaded from local
+files only and never with `trust_remote_code`; models whose attention is not full attention on
+every layer (sliding windows, linear attention) are refused, since the batch cache assumes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
+from runtimes.kv_batch import CacheBatch
+from runtimes.lora import LoraAdapters
+from runtimes.tasks.generate import SamplingParams, TextStream, choose_token
+from runtimes.tokenizer import TextTokenizer, model_max_length
+from runtimes.torch_backend import _DTYPES, load_torch_model
+
+__all__ = ["GenerateRuntime", "SamplingParams", "StepOutput", "Usage"]
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """One new token of one request. `finish_reason` is "stop" (EOS or a stop string) or "length"."""
+
+    request_id: str
+    token_id: int
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None  # on the last output of a request only
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: torch.Tensor
+    params: SamplingParams
+    adapter: str | None
+    max_new: int
+    stream: TextStream
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+
+
+class GenerateRuntime:
+    """A causal LM on one device, decoding a changing set of requests together."""
+
+    def __init__(self, source: ModelSource) -> None:
+        if source.threads:
+            torch.set_num_threads(source.threads)
+        self.device = torch.device(source.device)
+        model = load_torch_model(source.path, Task.GENERATE, _DTYPES[source.dtype]).to(self.device)
+        _check_full_attention(model.config, source.path)
+        self.model = model
+        self._adapters = LoraAdapters(model)
+        self._folder = source.path
+        context = model_max_length(source.path)
+        # A prompt leaves room for at least one new token; over-long prompts lose their beginning.
+        self.tokenizer = TextTokenizer(source.path, max_length=context - 1, keep="end")
+        self._eos = _eos_ids(model, self.tokenizer, source.path)
+        self.defaults = _default_params(source.path)
+        accepted = set(inspect.signature(model.forward).parameters)
+        self._cache_kwarg = "cache" if "cache" in accepted else "past_key_values"
+        self._keep_last_logits = "logits_to_keep" in accepted
+        self._max_rows = int(source.options.get("max_batch_size", 32))
+        self._max_prefill_tokens = int(source.options.get("max_prefill_tokens", 8192))
+        self._chat: Any = None  # transformers tokenizer, loaded on first chat request
+        self._chat_lock = threading.Lock()
+        self._inbox_lock = threading.Lock()
+        self._pending: deque[_Request] = deque()
+        self._cancelled: set[str] = set()
+        self._ids: set[str] = set()  # every request id pending or active
+        self._step_lock = threading.Lock()
+        self._rows: list[_Request] = []  # owned by the stepping thread, with `_batch`
+        self._batch: CacheBatch | None = None
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.info = ModelInfo(task=Task.GENERATE, max_length=context, nbytes=weights + self._warm_up())
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
+        """Completion prompts, special tokens added as the model expects; truncation keeps the end."""
+        return self.tokenizer.tokenize(texts, truncate=truncate)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool = False) -> np.ndarray:
+        """Prompt ids for a chat, rendered with the model's own template and a generation prompt.
+
+        Control tokens typed inside a message (`<|im_end|>`, say) stay plain text, so a user cannot
+        close their turn and speak as the system.
+        """
+        chat = self._chat_tokenizer()
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+        if "sanitize_control_tokens" in inspect.signature(chat.apply_chat_template).parameters:
+            kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
+        with self._chat_lock:
+            rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
+        if isinstance(rendered, str):  # a transformers without control-token sanitising
+            return self.tokenizer.tokenize([rendered], truncate=truncate, add_special_tokens=False)[0].ids
+        limit = self.tokenizer.max_length
+        if len(rendered) > limit and not truncate:
+            raise InputTooLong(0, limit)
+        return np.asarray(rendered[-limit:], dtype=np.int64)
+
+    def _chat_tokenizer(self) -> Any:
+        with self._chat_lock:
+            if self._chat is None:
+                from transformers import AutoTokenizer
+
+                chat = AutoTokenizer.from_pretrained(str(self._folder), local_files_only=True, trust_remote_code=False)
+                if not chat.chat_template:
+                    raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
+                self._chat = chat
+            return self._chat
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        *,
+        adapter: str | None = None,
+    ) -> None:
+        """Queue a request; it joins the batch at the next step boundary."""
+        prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=self.device)
+        if prompt.ndim != 1 or prompt.numel() == 0:
+            raise ValueError("a prompt is a non-empty sequence of token ids")
+        room = self.info.max_length - prompt.numel()
+        if room < 1:
+            raise InputTooLong(0, self.info.max_length - 1)
+        self._adapters.check([adapter])
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request = _Request(
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            adapter=adapter,
+            max_new=min(params.max_tokens, room),
+            stream=TextStream(self.tokenizer.decode, prompt.tolist(), params.stop),
+            generator=generator,
+        )
+        with self._inbox_lock:
+            if request_id in self._ids:
+                raise ValueError(f"request {request_id!r} is already generating")
+            self._ids.add(request_id)
+            self._pending.append(request)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at the next step boundary; it gets no further output."""
+        with self._inbox_lock:
+            if request_id in self._ids:
+                self._cancelled.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        with self._inbox_lock:
+            return bool(self._ids)
+
+    @property
+    def active(self) -> int:
+        """Requests in the decode batch now (not counting those waiting to join)."""
+        return len(self._rows)
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Advance every active request by one token and admit waiting ones; one output per request."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("step() is already running: one thread drives a generate runtime")
+        try:
+            joining = self._take_inbox()
+            outputs: list[StepOutput] = []
+            if self._rows:
+                outputs += self._choose(self._rows, self._decode())
+            if joining:
+                batch, logits = self._prefill([r.prompt for r in joining], [r.adapter for r in joining])
+                outputs += self._choose(joining, logits)
+                self._batch = batch if self._batch is None else self._batch.merge(batch)
+                self._rows += joining
+            self._drop({o.request_id for o in outputs if o.finished})
+            return outputs
+        finally:
+            self._step_lock.release()
+
+    def _take_inbox(self) -> list[_Request]:
+        """Apply cancellations, then take as many waiting requests as the batch has room for."""
+        with self._inbox_lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            self._pending = deque(r for r in self._pending if r.request_id not in cancelled)
+            self._ids -= cancelled
+            joining: list[_Request] = []
+            tokens = 0
+            while self._pending and len(self._rows) + len(joining) < self._max_rows:
+                size = self._pending[0].prompt.numel()
+                if joining and tokens + size > self._max_prefill_tokens:
+                    break
+                joining.append(self._pending.popleft())
+                tokens += size
+        self._drop(cancelled, forget=False)
+        return joining
+
+    def _drop(self, request_ids: set[str], *, forget: bool = True) -> None:
+        if not request_ids:
+            return
+        keep = [i for i, r in enumerate(self._rows) if r.request_id not in request_ids]
+        if len(keep) != len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            self._batch = self._batch.keep(keep) if keep and self._batch is not None else None
+        if forget:
+            with self._inbox_lock:
+                self._ids -= request_ids
+
+    def _decode(self) -> torch.Tensor:
+        assert self._batch is not None
+        batch = self._batch
+        mask, positions = batch.step_inputs()
+        last = torch.tensor([[r.generated[-1]] for r in self._rows], dtype=torch.long, device=self.device)
+        logits = self._forward([r.adapter for r in self._rows], last, mask, positions, batch.cache)
+        batch.advance(mask)
+        return logits
+
+    def _prefill(
+        self, prompts: list[torch.Tensor], adapters: list[str | None], *, keep_cache: bool = True
+    ) -> tuple[CacheBatch, torch.Tensor]:
+        batch, ids = CacheBatch.prompts(prompts, self.tokenizer.pad_id, self.device)
+        cache = batch.cache if keep_cache else None
+        logits = self._forward(adapters, ids, batch.mask, batch.prompt_position_ids(), cache)
+        return batch, logits
+
+    def _forward(
+        self, adapters: list[str | None], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Last-position logits, float32 (rows, vocab); `cache` None runs without one."""
+        inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        if cache is not None:
+            inputs |= {self._cache_kwarg: cache, "use_cache": True}
+        else:
+            inputs["use_cache"] = False
+        if self._keep_last_logits:
+            inputs["logits_to_keep"] = 1
+        output = self._adapters(adapters, **inputs)
+        return output.logits[:, -1, :].float()
+
+    def _choose(self, requests: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
+        outputs = []
+        for request, row in zip(requests, logits, strict=True):
+            token = choose_token(row, request.params, request.generator)
+            request.generated.append(token)
+            if token in self._eos:
+                delta, _ = request.stream.finish()
+                reason: str | None = "stop"
+            else:
+                delta, stopped = request.stream.push(token)
+                reason = "stop" if stopped else None
+                if reason is None and len(request.generated) >= request.max_new:
+                    reason = "length"
+                    delta += request.stream.finish()[0]
+            usage = None
+            if reason is not None:
+                usage = Usage(prompt_tokens=int(request.prompt.numel()), completion_tokens=len(request.generated))
+            outputs.append(StepOutput(request.request_id, token, delta, reason is not None, reason, usage))
+        return outputs
+
+    # -- whole batches, without generating -------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[Tokenized], adapter: str | None = None) -> np.ndarray:
+        """Next-token logits (n, vocab) for each prompt: one forward pass, no cache kept."""
+        prompts = [torch.as_tensor(row.ids, device=self.device) for row in batch]
+        _, logits = self._prefill(prompts, [adapter] * len(prompts), keep_cache=False)
+        return logits.cpu().numpy()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> int:
+        """Prefill a long prompt; the activation peak on CUDA, else an estimate from its KV cache."""
+        length = min(self.tokenizer.max_length, 512)
+        batch, _ = self._prefill([torch.ones(length, dtype=torch.long, device=self.device)], [None])
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            return max(0, peak - weights)
+        layers = batch.cache.layers
+        return 4 * sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+
+    # -- LoRA adapters (runtimes/lora.py) -----------------------------------------------------------
+
+    def load_adapter(self, name: str, path: Path) -> int:
+        return self._adapters.load(name, path)
+
+    def evict_adapter(self, name: str) -> None:
+        """Refused while a request uses the adapter: let it finish or cancel it first."""
+        with self._inbox_lock:
+            busy = any(r.adapter == name for r in (*self._pending, *self._rows))
+        if busy:
+            raise ValueError(f"LoRA adapter {name!r} is in use by a generating request")
+        self._adapters.evict(name)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return self._adapters.names
+
+    def close(self) -> None:
+        self._rows, self._batch = [], None
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _check_full_attention(config: Any, folder: Path) -> None:
+    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise UnsupportedModel(
+            f"{folder}: layers of type {', '.join(other)} are not supported for generation yet "
+            "(the batch cache assumes full attention on every layer)"
+        )
+
+
+def _eos_ids(model: Any, tokenizer: TextTokenizer, folder: Path) -> frozenset[int]:
+    """The ids that end a completion: the generation config's, else the tokenizer's EOS token."""
+    value = getattr(model.generation_config, "eos_token_id", None)
+    if value is None:
+        value = getattr(model.config, "eos_token_id", None)
+    ids = {value} if isinstance(value, int) else set(value or ())
+    if not ids:
+        config_file = folder / "tokenizer_config.json"
+        token = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+        if isinstance(token, dict):
+            token = token.get("content")
+        found = tokenizer.token_id(token) if isinstance(token, str) else None
+        if found is not None:
+            ids.add(found)
+    return frozenset(ids)
+
+
+def _default_params(folder: Path) -> SamplingParams:
+    """What a request that says nothing gets: the model's `generation_config.json` sampling values."""
+    config_file = folder / "generation_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return SamplingParams(
+        temperature=float(config.get("temperature", 1.0)),
+        top_p=float(config.get("top_p", 1.0)),
+    )

@@ -1,0 +1,128 @@
+"""LoRA adapters resident on one base model, applied per row without merging the weights.
+
+The one idea: rows choose their adapter at call time through peft's mixed-batch `adapter_names`
+(`"__base__"` for none), so nothing is switched between batches and one batch may mix adapters and
+the base model (a decode batch of requests for different adapters, say). The base weights stay as
+they are, shared by every adapter; an adapter costs only its own A/B matrices (and any
+`modules_to_save` copy, such as a classifier head trained with it).
+
+peft wraps the base model in place the first time an adapter is loaded (`PeftModel.from_pretrained`)
+and later ones are added with `load_adapter`; eviction is `delete_adapter`. Because loading, evicting
+and peft's per-call forward hooks all touch the shared modules, every forward goes through
+`LoraAdapters.__call__`, which holds one lock: calls on one model are serialised, as they are on one
+device anyway.
+
+How the serving side uses it (every torch runtime exposes the same three methods):
+
+    nbytes = runtime.load_adapter("support-bot", Path(".../adapters/support-bot"))
+    runtime.run(batch, adapter="support-bot")      # encoder tasks: the whole batch
+    runtime.add(request_id, prompt, params, adapter="support-bot")   # generate: per request
+    runtime.evict_adapter("support-bot")
+    runtime.adapters                                # names resident now
+
+An unknown name raises `UnknownAdapter`; a folder that is not a LoRA adapter raises
+`UnsupportedModel`. ONNX runtimes have no adapters (load raises `UnsupportedModel`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtimes.base import UnknownAdapter, UnsupportedModel
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+class LoraAdapters:
+    """The adapters on one base model, and the only way to call that model once any were loaded."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._base = model
+        self._peft: Any = None  # a peft.PeftModel once the first adapter is loaded
+        self._bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._bytes)
+
+    def nbytes(self, name: str) -> int:
+        return self._bytes[name]
+
+    def load(self, name: str, path: Path) -> int:
+        """Load the adapter in `path` as `name` (a no-op if resident); returns the bytes it added."""
+        if name == BASE:
+            raise UnsupportedModel(f"{BASE!r} is reserved for the base model; pick another adapter name")
+        _check_lora_folder(path)
+        from peft import PeftModel
+
+        with self._lock:
+            if name in self._bytes:
+                return self._bytes[name]
+            try:
+                if self._peft is None:
+                    self._peft = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, is_trainable=False)
+                else:
+                    self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            except (RuntimeError, ValueError, KeyError) as error:
+                # peft raises these for an adapter trained on another base (shape or module mismatch).
+                raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
+            self._peft.eval()
+            self._bytes[name] = _adapter_bytes(self._peft, name)
+            return self._bytes[name]
+
+    def evict(self, name: str) -> None:
+        """Delete the adapter's weights; the base model and other adapters are untouched."""
+        with self._lock:
+            if name not in self._bytes:
+                raise UnknownAdapter(name)
+            self._peft.delete_adapter(name)
+            del self._bytes[name]
+
+    def check(self, names: Sequence[str | None]) -> None:
+        """Raise `UnknownAdapter` for the first name that is not resident."""
+        for name in names:
+            if name is not None and name not in self._bytes:
+                raise UnknownAdapter(name)
+
+    def __call__(self, adapters: Sequence[str | None] | None, **inputs: Any) -> Any:
+        """Run the model, row i with adapter `adapters[i]` (None: the base); `adapters=None`: all base."""
+        with self._lock:
+            if adapters is not None:
+                self.check(adapters)
+            if self._peft is None:
+                return self._base(**inputs)
+            rows = adapters if adapters is not None else [None] * _batch_size(inputs)
+            names = [BASE if name is None else name for name in rows]
+            return self._peft(**inputs, adapter_names=names)
+
+
+def _check_lora_folder(path: Path) -> None:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(f"{path} has no adapter_config.json; a LoRA adapter saved by peft is expected")
+    peft_type = json.loads(config_file.read_text()).get("peft_type")
+    if peft_type != "LORA":
+        raise UnsupportedModel(f"{path} is a {peft_type} adapter; only LoRA adapters are supported")
+
+
+def _adapter_bytes(model: torch.nn.Module, name: str) -> int:
+    marker = f".{name}."
+    return sum(
+        param.numel() * param.element_size()
+        for key, param in model.named_parameters()
+        if marker in key or key.endswith(f".{name}")
+    )
+
+
+def _batch_size(inputs: dict[str, Any]) -> int:
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0])
+    raise ValueError("no tensor input to take the batch size from")

@@ -1,0 +1,80 @@
+"""Sequence classification: logits per input to `[{label, score}]`, best first.
+
+The model's config decides the squashing, as transformers' text-classification pipeline does:
+softmax over labels for single-label models, an independent sigmoid per label when
+`problem_type == "multi_label_classification"`. `raw_scores` returns the logits unchanged (still
+sorted), and `top_k` keeps the best k.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypedDict
+
+import numpy as np
+
+from runtimes.tasks.score import sigmoid
+
+
+class LabelScore(TypedDict):
+    label: str
+    score: float
+
+
+@dataclass(slots=True, frozen=True)
+class ClassifyHead:
+    labels: tuple[str, ...]
+    multi_label: bool = False
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ClassifyHead:
+        config = json.loads((folder / "config.json").read_text())
+        return cls(labels=labels_from_config(config), multi_label=is_multi_label(config))
+
+    def predictions(
+        self, logits: np.ndarray, *, raw_scores: bool = False, top_k: int | None = None
+    ) -> list[list[LabelScore]]:
+        """(n, labels) logits to, per input, labels with scores sorted from best to worst."""
+        return label_scores(logits, self.labels, multi_label=self.multi_label, raw_scores=raw_scores, top_k=top_k)
+
+
+def label_scores(
+    logits: np.ndarray,
+    labels: tuple[str, ...],
+    *,
+    multi_label: bool = False,
+    raw_scores: bool = False,
+    top_k: int | None = None,
+) -> list[list[LabelScore]]:
+    logits = np.asarray(logits, dtype=np.float32)
+    if raw_scores:
+        scores = logits
+    elif multi_label:
+        scores = sigmoid(logits)
+    else:
+        scores = softmax(logits)
+    keep = len(labels) if top_k is None else max(0, min(top_k, len(labels)))
+    # A stable sort keeps the label order of the config among equal scores.
+    order = np.argsort(-scores, axis=-1, kind="stable")[:, :keep]
+    return [
+        [LabelScore(label=labels[j], score=float(row_scores[j])) for j in row_order]
+        for row_scores, row_order in zip(scores, order, strict=True)
+    ]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def labels_from_config(config: dict) -> tuple[str, ...]:
+    """Label names in index order from `id2label`; `LABEL_i` when a config has only `num_labels`."""
+    id2label = config.get("id2label") or {}
+    count = max(len(id2label), int(config.get("num_labels") or 0))
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+
+
+def is_multi_label(config: dict) -> bool:
+    return config.get("problem_type") == "multi_label_classification"

@@ -1,0 +1,111 @@
+"""Text generation's per-token work: choosing the next token, and turning tokens into streamed text.
+
+Two rules make streaming honest. Text is released only once it is stable: the newest tokens are
+decoded together with a few before them (so a word-piece or a byte of a multi-byte character is not
+shown half-made), and text ending in U+FFFD waits for the bytes that complete it. And text that
+could still be the start of a stop string is held back until it is clear either way, so a client
+never receives the first half of a stop sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Prompt tokens decoded in front of the first generated one, so its leading space survives.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How one request decodes. `temperature == 0` is greedy; `seed` makes sampling reproducible."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be 0 (greedy) or more")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        # Accept any sequence (a JSON list, say) but keep a hashable, immutable value.
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from one row of (vocab,) logits: argmax, or a draw from the top-p nucleus."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Drop the tokens whose predecessors already cover top_p; the most likely one always stays.
+        beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) > params.top_p
+        sorted_probs = sorted_probs.masked_fill(beyond, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStream:
+    """One request's completion text, released delta by delta as tokens arrive."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt: Sequence[int], stop: tuple[str, ...]) -> None:
+        self._decode = decode
+        self._ids = [int(i) for i in prompt[-_CONTEXT_TOKENS:]]
+        self._prefix = 0  # ids[prefix:read] decode to text already counted
+        self._read = len(self._ids)
+        self._stop = stop
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._text = ""  # the completion so far, released or not
+        self._released = 0
+
+    @property
+    def text(self) -> str:
+        """The completion released so far."""
+        return self._text[: self._released]
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; returns (text it releases, whether a stop string ended the completion)."""
+        self._ids.append(int(token_id))
+        self._text += self._new_text(final=False)
+        return self._release(final=False)
+
+    def finish(self) -> tuple[str, bool]:
+        """The completion ended for another reason: release what was held back."""
+        self._text += self._new_text(final=True)
+        return self._release(final=True)
+
+    def _new_text(self, *, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+    def _release(self, *, final: bool) -> tuple[str, bool]:
+        start = self._released
+        hits = [at for s in self._stop if (at := self._text.find(s, start)) >= 0]
+        if hits:
+            self._text = self._text[: min(hits)]
+            self._released = len(self._text)
+            return self._text[start:], True
+        cut = len(self._text) if final else self._safe_end()
+        self._released = cut
+        return self._text[start:cut], False
+
+    def _safe_end(self) -> int:
+        """Where the text stops being certain: the first suffix that a stop string could still begin with."""
+        text = self._text
+        for at in range(max(self._released, len(text) - self._longest_stop + 1), len(text)):
+            tail = text[at:]
+            if any(s.startswith(tail) for s in self._stop):
+                return at
+        return len(text)

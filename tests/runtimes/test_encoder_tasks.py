@@ -1,0 +1,165 @@
+"""score, classify and extract runtimes against transformers itself on the same tiny models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtimes import InputTooLong, ModelSource, Task, load_runtime
+from runtimes.tasks.classify import label_scores
+from runtimes.tasks.score import relevance_scores
+
+from .conftest import BIO_LABELS, CLASS_LABELS
+
+PAIRS = [
+    ("what is the capital of France", "Paris is the capital of France."),
+    ("fox", "The quick brown fox jumps over the lazy dog, again and again."),
+    ("a much longer query about small models and batching", "Batching."),
+]
+TEXTS = ["I loved this film.", "Terrible.", "It was fine, I suppose, for a Tuesday afternoon."]
+ENTITY_TEXTS = [
+    "Alice Smith lives in Paris with Bob, near the Eiffel Tower in France.",
+    "Berlin",
+    "Mr. O'Neil flew from New York to São Paulo on 12 May.",
+]
+
+
+@pytest.fixture(scope="module")
+def scorer(cross_encoder_dir: Path):
+    runtime = load_runtime(ModelSource(cross_encoder_dir, Task.SCORE))
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def classifier(classifier_dir: Path):
+    runtime = load_runtime(ModelSource(classifier_dir, Task.CLASSIFY))
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def extractor(token_classifier_dir: Path):
+    runtime = load_runtime(ModelSource(token_classifier_dir, Task.EXTRACT))
+    yield runtime
+    runtime.close()
+
+
+def _hf(folder: Path, auto_class: str):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = getattr(transformers, auto_class).from_pretrained(folder).eval()
+    return tokenizer, model
+
+
+def test_pair_rows_match_transformers_tokenizer_with_longest_first_truncation(scorer, cross_encoder_dir: Path) -> None:
+    tokenizer, _ = _hf(cross_encoder_dir, "AutoModelForSequenceClassification")
+    long_document = "word " * 400
+    pairs = [*PAIRS, ("short query", long_document)]
+    rows = scorer.tokenize_pairs(pairs)
+    for row, (query, document) in zip(rows, pairs, strict=True):
+        expected = tokenizer(query, document, truncation=True, max_length=scorer.info.max_length)
+        assert row.ids.tolist() == expected["input_ids"]
+        assert row.type_ids.tolist() == expected["token_type_ids"]
+    # The long document was cut, the query kept whole.
+    assert rows[-1].length == scorer.info.max_length
+    assert rows[-1].ids.tolist()[: len(tokenizer("short query")["input_ids"])] == tokenizer("short query")["input_ids"]
+
+
+def test_over_long_pair_raises_input_too_long_when_truncation_is_refused(scorer) -> None:
+    with pytest.raises(InputTooLong) as error:
+        scorer.tokenize_pairs([("ok", "fine"), ("query", "word " * 400)], truncate=False)
+    assert error.value.index == 1
+
+
+def test_score_returns_one_logit_per_pair_equal_to_the_model(scorer, cross_encoder_dir: Path) -> None:
+    tokenizer, model = _hf(cross_encoder_dir, "AutoModelForSequenceClassification")
+    logits = scorer.run(scorer.tokenize_pairs(PAIRS))
+    assert logits.shape == (len(PAIRS),)
+    with torch.no_grad():
+        expected = model(**tokenizer([q for q, _ in PAIRS], [d for _, d in PAIRS], padding=True, return_tensors="pt"))
+    np.testing.assert_allclose(logits, expected.logits[:, 0].numpy(), atol=1e-5)
+    np.testing.assert_allclose(relevance_scores(logits), torch.sigmoid(expected.logits[:, 0]).numpy(), atol=1e-6)
+    assert relevance_scores(logits, raw_scores=True).tolist() == logits.tolist()
+
+
+def test_score_of_a_pair_does_not_depend_on_its_batch(scorer) -> None:
+    together = scorer.run(scorer.tokenize_pairs(PAIRS))
+    alone = np.concatenate([scorer.run(scorer.tokenize_pairs([pair])) for pair in PAIRS])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+def test_relevance_sigmoid_is_stable_for_extreme_logits() -> None:
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        scores = relevance_scores(np.array([-1000.0, 0.0, 1000.0]))
+    assert scores.tolist() == [0.0, 0.5, 1.0]
+
+
+def test_classify_fills_labels_from_id2label_and_matches_the_pipeline(classifier, classifier_dir: Path) -> None:
+    from transformers import pipeline
+
+    assert classifier.info.labels == CLASS_LABELS
+    logits = classifier.run(classifier.tokenize(TEXTS))
+    assert logits.shape == (len(TEXTS), len(CLASS_LABELS))
+    predictions = classifier.head.predictions(logits)
+    tokenizer, model = _hf(classifier_dir, "AutoModelForSequenceClassification")
+    expected = pipeline("text-classification", model=model, tokenizer=tokenizer, top_k=None)(TEXTS)
+    for got, want in zip(predictions, expected, strict=True):
+        assert [p["label"] for p in got] == [w["label"] for w in want]
+        np.testing.assert_allclose([p["score"] for p in got], [w["score"] for w in want], atol=1e-5)
+
+
+def test_classify_top_k_keeps_the_best_labels_sorted_descending(classifier) -> None:
+    logits = classifier.run(classifier.tokenize(TEXTS))
+    full = classifier.head.predictions(logits)
+    top = classifier.head.predictions(logits, top_k=2)
+    for whole, best in zip(full, top, strict=True):
+        assert best == whole[:2]
+        assert best[0]["score"] >= best[1]["score"]
+        assert sum(p["score"] for p in whole) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_classify_raw_scores_are_the_logits_sorted() -> None:
+    logits = np.array([[0.5, -2.0, 3.0]], dtype=np.float32)
+    got = label_scores(logits, CLASS_LABELS, raw_scores=True)[0]
+    assert [(p["label"], p["score"]) for p in got] == [("positive", 3.0), ("negative", 0.5), ("neutral", -2.0)]
+
+
+def test_multi_label_classification_uses_an_independent_sigmoid_per_label() -> None:
+    logits = np.array([[2.0, 2.0, -1.0]], dtype=np.float32)
+    got = label_scores(logits, CLASS_LABELS, multi_label=True)[0]
+    expected = 1 / (1 + np.exp(-logits[0]))
+    assert [p["label"] for p in got] == ["negative", "neutral", "positive"]  # ties keep config order
+    np.testing.assert_allclose([p["score"] for p in got], expected, atol=1e-6)
+
+
+def test_extract_rows_carry_character_offsets_with_special_tokens_marked(extractor) -> None:
+    row = extractor.tokenize(["Hello Paris"])[0]
+    assert row.offsets is not None and row.offsets.shape == (row.length, 2)
+    assert row.offsets[0].tolist() == [-1, -1] and row.offsets[-1].tolist() == [-1, -1]
+    assert ["Hello Paris"[s:e] for s, e in row.offsets[1:-1]] == ["Hello", "Paris"]
+
+
+def test_extract_spans_match_the_simple_aggregation_pipeline(extractor, token_classifier_dir: Path) -> None:
+    from transformers import pipeline
+
+    assert extractor.info.labels == BIO_LABELS
+    batch = extractor.tokenize(ENTITY_TEXTS)
+    logits = extractor.run(batch)
+    tokenizer, model = _hf(token_classifier_dir, "AutoModelForTokenClassification")
+    reference = pipeline("token-classification", model=model, tokenizer=tokenizer, aggregation_strategy="simple")
+    seen_labels = set()
+    for text, row, row_logits in zip(ENTITY_TEXTS, batch, logits, strict=True):
+        got = extractor.head.entities(text, row_logits, row.offsets)
+        want = reference(text)
+        assert [(e["label"], e["start"], e["end"]) for e in got] == [
+            (w["entity_group"], w["start"], w["end"]) for w in want
+        ]
+        np.testing.assert_allclose([e["score"] for e in got], [w["score"] for w in want], atol=1e-4)
+        assert all(e["text"] == text[e["start"] : e["end"]] for e in got)
+        seen_labels |= {e["label"] for e in got}
+    assert seen_labels == {"PER", "LOC"}  # the comparison covered both entity types
