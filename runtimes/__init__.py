@@ -3,7 +3,17 @@
 Nothing here imports from `appliance` or `tui`, so runtimes can be tested and benchmarked alone.
 """
 
-from runtimes.base import InputTooLong, ModelInfo, ModelSource, Runtime, RuntimeKind, Task, Tokenized
+from runtimes.base import (
+    InputTooLong,
+    ModelInfo,
+    ModelSource,
+    Runtime,
+    RuntimeKind,
+    Task,
+    Tokenized,
+    UnknownAdapter,
+    UnsupportedModel,
+)
 from runtimes.loader import load_runtime
 
 __all__ = [
@@ -14,5 +24,7 @@ __all__ = [
     "RuntimeKind",
     "Task",
     "Tokenized",
+    "UnknownAdapter",
+    "UnsupportedModel",
     "load_runtime",
 ]

@@ -17,7 +17,7 @@ from pathlib import Path
 from runtimes.base import Task, UnsupportedModel
 from runtimes.tasks.classify import labels_from_config
 
-__all__ = ["SUPPORTED", "UnsupportedModel", "detect_task"]
+__all__ = ["SUPPORTED", "UnsupportedModel", "check_adapter_folder", "detect_task"]
 
 SUPPORTED = (
     "*ForSequenceClassification with one label (score) or more (classify), "
@@ -85,3 +85,13 @@ def _implemented(model_type: str, task: Task) -> bool:
         Task.GENERATE: modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     }[task]
     return model_type in table
+
+
+def check_adapter_folder(folder: Path) -> None:
+    """Raise `UnsupportedModel` unless `folder` holds a LoRA adapter saved by peft (read without torch)."""
+    config_file = Path(folder) / "adapter_config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(f"{folder} has no adapter_config.json; a LoRA adapter saved by peft is expected")
+    peft_type = json.loads(config_file.read_text()).get("peft_type")
+    if peft_type != "LORA":
+        raise UnsupportedModel(f"{folder} is a {peft_type} adapter; only LoRA adapters are supported")

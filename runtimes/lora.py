@@ -7,7 +7,8 @@ they are, shared by every adapter; an adapter costs only its own A/B matrices (a
 `modules_to_save` copy, such as a classifier head trained with it).
 
 peft wraps the base model in place the first time an adapter is loaded (`PeftModel.from_pretrained`)
-and later ones are added with `load_adapter`; eviction is `delete_adapter`. Because loading, evicting
+and later ones are added with `load_adapter`; eviction is `delete_adapter`, and evicting the last one
+takes the wrapper off again (`unload`), leaving the plain base model. Because loading, evicting
 and peft's per-call forward hooks all touch the shared modules, every forward goes through
 `LoraAdapters.__call__`, which holds one lock: calls on one model are serialised, as they are on one
 device anyway.
@@ -26,7 +27,6 @@ An unknown name raises `UnknownAdapter`; a folder that is not a LoRA adapter rai
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from runtimes.base import UnknownAdapter, UnsupportedModel
+from runtimes.detect import check_adapter_folder
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 
@@ -59,7 +60,7 @@ class LoraAdapters:
         """Load the adapter in `path` as `name` (a no-op if resident); returns the bytes it added."""
         if name == BASE:
             raise UnsupportedModel(f"{BASE!r} is reserved for the base model; pick another adapter name")
-        _check_lora_folder(path)
+        check_adapter_folder(path)
         from peft import PeftModel
 
         with self._lock:
@@ -84,6 +85,11 @@ class LoraAdapters:
                 raise UnknownAdapter(name)
             self._peft.delete_adapter(name)
             del self._bytes[name]
+            if not self._bytes:
+                # peft cannot add an adapter to a wrapper left with none, so take the wrapper off: with
+                # no adapter left, `unload` hands back the base model exactly as it was loaded.
+                self._base = self._peft.unload()
+                self._peft = None
 
     def check(self, names: Sequence[str | None]) -> None:
         """Raise `UnknownAdapter` for the first name that is not resident."""
@@ -101,15 +107,6 @@ class LoraAdapters:
             rows = adapters if adapters is not None else [None] * _batch_size(inputs)
             names = [BASE if name is None else name for name in rows]
             return self._peft(**inputs, adapter_names=names)
-
-
-def _check_lora_folder(path: Path) -> None:
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise UnsupportedModel(f"{path} has no adapter_config.json; a LoRA adapter saved by peft is expected")
-    peft_type = json.loads(config_file.read_text()).get("peft_type")
-    if peft_type != "LORA":
-        raise UnsupportedModel(f"{path} is a {peft_type} adapter; only LoRA adapters are supported")
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:

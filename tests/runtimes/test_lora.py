@@ -1,0 +1,155 @@
+"""LoRA adapters on resident base models: peft's own outputs, per row, with the base left untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtimes import ModelSource, Task, load_runtime
+from runtimes.base import UnknownAdapter, UnsupportedModel
+from runtimes.generate import GenerateRuntime, SamplingParams
+
+from .helpers import drive, greedy_reference, prompt_ids
+
+TEXTS = ["Alice lives in Paris.", "A fine film, all in all.", "What is the capital of France?"]
+ENCODER_TASKS = [Task.EMBED, Task.SCORE, Task.CLASSIFY, Task.EXTRACT]
+
+
+def _peft_reference(task: Task, base_dir: Path, adapter_dir: Path):
+    """A fresh base model with peft's own PeftModel on top: the reference an adapter must match."""
+    import transformers
+    from peft import PeftModel
+
+    from .conftest import ADAPTER_KINDS
+
+    base = getattr(transformers, ADAPTER_KINDS[task][0]).from_pretrained(base_dir)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def _reference_rows(task: Task, model, runtime, batch) -> np.ndarray:
+    """What the runtime's `run` returns for `batch`, computed from `model` by hand."""
+    from runtimes.base import pad
+
+    ids, mask, types = (torch.from_numpy(a) if a is not None else None for a in pad(batch, runtime.tokenizer.pad_id))
+    with torch.no_grad():
+        output = model(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    if task is Task.EMBED:
+        hidden = output.last_hidden_state
+        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return torch.nn.functional.normalize(pooled, dim=-1).numpy()
+    logits = output.logits.numpy()
+    return logits[:, 0] if task is Task.SCORE else logits
+
+
+def _batch(task: Task, runtime):
+    if task is Task.SCORE:
+        return runtime.tokenize_pairs([("capital of France", text) for text in TEXTS])
+    return runtime.tokenize(TEXTS)
+
+
+@pytest.mark.parametrize("task", ENCODER_TASKS, ids=str)
+def test_encoder_adapter_matches_peft_and_leaves_the_base_alone(
+    task: Task, model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path]
+) -> None:
+    runtime = load_runtime(ModelSource(model_dirs[task], task))
+    batch = _batch(task, runtime)
+    before = runtime.run(batch)
+    added = runtime.load_adapter("tuned", adapter_dirs[task])
+    with_adapter = runtime.run(batch, adapter="tuned")
+    reference = _peft_reference(task, model_dirs[task], adapter_dirs[task])
+
+    np.testing.assert_allclose(with_adapter, _reference_rows(task, reference, runtime, batch), atol=1e-5)
+    assert not np.allclose(with_adapter, before, atol=1e-3)
+    np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)  # not merged into the base
+    lora_params = sum(p.numel() for n, p in reference.named_parameters() if ".default." in n)
+    assert added == 4 * lora_params
+    runtime.close()
+
+
+def test_evicted_adapter_is_unknown_and_can_be_loaded_again(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path]
+) -> None:
+    runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    batch = runtime.tokenize(TEXTS)
+    runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY])
+    tuned = runtime.run(batch, adapter="tuned")
+    runtime.evict_adapter("tuned")
+    assert runtime.adapters == ()
+    with pytest.raises(UnknownAdapter):
+        runtime.run(batch, adapter="tuned")
+    runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY])
+    np.testing.assert_allclose(runtime.run(batch, adapter="tuned"), tuned, atol=1e-6)
+    with pytest.raises(UnknownAdapter):
+        runtime.evict_adapter("never-loaded")
+    runtime.close()
+
+
+def test_folders_that_are_not_a_fitting_lora_are_refused(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path]
+) -> None:
+    runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    with pytest.raises(UnsupportedModel, match=r"adapter_config\.json"):
+        runtime.load_adapter("plain", model_dirs[Task.CLASSIFY])
+    with pytest.raises(UnsupportedModel, match="does not fit"):
+        runtime.load_adapter("llama", adapter_dirs[Task.GENERATE])
+    with pytest.raises(UnsupportedModel, match="reserved"):
+        runtime.load_adapter("__base__", adapter_dirs[Task.CLASSIFY])
+    assert runtime.adapters == ()
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def generator_with_adapters(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], second_generator_adapter_dir: Path
+) -> Iterator[GenerateRuntime]:
+    runtime = load_runtime(ModelSource(model_dirs[Task.GENERATE], Task.GENERATE))
+    runtime.load_adapter("first", adapter_dirs[Task.GENERATE])
+    runtime.load_adapter("second", second_generator_adapter_dir)
+    yield runtime
+    runtime.close()
+
+
+def test_one_decode_batch_mixes_base_and_adapters_each_matching_peft(
+    generator_with_adapters: GenerateRuntime,
+    model_dirs: dict[Task, Path],
+    adapter_dirs: dict[Task, Path],
+    second_generator_adapter_dir: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    runtime = generator_with_adapters
+    prompt = prompt_ids(runtime, "The quick brown fox")
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    joins = {
+        0: [("base", prompt, greedy), ("first", prompt, greedy, "first")],
+        2: [("second", prompt, greedy, "second")],
+    }
+    outputs = drive(runtime, joins)
+    tokens = {name: [o.token_id for o in outs] for name, outs in outputs.items()}
+
+    base = AutoModelForCausalLM.from_pretrained(model_dirs[Task.GENERATE]).eval()
+    assert tokens["base"] == greedy_reference(base, prompt, 10)
+    first = _peft_reference(Task.GENERATE, model_dirs[Task.GENERATE], adapter_dirs[Task.GENERATE])
+    assert tokens["first"] == greedy_reference(first, prompt, 10)
+    second = _peft_reference(Task.GENERATE, model_dirs[Task.GENERATE], second_generator_adapter_dir)
+    assert tokens["second"] == greedy_reference(second, prompt, 10)
+    assert len({tuple(t) for t in tokens.values()}) == 3  # each adapter really changed the completion
+
+
+def test_unknown_adapter_is_refused_when_the_request_is_added(generator_with_adapters: GenerateRuntime) -> None:
+    with pytest.raises(UnknownAdapter):
+        generator_with_adapters.add("x", np.array([5, 6, 7]), SamplingParams(), adapter="missing")
+    assert not generator_with_adapters.has_work
+
+
+def test_an_adapter_in_use_cannot_be_evicted(generator_with_adapters: GenerateRuntime) -> None:
+    runtime = generator_with_adapters
+    runtime.add("busy", np.array([5, 6, 7]), SamplingParams(max_tokens=3, temperature=0), adapter="first")
+    with pytest.raises(ValueError, match="in use"):
+        runtime.evict_adapter("first")
+    drive(runtime, {})
+    assert "first" in runtime.adapters
