@@ -21,4 +21,9 @@ def load_runtime(source: ModelSource) -> Runtime:
         from runtimes.torch_backend import TorchBackend
 
         return build_encoder_runtime(source, TorchBackend(source))
+    if source.runtime is RuntimeKind.ONNX:
+        from runtimes.encoder import build_encoder_runtime
+        from runtimes.onnx_backend import OnnxBackend
+
+        return build_encoder_runtime(source, OnnxBackend(source))
     raise NotImplementedError(f"runtime {source.runtime} is not available yet")

@@ -43,9 +43,15 @@ class EmbedHead:
         return cls(pooling, normalize)
 
     def pool(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """(batch, tokens, width) hidden states and (batch, tokens) mask to (batch, width) float32."""
+        """(batch, tokens, width) hidden states and (batch, tokens) mask to (batch, width) float32.
+
+        A (batch, width) array comes from a network that pools by itself (a shipped ONNX
+        sentence-embedding graph): it is only normalised, as the folder says.
+        """
         hidden = hidden.astype(np.float32, copy=False)
-        if self.pooling is PoolingMode.CLS:
+        if hidden.ndim == 2:
+            pooled = hidden
+        elif self.pooling is PoolingMode.CLS:
             pooled = hidden[:, 0]
         elif self.pooling is PoolingMode.LAST:
             last = mask.sum(axis=1) - 1
