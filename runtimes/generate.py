@@ -16,6 +16,7 @@ called from any thread):
         for out in runtime.step():                           # StepOutput per active request
             stream(out.request_id, out.text_delta)           # out.usage is set on the last one
     runtime.cancel(request_id)                               # client gone: dropped at the next step
+    runtime.clear()                                          # after a failed step: ids owed an error
 
 Greedy decoding (temperature 0) gives the tokens `model.generate(do_sample=False)` gives for the
 prompt alone; a seeded request draws the same tokens every time. Models are loaded from local
@@ -113,7 +114,8 @@ class GenerateRuntime:
         self._rows: list[_Request] = []  # owned by the stepping thread, with `_batch`
         self._batch: CacheBatch | None = None
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.info = ModelInfo(task=Task.GENERATE, max_length=context, nbytes=weights + self._warm_up())
+        peak, self.kv_bytes_per_token = self._warm_up()
+        self.info = ModelInfo(task=Task.GENERATE, max_length=context, nbytes=weights + peak)
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -202,6 +204,19 @@ class GenerateRuntime:
     def active(self) -> int:
         """Requests in the decode batch now (not counting those waiting to join)."""
         return len(self._rows)
+
+    def clear(self) -> list[str]:
+        """Drop every request, waiting or decoding (after a failed step, say); returns their ids.
+
+        Call it from the stepping thread, between steps: the caller owes each id an error reply.
+        """
+        with self._inbox_lock:
+            dropped = sorted(self._ids)
+            self._pending.clear()
+            self._cancelled.clear()
+            self._ids.clear()
+        self._rows, self._batch = [], None
+        return dropped
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -314,17 +329,22 @@ class GenerateRuntime:
         return logits.cpu().numpy()
 
     @torch.inference_mode()
-    def _warm_up(self) -> int:
-        """Prefill a long prompt; the activation peak on CUDA, else an estimate from its KV cache."""
+    def _warm_up(self) -> tuple[int, int]:
+        """Prefill a long prompt: (activation peak, KV cache bytes per token).
+
+        The peak is measured on CUDA and estimated on CPU from the prompt's KV cache. The bytes per
+        token are what each token of each active request adds: the budget a batch grows against.
+        """
         length = min(self.tokenizer.max_length, 512)
         batch, _ = self._prefill([torch.ones(length, dtype=torch.long, device=self.device)], [None])
+        layers = batch.cache.layers
+        cache_bytes = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            return max(0, peak - weights)
-        layers = batch.cache.layers
-        return 4 * sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+            return max(0, peak - weights), cache_bytes // length
+        return 4 * cache_bytes, cache_bytes // length
 
     # -- LoRA adapters (runtimes/lora.py) -----------------------------------------------------------
 

@@ -202,3 +202,22 @@ def test_run_returns_next_token_logits_for_each_prompt(generator, reference) -> 
         with torch.no_grad():
             want = reference(torch.as_tensor(row.ids).unsqueeze(0)).logits[0, -1].numpy()
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_clear_drops_every_request_and_the_runtime_serves_on(generator, reference) -> None:
+    prompt = prompt_ids(generator, PROMPTS[0])
+    generator.add("a", prompt, GREEDY)
+    generator.add("b", prompt, GREEDY)
+    generator.step()
+    generator.add("c", prompt, GREEDY)
+    assert generator.clear() == ["a", "b", "c"]
+    assert not generator.has_work and generator.active == 0
+    outputs = drive(generator, {0: [("a", prompt, GREEDY)]})
+    assert [o.token_id for o in outputs["a"]] == greedy_reference(reference, prompt, 12)
+
+
+def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(generator, reference) -> None:
+    config = reference.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    expected = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # float32
+    assert generator.kv_bytes_per_token == expected
