@@ -41,7 +41,7 @@ import torch
 from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
 from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
-from runtimes.tasks.generate import SamplingParams, TextStream, choose_token
+from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
 from runtimes.tokenizer import TextTokenizer, model_max_length
 from runtimes.torch_backend import _DTYPES, load_torch_model
 
@@ -164,7 +164,8 @@ class GenerateRuntime:
         adapter: str | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next step boundary."""
-        prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=self.device)
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        prompt = torch.as_tensor(ids, device=self.device)
         if prompt.ndim != 1 or prompt.numel() == 0:
             raise ValueError("a prompt is a non-empty sequence of token ids")
         room = self.info.max_length - prompt.numel()
@@ -180,7 +181,7 @@ class GenerateRuntime:
             params=params,
             adapter=adapter,
             max_new=min(params.max_tokens, room),
-            stream=TextStream(self.tokenizer.decode, prompt.tolist(), params.stop),
+            stream=TextStream(self.tokenizer.decode, ids.tolist(), params.stop),
             generator=generator,
         )
         with self._inbox_lock:
@@ -300,9 +301,9 @@ class GenerateRuntime:
         return output.logits[:, -1, :].float()
 
     def _choose(self, requests: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
+        tokens = choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests])
         outputs = []
-        for request, row in zip(requests, logits, strict=True):
-            token = choose_token(row, request.params, request.generator)
+        for request, token in zip(requests, tokens, strict=True):
             request.generated.append(token)
             if token in self._eos:
                 delta, _ = request.stream.finish()

@@ -39,10 +39,27 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
 
+def choose_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """The next token of each row of (rows, vocab) logits, read back from the device once per step.
+
+    Greedy rows take the argmax together; a sampling row draws with its own generator, so a seeded
+    request gets the same draws whatever else is in the batch.
+    """
+    picks = torch.argmax(logits, dim=-1)
+    for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
+        if row_params.temperature > 0:
+            picks[row] = _draw(logits[row], row_params, generator)
+    return picks.tolist()
+
+
 def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """The next token from one row of (vocab,) logits: argmax, or a draw from the top-p nucleus."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
+    return choose_tokens(logits.unsqueeze(0), [params], [generator])[0]
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
@@ -50,7 +67,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) > params.top_p
         sorted_probs = sorted_probs.masked_fill(beyond, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 class TextStream:

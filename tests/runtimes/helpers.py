@@ -30,7 +30,7 @@ def prompt_ids(runtime: GenerateRuntime, text: str) -> np.ndarray:
 
 def greedy_reference(model: torch.nn.Module, prompt: np.ndarray, max_new_tokens: int) -> list[int]:
     """What `model.generate` gives for this prompt alone, greedy: the tokens after the prompt."""
-    ids = torch.as_tensor(prompt).unsqueeze(0)
+    ids = torch.as_tensor(prompt, device=model.device).unsqueeze(0)
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
