@@ -1,6 +1,6 @@
-"""One fleetbox process, wired: NATS (embedded or joined), the stream, the models, workers, gateway.
+"""One fleetbox process, wired: NATS (embedded or joined), the stream, catalog, models, gateway.
 
-Start order follows the request path backwards (queue, then workers, then the HTTP door), and
+Start order follows the request path backwards (queue, catalog, workers, then the HTTP door), and
 stop order forwards: close the door, let workers finish what they started and hand back what they
 did not, stop answering, then close NATS. Every step is bounded so SIGTERM exits within 15 s.
 """
@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from typing import Any
 
 import nats
 from aiohttp import web
@@ -19,14 +22,18 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.nuid import NUID
 
-from appliance import bus
-from appliance.catalog import Catalog, ModelSpec
+from appliance import __version__, bus
+from appliance.catalog import Catalog, CatalogStore, ModelSpec, configured_specs
+from appliance.control import ControlServer
+from appliance.errors import Conflict, NotFound
+from appliance.fleet import Fleet
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
-from appliance.residency import Residency
+from appliance.placement import Placement
+from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
 from appliance.worker import ModelWorker
 
@@ -43,6 +50,14 @@ def resolve_device(setting: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({os.cpu_count()} cores)"
+
+
 def new_box_id() -> str:
     host = socket.gethostname().split(".")[0].lower()
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in host)[:24] or "box"
@@ -50,25 +65,35 @@ def new_box_id() -> str:
 
 
 class Box:
-    def __init__(self, settings: Settings, catalog: Catalog | None = None) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.box_id = settings.box_id or new_box_id()
-        self.catalog = catalog or Catalog.from_settings(settings)
+        self.catalog = Catalog()
         self.metrics = Metrics()
-        self.device = resolve_device(settings.device)
+        self.device = resolve_device(settings.device) if settings.runs_models else "none"
         # One thread per device serialises model work on it; tokenising big bodies and loading use others.
         self._device_executor = ThreadPoolExecutor(1, thread_name_prefix="fbx-device")
         self._cpu_executor = ThreadPoolExecutor(2, thread_name_prefix="fbx-cpu")
-        self.residency = Residency(self.device, settings.threads, self.metrics, self._cpu_executor)
+        budget = parse_budget(settings.memory_budget, self.device) if settings.runs_models else 0
+        self.residency = Residency(
+            self.device, settings.threads, budget, self.metrics, self._cpu_executor, before_evict=self._stop_worker
+        )
         self.workers: dict[str, ModelWorker] = {}
         self.natsd: EmbeddedNats | None = None
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
+        self.store: CatalogStore | None = None
+        self.fleet: Fleet | None = None
         self.dispatcher: Dispatcher | None = None
+        self._control: ControlServer | None = None
+        self._placement: Placement | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._monitor: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._stream_ok = False
+        self.draining = False
+        self.stop_requested = asyncio.Event()
+        self.started_at = time.time()
         self.http_port: int | None = None
 
     @property
@@ -77,23 +102,36 @@ class Box:
             return self.natsd.url
         return self.settings.nats_urls[0]
 
+    # -- start ---------------------------------------------------------------------------------
+
     async def start(self) -> None:
         await self._connect()
-        assert self.js is not None
+        assert self.js is not None and self.nc is not None
         s = self.settings
         await bus.ensure_request_stream(
             self.js, max_msgs=s.stream_max_msgs, max_bytes=s.stream_max_bytes, max_age_s=s.stream_max_age_s
         )
+        self.store = CatalogStore(self.js, self.catalog)
+        self.store.on_change(self._on_catalog_change)
+        await self.store.open(configured_specs(s))
         for spec in self.catalog:
-            await self._ensure_consumer(spec)
+            if spec.adapter_of is None:
+                await self._ensure_consumer(spec)
         self._stream_ok = True
+        self.fleet = Fleet(self.js, self.box_id, self.heartbeat, period_s=s.heartbeat_s, ttl_s=s.heartbeat_ttl_s)
+        await self.fleet.start()
+        self._control = ControlServer(self.nc, self.box_id, self._control_handlers())
+        await self._control.start()
         if s.runs_models:
             for spec in self.catalog:
-                if spec.pinned:
+                if spec.pinned and spec.adapter_of is None:
                     await self.serve_model(spec)
+            self._placement = Placement(self)
+            self._placement.start()
         if s.serves_http:
             await self._start_http()
-        self._monitor = asyncio.create_task(self._watch_stream(), name="stream-monitor")
+        self._spawn(self._watch_stream())
+        await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
 
     async def _connect(self) -> None:
@@ -124,7 +162,7 @@ class Box:
         log.warning("nats disconnected")
 
     async def _on_reconnect(self) -> None:
-        log.info("nats reconnected", extra={"url": str(self.nc.connected_url.netloc) if self.nc else ""})
+        log.info("nats reconnected")
 
     async def _ensure_consumer(self, spec: ModelSpec) -> None:
         assert self.js is not None
@@ -133,12 +171,48 @@ class Box:
             self.js, spec.slug, ack_wait_s=s.ack_wait_s, max_deliver=s.max_deliver, max_ack_pending=s.max_ack_pending
         )
 
+    async def _start_http(self) -> None:
+        assert self.nc is not None and self.js is not None and self.store is not None
+        self.dispatcher = Dispatcher(self.box_id, self.nc, self.js, self.metrics, self.settings.max_waiting)
+        await self.dispatcher.start()
+        context = GatewayContext(
+            settings=self.settings,
+            catalog=self.catalog,
+            store=self.store,
+            dispatcher=self.dispatcher,
+            metrics=self.metrics,
+            nc=self.nc,
+            box_id=self.box_id,
+            not_ready_reason=self.not_ready_reason,
+            model_state=self.model_state,
+            live_boxes=self.fleet.live_boxes if self.fleet else list,
+            check_fits=self.residency.check_fits if self.settings.runs_models else None,
+        )
+        app = build_app(context)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0, handle_signals=False)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
+        await self._site.start()
+        server = self._site._server
+        if server is not None and server.sockets:  # port 0 means "any free port"
+            self.http_port = int(server.sockets[0].getsockname()[1])
+
+    # -- models on this box ----------------------------------------------------------------------
+
     async def serve_model(self, spec: ModelSpec) -> ModelWorker:
         """Load a model (once) and start pulling its requests."""
+        if spec.adapter_of is not None:
+            raise Conflict(f"{spec.name} is an adapter; load its base model {spec.adapter_of}")
+        if spec.pinned:
+            self.residency.pinned.add(spec.name)
         worker = self.workers.get(spec.name)
         if worker is not None:
+            self.residency.touch(spec.name)
             return worker
         runtime = await self.residency.ensure_loaded(spec)
+        worker = self.workers.get(spec.name)  # another caller may have started it while we loaded
+        if worker is not None:
+            return worker
         assert self.nc is not None
         worker = ModelWorker(
             self.box_id,
@@ -149,48 +223,114 @@ class Box:
             self.metrics,
             self._device_executor,
             self._cpu_executor,
+            self.residency,
+            self.catalog,
         )
         self.workers[spec.name] = worker
         await worker.start()
+        if self.fleet is not None:
+            await self.fleet.beat()
         return worker
 
-    async def _start_http(self) -> None:
-        assert self.nc is not None and self.js is not None
-        self.dispatcher = Dispatcher(self.box_id, self.nc, self.js, self.metrics, self.settings.max_waiting)
-        await self.dispatcher.start()
-        context = GatewayContext(
-            settings=self.settings,
-            catalog=self.catalog,
-            dispatcher=self.dispatcher,
-            metrics=self.metrics,
-            not_ready_reason=self.not_ready_reason,
-            model_state=self.model_state,
-        )
-        app = build_app(context, inference=True)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0, handle_signals=False)
-        await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
-        await self._site.start()
-        server = self._site._server
-        if server is not None and server.sockets:  # port 0 means "any free port"
-            self.http_port = int(server.sockets[0].getsockname()[1])
+    async def _stop_worker(self, name: str) -> None:
+        """Before an eviction: stop pulling, finish what is in flight, hand the rest back."""
+        worker = self.workers.pop(name, None)
+        if worker is not None:
+            await worker.drain()
+
+    async def evict_model(self, name: str) -> bool:
+        evicted = await self.residency.evict(name)
+        if self.fleet is not None:
+            await self.fleet.beat()
+        return evicted
+
+    def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
+        if spec is None:
+            self.residency.pinned.discard(name)
+            if self.residency.is_resident(name):
+                self._spawn(self.evict_model(name))
+            return
+        if spec.pinned:
+            self.residency.pinned.add(name)
+        else:
+            self.residency.pinned.discard(name)
+        if spec.adapter_of is None:
+            self._spawn(self._ensure_consumer(spec))
+            if spec.pinned and self.settings.runs_models and not self.draining:
+                self._spawn(self.serve_model(spec))
+
+    # -- state for others ------------------------------------------------------------------------
 
     def not_ready_reason(self) -> str | None:
         if self.nc is None or not self.nc.is_connected:
             return "not connected to NATS"
         if not self._stream_ok:
             return f"stream {bus.REQUEST_STREAM} is not available"
+        if self.draining:
+            return "draining"
         if self.settings.runs_models:
             for spec in self.catalog:
-                if spec.pinned and not self.residency.is_resident(spec.name):
+                if spec.pinned and spec.adapter_of is None and not self.residency.is_resident(spec.name):
                     return f"pinned model {spec.name} is not resident yet"
         return None
 
-    def model_state(self, name: str) -> dict:
+    def model_state(self, name: str) -> dict[str, Any]:
+        """Where a model is resident in the fleet, from this box's own state and the heartbeats."""
+        boxes, nbytes, loading = [], None, False
+        for record in self.fleet.live_boxes() if self.fleet else []:
+            for model in record.get("models", []):
+                if model.get("name") == name:
+                    if model.get("state") == "loading":
+                        loading = True
+                    else:
+                        boxes.append(record["box"])
+                        nbytes = model.get("bytes")
         resident = self.residency.get(name)
-        if resident is None:
-            return {"state": "cold", "boxes": [], "bytes": None}
-        return {"state": "resident", "boxes": [self.box_id], "bytes": resident.nbytes}
+        if resident is not None:
+            nbytes = resident.nbytes
+            if self.box_id not in boxes:
+                boxes.append(self.box_id)
+        if self.residency.is_loading(name):
+            loading = True
+        state = "resident" if boxes else "loading" if loading else "cold"
+        return {"state": state, "boxes": sorted(boxes), "bytes": nbytes}
+
+    def heartbeat(self) -> dict[str, Any]:
+        models = [
+            {
+                "name": r.spec.name,
+                "bytes": r.nbytes,
+                "pinned": r.spec.name in self.residency.pinned,
+                "state": "resident",
+                "adapters": list(getattr(r.runtime, "adapters", ()) or ()),
+                **(self.workers[r.spec.name].stats() if r.spec.name in self.workers else {}),
+            }
+            for r in self.residency.residents()
+        ]
+        models += [
+            {"name": name, "bytes": None, "pinned": False, "state": "loading"}
+            for name in self.catalog.names()
+            if self.residency.is_loading(name)
+        ]
+        return {
+            "host": socket.gethostname(),
+            "role": self.settings.role,
+            "version": __version__,
+            "started": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "draining": self.draining,
+            "http_port": self.http_port,
+            "devices": [
+                {
+                    "name": device_name(self.device) if self.settings.runs_models else "none",
+                    "device": self.device,
+                    "budget_bytes": self.residency.budget_bytes,
+                    "used_bytes": self.residency.used_bytes,
+                }
+            ],
+            "models": models,
+            "backlog": int(self.metrics.backlog._value.get()),
+        }
 
     async def _watch_stream(self) -> None:
         """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After."""
@@ -207,16 +347,85 @@ class Box:
                 log.debug("stream info failed", extra={"error": repr(exc)})
             await asyncio.sleep(_MONITOR_PERIOD_S)
 
+    # -- control ---------------------------------------------------------------------------------
+
+    def _control_handlers(self) -> dict:
+        async def load(payload: dict[str, Any]) -> dict[str, Any]:
+            spec = self._model(payload)
+            if not self.settings.runs_models:
+                raise Conflict(f"box {self.box_id} is a gateway; it runs no models")
+            await self.serve_model(spec)
+            return {"model": spec.name, "state": "resident", "bytes": self.residency.get(spec.name).nbytes}
+
+        async def evict(payload: dict[str, Any]) -> dict[str, Any]:
+            spec = self._model(payload)
+            if spec.name in self.residency.pinned:
+                raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
+            return {"model": spec.name, "evicted": await self.evict_model(spec.name)}
+
+        async def pin(payload: dict[str, Any]) -> dict[str, Any]:
+            assert self.store is not None
+            spec = await self.store.set_pinned(self._model(payload), True)
+            return {"model": spec.name, "pinned": True}
+
+        async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
+            assert self.store is not None
+            spec = await self.store.set_pinned(self._model(payload), False)
+            return {"model": spec.name, "pinned": False}
+
+        async def drain(payload: dict[str, Any]) -> dict[str, Any]:
+            self.draining = True
+            self.stop_requested.set()
+            return {"draining": True}
+
+        async def status(payload: dict[str, Any]) -> dict[str, Any]:
+            return self.heartbeat()
+
+        return {"load": load, "evict": evict, "pin": pin, "unpin": unpin, "drain": drain, "status": status}
+
+    def _model(self, payload: dict[str, Any]) -> ModelSpec:
+        name = payload.get("model")
+        if not isinstance(name, str) or not name:
+            raise NotFound('name a model: {"model": NAME}')
+        spec = self.catalog.get(name)
+        if spec is None:
+            raise NotFound(f"model {name!r} does not exist; available models: {', '.join(self.catalog.names())}")
+        return spec
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background step failed", extra={"error": repr(task.exception())})
+
+    # -- stop ------------------------------------------------------------------------------------
+
     async def stop(self) -> None:
         """Close the door, finish in-flight batches, hand back unstarted work, stop NATS."""
         log.info("box stopping", extra={"box": self.box_id})
+        self.draining = True
         if self._site is not None:
             await self._site.stop()
-        if self._monitor is not None:
-            self._monitor.cancel()
+        if self._placement is not None:
+            await self._placement.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
+        self.workers.clear()
         if self._runner is not None:
             await self._runner.cleanup()  # waits (bounded) for handlers still answering
+        if self._control is not None:
+            with suppress(Exception):
+                await self._control.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
+        if self.store is not None:
+            await self.store.close()
         if self.nc is not None:
             with suppress(Exception):
                 await asyncio.wait_for(self.nc.drain(), 3.0)

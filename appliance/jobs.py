@@ -1,67 +1,132 @@
-"""What a worker does with each task's request: body bytes to rows, finished rows to reply bytes.
+"""What a worker does with each encoder task's request: body bytes to rows, finished rows to reply bytes.
 
-One `TaskJobs` per task; the worker picks it by the request's `Fbx-Task` header. Replies are
-compact: embeddings travel as little-endian float32 bytes and are formatted for the client's API
-family at the gateway.
+One `TaskJobs` per task, picked by the request's `Fbx-Task` header. Replies are compact and
+model-level: embeddings as little-endian float32 bytes, rerank scores as float32 per document,
+labels and entities as JSON; the gateway shapes them into the client's API family.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
+import orjson
 
 from appliance.batcher import Job
 from appliance.envelope import ReplyMeta
 from appliance.errors import PayloadTooLarge, Unprocessable
-from appliance.schemas import EmbeddingRequest
+from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest, RerankRequest
 from runtimes import InputTooLong, Runtime, Task, Tokenized
 from runtimes.tasks.embed import truncate_dimensions
+from runtimes.tasks.score import relevance_scores
 
 
 class TaskJobs(Protocol):
-    def prepare(self, body: bytes, runtime: Runtime) -> tuple[list[Tokenized], object]: ...
+    def prepare(self, body: bytes, runtime: Runtime) -> tuple[list[Tokenized], Any]: ...
 
-    def finish(self, job: Job, reply: ReplyMeta) -> tuple[bytes, ReplyMeta]: ...
+    def finish(self, job: Job, reply: ReplyMeta, runtime: Runtime) -> tuple[bytes, ReplyMeta]: ...
 
 
-class EmbedJobs:
-    _decoder = msgspec.json.Decoder(EmbeddingRequest)
+class _EncoderJobs:
+    schema: type[msgspec.Struct]
 
-    def prepare(self, body: bytes, runtime: Runtime) -> tuple[list[Tokenized], EmbeddingRequest]:
+    def __init__(self) -> None:
+        self._decoder = msgspec.json.Decoder(self.schema)
+
+    def decode(self, body: bytes) -> Any:
         try:
-            request = self._decoder.decode(body)
+            return self._decoder.decode(body)
         except msgspec.DecodeError as exc:
-            raise Unprocessable(f"invalid embeddings request: {exc}") from None
+            raise Unprocessable(f"invalid {self.schema.__name__}: {exc}") from None
+
+    def prepare(self, body: bytes, runtime: Runtime) -> tuple[list[Tokenized], Any]:
+        request = self.decode(body)
+        self.check(request, runtime)
+        try:
+            return self.tokenize(request, runtime), request
+        except InputTooLong as exc:
+            raise PayloadTooLarge(str(exc), code="input_too_long") from None
+
+    def check(self, request: Any, runtime: Runtime) -> None:
+        """Checks that need the loaded model (its width, its labels)."""
+
+    def tokenize(self, request: Any, runtime: Runtime) -> list[Tokenized]:
+        return runtime.tokenize(request.texts(), truncate=request.truncate)
+
+    def finish(self, job: Job, reply: ReplyMeta, runtime: Runtime) -> tuple[bytes, ReplyMeta]:
+        body, rows, dims = self.result(job, runtime)
+        usage = sum(row.length for row in job.rows)
+        return body, replace(reply, rows=rows, dims=dims, usage_tokens=usage)
+
+    def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
+        raise NotImplementedError
+
+
+class EmbedJobs(_EncoderJobs):
+    schema = EmbeddingRequest
+
+    def check(self, request: EmbeddingRequest, runtime: Runtime) -> None:
         width = runtime.info.dimensions
         if request.dimensions is not None and width is not None and request.dimensions > width:
             raise Unprocessable(
                 f"dimensions={request.dimensions} is more than this model's {width}", code="invalid_dimensions"
             )
-        try:
-            rows = runtime.tokenize(request.texts(), truncate=request.truncate)
-        except InputTooLong as exc:
-            raise PayloadTooLarge(str(exc), code="input_too_long") from None
-        return rows, request
 
-    def finish(self, job: Job, reply: ReplyMeta) -> tuple[bytes, ReplyMeta]:
+    def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: EmbeddingRequest = job.params
         vectors = truncate_dimensions(np.stack(job.results), request.dimensions)  # type: ignore[arg-type]
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
-        usage = sum(row.length for row in job.rows)
-        meta = ReplyMeta(
-            id=reply.id,
-            status=200,
-            box=reply.box,
-            queue_ms=reply.queue_ms,
-            compute_ms=reply.compute_ms,
-            rows=vectors.shape[0],
-            dims=vectors.shape[1],
-            usage_tokens=usage,
-        )
-        return vectors.tobytes(), meta
+        return vectors.tobytes(), vectors.shape[0], vectors.shape[1]
+
+
+class ScoreJobs(_EncoderJobs):
+    schema = RerankRequest
+
+    def tokenize(self, request: RerankRequest, runtime: Runtime) -> list[Tokenized]:
+        pairs = [(request.query, text) for text in request.texts()]
+        return runtime.tokenize_pairs(pairs, truncate=request.truncate)  # type: ignore[attr-defined]
+
+    def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
+        request: RerankRequest = job.params
+        logits = np.asarray([np.asarray(r).reshape(-1)[0] for r in job.results], dtype=np.float32)
+        scores = np.ascontiguousarray(relevance_scores(logits, raw_scores=request.raw_scores), dtype="<f4")
+        return scores.tobytes(), scores.shape[0], 1
+
+
+class ClassifyJobs(_EncoderJobs):
+    schema = ClassifyRequest
+
+    def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
+        request: ClassifyRequest = job.params
+        head = runtime.head  # type: ignore[attr-defined]
+        logits = np.stack([np.asarray(r, dtype=np.float32).reshape(-1) for r in job.results])
+        predictions = head.predictions(logits, raw_scores=request.raw_scores, top_k=request.top_k)
+        return orjson.dumps(predictions), len(predictions), 0
+
+
+class ExtractJobs(_EncoderJobs):
+    schema = ExtractRequest
+
+    def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
+        request: ExtractRequest = job.params
+        head = runtime.head  # type: ignore[attr-defined]
+        texts = request.texts()
+        entities = [
+            head.entities(text, np.asarray(logits), row.offsets)
+            for text, logits, row in zip(texts, job.results, job.rows, strict=True)
+        ]
+        return orjson.dumps(entities), len(entities), 0
+
+
+_JOBS: dict[str, TaskJobs] = {
+    Task.EMBED.value: EmbedJobs(),
+    Task.SCORE.value: ScoreJobs(),
+    Task.CLASSIFY.value: ClassifyJobs(),
+    Task.EXTRACT.value: ExtractJobs(),
+}
 
 
 def jobs_for(task: str) -> TaskJobs | None:
-    return {Task.EMBED.value: EmbedJobs()}.get(task)
+    return _JOBS.get(task)

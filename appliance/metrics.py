@@ -53,6 +53,14 @@ class Metrics:
         self.resident_bytes = Gauge(
             "fbx_resident_model_bytes", "Measured bytes of each resident model", ["model"], registry=r
         )
+        self.evictions = Counter("fbx_model_evictions", "Model evictions by reason", ["model", "reason"], registry=r)
+        self.cold_start_ms = Histogram(
+            "fbx_cold_start_wait_ms",
+            "Time a request for a cold model waited for its load (ms)",
+            ["model"],
+            buckets=_MS_BUCKETS,
+            registry=r,
+        )
         self.loads = Counter("fbx_model_loads", "Model loads", ["model"], registry=r)
         self.load_seconds = Histogram(
             "fbx_model_load_seconds",

@@ -1,23 +1,76 @@
-"""Which models are loaded on this box, and loading them once.
+"""Which models are loaded on this box's device, within a byte budget, and loading them once.
 
-Loads are single-flight: any number of concurrent `ensure_loaded` calls for one cold model cause
-one load, in a thread, and all of them get the same runtime. Each resident model carries its
-measured bytes (weights plus the warm-up activation peak), the figure eviction will budget by.
+The eviction rule: before a load, estimate the newcomer's bytes (weight files, scaled by dtype)
+and evict least-recently-used unpinned models until it fits; a model that cannot fit even with
+every unpinned model gone is refused (507). Once loaded, a model's bytes are the measured ones:
+weights plus the activation peak seen at warm-up. Loads are single-flight: any number of
+concurrent `ensure_loaded` calls for one cold model cause one load, in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance.catalog import ModelSpec
+from appliance.errors import InsufficientMemory
 from appliance.metrics import Metrics
-from runtimes import Runtime, load_runtime
+from runtimes import Runtime, RuntimeKind, load_runtime
 
 log = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".onnx", ".pt")
+_DTYPE_SCALE = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5, "int8": 0.25}
+_ACTIVATION_ALLOWANCE = 1.25  # until measured, assume activations add a quarter of the weights
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(raw: str | None, device: str) -> int:
+    """`"6GB"`, `"512MiB"`, `"123456"` (bytes) or `"0.5"` (a share of memory); None: the device default."""
+    total = device_memory(device)
+    if raw is None:
+        return int(total * (0.9 if device.startswith("cuda") else 0.5))
+    text = raw.strip().lower()
+    match = re.fullmatch(r"([0-9.]+)\s*([kmg]i?b|b)?", text)
+    if not match:
+        raise ValueError(f"memory budget {raw!r} is not a size like 6GB, 512MiB or 0.5")
+    number, unit = float(match.group(1)), match.group(2) or ""
+    if not unit and number <= 1.0:
+        return int(total * number)
+    return int(number * _UNITS[unit])
+
+
+def device_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def estimate_bytes(spec: ModelSpec) -> int:
+    """What a model will take before it is measured: its weight files, scaled by dtype, plus an allowance."""
+    if spec.runtime is RuntimeKind.NOOP:
+        return int(spec.options.get("bytes", 0))
+    files = _weight_files(spec.path)
+    weights = sum(f.stat().st_size for f in files) * _DTYPE_SCALE.get(spec.dtype, 1.0)
+    return int(weights * _ACTIVATION_ALLOWANCE)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if folder.is_file():
+        return [folder]
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES]
 
 
 @dataclass(slots=True)
@@ -26,6 +79,7 @@ class Resident:
     runtime: Runtime
     loaded_at: float
     last_used: float
+    adapters: dict[str, float] = field(default_factory=dict)  # adapter name -> last use
 
     @property
     def nbytes(self) -> int:
@@ -33,13 +87,28 @@ class Resident:
 
 
 class Residency:
-    def __init__(self, device: str, threads: int | None, metrics: Metrics, executor: Executor) -> None:
+    def __init__(
+        self,
+        device: str,
+        threads: int | None,
+        budget_bytes: int,
+        metrics: Metrics,
+        executor: Executor,
+        before_evict: Callable[[str], Awaitable[None]] | None = None,
+        max_adapters: int = 8,
+    ) -> None:
         self.device = device
+        self.budget_bytes = budget_bytes
         self._threads = threads
         self._metrics = metrics
         self._executor = executor
+        self._before_evict = before_evict
         self._resident: dict[str, Resident] = {}
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
+        self._room_lock = asyncio.Lock()
+        self._max_adapters = max_adapters
+        self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self.pinned: set[str] = set()
 
     def get(self, name: str) -> Resident | None:
         return self._resident.get(name)
@@ -49,6 +118,28 @@ class Residency:
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
+
+    def is_loading(self, name: str) -> bool:
+        return name in self._loading
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(r.nbytes for r in self._resident.values())
+
+    def touch(self, name: str) -> None:
+        resident = self._resident.get(name)
+        if resident is not None:
+            resident.last_used = time.monotonic()
+
+    def check_fits(self, spec: ModelSpec) -> None:
+        """Refuse (507) a model that could never fit, even with every unpinned model evicted."""
+        need = estimate_bytes(spec)
+        held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
+        if need > self.budget_bytes - held:
+            raise InsufficientMemory(
+                f"model {spec.name} needs about {need / 2**20:.0f} MiB; this box's budget is "
+                f"{self.budget_bytes / 2**20:.0f} MiB with {held / 2**20:.0f} MiB pinned"
+            )
 
     async def ensure_loaded(self, spec: ModelSpec) -> Runtime:
         resident = self._resident.get(spec.name)
@@ -64,7 +155,7 @@ class Residency:
             runtime = await self._load(spec)
         except BaseException as exc:
             future.set_exception(exc)
-            future.exception()  # mark retrieved: the caller re-raises it
+            future.exception()  # retrieved here: each waiter re-raises it
             raise
         finally:
             self._loading.pop(spec.name, None)
@@ -72,10 +163,14 @@ class Residency:
         return runtime
 
     async def _load(self, spec: ModelSpec) -> Runtime:
+        async with self._room_lock:
+            self.check_fits(spec)
+            await self._make_room(estimate_bytes(spec), keep=spec.name)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         log.info("loading model", extra={"model": spec.name, "device": self.device})
-        runtime = await loop.run_in_executor(self._executor, load_runtime, spec.source(self.device, self._threads))
+        source = spec.source(self.device, self._threads)
+        runtime = await loop.run_in_executor(self._executor, load_runtime, source)
         seconds = time.perf_counter() - started
         now = time.monotonic()
         self._resident[spec.name] = Resident(spec, runtime, loaded_at=now, last_used=now)
@@ -83,20 +178,90 @@ class Residency:
         self._metrics.load_seconds.labels(spec.name).observe(seconds)
         self._metrics.resident_bytes.labels(spec.name).set(runtime.info.nbytes)
         log.info(
-            "model resident",
-            extra={"model": spec.name, "bytes": runtime.info.nbytes, "seconds": round(seconds, 2)},
+            "model resident", extra={"model": spec.name, "bytes": runtime.info.nbytes, "seconds": round(seconds, 2)}
         )
         return runtime
 
-    async def evict(self, name: str) -> bool:
+    async def _make_room(self, need: int, keep: str) -> None:
+        """Evict LRU unpinned models until `need` more bytes fit in the budget."""
+        while self.used_bytes + need > self.budget_bytes:
+            victims = sorted(
+                (r for r in self._resident.values() if r.spec.name not in self.pinned and r.spec.name != keep),
+                key=lambda r: r.last_used,
+            )
+            if not victims:
+                return  # check_fits guaranteed the pinned set leaves room; measured bytes may exceed estimates
+            await self.evict(victims[0].spec.name, reason="budget")
+
+    async def ensure_adapter(self, base: str, adapter: ModelSpec) -> None:
+        """Load a LoRA adapter onto its resident base (single flight); evict the base's LRU adapter past the cap."""
+        resident = self._resident.get(base)
+        if resident is None:
+            raise KeyError(base)
+        now = time.monotonic()
+        if adapter.name in resident.adapters:
+            resident.adapters[adapter.name] = now
+            return
+        key = (base, adapter.name)
+        pending = self._adapter_loads.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._adapter_loads[key] = future
+        loop = asyncio.get_running_loop()
+        try:
+            while len(resident.adapters) >= self._max_adapters:
+                victim = min(resident.adapters, key=resident.adapters.__getitem__)
+                await loop.run_in_executor(self._executor, resident.runtime.evict_adapter, victim)  # type: ignore[attr-defined]
+                del resident.adapters[victim]
+                self._metrics.evictions.labels(f"{base}:{victim}", "adapter_lru").inc()
+            await loop.run_in_executor(self._executor, resident.runtime.load_adapter, adapter.name, adapter.path)  # type: ignore[attr-defined]
+            resident.adapters[adapter.name] = time.monotonic()
+            self._metrics.loads.labels(adapter.name).inc()
+            log.info("adapter loaded", extra={"model": base, "adapter": adapter.name})
+            future.set_result(None)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()
+            raise
+        finally:
+            self._adapter_loads.pop(key, None)
+
+    async def evict_adapter(self, base: str, adapter: str) -> bool:
+        resident = self._resident.get(base)
+        if resident is None or adapter not in resident.adapters:
+            return False
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, resident.runtime.evict_adapter, adapter)  # type: ignore[attr-defined]
+        del resident.adapters[adapter]
+        self._metrics.evictions.labels(f"{base}:{adapter}", "request").inc()
+        return True
+
+    async def evict_for_oom(self, keep: str) -> bool:
+        """Free memory after an out-of-memory error: evict the LRU unpinned model other than `keep`."""
+        victims = sorted(
+            (r for r in self._resident.values() if r.spec.name not in self.pinned and r.spec.name != keep),
+            key=lambda r: r.last_used,
+        )
+        if not victims:
+            return False
+        await self.evict(victims[0].spec.name, reason="oom")
+        return True
+
+    async def evict(self, name: str, reason: str = "request") -> bool:
+        if name not in self._resident:
+            return False
+        if self._before_evict is not None:
+            await self._before_evict(name)
         resident = self._resident.pop(name, None)
         if resident is None:
             return False
         await asyncio.get_running_loop().run_in_executor(self._executor, resident.runtime.close)
         self._metrics.resident_bytes.remove(name)
-        log.info("model evicted", extra={"model": name})
+        self._metrics.evictions.labels(name, reason).inc()
+        log.info("model evicted", extra={"model": name, "reason": reason, "bytes": resident.nbytes})
         return True
 
     async def close(self) -> None:
         for name in list(self._resident):
-            await self.evict(name)
+            await self.evict(name, reason="shutdown")

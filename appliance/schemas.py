@@ -10,7 +10,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-Timeout = Annotated[float, msgspec.Meta(gt=0)]
+Timeout = Annotated[float, msgspec.Meta(gt=0, description="seconds before the request's deadline")]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -19,10 +21,82 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     input: str | list[str]
     model: str
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    dimensions: Positive | None = None
     user: str | None = None
     truncate: bool = True
+    adapter: str | None = None
     timeout: Timeout | None = None
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else self.input
+
+
+class Document(msgspec.Struct):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    """Cohere/Jina `POST /v1/rerank`: documents as strings or `{text}` objects."""
+
+    model: str
+    query: NonEmptyText
+    documents: Annotated[list[str | Document], msgspec.Meta(min_length=1)]
+    top_n: Positive | None = None
+    return_documents: bool = False
+    raw_scores: bool = False
+    truncate: bool = True
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+    def texts(self) -> list[str]:
+        return [doc if isinstance(doc, str) else doc.text for doc in self.documents]
+
+
+class ClassifyRequest(msgspec.Struct, kw_only=True):
+    """Infinity-style `POST /v1/classify`: per input, labels with scores, best first."""
+
+    model: str
+    input: str | list[str]
+    raw_scores: bool = False
+    top_k: Positive | None = None
+    truncate: bool = True
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
+
+
+class ExtractRequest(msgspec.Struct, kw_only=True):
+    """`POST /v1/extract`: per input, entity spans with character offsets."""
+
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
+
+
+class ModelRegistration(msgspec.Struct, kw_only=True):
+    """`POST /v1/models`: a folder under a model root becomes a model (or an adapter) of the fleet."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    path: NonEmptyText
+    task: Literal["embed", "score", "classify", "extract", "generate"] | None = None
+    runtime: Literal["torch", "onnx"] = "torch"
+    adapter_of: str | None = None
+    pinned: bool = False
+    aliases: list[str] = msgspec.field(default_factory=list)
+    dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32"
+    max_batch_tokens: Positive | None = None
+    max_batch_size: Positive | None = None
+    max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class BoxTarget(msgspec.Struct, kw_only=True):
+    """The body of `POST /v1/models/{name}/load|evict`: which box (default: this one)."""
+
+    box: str | None = None

@@ -33,6 +33,7 @@ class ModelEntry(BaseModel):
     device: str | None = None
     dtype: str = "float32"
     options: dict[str, Any] = Field(default_factory=dict)
+    adapter_of: str | None = None  # the base model's name, for a LoRA adapter
     max_batch_tokens: int | None = None
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
@@ -75,9 +76,20 @@ class Settings(BaseSettings):
     device: str = "auto"
     threads: int | None = None
 
-    # Catalog
+    # Catalog and residency
     default_model: bool = True
     models: list[ModelEntry] = Field(default_factory=list)
+    model_roots: list[Path] = Field(default_factory=list)  # empty: <state_dir>/models
+    memory_budget: str | None = None  # bytes ("6GB", "512MiB", "0.5" = share of memory); None: 90% GPU, 50% RAM
+    cold_backlog: int = 32  # a box loads a model another box holds once this many requests wait for it
+
+    # Fleet
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+
+    # Security: comma-separated keys; none set means the routes are open
+    api_keys: str | None = None
+    admin_keys: str | None = None
 
     log_level: str = "INFO"
     shutdown_grace_s: float = 10.0
@@ -99,12 +111,29 @@ class Settings(BaseSettings):
         return [url.strip() for url in (self.nats or "").split(",") if url.strip()]
 
     @property
+    def roots(self) -> list[Path]:
+        """Where registered model folders may live, resolved (symlinks included)."""
+        return [root.resolve() for root in (self.model_roots or [self.state_dir / "models"])]
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return _keys(self.api_keys)
+
+    @property
+    def admin_key_list(self) -> list[str]:
+        return _keys(self.admin_keys)
+
+    @property
     def serves_http(self) -> bool:
         return self.role in ("all", "gateway")
 
     @property
     def runs_models(self) -> bool:
         return self.role in ("all", "worker")
+
+
+def _keys(raw: str | None) -> list[str]:
+    return [key.strip() for key in (raw or "").split(",") if key.strip()]
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -22,13 +23,14 @@ from nats.aio.subscription import Subscription
 
 from appliance import bus
 from appliance.batcher import Batcher, Job
-from appliance.catalog import ModelSpec
+from appliance.catalog import Catalog, ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import BadRequest, FleetboxError, InternalError, deadline_passed
+from appliance.errors import FleetboxError, InternalError, NotFound, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
+from appliance.residency import Residency
 from appliance.settings import Settings
-from runtimes import Runtime
+from runtimes import Runtime, UnknownAdapter, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,8 @@ class ModelWorker:
         metrics: Metrics,
         device_executor: Executor,
         cpu_executor: Executor,
+        residency: Residency,
+        catalog: Catalog,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
@@ -134,6 +138,10 @@ class ModelWorker:
         self._settings = settings
         self._metrics = metrics
         self._cpu_executor = cpu_executor
+        self._residency = residency
+        self._catalog = catalog
+        self._started = time.time()
+        self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
         self._tasks: set[asyncio.Task[None]] = set()
         self.batcher = Batcher(spec.name, runtime, spec.batching, device_executor, metrics, self._on_done)
@@ -163,6 +171,19 @@ class ModelWorker:
     def held(self) -> int:
         return len(self._held)
 
+    def stats(self, window_s: float = 10.0) -> dict[str, float]:
+        """Requests/s and end-to-end p50/p99 (ms) over the last `window_s`, for the heartbeat."""
+        now = time.monotonic()
+        recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
+        if not recent:
+            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held)}
+        return {
+            "rps": round(len(recent) / window_s, 2),
+            "p50_ms": round(recent[len(recent) // 2], 2),
+            "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
+            "held": len(self._held),
+        }
+
     def _room(self) -> int:
         if self.batcher.pending_rows >= 2 * self.spec.batching.max_batch_size:
             return 0
@@ -185,13 +206,32 @@ class ModelWorker:
             self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
             return
         jobs = jobs_for(meta.task)
-        if jobs is None:
-            self._spawn(self._answer_error(meta, msg, BadRequest(f"model {meta.model} does not serve {meta.task}")))
+        if jobs is None or meta.task != self.spec.task.value:
+            error = Unprocessable(f"model {self.spec.name} serves {self.spec.task}, not {meta.task}", code="wrong_task")
+            self._spawn(self._answer_error(meta, msg, error))
             return
-        if len(msg.data) > _BIG_BODY:
+        if meta.sent_ms and meta.sent_ms < self._started * 1000:
+            self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
+        if meta.adapter is not None:
+            self._spawn(self._with_adapter(meta, msg, jobs))
+        elif len(msg.data) > _BIG_BODY:
             self._spawn(self._prepare_off_loop(meta, msg, jobs))
         else:
             self._prepare(meta, msg, jobs)
+
+    async def _with_adapter(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
+        """Load the request's LoRA adapter onto this model (once), then prepare as usual."""
+        adapter = self._catalog.get(meta.adapter or "")
+        if adapter is None or adapter.adapter_of != self.spec.name:
+            error = NotFound(f"model {self.spec.name} has no adapter {meta.adapter!r}", code="adapter_not_found")
+            await self._answer_error(meta, msg, error)
+            return
+        try:
+            await self._residency.ensure_adapter(self.spec.name, adapter)
+        except (UnsupportedModel, UnknownAdapter) as exc:
+            await self._answer_error(meta, msg, Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter"))
+            return
+        await self._prepare_off_loop(meta, msg, jobs)
 
     def _prepare(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
         try:
@@ -230,7 +270,7 @@ class ModelWorker:
         jobs = jobs_for(meta.task)
         assert jobs is not None
         try:
-            body, reply = jobs.finish(job, draft)
+            body, reply = jobs.finish(job, draft, self.runtime)
         except FleetboxError as exc:
             await self._answer_error(meta, msg, exc)
             return
@@ -244,6 +284,7 @@ class ModelWorker:
         try:
             await self._nc.publish(meta.reply, body, headers=headers)
             await msg.ack()
+            self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:
             self._held.pop(meta.id, None)
             self.puller.poke()

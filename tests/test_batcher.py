@@ -23,19 +23,22 @@ class RecordingRuntime(NoopRuntime):
     def __init__(self) -> None:
         super().__init__(ModelSource(path=".", task=Task.EMBED))  # type: ignore[arg-type]
         self.batches: list[list[int]] = []
+        self.adapters: list[str | None] = []
 
-    def run(self, batch):
+    def run(self, batch, adapter=None):  # noqa: ANN001, ANN201
         self.batches.append([row.length for row in batch])
+        self.adapters.append(adapter)
         return super().run(batch)
 
 
 _ids = itertools.count()
 
 
-def job(lengths: list[int], timeout_s: float = 30.0) -> Job:
+def job(lengths: list[int], timeout_s: float = 30.0, adapter: str | None = None) -> Job:
     now = int(time.time() * 1000)
     deadline = now + int(timeout_s * 1000)
-    meta = RequestMeta(id=f"job-{next(_ids)}", task="embed", model="m", reply="r", deadline_ms=deadline, sent_ms=now)
+    meta = RequestMeta(id=f"job-{next(_ids)}", task="embed", model="m", reply="r", deadline_ms=deadline, sent_ms=now,
+                       adapter=adapter)  # fmt: skip
     return Job(meta=meta, rows=[Tokenized(ids=np.ones(n, dtype=np.int64)) for n in lengths])
 
 
@@ -95,3 +98,12 @@ async def test_expired_job_is_answered_with_504_and_never_computed() -> None:
     assert errors[alive.meta.id] is None
     assert getattr(errors[dead.meta.id], "status", None) == 504
     assert sum(len(b) for b in runtime.batches) == 2
+
+
+async def test_a_batch_holds_one_adapter() -> None:
+    jobs = [job([4, 4], adapter="a"), job([4], adapter=None), job([4, 4], adapter="b"), job([4], adapter="a")]
+    runtime, done = await run_batcher(jobs, Batching(max_batch_tokens=1000, max_batch_size=64, max_wait_ms=1))
+    assert all(error is None for _, error in done)
+    assert sorted(map(str, runtime.adapters)) == ["None", "a", "b"]
+    sizes = dict(zip(map(str, runtime.adapters), map(len, runtime.batches), strict=True))
+    assert sizes == {"a": 3, "None": 1, "b": 2}

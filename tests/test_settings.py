@@ -22,6 +22,6 @@ def test_models_from_toml_join_the_default_model(tmp_path) -> None:
     config = tmp_path / "box.toml"
     config.write_text('[[models]]\nname = "fast"\nruntime = "noop"\nmax_batch_size = 8\n')
     catalog = Catalog.from_settings(load_settings(config))
-    assert catalog.resolve("fast").batching.max_batch_size == 8
-    assert catalog.resolve("all-minilm-l6-v2").name == DEFAULT_MODEL_NAME
-    assert catalog.resolve(DEFAULT_MODEL_NAME).pinned
+    assert catalog.resolve("fast").spec.batching.max_batch_size == 8
+    assert catalog.resolve("all-minilm-l6-v2").spec.name == DEFAULT_MODEL_NAME
+    assert catalog.resolve(DEFAULT_MODEL_NAME).spec.pinned

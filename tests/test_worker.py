@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import nats
 
@@ -83,31 +84,29 @@ async def test_two_workers_on_one_consumer_share_the_work(start_box, http) -> No
 
 
 async def test_killed_worker_request_is_redelivered_and_answered_once(start_box, nats_server, http, tmp_path) -> None:
-    config = tmp_path / "slow.toml"
-    config.write_text(
-        'default_model = false\nack_wait_s = 2\n[[models]]\nname = "noop"\nruntime = "noop"\npinned = true\n'
-        "options = { cost_ms = 600000 }\n"
-    )
-    env = {**os.environ, "FBX_LOG_LEVEL": "WARNING"}
+    # The fleet-wide catalog says "noop" takes ten minutes a batch: the doomed box will hold the request.
+    gateway = await start_box(role="gateway", default_model=False, models=[noop_model(cost_ms=600_000)], ack_wait_s=2)
+    config = tmp_path / "doomed.toml"
+    config.write_text("default_model = false\nack_wait_s = 2\n")
     doomed = subprocess.Popen(
         [sys.executable, "-m", "appliance.cli", "serve", "--role", "worker", "--nats", nats_server.url,
          "--box-id", "doomed", "--config", str(config)],
-        env=env,
+        env={**os.environ, "FBX_LOG_LEVEL": "WARNING"},
     )  # fmt: skip
     try:
-        gateway = await start_box(role="gateway", default_model=False, models=[noop_model()], ack_wait_s=2)
-        js = gateway.js
         answer = asyncio.create_task(http.post(url(gateway, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 60}))
 
         async def doomed_holds_it() -> bool:
-            info = await js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
+            info = await gateway.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
             return info.num_ack_pending == 1
 
         await wait_for(doomed_holds_it, timeout_s=60, what="the doomed worker to pull the request")
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(10)
-        rescuer = await start_box(role="worker", box_id="rescuer", default_model=False, models=[noop_model()],
-                                  ack_wait_s=2)  # fmt: skip
+        # The operator makes the model fast again; a new box picks up what the dead one held.
+        spec = gateway.catalog.get("noop")
+        await gateway.store.put(replace(spec, options={}))
+        rescuer = await start_box(role="worker", box_id="rescuer", default_model=False, ack_wait_s=2)
         async with await answer as response:
             assert response.status == 200, await response.text()
             assert response.headers["Fbx-Box"] == "rescuer"
@@ -121,7 +120,7 @@ async def test_killed_worker_request_is_redelivered_and_answered_once(start_box,
 
 async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_server) -> None:
     gateway = await start_box(role="gateway", default_model=False, models=[noop_model()])
-    spec = Catalog.from_settings(gateway.settings).resolve("noop")
+    spec = Catalog.from_settings(gateway.settings).resolve("noop").spec
     call = asyncio.create_task(
         gateway.dispatcher.call(
             spec=spec, task="embed", body=b'{"input": "x", "model": "noop"}', timeout_s=10, tokens=1

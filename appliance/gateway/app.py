@@ -14,7 +14,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
-from appliance.gateway import embeddings, ops
+from appliance.gateway import admin, encoders, ops
+from appliance.gateway.auth import admin as admin_only
+from appliance.gateway.auth import inference
 from appliance.gateway.context import CONTEXT, GatewayContext
 from appliance.gateway.http import json_response
 
@@ -66,7 +68,7 @@ def _error_response(error: FleetboxError) -> web.Response:
     return response
 
 
-def build_app(context: GatewayContext, *, inference: bool = True) -> web.Application:
+def build_app(context: GatewayContext) -> web.Application:
     app = web.Application(middlewares=[errors_and_metrics], client_max_size=context.settings.max_body_bytes)
     app[CONTEXT] = context
     routes = [
@@ -74,9 +76,18 @@ def build_app(context: GatewayContext, *, inference: bool = True) -> web.Applica
         web.get("/readyz", ops.readyz),
         web.get("/metrics", ops.metrics),
         web.get("/openapi.json", ops.openapi),
-        web.get("/v1/models", ops.list_models),
+        web.get("/v1/models", inference(ops.list_models)),
+        web.get("/v1/models/{name:.+}", inference(admin.get_model)),
+        web.post("/v1/models", admin_only(admin.register_model)),
     ]
-    if inference:
-        routes.append(web.post("/v1/embeddings", embeddings.create_embeddings))
+    for verb in ("pin", "unpin", "load", "evict"):
+        routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
+    routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
+    if context.settings.serves_http:
+        routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            routes.append(web.post(path, inference(encoders.rerank)))
+        routes.append(web.post("/v1/classify", inference(encoders.classify)))
+        routes.append(web.post("/v1/extract", inference(encoders.extract)))
     app.add_routes(routes)
     return app

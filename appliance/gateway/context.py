@@ -1,13 +1,15 @@
-"""What the routes may reach: settings, the catalog, the dispatcher, metrics and readiness."""
+"""What the routes may reach: settings, the catalog, the dispatcher, metrics and the box's state."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from nats.aio.client import Client as NATS
 
-from appliance.catalog import Catalog
+from appliance.catalog import Catalog, CatalogStore, ModelSpec
 from appliance.gateway.dispatch import Dispatcher
 from appliance.metrics import Metrics
 from appliance.settings import Settings
@@ -17,12 +19,19 @@ from appliance.settings import Settings
 class GatewayContext:
     settings: Settings
     catalog: Catalog
+    store: CatalogStore
     dispatcher: Dispatcher
     metrics: Metrics
+    nc: NATS
+    box_id: str
     # Returns why the box is not ready, or None when it is.
     not_ready_reason: Callable[[], str | None]
-    # Per model name: the boxes holding it and its bytes, for GET /v1/models.
-    model_state: Callable[[str], dict]
+    # Per model name: state, the boxes holding it and its bytes, for GET /v1/models.
+    model_state: Callable[[str], dict[str, Any]]
+    # Heartbeat records of the live boxes.
+    live_boxes: Callable[[], list[dict[str, Any]]]
+    # Raises 507 when a model could never fit this box; None on a gateway-only box.
+    check_fits: Callable[[ModelSpec], None] | None
 
     @staticmethod
     def of(request: web.Request) -> GatewayContext:

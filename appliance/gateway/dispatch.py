@@ -30,6 +30,7 @@ from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+_PUBLISH_TIMEOUT_S = 5.0
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 
 
@@ -85,12 +86,14 @@ class Dispatcher:
             adapter=adapter,
             priority=priority,
         )
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        future: asyncio.Future[Reply] = loop.create_future()
         self._waiters[request_id] = future
         try:
-            await self._publish(spec, body, meta, timeout_s)
+            await self._publish(spec, body, meta)
             try:
-                return await asyncio.wait_for(future, timeout_s)
+                return await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise GatewayTimeout(
                     f"no answer within the request's deadline of {timeout_s:g}s; "
@@ -99,10 +102,10 @@ class Dispatcher:
         finally:
             self._waiters.pop(request_id, None)
 
-    async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta, timeout_s: float) -> None:
+    async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
         try:
             await self._js.publish(
-                bus.request_subject(spec.slug), body, timeout=min(timeout_s, 5.0), headers=meta.headers()
+                bus.request_subject(spec.slug), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
             )
         except APIError as exc:
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):

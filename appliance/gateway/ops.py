@@ -7,6 +7,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from appliance.gateway.admin import model_record
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response
 from appliance.gateway.openapi import openapi_spec
@@ -34,20 +35,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    data = [
-        {
-            "id": spec.name,
-            "object": "model",
-            "created": _STARTED,
-            "owned_by": "fleetbox",
-            "task": spec.task.value,
-            "runtime": spec.runtime.value,
-            "aliases": list(spec.aliases),
-            "pinned": spec.pinned,
-            **ctx.model_state(spec.name),
-        }
-        for spec in ctx.catalog
-    ]
+    data = [{"created": _STARTED, **model_record(ctx, spec)} for spec in ctx.catalog]
     return json_response({"object": "list", "data": data})
 
 

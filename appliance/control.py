@@ -1,0 +1,84 @@
+"""Control of one box over NATS: `fbx.ctl.<box>.<verb>` with a JSON body, answered with JSON.
+
+Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `drain` and `status`. The
+admin HTTP routes, the `fleetbox` CLI and the TUI all go through `call_box`, so every way of
+steering a box runs the same code and gets the same errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from appliance import bus
+from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
+
+log = logging.getLogger(__name__)
+
+VERBS = ("load", "evict", "pin", "unpin", "drain", "status")
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ControlServer:
+    """Answers this box's control subjects with the handlers the box gives it."""
+
+    def __init__(self, nc: NATS, box_id: str, handlers: dict[str, Handler]) -> None:
+        self._nc = nc
+        self._box_id = box_id
+        self._handlers = handlers
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(bus.control_subject(self._box_id, "*"), cb=self._on_request)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_request(self, msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[-1]
+        try:
+            handler = self._handlers.get(verb)
+            if handler is None:
+                raise NotFound(f"unknown control verb {verb!r}; verbs: {', '.join(self._handlers)}")
+            try:
+                payload = orjson.loads(msg.data) if msg.data else {}
+            except orjson.JSONDecodeError:
+                raise BadRequest("control body is not JSON") from None
+            if not isinstance(payload, dict):
+                raise BadRequest("control body must be a JSON object")
+            result = {"ok": True, "box": self._box_id, **(await handler(payload))}
+            status = 200
+        except FleetboxError as exc:
+            result, status = exc.body(), exc.status
+        except Exception as exc:
+            log.exception("control verb failed", extra={"verb": verb})
+            error = InternalError(f"{verb} failed: {exc!r}")
+            result, status = error.body(), error.status
+        if msg.reply:
+            await self._nc.publish(msg.reply, orjson.dumps(result), headers={"Fbx-Status": str(status)})
+
+
+async def call_box(
+    nc: NATS, box_id: str, verb: str, payload: dict[str, Any] | None = None, timeout_s: float = 120.0
+) -> dict:
+    """Ask one box to do `verb`; raises the box's own typed error when it refuses."""
+    try:
+        reply = await nc.request(bus.control_subject(box_id, verb), orjson.dumps(payload or {}), timeout=timeout_s)
+    except NoRespondersError:
+        raise NotFound(f"box {box_id!r} is not connected to the fleet", code="box_not_found") from None
+    except NatsTimeout:
+        raise ServiceUnavailable(f"box {box_id!r} did not answer {verb} within {timeout_s:g}s") from None
+    status = int((reply.headers or {}).get("Fbx-Status", "200"))
+    if status != 200:
+        raise error_from_reply(status, reply.data)
+    return orjson.loads(reply.data)

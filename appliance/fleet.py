@@ -1,0 +1,118 @@
+"""The fleet as every box sees it: heartbeats in the KV bucket `fbx_boxes`.
+
+Each box puts its own record (devices, resident models with bytes, backlog, throughput, latency)
+every `heartbeat_s`; the bucket's TTL removes a dead box's record, and readers also ignore any
+record older than the TTL. A clean stop deletes the record at once. Readers (the pull policy,
+`GET /v1/models`, the TUI) keep a watched copy, so asking "who holds model M" costs no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from appliance import bus
+
+log = logging.getLogger(__name__)
+
+
+class Fleet:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        box_id: str,
+        snapshot: Callable[[], dict[str, Any]] | None,
+        *,
+        period_s: float,
+        ttl_s: float,
+        replicas: int = 1,
+    ) -> None:
+        self._js = js
+        self.box_id = box_id
+        self._snapshot = snapshot  # None: a reader only (the TUI), publishes nothing
+        self._period_s = period_s
+        self._ttl_s = ttl_s
+        self._replicas = replicas
+        self._kv: KeyValue | None = None
+        self._boxes: dict[str, dict[str, Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._kv = await open_boxes_bucket(self._js, self._ttl_s, self._replicas)
+        watcher = await self._kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                break
+            self._apply(entry)
+        self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
+        if self._snapshot is not None:
+            await self.beat()
+            self._tasks.append(asyncio.create_task(self._beat_forever(), name="heartbeat"))
+
+    async def beat(self) -> None:
+        """Publish this box's record now (also called on state changes, so others see them at once)."""
+        if self._kv is None or self._snapshot is None:
+            return
+        record = {**self._snapshot(), "box": self.box_id, "ts": time.time()}
+        try:
+            await self._kv.put(self.box_id, orjson.dumps(record))
+        except Exception as exc:
+            log.debug("heartbeat failed", extra={"error": repr(exc)})
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._period_s)
+            await self.beat()
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is not None:
+                self._apply(entry)
+
+    def _apply(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self._boxes.pop(entry.key, None)
+            return
+        with suppress(orjson.JSONDecodeError):
+            record = orjson.loads(entry.value)
+            if isinstance(record, dict):
+                self._boxes[entry.key] = record
+
+    def live_boxes(self) -> list[dict[str, Any]]:
+        now = time.time()
+        return [r for r in self._boxes.values() if now - float(r.get("ts", 0)) <= self._ttl_s]
+
+    def holders(self, model: str) -> list[str]:
+        """Live boxes that have `model` resident (or loading), from their heartbeats."""
+        return [
+            record["box"]
+            for record in self.live_boxes()
+            if any(m.get("name") == model for m in record.get("models", []))
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._kv is not None and self._snapshot is not None:
+            with suppress(Exception):
+                await self._kv.delete(self.box_id)
+
+
+async def open_boxes_bucket(js: JetStreamContext, ttl_s: float, replicas: int = 1) -> KeyValue:
+    try:
+        return await js.key_value(bus.BOXES_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=bus.BOXES_BUCKET, history=1, ttl=ttl_s, replicas=replicas, storage=StorageType.MEMORY)
+        )

@@ -1,0 +1,215 @@
+"""The admin API: register, delete, pin, unpin, load and evict models, fleet-wide.
+
+Registration is where a folder is judged, before any request depends on it: it must resolve
+(symlinks included) inside a configured model root (403 otherwise), its task and adapter are
+detected from its files (422 when unsupported), and it must fit a box's memory budget (507).
+Load and evict act on one box through its control subject, so any box's API can steer any box.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from appliance.bus import model_slug
+from appliance.catalog import ADAPTER_SEPARATOR, Batching, ModelSpec, default_batching
+from appliance.control import call_box
+from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
+from appliance.gateway.context import GatewayContext
+from appliance.gateway.http import decode, json_response, read_body
+from appliance.schemas import BoxTarget, ModelRegistration
+from runtimes.base import RuntimeKind, Task, UnsupportedModel
+from runtimes.detect import check_adapter_folder, detect_task
+
+_registration = msgspec.json.Decoder(ModelRegistration)
+_target = msgspec.json.Decoder(BoxTarget)
+_SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
+
+
+def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "id": spec.name,
+        "object": "model",
+        "owned_by": "fleetbox",
+        "task": spec.task.value,
+        "runtime": spec.runtime.value,
+        "aliases": list(spec.aliases),
+        "pinned": spec.pinned,
+        "adapter_of": spec.adapter_of,
+        "adapters": [a.name for a in ctx.catalog.adapters_of(spec.name)],
+        **ctx.model_state(spec.name),
+    }
+
+
+def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
+    """The folder a registration names, only if it resolves inside a model root."""
+    candidate = Path(raw)
+    if not candidate.is_absolute():
+        candidate = roots[0] / candidate
+    resolved = candidate.resolve()
+    for root in roots:
+        if resolved == root or resolved.is_relative_to(root):
+            return resolved
+    raise Forbidden(
+        f"path {raw!r} is outside the model roots ({', '.join(map(str, roots))}); "
+        "put the folder under a root or add one with --model-root",
+        code="path_outside_model_roots",
+    )
+
+
+def _task_for(registration: ModelRegistration, folder: Path) -> Task:
+    try:
+        detected = detect_task(folder)
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="unsupported_model") from None
+    if registration.task is None:
+        return detected
+    asked = Task(registration.task)
+    if asked is detected or {asked, detected} <= _SEQUENCE_TASKS:
+        return asked
+    raise Unprocessable(f"the folder holds a {detected} model, not {asked}", code="wrong_task")
+
+
+async def register_model(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    registration = decode(await read_body(request, ctx.settings), _registration)
+    name = registration.name
+    try:
+        slug = model_slug(name)
+    except ValueError as exc:
+        raise Unprocessable(str(exc), code="invalid_name") from None
+    for taken in (name, *registration.aliases):
+        if ctx.catalog.get(taken) is not None:
+            raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")
+    if ctx.catalog.by_slug(slug) is not None:
+        raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")
+    folder = resolve_under_roots(registration.path, ctx.settings.roots)
+    if not folder.is_dir():
+        raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
+    defaults = default_batching(ctx.settings)
+    if registration.adapter_of is not None:
+        base = ctx.catalog.get(registration.adapter_of)
+        if base is None or base.adapter_of is not None:
+            raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
+        if base.runtime is not RuntimeKind.TORCH:
+            raise Unprocessable(f"base model {base.name} runs on {base.runtime}; adapters need torch")
+        try:
+            check_adapter_folder(folder)
+        except UnsupportedModel as exc:
+            raise Unprocessable(str(exc), code="unsupported_adapter") from None
+        if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
+            raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
+        task, batching = base.task, base.batching
+    else:
+        task = _task_for(registration, folder)
+        batching = Batching(
+            max_batch_tokens=registration.max_batch_tokens or defaults.max_batch_tokens,
+            max_batch_size=registration.max_batch_size or defaults.max_batch_size,
+            max_wait_ms=registration.max_wait_ms if registration.max_wait_ms is not None else defaults.max_wait_ms,
+        )
+    spec = ModelSpec(
+        name=name,
+        slug=slug,
+        task=task,
+        runtime=RuntimeKind(registration.runtime),
+        path=folder,
+        batching=batching,
+        aliases=tuple(registration.aliases),
+        pinned=registration.pinned,
+        dtype=registration.dtype,
+        adapter_of=registration.adapter_of,
+    )
+    if ctx.check_fits is not None and spec.adapter_of is None:
+        ctx.check_fits(spec)
+    await ctx.store.put(spec)
+    return json_response(model_record(ctx, spec), status=201)
+
+
+def _spec(ctx: GatewayContext, request: web.Request) -> ModelSpec:
+    name = request.match_info["name"]
+    spec = ctx.catalog.get(name)
+    if spec is None:
+        raise NotFound(
+            f"model {name!r} does not exist; available models: {', '.join(ctx.catalog.names())}",
+            code="model_not_found",
+        )
+    return spec
+
+
+async def get_model(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    return json_response(model_record(ctx, _spec(ctx, request)))
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    spec = _spec(ctx, request)
+    adapters = ctx.catalog.adapters_of(spec.name)
+    if adapters:
+        raise Conflict(
+            f"model {spec.name} has adapters ({', '.join(a.name for a in adapters)}); delete them first",
+            code="model_has_adapters",
+        )
+    await ctx.store.delete(spec)
+    return json_response({"id": spec.name, "object": "model", "deleted": True})
+
+
+async def pin_model(request: web.Request) -> web.Response:
+    return await _set_pinned(request, True)
+
+
+async def unpin_model(request: web.Request) -> web.Response:
+    return await _set_pinned(request, False)
+
+
+async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
+    ctx = GatewayContext.of(request)
+    spec = await ctx.store.set_pinned(_spec(ctx, request), pinned)
+    return json_response(model_record(ctx, spec))
+
+
+async def _target_box(request: web.Request) -> str | None:
+    if not request.can_read_body:
+        return None
+    return decode(await read_body(request, GatewayContext.of(request).settings), _target).box
+
+
+async def load_model(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    spec = _spec(ctx, request)
+    box = await _target_box(request)
+    if box is None:
+        box = _choose_box(ctx)
+    result = await call_box(ctx.nc, box, "load", {"model": spec.name})
+    return json_response({**model_record(ctx, spec), "loaded_on": result["box"]})
+
+
+async def evict_model(request: web.Request) -> web.Response:
+    ctx = GatewayContext.of(request)
+    spec = _spec(ctx, request)
+    box = await _target_box(request)
+    boxes = [box] if box is not None else ctx.model_state(spec.name)["boxes"]
+    evicted = []
+    for target in boxes:
+        result = await call_box(ctx.nc, target, "evict", {"model": spec.name})
+        if result.get("evicted"):
+            evicted.append(target)
+    return json_response({"id": spec.name, "evicted_from": evicted})
+
+
+def _choose_box(ctx: GatewayContext) -> str:
+    """This box when it runs models, else the live worker with the most free memory."""
+    if ctx.settings.runs_models:
+        return ctx.box_id
+    workers = [r for r in ctx.live_boxes() if r.get("role") in ("all", "worker") and not r.get("draining")]
+    if not workers:
+        raise ServiceUnavailable("no live box runs models; start one with --role worker or all")
+
+    def free(record: dict[str, Any]) -> int:
+        device = (record.get("devices") or [{}])[0]
+        return int(device.get("budget_bytes", 0)) - int(device.get("used_bytes", 0))
+
+    return str(max(workers, key=free)["box"])

@@ -1,0 +1,102 @@
+"""Which cold models this box starts pulling for (DESIGN.md §2).
+
+A box always pulls for the models resident on it. It loads a cold model only when requests wait
+for it and either no live box holds it (from the heartbeats) or its backlog has passed
+`cold_backlog`, so the fleet loads a model once, not everywhere, and a second box joins only
+under sustained load. A short random delay before acting lets a box that already started loading
+announce it in its heartbeat first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from nats.js.errors import NotFoundError
+
+from appliance import bus
+from appliance.errors import FleetboxError
+
+if TYPE_CHECKING:
+    from appliance.app import Box
+
+log = logging.getLogger(__name__)
+
+_PERIOD_S = 0.25
+_JITTER_S = 0.3
+_RETRY_AFTER_FAILURE_S = 30.0
+
+
+class Placement:
+    def __init__(self, box: Box) -> None:
+        self._box = box
+        self._task: asyncio.Task[None] | None = None
+        self._loading: set[str] = set()
+        self._loads: set[asyncio.Task[None]] = set()
+        self._failed_until: dict[str, float] = {}  # a model that failed to load is retried later, not hammered
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="placement")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._loads) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(_PERIOD_S)
+            try:
+                await self._consider_all()
+            except Exception as exc:
+                log.debug("placement pass failed", extra={"error": repr(exc)})
+
+    async def _consider_all(self) -> None:
+        box = self._box
+        if box.draining or box.js is None:
+            return
+        for spec in box.catalog:
+            if spec.adapter_of is not None or spec.name in box.workers or spec.name in self._loading:
+                continue
+            if self._failed_until.get(spec.name, 0.0) > asyncio.get_running_loop().time():
+                continue
+            waiting = await self._waiting(spec.slug)
+            if waiting == 0 or not self._should_load(spec.name, waiting):
+                continue
+            await asyncio.sleep(random.uniform(0, _JITTER_S))
+            if not self._should_load(spec.name, waiting):
+                continue
+            self._loading.add(spec.name)
+            task = asyncio.create_task(self._load(spec))
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+
+    def _should_load(self, name: str, waiting: int) -> bool:
+        holders = self._box.fleet.holders(name) if self._box.fleet else []
+        return not holders or waiting >= self._box.settings.cold_backlog
+
+    async def _waiting(self, slug: str) -> int:
+        assert self._box.js is not None
+        try:
+            info = await self._box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(slug))
+        except NotFoundError:
+            return 0
+        return int(info.num_pending or 0)
+
+    async def _load(self, spec) -> None:
+        try:
+            await self._box.serve_model(spec)
+        except FleetboxError as exc:
+            self._failed(spec.name)
+            log.warning("cannot load a model requests wait for", extra={"model": spec.name, "error": exc.message})
+        except Exception as exc:
+            self._failed(spec.name)
+            log.error("loading a cold model failed", extra={"model": spec.name, "error": repr(exc)})
+        finally:
+            self._loading.discard(spec.name)
+
+    def _failed(self, name: str) -> None:
+        self._failed_until[name] = asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S
