@@ -30,12 +30,14 @@ from appliance.fleet import Fleet
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
+from appliance.generation import GenerateWorker
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
 from appliance.worker import ModelWorker
+from runtimes.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class Box:
         self.residency = Residency(
             self.device, settings.threads, budget, self.metrics, self._cpu_executor, before_evict=self._stop_worker
         )
-        self.workers: dict[str, ModelWorker] = {}
+        self.workers: dict[str, ModelWorker | GenerateWorker] = {}
         self.natsd: EmbeddedNats | None = None
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
@@ -199,7 +201,7 @@ class Box:
 
     # -- models on this box ----------------------------------------------------------------------
 
-    async def serve_model(self, spec: ModelSpec) -> ModelWorker:
+    async def serve_model(self, spec: ModelSpec) -> ModelWorker | GenerateWorker:
         """Load a model (once) and start pulling its requests."""
         if spec.adapter_of is not None:
             raise Conflict(f"{spec.name} is an adapter; load its base model {spec.adapter_of}")
@@ -214,18 +216,32 @@ class Box:
         if worker is not None:
             return worker
         assert self.nc is not None
-        worker = ModelWorker(
-            self.box_id,
-            self.nc,
-            spec,
-            runtime,
-            self.settings,
-            self.metrics,
-            self._device_executor,
-            self._cpu_executor,
-            self.residency,
-            self.catalog,
-        )
+        worker: ModelWorker | GenerateWorker
+        if spec.task is Task.GENERATE:
+            worker = GenerateWorker(
+                self.box_id,
+                self.nc,
+                spec,
+                runtime,  # type: ignore[arg-type]
+                self.settings,
+                self.metrics,
+                self._device_executor,
+                self.residency,
+                self.catalog,
+            )
+        else:
+            worker = ModelWorker(
+                self.box_id,
+                self.nc,
+                spec,
+                runtime,
+                self.settings,
+                self.metrics,
+                self._device_executor,
+                self._cpu_executor,
+                self.residency,
+                self.catalog,
+            )
         self.workers[spec.name] = worker
         await worker.start()
         if self.fleet is not None:
@@ -381,7 +397,20 @@ class Box:
         async def status(payload: dict[str, Any]) -> dict[str, Any]:
             return self.heartbeat()
 
-        return {"load": load, "evict": evict, "pin": pin, "unpin": unpin, "drain": drain, "status": status}
+        async def cancel(payload: dict[str, Any]) -> dict[str, Any]:
+            request_id = str(payload.get("id", ""))
+            cancelled = any(w.cancel(request_id) for w in self.workers.values() if isinstance(w, GenerateWorker))
+            return {"id": request_id, "cancelled": cancelled}
+
+        return {
+            "load": load,
+            "evict": evict,
+            "pin": pin,
+            "unpin": unpin,
+            "drain": drain,
+            "status": status,
+            "cancel": cancel,
+        }
 
     def _model(self, payload: dict[str, Any]) -> ModelSpec:
         name = payload.get("model")

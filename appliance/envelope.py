@@ -28,6 +28,8 @@ BOX = "Fbx-Box"
 ROWS = "Fbx-Rows"
 DIMS = "Fbx-Dims"
 USAGE_TOKENS = "Fbx-Usage-Tokens"
+SEQ = "Fbx-Seq"  # a streamed reply's chunk number, from 0
+FINAL = "Fbx-Final"  # "1" on a streamed reply's last chunk
 
 PRIORITIES = ("interactive", "batch")
 
@@ -100,9 +102,13 @@ class ReplyMeta:
     rows: int = 0
     dims: int = 0
     usage_tokens: int = 0
+    seq: int = 0
+    final: bool = True
 
     def headers(self) -> dict[str, str]:
         return {
+            SEQ: str(self.seq),
+            FINAL: "1" if self.final else "0",
             ID: self.id,
             STATUS: str(self.status),
             BOX: self.box,
@@ -126,6 +132,8 @@ class ReplyMeta:
             rows=_int(headers, ROWS, default=0),
             dims=_int(headers, DIMS, default=0),
             usage_tokens=_int(headers, USAGE_TOKENS, default=0),
+            seq=_int(headers, SEQ, default=0),
+            final=headers.get(FINAL, "1") != "0",
         )
 
 

@@ -100,3 +100,50 @@ class BoxTarget(msgspec.Struct, kw_only=True):
     """The body of `POST /v1/models/{name}/load|evict`: which box (default: this one)."""
 
     box: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: Positive | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    user: str | None = None
+    truncate: bool = False
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """OpenAI `POST /v1/completions` (one prompt, one choice)."""
+
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], msgspec.Meta(min_length=1, max_length=1)]
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    """OpenAI `POST /v1/chat/completions` (one choice), rendered with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Positive | None = None

@@ -290,18 +290,24 @@ class ModelWorker:
             self.puller.poke()
 
     async def _keep_alive(self) -> None:
-        """Tell JetStream that held requests are still being worked on, so slow batches are not redelivered."""
-        period = max(0.5, self._settings.ack_wait_s / 3)
-        while True:
-            await asyncio.sleep(period)
-            for held in list(self._held.values()):
-                msg = held.handle if isinstance(held, Job) else held
-                try:
-                    await msg.in_progress()
-                except Exception as exc:
-                    log.debug("in-progress ack failed", extra={"error": repr(exc)})
+        await keep_alive(
+            lambda: [held.handle if isinstance(held, Job) else held for held in self._held.values()],
+            self._settings.ack_wait_s,
+        )
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
+    """Tell JetStream that held requests are still being worked on, so slow work is not redelivered."""
+    period = max(0.5, ack_wait_s / 3)
+    while True:
+        await asyncio.sleep(period)
+        for msg in held():
+            try:
+                await msg.in_progress()
+            except Exception as exc:
+                log.debug("in-progress ack failed", extra={"error": repr(exc)})

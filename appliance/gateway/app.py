@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
-from appliance.gateway import admin, encoders, ops
+from appliance.gateway import admin, encoders, generation, ops
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.auth import inference
 from appliance.gateway.context import CONTEXT, GatewayContext
@@ -89,5 +89,7 @@ def build_app(context: GatewayContext) -> web.Application:
             routes.append(web.post(path, inference(encoders.rerank)))
         routes.append(web.post("/v1/classify", inference(encoders.classify)))
         routes.append(web.post("/v1/extract", inference(encoders.extract)))
+        routes.append(web.post("/v1/completions", inference(generation.completions)))
+        routes.append(web.post("/v1/chat/completions", inference(generation.chat_completions)))
     app.add_routes(routes)
     return app

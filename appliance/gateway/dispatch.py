@@ -12,8 +12,10 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -34,6 +36,19 @@ _PUBLISH_TIMEOUT_S = 5.0
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 
 
+def _deadline(timeout_s: float) -> GatewayTimeout:
+    return GatewayTimeout(
+        f"no answer within the request's deadline of {timeout_s:g}s; "
+        "raise it with the `timeout` field or header, or retry later",
+    )
+
+
+@dataclass(slots=True)
+class _StreamWaiter:
+    queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
+    box: str | None = None  # the box whose chunks are taken
+
+
 @dataclass(slots=True, frozen=True)
 class Reply:
     meta: ReplyMeta
@@ -48,6 +63,7 @@ class Dispatcher:
         self._metrics = metrics
         self._max_waiting = max_waiting
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._streams: dict[str, _StreamWaiter] = {}
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
         self._answered: deque[float] = deque(maxlen=4096)  # reply times, for the Retry-After estimate
@@ -58,7 +74,7 @@ class Dispatcher:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + len(self._streams)
 
     async def call(
         self,
@@ -71,11 +87,72 @@ class Dispatcher:
         adapter: str | None = None,
         priority: str = "interactive",
     ) -> Reply:
-        if len(self._waiters) >= self._max_waiting:
-            raise self._overloaded(f"this gateway already waits on {len(self._waiters)} requests")
+        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority)
+        request_id = meta.id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        future: asyncio.Future[Reply] = loop.create_future()
+        self._waiters[request_id] = future
+        try:
+            await self._publish(spec, body, meta)
+            try:
+                return await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise _deadline(timeout_s) from None
+        finally:
+            self._waiters.pop(request_id, None)
+
+    async def stream(
+        self,
+        *,
+        spec: ModelSpec,
+        task: str,
+        body: bytes,
+        timeout_s: float,
+        tokens: int,
+        adapter: str | None = None,
+    ) -> AsyncIterator[Reply]:
+        """Publish a generation request and yield its chunks in order, until the final one.
+
+        Chunks are taken from the first box that answers; a second box's chunks (a redelivery)
+        are dropped. A caller that stops early (its client went away) cancels the generation.
+        """
+        meta = self._meta(spec, task, timeout_s, tokens, adapter, "interactive")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        waiter = _StreamWaiter()
+        self._streams[meta.id] = waiter
+        finished = False
+        try:
+            await self._publish(spec, body, meta)
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise _deadline(timeout_s) from None
+                finished = chunk.meta.final
+                yield chunk
+                if finished:
+                    return
+        finally:
+            self._streams.pop(meta.id, None)
+            if not finished and waiter.box is not None:
+                await self._cancel(waiter.box, meta.id)
+
+    async def _cancel(self, box: str, request_id: str) -> None:
+        try:
+            await self._nc.publish(bus.control_subject(box, "cancel"), orjson.dumps({"id": request_id}))
+        except Exception as exc:
+            log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
+
+    def _meta(
+        self, spec: ModelSpec, task: str, timeout_s: float, tokens: int, adapter: str | None, priority: str
+    ) -> RequestMeta:
+        if self.waiting >= self._max_waiting:
+            raise self._overloaded(f"this gateway already waits on {self.waiting} requests")
         request_id = self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
-        meta = RequestMeta(
+        return RequestMeta(
             id=request_id,
             task=task,
             model=spec.name,
@@ -86,21 +163,6 @@ class Dispatcher:
             adapter=adapter,
             priority=priority,
         )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        future: asyncio.Future[Reply] = loop.create_future()
-        self._waiters[request_id] = future
-        try:
-            await self._publish(spec, body, meta)
-            try:
-                return await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                raise GatewayTimeout(
-                    f"no answer within the request's deadline of {timeout_s:g}s; "
-                    "raise it with the `timeout` field or header, or retry later",
-                ) from None
-        finally:
-            self._waiters.pop(request_id, None)
 
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
         try:
@@ -133,6 +195,17 @@ class Dispatcher:
             meta = ReplyMeta.from_headers(msg.headers)
         except ValueError as exc:
             log.warning("malformed reply dropped", extra={"error": str(exc)})
+            return
+        stream = self._streams.get(meta.id)
+        if stream is not None:
+            if stream.box is None:
+                stream.box = meta.box
+            if stream.box != meta.box:
+                self._metrics.duplicate_replies.inc()
+                return
+            if meta.final:
+                self._answered.append(time.monotonic())
+            stream.queue.put_nowait(Reply(meta, msg.data))
             return
         future = self._waiters.get(meta.id)
         if future is None or future.done():

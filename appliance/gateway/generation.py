@@ -1,0 +1,164 @@
+"""OpenAI `POST /v1/completions` and `/v1/chat/completions`, whole or streamed as server-sent events.
+
+The worker streams numbered text chunks; this module only shapes them: into one response, or
+into OpenAI's chunk objects on the wire as they arrive, ending with `data: [DONE]`. An error before
+the first chunk is an ordinary HTTP error; one after it is an SSE `error` event, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from appliance.errors import FleetboxError, Unprocessable, error_from_reply
+from appliance.gateway.context import GatewayContext
+from appliance.gateway.http import decode, json_response, read_body, request_timeout
+from appliance.schemas import ChatRequest, CompletionRequest
+from runtimes.base import Task
+
+_decoders = {ChatRequest: msgspec.json.Decoder(ChatRequest), CompletionRequest: msgspec.json.Decoder(CompletionRequest)}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, CompletionRequest)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, ChatRequest)
+
+
+async def _generate(request: web.Request, schema: type[ChatRequest] | type[CompletionRequest]) -> web.StreamResponse:
+    ctx = GatewayContext.of(request)
+    body = await read_body(request, ctx.settings)
+    parsed = decode(body, _decoders[schema])
+    resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
+    if resolved.spec.task is not Task.GENERATE:
+        raise Unprocessable(
+            f"model {resolved.spec.name} serves {resolved.spec.task}, not text generation", code="wrong_task"
+        )
+    chat = schema is ChatRequest
+    chunks = ctx.dispatcher.stream(
+        spec=resolved.spec,
+        task=Task.GENERATE.value,
+        body=body,
+        timeout_s=request_timeout(request, parsed.timeout, ctx.settings),
+        tokens=len(body) // 4,
+        adapter=resolved.adapter.name if resolved.adapter else None,
+    )
+    shape = _Shape(chat=chat, model=resolved.adapter.name if resolved.adapter else resolved.spec.name)
+    async with aclosing(chunks):
+        if parsed.stream:
+            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+            return await _stream(request, chunks, shape, include_usage)
+        return await _whole(chunks, shape)
+
+
+class _Shape:
+    """Builds OpenAI's objects for one request: ids, timestamps and the choice layout."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + msgspec.json.encode(time.time_ns()).decode()
+        self.created = int(time.time())
+
+    def whole(self, text: str, finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+
+    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        }
+
+
+def _usage(body: dict[str, Any]) -> dict[str, int]:
+    usage = body.get("usage") or {}
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _whole(chunks, shape: _Shape) -> web.Response:
+    parts: list[str] = []
+    async for chunk in chunks:
+        if chunk.meta.status != 200:
+            raise error_from_reply(chunk.meta.status, chunk.body)
+        body = orjson.loads(chunk.body)
+        parts.append(body.get("text", ""))
+        if chunk.meta.final:
+            return json_response(shape.whole("".join(parts), body.get("finish_reason"), _usage(body)))
+    raise Unprocessable("the generation ended without a final chunk")
+
+
+async def _stream(request: web.Request, chunks, shape: _Shape, include_usage: bool) -> web.StreamResponse:
+    response: web.StreamResponse | None = None
+    first = True
+    try:
+        async for chunk in chunks:
+            if chunk.meta.status != 200:
+                raise error_from_reply(chunk.meta.status, chunk.body)
+            if response is None:
+                response = await _open(request)
+            body = orjson.loads(chunk.body)
+            finish = body.get("finish_reason") if chunk.meta.final else None
+            await _event(response, shape.chunk(body.get("text"), finish, first=first))
+            first = False
+            if chunk.meta.final and include_usage:
+                await _event(response, shape.usage_chunk(_usage(body)))
+    except FleetboxError as error:
+        if response is None:
+            raise  # nothing sent yet: an ordinary HTTP error
+        await _event(response, error.body())
+    if response is None:
+        response = await _open(request)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _open(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")

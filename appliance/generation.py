@@ -1,0 +1,291 @@
+"""The worker of one generative model: requests join one decode batch, tokens stream back as made.
+
+The rule: one stepping task per model drives `runtime.step()` on the device thread while any
+request is active; a request pulled from the queue joins at the next step boundary, and each step's
+text goes to the request's gateway at once as a numbered chunk. The last chunk carries the usage
+and is followed by the ack, so a box that dies mid-answer leaves the request for redelivery.
+Requests past their deadline, or cancelled by their gateway, are dropped at the next boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from appliance import bus
+from appliance.catalog import Catalog, ModelSpec
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import FleetboxError, InternalError, NotFound, PayloadTooLarge, Unprocessable, deadline_passed
+from appliance.metrics import Metrics
+from appliance.residency import Residency
+from appliance.schemas import ChatRequest, CompletionRequest
+from appliance.settings import Settings
+from appliance.worker import Puller, keep_alive
+from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
+from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
+
+log = logging.getLogger(__name__)
+
+_chat = msgspec.json.Decoder(ChatRequest)
+_completion = msgspec.json.Decoder(CompletionRequest)
+_DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(slots=True)
+class Stream:
+    meta: RequestMeta
+    msg: Msg
+    seq: int = 0
+    tokens: int = 0
+
+
+def decode_generation(body: bytes) -> ChatRequest | CompletionRequest:
+    """Chat when the body has `messages`, a completion otherwise; one schema error either way."""
+    decoder = _chat if b'"messages"' in body else _completion
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise Unprocessable(f"invalid generation request: {exc}") from None
+
+
+class GenerateWorker:
+    def __init__(
+        self,
+        box_id: str,
+        nc: NATS,
+        spec: ModelSpec,
+        runtime: GenerateRuntime,
+        settings: Settings,
+        metrics: Metrics,
+        device_executor: Executor,
+        residency: Residency,
+        catalog: Catalog,
+    ) -> None:
+        self.box_id = box_id
+        self.spec = spec
+        self.runtime = runtime
+        self._nc = nc
+        self._settings = settings
+        self._metrics = metrics
+        self._device = device_executor
+        self._residency = residency
+        self._catalog = catalog
+        self._streams: dict[str, Stream] = {}
+        self._idle = asyncio.Event()  # set whenever no stream is active, for drain
+        self._idle.set()
+        self._preparing: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stepper: asyncio.Task[None] | None = None
+        self._capacity = 2 * spec.batching.max_batch_size
+        self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
+
+    async def start(self) -> None:
+        self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
+        self._spawn(keep_alive(lambda: [s.msg for s in self._streams.values()], self._settings.ack_wait_s))
+        await self.puller.start()
+
+    @property
+    def held(self) -> int:
+        return len(self._streams) + len(self._preparing)
+
+    def stats(self) -> dict[str, float]:
+        return {"held": self.held, "active": self.runtime.active}
+
+    def _room(self) -> int:
+        return max(0, min(self._capacity, self._settings.worker_capacity) - self.held)
+
+    def cancel(self, request_id: str) -> bool:
+        """The gateway's client went away: stop spending tokens on it."""
+        if request_id not in self._streams:
+            return False
+        self.runtime.cancel(request_id)
+        stream = self._forget(request_id)
+        assert stream is not None
+        self._spawn(stream.msg.ack())
+        self.puller.poke()
+        return True
+
+    # -- intake ----------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Msg) -> None:
+        try:
+            meta = RequestMeta.from_headers(msg.headers)
+        except ValueError as exc:
+            log.warning("malformed request message dropped", extra={"error": str(exc)})
+            self._spawn(msg.term())
+            return
+        if meta.id in self._streams or meta.id in self._preparing:
+            return
+        if time.time() * 1000 >= meta.deadline_ms:
+            self._metrics.expired.labels(self.spec.name).inc()
+            self._spawn(self._fail(meta, msg, deadline_passed(meta.id)))
+            return
+        self._preparing.add(meta.id)
+        self._spawn(self._admit(meta, msg))
+
+    async def _admit(self, meta: RequestMeta, msg: Msg) -> None:
+        try:
+            request = decode_generation(msg.data)
+            adapter = await self._adapter(meta)
+            prompt = await asyncio.get_running_loop().run_in_executor(None, self._prompt, request)
+            self.runtime.add(meta.id, prompt, self._sampling(request), adapter=adapter)
+        except FleetboxError as exc:
+            await self._fail(meta, msg, exc)
+            return
+        except (ValueError, UnknownAdapter) as exc:
+            await self._fail(meta, msg, Unprocessable(str(exc)))
+            return
+        finally:
+            self._preparing.discard(meta.id)
+        self._streams[meta.id] = Stream(meta, msg)
+        self._idle.clear()
+        self._wake.set()
+
+    async def _adapter(self, meta: RequestMeta) -> str | None:
+        if meta.adapter is None:
+            return None
+        adapter = self._catalog.get(meta.adapter)
+        if adapter is None or adapter.adapter_of != self.spec.name:
+            raise NotFound(f"model {self.spec.name} has no adapter {meta.adapter!r}", code="adapter_not_found")
+        try:
+            await self._residency.ensure_adapter(self.spec.name, adapter)
+        except (UnsupportedModel, UnknownAdapter) as exc:
+            raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
+        return adapter.name
+
+    def _prompt(self, request: ChatRequest | CompletionRequest) -> Any:
+        try:
+            if isinstance(request, ChatRequest):
+                messages = [msgspec.structs.asdict(m) for m in request.messages]
+                messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+                return self.runtime.apply_chat_template(messages, truncate=request.truncate)
+            return self.runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
+        except InputTooLong as exc:
+            raise PayloadTooLarge(str(exc), code="input_too_long") from None
+        except UnsupportedModel as exc:
+            raise Unprocessable(str(exc), code="no_chat_template") from None
+
+    def _sampling(self, request: ChatRequest | CompletionRequest) -> SamplingParams:
+        max_tokens = request.max_tokens
+        if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+            max_tokens = request.max_completion_tokens
+        return SamplingParams(
+            max_tokens=max_tokens or _DEFAULT_MAX_TOKENS,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=request.stops(),
+            seed=request.seed,
+        )
+
+    # -- decoding --------------------------------------------------------------------------------
+
+    async def _step_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.runtime.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._drop_expired()
+            started = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self._device, self.runtime.step)
+            except Exception as exc:
+                log.error("decode step failed", extra={"model": self.spec.name, "error": repr(exc)})
+                for request_id in await loop.run_in_executor(self._device, self.runtime.clear):
+                    stream = self._forget(request_id)
+                    if stream is not None:
+                        await self._fail(stream.meta, stream.msg, InternalError(f"generation failed: {exc!r}"))
+                continue
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
+            self._metrics.batch_size.labels(self.spec.name).observe(len(outputs))
+            self._metrics.rows_computed.labels(self.spec.name).inc(len(outputs))
+            for output in outputs:
+                await self._send(output, elapsed_ms)
+
+    def _drop_expired(self) -> None:
+        now_ms = time.time() * 1000
+        for request_id, stream in list(self._streams.items()):
+            if now_ms >= stream.meta.deadline_ms:
+                self.runtime.cancel(request_id)
+                self._forget(request_id)
+                self._metrics.expired.labels(self.spec.name).inc()
+                self._spawn(self._fail(stream.meta, stream.msg, deadline_passed(request_id), seq=stream.seq))
+
+    async def _send(self, output: StepOutput, step_ms: float) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return  # cancelled or expired meanwhile
+        stream.tokens += 1
+        if not output.text_delta and not output.finished:
+            return  # nothing stable to show yet (a half-made character, a possible stop string)
+        body: dict[str, Any] = {"text": output.text_delta}
+        if output.finished:
+            body["finish_reason"] = output.finish_reason
+            if output.usage is not None:
+                body["usage"] = {
+                    "prompt_tokens": output.usage.prompt_tokens,
+                    "completion_tokens": output.usage.completion_tokens,
+                }
+        reply = ReplyMeta(
+            id=output.request_id, status=200, box=self.box_id, compute_ms=step_ms, seq=stream.seq, final=output.finished
+        )
+        stream.seq += 1
+        await self._nc.publish(stream.meta.reply, orjson.dumps(body), headers=reply.headers())
+        if output.finished:
+            self._forget(output.request_id)
+            await stream.msg.ack()
+            self.puller.poke()
+
+    async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
+        reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, seq=seq, final=True)
+        try:
+            await self._nc.publish(meta.reply, error.to_json(), headers=reply.headers())
+            await msg.ack()
+        finally:
+            self.puller.poke()
+
+    # -- stop ------------------------------------------------------------------------------------
+
+    async def drain(self, grace_s: float = 10.0) -> None:
+        """Stop pulling; let active requests finish within the grace, hand the rest back."""
+        await self.puller.stop()
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            log.warning("generation still active at drain; handing it back", extra={"model": self.spec.name})
+        if self._stepper is not None:
+            self._stepper.cancel()
+            await asyncio.gather(self._stepper, return_exceptions=True)
+        if self._streams:
+            await loop.run_in_executor(self._device, self.runtime.clear)
+            for stream in self._streams.values():
+                await stream.msg.nak()
+            self._streams.clear()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _forget(self, request_id: str) -> Stream | None:
+        stream = self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+        return stream
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
