@@ -8,8 +8,8 @@ and says so through `pooled`; the embed head then only normalises.
 
 Options read from `ModelSource.options`: `cache_dir` (where exports are kept, default
 `~/.cache/fleetbox/onnx`), `onnx_file` (run this file as it is, with `path` the folder of its source
-model for the tokenizer and pooling), `onnx_opt_level` (`disabled`, `basic`, `extended`, `layout`,
-`all`; default `all`).
+model for the tokenizer and pooling), `onnx_opt_level` (`disabled`, `basic`, `extended`, `all`;
+default `all`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ _OPT_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "layout": ort.GraphOptimizationLevel.ORT_ENABLE_LAYOUT,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 _INPUT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}

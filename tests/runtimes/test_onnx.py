@@ -7,6 +7,7 @@ classifier and cache tests use the tiny random-weight BERTs of conftest.py, whic
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -198,6 +199,8 @@ def test_onnx_backend_serves_every_encoder_task_like_torch(
 def test_second_load_reuses_the_cached_export(
     encoder_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    stale = tmp_path / f".{content_hash(encoder_dir)[:24]}-encoder-float32-v{onnx_export.EXPORT_FORMAT}.killed"
+    stale.mkdir()  # what an export killed midway leaves behind
     first = OnnxBackend(onnx_source(encoder_dir, tmp_path))
     first.close()
     assert first.artifact.exported
@@ -247,6 +250,21 @@ def test_a_graph_that_misses_the_torch_outputs_fails_loudly_and_caches_nothing(
     with pytest.raises(ExportError, match="does not match torch"):
         ensure_exported(encoder_dir, Task.EMBED, "float32", tmp_path, noise)
     assert not any(tmp_path.glob("*.onnx")) and not any(tmp_path.glob(".*"))
+
+
+def test_a_fusion_that_breaks_parity_falls_back_to_the_plain_graph(encoder_dir: Path, tmp_path: Path) -> None:
+    """Only the fused graph's forward is replaced by noise: under test is the fallback rule."""
+    rng = np.random.default_rng(0)
+
+    def broken_fusions(path: Path) -> Forward:
+        if path.name.startswith("fused"):
+            return lambda ids, mask, types: rng.standard_normal((*ids.shape, 32)).astype(np.float32)
+        return GraphSession(path, Task.EMBED, SessionConfig()).forward
+
+    artifact = ensure_exported(encoder_dir, Task.EMBED, "float32", tmp_path, broken_fusions)
+    assert artifact.exported and artifact.parity is not None and artifact.parity.passed
+    report = json.loads(artifact.path.with_suffix(".json").read_text())
+    assert report["fusions"] == {}
 
 
 def test_content_hash_follows_the_weights_not_the_folder_name(encoder_dir: Path, tmp_path: Path) -> None:
