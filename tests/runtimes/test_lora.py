@@ -92,6 +92,7 @@ def test_folders_that_are_not_a_fitting_lora_are_refused(
     model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path]
 ) -> None:
     runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    before = runtime.run(runtime.tokenize(TEXTS))
     with pytest.raises(UnsupportedModel, match=r"adapter_config\.json"):
         runtime.load_adapter("plain", model_dirs[Task.CLASSIFY])
     with pytest.raises(UnsupportedModel, match="does not fit"):
@@ -99,6 +100,7 @@ def test_folders_that_are_not_a_fitting_lora_are_refused(
     with pytest.raises(UnsupportedModel, match="reserved"):
         runtime.load_adapter("__base__", adapter_dirs[Task.CLASSIFY])
     assert runtime.adapters == ()
+    np.testing.assert_array_equal(runtime.run(runtime.tokenize(TEXTS)), before)
     runtime.close()
 
 
