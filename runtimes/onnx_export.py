@@ -193,15 +193,16 @@ def _build(
     fused, fusions = _fuse(exported, work / "fused.onnx")
     # A fusion that misreads an architecture it was not written for shows up as a parity miss:
     # then the plain graph is tried before the export is given up.
-    candidates = [(fused, fusions)] + ([(exported, {})] if fused != exported else [])
+    candidates = [("fused", fused, fusions)] if fused != exported else []
+    candidates.append(("unfused", exported, {}))
     misses = []
-    for graph, applied in candidates:
+    for label, graph, applied in candidates:
         path = _at_precision(graph, dtype, folder, with_types)
         parity = check_parity(network, open_graph(path), folder, head, dtype, with_types)
         if parity.passed:
             return path, parity, applied
-        misses.append(f"{parity.metric} {parity.value:.6g} ({'fused' if applied else 'unfused'})")
-        log.warning("the %s ONNX graph %s of %s misses torch: %s", dtype, graph.name, folder, misses[-1])
+        misses.append(f"{parity.metric} {parity.value:.6g} ({label})")
+        log.warning("the %s %s ONNX graph of %s misses torch: %s", label, dtype, folder, misses[-1])
     raise ExportError(
         f"the {dtype} ONNX export of {folder} does not match torch: {', '.join(misses)} against a limit "
         f"of {parity.limit:.6g} over {parity.rows} rows; nothing was cached"
