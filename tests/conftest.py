@@ -18,6 +18,16 @@ import pytest
 from appliance.app import Box
 from appliance.natsd import EmbeddedNats, free_port
 from appliance.settings import ModelEntry, Settings
+from tests.models import (  # noqa: F401 - fixtures, registered by being here
+    adapter_dirs,
+    classifier_dir,
+    cross_encoder_dir,
+    encoder_dir,
+    generator_dir,
+    model_dirs,
+    second_generator_adapter_dir,
+    token_classifier_dir,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
