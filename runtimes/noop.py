@@ -2,7 +2,8 @@
 
 It exists to measure what gateway + queue + worker add per request (benchmarks/e2e_embed.py, case
 d) and to model slow or stalled workers in fault tests: `options.cost_ms` sleeps per batch,
-`options.cost_per_token_us` per padded token. Inputs are "tokenised" as one token per word.
+`options.cost_per_token_us` per padded token, and `options.bytes` is the memory it claims (for
+residency tests). Inputs are "tokenised" as one token per word.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class NoopRuntime:
         self._cost_s = float(options.get("cost_ms", 0.0)) / 1000
         self._per_token_s = float(options.get("cost_per_token_us", 0.0)) / 1e6
         max_length = int(options.get("max_length", 512))
-        self.info = ModelInfo(task=Task.EMBED, max_length=max_length, nbytes=0, dimensions=_DIMENSIONS)
+        self.info = ModelInfo(
+            task=Task.EMBED, max_length=max_length, nbytes=int(options.get("bytes", 0)), dimensions=_DIMENSIONS
+        )
         self.batches_run = 0
         self.rows_run = 0
 

@@ -1,0 +1,280 @@
+"""Rerank, classify, extract and generate through the HTTP API, on random-weight models registered
+through the admin API the way users register theirs, and checked against transformers itself."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from appliance.app import Box
+from tests.conftest import box_settings, start_nats, url
+from tests.models import BIO_LABELS, CLASS_LABELS
+
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel tower is in Paris.", "Cats sleep."]
+TEXTS = ["Alice went to Paris with Bob.", "The weather in Berlin is fine today.", "numbers 12 and 345"]
+
+
+@pytest.fixture(scope="module")
+async def task_box(tmp_path_factory, model_dirs) -> Box:
+    """One box (one NATS) with the random models registered over HTTP."""
+    server = await start_nats(tmp_path_factory.mktemp("nats-tasks"))
+    root = tmp_path_factory.getbasetemp()
+    box = Box(box_settings(server.url, box_id="task-box", model_roots=[root], max_wait_ms=5))
+    await box.start()
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        for name, task in (
+            ("ranker", "score"),
+            ("sentiment", "classify"),
+            ("ner", "extract"),
+            ("tiny-llama", "generate"),
+        ):
+            folder = model_dirs[_task(task)]
+            async with http.post(url(box, "/v1/models"), json={"name": name, "path": str(folder)}) as response:
+                assert response.status == 201, await response.text()
+                assert (await response.json())["task"] == task
+    yield box
+    await box.stop()
+    await server.stop()
+
+
+def _task(name: str):
+    from runtimes import Task
+
+    return Task(name)
+
+
+async def post(http, box: Box, path: str, body: dict) -> tuple[int, dict]:
+    async with http.post(url(box, path), json=body) as response:
+        return response.status, await response.json()
+
+
+# -- rerank ----------------------------------------------------------------------------------------
+
+
+def cross_encoder_scores(folder: Path, query: str, docs: list[str]) -> np.ndarray:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        inputs = tokenizer([query] * len(docs), docs, padding=True, truncation=True, return_tensors="pt")
+        return torch.sigmoid(model(**inputs).logits[:, 0]).numpy()
+
+
+async def test_rerank_sorts_documents_by_the_cross_encoders_score(task_box, http, model_dirs) -> None:
+    status, body = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "capital of France",
+                                                              "documents": DOCS, "return_documents": True})  # fmt: skip
+    assert status == 200, body
+    expected = cross_encoder_scores(model_dirs[_task("score")], "capital of France", DOCS)
+    results = body["results"]
+    assert [r["index"] for r in results] == list(np.argsort(-expected, kind="stable"))
+    for result in results:
+        assert result["relevance_score"] == pytest.approx(float(expected[result["index"]]), abs=1e-5)
+        assert result["document"] == {"text": DOCS[result["index"]]}
+    assert body["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v2/rerank"])
+async def test_rerank_is_also_mounted_where_cohere_and_jina_clients_look(task_box, http, path) -> None:
+    docs = [{"text": d} for d in DOCS]
+    status, body = await post(http, task_box, path, {"model": "ranker", "query": "q", "documents": docs, "top_n": 2})
+    assert status == 200, body
+    assert len(body["results"]) == 2 and "document" not in body["results"][0]
+
+
+async def test_rerank_raw_scores_are_the_logits(task_box, http) -> None:
+    _, plain = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS})
+    _, raw = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS,
+                                                        "raw_scores": True})  # fmt: skip
+    by_index = {r["index"]: r["relevance_score"] for r in raw["results"]}
+    for result in plain["results"]:
+        assert result["relevance_score"] == pytest.approx(1 / (1 + np.exp(-by_index[result["index"]])), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "ranker", "documents": DOCS}, 422, "invalid_input"),
+        ({"model": "ranker", "query": "q", "documents": []}, 422, "invalid_input"),
+        ({"model": "ranker", "query": "q", "documents": DOCS, "top_n": 0}, 422, "invalid_input"),
+        ({"model": "ranker", "query": "", "documents": DOCS}, 422, "invalid_input"),
+        ({"model": "ranker", "query": "q", "documents": ["a", ""]}, 422, "empty_input"),
+        ({"model": "ranker", "query": "q", "documents": DOCS, "adapter": "nope"}, 404, "adapter_not_found"),
+        ({"model": "ranker:nope", "query": "q", "documents": DOCS}, 404, "adapter_not_found"),
+        ({"model": "sentiment", "query": "q", "documents": DOCS}, 422, "wrong_task"),
+        ({"model": "nothing", "query": "q", "documents": DOCS}, 404, "model_not_found"),
+    ],
+)
+async def test_bad_rerank_requests_are_clear_4xx(task_box, http, body, status, code) -> None:
+    got, payload = await post(http, task_box, "/v1/rerank", body)
+    assert got == status, payload
+    assert payload["error"]["code"] == code
+
+
+# -- classify --------------------------------------------------------------------------------------
+
+
+async def test_classify_gives_labels_from_id2label_best_first(task_box, http, model_dirs) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = model_dirs[_task("classify")]
+    status, body = await post(http, task_box, "/v1/classify", {"model": "sentiment", "input": TEXTS})
+    assert status == 200, body
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        probs = torch.softmax(model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits, -1).numpy()
+    assert len(body["data"]) == len(TEXTS)
+    for predictions, row in zip(body["data"], probs, strict=True):
+        assert [p["label"] for p in predictions] == [CLASS_LABELS[i] for i in np.argsort(-row, kind="stable")]
+        assert predictions[0]["score"] == pytest.approx(float(row.max()), abs=1e-5)
+
+
+async def test_classify_top_k_keeps_the_best(task_box, http) -> None:
+    status, body = await post(http, task_box, "/v1/classify", {"model": "sentiment", "input": "one", "top_k": 1})
+    assert status == 200 and len(body["data"]) == 1 and len(body["data"][0]) == 1
+
+
+async def test_classify_with_an_embedding_route_is_wrong_task(task_box, http) -> None:
+    status, body = await post(http, task_box, "/v1/embeddings", {"model": "sentiment", "input": "x"})
+    assert status == 422 and body["error"]["code"] == "wrong_task"
+
+
+# -- extract ---------------------------------------------------------------------------------------
+
+
+async def test_extract_matches_the_transformers_pipeline_simple_strategy(task_box, http, model_dirs) -> None:
+    from transformers import pipeline
+
+    folder = model_dirs[_task("extract")]
+    status, body = await post(http, task_box, "/v1/extract", {"model": "ner", "input": TEXTS})
+    assert status == 200, body
+    reference = pipeline("token-classification", model=str(folder), aggregation_strategy="simple", device="cpu")
+    assert any(body["data"]), "the random head should tag something"
+    for text, ours in zip(TEXTS, body["data"], strict=True):
+        theirs = reference(text)
+        assert [(e["label"], e["start"], e["end"]) for e in ours] == [
+            (e["entity_group"], e["start"], e["end"]) for e in theirs
+        ]
+        for mine, expected in zip(ours, theirs, strict=True):
+            assert mine["score"] == pytest.approx(float(expected["score"]), abs=1e-4)
+            assert mine["text"] == text[mine["start"] : mine["end"]]
+            assert mine["label"] in {label.split("-")[-1] for label in BIO_LABELS}
+
+
+# -- generate --------------------------------------------------------------------------------------
+
+
+def greedy_reference(folder: Path, prompt_ids: list[int], max_new: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+async def test_completion_greedy_equals_model_generate(task_box, http, model_dirs) -> None:
+    from transformers import AutoTokenizer
+
+    folder = model_dirs[_task("generate")]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = "The quick brown fox"
+    status, body = await post(http, task_box, "/v1/completions", {"model": "tiny-llama", "prompt": prompt,
+                                                                   "max_tokens": 12, "temperature": 0})  # fmt: skip
+    assert status == 200, body
+    ids = tokenizer(prompt)["input_ids"]
+    expected_ids = greedy_reference(folder, ids, 12)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if eos in expected_ids:
+        expected_ids = expected_ids[: expected_ids.index(eos)]
+    assert body["choices"][0]["text"] == tokenizer.decode(expected_ids)
+    assert body["object"] == "text_completion"
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+async def test_chat_completion_uses_the_models_chat_template(task_box, http) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    status, body = await post(http, task_box, "/v1/chat/completions", {"model": "tiny-llama", "messages": messages,
+                                                                        "max_tokens": 8, "seed": 3})  # fmt: skip
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] <= 8
+    again = await post(http, task_box, "/v1/chat/completions", {"model": "tiny-llama", "messages": messages,
+                                                                 "max_tokens": 8, "seed": 3})  # fmt: skip
+    assert again[1]["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+
+
+async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, http) -> None:
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with http.post(url(task_box, "/v1/chat/completions"), json=body) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        raw = await response.text()
+    events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1
+    whole = await post(http, task_box, "/v1/chat/completions", {**body, "stream": False})
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert streamed == whole[1]["choices"][0]["message"]["content"]
+
+
+async def test_openai_sdk_streams_completions(task_box) -> None:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url(task_box, "/v1"), api_key="unused", max_retries=0)
+    try:
+        stream = await client.completions.create(model="tiny-llama", prompt="Paris is", max_tokens=6, stream=True)
+        parts = [chunk.choices[0].text async for chunk in stream]
+    finally:
+        await client.close()
+    assert len(parts) >= 1
+
+
+async def test_concurrent_generations_decode_together(task_box, http) -> None:
+    metrics = task_box.metrics.registry
+    before = metrics.get_sample_value("fbx_batch_size_count", {"model": "tiny-llama"}) or 0
+    rows_before = metrics.get_sample_value("fbx_rows_computed_total", {"model": "tiny-llama"}) or 0
+    bodies = [
+        {"model": "tiny-llama", "prompt": f"Request {i} says", "max_tokens": 24, "temperature": 0} for i in range(6)
+    ]
+    results = await asyncio.gather(*(post(http, task_box, "/v1/completions", b) for b in bodies))
+    assert all(status == 200 for status, _ in results)
+    steps = (metrics.get_sample_value("fbx_batch_size_count", {"model": "tiny-llama"}) or 0) - before
+    rows = (metrics.get_sample_value("fbx_rows_computed_total", {"model": "tiny-llama"}) or 0) - rows_before
+    tokens = sum(body["usage"]["completion_tokens"] for _, body in results)
+    assert rows == tokens
+    assert steps < tokens  # one after another would take one step per token
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/completions", {"model": "tiny-llama", "prompt": ""}, 422),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 0}, 422),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "temperature": -1}, 422),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "n": 2}, 422),
+        ("/v1/chat/completions", {"model": "tiny-llama", "messages": []}, 422),
+        ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}, 422),
+        ("/v1/chat/completions", {"model": "ranker", "messages": [{"role": "user", "content": "x"}]}, 422),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "word " * 400, "truncate": False}, 413),
+    ],
+)
+async def test_bad_generation_requests_are_clear_4xx(task_box, http, path, body, status) -> None:
+    got, payload = await post(http, task_box, path, body)
+    assert got == status, payload
+    assert set(payload["error"]) == {"message", "type", "code"}
