@@ -71,9 +71,9 @@ async def start_box(nats_server: EmbeddedNats) -> AsyncIterator[BoxFactory]:
         await box.stop()
 
 
-def noop_model(name: str = "noop", **options: Any) -> ModelEntry:
+def noop_model(name: str = "noop", *, pinned: bool = True, **options: Any) -> ModelEntry:
     """A model on the no-op runtime: the serving path without model cost (or with a set cost)."""
-    return ModelEntry(name=name, runtime="noop", pinned=True, options=options)
+    return ModelEntry(name=name, runtime="noop", pinned=pinned, options=options)
 
 
 @pytest.fixture(scope="session")

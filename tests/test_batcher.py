@@ -25,7 +25,7 @@ class RecordingRuntime(NoopRuntime):
         self.batches: list[list[int]] = []
         self.adapters: list[str | None] = []
 
-    def run(self, batch, adapter=None):  # noqa: ANN001, ANN201
+    def run(self, batch, adapter=None):
         self.batches.append([row.length for row in batch])
         self.adapters.append(adapter)
         return super().run(batch)

@@ -1,0 +1,190 @@
+"""The fleet-wide catalog and the admin API: registering folders, model roots, keys, pin/load/evict,
+LoRA adapters, residency under a byte budget, and two boxes sharing one catalog."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import torch
+
+from tests.conftest import noop_model, url, wait_for
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+async def call(http, box, method: str, path: str, body: dict | None = None, headers=None) -> tuple[int, dict]:
+    async with http.request(method, url(box, path), json=body, headers=headers) as response:
+        return response.status, await response.json()
+
+
+async def test_registered_model_is_servable_and_listed(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "enc", "path": str(encoder_dir)})
+    assert status == 201, record
+    assert record["task"] == "embed" and record["state"] == "cold"
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": ["hello"]})
+    assert status == 200, body  # the cold model was loaded because a request waited for it
+    _, listing = await call(http, box, "GET", "/v1/models")
+    (enc,) = [m for m in listing["data"] if m["id"] == "enc"]
+    assert enc["state"] == "resident" and enc["boxes"] == [box.box_id] and enc["bytes"] > 0
+
+
+async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(
+    start_box, http, encoder_dir, tmp_path
+) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "sneaky").symlink_to(encoder_dir)  # resolves outside the root
+    box = await start_box(default_model=False, model_roots=[root])
+    for path in (str(encoder_dir), "sneaky", str(root / ".." / "elsewhere")):
+        status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": path})
+        assert status == 403, (path, body)
+        assert body["error"]["code"] == "path_outside_model_roots"
+
+
+async def test_unsupported_architecture_is_422_at_registration(start_box, http, tmp_path) -> None:
+    folder = tmp_path / "models" / "vision"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["ViTForImageClassification"], "model_type": "vit"})
+    )
+    (folder / "tokenizer.json").write_text("{}")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "vision", "path": "vision"})
+    assert status == 422
+    assert body["error"]["code"] == "unsupported_model" and "ViTForImageClassification" in body["error"]["message"]
+
+
+async def test_registration_errors(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    box = await start_box(model_roots=[tmp_path_factory.getbasetemp()])
+    root = str(tmp_path_factory.getbasetemp())
+    cases = [
+        ({"name": "all-minilm-l6-v2", "path": str(encoder_dir)}, 409, "model_exists"),
+        ({"name": "new", "path": f"{root}/does-not-exist"}, 422, "path_not_found"),
+        ({"name": "new", "path": str(encoder_dir), "task": "generate"}, 422, "wrong_task"),
+        ({"name": "new", "path": str(encoder_dir), "adapter_of": "ghost"}, 404, "model_not_found"),
+        ({"name": "new"}, 422, "invalid_input"),
+    ]
+    for body, status, code in cases:
+        got, payload = await call(http, box, "POST", "/v1/models", body)
+        assert (got, payload["error"]["code"]) == (status, code), body
+
+
+async def test_model_larger_than_the_budget_is_507(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()], memory_budget="1000")
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "big", "path": str(encoder_dir)})
+    assert status == 507 and body["error"]["code"] == "insufficient_memory"
+
+
+async def test_admin_routes_need_an_admin_key_when_keys_are_set(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    box = await start_box(
+        default_model=False, model_roots=[tmp_path_factory.getbasetemp()], admin_keys="admin-secret", api_keys="user"
+    )
+    body = {"name": "enc", "path": str(encoder_dir)}
+    assert (await call(http, box, "POST", "/v1/models", body))[0] == 401
+    assert (await call(http, box, "POST", "/v1/models", body, {"Authorization": "Bearer wrong"}))[0] == 403
+    assert (await call(http, box, "POST", "/v1/models", body, {"Authorization": "Bearer user"}))[0] == 403
+    assert (await call(http, box, "POST", "/v1/models", body, ADMIN))[0] == 201
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": "x"}))[0] == 401
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": "x"},
+                       {"Authorization": "Bearer user"}))[0] == 200  # fmt: skip
+    async with http.get(url(box, "/healthz")) as response:
+        assert response.status == 200  # liveness stays open
+
+
+async def test_pin_load_evict_and_delete(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("a", pinned=False)])
+    status, body = await call(http, box, "POST", "/v1/models/a/load")
+    assert status == 200 and body["state"] == "resident" and box.residency.is_resident("a")
+    status, body = await call(http, box, "POST", "/v1/models/a/pin")
+    assert status == 200 and body["pinned"] is True
+    status, body = await call(http, box, "POST", "/v1/models/a/evict")
+    assert status == 409  # pinned models stay
+    await call(http, box, "POST", "/v1/models/a/unpin")
+    status, body = await call(http, box, "POST", "/v1/models/a/evict")
+    assert status == 200 and body["evicted_from"] == [box.box_id]
+    assert not box.residency.is_resident("a")
+    status, _ = await call(http, box, "DELETE", "/v1/models/a")
+    assert status == 200
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "a", "input": "x"})
+    assert status == 404
+    assert (await call(http, box, "POST", "/v1/models/ghost/load"))[0] == 404
+
+
+async def test_concurrent_requests_for_a_cold_model_cause_one_load(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)])
+    assert not box.residency.is_resident("cold")
+    results = await asyncio.gather(
+        *(call(http, box, "POST", "/v1/embeddings", {"model": "cold", "input": f"r{i}"}) for i in range(12))
+    )
+    assert all(status == 200 for status, _ in results)
+    assert box.metrics.registry.get_sample_value("fbx_model_loads_total", {"model": "cold"}) == 1
+
+
+async def test_eviction_is_least_recently_used_and_spares_pinned_models(start_box, http) -> None:
+    models = [noop_model(name, pinned=name == "p", bytes=300) for name in ("p", "a", "b", "c")]
+    box = await start_box(default_model=False, models=models, memory_budget="1000")  # room for three
+    for name in ("a", "b"):
+        assert (await call(http, box, "POST", f"/v1/models/{name}/load"))[0] == 200
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "a", "input": "touch a"}))[0] == 200
+    box.residency.touch("a")
+    assert (await call(http, box, "POST", "/v1/models/c/load"))[0] == 200
+    resident = {r.spec.name for r in box.residency.residents()}
+    assert resident == {"p", "a", "c"}  # b was least recently used; p is pinned
+    assert box.metrics.registry.get_sample_value("fbx_model_evictions_total", {"model": "b", "reason": "budget"}) == 1
+
+
+async def test_lora_adapter_matches_peft_and_differs_from_the_base(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path_factory
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModel, AutoTokenizer
+
+    from runtimes import Task
+
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "enc", "path": str(encoder_dir)}))[0] == 201
+    registration = {"name": "enc:tuned", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "enc"}
+    status, record = await call(http, box, "POST", "/v1/models", registration)
+    assert status == 201, record
+    texts = ["adapters share the base", "a second input"]
+    _, base = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": texts})
+    _, tuned = await call(http, box, "POST", "/v1/embeddings", {"model": "enc:tuned", "input": texts})
+    _, by_field = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "adapter": "tuned", "input": texts})
+    ours = np.array([d["embedding"] for d in tuned["data"]])
+    assert tuned["model"] == "enc:tuned"
+    assert np.allclose(ours, np.array([d["embedding"] for d in by_field["data"]]), atol=1e-6)
+    assert not np.allclose(ours, np.array([d["embedding"] for d in base["data"]]), atol=1e-3)
+
+    tokenizer = AutoTokenizer.from_pretrained(encoder_dir)
+    reference = PeftModel.from_pretrained(AutoModel.from_pretrained(encoder_dir), adapter_dirs[Task.EMBED]).eval()
+    with torch.no_grad():
+        inputs = tokenizer(texts, padding=True, return_tensors="pt")
+        hidden = reference(**inputs).last_hidden_state
+        mask = inputs["attention_mask"].unsqueeze(-1).float()
+        pooled = (hidden * mask).sum(1) / mask.sum(1)
+        expected = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+    assert np.allclose(ours, expected, atol=1e-4)
+    _, listing = await call(http, box, "GET", "/v1/models/enc")
+    assert listing["adapters"] == ["enc:tuned"]
+
+
+async def test_two_boxes_see_a_model_registered_on_the_other(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    roots = [tmp_path_factory.getbasetemp()]
+    first = await start_box(box_id="first", default_model=False, model_roots=roots)
+    second = await start_box(box_id="second", default_model=False, model_roots=roots)
+    assert (await call(http, first, "POST", "/v1/models", {"name": "shared", "path": str(encoder_dir)}))[0] == 201
+
+    async def second_knows() -> bool:
+        return second.catalog.get("shared") is not None
+
+    await wait_for(second_knows, what="the second box to see the registration")
+    status, body = await call(
+        http, second, "POST", "/v1/embeddings", {"model": "shared", "input": "from the other box"}
+    )
+    assert status == 200, body
+    # Loaded once in the fleet: whichever box took it, the other sees it resident there.
+    _, record = await call(http, first, "GET", "/v1/models/shared")
+    assert record["state"] == "resident" and len(record["boxes"]) == 1
