@@ -17,7 +17,7 @@ from runtimes.lora import LoraAdapters
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _model_class(task: Task):  # noqa: ANN202 - a transformers auto class
+def _model_class(task: Task):
     import transformers
 
     return {
@@ -75,7 +75,7 @@ class TorchBackend:
             torch.cuda.empty_cache()
 
 
-def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):  # noqa: ANN201
+def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
     model = _model_class(task).from_pretrained(
         str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
     )
