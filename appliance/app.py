@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.nuid import NUID
 
 from appliance import __version__, bus
+from appliance.blobs import Blobs
 from appliance.catalog import Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
 from appliance.errors import Conflict, NotFound
@@ -78,13 +79,20 @@ class Box:
         self._cpu_executor = ThreadPoolExecutor(2, thread_name_prefix="fbx-cpu")
         budget = parse_budget(settings.memory_budget, self.device) if settings.runs_models else 0
         self.residency = Residency(
-            self.device, settings.threads, budget, self.metrics, self._cpu_executor, before_evict=self._stop_worker
+            self.device,
+            settings.threads,
+            budget,
+            self.metrics,
+            self._cpu_executor,
+            before_evict=self._stop_worker,
+            onnx_cache=settings.state_dir / "onnx",  # a box exports each model once
         )
         self.workers: dict[str, ModelWorker | GenerateWorker] = {}
         self.natsd: EmbeddedNats | None = None
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.store: CatalogStore | None = None
+        self.blobs: Blobs | None = None
         self.fleet: Fleet | None = None
         self.dispatcher: Dispatcher | None = None
         self._control: ControlServer | None = None
@@ -111,16 +119,31 @@ class Box:
         assert self.js is not None and self.nc is not None
         s = self.settings
         await bus.ensure_request_stream(
-            self.js, max_msgs=s.stream_max_msgs, max_bytes=s.stream_max_bytes, max_age_s=s.stream_max_age_s
+            self.js,
+            max_msgs=s.stream_max_msgs,
+            max_bytes=s.stream_max_bytes,
+            max_age_s=s.stream_max_age_s,
+            file_storage=s.durable,
+            replicas=s.replicas,
         )
-        self.store = CatalogStore(self.js, self.catalog)
+        self.blobs = Blobs(
+            self.js,
+            s.blob_threshold,
+            self.nc.max_payload,
+            ttl_s=s.stream_max_age_s,
+            file_storage=s.durable,
+            replicas=s.replicas,
+        )
+        self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
         self.store.on_change(self._on_catalog_change)
         await self.store.open(configured_specs(s))
         for spec in self.catalog:
             if spec.adapter_of is None:
                 await self._ensure_consumer(spec)
         self._stream_ok = True
-        self.fleet = Fleet(self.js, self.box_id, self.heartbeat, period_s=s.heartbeat_s, ttl_s=s.heartbeat_ttl_s)
+        self.fleet = Fleet(
+            self.js, self.box_id, self.heartbeat, period_s=s.heartbeat_s, ttl_s=s.heartbeat_ttl_s, replicas=s.replicas
+        )
         await self.fleet.start()
         self._control = ControlServer(self.nc, self.box_id, self._control_handlers())
         await self._control.start()
@@ -130,8 +153,7 @@ class Box:
                     await self.serve_model(spec)
             self._placement = Placement(self)
             self._placement.start()
-        if s.serves_http:
-            await self._start_http()
+        await self._start_http()  # a worker serves /healthz, /readyz and /metrics; a gateway serves the API too
         self._spawn(self._watch_stream())
         await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
@@ -175,8 +197,11 @@ class Box:
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None
-        self.dispatcher = Dispatcher(self.box_id, self.nc, self.js, self.metrics, self.settings.max_waiting)
-        await self.dispatcher.start()
+        if self.settings.serves_http:
+            self.dispatcher = Dispatcher(
+                self.box_id, self.nc, self.js, self.metrics, self.settings.max_waiting, self.blobs
+            )
+            await self.dispatcher.start()
         context = GatewayContext(
             settings=self.settings,
             catalog=self.catalog,
@@ -228,6 +253,7 @@ class Box:
                 self._device_executor,
                 self.residency,
                 self.catalog,
+                self.blobs,
             )
         else:
             worker = ModelWorker(
@@ -241,6 +267,7 @@ class Box:
                 self._cpu_executor,
                 self.residency,
                 self.catalog,
+                self.blobs,
             )
         self.workers[spec.name] = worker
         await worker.start()

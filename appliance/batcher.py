@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +79,7 @@ class Batcher:
         executor: Executor,
         metrics: Metrics,
         on_done: Callable[[Job, Exception | None], None],
+        on_oom: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.model = model
         self.runtime = runtime
@@ -86,6 +87,7 @@ class Batcher:
         self._executor = executor
         self._metrics = metrics
         self._on_done = on_done
+        self._on_oom = on_oom  # frees device memory (evicts another model); True when it did
         self._pending: list[WorkItem] = []  # arrival order
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(_BATCHES_IN_FLIGHT)
@@ -208,12 +210,17 @@ class Batcher:
             self._slots.release()
             self._wake.set()
 
-    async def _run_rows(self, batch: list[WorkItem]) -> None:
+    async def _run_rows(self, batch: list[WorkItem], after_oom: bool = False) -> None:
+        """Run a batch; out of memory: evict another model and retry, then split; else fail one request."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
             live, outputs = await loop.run_in_executor(self._executor, self._run_live, batch)
         except Exception as exc:  # a failing batch must not take its neighbours down
+            if _out_of_memory(exc) and not after_oom and self._on_oom is not None and await self._on_oom():
+                log.warning("out of memory; evicted a model, retrying", extra={"model": self.model})
+                await self._run_rows(batch, after_oom=True)
+                return
             if len(batch) > 1:
                 log.warning("batch failed; splitting", extra={"model": self.model, "error": repr(exc)})
                 half = len(batch) // 2
@@ -261,3 +268,8 @@ class Batcher:
             return
         job.done = True
         self._on_done(job, error)
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """torch's (CUDA) OutOfMemoryError or ONNX Runtime's allocation failure, without importing either."""
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()

@@ -28,6 +28,7 @@ from appliance.bus import model_slug
 from appliance.errors import NotFound
 from appliance.settings import ModelEntry, Settings
 from runtimes import ModelSource, RuntimeKind, Task
+from runtimes.detect import detect_task
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,16 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
             raise ValueError(f"model {entry.name!r} needs a path")
         path = Path(".")
     defaults = default_batching(settings)
+    if entry.task is not None:
+        task = Task(entry.task)
+    elif runtime is RuntimeKind.NOOP or entry.adapter_of is not None:
+        task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
+    else:
+        task = detect_task(path)  # the same detection as registration through the API
     return ModelSpec(
         name=entry.name,
         slug=model_slug(entry.name),
-        task=Task(entry.task or "embed"),
+        task=task,
         runtime=runtime,
         path=path,
         aliases=tuple(entry.aliases),

@@ -32,6 +32,9 @@ def serve(
     nats_port: Annotated[int | None, typer.Option(help="embedded NATS port [FBX_NATS_PORT, default 4222]")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="state directory [FBX_STATE_DIR, default .fleetbox]")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file [FBX_CONFIG]")] = None,
+    model_root: Annotated[
+        list[Path] | None, typer.Option(help="a folder registered models may live in; repeatable [FBX_MODEL_ROOTS]")
+    ] = None,
     role: Annotated[str | None, typer.Option(help="all | gateway | worker [FBX_ROLE]")] = None,
     box_id: Annotated[str | None, typer.Option(help="this box's id [FBX_BOX_ID, default host-random]")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N [FBX_DEVICE]")] = None,
@@ -50,6 +53,7 @@ def serve(
             box_id=box_id,
             device=device,
             log_level=log_level,
+            model_roots=model_root or None,
         )
     except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
         typer.echo(f"fleetbox: bad settings: {exc}", err=True)
@@ -75,9 +79,13 @@ async def _serve(settings: Settings) -> int:
         log.error("box failed to start", extra={"error": repr(exc)})
         await box.stop()
         return 1
-    await stop.wait()
+    # A signal, or the `drain` control verb, ends the box the same way.
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(box.stop_requested.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
     try:
-        await asyncio.wait_for(box.stop(), 14.0)
+        await asyncio.wait_for(box.stop(), settings.shutdown_grace_s + 4.0)
     except TimeoutError:
         log.error("shutdown took too long; exiting anyway")
     return 0

@@ -104,9 +104,10 @@ class ReplyMeta:
     usage_tokens: int = 0
     seq: int = 0
     final: bool = True
+    blob: str | None = None  # the reply body's object-store key, when it was too large to carry
 
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             SEQ: str(self.seq),
             FINAL: "1" if self.final else "0",
             ID: self.id,
@@ -118,6 +119,9 @@ class ReplyMeta:
             DIMS: str(self.dims),
             USAGE_TOKENS: str(self.usage_tokens),
         }
+        if self.blob:
+            headers[BLOB] = self.blob
+        return headers
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str] | None) -> ReplyMeta:
@@ -134,6 +138,7 @@ class ReplyMeta:
             usage_tokens=_int(headers, USAGE_TOKENS, default=0),
             seq=_int(headers, SEQ, default=0),
             final=headers.get(FINAL, "1") != "0",
+            blob=headers.get(BLOB) or None,
         )
 
 

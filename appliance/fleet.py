@@ -92,12 +92,13 @@ class Fleet:
         now = time.time()
         return [r for r in self._boxes.values() if now - float(r.get("ts", 0)) <= self._ttl_s]
 
-    def holders(self, model: str) -> list[str]:
-        """Live boxes that have `model` resident (or loading), from their heartbeats."""
+    def holders(self, model: str, *, loading: bool = False) -> list[str]:
+        """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats."""
+        states = ("resident", "loading") if loading else ("resident",)
         return [
             record["box"]
             for record in self.live_boxes()
-            if any(m.get("name") == model for m in record.get("models", []))
+            if any(m.get("name") == model and m.get("state", "resident") in states for m in record.get("models", []))
         ]
 
     async def stop(self) -> None:

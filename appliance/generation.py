@@ -22,14 +22,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from appliance import bus
+from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, InternalError, NotFound, PayloadTooLarge, Unprocessable, deadline_passed
+from appliance.errors import FleetboxError, InternalError, PayloadTooLarge, Unprocessable, deadline_passed
 from appliance.metrics import Metrics
 from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
-from appliance.worker import Puller, keep_alive
+from appliance.worker import Puller, keep_alive, load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
 
@@ -69,6 +70,7 @@ class GenerateWorker:
         device_executor: Executor,
         residency: Residency,
         catalog: Catalog,
+        blobs: Blobs,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
@@ -79,6 +81,7 @@ class GenerateWorker:
         self._device = device_executor
         self._residency = residency
         self._catalog = catalog
+        self._blobs = blobs
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
         self._idle.set()
@@ -135,8 +138,10 @@ class GenerateWorker:
 
     async def _admit(self, meta: RequestMeta, msg: Msg) -> None:
         try:
-            request = decode_generation(msg.data)
-            adapter = await self._adapter(meta)
+            request = decode_generation(await self._blobs.get(meta.blob) if meta.blob else msg.data)
+            adapter = None
+            if meta.adapter is not None:
+                adapter = await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
             prompt = await asyncio.get_running_loop().run_in_executor(None, self._prompt, request)
             self.runtime.add(meta.id, prompt, self._sampling(request), adapter=adapter)
         except FleetboxError as exc:
@@ -151,23 +156,13 @@ class GenerateWorker:
         self._idle.clear()
         self._wake.set()
 
-    async def _adapter(self, meta: RequestMeta) -> str | None:
-        if meta.adapter is None:
-            return None
-        adapter = self._catalog.get(meta.adapter)
-        if adapter is None or adapter.adapter_of != self.spec.name:
-            raise NotFound(f"model {self.spec.name} has no adapter {meta.adapter!r}", code="adapter_not_found")
-        try:
-            await self._residency.ensure_adapter(self.spec.name, adapter)
-        except (UnsupportedModel, UnknownAdapter) as exc:
-            raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
-        return adapter.name
-
     def _prompt(self, request: ChatRequest | CompletionRequest) -> Any:
         try:
             if isinstance(request, ChatRequest):
-                messages = [msgspec.structs.asdict(m) for m in request.messages]
-                messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+                messages = [
+                    {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in request.messages
+                ]
                 return self.runtime.apply_chat_template(messages, truncate=request.truncate)
             return self.runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
         except InputTooLong as exc:
@@ -246,6 +241,8 @@ class GenerateWorker:
         if output.finished:
             self._forget(output.request_id)
             await stream.msg.ack()
+            if stream.meta.blob:
+                await self._blobs.delete(stream.meta.blob)
             self.puller.poke()
 
     async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
@@ -258,8 +255,9 @@ class GenerateWorker:
 
     # -- stop ------------------------------------------------------------------------------------
 
-    async def drain(self, grace_s: float = 10.0) -> None:
+    async def drain(self) -> None:
         """Stop pulling; let active requests finish within the grace, hand the rest back."""
+        grace_s = self._settings.shutdown_grace_s
         await self.puller.stop()
         loop = asyncio.get_running_loop()
         try:

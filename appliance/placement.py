@@ -14,10 +14,14 @@ import logging
 import random
 from typing import TYPE_CHECKING
 
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from appliance import bus
-from appliance.errors import FleetboxError
+from appliance.catalog import ModelSpec
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import FleetboxError, ServiceUnavailable
+from appliance.worker import Puller
 
 if TYPE_CHECKING:
     from appliance.app import Box
@@ -75,7 +79,7 @@ class Placement:
             task.add_done_callback(self._loads.discard)
 
     def _should_load(self, name: str, waiting: int) -> bool:
-        holders = self._box.fleet.holders(name) if self._box.fleet else []
+        holders = self._box.fleet.holders(name, loading=True) if self._box.fleet else []
         return not holders or waiting >= self._box.settings.cold_backlog
 
     async def _waiting(self, slug: str) -> int:
@@ -89,14 +93,44 @@ class Placement:
     async def _load(self, spec) -> None:
         try:
             await self._box.serve_model(spec)
-        except FleetboxError as exc:
-            self._failed(spec.name)
-            log.warning("cannot load a model requests wait for", extra={"model": spec.name, "error": exc.message})
         except Exception as exc:
+            reason = exc.message if isinstance(exc, FleetboxError) else repr(exc)
+            log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": reason})
             self._failed(spec.name)
-            log.error("loading a cold model failed", extra={"model": spec.name, "error": repr(exc)})
+            if not (self._box.fleet and self._box.fleet.holders(spec.name)):
+                # No box can answer them: say why now rather than let them wait out their deadlines.
+                error = ServiceUnavailable(f"model {spec.name} could not be loaded on box {self._box.box_id}: {reason}")
+                await self._refuse(spec, error)
         finally:
             self._loading.discard(spec.name)
+
+    async def _refuse(self, spec: ModelSpec, error: FleetboxError) -> None:
+        """Answer the requests waiting for a model that failed to load, until the next load attempt."""
+        box = self._box
+        assert box.nc is not None
+
+        def answer(msg: Msg) -> None:
+            task = asyncio.create_task(self._answer(msg, error))
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+
+        puller = Puller(box.nc, spec.slug, bus.pull_inbox(box.box_id, spec.slug) + ".refuse", lambda: 64, answer)
+        await puller.start()
+        try:
+            await asyncio.sleep(_RETRY_AFTER_FAILURE_S)
+        finally:
+            await puller.stop()
+
+    async def _answer(self, msg: Msg, error: FleetboxError) -> None:
+        assert self._box.nc is not None
+        try:
+            meta = RequestMeta.from_headers(msg.headers)
+        except ValueError:
+            await msg.term()
+            return
+        reply = ReplyMeta(id=meta.id, status=error.status, box=self._box.box_id)
+        await self._box.nc.publish(meta.reply, error.to_json(), headers=reply.headers())
+        await msg.ack()
 
     def _failed(self, name: str) -> None:
         self._failed_until[name] = asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S

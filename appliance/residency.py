@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from appliance.catalog import ModelSpec
@@ -96,6 +96,7 @@ class Residency:
         executor: Executor,
         before_evict: Callable[[str], Awaitable[None]] | None = None,
         max_adapters: int = 8,
+        onnx_cache: Path | None = None,
     ) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
@@ -107,6 +108,7 @@ class Residency:
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._room_lock = asyncio.Lock()
         self._max_adapters = max_adapters
+        self._onnx_cache = onnx_cache
         self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.pinned: set[str] = set()
 
@@ -170,6 +172,8 @@ class Residency:
         started = time.perf_counter()
         log.info("loading model", extra={"model": spec.name, "device": self.device})
         source = spec.source(self.device, self._threads)
+        if spec.runtime is RuntimeKind.ONNX and self._onnx_cache is not None and "cache_dir" not in source.options:
+            source = replace(source, options={**source.options, "cache_dir": str(self._onnx_cache)})
         runtime = await loop.run_in_executor(self._executor, load_runtime, source)
         seconds = time.perf_counter() - started
         now = time.monotonic()

@@ -94,6 +94,8 @@ class ModelRegistration(msgspec.Struct, kw_only=True):
     max_batch_tokens: Positive | None = None
     max_batch_size: Positive | None = None
     max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    # Runtime knobs, e.g. {"max_batch_size": 16} for a generator, {"onnx_file": "..."} for a shipped ONNX.
+    options: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
 
 
 class BoxTarget(msgspec.Struct, kw_only=True):
@@ -102,10 +104,18 @@ class BoxTarget(msgspec.Struct, kw_only=True):
     box: str | None = None
 
 
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]  # OpenAI's content parts: text only (these are text models)
     name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -30,7 +30,6 @@ class ModelEntry(BaseModel):
     runtime: str = "torch"
     aliases: list[str] = Field(default_factory=list)
     pinned: bool = False
-    device: str | None = None
     dtype: str = "float32"
     options: dict[str, Any] = Field(default_factory=dict)
     adapter_of: str | None = None  # the base model's name, for a LoRA adapter
@@ -58,6 +57,11 @@ class Settings(BaseSettings):
     nats_host: str = "127.0.0.1"
     state_dir: Path = Path(".fleetbox")
     box_id: str | None = None
+
+    # Durability: file storage and replicas for the stream and buckets (a NATS cluster of >= replicas)
+    durable: bool = False
+    replicas: int = 1
+    blob_threshold: int = 512 * 1024  # bodies above this travel in the object store fbx_blobs
 
     # Stream FBX_REQ bounds (discard-new: a full queue is an immediate 429)
     stream_max_msgs: int = 100_000
@@ -92,7 +96,7 @@ class Settings(BaseSettings):
     admin_keys: str | None = None
 
     log_level: str = "INFO"
-    shutdown_grace_s: float = 10.0
+    shutdown_grace_s: float = 8.0  # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
 
     @classmethod
     def settings_customise_sources(

@@ -21,8 +21,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from appliance import bus
+from appliance import bus, envelope
 from appliance.batcher import Batcher, Job
+from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, InternalError, NotFound, Unprocessable, deadline_passed
@@ -130,6 +131,7 @@ class ModelWorker:
         cpu_executor: Executor,
         residency: Residency,
         catalog: Catalog,
+        blobs: Blobs,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
@@ -140,11 +142,20 @@ class ModelWorker:
         self._cpu_executor = cpu_executor
         self._residency = residency
         self._catalog = catalog
+        self._blobs = blobs
         self._started = time.time()
         self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
         self._tasks: set[asyncio.Task[None]] = set()
-        self.batcher = Batcher(spec.name, runtime, spec.batching, device_executor, metrics, self._on_done)
+        self.batcher = Batcher(
+            spec.name,
+            runtime,
+            spec.batching,
+            device_executor,
+            metrics,
+            self._on_done,
+            on_oom=lambda: residency.evict_for_oom(keep=spec.name),
+        )
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
         self._ticker: asyncio.Task[None] | None = None
 
@@ -212,26 +223,23 @@ class ModelWorker:
             return
         if meta.sent_ms and meta.sent_ms < self._started * 1000:
             self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
-        if meta.adapter is not None:
-            self._spawn(self._with_adapter(meta, msg, jobs))
+        if meta.adapter is not None or meta.blob is not None:
+            self._spawn(self._prepare_async(meta, msg, jobs))
         elif len(msg.data) > _BIG_BODY:
-            self._spawn(self._prepare_off_loop(meta, msg, jobs))
+            self._spawn(self._prepare_off_loop(meta, msg, jobs, msg.data))
         else:
             self._prepare(meta, msg, jobs)
 
-    async def _with_adapter(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
-        """Load the request's LoRA adapter onto this model (once), then prepare as usual."""
-        adapter = self._catalog.get(meta.adapter or "")
-        if adapter is None or adapter.adapter_of != self.spec.name:
-            error = NotFound(f"model {self.spec.name} has no adapter {meta.adapter!r}", code="adapter_not_found")
-            await self._answer_error(meta, msg, error)
-            return
+    async def _prepare_async(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
+        """Fetch an offloaded body and load the request's LoRA adapter (once), then prepare as usual."""
         try:
-            await self._residency.ensure_adapter(self.spec.name, adapter)
-        except (UnsupportedModel, UnknownAdapter) as exc:
-            await self._answer_error(meta, msg, Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter"))
+            body = await self._blobs.get(meta.blob) if meta.blob else msg.data
+            if meta.adapter is not None:
+                await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
+        except FleetboxError as exc:
+            await self._answer_error(meta, msg, exc)
             return
-        await self._prepare_off_loop(meta, msg, jobs)
+        await self._prepare_off_loop(meta, msg, jobs, body)
 
     def _prepare(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
         try:
@@ -241,10 +249,10 @@ class ModelWorker:
             return
         self._submit(meta, msg, rows, params)
 
-    async def _prepare_off_loop(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
+    async def _prepare_off_loop(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs, body: bytes) -> None:
         loop = asyncio.get_running_loop()
         try:
-            rows, params = await loop.run_in_executor(self._cpu_executor, jobs.prepare, msg.data, self.runtime)
+            rows, params = await loop.run_in_executor(self._cpu_executor, jobs.prepare, body, self.runtime)
         except FleetboxError as exc:
             await self._answer_error(meta, msg, exc)
             return
@@ -282,8 +290,13 @@ class ModelWorker:
 
     async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, headers: dict[str, str]) -> None:
         try:
+            if self._blobs.needed(body):
+                headers = {**headers, envelope.BLOB: await self._blobs.put(f"{meta.id}.reply", body)}
+                body = b""
             await self._nc.publish(meta.reply, body, headers=headers)
             await msg.ack()
+            if meta.blob:
+                await self._blobs.delete(meta.blob)
             self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:
             self._held.pop(meta.id, None)
@@ -311,3 +324,15 @@ async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
                 await msg.in_progress()
             except Exception as exc:
                 log.debug("in-progress ack failed", extra={"error": repr(exc)})
+
+
+async def load_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> str:
+    """Make a request's LoRA adapter resident on its base model; the adapter's name for the runtime."""
+    adapter = catalog.get(name)
+    if adapter is None or adapter.adapter_of != base.name:
+        raise NotFound(f"model {base.name} has no adapter {name!r}", code="adapter_not_found")
+    try:
+        await residency.ensure_adapter(base.name, adapter)
+    except (UnsupportedModel, UnknownAdapter) as exc:
+        raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
+    return adapter.name

@@ -69,3 +69,35 @@ def test_serve_rejects_a_missing_config_file_with_a_usage_error(tmp_path) -> Non
     )
     assert result.returncode == 2
     assert "absent.toml" in result.stderr
+
+
+async def test_drain_verb_finishes_and_exits_the_box(nats_server, tmp_path) -> None:
+    import nats as nats_client
+
+    from appliance.control import call_box
+
+    config = tmp_path / "box.toml"
+    config.write_text('default_model = false\n[[models]]\nname = "noop"\nruntime = "noop"\npinned = true\n')
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--nats", nats_server.url, "--port", str(free_port()),
+         "--box-id", "drainee", "--config", str(config)],
+        env={**os.environ, "FBX_LOG_LEVEL": "WARNING"},
+    )  # fmt: skip
+    nc = await nats_client.connect(nats_server.url)
+    try:
+
+        async def box_answers() -> bool:
+            try:
+                return (await call_box(nc, "drainee", "status", timeout_s=1.0))["box"] == "drainee"
+            except Exception:
+                assert process.poll() is None
+                return False
+
+        await wait_for(box_answers, timeout_s=60, what="the box to answer its control subject")
+        assert (await call_box(nc, "drainee", "drain"))["draining"] is True
+        assert await asyncio.to_thread(process.wait, 20) == 0
+    finally:
+        await nc.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

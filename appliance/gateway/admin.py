@@ -55,7 +55,7 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
             return resolved
     raise Forbidden(
         f"path {raw!r} is outside the model roots ({', '.join(map(str, roots))}); "
-        "put the folder under a root or add one with --model-root",
+        "put the folder under a root, or add a root with --model-root / FBX_MODEL_ROOTS",
         code="path_outside_model_roots",
     )
 
@@ -90,6 +90,8 @@ async def register_model(request: web.Request) -> web.Response:
     if not folder.is_dir():
         raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
     defaults = default_batching(ctx.settings)
+    if registration.runtime == "torch" and registration.dtype == "int8":
+        raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")
     if registration.adapter_of is not None:
         base = ctx.catalog.get(registration.adapter_of)
         if base is None or base.adapter_of is not None:
@@ -120,6 +122,7 @@ async def register_model(request: web.Request) -> web.Response:
         aliases=tuple(registration.aliases),
         pinned=registration.pinned,
         dtype=registration.dtype,
+        options=dict(registration.options),
         adapter_of=registration.adapter_of,
     )
     if ctx.check_fits is not None and spec.adapter_of is None:

@@ -76,14 +76,14 @@ def build_app(context: GatewayContext) -> web.Application:
         web.get("/readyz", ops.readyz),
         web.get("/metrics", ops.metrics),
         web.get("/openapi.json", ops.openapi),
-        web.get("/v1/models", inference(ops.list_models)),
-        web.get("/v1/models/{name:.+}", inference(admin.get_model)),
-        web.post("/v1/models", admin_only(admin.register_model)),
     ]
-    for verb in ("pin", "unpin", "load", "evict"):
-        routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
-    routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
-    if context.settings.serves_http:
+    if context.dispatcher is not None:  # a gateway: the API; a worker-only box serves operations only
+        routes.append(web.get("/v1/models", inference(ops.list_models)))
+        routes.append(web.get("/v1/models/{name:.+}", inference(admin.get_model)))
+        routes.append(web.post("/v1/models", admin_only(admin.register_model)))
+        for verb in ("pin", "unpin", "load", "evict"):
+            routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
+        routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
         routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
             routes.append(web.post(path, inference(encoders.rerank)))

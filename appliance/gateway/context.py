@@ -20,7 +20,7 @@ class GatewayContext:
     settings: Settings
     catalog: Catalog
     store: CatalogStore
-    dispatcher: Dispatcher
+    dispatcher: Dispatcher | None  # None on a worker-only box, which serves no API
     metrics: Metrics
     nc: NATS
     box_id: str

@@ -13,7 +13,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -25,6 +25,7 @@ from nats.js.errors import APIError
 from nats.nuid import NUID
 
 from appliance import bus
+from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
@@ -56,12 +57,15 @@ class Reply:
 
 
 class Dispatcher:
-    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext, metrics: Metrics, max_waiting: int) -> None:
+    def __init__(
+        self, box_id: str, nc: NATS, js: JetStreamContext, metrics: Metrics, max_waiting: int, blobs: Blobs
+    ) -> None:
         self.box_id = box_id
         self._nc = nc
         self._js = js
         self._metrics = metrics
         self._max_waiting = max_waiting
+        self._blobs = blobs
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._streams: dict[str, _StreamWaiter] = {}
         self._nuid = NUID()
@@ -96,9 +100,12 @@ class Dispatcher:
         try:
             await self._publish(spec, body, meta)
             try:
-                return await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+                reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise _deadline(timeout_s) from None
+            if reply.meta.blob:
+                return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
+            return reply
         finally:
             self._waiters.pop(request_id, None)
 
@@ -165,6 +172,10 @@ class Dispatcher:
         )
 
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
+        if self._blobs.needed(body):
+            # Too large to ride the queue: the message carries the object-store key instead.
+            meta = replace(meta, blob=await self._blobs.put(meta.id, body))
+            body = b""
         try:
             await self._js.publish(
                 bus.request_subject(spec.slug), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()

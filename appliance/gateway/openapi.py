@@ -8,8 +8,27 @@ from typing import Any
 import msgspec
 
 from appliance import __version__
-from appliance.schemas import EmbeddingRequest
+from appliance.schemas import (
+    BoxTarget,
+    ChatRequest,
+    ClassifyRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ExtractRequest,
+    ModelRegistration,
+    RerankRequest,
+)
 
+_SCHEMAS = (
+    EmbeddingRequest,
+    RerankRequest,
+    ClassifyRequest,
+    ExtractRequest,
+    CompletionRequest,
+    ChatRequest,
+    ModelRegistration,
+    BoxTarget,
+)
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -21,51 +40,70 @@ _ERROR = {
         }
     },
 }
+_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 415, 422, 429, 503, 504)
+_ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 422, 503, 507)
+_NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
-    return {
-        str(status): {
-            "description": "error",
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-        }
-        for status in statuses
+def _errors(statuses: tuple[int, ...]) -> dict[str, Any]:
+    ref = {"$ref": "#/components/schemas/Error"}
+    return {str(s): {"description": "error", "content": {"application/json": {"schema": ref}}} for s in statuses}
+
+
+def _operation(summary: str, schema: str | None, errors: tuple[int, ...], ok: str = "200") -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {ok: {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
+        | _errors(errors),
     }
-
-
-def _json_post(schema: str, summary: str) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
-            },
-            "responses": {
-                "200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}},
-                **_errors(400, 401, 404, 413, 415, 422, 429, 503, 504),
-            },
+    if schema is not None:
+        operation["requestBody"] = {
+            "required": schema != "BoxTarget",
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
         }
-    }
+    return operation
 
 
-def _get(summary: str, *errors: int) -> dict[str, Any]:
-    return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}, **_errors(*errors)}}}
+def _get(summary: str, errors: tuple[int, ...] = ()) -> dict[str, Any]:
+    return {"get": _operation(summary, None, errors)}
 
 
 @cache
 def openapi_spec() -> dict[str, Any]:
-    (_,), components = msgspec.json.schema_components([EmbeddingRequest], ref_template="#/components/schemas/{name}")
+    _, components = msgspec.json.schema_components(_SCHEMAS, ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
+    paths: dict[str, Any] = {
+        "/v1/embeddings": {"post": _operation("Embeddings (OpenAI)", "EmbeddingRequest", _INFERENCE_ERRORS)},
+        "/v1/classify": {"post": _operation("Sequence labels per input", "ClassifyRequest", _INFERENCE_ERRORS)},
+        "/v1/extract": {"post": _operation("Entity spans per input", "ExtractRequest", _INFERENCE_ERRORS)},
+        "/v1/completions": {"post": _operation("Text completion (OpenAI)", "CompletionRequest", _INFERENCE_ERRORS)},
+        "/v1/chat/completions": {"post": _operation("Chat completion (OpenAI)", "ChatRequest", _INFERENCE_ERRORS)},
+        "/v1/models": {
+            **_get("The catalog, with where each model is resident", (401, 403)),
+            "post": _operation("Register a model folder or LoRA adapter", "ModelRegistration", _ADMIN_ERRORS, "201"),
+        },
+        "/v1/models/{name}": {
+            "get": {**_operation("One model", None, (401, 403, 404)), "parameters": _NAME},
+            "delete": {**_operation("Remove a model from the catalog", None, _ADMIN_ERRORS), "parameters": _NAME},
+        },
+        "/healthz": _get("Liveness"),
+        "/readyz": _get("Readiness: NATS, the stream, pinned models resident", (503,)),
+        "/metrics": _get("Prometheus metrics"),
+        "/openapi.json": _get("This document"),
+    }
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        paths[path] = {"post": _operation("Rerank documents (Cohere/Jina)", "RerankRequest", _INFERENCE_ERRORS)}
+    for verb in ("pin", "unpin"):
+        paths[f"/v1/models/{{name}}/{verb}"] = {
+            "post": {**_operation(f"{verb.title()} a model fleet-wide", None, _ADMIN_ERRORS), "parameters": _NAME}
+        }
+    for verb in ("load", "evict"):
+        paths[f"/v1/models/{{name}}/{verb}"] = {
+            "post": {**_operation(f"{verb.title()} a model on a box", "BoxTarget", _ADMIN_ERRORS), "parameters": _NAME}
+        }
     return {
         "openapi": "3.1.0",
         "info": {"title": "fleetbox", "version": __version__},
-        "paths": {
-            "/v1/embeddings": _json_post("EmbeddingRequest", "Create embeddings (OpenAI-compatible)"),
-            "/v1/models": _get("List the catalog's models"),
-            "/healthz": _get("Liveness"),
-            "/readyz": _get("Readiness", 503),
-            "/metrics": _get("Prometheus metrics"),
-        },
+        "paths": paths,
         "components": {"schemas": components},
     }

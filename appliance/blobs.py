@@ -1,0 +1,76 @@
+"""Large bodies travel beside the queue: the JetStream object store `fbx_blobs`.
+
+A request body (or a reply) over the blob threshold is put in the store under its request id and
+the message carries only the key (`Fbx-Blob`), so the queue holds small messages whatever clients
+send and NATS's payload limit never meets a client's body. The reader deletes a reply blob once
+read; a request blob is deleted after the request is acked, and the bucket's TTL sweeps up what a
+crash left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+
+from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.errors import BucketNotFoundError
+from nats.js.object_store import ObjectStore
+
+from appliance import bus
+
+# Headers and framing ride along with a body; keep this much of NATS's payload limit for them.
+_HEADROOM = 64 * 1024
+
+
+class Blobs:
+    def __init__(
+        self, js: JetStreamContext, threshold: int, max_payload: int, *, ttl_s: float, file_storage: bool, replicas: int
+    ) -> None:
+        self._js = js
+        self.threshold = max(1024, min(threshold, max_payload - _HEADROOM))
+        self._ttl_s = ttl_s
+        self._file_storage = file_storage
+        self._replicas = replicas
+        self._store: ObjectStore | None = None
+        self._lock = asyncio.Lock()
+
+    def needed(self, body: bytes) -> bool:
+        return len(body) > self.threshold
+
+    async def _bucket(self) -> ObjectStore:
+        if self._store is not None:
+            return self._store
+        async with self._lock:
+            if self._store is None:
+                try:
+                    self._store = await self._js.object_store(bus.BLOBS_BUCKET)
+                except BucketNotFoundError:
+                    self._store = await self._js.create_object_store(
+                        config=ObjectStoreConfig(
+                            bucket=bus.BLOBS_BUCKET,
+                            ttl=self._ttl_s,
+                            storage=StorageType.FILE if self._file_storage else StorageType.MEMORY,
+                            replicas=self._replicas,
+                        ),
+                        bucket=bus.BLOBS_BUCKET,
+                    )
+            return self._store
+
+    async def put(self, key: str, data: bytes) -> str:
+        await (await self._bucket()).put(key, data)
+        return key
+
+    async def get(self, key: str) -> bytes:
+        result = await (await self._bucket()).get(key)
+        return result.data or b""
+
+    async def take(self, key: str) -> bytes:
+        """Read a blob and delete it (a reply's: read once)."""
+        data = await self.get(key)
+        await self.delete(key)
+        return data
+
+    async def delete(self, key: str) -> None:
+        with suppress(Exception):  # already gone, or the TTL will take it
+            await (await self._bucket()).delete(key)

@@ -1,0 +1,53 @@
+"""Bodies and replies larger than NATS carries go through the object store; a model that cannot load
+answers its waiting requests with a clear error instead of letting them time out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.conftest import noop_model, url, wait_for
+
+
+async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(start_box, http) -> None:
+    # A 32 KiB threshold sends the 64 KB reply (2000 x 8 float32) through the store as well.
+    box = await start_box(
+        default_model=False, models=[noop_model()], max_body_bytes=16 * 1024 * 1024, blob_threshold=32 * 1024
+    )
+    texts = [f"input number {i} " + "word " * 300 for i in range(2000)]  # about 3 MB of JSON
+    body = {"model": "noop", "input": texts}
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 200, await response.text()
+        payload = await response.json()
+    assert len(payload["data"]) == 2000
+    assert np.allclose(payload["data"][1999]["embedding"], [1.0] + [0.0] * 7)
+
+    async def blobs_deleted() -> bool:  # the request blob goes once acked, the reply blob once read
+        info = await box.js.stream_info("OBJ_fbx_blobs")
+        return info.state.bytes < 4096  # only the two deletion markers remain, no chunks
+
+    await wait_for(blobs_deleted, what="the blobs to be deleted")
+
+
+async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, http, tmp_path) -> None:
+    broken = tmp_path / "models" / "broken"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
+    (broken / "tokenizer.json").write_text("not a tokenizer")
+    (broken / "model.safetensors").write_bytes(b"corrupt")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "broken", "path": "broken"}) as response:
+        assert response.status == 201  # its files look right; only loading finds them corrupt
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "broken", "input": "x", "timeout": 60}) as response:
+        assert response.status == 503
+        error = (await response.json())["error"]
+    assert "broken" in error["message"] and "could not be loaded" in error["message"]
+
+
+async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, http) -> None:
+    worker = await start_box(role="worker", default_model=False, models=[noop_model()])
+    async with http.get(url(worker, "/readyz")) as response:
+        assert response.status == 200
+    async with http.get(url(worker, "/metrics")) as response:
+        assert response.status == 200
+    async with http.post(url(worker, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
+        assert response.status == 404
