@@ -28,6 +28,7 @@ from appliance.catalog import Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
 from appliance.errors import Conflict, NotFound
 from appliance.fleet import Fleet
+from appliance.gateway.admin import register, registration_from
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
@@ -416,6 +417,13 @@ class Box:
             spec = await self.store.set_pinned(self._model(payload), False)
             return {"model": spec.name, "pinned": False}
 
+        async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
+            """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
+            assert self.store is not None
+            check_fits = self.residency.check_fits if self.settings.runs_models else None
+            spec = await register(registration_from(payload), self.catalog, self.store, self.settings, check_fits)
+            return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of}
+
         async def drain(payload: dict[str, Any]) -> dict[str, Any]:
             self.draining = True
             self.stop_requested.set()
@@ -434,6 +442,7 @@ class Box:
             "evict": evict,
             "pin": pin,
             "unpin": unpin,
+            "register": register_verb,
             "drain": drain,
             "status": status,
             "cancel": cancel,

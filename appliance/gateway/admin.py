@@ -8,6 +8,7 @@ Load and evict act on one box through its control subject, so any box's API can 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,13 @@ import msgspec
 from aiohttp import web
 
 from appliance.bus import model_slug
-from appliance.catalog import ADAPTER_SEPARATOR, Batching, ModelSpec, default_batching
+from appliance.catalog import ADAPTER_SEPARATOR, Batching, Catalog, CatalogStore, ModelSpec, default_batching
 from appliance.control import call_box
 from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.schemas import BoxTarget, ModelRegistration
+from appliance.settings import Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel
 from runtimes.detect import check_adapter_folder, detect_task
 
@@ -76,24 +78,44 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
 async def register_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     registration = decode(await read_body(request, ctx.settings), _registration)
+    spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, ctx.check_fits)
+    return json_response(model_record(ctx, spec), status=201)
+
+
+def registration_from(payload: dict[str, Any]) -> ModelRegistration:
+    """A registration that came as JSON already parsed (the `register` control verb), validated."""
+    try:
+        return msgspec.convert(payload, ModelRegistration)
+    except msgspec.ValidationError as exc:
+        raise Unprocessable(f"invalid request: {exc}") from None
+
+
+async def register(
+    registration: ModelRegistration,
+    catalog: Catalog,
+    store: CatalogStore,
+    settings: Settings,
+    check_fits: Callable[[ModelSpec], None] | None,
+) -> ModelSpec:
+    """Judge a registration and put it in the fleet's catalog: `POST /v1/models` and the `register` verb."""
     name = registration.name
     try:
         slug = model_slug(name)
     except ValueError as exc:
         raise Unprocessable(str(exc), code="invalid_name") from None
     for taken in (name, *registration.aliases):
-        if ctx.catalog.get(taken) is not None:
+        if catalog.get(taken) is not None:
             raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")
-    if ctx.catalog.by_slug(slug) is not None:
+    if catalog.by_slug(slug) is not None:
         raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")
-    folder = resolve_under_roots(registration.path, ctx.settings.roots)
+    folder = resolve_under_roots(registration.path, settings.roots)
     if not folder.is_dir():
         raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
-    defaults = default_batching(ctx.settings)
+    defaults = default_batching(settings)
     if registration.runtime == "torch" and registration.dtype == "int8":
         raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")
     if registration.adapter_of is not None:
-        base = ctx.catalog.get(registration.adapter_of)
+        base = catalog.get(registration.adapter_of)
         if base is None or base.adapter_of is not None:
             raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
         if base.runtime is not RuntimeKind.TORCH:
@@ -125,10 +147,10 @@ async def register_model(request: web.Request) -> web.Response:
         options=dict(registration.options),
         adapter_of=registration.adapter_of,
     )
-    if ctx.check_fits is not None and spec.adapter_of is None:
-        ctx.check_fits(spec)
-    await ctx.store.put(spec)
-    return json_response(model_record(ctx, spec), status=201)
+    if check_fits is not None and spec.adapter_of is None:
+        check_fits(spec)
+    await store.put(spec)
+    return spec
 
 
 def _spec(ctx: GatewayContext, request: web.Request) -> ModelSpec:
