@@ -17,8 +17,10 @@ from contextlib import suppress
 from typing import Any
 
 import nats
+import orjson
 from aiohttp import web
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.nuid import NUID
 
@@ -26,6 +28,7 @@ from appliance import __version__, bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
+from appliance.deadletter import DeadLetterWatch
 from appliance.errors import Conflict, NotFound
 from appliance.fleet import Fleet
 from appliance.gateway.admin import register, registration_from
@@ -36,9 +39,10 @@ from appliance.generation import GenerateWorker
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement
+from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook, cpu_cores, hardware_slug
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
-from appliance.worker import ModelWorker
+from appliance.worker import Cancellations, ModelWorker
 from runtimes.base import Task
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,11 @@ class Box:
             before_evict=self._stop_worker,
             onnx_cache=settings.state_dir / "onnx",  # a box exports each model once
         )
+        roots = [p for p in (settings.profiles_dir, SHIPPED_PROFILES_DIR) if p is not None]
+        self.profiles = ProfileBook(hardware_slug(self.device), roots, cpu_cores()) if settings.runs_models else None
         self.workers: dict[str, ModelWorker | GenerateWorker] = {}
+        self.cancelled = Cancellations()
+        self._dead_letters: DeadLetterWatch | None = None
         self.natsd: EmbeddedNats | None = None
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
@@ -135,6 +143,7 @@ class Box:
             file_storage=s.durable,
             replicas=s.replicas,
         )
+        await bus.ensure_dead_letter_stream(self.js, file_storage=s.durable, replicas=s.replicas)
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
         self.store.on_change(self._on_catalog_change)
         await self.store.open(configured_specs(s))
@@ -148,6 +157,9 @@ class Box:
         await self.fleet.start()
         self._control = ControlServer(self.nc, self.box_id, self._control_handlers())
         await self._control.start()
+        await self.nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
+        self._dead_letters = DeadLetterWatch(self.nc, self.js)
+        await self._dead_letters.start()
         if s.runs_models:
             for spec in self.catalog:
                 if spec.pinned and spec.adapter_of is None:
@@ -192,7 +204,7 @@ class Box:
     async def _ensure_consumer(self, spec: ModelSpec) -> None:
         assert self.js is not None
         s = self.settings
-        await bus.ensure_request_consumer(
+        await bus.ensure_request_consumers(
             self.js, spec.slug, ack_wait_s=s.ack_wait_s, max_deliver=s.max_deliver, max_ack_pending=s.max_ack_pending
         )
 
@@ -217,7 +229,10 @@ class Box:
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
         )
         app = build_app(context)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=3.0, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
         await self._site.start()
@@ -237,6 +252,11 @@ class Box:
         if worker is not None:
             self.residency.touch(spec.name)
             return worker
+        if self.profiles is not None:  # this hardware's tuned settings (appliance/profiles.py)
+            has_adapters = bool(self.catalog.adapters_of(spec.name))
+            spec = await asyncio.get_running_loop().run_in_executor(
+                self._cpu_executor, self.profiles.apply, spec, has_adapters
+            )
         runtime = await self.residency.ensure_loaded(spec)
         worker = self.workers.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
@@ -269,6 +289,8 @@ class Box:
                 self.residency,
                 self.catalog,
                 self.blobs,
+                self.js,
+                self.cancelled,
             )
         self.workers[spec.name] = worker
         await worker.start()
@@ -287,6 +309,16 @@ class Box:
         if self.fleet is not None:
             await self.fleet.beat()
         return evicted
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        """A gateway's client went away: forget its request wherever it waits on this box."""
+        try:
+            request_id = str(orjson.loads(msg.data)["id"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return
+        self.cancelled.add(request_id)
+        for worker in self.workers.values():
+            worker.cancel(request_id)
 
     def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
         if spec is None:
@@ -337,7 +369,9 @@ class Box:
         if self.residency.is_loading(name):
             loading = True
         state = "resident" if boxes else "loading" if loading else "cold"
-        return {"state": state, "boxes": sorted(boxes), "bytes": nbytes}
+        spec = self.catalog.get(name)
+        profile = self.profiles.describe(spec) if self.profiles is not None and spec is not None else None
+        return {"state": state, "boxes": sorted(boxes), "bytes": nbytes, "profile": profile}
 
     def heartbeat(self) -> dict[str, Any]:
         models = [
@@ -445,7 +479,6 @@ class Box:
             "register": register_verb,
             "drain": drain,
             "status": status,
-            "cancel": cancel,
         }
 
     def _model(self, payload: dict[str, Any]) -> ModelSpec:
@@ -487,6 +520,9 @@ class Box:
         if self._control is not None:
             with suppress(Exception):
                 await self._control.stop()
+        if self._dead_letters is not None:
+            with suppress(Exception):
+                await self._dead_letters.stop()
         if self.fleet is not None:
             await self.fleet.stop()
         if self.store is not None:

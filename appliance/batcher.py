@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from appliance.catalog import Batching
-from appliance.envelope import RequestMeta
+from appliance.envelope import BATCH, RequestMeta
 from appliance.errors import deadline_passed
 from appliance.metrics import Metrics
 from runtimes import Runtime, Tokenized
@@ -99,6 +99,10 @@ class Batcher:
     def pending_rows(self) -> int:
         return len(self._pending)
 
+    @property
+    def pending_interactive(self) -> int:
+        return sum(1 for item in self._pending if item.job.meta.priority != BATCH)
+
     def submit(self, job: Job) -> None:
         now = asyncio.get_running_loop().time()
         self._pending.extend(WorkItem(job, i, row, now) for i, row in enumerate(job.rows))
@@ -163,7 +167,8 @@ class Batcher:
         self._drop_expired()
         if not self._pending:
             return []
-        anchor = self._pending[0]
+        # Interactive work first: the oldest interactive row anchors the batch when there is one.
+        anchor = next((item for item in self._pending if item.job.meta.priority != BATCH), self._pending[0])
         # One adapter per batch: the anchor's (None is the base model).
         same_adapter = [item for item in self._pending if item.job.meta.adapter == anchor.job.meta.adapter]
         by_length = sorted(same_adapter, key=lambda item: item.length)

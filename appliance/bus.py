@@ -21,6 +21,8 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
+from appliance.envelope import BATCH, INTERACTIVE, PRIORITIES
+
 log = logging.getLogger(__name__)
 
 REQUEST_STREAM = "FBX_REQ"
@@ -40,16 +42,31 @@ def model_slug(name: str) -> str:
     return slug
 
 
-def request_subject(slug: str) -> str:
-    return f"fbx.req.{slug}"
+def request_subject(slug: str, priority: str = INTERACTIVE) -> str:
+    """Interactive and batch work for a model wait on subjects (and consumers) of their own."""
+    return f"fbx.bulk.{slug}" if priority == BATCH else f"fbx.req.{slug}"
 
 
-def request_subjects() -> str:
-    return "fbx.req.>"
+def request_subjects() -> list[str]:
+    return ["fbx.req.>", "fbx.bulk.>"]
 
 
-def consumer_name(slug: str) -> str:
-    return f"req_{slug}"
+def consumer_name(slug: str, priority: str = INTERACTIVE) -> str:
+    return f"bulk_{slug}" if priority == BATCH else f"req_{slug}"
+
+
+def dead_letter_subject(slug: str) -> str:
+    return f"fbx.dlq.{slug}"
+
+
+def max_deliveries_advisories() -> str:
+    """JetStream's notice that a request was delivered `max_deliver` times without an ack."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUEST_STREAM}.*"
+
+
+def cancel_subject() -> str:
+    """Where a gateway says a request's client went away; every box listens."""
+    return "fbx.cancel"
 
 
 def reply_subject(box_id: str) -> str:
@@ -57,13 +74,13 @@ def reply_subject(box_id: str) -> str:
     return f"fbx.rep.{box_id}"
 
 
-def pull_inbox(box_id: str, slug: str) -> str:
-    """Where one box's pull requests for one model are answered."""
-    return f"_FBX.pull.{box_id}.{slug}"
+def pull_inbox(box_id: str, slug: str, priority: str = INTERACTIVE) -> str:
+    """Where one box's pull requests for one model (and priority) are answered."""
+    return f"_FBX.pull.{box_id}.{slug}.{priority}"
 
 
-def pull_request_subject(slug: str) -> str:
-    return f"$JS.API.CONSUMER.MSG.NEXT.{REQUEST_STREAM}.{consumer_name(slug)}"
+def pull_request_subject(slug: str, priority: str = INTERACTIVE) -> str:
+    return f"$JS.API.CONSUMER.MSG.NEXT.{REQUEST_STREAM}.{consumer_name(slug, priority)}"
 
 
 def control_subject(box_id: str, verb: str) -> str:
@@ -87,7 +104,7 @@ async def ensure_request_stream(
         pass
     config = StreamConfig(
         name=REQUEST_STREAM,
-        subjects=[request_subjects()],
+        subjects=request_subjects(),
         retention=RetentionPolicy.WORK_QUEUE,
         discard=DiscardPolicy.NEW,
         max_msgs=max_msgs,
@@ -106,11 +123,20 @@ async def ensure_request_stream(
             raise
 
 
-async def ensure_request_consumer(
+async def ensure_request_consumers(
     js: JetStreamContext, slug: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
 ) -> None:
-    """Create the shared durable pull consumer for one model if it is missing."""
-    name = consumer_name(slug)
+    """Create the shared durable pull consumers (interactive and batch) of one model if missing."""
+    for priority in PRIORITIES:
+        await _ensure_consumer(
+            js, slug, priority, ack_wait_s=ack_wait_s, max_deliver=max_deliver, max_ack_pending=max_ack_pending
+        )
+
+
+async def _ensure_consumer(
+    js: JetStreamContext, slug: str, priority: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
+) -> None:
+    name = consumer_name(slug, priority)
     try:
         await js.consumer_info(REQUEST_STREAM, name)
         return
@@ -118,7 +144,7 @@ async def ensure_request_consumer(
         pass
     config = ConsumerConfig(
         durable_name=name,
-        filter_subject=request_subject(slug),
+        filter_subject=request_subject(slug, priority),
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s,
         max_deliver=max_deliver,
@@ -129,4 +155,27 @@ async def ensure_request_consumer(
         await js.add_consumer(REQUEST_STREAM, config)
     except BadRequestError as exc:
         if exc.err_code != 10148:  # consumer already exists (created concurrently)
+            raise
+
+
+async def ensure_dead_letter_stream(js: JetStreamContext, *, file_storage: bool = False, replicas: int = 1) -> None:
+    """FBX_DLQ keeps requests that failed on every delivery, with the reason, for an operator to inspect."""
+    try:
+        await js.stream_info(DEAD_LETTER_STREAM)
+        return
+    except NotFoundError:
+        pass
+    config = StreamConfig(
+        name=DEAD_LETTER_STREAM,
+        subjects=["fbx.dlq.>"],
+        retention=RetentionPolicy.LIMITS,
+        max_msgs=10_000,
+        max_age=7 * 24 * 3600.0,
+        storage=StorageType.FILE if file_storage else StorageType.MEMORY,
+        num_replicas=replicas,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError as exc:
+        if exc.err_code != 10058:
             raise

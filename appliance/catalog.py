@@ -57,6 +57,8 @@ class ModelSpec:
     dtype: str = "float32"
     options: dict[str, Any] = field(default_factory=dict)
     adapter_of: str | None = None  # the base model's name, for a LoRA adapter
+    profile: str = "auto"  # which tuning profile applies: "auto", "off", or a hardware slug (appliance/profiles.py)
+    threads: int | None = None  # set by the profile a box applies; the box's own `threads` setting wins
 
     def source(self, device: str, threads: int | None) -> ModelSource:
         return ModelSource(
@@ -65,7 +67,7 @@ class ModelSpec:
             runtime=self.runtime,
             device=device,
             dtype=self.dtype,
-            threads=threads,
+            threads=threads if threads is not None else self.threads,
             options=self.options,
         )
 
@@ -89,6 +91,8 @@ class ModelSpec:
             dtype=record.get("dtype") or "float32",
             options=dict(record.get("options") or {}),
             adapter_of=record.get("adapter_of"),
+            profile=record.get("profile") or "auto",
+            threads=record.get("threads"),
         )
 
 
@@ -127,6 +131,7 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         dtype=entry.dtype,
         options=dict(entry.options),
         adapter_of=entry.adapter_of,
+        profile=entry.profile,
         batching=Batching(
             max_batch_tokens=entry.max_batch_tokens or defaults.max_batch_tokens,
             max_batch_size=entry.max_batch_size or defaults.max_batch_size,

@@ -1,7 +1,6 @@
 """Control of one box over NATS: `fbx.ctl.<box>.<verb>` with a JSON body, answered with JSON.
 
-Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `drain`, `status`, and `cancel`
-(body `{"id": request_id}`, sent by a gateway whose streaming client went away). The
+Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `drain` and `status`. The
 admin HTTP routes, the `fleetbox` CLI and the TUI all go through `call_box`, so every way of
 steering a box runs the same code and gets the same errors.
 """
@@ -24,7 +23,7 @@ from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound,
 
 log = logging.getLogger(__name__)
 
-VERBS = ("load", "evict", "pin", "unpin", "drain", "status", "cancel")
+VERBS = ("load", "evict", "pin", "unpin", "drain", "status")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 

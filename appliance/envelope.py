@@ -31,7 +31,9 @@ USAGE_TOKENS = "Fbx-Usage-Tokens"
 SEQ = "Fbx-Seq"  # a streamed reply's chunk number, from 0
 FINAL = "Fbx-Final"  # "1" on a streamed reply's last chunk
 
-PRIORITIES = ("interactive", "batch")
+INTERACTIVE = "interactive"
+BATCH = "batch"  # bulk work: pulled only when no interactive work waits
+PRIORITIES = (INTERACTIVE, BATCH)
 
 
 @dataclass(slots=True, frozen=True)

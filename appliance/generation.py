@@ -24,13 +24,14 @@ from nats.aio.msg import Msg
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import BATCH, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, InternalError, PayloadTooLarge, Unprocessable, deadline_passed
 from appliance.metrics import Metrics
+from appliance.puller import Puller
 from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
-from appliance.worker import Puller, keep_alive, load_adapter
+from appliance.worker import keep_alive, load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
 _DEFAULT_MAX_TOKENS = 256
+_BULK_IDLE_S = 0.05
 
 
 @dataclass(slots=True)
@@ -91,11 +93,22 @@ class GenerateWorker:
         self._stepper: asyncio.Task[None] | None = None
         self._capacity = 2 * spec.batching.max_batch_size
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
+        self.bulk_puller = Puller(
+            nc,
+            spec.slug,
+            bus.pull_inbox(box_id, spec.slug, BATCH),
+            self._bulk_room,
+            self._on_message,
+            priority=BATCH,
+            expires_s=0.5,
+            idle_poll_s=_BULK_IDLE_S,
+        )
 
     async def start(self) -> None:
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
         self._spawn(keep_alive(lambda: [s.msg for s in self._streams.values()], self._settings.ack_wait_s))
         await self.puller.start()
+        await self.bulk_puller.start()
 
     @property
     def held(self) -> int:
@@ -106,6 +119,11 @@ class GenerateWorker:
 
     def _room(self) -> int:
         return max(0, min(self._capacity, self._settings.worker_capacity) - self.held)
+
+    def _bulk_room(self) -> int:
+        """Batch-priority generations join only while no interactive request has arrived lately."""
+        quiet = asyncio.get_running_loop().time() - self.puller.last_message_at >= _BULK_IDLE_S
+        return self._room() if quiet else 0
 
     def cancel(self, request_id: str) -> bool:
         """The gateway's client went away: stop spending tokens on it."""
@@ -259,6 +277,7 @@ class GenerateWorker:
         """Stop pulling; let active requests finish within the grace, hand the rest back."""
         grace_s = self._settings.shutdown_grace_s
         await self.puller.stop()
+        await self.bulk_puller.stop()
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)

@@ -49,6 +49,18 @@ class Metrics:
         self.redelivered = Counter(
             "fbx_redelivered_requests", "Requests received again after another box held them", ["model"], registry=r
         )
+        self.cancelled = Counter(
+            "fbx_cancelled_requests",
+            "Requests dropped before compute because their client went away",
+            ["model"],
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "fbx_dead_lettered_requests",
+            "Requests moved to FBX_DLQ after failing every delivery",
+            ["model"],
+            registry=r,
+        )
         self.backlog = Gauge("fbx_stream_backlog", "Messages waiting in the request stream", registry=r)
         self.resident_bytes = Gauge(
             "fbx_resident_model_bytes", "Measured bytes of each resident model", ["model"], registry=r

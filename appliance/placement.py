@@ -19,9 +19,9 @@ from nats.js.errors import NotFoundError
 
 from appliance import bus
 from appliance.catalog import ModelSpec
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, ServiceUnavailable
-from appliance.worker import Puller
+from appliance.puller import Puller
 
 if TYPE_CHECKING:
     from appliance.app import Box
@@ -84,11 +84,14 @@ class Placement:
 
     async def _waiting(self, slug: str) -> int:
         assert self._box.js is not None
-        try:
-            info = await self._box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(slug))
-        except NotFoundError:
-            return 0
-        return int(info.num_pending or 0)
+        waiting = 0
+        for priority in PRIORITIES:
+            try:
+                info = await self._box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(slug, priority))
+            except NotFoundError:
+                continue
+            waiting += int(info.num_pending or 0)
+        return waiting
 
     async def _load(self, spec) -> None:
         try:

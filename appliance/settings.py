@@ -36,6 +36,7 @@ class ModelEntry(BaseModel):
     max_batch_tokens: int | None = None
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
+    profile: str = "auto"  # tuning profile: "auto" (this hardware's, or the nearest), "off", or a hardware slug
 
 
 class Settings(BaseSettings):
@@ -79,6 +80,7 @@ class Settings(BaseSettings):
     worker_capacity: int = 1024  # messages one box holds per model (pulled, not yet acked)
     device: str = "auto"
     threads: int | None = None
+    profiles_dir: Path | None = None  # tuning profiles looked up before the shipped profiles/ (docs/tuning.md)
 
     # Catalog and residency
     default_model: bool = True

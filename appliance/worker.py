@@ -16,104 +16,29 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 
 from appliance import bus, envelope
 from appliance.batcher import Batcher, Job
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, InternalError, NotFound, Unprocessable, deadline_passed
+from appliance.deadletter import dead_letter
+from appliance.envelope import BATCH, ReplyMeta, RequestMeta
+from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
+from appliance.puller import Puller
 from appliance.residency import Residency
 from appliance.settings import Settings
 from runtimes import Runtime, UnknownAdapter, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
-_PULL_EXPIRES_S = 2.0
 _BIG_BODY = 16 * 1024  # tokenise bodies above this off the event loop
-
-
-class Puller:
-    """Keeps at most one pull request open for one model, sized to the room the box has now."""
-
-    def __init__(
-        self,
-        nc: NATS,
-        slug: str,
-        inbox: str,
-        room: Callable[[], int],
-        on_message: Callable[[Msg], None],
-    ) -> None:
-        self._nc = nc
-        self._subject = bus.pull_request_subject(slug)
-        self._inbox = inbox
-        self._room = room
-        self._on_message = on_message
-        self._sub: Subscription | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._seq = 0
-        self._remaining = 0  # messages the open request may still deliver
-        self._open_until = 0.0  # loop time the open request expires (plus grace)
-
-    async def start(self) -> None:
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._receive)
-        self._task = asyncio.create_task(self._loop(), name=f"puller:{self._subject}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
-
-    def poke(self) -> None:
-        """Room may have grown: consider asking for more."""
-        self._wake.set()
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            now = loop.time()
-            if self._remaining > 0 and now >= self._open_until:
-                self._remaining = 0  # its end-of-request status was lost (e.g. a reconnect)
-            if self._remaining == 0:
-                want = self._room()
-                if want > 0 and self._nc.is_connected:
-                    await self._request(want, loop)
-            self._wake.clear()
-            timeout = max(0.01, self._open_until - loop.time()) if self._remaining else 1.0
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
-
-    async def _request(self, batch: int, loop: asyncio.AbstractEventLoop) -> None:
-        self._seq += 1
-        self._remaining = batch
-        self._open_until = loop.time() + _PULL_EXPIRES_S + 1.0
-        payload = orjson.dumps({"batch": batch, "expires": int(_PULL_EXPIRES_S * 1e9)})
-        await self._nc.publish(self._subject, payload, reply=f"{self._inbox}.{self._seq}")
-
-    async def _receive(self, msg: Msg) -> None:
-        status = msg.headers.get("Status") if msg.headers else None
-        if status is not None and not msg.data:
-            # 408 (expired), 409 (limits) or 404 end a pull request; 100 is a heartbeat.
-            if status != "100" and msg.subject.endswith(f".{self._seq}"):
-                self._remaining = 0
-                self._wake.set()
-            return
-        self._remaining = max(0, self._remaining - 1)
-        if self._remaining == 0:
-            self._wake.set()
-        self._on_message(msg)
+_BULK_IDLE_S = 0.05  # interactive silence needed before batch-priority work is pulled
+_CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any request deadline)
 
 
 class ModelWorker:
@@ -132,9 +57,13 @@ class ModelWorker:
         residency: Residency,
         catalog: Catalog,
         blobs: Blobs,
+        js: JetStreamContext,
+        cancelled: Cancellations,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
+        self._js = js
+        self._cancelled = cancelled
         self.runtime = runtime
         self._nc = nc
         self._settings = settings
@@ -157,17 +86,29 @@ class ModelWorker:
             on_oom=lambda: residency.evict_for_oom(keep=spec.name),
         )
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
+        self.bulk_puller = Puller(
+            nc,
+            spec.slug,
+            bus.pull_inbox(box_id, spec.slug, BATCH),
+            self._bulk_room,
+            self._on_message,
+            priority=BATCH,
+            expires_s=0.5,
+            idle_poll_s=_BULK_IDLE_S,
+        )
         self._ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.batcher.start()
         await self.puller.start()
+        await self.bulk_puller.start()
         self._ticker = asyncio.create_task(self._keep_alive(), name=f"in-progress:{self.spec.slug}")
         log.info("worker pulling", extra={"model": self.spec.name, "box": self.box_id})
 
     async def drain(self) -> None:
         """Stop pulling, finish the batches in flight, hand unstarted requests back for redelivery."""
         await self.puller.stop()
+        await self.bulk_puller.stop()
         if self._ticker is not None:
             self._ticker.cancel()
         if self._tasks:
@@ -200,6 +141,23 @@ class ModelWorker:
             return 0
         return max(0, self._settings.worker_capacity - len(self._held))
 
+    def _bulk_room(self) -> int:
+        """Batch-priority work is pulled only while no interactive work waits, a batch at a time."""
+        quiet = asyncio.get_running_loop().time() - self.puller.last_message_at >= _BULK_IDLE_S
+        if not quiet or self.batcher.pending_interactive > 0:
+            return 0
+        return min(self._room(), self.spec.batching.max_batch_size)
+
+    def cancel(self, request_id: str) -> None:
+        """Its client went away: drop it if this box holds it; the device thread skips it unless already running."""
+        held = self._held.get(request_id)
+        if isinstance(held, Job) and not held.done:
+            held.done = True  # the batcher, and the device thread's last look, skip done jobs
+            self._held.pop(request_id, None)
+            self._metrics.cancelled.labels(self.spec.name).inc()
+            self._spawn(held.handle.ack())
+            self.puller.poke()
+
     def _on_message(self, msg: Msg) -> None:
         try:
             meta = RequestMeta.from_headers(msg.headers)
@@ -209,6 +167,10 @@ class ModelWorker:
             return
         if meta.id in self._held:
             return  # a redelivery of something this box is already working on
+        if self._cancelled.contains(meta.id):
+            self._metrics.cancelled.labels(self.spec.name).inc()
+            self._spawn(msg.ack())
+            return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
         self._held[meta.id] = msg
@@ -259,6 +221,10 @@ class ModelWorker:
         self._submit(meta, msg, rows, params)
 
     def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
+        if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
+            self._held.pop(meta.id, None)
+            self._spawn(msg.ack())
+            return
         job = Job(meta=meta, rows=rows, params=params, handle=msg)
         self._held[meta.id] = job
         self.batcher.submit(job)
@@ -269,9 +235,10 @@ class ModelWorker:
     async def _answer(self, job: Job, error: Exception | None) -> None:
         meta, msg = job.meta, job.handle
         if error is not None:
-            if not isinstance(error, FleetboxError):
-                error = InternalError(f"the model failed on this request: {error!r}", code="model_error")
-            await self._answer_error(meta, msg, error)
+            if isinstance(error, FleetboxError):
+                await self._answer_error(meta, msg, error)
+            else:
+                await self._retry_or_dead_letter(meta, msg, error)
             return
         queue_ms = max(0.0, job.started_ms - meta.sent_ms) if meta.sent_ms else 0.0
         draft = ReplyMeta(id=meta.id, status=200, box=self.box_id, queue_ms=queue_ms, compute_ms=job.compute_ms)
@@ -283,6 +250,21 @@ class ModelWorker:
             await self._answer_error(meta, msg, exc)
             return
         await self._send(meta, msg, body, reply.headers())
+
+    async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+        """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
+        deliveries = msg.metadata.num_delivered or 1
+        try:
+            if deliveries < self._settings.max_deliver:
+                await msg.nak(delay=min(2.0, 0.1 * 2 ** (deliveries - 1)))
+                return
+            body = await self._blobs.get(meta.blob) if meta.blob else msg.data
+            await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, repr(error))
+            self._metrics.dead_lettered.labels(self.spec.name).inc()
+            await msg.ack()
+        finally:
+            self._held.pop(meta.id, None)
+            self.puller.poke()
 
     async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id)
@@ -336,3 +318,19 @@ async def load_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, 
     except (UnsupportedModel, UnknownAdapter) as exc:
         raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
     return adapter.name
+
+
+class Cancellations:
+    """Request ids whose clients went away, remembered for a while, fed by `fbx.cancel`."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        if len(self._until) > 10_000:
+            self._until = {k: v for k, v in self._until.items() if v > now}
+        self._until[request_id] = now + _CANCEL_MEMORY_S
+
+    def contains(self, request_id: str) -> bool:
+        return self._until.get(request_id, 0.0) > time.monotonic()

@@ -103,6 +103,10 @@ class Dispatcher:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise _deadline(timeout_s) from None
+            except asyncio.CancelledError:
+                # The client went away: a box that has not started it drops it, and so does any box later.
+                await asyncio.shield(self._cancel(request_id))
+                raise
             if reply.meta.blob:
                 return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
             return reply
@@ -118,13 +122,14 @@ class Dispatcher:
         timeout_s: float,
         tokens: int,
         adapter: str | None = None,
+        priority: str = "interactive",
     ) -> AsyncIterator[Reply]:
         """Publish a generation request and yield its chunks in order, until the final one.
 
         Chunks are taken from the first box that answers; a second box's chunks (a redelivery)
         are dropped. A caller that stops early (its client went away) cancels the generation.
         """
-        meta = self._meta(spec, task, timeout_s, tokens, adapter, "interactive")
+        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter()
@@ -143,12 +148,12 @@ class Dispatcher:
                     return
         finally:
             self._streams.pop(meta.id, None)
-            if not finished and waiter.box is not None:
-                await self._cancel(waiter.box, meta.id)
+            if not finished:
+                await self._cancel(meta.id)
 
-    async def _cancel(self, box: str, request_id: str) -> None:
+    async def _cancel(self, request_id: str) -> None:
         try:
-            await self._nc.publish(bus.control_subject(box, "cancel"), orjson.dumps({"id": request_id}))
+            await self._nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
@@ -178,7 +183,7 @@ class Dispatcher:
             body = b""
         try:
             await self._js.publish(
-                bus.request_subject(spec.slug), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
+                bus.request_subject(spec.slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
             )
         except APIError as exc:
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):

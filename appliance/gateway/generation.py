@@ -17,7 +17,7 @@ from aiohttp import web
 
 from appliance.errors import FleetboxError, Unprocessable, error_from_reply
 from appliance.gateway.context import GatewayContext
-from appliance.gateway.http import decode, json_response, read_body, request_timeout
+from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
 
@@ -49,6 +49,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         timeout_s=request_timeout(request, parsed.timeout, ctx.settings),
         tokens=len(body) // 4,
         adapter=resolved.adapter.name if resolved.adapter else None,
+        priority=request_priority(request),
     )
     shape = _Shape(chat=chat, model=resolved.adapter.name if resolved.adapter else resolved.spec.name)
     async with aclosing(chunks):

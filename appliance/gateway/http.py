@@ -8,12 +8,14 @@ import msgspec
 import orjson
 from aiohttp import web
 
+from appliance.envelope import INTERACTIVE, PRIORITIES
 from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
 from appliance.settings import Settings
 
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "Timeout"
+PRIORITY_HEADER = "Fbx-Priority"
 
 
 async def read_body(request: web.Request, settings: Settings) -> bytes:
@@ -64,3 +66,14 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
         content_type="application/json",
         headers=headers,
     )
+
+
+def request_priority(request: web.Request) -> str:
+    """`interactive` (the default) or `batch`: bulk work that waits while interactive work is queued."""
+    priority = request.headers.get(PRIORITY_HEADER, INTERACTIVE).strip().lower()
+    if priority not in PRIORITIES:
+        raise Unprocessable(
+            f"the {PRIORITY_HEADER} header must be one of {', '.join(PRIORITIES)}, not {priority!r}",
+            code="invalid_priority",
+        )
+    return priority

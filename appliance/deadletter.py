@@ -1,0 +1,94 @@
+"""Requests that failed on every delivery: kept in stream FBX_DLQ with the reason, answered with an error.
+
+Two roads lead here. A worker whose model raises on a request naks it for another try, and on
+the last allowed delivery dead-letters it itself. A request that kills the box holding it (so no
+worker lives to decide) makes JetStream publish a max-deliveries advisory; one box of the fleet
+(a queue group) takes the advisory, moves the message to FBX_DLQ, answers the client and removes
+it from the queue, so the other requests flow on and the client is not left waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from appliance import bus
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import Unprocessable
+
+log = logging.getLogger(__name__)
+
+REASON = "Fbx-Dead-Reason"
+DELIVERIES = "Fbx-Deliveries"
+_QUEUE_GROUP = "fbx-dead-letters"
+
+
+def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unprocessable:
+    return Unprocessable(
+        f"request {meta.id} failed on every one of its {deliveries} deliveries ({reason}); "
+        f"it is kept in stream {bus.DEAD_LETTER_STREAM} for an operator to inspect",
+        code="dead_lettered",
+    )
+
+
+async def dead_letter(
+    nc: NATS,
+    js: JetStreamContext,
+    meta: RequestMeta,
+    headers: dict[str, str],
+    body: bytes,
+    deliveries: int,
+    reason: str,
+) -> None:
+    """Keep the request in FBX_DLQ with why, then tell its client."""
+    slug = bus.model_slug(meta.model)
+    kept = {**headers, REASON: reason[:1000], DELIVERIES: str(deliveries)}
+    kept.pop("Nats-Msg-Id", None)  # the DLQ has its own duplicate window; do not collide with it
+    await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
+    error = dead_letter_error(meta, deliveries, reason)
+    reply = ReplyMeta(id=meta.id, status=error.status, box="")
+    await nc.publish(meta.reply, error.to_json(), headers=reply.headers())
+    log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
+
+
+class DeadLetterWatch:
+    """Takes JetStream's max-deliveries advisories for FBX_REQ (one box per advisory)."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+        self._nc = nc
+        self._js = js
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(bus.max_deliveries_advisories(), queue=_QUEUE_GROUP, cb=self._on_advisory)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_advisory(self, msg: Msg) -> None:
+        try:
+            advisory = orjson.loads(msg.data)
+            seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
+            stored = await self._js.get_msg(bus.REQUEST_STREAM, seq)
+        except (orjson.JSONDecodeError, KeyError, ValueError, NotFoundError) as exc:
+            log.debug("max-deliveries advisory not actionable", extra={"error": repr(exc)})
+            return
+        headers = dict(stored.headers or {})
+        try:
+            meta = RequestMeta.from_headers(headers)
+        except ValueError:
+            await self._js.delete_msg(bus.REQUEST_STREAM, seq)
+            return
+        reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
+        await dead_letter(self._nc, self._js, meta, headers, stored.data or b"", deliveries, reason)
+        try:
+            await self._js.delete_msg(bus.REQUEST_STREAM, seq)
+        except NotFoundError:
+            pass

@@ -1,0 +1,105 @@
+"""Pulling from a shared durable consumer exactly as much as this box has room for.
+
+The rule: at most one pull request is open per consumer, sized to the room at the moment it is
+sent; when it is filled, expires, or ends with a status, the next one is sized afresh. A busy box
+asks for little or nothing, an idle one for a lot, and JetStream hands each message to exactly
+one of the boxes asking: the queue balances the fleet without anyone tracking worker state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from appliance import bus
+from appliance.envelope import INTERACTIVE
+
+
+class Puller:
+    """Keeps at most one pull request open for one model, sized to the room the box has now."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        slug: str,
+        inbox: str,
+        room: Callable[[], int],
+        on_message: Callable[[Msg], None],
+        *,
+        priority: str = INTERACTIVE,
+        expires_s: float = 2.0,
+        idle_poll_s: float = 1.0,
+    ) -> None:
+        self._nc = nc
+        self._subject = bus.pull_request_subject(slug, priority)
+        self._inbox = inbox
+        self._expires_s = expires_s
+        self._idle_poll_s = idle_poll_s  # how often to reconsider when there was no room
+        self.last_message_at = 0.0  # loop time of the last request delivered
+        self._room = room
+        self._on_message = on_message
+        self._sub: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._seq = 0
+        self._remaining = 0  # messages the open request may still deliver
+        self._open_until = 0.0  # loop time the open request expires (plus grace)
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._receive)
+        self._task = asyncio.create_task(self._loop(), name=f"puller:{self._subject}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    def poke(self) -> None:
+        """Room may have grown: consider asking for more."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            if self._remaining > 0 and now >= self._open_until:
+                self._remaining = 0  # its end-of-request status was lost (e.g. a reconnect)
+            if self._remaining == 0:
+                want = self._room()
+                if want > 0 and self._nc.is_connected:
+                    await self._request(want, loop)
+            self._wake.clear()
+            timeout = max(0.01, self._open_until - loop.time()) if self._remaining else self._idle_poll_s
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def _request(self, batch: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._seq += 1
+        self._remaining = batch
+        self._open_until = loop.time() + self._expires_s + 1.0
+        payload = orjson.dumps({"batch": batch, "expires": int(self._expires_s * 1e9)})
+        await self._nc.publish(self._subject, payload, reply=f"{self._inbox}.{self._seq}")
+
+    async def _receive(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is not None and not msg.data:
+            # 408 (expired), 409 (limits) or 404 end a pull request; 100 is a heartbeat.
+            if status != "100" and msg.subject.endswith(f".{self._seq}"):
+                self._remaining = 0
+                self._wake.set()
+            return
+        self._remaining = max(0, self._remaining - 1)
+        self.last_message_at = asyncio.get_running_loop().time()
+        if self._remaining == 0:
+            self._wake.set()
+        self._on_message(msg)

@@ -1,0 +1,122 @@
+"""What a fleet promises under pressure: batch work never starves interactive work, a full queue is an
+immediate 429 with Retry-After, a gone client's queued request is not computed, and a request that
+fails on every delivery ends in FBX_DLQ with a clear answer while the rest flow on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import orjson
+import pytest
+
+from appliance import bus
+from tests.conftest import noop_model, url, wait_for
+
+
+def counter(box, name: str, model: str = "noop") -> float:
+    return box.metrics.registry.get_sample_value(f"{name}_total", {"model": model}) or 0.0
+
+
+async def test_batch_priority_work_never_starves_interactive_work(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=20)], max_batch_size=1, max_wait_ms=0)
+    bulk_headers = {"Fbx-Priority": "batch"}
+    bulk = [
+        asyncio.create_task(
+            http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"bulk {i}"}, headers=bulk_headers)
+        )  # fmt: skip
+        for i in range(100)
+    ]  # about two seconds of work at one 20 ms batch at a time
+
+    async def bulk_backlog() -> int:
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop", "batch"))
+        return int(info.num_pending or 0)
+
+    await wait_for(lambda: _gt(bulk_backlog(), 50), what="a bulk backlog")
+    started = time.monotonic()
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "urgent"}) as response:
+        assert response.status == 200
+    waited = time.monotonic() - started
+    assert await bulk_backlog() > 0  # the interactive request did not wait for the bulk queue to drain
+    assert waited < 1.0
+    for task in bulk:
+        async with await task as response:
+            assert response.status == 200
+
+
+async def test_unknown_priority_is_422(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model()])
+    headers = {"Fbx-Priority": "urgent"}
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}, headers=headers) as response:
+        assert response.status == 422
+        assert (await response.json())["error"]["code"] == "invalid_priority"
+
+
+async def test_full_queue_answers_429_with_retry_after_and_recovers(start_box, http) -> None:
+    box = await start_box(
+        default_model=False, models=[noop_model(cost_ms=50)], max_batch_size=1, worker_capacity=1, stream_max_msgs=5
+    )
+    results = await asyncio.gather(
+        *(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"r{i}"}) for i in range(30))
+    )
+    statuses = [r.status for r in results]
+    overloaded = [r for r in results if r.status == 429]
+    assert overloaded, statuses
+    assert set(statuses) <= {200, 429}
+    for response in overloaded:
+        assert int(response.headers["Retry-After"]) >= 1
+        assert (await response.json())["error"]["code"] == "overloaded"
+    for response in results:
+        response.release()
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "after"}) as response:
+        assert response.status == 200  # recovered as soon as the queue drained
+
+
+async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=400)], max_batch_size=1, max_wait_ms=0)
+    busy = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "first"}))
+    await wait_for(lambda: _true(box.workers["noop"].held == 1), what="the first request to be held")
+    gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "gone"}))
+    await wait_for(lambda: _true(box.workers["noop"].held == 2), what="the second request to queue behind it")
+    gone.cancel()  # the client disconnects while its request waits
+    async with await busy as response:
+        assert response.status == 200
+    await wait_for(lambda: _true(counter(box, "fbx_cancelled_requests") == 1), what="the cancellation")
+    await wait_for(lambda: _true(box.workers["noop"].held == 0), what="the box to let go of it")
+    assert counter(box, "fbx_rows_computed") == 1
+
+
+async def test_request_no_box_finishes_is_dead_lettered_and_answered(start_box, nats_server, http) -> None:
+    """A consumer that takes the request and never acks stands in for boxes that die holding it."""
+    box = await start_box(role="gateway", default_model=False, models=[noop_model()], ack_wait_s=1, max_deliver=2)
+    body = {"model": "noop", "input": "x", "timeout": 20}
+    answer = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json=body))
+    nc = await nats.connect(nats_server.url)
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("noop"), stream=bus.REQUEST_STREAM)
+        for _ in range(2):  # two deliveries, neither acked
+            (msg,) = await sub.fetch(1, timeout=10)
+            assert msg.headers["Fbx-Model"] == "noop"
+        # A box still pulling is what makes JetStream notice the deliveries are used up.
+        with pytest.raises(nats.errors.TimeoutError):
+            await sub.fetch(1, timeout=3)
+        async with await answer as response:
+            assert response.status == 422
+            error = (await response.json())["error"]
+        assert error["code"] == "dead_lettered" and "FBX_DLQ" in error["message"]
+        dead = await nc.jetstream().get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject("noop"))
+        assert dead.headers["Fbx-Dead-Reason"]
+        assert orjson.loads(dead.data)["input"] == "x"
+        info = await nc.jetstream().stream_info(bus.REQUEST_STREAM)
+        assert info.state.messages == 0  # gone from the queue
+    finally:
+        await nc.close()
+
+
+async def _gt(value, than: int) -> bool:
+    return (await value) > than
+
+
+async def _true(value: bool) -> bool:
+    return value
