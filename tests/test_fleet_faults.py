@@ -25,7 +25,7 @@ async def test_batch_priority_work_never_starves_interactive_work(start_box, htt
     bulk = [
         asyncio.create_task(
             http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"bulk {i}"}, headers=bulk_headers)
-        )  # fmt: skip
+        )
         for i in range(100)
     ]  # about two seconds of work at one 20 ms batch at a time
 
