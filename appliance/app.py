@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -181,8 +182,15 @@ class Box:
             )
             await self.natsd.start()
             urls = [self.natsd.url]
+        tls = None
+        if self.settings.tls_ca or self.settings.tls_cert:
+            tls = ssl.create_default_context(cafile=str(self.settings.tls_ca) if self.settings.tls_ca else None)
+            if self.settings.tls_cert:
+                tls.load_cert_chain(str(self.settings.tls_cert), str(self.settings.tls_key or self.settings.tls_cert))
         self.nc = await nats.connect(
             servers=urls,
+            user_credentials=str(self.settings.creds) if self.settings.creds else None,
+            tls=tls,
             name=f"fleetbox-{self.box_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,

@@ -39,6 +39,20 @@ def serve(
     box_id: Annotated[str | None, typer.Option(help="this box's id [FBX_BOX_ID, default host-random]")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N [FBX_DEVICE]")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG | INFO | WARNING [FBX_LOG_LEVEL]")] = None,
+    creds: Annotated[Path | None, typer.Option(help="NATS credentials file [FBX_CREDS]")] = None,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA bundle for NATS TLS [FBX_TLS_CA]")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="client certificate for NATS TLS [FBX_TLS_CERT]")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="client key for NATS TLS [FBX_TLS_KEY]")] = None,
+    durable: Annotated[
+        bool | None, typer.Option("--durable/--memory", help="file storage for the queue and buckets [FBX_DURABLE]")
+    ] = None,
+    replicas: Annotated[int | None, typer.Option(help="stream and bucket replicas in a cluster [FBX_REPLICAS]")] = None,
+    blob_threshold: Annotated[
+        int | None, typer.Option(help="bodies above this many bytes go to the object store [FBX_BLOB_THRESHOLD]")
+    ] = None,
+    memory_budget: Annotated[
+        str | None, typer.Option(help="model memory budget: 6GB, 512MiB or a share like 0.5 [FBX_MEMORY_BUDGET]")
+    ] = None,
 ) -> None:
     """Run a box: gateway, worker and (without --nats) an embedded nats-server."""
     try:
@@ -54,6 +68,14 @@ def serve(
             device=device,
             log_level=log_level,
             model_roots=model_root or None,
+            creds=creds,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            durable=durable,
+            replicas=replicas,
+            blob_threshold=blob_threshold,
+            memory_budget=memory_budget,
         )
     except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
         typer.echo(f"fleetbox: bad settings: {exc}", err=True)

@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     nats: str | None = None  # comma-separated URLs; None starts the embedded server
     nats_port: int = 4222
     nats_host: str = "127.0.0.1"
+    creds: Path | None = None  # NATS credentials (JWT + nkey) file
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     state_dir: Path = Path(".fleetbox")
     box_id: str | None = None
 
@@ -96,6 +100,8 @@ class Settings(BaseSettings):
     # Security: comma-separated keys; none set means the routes are open
     api_keys: str | None = None
     admin_keys: str | None = None
+    max_concurrent_per_key: int = 0  # requests one API key may have in flight at once; 0: no limit
+    metrics_require_key: bool = False  # protect /metrics with an API (or admin) key
 
     log_level: str = "INFO"
     shutdown_grace_s: float = 8.0  # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s

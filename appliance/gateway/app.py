@@ -15,8 +15,8 @@ from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
 from appliance.gateway import admin, encoders, generation, ops
+from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
-from appliance.gateway.auth import inference
 from appliance.gateway.context import CONTEXT, GatewayContext
 from appliance.gateway.http import json_response
 
@@ -71,10 +71,11 @@ def _error_response(error: FleetboxError) -> web.Response:
 def build_app(context: GatewayContext) -> web.Application:
     app = web.Application(middlewares=[errors_and_metrics], client_max_size=context.settings.max_body_bytes)
     app[CONTEXT] = context
+    app[IN_FLIGHT] = {}
     routes = [
         web.get("/healthz", ops.healthz),
         web.get("/readyz", ops.readyz),
-        web.get("/metrics", ops.metrics),
+        web.get("/metrics", metrics_guard(ops.metrics)),
         web.get("/openapi.json", ops.openapi),
     ]
     if context.dispatcher is not None:  # a gateway: the API; a worker-only box serves operations only

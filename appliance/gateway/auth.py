@@ -12,15 +12,16 @@ from functools import wraps
 
 from aiohttp import web
 
-from appliance.errors import Forbidden, Unauthorized
+from appliance.errors import Forbidden, TooManyRequests, Unauthorized
 from appliance.gateway.context import GatewayContext
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _check(request: web.Request, keys: list[str], kind: str) -> None:
+def _check(request: web.Request, keys: list[str], kind: str) -> str | None:
+    """The key the request presented, once it is known to be valid; None when the route is open."""
     if not keys:
-        return
+        return None
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
@@ -30,17 +31,48 @@ def _check(request: web.Request, keys: list[str], kind: str) -> None:
         matched |= hmac.compare_digest(token.encode(), key.encode())
     if not matched:
         raise Forbidden(f"the {kind} key is not valid")
+    return token
 
 
 def inference(handler: Handler) -> Handler:
     @wraps(handler)
     async def guarded(request: web.Request) -> web.StreamResponse:
-        settings = GatewayContext.of(request).settings
+        ctx = GatewayContext.of(request)
+        settings = ctx.settings
         # An admin key may also call the inference routes.
-        _check(request, settings.api_key_list + settings.admin_key_list if settings.api_key_list else [], "API")
+        key = _check(request, settings.api_key_list + settings.admin_key_list if settings.api_key_list else [], "API")
+        limit = settings.max_concurrent_per_key
+        if key is None or limit <= 0:
+            return await handler(request)
+        in_flight = request.app[IN_FLIGHT]
+        if in_flight.get(key, 0) >= limit:
+            raise TooManyRequests(f"this API key already has {limit} requests in flight", retry_after_s=1)
+        in_flight[key] = in_flight.get(key, 0) + 1
+        try:
+            return await handler(request)
+        finally:
+            in_flight[key] -= 1
+            if not in_flight[key]:
+                del in_flight[key]
+
+    return guarded
+
+
+def metrics_guard(handler: Handler) -> Handler:
+    """`/metrics` is open unless `metrics_require_key`; then any API or admin key opens it."""
+
+    @wraps(handler)
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        settings = GatewayContext.of(request).settings
+        if settings.metrics_require_key:
+            _check(request, settings.api_key_list + settings.admin_key_list, "API")
         return await handler(request)
 
     return guarded
+
+
+# Requests in flight per API key; owned by the application (one per gateway), touched only here.
+IN_FLIGHT: web.AppKey[dict[str, int]] = web.AppKey("fbx_in_flight", dict)
 
 
 def admin(handler: Handler) -> Handler:
