@@ -10,8 +10,10 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from collections.abc import Coroutine
+from typing import Annotated, Any, TypeVar
 
+import orjson
 import typer
 
 from appliance import __version__
@@ -20,6 +22,7 @@ from appliance.settings import Settings, load_settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: serve a fleet of small models.")
 log = logging.getLogger("appliance.cli")
+T = TypeVar("T")
 
 
 @app.command()
@@ -53,8 +56,12 @@ def serve(
     memory_budget: Annotated[
         str | None, typer.Option(help="model memory budget: 6GB, 512MiB or a share like 0.5 [FBX_MEMORY_BUDGET]")
     ] = None,
+    tui: Annotated[bool, typer.Option("--tui", help="show the fleet TUI while serving; logs go to a file")] = False,
 ) -> None:
     """Run a box: gateway, worker and (without --nats) an embedded nats-server."""
+    if tui and not sys.stdout.isatty():
+        typer.echo("fleetbox: --tui needs a terminal", err=True)
+        raise typer.Exit(2)
     try:
         settings = load_settings(
             config,
@@ -83,11 +90,11 @@ def serve(
     configure_logging(settings.log_level)
     import uvloop
 
-    code = uvloop.run(_serve(settings))
+    code = uvloop.run(_serve(settings, tui=tui))
     raise typer.Exit(code)
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, tui: bool = False) -> int:
     from appliance.app import Box
 
     stop = asyncio.Event()
@@ -103,7 +110,16 @@ async def _serve(settings: Settings) -> int:
         return 1
     # A signal, or the `drain` control verb, ends the box the same way.
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(box.stop_requested.wait())]
+    embedded = None
+    if tui:  # quitting the TUI ends the box too
+        from tui.embedded import EmbeddedTui
+
+        assert box.nc is not None
+        embedded = EmbeddedTui(box.nc, box.box_id, box.nats_url, settings.state_dir / "fleetbox.log")
+        waits.append(asyncio.create_task(embedded.run()))
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    if embedded is not None:
+        await embedded.close()  # give the terminal back before the shutdown logs
     for wait in waits:
         wait.cancel()
     try:
@@ -113,10 +129,154 @@ async def _serve(settings: Settings) -> int:
     return 0
 
 
+FleetUrl = Annotated[str, typer.Option("--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated")]
+Creds = Annotated[Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file")]
+models_app = typer.Typer(no_args_is_help=True, help="List and steer the fleet's models through NATS (as the TUI does).")
+box_app = typer.Typer(no_args_is_help=True, help="Steer one box through NATS.")
+app.add_typer(models_app, name="models")
+app.add_typer(box_app, name="box")
+_LOCAL_NATS = "nats://127.0.0.1:4222"
+
+
+@app.command("tui")
+def tui_command(
+    nats: FleetUrl = _LOCAL_NATS,
+    creds: Creds = None,
+    refresh: Annotated[float, typer.Option(help="seconds between screen refreshes")] = 1.0,
+) -> None:
+    """Watch and steer a fleet from the terminal, attached through NATS alone."""
+    from tui.commands import run_tui
+
+    _fleet_command(run_tui(nats, creds, max(0.2, refresh)))
+
+
+@models_app.command("list")
+def models_list(
+    nats: FleetUrl = _LOCAL_NATS,
+    creds: Creds = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Every catalog model: task, state, where resident, pinned, backlog, throughput, latency."""
+    from rich.console import Console
+
+    from tui.commands import list_models, rows_as_json, rows_as_table
+
+    rows = _fleet_command(list_models(nats, creds))
+    if json_out:
+        typer.echo(orjson.dumps(rows_as_json(rows), option=orjson.OPT_INDENT_2).decode())
+    else:
+        Console().print(rows_as_table(rows))
+
+
+@models_app.command("pin")
+def models_pin(model: str, nats: FleetUrl = _LOCAL_NATS, creds: Creds = None) -> None:
+    """Pin a model: every box keeps it loaded."""
+    _print_action(nats, creds, "pin", model=model)
+
+
+@models_app.command("unpin")
+def models_unpin(model: str, nats: FleetUrl = _LOCAL_NATS, creds: Creds = None) -> None:
+    """Unpin a model: it may be evicted when memory is needed."""
+    _print_action(nats, creds, "unpin", model=model)
+
+
+@models_app.command("load")
+def models_load(
+    model: str,
+    nats: FleetUrl = _LOCAL_NATS,
+    creds: Creds = None,
+    box: Annotated[str | None, typer.Option(help="the box; default: the live worker with most free memory")] = None,
+) -> None:
+    """Load a model on a box."""
+    _print_action(nats, creds, "load", model=model, box=box)
+
+
+@models_app.command("evict")
+def models_evict(
+    model: str,
+    nats: FleetUrl = _LOCAL_NATS,
+    creds: Creds = None,
+    box: Annotated[str | None, typer.Option(help="the box; default: every box holding it")] = None,
+) -> None:
+    """Evict a model from a box, or from every box."""
+    _print_action(nats, creds, "evict", model=model, box=box)
+
+
+@box_app.command("drain")
+def box_drain(box: str, nats: FleetUrl = _LOCAL_NATS, creds: Creds = None) -> None:
+    """Drain a box: it stops pulling, finishes its batches, then exits."""
+    _print_action(nats, creds, "drain", box=box)
+
+
+def _print_action(nats: str, creds: Path | None, verb: str, **args: Any) -> None:
+    from tui.commands import act
+
+    typer.echo(orjson.dumps(_fleet_command(act(nats, creds, verb, **args)), option=orjson.OPT_INDENT_2).decode())
+
+
+def _fleet_command(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one NATS-side command; a refusal or an unreachable fleet is a message and exit status 1."""
+    from nats.errors import Error as NatsError
+
+    from appliance.errors import FleetboxError
+
+    try:
+        return asyncio.run(coro)
+    except FleetboxError as exc:
+        typer.echo(f"fleetbox: {exc.message}", err=True)
+    except (NatsError, TimeoutError, OSError) as exc:
+        typer.echo(f"fleetbox: {exc or type(exc).__name__}", err=True)
+    raise typer.Exit(1)
+
+
 @app.command()
 def version() -> None:
     """Print the fleetbox version."""
     typer.echo(__version__)
+
+
+@app.command()
+def tune(
+    model: Annotated[str, typer.Argument(help="a model name or alias the box knows, or a model folder")],
+    budget_minutes: Annotated[float, typer.Option(help="how long the whole tune may take")] = 10.0,
+    slo_p99_ms: Annotated[float | None, typer.Option(help="only settings whose p99 stays within this qualify")] = None,
+    objective: Annotated[str, typer.Option(help="throughput (heavy load) | latency (light load)")] = "throughput",
+    write: Annotated[bool, typer.Option("--write/--dry-run", help="write the profile and report, or print it")] = True,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N [FBX_DEVICE, default auto]")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="profiles folder [FBX_PROFILES_DIR, default the shipped profiles/]")
+    ] = None,
+    concurrency: Annotated[int | None, typer.Option(help="closed-loop clients [32 CPU, 128 GPU, 4 latency]")] = None,
+    window_s: Annotated[float | None, typer.Option(help="seconds per measured window [1 CPU, 0.5 GPU]")] = None,
+    quick: Annotated[bool, typer.Option(help="a smaller space (fewer batching values)")] = False,
+    name: Annotated[str | None, typer.Option(help="the name the model is served under, for a folder")] = None,
+    note: Annotated[str | None, typer.Option(help="a line for the report, e.g. how busy the machine was")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML config file [FBX_CONFIG]")] = None,
+) -> None:
+    """Find the fastest settings of MODEL on this machine that keep its answers; write its profile (docs/tuning.md)."""
+    from appliance.tune_cli import run_tune
+
+    try:
+        settings = load_settings(config, device=device)
+    except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
+        typer.echo(f"fleetbox: bad settings: {exc}", err=True)
+        raise typer.Exit(2) from None
+    code = run_tune(
+        model,
+        settings,
+        budget_minutes=budget_minutes,
+        slo_p99_ms=slo_p99_ms,
+        objective=objective,
+        write=write,
+        device=device,
+        out=out,
+        concurrency=concurrency,
+        window_s=window_s,
+        quick=quick,
+        name=name,
+        note=note,
+    )
+    raise typer.Exit(code)
 
 
 def main() -> None:

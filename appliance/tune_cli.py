@@ -1,0 +1,189 @@
+"""The `fleetbox tune` command's work: which model, which space and load, progress, Ctrl-C, output.
+
+The one idea: the command is a thin shell around `Tuner`; everything it decides (the model's
+folder and task, the default it is compared with, the space for this device, the load) is decided
+the way a box would decide it, so the profile written is the one a box will apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from appliance.catalog import Batching, Catalog, configured_specs, default_batching
+from appliance.profiles import SHIPPED_PROFILES_DIR, cpu_cores, tunable
+from appliance.settings import Settings
+from appliance.tune import TuneConfig, Tuner, TuneResult
+from appliance.tune_load import Load
+from appliance.tune_search import OBJECTIVES, Objective, Trial, default_space
+from runtimes import Task
+from runtimes.detect import detect_task
+
+
+@dataclass(slots=True, frozen=True)
+class ModelToTune:
+    name: str
+    path: Path
+    task: Task
+    batching: Batching  # what the box runs it with when no profile applies
+
+
+def resolve_model(model: str, settings: Settings, name: str | None = None) -> ModelToTune:
+    """A model name or alias the box knows (its config file, the default model), or a model folder."""
+    spec = Catalog(configured_specs(settings)).get(model)
+    if spec is not None:
+        if not tunable(spec):
+            raise ValueError(f"{spec.name} ({spec.task}, {spec.runtime}) is not an encoder model fleetbox can tune")
+        return ModelToTune(name or spec.name, spec.path, spec.task, spec.batching)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"{model!r} is neither a model the box knows nor a model folder")
+    task = detect_task(path)
+    if task is Task.GENERATE:
+        raise ValueError(f"{path} is a generator; fleetbox tunes encoder models (embed, score, classify, extract)")
+    return ModelToTune(name or path.resolve().name, path.resolve(), task, default_batching(settings))
+
+
+def default_load(device: str, objective: str, concurrency: int | None, window_s: float | None) -> Load:
+    """Heavy load for throughput, light load for latency (a lone request's p99 is what latency tunes)."""
+    gpu = device.startswith("cuda")
+    heavy = 128 if gpu else 32
+    return Load(
+        concurrency=concurrency or (heavy if objective == "throughput" else 4),
+        window_s=window_s or (0.5 if gpu else 1.0),
+    )
+
+
+def run_tune(
+    model: str,
+    settings: Settings,
+    *,
+    budget_minutes: float = 10.0,
+    slo_p99_ms: float | None = None,
+    objective: str = "throughput",
+    write: bool = True,
+    device: str | None = None,
+    out: Path | None = None,
+    concurrency: int | None = None,
+    window_s: float | None = None,
+    quick: bool = False,
+    name: str | None = None,
+    note: str | None = None,
+) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if objective not in OBJECTIVES:
+        console.print(f"fleetbox tune: --objective must be one of {', '.join(OBJECTIVES)}")
+        return 2
+    _quiet_libraries()
+    try:
+        target = resolve_model(model, settings, name)
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"fleetbox tune: {exc}")
+        return 2
+    from appliance.app import resolve_device
+
+    chosen_device = resolve_device(device or settings.device)
+    config = TuneConfig(
+        name=target.name,
+        path=target.path,
+        task=target.task,
+        space=default_space(chosen_device, cpu_cores(), quick=quick),
+        default_batching=target.batching,
+        device=chosen_device,
+        budget_s=budget_minutes * 60,
+        objective=Objective(objective, slo_p99_ms),
+        load=default_load(chosen_device, objective, concurrency, window_s),
+        cache_dir=settings.state_dir / "onnx",  # the cache a box on this machine reads: it exports once
+    )
+    result = tune_with_progress(config, console)
+    if result.chosen is None:
+        console.print("no candidate passed the quality gate; nothing written")
+        return 1
+    console.print(summary(result))
+    if not write:
+        sys.stdout.write(result.profile(note).to_toml())
+        return 0
+    from appliance.tune_report import write_outputs
+
+    root = out or settings.profiles_dir or SHIPPED_PROFILES_DIR
+    command = "fleetbox tune " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["tune"] else None
+    for path in write_outputs(result, root, note, command):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def tune_with_progress(config: TuneConfig, console: object) -> TuneResult:
+    """Run a tune under a rich progress bar; the first Ctrl-C ends it with the best found so far."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("[bold]tune[/]"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("of {task.fields[budget]}"),
+        TextColumn("{task.description}"),
+        console=console,  # type: ignore[arg-type]
+        transient=True,
+    ) as progress:
+        task = progress.add_task("starting", total=config.budget_s, budget=f"{config.budget_s / 60:g} min")
+        tuner: Tuner
+
+        def status(text: str) -> None:
+            progress.update(task, completed=min(tuner.elapsed, config.budget_s), description=text[:90])
+
+        def trial_done(trial: Trial) -> None:
+            progress.update(task, completed=min(tuner.elapsed, config.budget_s))
+            progress.console.print(_trial_line(trial))
+
+        tuner = Tuner(config, on_trial=trial_done, on_status=status)
+
+        def interrupt(signum: int, frame: FrameType | None) -> None:
+            progress.console.print("stopping after this run; a second Ctrl-C aborts")
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            tuner.stop()
+
+        previous = signal.signal(signal.SIGINT, interrupt)
+        try:
+            return tuner.run()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _trial_line(trial: Trial) -> str:
+    if not trial.measurements:
+        return f"  {trial.stage:8} {trial.candidate.engine.label:28} [red]{trial.quality.describe()}[/]"
+    mark = "[red]✗ gate[/]" if not trial.quality.passed else "[yellow]~ noisy[/]" if trial.noisy else "[green]✓[/]"
+    return f"  {trial.stage:8} {trial.candidate.label:62} {trial.throughput:9.1f}/s  p99 {trial.p99_ms:8.1f} ms  {mark}"
+
+
+def summary(result: TuneResult) -> str:
+    chosen, default = result.chosen, result.default
+    assert chosen is not None
+    return (
+        f"chosen: {chosen.candidate.label}: {chosen.throughput:.1f} inputs/s, p50 {chosen.p50_ms:.1f} ms, "
+        f"p99 {chosen.p99_ms:.1f} ms ({chosen.quality.describe()})\n"
+        f"default: {default.candidate.label}: {default.throughput:.1f} inputs/s, p99 {default.p99_ms:.1f} ms\n"
+        f"speedup {result.speedup:.2f}x; {len([t for t in result.trials if t.measurements])} candidates measured in "
+        f"{result.measure_seconds:.0f} s ({result.wall_seconds:.0f} s in all"
+        f"{', stopped: ' + result.stopped if result.stopped else ''})"
+    )
+
+
+def _quiet_libraries() -> None:
+    """The tune prints its own progress; library chatter (load reports, quantiser hints) would bury it."""
+    logging.basicConfig(level=logging.ERROR)
+    for name in ("transformers", "onnxruntime", "torch.onnx", "onnxscript"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except (ImportError, AttributeError):
+        pass

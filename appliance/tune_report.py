@@ -1,0 +1,166 @@
+"""What a tune leaves behind: `<hw>.toml` (the profile a box applies), `<hw>.md` and `<hw>.png` beside it.
+
+The one idea: a profile is only as trustworthy as the evidence next to it, so the report shows
+every candidate measured (not just the winner), the quality verdict of every engine, the default it
+is compared with, and how the figures were taken; the plot puts throughput against p99 for all
+of them with the chosen and the default marked.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from appliance.profiles import profile_path
+from appliance.tune import TuneResult
+from appliance.tune_search import Trial
+
+
+def write_outputs(result: TuneResult, root: Path, note: str | None = None, command: str | None = None) -> list[Path]:
+    """Write the profile, its report and its plot under `root/<model-slug>/`; returns the paths."""
+    profile = result.profile(note)
+    toml = profile.write(profile_path(root, result.slug, result.hardware))
+    png = toml.with_suffix(".png")
+    plot(result, png)
+    md = toml.with_suffix(".md")
+    md.write_text(report(result, png.name, note, command))
+    return [toml, md, png]
+
+
+def plot(result: TuneResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
+    groups: dict[str, list[Trial]] = {"passed the gate": [], "noisy (not trusted)": [], "failed the gate": []}
+    for trial in result.trials:
+        if not trial.ok:
+            continue
+        if not trial.quality.passed:
+            groups["failed the gate"].append(trial)
+        elif trial.noisy:
+            groups["noisy (not trusted)"].append(trial)
+        else:
+            groups["passed the gate"].append(trial)
+    styles = {
+        "passed the gate": {"marker": "o", "color": "tab:blue", "alpha": 0.7},
+        "noisy (not trusted)": {"marker": "o", "facecolors": "none", "edgecolors": "tab:gray"},
+        "failed the gate": {"marker": "x", "color": "tab:red"},
+    }
+    for label, trials in groups.items():
+        if trials:
+            ax.scatter([t.p99_ms for t in trials], [t.throughput for t in trials], label=label, s=30, **styles[label])
+    d = result.default
+    if d.ok:
+        ax.scatter([d.p99_ms], [d.throughput], marker="s", s=110, color="black", label="default", zorder=5)
+    if result.chosen is not None and result.chosen.ok:
+        c = result.chosen
+        ax.scatter([c.p99_ms], [c.throughput], marker="*", s=260, color="tab:green", label="chosen", zorder=6)
+        ax.annotate(c.candidate.label, (c.p99_ms, c.throughput), fontsize=7, xytext=(6, 6), textcoords="offset points")
+    slo = result.config.objective.slo_p99_ms
+    if slo is not None:
+        ax.axvline(slo, color="tab:orange", linestyle="--", label=f"p99 SLO {slo:g} ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("p99 request latency (ms, log scale)")
+    ax.set_ylabel("throughput (inputs/s)")
+    ax.set_title(f"{result.config.name} on {result.hardware}: every candidate tried", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def report(result: TuneResult, png_name: str, note: str | None = None, command: str | None = None) -> str:
+    c = result.config
+    profile = result.profile(note)
+    m = profile.measured
+    load = c.load
+    slo = f"p99 ≤ {c.objective.slo_p99_ms:g} ms" if c.objective.slo_p99_ms is not None else "no p99 SLO"
+    lines = [
+        f"# {c.name} on {result.hardware}",
+        "",
+        f"Tuned by `{command or 'fleetbox tune'}` (fleetbox {m['fleetbox_version']}) on {m['date']}, "
+        f"on {result.device_name}, device `{c.device}`.",
+        "",
+        f"- **Objective**: {c.objective.kind}, {slo}.",
+        f"- **Load**: closed loop, {load.concurrency} clients, each request 1–8 inputs of a seeded log-normal "
+        "spread of lengths (median 14 words, up to 300), tokenised by the model's own tokenizer, run through "
+        "the real batcher and runtime.",
+        f"- **Each measurement**: {load.warmup_s:g} s warm-up, then {load.windows} windows of {load.window_s:g} s; "
+        "throughput is the median window. A run whose windows disagree by more than "
+        f"{c.max_spread:.0%} is run again, and a candidate whose runs disagree by more is marked noisy and not chosen.",
+        f"- **Quality gate** against fp32 torch on held-out inputs: {_gate_text(result)}.",
+        f"- **Search**: measured {m['candidates_measured']} candidates of a {m['grid_size']}-candidate grid in "
+        f"{m['measure_seconds']} s of measuring ({m['search_seconds']} s in all, budget {m['budget_minutes']} min); "
+        f"{'stopped: ' + str(result.stopped) if result.stopped else 'the search ran to its end'}.",
+    ]
+    if note:
+        lines += ["", f"> {note}"]
+    lines += [
+        "",
+        "## Result",
+        "",
+        "| | runtime | dtype | threads | max_batch_tokens | max_batch_size | max_wait_ms | inputs/s | p50 ms | p99 ms |"
+        " quality |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        _result_row("default", result.default),
+    ]
+    if result.chosen is not None:
+        lines.append(_result_row("**chosen**", result.chosen))
+        lines += [
+            "",
+            f"The chosen settings give **{result.speedup:.2f}×** the default's throughput under the same load"
+            + ("" if m["slo_met"] else f" (no candidate met {slo}; the lowest p99 was chosen)")
+            + ".",
+        ]
+    else:
+        lines += ["", "No candidate passed the quality gate with a measurement: no profile is worth writing."]
+    lines += ["", f"![throughput against p99 for every candidate]({png_name})", "", "## Quality gate, per engine", ""]
+    lines += ["| engine | verdict |", "| --- | --- |"]
+    for engine, quality in sorted(result.engine_quality.items(), key=lambda item: item[0].label):
+        verdict = "passed" if quality.passed else "**rejected**"
+        lines.append(f"| {engine.label} | {verdict}: {quality.describe()} |")
+    lines += ["", "## Every candidate measured", ""]
+    lines += ["| stage | candidate | inputs/s | p50 ms | p99 ms | runs | window spread | notes |"]
+    lines += ["| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for trial in sorted(result.trials, key=lambda t: -t.throughput):
+        if not trial.measurements:
+            continue
+        notes = []
+        if not trial.quality.passed:
+            notes.append("failed the gate")
+        if trial.noisy:
+            notes.append("noisy")
+        if trial is result.chosen:
+            notes.append("**chosen**")
+        if trial is result.default:
+            notes.append("default")
+        spread = max((x.spread for x in trial.measured), default=math.inf)
+        lines.append(
+            f"| {trial.stage} | {trial.candidate.label} | {trial.throughput:.1f} | {_ms(trial.p50_ms)} | "
+            f"{_ms(trial.p99_ms)} | {len(trial.measurements)} | {spread:.0%} | {', '.join(notes)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _gate_text(result: TuneResult) -> str:
+    from appliance.tune_quality import GATES
+
+    metric, limit = GATES[result.config.task]
+    return f"{metric} ≥ {limit:g}"
+
+
+def _result_row(label: str, trial: Trial) -> str:
+    e, b = trial.candidate.engine, trial.candidate.batching
+    return (
+        f"| {label} | {e.runtime} | {e.dtype} | {e.threads or 'default'} | {b.max_batch_tokens} | {b.max_batch_size} | "
+        f"{b.max_wait_ms:g} | {trial.throughput:.1f} | {_ms(trial.p50_ms)} | {_ms(trial.p99_ms)} | "
+        f"{trial.quality.describe()} |"
+    )
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if math.isfinite(value) else "-"

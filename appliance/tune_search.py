@@ -1,0 +1,221 @@
+"""What `fleetbox tune` searches and how: the space, the trials, the objective, and the search order.
+
+The one idea: most of the space is not worth measuring. An engine (runtime × precision × threads:
+what needs a model load) matters far more than the batching knobs, and the batching knobs barely
+interact. So the search screens every engine that passed the quality gate at the default
+batching, keeps the better half (at most `keep`), walks each kept engine's batching knobs one
+axis at a time from the default (coordinate descent, until a pass changes nothing), and finally
+measures the few best again so a lucky window does not pick the winner. It measures a small share
+of the grid (`benchmarks/tune.py` checks how close it lands to the grid's best).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from appliance.catalog import Batching
+from appliance.tune_load import Measurement
+from appliance.tune_quality import Quality
+
+OBJECTIVES = ("throughput", "latency")
+
+
+@dataclass(slots=True, frozen=True)
+class Engine:
+    """What needs a model load: runtime, precision, CPU threads (None: the runtime's own), ONNX level."""
+
+    runtime: str
+    dtype: str
+    threads: int | None = None
+    onnx_opt_level: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "-".join([self.runtime, self.dtype, f"t{self.threads}" if self.threads else "tdefault"])
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    engine: Engine
+    batching: Batching
+
+    @property
+    def label(self) -> str:
+        b = self.batching
+        return f"{self.engine.label} tokens={b.max_batch_tokens} size={b.max_batch_size} wait={b.max_wait_ms:g}ms"
+
+
+@dataclass(slots=True)
+class Trial:
+    """A candidate, its quality verdict, and every measurement taken of it."""
+
+    candidate: Candidate
+    quality: Quality
+    stage: str  # default, screen, descent, confirm, rejected, grid
+    measurements: list[Measurement] = field(default_factory=list)
+    noisy: bool = False  # its repeated measurements disagreed by more than the tuner accepts
+
+    @property
+    def measured(self) -> list[Measurement]:
+        return [m for m in self.measurements if m.ok]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.measured)
+
+    @property
+    def throughput(self) -> float:
+        return float(np.median([m.throughput for m in self.measured])) if self.ok else 0.0
+
+    @property
+    def p50_ms(self) -> float:
+        return float(np.median([m.p50_ms for m in self.measured])) if self.ok else float("inf")
+
+    @property
+    def p99_ms(self) -> float:
+        return float(np.median([m.p99_ms for m in self.measured])) if self.ok else float("inf")
+
+    @property
+    def seconds(self) -> float:
+        return sum(m.seconds for m in self.measurements)
+
+
+@dataclass(slots=True, frozen=True)
+class Objective:
+    """`throughput`: most inputs/s with p99 within the SLO; `latency`: lowest p99 (then throughput)."""
+
+    kind: str = "throughput"
+    slo_p99_ms: float | None = None
+
+    def meets_slo(self, trial: Trial) -> bool:
+        return self.slo_p99_ms is None or trial.p99_ms <= self.slo_p99_ms
+
+    def key(self, trial: Trial) -> tuple[bool, float, float]:
+        """Higher is better: within the SLO first, then the objective's figure, then the other one."""
+        if self.kind == "latency":
+            return (self.meets_slo(trial), -trial.p99_ms, trial.throughput)
+        return (self.meets_slo(trial), trial.throughput, -trial.p99_ms)
+
+    def best(self, trials: list[Trial]) -> Trial | None:
+        """The best trial that passed the gate; steady ones within the SLO first, then any within it,
+        then (the SLO met by none) the one with the lowest p99. Never one that failed the gate."""
+        usable = [t for t in trials if t.quality.passed and t.ok]
+        for tier in (
+            [t for t in usable if not t.noisy and self.meets_slo(t)],
+            [t for t in usable if self.meets_slo(t)],
+        ):
+            if tier:
+                return max(tier, key=self.key)
+        return min(usable, key=lambda t: (t.p99_ms, -t.throughput)) if usable else None
+
+
+@dataclass(slots=True, frozen=True)
+class Space:
+    engines: tuple[Engine, ...]
+    max_batch_tokens: tuple[int, ...]
+    max_batch_size: tuple[int, ...]
+    max_wait_ms: tuple[float, ...]
+
+    @property
+    def batchings(self) -> list[Batching]:
+        return [
+            Batching(t, s, w)
+            for t, s, w in itertools.product(self.max_batch_tokens, self.max_batch_size, self.max_wait_ms)
+        ]
+
+    def grid(self, engines: list[Engine] | None = None) -> Iterator[Candidate]:
+        """Every candidate, engine by engine (one model load each)."""
+        for engine in engines if engines is not None else self.engines:
+            for batching in self.batchings:
+                yield Candidate(engine, batching)
+
+    def snap(self, batching: Batching) -> Batching:
+        """The point of the space nearest a batching (the defaults may sit between its values)."""
+        return Batching(
+            _nearest(self.max_batch_tokens, batching.max_batch_tokens),
+            _nearest(self.max_batch_size, batching.max_batch_size),
+            _nearest(self.max_wait_ms, batching.max_wait_ms),
+        )
+
+
+def _nearest(values: tuple, target: float):  # type: ignore[no-untyped-def]
+    return min(values, key=lambda v: (abs(float(v) - float(target)), v))
+
+
+def default_space(device: str, cores: int, *, quick: bool = False) -> Space:
+    """The knobs worth trying on this device; `quick` is a smaller space for benchmarks and smoke runs."""
+    if device.startswith("cuda"):
+        import torch
+
+        dtypes = ["float32", "float16"] + (["bfloat16"] if torch.cuda.is_bf16_supported() else [])
+        engines = [Engine("torch", d) for d in dtypes] + [
+            Engine("onnx", d, None, "all") for d in ("float32", "float16")
+        ]
+        if quick:
+            return Space(tuple(engines), (8192, 32768), (64, 256), (0.0, 2.0))
+        return Space(tuple(engines), (4096, 8192, 16384, 32768, 65536), (32, 64, 128, 256, 512), (0.0, 1.0, 2.0, 5.0))
+    threads = sorted({1, max(1, cores // 4), max(1, cores // 2), cores})
+    engines = [Engine("torch", "float32", t) for t in threads]
+    engines += [Engine("onnx", d, t, "all") for d in ("float32", "int8") for t in threads]
+    if quick:
+        return Space(tuple(engines), (1024, 4096, 16384), (8, 32, 256), (0.0, 2.0, 5.0))
+    return Space(tuple(engines), (1024, 2048, 4096, 8192, 16384), (8, 16, 32, 64, 256), (0.0, 1.0, 2.0, 5.0))
+
+
+Evaluate = Callable[[Candidate, str], Trial]
+
+_AXES = ("max_batch_size", "max_batch_tokens", "max_wait_ms")
+
+
+def search(
+    space: Space,
+    seed: Batching,
+    engines: list[Engine],
+    evaluate: Evaluate,
+    objective: Objective,
+    *,
+    keep: int = 2,
+    passes: int = 2,
+    confirm: int = 3,
+) -> None:
+    """Screen, halve, descend, confirm (the module docstring). `evaluate` measures a candidate once
+    (a second call for the same candidate returns the trial as it is, except in stage `confirm`) and
+    raises to stop the search, out of budget or interrupted; what was measured so far stays."""
+    start = space.snap(seed)
+    screened = [evaluate(Candidate(engine, start), "screen") for engine in engines]
+    ranked = sorted((t for t in screened if t.ok), key=objective.key, reverse=True)
+    survivors = [t.candidate.engine for t in ranked[: max(1, min(keep, (len(ranked) + 1) // 2))]]
+    trials: list[Trial] = list(screened)
+    for engine in survivors:
+        trials += descend(space, Candidate(engine, start), evaluate, objective, passes)
+    finalists: dict[Candidate, Trial] = {}
+    for trial in sorted((t for t in trials if t.quality.passed and t.ok), key=objective.key, reverse=True):
+        finalists.setdefault(trial.candidate, trial)
+        if len(finalists) == confirm:
+            break
+    for candidate in sorted(finalists, key=lambda c: c.engine.label):  # engine by engine: fewer reloads
+        evaluate(candidate, "confirm")
+
+
+def descend(space: Space, start: Candidate, evaluate: Evaluate, objective: Objective, passes: int) -> list[Trial]:
+    """Coordinate descent over the batching knobs of one engine, from `start`."""
+    best = evaluate(start, "descent")
+    trials = [best]
+    for _ in range(passes):
+        moved = False
+        for axis in _AXES:
+            for value in getattr(space, axis):
+                candidate = replace(best.candidate, batching=replace(best.candidate.batching, **{axis: value}))
+                if candidate == best.candidate:
+                    continue
+                trial = evaluate(candidate, "descent")
+                trials.append(trial)
+                if trial.ok and objective.key(trial) > objective.key(best):
+                    best, moved = trial, True
+        if not moved:
+            break
+    return trials
