@@ -9,8 +9,8 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import orjson

@@ -1,0 +1,1 @@
+"""The fleetbox TUI: watch and steer a fleet from a terminal, through NATS alone (docs/tui.md)."""

@@ -1,0 +1,246 @@
+"""Where the TUI's views come from: a fleet read through NATS alone, or a fake in tests.
+
+`NatsSource` is a reader of the fleet's shared state and nothing more: the heartbeats (KV
+`fbx_boxes`, through `appliance.fleet.Fleet` as a reader), the catalog (KV `fbx_models`, through
+`CatalogStore`), and the queue (JetStream stream and consumer info, polled once a period). It
+never creates a bucket or a stream, so attaching to a fleet that has not started yet waits for
+it instead of shaping it. Heartbeats arrive by watch; `view()` only assembles what is already in
+memory, so building a view costs no round trip and never waits.
+
+A box that stops heartbeating is kept in the view for a while, marked `dead` (its records aged
+out) or `left` (its record was deleted by a clean stop), so an operator sees that it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from appliance import bus
+from appliance.catalog import Catalog, CatalogStore
+from appliance.fleet import Fleet
+from tui.model import BoxState, ConsumerState, FleetView, QueueState, StreamState
+from tui.ops import FleetOps
+
+log = logging.getLogger(__name__)
+
+FORGET_AFTER_S = 120.0  # how long a dead or departed box stays on screen
+_READ_ERRORS = (NatsError, TimeoutError, OSError)
+
+
+class Operations(Protocol):
+    """The actions a screen can take; `FleetOps` over NATS, or a recording fake in tests."""
+
+    def live(self) -> list[BoxState]: ...
+    def holders(self, model: str) -> list[str]: ...
+    async def pin(self, model: str) -> dict[str, Any]: ...
+    async def unpin(self, model: str) -> dict[str, Any]: ...
+    async def load(self, model: str, box: str | None = None) -> dict[str, Any]: ...
+    async def evict(self, model: str, box: str | None = None) -> dict[str, Any]: ...
+    async def drain(self, box: str) -> dict[str, Any]: ...
+    async def register(self, registration: dict[str, Any], box: str | None = None) -> dict[str, Any]: ...
+
+
+class FleetSource(Protocol):
+    ops: Operations
+
+    async def start(self) -> None: ...
+    def view(self) -> FleetView: ...
+    async def stop(self) -> None: ...
+
+
+async def connect(servers: str, creds: Path | None = None) -> NATS:
+    """A client connection for the TUI and CLI: reconnects forever, reports problems in the view."""
+
+    async def quiet(*_: Any) -> None:  # nats-py prints errors itself otherwise; the status line shows them
+        return None
+
+    return await nats.connect(
+        servers=[url.strip() for url in servers.split(",") if url.strip()],
+        user_credentials=str(creds) if creds else None,
+        name="fleetbox-tui",
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        error_cb=quiet,
+        disconnected_cb=quiet,
+        reconnected_cb=quiet,
+    )
+
+
+class NatsSource:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        address: str,
+        own_connection: bool = False,
+        period_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream(timeout=max(2.0, period_s * 2))
+        self.address = address
+        self._own = own_connection
+        self._period_s = period_s
+        self._clock = clock
+        self._catalog = Catalog()
+        self._fleet: Fleet | None = None
+        self._store: CatalogStore | None = None
+        self._queue: QueueState | None = None
+        self._ttl_s = 5.0
+        self._waiting_for: str | None = "reading the fleet…"
+        self._known: dict[str, BoxState] = {}
+        self._gone_at: dict[str, float] = {}
+        self._attached = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ops = FleetOps(nc, self._current_boxes)
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._attach(), name="tui-attach"))
+        self._tasks.append(asyncio.create_task(self._poll_queue(), name="tui-queue"))
+
+    async def attached(self, timeout_s: float) -> None:
+        """Wait until the heartbeats and the catalog are read (for the CLI); raises TimeoutError."""
+        await asyncio.wait_for(self._attached.wait(), timeout_s)
+        if self._queue is None:
+            self._queue = await self._read_queue()
+
+    @property
+    def waiting_for(self) -> str | None:
+        return self._waiting_for
+
+    def view(self) -> FleetView:
+        now = self._clock()
+        return FleetView(
+            address=self.address,
+            taken_at=now,
+            boxes=tuple(self._boxes(now)),
+            catalog=tuple(sorted(self._catalog, key=lambda s: s.name)),
+            queue=self._queue,
+            connected=self._nc.is_connected,
+            waiting_for=self._waiting_for,
+        )
+
+    def _current_boxes(self) -> Sequence[BoxState]:
+        return self._boxes(self._clock())
+
+    def _boxes(self, now: float) -> list[BoxState]:
+        late_after_s = max(2.5, self._ttl_s / 2)
+        seen: dict[str, BoxState] = {}
+        for record in self._fleet.live_boxes() if self._fleet else ():
+            box = BoxState.from_heartbeat(record)
+            if not box.draining and now - box.ts > late_after_s:
+                box = replace(box, status="late")
+            seen[box.box] = box
+        for box_id, last in self._known.items():
+            if box_id in seen:
+                self._gone_at.pop(box_id, None)
+                continue
+            gone_at = self._gone_at.setdefault(box_id, now)
+            if now - gone_at > FORGET_AFTER_S:
+                continue
+            if last.status not in ("dead", "left"):
+                # Records age out after the TTL; a clean stop deletes its record while it is fresh.
+                last = replace(last, status="dead" if now - last.ts >= self._ttl_s * 0.8 else "left")
+            seen[box_id] = last
+        self._known = seen
+        return sorted(seen.values(), key=lambda b: b.box)
+
+    async def _attach(self) -> None:
+        while True:
+            try:
+                boxes = await self._js.key_value(bus.BOXES_BUCKET)
+                await self._js.key_value(bus.MODELS_BUCKET)
+                status = await boxes.status()
+                break
+            except BucketNotFoundError:
+                self._waiting_for = f"no fleet at {self.address} yet: no box has started there"
+            except _READ_ERRORS as exc:
+                self._waiting_for = f"cannot read the fleet: {exc!r}"
+            await asyncio.sleep(1.0)
+        self._ttl_s = float(status.ttl or self._ttl_s)
+        self._fleet = Fleet(self._js, "tui", None, period_s=self._period_s, ttl_s=self._ttl_s)
+        await self._fleet.start()
+        self._store = CatalogStore(self._js, self._catalog)
+        await self._store.open([])  # no configured models: a reader adds nothing to the catalog
+        self._waiting_for = None
+        self._attached.set()
+
+    async def _poll_queue(self) -> None:
+        while True:
+            if self._nc.is_connected:
+                self._queue = await self._read_queue()
+            await asyncio.sleep(self._period_s)
+
+    async def _read_queue(self) -> QueueState:
+        try:
+            info = await self._js.stream_info(bus.REQUEST_STREAM)
+            consumers = await self._js.consumers_info(bus.REQUEST_STREAM)
+        except NotFoundError:
+            return QueueState(stream=None, error=f"stream {bus.REQUEST_STREAM} does not exist yet")
+        except _READ_ERRORS as exc:
+            return QueueState(stream=None, error=repr(exc))
+        try:
+            dead = await self._js.stream_info(bus.DEAD_LETTER_STREAM, subjects_filter=">")
+        except NotFoundError:
+            dead = None
+        except _READ_ERRORS as exc:
+            log.debug("dead-letter stream info failed", extra={"error": repr(exc)})
+            dead = None
+        return QueueState(
+            stream=_stream_state(info),
+            consumers=tuple(
+                sorted(
+                    (
+                        ConsumerState(
+                            name=c.name,
+                            subject=c.config.filter_subject or "",
+                            pending=c.num_pending or 0,
+                            ack_pending=c.num_ack_pending or 0,
+                            redelivered=c.num_redelivered or 0,
+                            waiting=c.num_waiting or 0,
+                        )
+                        for c in consumers
+                    ),
+                    key=lambda c: c.name,
+                )
+            ),
+            dead_letters=_stream_state(dead) if dead is not None else None,
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._fleet is not None:
+            await self._fleet.stop()
+        if self._store is not None:
+            await self._store.close()
+        if self._own:
+            try:
+                await asyncio.wait_for(self._nc.close(), 3.0)
+            except TimeoutError:
+                log.debug("closing the TUI's NATS connection timed out")
+
+
+def _stream_state(info: Any) -> StreamState:
+    return StreamState(
+        name=info.config.name,
+        messages=info.state.messages,
+        nbytes=info.state.bytes,
+        max_msgs=info.config.max_msgs if info.config.max_msgs is not None else -1,
+        max_bytes=info.config.max_bytes if info.config.max_bytes is not None else -1,
+        subjects=dict(info.state.subjects or {}),
+    )
