@@ -393,10 +393,11 @@ class Box:
             }
             for r in self.residency.residents()
         ]
+        loading = self._placement.loading if self._placement is not None else set()
         models += [
             {"name": name, "bytes": None, "pinned": False, "state": "loading"}
             for name in self.catalog.names()
-            if self.residency.is_loading(name)
+            if (self.residency.is_loading(name) or name in loading) and not self.residency.is_resident(name)
         ]
         return {
             "host": socket.gethostname(),

@@ -18,12 +18,14 @@ from typing import Any
 import orjson
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
 
 log = logging.getLogger(__name__)
+
+_CLAIM = "claim."  # keys of short-lived claims, beside the boxes' records
 
 
 class Fleet:
@@ -79,7 +81,18 @@ class Fleet:
             if entry is not None:
                 self._apply(entry)
 
+    async def claim(self, what: str) -> bool:
+        """Be the one box to do `what` (load a cold model, say) for the next TTL; False if another box is."""
+        assert self._kv is not None
+        try:
+            await self._kv.create(f"{_CLAIM}{what}", self.box_id.encode())
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
     def _apply(self, entry: KeyValue.Entry) -> None:
+        if entry.key.startswith(_CLAIM):
+            return
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             self._boxes.pop(entry.key, None)
             return

@@ -3,8 +3,8 @@
 A box always pulls for the models resident on it. It loads a cold model only when requests wait
 for it and either no live box holds it (from the heartbeats) or its backlog has passed
 `cold_backlog`, so the fleet loads a model once, not everywhere, and a second box joins only
-under sustained load. A short random delay before acting lets a box that already started loading
-announce it in its heartbeat first.
+under sustained load. The first load of a model is claimed in the fleet's bucket (one box wins), and a
+box announces a load in its heartbeat as it starts, so others see it is on its way.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ class Placement:
         self._loads: set[asyncio.Task[None]] = set()
         self._failed_until: dict[str, float] = {}  # a model that failed to load is retried later, not hammered
 
+    @property
+    def loading(self) -> set[str]:
+        return set(self._loading)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="placement")
 
@@ -73,7 +77,12 @@ class Placement:
             await asyncio.sleep(random.uniform(0, _JITTER_S))
             if not self._should_load(spec.name, waiting):
                 continue
+            holders = box.fleet.holders(spec.name, loading=True) if box.fleet else []
+            if not holders and box.fleet is not None and not await box.fleet.claim(f"load.{spec.slug}"):
+                continue  # another box claimed the first load of this model
             self._loading.add(spec.name)
+            if box.fleet is not None:
+                await box.fleet.beat()  # tell the fleet at once that this model is on its way here
             task = asyncio.create_task(self._load(spec))
             self._loads.add(task)
             task.add_done_callback(self._loads.discard)
@@ -100,6 +109,7 @@ class Placement:
             reason = exc.message if isinstance(exc, FleetboxError) else repr(exc)
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": reason})
             self._failed(spec.name)
+            self._loading.discard(spec.name)  # no longer on its way here; other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
                 error = ServiceUnavailable(f"model {spec.name} could not be loaded on box {self._box.box_id}: {reason}")

@@ -17,7 +17,7 @@ from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, Not
 from appliance.gateway import admin, encoders, generation, ops
 from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
-from appliance.gateway.context import CONTEXT, GatewayContext
+from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
 from appliance.gateway.http import json_response
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def _route_label(request: web.Request) -> str:
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     ctx = GatewayContext.of(request)
     started = time.perf_counter()
+    request_id = request[REQUEST_ID] = ctx.new_request_id()
     try:
         response = await handler(request)
     except FleetboxError as exc:
@@ -44,8 +45,25 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         log.exception("unhandled error", extra={"path": request.path})
         response = _error_response(InternalError("internal error; see the box's log"))
     route = _route_label(request)
+    elapsed_ms = (time.perf_counter() - started) * 1000
     ctx.metrics.requests.labels(route, str(response.status)).inc()
-    ctx.metrics.request_ms.labels(route).observe((time.perf_counter() - started) * 1000)
+    ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
+    if not response.prepared:  # a stream has sent its headers already
+        response.headers["Fbx-Request-Id"] = request_id
+    # One line per request: failures at INFO (5xx at WARNING), successes at DEBUG to keep the hot path cheap.
+    level = logging.WARNING if response.status >= 500 else logging.INFO if response.status >= 400 else logging.DEBUG
+    if log.isEnabledFor(level):
+        log.log(
+            level,
+            "request",
+            extra={
+                "request_id": request_id,
+                "method": request.method,
+                "route": route,
+                "status": response.status,
+                "ms": round(elapsed_ms, 2),
+            },
+        )
     return response
 
 

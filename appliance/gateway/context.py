@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from nats.aio.client import Client as NATS
+from nats.nuid import NUID
 
 from appliance.catalog import Catalog, CatalogStore, ModelSpec
 from appliance.gateway.dispatch import Dispatcher
@@ -32,10 +33,16 @@ class GatewayContext:
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Raises 507 when a model could never fit this box; None on a gateway-only box.
     check_fits: Callable[[ModelSpec], None] | None
+    ids: NUID = field(default_factory=NUID)  # request ids: unique across gateways (random prefix per NUID)
 
     @staticmethod
     def of(request: web.Request) -> GatewayContext:
         return request.app[CONTEXT]
 
+    def new_request_id(self) -> str:
+        """The id a request carries through the queue, the logs and the `Fbx-Request-Id` header."""
+        return self.ids.next().decode()
+
 
 CONTEXT: web.AppKey[GatewayContext] = web.AppKey("fleetbox", GatewayContext)
+REQUEST_ID = "fbx_request_id"  # where the middleware keeps the request's id on the aiohttp request

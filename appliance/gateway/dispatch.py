@@ -90,8 +90,9 @@ class Dispatcher:
         tokens: int,
         adapter: str | None = None,
         priority: str = "interactive",
+        request_id: str | None = None,
     ) -> Reply:
-        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority)
+        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
         request_id = meta.id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -123,13 +124,14 @@ class Dispatcher:
         tokens: int,
         adapter: str | None = None,
         priority: str = "interactive",
+        request_id: str | None = None,
     ) -> AsyncIterator[Reply]:
         """Publish a generation request and yield its chunks in order, until the final one.
 
         Chunks are taken from the first box that answers; a second box's chunks (a redelivery)
         are dropped. A caller that stops early (its client went away) cancels the generation.
         """
-        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority)
+        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter()
@@ -158,11 +160,18 @@ class Dispatcher:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
     def _meta(
-        self, spec: ModelSpec, task: str, timeout_s: float, tokens: int, adapter: str | None, priority: str
+        self,
+        spec: ModelSpec,
+        task: str,
+        timeout_s: float,
+        tokens: int,
+        adapter: str | None,
+        priority: str,
+        request_id: str | None,
     ) -> RequestMeta:
         if self.waiting >= self._max_waiting:
             raise self._overloaded(f"this gateway already waits on {self.waiting} requests")
-        request_id = self._nuid.next().decode()
+        request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
         return RequestMeta(
             id=request_id,

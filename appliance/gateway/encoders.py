@@ -17,7 +17,7 @@ from aiohttp import web
 from appliance.catalog import Resolved
 from appliance.envelope import ReplyMeta
 from appliance.errors import PayloadTooLarge, Unprocessable, error_from_reply
-from appliance.gateway.context import GatewayContext
+from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest, RerankRequest
 from runtimes import Task
@@ -49,6 +49,7 @@ async def _enqueue(request: web.Request, schema: type, task: Task) -> tuple[Any,
         tokens=sum(len(text) for text in texts) // 4 + 2 * len(texts),
         adapter=resolved.adapter.name if resolved.adapter else None,
         priority=request_priority(request),
+        request_id=request[REQUEST_ID],
     )
     if reply.meta.status != 200:
         raise error_from_reply(reply.meta.status, reply.body)

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from appliance.errors import FleetboxError, Unprocessable, error_from_reply
-from appliance.gateway.context import GatewayContext
+from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
@@ -50,6 +50,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         tokens=len(body) // 4,
         adapter=resolved.adapter.name if resolved.adapter else None,
         priority=request_priority(request),
+        request_id=request[REQUEST_ID],
     )
     shape = _Shape(chat=chat, model=resolved.adapter.name if resolved.adapter else resolved.spec.name)
     async with aclosing(chunks):
