@@ -206,7 +206,7 @@ class FleetScreen(DataScreen):
         for device in box.devices:
             lines.append(Text.assemble(f"{device.name}  ", fmt.usage(device.used_bytes, device.budget_bytes, 10)))
         for model in box.models:
-            size = fmt.human_bytes(model.nbytes) if model.nbytes else "?"
+            size = fmt.human_bytes(model.nbytes)
             pin = " pinned" if model.pinned else ""
             lines.append(
                 Text(
@@ -245,6 +245,9 @@ class FleetScreen(DataScreen):
     def action_load(self) -> None:
         box = self._selected_box()
         if box is None:
+            return
+        if not box.runs_models:
+            self.notify(f"{box.box} is a {box.role}: it runs no models", severity="warning")
             return
         here = {m.name for m in box.models}
         options = [(s.name, s.name) for s in self.fleet_app.view.catalog if s.adapter_of is None and s.name not in here]

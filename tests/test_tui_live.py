@@ -1,0 +1,210 @@
+"""The TUI and the `fleetbox models`/`box` commands against a real NATS and a real serving box.
+
+Keys are pressed through Textual's pilot; every effect is checked through the box's own HTTP API
+(or its control state), not only on the screen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.pilot import Pilot
+from textual.widgets import DataTable
+
+from tests.conftest import noop_model, url, wait_for
+from tui.app import FleetboxApp
+from tui.dialogs import Choose, Confirm, RegisterForm
+from tui.source import NatsSource, connect
+
+FLEETBOX = str(Path(sys.executable).with_name("fleetbox"))
+
+
+@pytest.fixture
+async def tui(nats_server) -> AsyncIterator[tuple[FleetboxApp, Pilot]]:
+    """The app attached to the test's NATS, refreshing five times a second, at 80×24."""
+    nc = await connect(nats_server.url)
+    source = NatsSource(nc, address=nats_server.url, own_connection=True, period_s=0.2)
+    await source.start()
+    app = FleetboxApp(source, refresh_s=0.2)
+    async with app.run_test(size=(80, 24)) as pilot:
+        yield app, pilot
+    await source.stop()
+
+
+def rows(app: FleetboxApp) -> list[str]:
+    table = app.screen.query_one(DataTable)
+    return [row.key.value for row in table.ordered_rows]
+
+
+async def model(http, box, name: str) -> dict[str, Any]:
+    async with http.get(url(box, f"/v1/models/{name}")) as response:
+        return await response.json()
+
+
+async def on_screen(app: FleetboxApp, kind: type) -> None:
+    async def shown() -> bool:
+        return isinstance(app.screen, kind)
+
+    await wait_for(shown, 5.0, f"the {kind.__name__} screen")
+
+
+async def test_fleet_screen_lists_the_serving_box(start_box, tui) -> None:
+    app, _ = tui
+    box = await start_box(default_model=False, models=[noop_model("alpha")], box_id="tui-box-1")
+
+    async def listed() -> bool:
+        return rows(app) == [box.box_id]
+
+    await wait_for(listed, 10.0, "the box on the Fleet screen")
+    cells = app.screen.query_one(DataTable).get_row(box.box_id)
+    assert "tui-box-1" in str(cells[0]) and str(cells[1]) == "all" and str(cells[2]) == "cpu"
+    assert "1 alpha" in str(cells[4])  # one resident model, the pinned one
+
+
+async def test_keys_load_pin_evict_and_drain_change_the_box(start_box, tui, http) -> None:
+    app, pilot = tui
+    box = await start_box(default_model=False, models=[noop_model("alpha", pinned=False)], box_id="tui-box-2")
+
+    await pilot.press("2")
+
+    async def alpha_listed() -> bool:
+        return "alpha" in rows(app)
+
+    await wait_for(alpha_listed, 10.0, "alpha on the Models screen")
+
+    await pilot.press("l")  # load: the first choice is "the box with the most free memory"
+    await on_screen(app, Choose)
+    await pilot.press("enter")
+
+    async def resident() -> bool:
+        return (await model(http, box, "alpha"))["state"] == "resident"
+
+    await wait_for(resident, 10.0, "alpha resident after l")
+    assert box.residency.is_resident("alpha")
+
+    await pilot.press("p")
+
+    async def pinned() -> bool:
+        return (await model(http, box, "alpha"))["pinned"] is True
+
+    await wait_for(pinned, 10.0, "alpha pinned after p")
+
+    async def shown_pinned() -> bool:  # p toggles from what the screen shows, so wait until it shows it
+        spec = app.view.spec("alpha")
+        return spec is not None and spec.pinned
+
+    await wait_for(shown_pinned, 5.0, "the screen showing alpha pinned")
+    await pilot.press("p")
+
+    async def unpinned() -> bool:
+        return (await model(http, box, "alpha"))["pinned"] is False
+
+    await wait_for(unpinned, 10.0, "alpha unpinned after the second p")
+
+    async def resident_shown() -> bool:
+        return app.source.ops.holders("alpha") == [box.box_id]
+
+    await wait_for(resident_shown, 5.0, "the screen showing alpha resident")
+    await pilot.press("e")  # one holder: straight to the confirmation
+    await on_screen(app, Confirm)
+    await pilot.press("y")
+
+    async def evicted() -> bool:
+        return (await model(http, box, "alpha"))["state"] == "cold"
+
+    await wait_for(evicted, 10.0, "alpha evicted after e, y")
+    assert not box.residency.is_resident("alpha")
+
+    await pilot.press("1", "d")
+    await on_screen(app, Confirm)
+    await pilot.press("n")  # a refusal does nothing
+    await pilot.pause()
+    assert not box.draining
+    await pilot.press("d")
+    await on_screen(app, Confirm)
+    await pilot.press("y")
+
+    async def draining() -> bool:
+        async with http.get(url(box, "/readyz")) as response:
+            return response.status == 503 and (await response.json())["reason"] == "draining"
+
+    await wait_for(draining, 10.0, "the box draining after d, y")
+    assert box.stop_requested.is_set()
+
+
+async def test_register_form_registers_a_folder_and_reports_refusals(start_box, tui, http, tmp_path) -> None:
+    app, pilot = tui
+    root = tmp_path / "models"
+    folder = root / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    (folder / "tokenizer.json").write_text("{}")
+    box = await start_box(default_model=False, models=[noop_model("alpha")], model_roots=[root], box_id="tui-box-3")
+
+    async def box_seen() -> bool:
+        return [b.box for b in app.source.ops.live()] == [box.box_id]
+
+    await wait_for(box_seen, 10.0, "the box's heartbeat")
+
+    async def register(name: str, path: str) -> None:
+        await pilot.press("2", "r")
+        await on_screen(app, RegisterForm)
+        await pilot.press(*name, "tab", *path, "ctrl+s")
+
+    await register("tiny", str(folder))
+
+    async def registered() -> bool:
+        return (await model(http, box, "tiny")).get("task") == "embed"
+
+    await wait_for(registered, 10.0, "tiny registered through the form")
+
+    await register("outside", "/etc")
+
+    async def refusal_logged() -> bool:
+        return any(e.kind == "error" and "outside the model roots" in e.text for e in app.events.newest_first())
+
+    await wait_for(refusal_logged, 10.0, "the 403 reported")
+    assert "error" in (await model(http, box, "outside"))
+
+
+async def fleetbox(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        FLEETBOX,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    return process.returncode or 0, out.decode(), err.decode()
+
+
+async def test_models_and_box_commands_steer_the_same_box(start_box, nats_server, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("alpha", pinned=False)], box_id="tui-box-4")
+    nats = ("--nats", nats_server.url)
+
+    code, out, err = await fleetbox("models", "load", "alpha", "--box", box.box_id, *nats)
+    assert code == 0, err
+    assert json.loads(out)["state"] == "resident" and box.residency.is_resident("alpha")
+
+    async def listed_resident() -> bool:
+        code, out, _ = await fleetbox("models", "list", "--json", *nats)
+        return code == 0 and [(m["name"], m["state"], m["boxes"]) for m in json.loads(out)] == [
+            ("alpha", "resident", [box.box_id])
+        ]
+
+    await wait_for(listed_resident, 20.0, "models list showing alpha resident")
+
+    code, out, err = await fleetbox("models", "evict", "ghost", *nats)
+    assert code == 1 and "ghost" in err and out == ""
+
+    code, out, err = await fleetbox("box", "drain", box.box_id, *nats)
+    assert code == 0, err
+    assert json.loads(out)["draining"] is True and box.stop_requested.is_set()
