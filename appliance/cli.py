@@ -246,7 +246,7 @@ def tune(
     out: Annotated[
         Path | None, typer.Option(help="profiles folder [FBX_PROFILES_DIR, default the shipped profiles/]")
     ] = None,
-    concurrency: Annotated[int | None, typer.Option(help="closed-loop clients [32 CPU, 128 GPU, 4 latency]")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="closed-loop clients [8/core, 128 GPU, 4 latency]")] = None,
     window_s: Annotated[float | None, typer.Option(help="seconds per measured window [1 CPU, 0.5 GPU]")] = None,
     quick: Annotated[bool, typer.Option(help="a smaller space (fewer batching values)")] = False,
     name: Annotated[str | None, typer.Option(help="the name the model is served under, for a folder")] = None,

@@ -341,11 +341,11 @@ class ProfileBook:
 
     def describe(self, spec: ModelSpec) -> dict[str, Any] | None:
         """The choice applied to a model on this box, or the one a load would make; None if none fits."""
+        if not tunable(spec):
+            return None
         chosen = self._chosen.get(spec.name)
         if chosen is not None:
             return chosen[0].describe(chosen[1])
-        if not tunable(spec):
-            return None
         key = (spec.slug, spec.profile)
         if key not in self._previews:
             self._previews[key] = choose(spec.slug, self.hardware, self.roots, spec.profile)

@@ -18,13 +18,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from appliance import __version__
 from appliance.bus import model_slug
 from appliance.catalog import Batching
 from appliance.profiles import Profile, device_description, hardware_slug
 from appliance.tune_load import Load, Measurement, make_requests, measure
 from appliance.tune_quality import Quality, Reference
-from appliance.tune_search import Candidate, Engine, Objective, Space, Trial, search
+from appliance.tune_search import Candidate, Engine, ExploringOver, Objective, Space, Trial, search
 from runtimes import ModelSource, Runtime, RuntimeKind, Task, Tokenized, load_runtime
 
 log = logging.getLogger(__name__)
@@ -217,6 +219,8 @@ class Tuner:
         if trial is not None and stage != "confirm":
             return trial
         self._check_budget(stage)
+        if stage in ("screen", "descent") and not self._budget_left(stage, reserve=self.config.confirm):
+            raise ExploringOver
         runtime, quality = self._gated(candidate.engine)
         if trial is None:
             trial = Trial(candidate, quality, stage if quality.passed else "rejected")
@@ -256,10 +260,13 @@ class Tuner:
         if not self._budget_left(stage):
             raise SearchStopped("budget")
 
-    def _budget_left(self, stage: str) -> bool:
+    def _budget_left(self, stage: str, reserve: int = 0) -> bool:
+        """Room for one more measurement, and `reserve` more after it (the confirmation round)."""
         if stage in _STAGES_WITHOUT_BUDGET:
             return True
-        return self.elapsed + self.config.load.seconds * 1.1 <= self.config.budget_s
+        measured = [m.seconds for t in self._trials.values() for m in t.measurements]
+        typical = max(self.config.load.seconds, float(np.median(measured)) if measured else 0.0)
+        return self.elapsed + typical * (1 + reserve) * 1.1 <= self.config.budget_s
 
     # -- engines ---------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ def resolve_model(model: str, settings: Settings, name: str | None = None) -> Mo
 def default_load(device: str, objective: str, concurrency: int | None, window_s: float | None) -> Load:
     """Heavy load for throughput, light load for latency (a lone request's p99 is what latency tunes)."""
     gpu = device.startswith("cuda")
-    heavy = 128 if gpu else 32
+    heavy = 128 if gpu else min(64, 8 * cpu_cores())
     return Load(
         concurrency=concurrency or (heavy if objective == "throughput" else 4),
         window_s=window_s or (0.5 if gpu else 1.0),
@@ -158,6 +158,8 @@ def tune_with_progress(config: TuneConfig, console: object) -> TuneResult:
 def _trial_line(trial: Trial) -> str:
     if not trial.measurements:
         return f"  {trial.stage:8} {trial.candidate.engine.label:28} [red]{trial.quality.describe()}[/]"
+    if not trial.ok:
+        return f"  {trial.stage:8} {trial.candidate.label:62} [red]{trial.measurements[-1].error}[/]"
     mark = "[red]✗ gate[/]" if not trial.quality.passed else "[yellow]~ noisy[/]" if trial.noisy else "[green]✓[/]"
     return f"  {trial.stage:8} {trial.candidate.label:62} {trial.throughput:9.1f}/s  p99 {trial.p99_ms:8.1f} ms  {mark}"
 

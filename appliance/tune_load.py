@@ -3,8 +3,10 @@
 The one idea: a candidate is measured the way a box runs it, minus the network. `concurrency`
 clients each send a request (one to eight inputs, of a seeded spread of lengths, tokenised by the
 model's own tokenizer), wait for its answer, and send the next, so the batcher sees the arrivals
-and the company it would see behind a queue. After a warm-up, the run is cut into equal windows;
-throughput is the median of the windows' inputs per second and `spread` how much they disagree,
+and the company it would see behind a queue. The warm-up lasts until every client has had an
+answer (the steady state), then the run is cut into equal windows, each at least three typical
+request latencies long, so a slow candidate's big batches do not leave a window empty. Throughput
+is the inputs answered over the whole measured part; `spread` is how much the windows disagree,
 which is what lets the tuner tell a real difference from a noisy neighbour.
 """
 
@@ -90,21 +92,23 @@ def make_requests(runtime: Runtime, task: Task, count: int, seed: int) -> list[l
 class Load:
     """How hard and how long a candidate is driven."""
 
-    concurrency: int = 32
-    warmup_s: float = 0.5
-    window_s: float = 1.0
+    concurrency: int = 16
+    warmup_s: float = 0.5  # at least; and until every client has had an answer
+    window_s: float = 1.0  # at least; and three typical request latencies
     windows: int = 3
     requests: int = 512  # distinct requests, cycled
     seed: int = 0
+    max_window_s: float = 20.0  # a candidate slower than this per window is not worth the wait
 
     @property
     def seconds(self) -> float:
+        """The shortest a measurement can take (the budget's estimate for the next one)."""
         return self.warmup_s + self.window_s * self.windows
 
 
 @dataclass(slots=True, frozen=True)
 class Measurement:
-    throughput: float  # inputs per second: the median over windows
+    throughput: float  # inputs per second over the measured part
     p50_ms: float  # request latency, every window pooled
     p99_ms: float
     spread: float  # (max - min) / median of the windows' throughputs
@@ -144,10 +148,10 @@ async def _closed_loop(
             job.handle.set_result(error)
 
     started = loop.time()
-    measured_from = started + load.warmup_s
-    end = measured_from + load.window_s * load.windows
+    end = float("inf")  # set once warm: the clients stop sending then
+    answered_clients: set[int] = set()
 
-    async def client() -> None:
+    async def client(index: int) -> None:
         while loop.time() < end and not stop() and not errors:
             n = next(counter)
             now_ms = int(time.time() * 1000)
@@ -163,12 +167,29 @@ async def _closed_loop(
                 errors.append(repr(error))
                 return
             records.append((sent, loop.time(), len(rows)))
+            answered_clients.add(index)
+
+    async def warm_up() -> tuple[float, float]:
+        """Wait for the steady state; then the measured part's start and window length."""
+        nonlocal end
+        give_up = started + load.warmup_s + load.max_window_s
+        while loop.time() < give_up and not stop() and not errors:
+            if loop.time() >= started + load.warmup_s and len(answered_clients) == load.concurrency:
+                break
+            await asyncio.sleep(0.01)  # a timer, not a synchronisation: the clients run regardless
+        typical = float(np.median([b - a for a, b, _ in records])) if records else load.max_window_s
+        window = min(max(load.window_s, 3 * typical), load.max_window_s)
+        measured_from = loop.time()
+        end = measured_from + window * load.windows
+        return measured_from, window
 
     with ThreadPoolExecutor(1, thread_name_prefix="fbx-tune-device") as executor:
         batcher = Batcher("tune", runtime, batching, executor, Metrics(), on_done)
         batcher.start()
         try:
-            await asyncio.gather(*(client() for _ in range(load.concurrency)))
+            clients = asyncio.gather(*(client(i) for i in range(load.concurrency)))
+            measured_from, window = await warm_up()
+            await clients
         finally:
             await batcher.drain()
     seconds = loop.time() - started
@@ -176,25 +197,27 @@ async def _closed_loop(
         return _failed(errors[0], seconds)
     if stop() and loop.time() < end:
         return _failed("interrupted", seconds)
-    return summarise(records, measured_from, load, seconds)
+    return summarise(records, measured_from, window, load.windows, seconds)
 
 
-def summarise(records: list[tuple[float, float, int]], measured_from: float, load: Load, seconds: float) -> Measurement:
+def summarise(
+    records: list[tuple[float, float, int]], measured_from: float, window_s: float, windows: int, seconds: float
+) -> Measurement:
     """Per-window throughput (inputs answered in the window) and pooled latency of the measured part."""
-    per_window = [0] * load.windows
+    per_window = [0] * windows
     latencies = []
     for sent, answered, inputs in records:
-        window = int((answered - measured_from) // load.window_s)
-        if 0 <= window < load.windows:
+        window = int((answered - measured_from) // window_s)
+        if 0 <= window < windows:
             per_window[window] += inputs
             if sent >= measured_from:  # a request sent during warm-up waited behind the warm-up
                 latencies.append((answered - sent) * 1000)
-    rates = [count / load.window_s for count in per_window]
+    rates = [count / window_s for count in per_window]
     median = float(np.median(rates))
     if not latencies or median <= 0:
         return _failed("no request finished inside the measured windows", seconds)
     return Measurement(
-        throughput=median,
+        throughput=sum(per_window) / (window_s * windows),
         p50_ms=float(np.percentile(latencies, 50)),
         p99_ms=float(np.percentile(latencies, 99)),
         spread=(max(rates) - min(rates)) / median,

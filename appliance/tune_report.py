@@ -89,8 +89,9 @@ def report(result: TuneResult, png_name: str, note: str | None = None, command: 
         f"- **Load**: closed loop, {load.concurrency} clients, each request 1–8 inputs of a seeded log-normal "
         "spread of lengths (median 14 words, up to 300), tokenised by the model's own tokenizer, run through "
         "the real batcher and runtime.",
-        f"- **Each measurement**: {load.warmup_s:g} s warm-up, then {load.windows} windows of {load.window_s:g} s; "
-        "throughput is the median window. A run whose windows disagree by more than "
+        f"- **Each measurement**: a warm-up of at least {load.warmup_s:g} s (until every client has had an answer), "
+        f"then {load.windows} windows of at least {load.window_s:g} s (and three typical request latencies); "
+        "throughput is the inputs answered over all windows. A run whose windows disagree by more than "
         f"{c.max_spread:.0%} is run again, and a candidate whose runs disagree by more is marked noisy and not chosen.",
         f"- **Quality gate** against fp32 torch on held-out inputs: {_gate_text(result)}.",
         f"- **Search**: measured {m['candidates_measured']} candidates of a {m['grid_size']}-candidate grid in "

@@ -168,6 +168,11 @@ def default_space(device: str, cores: int, *, quick: bool = False) -> Space:
 
 Evaluate = Callable[[Candidate, str], Trial]
 
+
+class ExploringOver(Exception):
+    """Raised by `evaluate` when what is left of the budget is kept for confirming the finalists."""
+
+
 _AXES = ("max_batch_size", "max_batch_tokens", "max_wait_ms")
 
 
@@ -184,14 +189,19 @@ def search(
 ) -> None:
     """Screen, halve, descend, confirm (the module docstring). `evaluate` measures a candidate once
     (a second call for the same candidate returns the trial as it is, except in stage `confirm`) and
-    raises to stop the search, out of budget or interrupted; what was measured so far stays."""
+    raises to stop the search, out of budget or interrupted; what was measured so far stays. It raises
+    `ExploringOver` when the rest of the budget is for the confirmation round."""
     start = space.snap(seed)
-    screened = [evaluate(Candidate(engine, start), "screen") for engine in engines]
-    ranked = sorted((t for t in screened if t.ok), key=objective.key, reverse=True)
-    survivors = [t.candidate.engine for t in ranked[: max(1, min(keep, (len(ranked) + 1) // 2))]]
-    trials: list[Trial] = list(screened)
-    for engine in survivors:
-        trials += descend(space, Candidate(engine, start), evaluate, objective, passes)
+    trials: list[Trial] = []
+    try:
+        for engine in engines:
+            trials.append(evaluate(Candidate(engine, start), "screen"))
+        ranked = sorted((t for t in trials if t.ok and t.quality.passed), key=objective.key, reverse=True)
+        survivors = [t.candidate.engine for t in ranked[: max(1, min(keep, (len(ranked) + 1) // 2))]]
+        for engine in survivors:
+            descend(space, Candidate(engine, start), evaluate, objective, passes, trials)
+    except ExploringOver:
+        pass
     finalists: dict[Candidate, Trial] = {}
     for trial in sorted((t for t in trials if t.quality.passed and t.ok), key=objective.key, reverse=True):
         finalists.setdefault(trial.candidate, trial)
@@ -201,10 +211,12 @@ def search(
         evaluate(candidate, "confirm")
 
 
-def descend(space: Space, start: Candidate, evaluate: Evaluate, objective: Objective, passes: int) -> list[Trial]:
-    """Coordinate descent over the batching knobs of one engine, from `start`."""
+def descend(
+    space: Space, start: Candidate, evaluate: Evaluate, objective: Objective, passes: int, trials: list[Trial]
+) -> None:
+    """Coordinate descent over the batching knobs of one engine, from `start`; appends to `trials`."""
     best = evaluate(start, "descent")
-    trials = [best]
+    trials.append(best)
     for _ in range(passes):
         moved = False
         for axis in _AXES:
@@ -218,4 +230,3 @@ def descend(space: Space, start: Candidate, evaluate: Evaluate, objective: Objec
                     best, moved = trial, True
         if not moved:
             break
-    return trials

@@ -1,0 +1,179 @@
+"""Per-hardware profiles: slugs from device names, the selection rule (exact, nearest, defaults), what a
+profile changes in a model's settings, and a real box applying one and showing it in GET /v1/models."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from appliance.catalog import Batching, ModelSpec
+from appliance.profiles import Profile, ProfileBook, apply, choose, gpu_slug, hardware_slug, nearest_hardware
+from appliance.settings import ModelEntry
+from runtimes import RuntimeKind, Task
+from tests.conftest import url
+
+SLUG = "some-org-encoder"
+
+
+def profile(hardware: str, **knobs: object) -> Profile:
+    values: dict[str, object] = {
+        "model": "some-org/encoder",
+        "hardware": hardware,
+        "runtime": "onnx",
+        "dtype": "float32",
+        "max_batch_tokens": 4096,
+        "max_batch_size": 32,
+        "max_wait_ms": 1.0,
+        "threads": 8,
+        "onnx_opt_level": "all",
+        "measured": {"throughput": 123.4, "p99_ms": 56.7, "date": "2026-01-01", "fleetbox_version": "0.1.0"},
+        "rejected": {"onnx-int8-t1": "min_cosine 0.99600 < 0.999"},
+    }
+    return Profile(**(values | knobs))  # type: ignore[arg-type]
+
+
+def write(root: Path, *profiles: Profile) -> Path:
+    for p in profiles:
+        p.write(root / SLUG / f"{p.hardware}.toml")
+    return root
+
+
+def spec(**changes: object) -> ModelSpec:
+    base = ModelSpec(
+        name="some-org/encoder",
+        slug=SLUG,
+        task=Task.EMBED,
+        runtime=RuntimeKind.TORCH,
+        path=Path("/models/encoder"),
+        batching=Batching(16384, 256, 2.0),
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "slug"),
+    [
+        ("NVIDIA H200", "nvidia-h200"),
+        ("NVIDIA L4", "nvidia-l4"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "nvidia-rtx-pro-6000"),
+        ("NVIDIA H100 80GB HBM3", "nvidia-h100"),
+        ("NVIDIA A100-SXM4-80GB", "nvidia-a100"),
+        ("NVIDIA GeForce RTX 4090", "nvidia-rtx-4090"),
+        ("Tesla T4", "nvidia-t4"),
+    ],
+)
+def test_gpu_names_become_hardware_slugs(name: str, slug: str) -> None:
+    assert gpu_slug(name) == slug
+
+
+def test_cpu_slug_counts_the_cores_this_process_may_use() -> None:
+    import os
+
+    assert hardware_slug("cpu") == f"cpu-{len(os.sched_getaffinity(0))}c"
+
+
+def test_profile_survives_a_write_and_a_read(tmp_path: Path) -> None:
+    written = profile("cpu-2c")
+    path = written.write(tmp_path / "p.toml")
+    read = Profile.read(path)
+    assert replace(read, path=None) == written
+
+
+def test_exact_profile_wins_over_a_nearer_looking_one(tmp_path: Path) -> None:
+    root = write(tmp_path, profile("cpu-2c"), profile("cpu-4c", max_batch_size=64))
+    choice = choose(SLUG, "cpu-4c", [root])
+    assert choice.match == "exact" and choice.profile is not None and choice.profile.max_batch_size == 64
+
+
+def test_nearest_cpu_profile_is_the_closest_core_count(tmp_path: Path) -> None:
+    assert nearest_hardware("cpu-4c", ["cpu-2c", "cpu-16c"]) == "cpu-2c"
+    assert nearest_hardware("cpu-6c", ["cpu-4c", "cpu-8c"]) == "cpu-8c"
+    assert nearest_hardware("cpu-4c", ["cpu-2c", "cpu-8c"]) == "cpu-2c"  # a tie goes to the smaller machine
+    root = write(tmp_path, profile("cpu-16c", threads=16), profile("nvidia-h200", runtime="torch", dtype="float16"))
+    choice = choose(SLUG, "cpu-2c", [root])
+    assert choice.match == "nearest" and choice.profile is not None and choice.profile.hardware == "cpu-16c"
+    applied = apply(spec(), choice, cores=2)
+    assert applied.threads == 2  # a bigger machine's threads, capped at this one's cores
+
+
+def test_nearest_gpu_profile_is_of_the_same_family(tmp_path: Path) -> None:
+    assert nearest_hardware("nvidia-h200", ["nvidia-l4", "nvidia-h100", "cpu-2c"]) == "nvidia-h100"
+    assert nearest_hardware("nvidia-l40s", ["nvidia-l4", "nvidia-h100"]) == "nvidia-l4"
+    assert nearest_hardware("nvidia-a100", ["nvidia-h100", "cpu-16c"]) is None
+    assert nearest_hardware("nvidia-h200", ["cpu-2c"]) is None  # a CPU profile never runs a GPU box
+    assert nearest_hardware("cpu-2c", ["nvidia-h200"]) is None
+
+
+def test_no_profile_means_the_models_own_settings(tmp_path: Path) -> None:
+    root = write(tmp_path, profile("nvidia-h200"))
+    choice = choose(SLUG, "cpu-2c", [root, tmp_path / "missing"])
+    assert choice.match == "default" and choice.profile is None
+    assert apply(spec(), choice) == spec()
+
+
+def test_a_profile_sets_runtime_precision_batching_and_threads(tmp_path: Path) -> None:
+    root = write(tmp_path, profile("cpu-2c", threads=1))
+    applied = apply(spec(), choose(SLUG, "cpu-2c", [root]), cores=2)
+    assert (applied.runtime, applied.dtype, applied.threads) == (RuntimeKind.ONNX, "float32", 1)
+    assert applied.batching == Batching(4096, 32, 1.0)
+    assert applied.options["onnx_opt_level"] == "all"
+    assert applied.source("cpu", None).threads == 1
+    assert applied.source("cpu", 2).threads == 2  # the box's own threads setting wins
+
+
+def test_profile_off_forced_and_unreadable(tmp_path: Path) -> None:
+    root = write(tmp_path, profile("cpu-2c"), profile("cpu-64c", max_batch_size=8))
+    assert choose(SLUG, "cpu-2c", [root], "off").match == "off"
+    forced = choose(SLUG, "cpu-2c", [root], "cpu-64c")
+    assert forced.match == "forced" and forced.profile is not None and forced.profile.max_batch_size == 8
+    (root / SLUG / "cpu-2c.toml").write_text("runtime = [not toml")
+    assert choose(SLUG, "cpu-2c", [root]).match == "default"  # a broken file must not stop a box
+
+
+def test_models_a_profile_cannot_fit_keep_their_settings(tmp_path: Path) -> None:
+    choice = choose(SLUG, "cpu-2c", [write(tmp_path, profile("cpu-2c"))])
+    for untouched in (
+        spec(runtime=RuntimeKind.NOOP),
+        spec(task=Task.GENERATE),
+        spec(runtime=RuntimeKind.ONNX, options={"onnx_file": "/models/m.onnx"}),
+    ):
+        assert apply(untouched, choice) == untouched
+    with_adapters = apply(spec(), choice, has_adapters=True)
+    assert with_adapters.runtime is RuntimeKind.TORCH and with_adapters.batching == Batching(4096, 32, 1.0)
+
+
+def test_profile_book_shows_the_choice_before_and_after_a_load(tmp_path: Path) -> None:
+    book = ProfileBook("cpu-2c", [write(tmp_path, profile("cpu-4c"))], cores=2)
+    preview = book.describe(spec())
+    assert preview is not None and preview["match"] == "nearest" and preview["profile_hardware"] == "cpu-4c"
+    applied = book.apply(spec())
+    assert book.describe(spec()) == preview and applied.threads == 2
+    assert book.describe(spec(runtime=RuntimeKind.NOOP)) is None
+
+
+async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, encoder_dir, tmp_path) -> None:
+    """A real box on a real NATS: the profile's batching reaches the worker, and GET /v1/models says which."""
+    hardware = hardware_slug("cpu")
+    tuned = Profile(
+        model="tiny", hardware=hardware, runtime="torch", dtype="float32",
+        max_batch_tokens=777, max_batch_size=7, max_wait_ms=0.5, threads=1,
+    )  # fmt: skip
+    tuned.write(tmp_path / "profiles" / "tiny" / f"{hardware}.toml")
+    entries = [
+        ModelEntry(name="tiny", path=encoder_dir, task="embed", pinned=True),
+        ModelEntry(name="tiny-untuned", path=encoder_dir, task="embed", pinned=True, profile="off"),
+    ]
+    box = await start_box(default_model=False, models=entries, profiles_dir=tmp_path / "profiles")
+    assert box.workers["tiny"].spec.batching == Batching(777, 7, 0.5)
+    assert box.workers["tiny-untuned"].spec.batching == Batching(16384, 256, 2.0)
+    async with http.get(url(box, "/v1/models")) as response:
+        records = {m["id"]: m for m in (await response.json())["data"]}
+    shown = records["tiny"]["profile"]
+    assert shown["match"] == "exact" and shown["hardware"] == hardware
+    assert (shown["max_batch_tokens"], shown["max_batch_size"], shown["threads"]) == (777, 7, 1)
+    assert shown["file"].endswith(f"tiny/{hardware}.toml")
+    assert records["tiny-untuned"]["profile"]["match"] == "off"
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "tiny", "input": ["hello", "world"]}) as r:
+        assert r.status == 200 and len((await r.json())["data"]) == 2

@@ -1,0 +1,227 @@
+"""`fleetbox tune`: the command writes a valid profile that passes the gate, a candidate with broken outputs
+is never chosen however fast it is, Ctrl-C and the budget keep the best so far, and the search policy
+finds a grid's best while measuring a fraction of it. Real tiny random-weight models, real batcher."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from appliance.catalog import Batching
+from appliance.cli import app
+from appliance.profiles import Profile, hardware_slug
+from appliance.tune import TuneConfig, Tuner
+from appliance.tune_load import Load, Measurement
+from appliance.tune_quality import Reference, spearman
+from appliance.tune_report import write_outputs
+from appliance.tune_search import Candidate, Engine, Objective, Space, Trial, search
+from runtimes import ModelSource, Runtime, RuntimeKind, Task, Tokenized, load_runtime
+
+FAST_LOAD = Load(concurrency=4, warmup_s=0.05, window_s=0.1, windows=3, requests=48, max_window_s=2.0)
+TORCH_1 = Engine("torch", "float32", 1)
+BROKEN = Engine("torch", "bfloat16", 1)  # stands for any engine whose outputs drift: see BrokenRuntime
+
+
+class BrokenRuntime:
+    """A runtime that answers instantly with the wrong vectors: the fastest candidate there could be."""
+
+    def __init__(self, real: Runtime) -> None:
+        self.info = real.info
+        self._real = real
+        self._rng = np.random.default_rng(0)
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
+        return self._real.tokenize(texts, truncate=truncate)
+
+    def run(self, batch: Sequence[Tokenized], adapter: str | None = None) -> np.ndarray:
+        assert self.info.dimensions is not None
+        vectors = self._rng.standard_normal((len(batch), self.info.dimensions)).astype(np.float32)
+        return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def loader_with_a_broken_engine(source: ModelSource) -> Runtime:
+    if source.dtype == BROKEN.dtype:
+        return BrokenRuntime(load_runtime(replace(source, dtype="float32")))
+    return load_runtime(source)
+
+
+def config(folder: Path, engines: tuple[Engine, ...], budget_s: float = 60.0, **changes: object) -> TuneConfig:
+    space = Space(engines, (256, 4096), (4, 32), (0.0, 2.0))
+    values: dict[str, object] = {
+        "name": "tiny",
+        "path": folder,
+        "task": Task.EMBED,
+        "space": space,
+        "default_batching": Batching(4096, 32, 2.0),
+        "budget_s": budget_s,
+        "load": FAST_LOAD,
+        "cache_dir": folder.parent / "onnx-cache",
+    }
+    return TuneConfig(**(values | changes))  # type: ignore[arg-type]
+
+
+def test_tune_command_writes_a_profile_that_passes_the_gate(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FBX_DEFAULT_MODEL", "false")
+    out = tmp_path / "profiles"
+    result = CliRunner().invoke(
+        app,
+        [
+            "tune", str(encoder_dir), "--name", "org/tiny", "--budget-minutes", "0.4", "--quick", "--device", "cpu",
+            "--concurrency", "4", "--window-s", "0.1", "--out", str(out), "--note", "a test run",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    hardware = hardware_slug("cpu")
+    written = Profile.read(out / "org-tiny" / f"{hardware}.toml")
+    assert written.model == "org/tiny" and written.hardware == hardware
+    assert written.runtime in ("torch", "onnx") and written.dtype in ("float32", "int8")
+    assert written.max_batch_tokens in (1024, 4096, 16384) and written.max_batch_size in (8, 32, 256)
+    assert written.measured["quality_metric"] == "min_cosine" and written.measured["quality"] >= 0.999
+    assert written.measured["throughput"] > 0 and written.measured["p99_ms"] >= written.measured["p50_ms"] > 0
+    assert written.measured["fleetbox_version"] and written.measured["date"]
+    report = (out / "org-tiny" / f"{hardware}.md").read_text()
+    assert "**chosen**" in report and "## Quality gate, per engine" in report and "a test run" in report
+    assert (out / "org-tiny" / f"{hardware}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dry_run_writes_nothing(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FBX_DEFAULT_MODEL", "false")
+    args = ["tune", str(encoder_dir), "--budget-minutes", "0.05", "--device", "cpu", "--dry-run", "--quick"]
+    result = CliRunner().invoke(app, [*args, "--concurrency", "2", "--window-s", "0.05", "--out", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    assert "max_batch_tokens = " in result.stdout and not (tmp_path / "p").exists()
+
+
+def test_a_candidate_with_broken_outputs_is_never_chosen(encoder_dir: Path, tmp_path: Path) -> None:
+    tuner = Tuner(config(encoder_dir, (TORCH_1, BROKEN)), loader=loader_with_a_broken_engine)
+    result = tuner.run()
+    broken = [t for t in result.trials if t.candidate.engine == BROKEN]
+    assert broken and all(not t.quality.passed for t in broken)
+    assert broken[0].throughput > 0  # measured, for the report: it would have won on speed alone
+    assert result.chosen is not None and result.chosen.candidate.engine != BROKEN
+    assert result.chosen.quality.passed and result.chosen.quality.value >= 0.999
+    profile = result.profile()
+    assert profile.dtype == "float32" and BROKEN.label in profile.rejected
+    paths = write_outputs(result, tmp_path / "profiles")
+    assert "failed the gate" in paths[1].read_text()
+
+
+def test_ctrl_c_and_the_budget_keep_the_best_so_far(encoder_dir: Path) -> None:
+    seen: list[Trial] = []
+    tuner: Tuner
+
+    def on_trial(trial: Trial) -> None:
+        seen.append(trial)
+        if len(seen) == 3:
+            tuner.stop()  # what the first Ctrl-C does
+
+    tuner = Tuner(config(encoder_dir, (TORCH_1,)), on_trial=on_trial)
+    interrupted = tuner.run()
+    assert interrupted.stopped == "interrupted" and len(interrupted.trials) == 3
+    assert interrupted.chosen in interrupted.trials and interrupted.chosen.ok
+
+    started = time.perf_counter()
+    spent = Tuner(config(encoder_dir, (TORCH_1,), budget_s=0.1)).run()  # room for the default only
+    assert spent.stopped == "budget" and spent.chosen is spent.default
+    assert time.perf_counter() - started < 30
+
+
+def test_quality_gates_for_scores_and_labels(cross_encoder_dir: Path, classifier_dir: Path) -> None:
+    scorer = load_runtime(ModelSource(cross_encoder_dir, Task.SCORE))
+    reference = Reference.build(scorer, Task.SCORE, count=32)
+    assert reference.check(scorer).passed
+    assert not reference.check(Transformed(scorer, lambda out: -out)).passed  # ranks reversed
+    classifier = load_runtime(ModelSource(classifier_dir, Task.CLASSIFY))
+    labels = Reference.build(classifier, Task.CLASSIFY, count=32)
+    assert labels.check(Transformed(classifier, lambda out: out * 1.001)).passed
+    swapped = labels.check(Transformed(classifier, lambda out: np.roll(out, 1, axis=1)))  # another argmax
+    assert swapped.metric == "same_argmax" and not swapped.passed
+    assert spearman(np.array([1.0, 2.0, 3.0]), np.array([10.0, 20.0, 30.0])) == pytest.approx(1.0)
+    assert np.isnan(spearman(np.array([1.0, 2.0]), np.array([5.0, 5.0])))  # nothing to rank: fails the gate
+
+
+class Transformed:
+    """A real runtime whose outputs pass through `change`."""
+
+    def __init__(self, real: Runtime, change) -> None:  # type: ignore[no-untyped-def]
+        self.info, self._real, self._change = real.info, real, change
+
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
+        return self._real.tokenize(texts, truncate=truncate)
+
+    def run(self, batch: Sequence[Tokenized], adapter: str | None = None) -> np.ndarray:
+        return np.ascontiguousarray(self._change(self._real.run(batch)))
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def trial(engine: Engine, batching: Batching, throughput: float, p99_ms: float, passed: bool = True) -> Trial:
+    from appliance.tune_quality import Quality
+
+    measurement = Measurement(throughput, p99_ms / 2, p99_ms, 0.0, (throughput,), 100, 1.0)
+    quality = Quality("min_cosine", 1.0 if passed else 0.5, 0.999)
+    return Trial(Candidate(engine, batching), quality, "test", [measurement])
+
+
+def test_objective_never_picks_a_gate_failure_and_honours_the_slo() -> None:
+    b = Batching(1024, 8, 0.0)
+    fast_wrong = trial(BROKEN, b, 9000, 1, passed=False)
+    quick_but_slow_tail = trial(TORCH_1, b, 500, 300)
+    steady = trial(TORCH_1, replace(b, max_batch_size=16), 400, 90)
+    assert Objective("throughput").best([fast_wrong, quick_but_slow_tail, steady]) is quick_but_slow_tail
+    assert Objective("throughput", slo_p99_ms=100).best([fast_wrong, quick_but_slow_tail, steady]) is steady
+    assert Objective("latency").best([fast_wrong, quick_but_slow_tail, steady]) is steady
+    # Nothing meets the SLO: the lowest p99 that passed the gate, still never the broken one.
+    assert Objective("throughput", slo_p99_ms=10).best([fast_wrong, quick_but_slow_tail, steady]) is steady
+    assert Objective("throughput").best([fast_wrong]) is None
+
+
+def test_search_finds_the_grids_best_measuring_a_fraction_of_it() -> None:
+    """The search policy alone, against a made-up throughput surface (no model: the order is under test)."""
+    engines = (Engine("torch", "float32", 1), Engine("torch", "float32", 2), Engine("onnx", "float32", 1, "all"))
+    space = Space(engines, (1024, 2048, 4096, 8192, 16384), (8, 16, 32, 64, 256), (0.0, 1.0, 2.0, 5.0))
+    speed = {engines[0]: 1.0, engines[1]: 0.8, engines[2]: 1.6}
+
+    def surface(c: Candidate) -> float:
+        b = c.batching
+        return (
+            speed[c.engine]
+            * (1000 - abs(np.log2(b.max_batch_tokens / 4096)) * 80 - abs(np.log2(b.max_batch_size / 32)) * 60)
+            - 20 * b.max_wait_ms
+        )
+
+    measured: dict[Candidate, Trial] = {}
+
+    def evaluate(candidate: Candidate, stage: str) -> Trial:
+        if candidate not in measured:
+            measured[candidate] = trial(candidate.engine, candidate.batching, surface(candidate), 50)
+        return measured[candidate]
+
+    search(space, Batching(16384, 256, 2.0), list(engines), evaluate, Objective())
+    best_in_grid = max(space.grid(), key=surface)
+    found = Objective().best(list(measured.values()))
+    assert found is not None and found.candidate == best_in_grid
+    assert len(measured) <= 0.3 * len(list(space.grid()))
+
+
+def test_onnx_engines_are_tuned_too(encoder_dir: Path) -> None:
+    onnx = Engine("onnx", "float32", 1, "all")
+    result = Tuner(config(encoder_dir, (TORCH_1, onnx))).run()
+    assert result.engine_quality[onnx].passed and result.engine_quality[onnx].value >= 0.9999
+    assert any(t.candidate.engine == onnx and t.ok for t in result.trials)
+    assert result.chosen is not None and result.chosen.quality.passed
+    assert result.stopped is None  # the whole search fit in the budget
+    kinds = {t.candidate.engine.runtime for t in result.trials if t.ok}
+    assert kinds == {RuntimeKind.TORCH.value, RuntimeKind.ONNX.value}
