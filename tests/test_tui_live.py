@@ -10,15 +10,19 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from textual.pilot import Pilot
 from textual.widgets import DataTable
 
-from tests.conftest import noop_model, url, wait_for
+from appliance import bus
+from appliance.app import Box
+from tests.conftest import box_settings, noop_model, url, wait_for
 from tui.app import FleetboxApp
 from tui.dialogs import Choose, Confirm, RegisterForm
 from tui.source import NatsSource, connect
@@ -208,3 +212,35 @@ async def test_models_and_box_commands_steer_the_same_box(start_box, nats_server
     code, out, err = await fleetbox("box", "drain", box.box_id, *nats)
     assert code == 0, err
     assert json.loads(out)["draining"] is True and box.stop_requested.is_set()
+
+
+async def test_boxes_joining_leaving_and_dying_are_marked_and_logged(start_box, tui, nats_server) -> None:
+    """One box is real; the dying one is a heartbeat written by hand and then never renewed (a box
+    killed without a clean stop looks exactly like that in `fbx_boxes`)."""
+    app, _ = tui
+    stays = await start_box(default_model=False, box_id="tui-stays", heartbeat_s=0.3, heartbeat_ttl_s=2.0)
+    leaves = Box(box_settings(nats_server.url, default_model=False, box_id="tui-leaves", heartbeat_s=0.3))
+    await leaves.start()  # not through start_box: this test stops it itself
+    assert stays.js is not None
+    kv = await stays.js.key_value(bus.BOXES_BUCKET)
+    await kv.put("tui-dies", orjson.dumps({"box": "tui-dies", "role": "worker", "ts": time.time()}))
+
+    def status() -> dict[str, str]:
+        return {b.box: b.status for b in app.view.boxes}
+
+    async def all_live() -> bool:
+        return status() == {"tui-dies": "live", "tui-leaves": "live", "tui-stays": "live"}
+
+    try:
+        await wait_for(all_live, 10.0, "three live boxes")
+    finally:
+        await leaves.stop()  # a clean stop deletes its heartbeat at once
+
+    async def left_and_dead() -> bool:
+        return status() == {"tui-dies": "dead", "tui-leaves": "left", "tui-stays": "live"}
+
+    await wait_for(left_and_dead, 10.0, "one box left and one dead")
+    kinds = {(e.kind, e.subject) for e in app.events.newest_first()}
+    assert {("leave", "tui-leaves"), ("dead", "tui-dies")} <= kinds
+    marks = [str(row[0]) for row in map(app.screen.query_one(DataTable).get_row, ["tui-dies", "tui-leaves"])]
+    assert marks == ["✗ tui-dies", "○ tui-leaves"]

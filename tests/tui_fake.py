@@ -195,3 +195,40 @@ class FakeSource:
     @property
     def exhausted(self) -> bool:
         return self._step >= self._steps - 1
+
+
+def save_screenshots(folder: Path) -> list[Path]:
+    """The documentation's screenshots (docs/tui.md): each screen of the fake fleet, as SVG."""
+    from textual.pilot import Pilot
+
+    from tui.app import FleetboxApp
+
+    written = []
+
+    async def shoot(pilot: Pilot, keys: tuple[str, ...], name: str) -> None:
+        app = pilot.app
+        assert isinstance(app, FleetboxApp) and isinstance(app.source, FakeSource)
+        while not app.source.exhausted:
+            app.tick()
+        app.tick()
+        await pilot.press(*keys)
+        await pilot.pause()
+        written.append(Path(app.save_screenshot(name, path=str(folder))))
+        app.exit()
+
+    for screen, keys in (("fleet", ()), ("models", ("2",)), ("queue", ("3",)), ("events", ("4",))):
+        app = FleetboxApp(FakeSource(), refresh_s=0)
+        name = f"tui-{screen}.svg"
+        app.run(headless=True, size=(80, 24), auto_pilot=lambda pilot, k=keys, n=name: shoot(pilot, k, n))
+    return written
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+    import time
+
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    for path in save_screenshots(Path(sys.argv[1] if len(sys.argv) > 1 else "docs")):
+        print(path)

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 from appliance import bus
 from appliance.catalog import Catalog, CatalogStore
@@ -104,12 +105,13 @@ class NatsSource:
         self._known: dict[str, BoxState] = {}
         self._gone_at: dict[str, float] = {}
         self._attached = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._attach_task: asyncio.Task[None] | None = None
+        self._follow_task: asyncio.Task[None] | None = None
         self.ops = FleetOps(nc, self._current_boxes)
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._attach(), name="tui-attach"))
-        self._tasks.append(asyncio.create_task(self._poll_queue(), name="tui-queue"))
+        self._attach_task = asyncio.create_task(self._attach(), name="tui-attach")
+        self._follow_task = asyncio.create_task(self._follow(), name="tui-follow")
 
     async def attached(self, timeout_s: float) -> None:
         """Wait until the heartbeats and the catalog are read (for the CLI); raises TimeoutError."""
@@ -137,6 +139,8 @@ class NatsSource:
         return self._boxes(self._clock())
 
     def _boxes(self, now: float) -> list[BoxState]:
+        if self._fleet is None:  # not (re)attached yet: what was known stands, unjudged
+            return sorted(self._known.values(), key=lambda b: b.box)
         late_after_s = max(2.5, self._ttl_s / 2)
         seen: dict[str, BoxState] = {}
         for record in self._fleet.live_boxes() if self._fleet else ():
@@ -159,30 +163,54 @@ class NatsSource:
         return sorted(seen.values(), key=lambda b: b.box)
 
     async def _attach(self) -> None:
-        while True:
-            try:
-                boxes = await self._js.key_value(bus.BOXES_BUCKET)
-                await self._js.key_value(bus.MODELS_BUCKET)
-                status = await boxes.status()
-                break
-            except BucketNotFoundError:
-                self._waiting_for = f"no fleet at {self.address} yet: no box has started there"
-            except _READ_ERRORS as exc:
-                self._waiting_for = f"cannot read the fleet: {exc!r}"
-            await asyncio.sleep(1.0)
-        self._ttl_s = float(status.ttl or self._ttl_s)
+        """Watch the heartbeats once their bucket exists, then the catalog once its bucket does."""
+        boxes = await self._bucket(bus.BOXES_BUCKET, f"no fleet at {self.address} yet: no box has started there")
+        self._ttl_s = float((await boxes.status()).ttl or self._ttl_s)
         self._fleet = Fleet(self._js, "tui", None, period_s=self._period_s, ttl_s=self._ttl_s)
         await self._fleet.start()
+        await self._bucket(bus.MODELS_BUCKET, f"the fleet has no catalog (bucket {bus.MODELS_BUCKET}) yet")
         self._store = CatalogStore(self._js, self._catalog)
         await self._store.open([])  # no configured models: a reader adds nothing to the catalog
         self._waiting_for = None
         self._attached.set()
 
-    async def _poll_queue(self) -> None:
+    async def _bucket(self, name: str, missing: str) -> KeyValue:
+        """The bucket `name`, once it exists; meanwhile the status line says what is missing."""
+        while True:
+            try:
+                return await self._js.key_value(name)
+            except BucketNotFoundError:
+                self._waiting_for = missing
+            except _READ_ERRORS as exc:
+                self._waiting_for = f"cannot read the fleet: {exc!r}"
+            await asyncio.sleep(1.0)
+
+    async def _follow(self) -> None:
+        """Poll the queue each period; after a reconnect, read the fleet afresh.
+
+        A NATS server that restarted may have lost the buckets (memory storage) and with them
+        this reader's watches; the boxes recreate them, and attaching again waits until they do.
+        """
+        reconnects = self._nc.stats["reconnects"]
         while True:
             if self._nc.is_connected:
+                if self._nc.stats["reconnects"] != reconnects:
+                    reconnects = self._nc.stats["reconnects"]
+                    await self._reattach()
                 self._queue = await self._read_queue()
             await asyncio.sleep(self._period_s)
+
+    async def _reattach(self) -> None:
+        await _cancel(self._attach_task)
+        self._attached.clear()
+        self._waiting_for = "reconnected to NATS; reading the fleet again…"
+        fleet, store, self._fleet, self._store = self._fleet, self._store, None, None
+        if fleet is not None:
+            await fleet.stop()
+        if store is not None:
+            await store.close()
+        self._catalog = Catalog()  # the new store fills a fresh catalog: no stale models stay listed
+        self._attach_task = asyncio.create_task(self._attach(), name="tui-attach")
 
     async def _read_queue(self) -> QueueState:
         try:
@@ -221,9 +249,8 @@ class NatsSource:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await _cancel(self._follow_task)
+        await _cancel(self._attach_task)
         if self._fleet is not None:
             await self._fleet.stop()
         if self._store is not None:
@@ -233,6 +260,12 @@ class NatsSource:
                 await asyncio.wait_for(self._nc.close(), 3.0)
             except TimeoutError:
                 log.debug("closing the TUI's NATS connection timed out")
+
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _stream_state(info: Any) -> StreamState:
