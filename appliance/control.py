@@ -1,6 +1,7 @@
 """Control of one box over NATS: `fbx.ctl.<box>.<verb>` with a JSON body, answered with JSON.
 
-Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `drain` and `status`. The
+Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `register` (the body of
+`POST /v1/models`), `drain` and `status`. The
 admin HTTP routes, the `fleetbox` CLI and the TUI all go through `call_box`, so every way of
 steering a box runs the same code and gets the same errors.
 """
@@ -23,7 +24,7 @@ from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound,
 
 log = logging.getLogger(__name__)
 
-VERBS = ("load", "evict", "pin", "unpin", "drain", "status")
+VERBS = ("load", "evict", "pin", "unpin", "register", "drain", "status")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
