@@ -46,9 +46,11 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/fleetbox --she
     && mkdir -p /var/lib/fleetbox \
     && chown fleetbox:fleetbox /var/lib/fleetbox
 
-# Models are read from local folders only: never reach for a hub at run time.
+# Models are read from local folders only: never reach for a hub at run time. Tuning profiles are
+# read from the repository's profiles/ (docs/tuning.md): the installed package does not carry them.
 ENV FBX_HOST=0.0.0.0 \
     FBX_STATE_DIR=/var/lib/fleetbox \
+    FBX_PROFILES_DIR=/src/profiles \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 

@@ -51,7 +51,7 @@ class TuneConfig:
     objective: Objective = field(default_factory=Objective)
     load: Load = field(default_factory=Load)
     cache_dir: Path = Path(".fleetbox/onnx")
-    max_spread: float = 0.25  # repeats of one candidate disagreeing by more: noisy, not trusted
+    max_spread: float = 0.25  # runs of one candidate disagreeing by more: noisy, scored by its worst run
     keep: int = 2
     confirm: int = 3
     measure_rejected: bool = True  # measure a gate-failing engine once, for the report only
@@ -146,6 +146,7 @@ class Tuner:
         self._on_status = on_status or (lambda text: None)
         self._trials: dict[Candidate, Trial] = {}
         self._quality: dict[Engine, Quality] = {}
+        self._shown_rejected: set[Engine] = set()
         self._runtimes: dict[tuple[Any, ...], Runtime] = {}
         self._reference_key: tuple[Any, ...] | None = None
         self._requests: list[list[Tokenized]] = []
@@ -179,7 +180,6 @@ class Tuner:
             else:
                 search(
                     c.space,
-                    c.default_batching,
                     engines if engines is not None else list(c.space.engines),
                     self.evaluate,
                     c.objective,
@@ -225,9 +225,11 @@ class Tuner:
         if trial is None:
             trial = Trial(candidate, quality, stage if quality.passed else "rejected")
             self._trials[candidate] = trial
-        if not quality.passed and (not self.config.measure_rejected or trial.measurements or runtime is None):
-            self._on_trial(trial)
-            return trial
+        if not quality.passed:
+            if not self.config.measure_rejected or runtime is None or candidate.engine in self._shown_rejected:
+                self._on_trial(trial)
+                return trial
+            self._shown_rejected.add(candidate.engine)  # measured once, for the report
         self._on_status(f"{stage}: {candidate.label}")
         first = self._measure(runtime, candidate)
         trial.measurements.append(first)

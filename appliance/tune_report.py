@@ -34,19 +34,19 @@ def plot(result: TuneResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
-    groups: dict[str, list[Trial]] = {"passed the gate": [], "noisy (not trusted)": [], "failed the gate": []}
+    groups: dict[str, list[Trial]] = {"passed the gate": [], "noisy (worst run shown)": [], "failed the gate": []}
     for trial in result.trials:
         if not trial.ok:
             continue
         if not trial.quality.passed:
             groups["failed the gate"].append(trial)
         elif trial.noisy:
-            groups["noisy (not trusted)"].append(trial)
+            groups["noisy (worst run shown)"].append(trial)
         else:
             groups["passed the gate"].append(trial)
     styles = {
         "passed the gate": {"marker": "o", "color": "tab:blue", "alpha": 0.7},
-        "noisy (not trusted)": {"marker": "o", "facecolors": "none", "edgecolors": "tab:gray"},
+        "noisy (worst run shown)": {"marker": "o", "facecolors": "none", "edgecolors": "tab:gray"},
         "failed the gate": {"marker": "x", "color": "tab:red"},
     }
     for label, trials in groups.items():
@@ -92,7 +92,8 @@ def report(result: TuneResult, png_name: str, note: str | None = None, command: 
         f"- **Each measurement**: a warm-up of at least {load.warmup_s:g} s (until every client has had an answer), "
         f"then {load.windows} windows of at least {load.window_s:g} s (and three typical request latencies); "
         "throughput is the inputs answered over all windows. A run whose windows disagree by more than "
-        f"{c.max_spread:.0%} is run again, and a candidate whose runs disagree by more is marked noisy and not chosen.",
+        f"{c.max_spread:.0%} is run again, and a candidate whose runs disagree by more is marked noisy and "
+        "scored by its worst run.",
         f"- **Quality gate** against fp32 torch on held-out inputs: {_gate_text(result)}.",
         f"- **Search**: measured {m['candidates_measured']} candidates of a {m['grid_size']}-candidate grid in "
         f"{m['measure_seconds']} s of measuring ({m['search_seconds']} s in all, budget {m['budget_minutes']} min); "
@@ -134,7 +135,7 @@ def report(result: TuneResult, png_name: str, note: str | None = None, command: 
         if not trial.quality.passed:
             notes.append("failed the gate")
         if trial.noisy:
-            notes.append("noisy")
+            notes.append("noisy: worst run")
         if trial is result.chosen:
             notes.append("**chosen**")
         if trial is result.default:

@@ -1,12 +1,14 @@
 """What `fleetbox tune` searches and how: the space, the trials, the objective, and the search order.
 
-The one idea: most of the space is not worth measuring. An engine (runtime × precision × threads:
-what needs a model load) matters far more than the batching knobs, and the batching knobs barely
-interact. So the search screens every engine that passed the quality gate at the default
-batching, keeps the better half (at most `keep`), walks each kept engine's batching knobs one
-axis at a time from the default (coordinate descent, until a pass changes nothing), and finally
-measures the few best again so a lucky window does not pick the winner. It measures a small share
-of the grid (`benchmarks/tune.py` checks how close it lands to the grid's best).
+The one idea: most of the space is not worth measuring. The engine (runtime × precision × threads:
+what needs a model load) and the batch shape matter most, and the batching knobs barely interact
+with one another. So the search screens every engine at the middle of the batching space (the
+box's defaults sit at its large end, where big padded batches hide the differences between
+engines), keeps the better half that passed the quality gate (at most `keep`), walks each kept
+engine's batching knobs one axis at a time (coordinate descent, until a pass changes nothing), and
+finally measures the few best again so a lucky run does not pick the winner. A candidate whose
+runs disagree is scored by its worst run. It measures a small share of the grid
+(`benchmarks/tune.py` checks how close it lands to the grid's best).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +60,9 @@ class Trial:
     quality: Quality
     stage: str  # default, screen, descent, confirm, rejected, grid
     measurements: list[Measurement] = field(default_factory=list)
-    noisy: bool = False  # its repeated measurements disagreed by more than the tuner accepts
+    # Its runs disagreed by more than the tuner accepts: then every figure is its worst run's, so
+    # a lucky run cannot make it win.
+    noisy: bool = False
 
     @property
     def measured(self) -> list[Measurement]:
@@ -69,15 +74,19 @@ class Trial:
 
     @property
     def throughput(self) -> float:
-        return float(np.median([m.throughput for m in self.measured])) if self.ok else 0.0
+        values = [m.throughput for m in self.measured]
+        return 0.0 if not values else min(values) if self.noisy else float(np.median(values))
 
     @property
     def p50_ms(self) -> float:
-        return float(np.median([m.p50_ms for m in self.measured])) if self.ok else float("inf")
+        return self._latency([m.p50_ms for m in self.measured])
 
     @property
     def p99_ms(self) -> float:
-        return float(np.median([m.p99_ms for m in self.measured])) if self.ok else float("inf")
+        return self._latency([m.p99_ms for m in self.measured])
+
+    def _latency(self, values: list[float]) -> float:
+        return float("inf") if not values else max(values) if self.noisy else float(np.median(values))
 
     @property
     def seconds(self) -> float:
@@ -101,15 +110,12 @@ class Objective:
         return (self.meets_slo(trial), trial.throughput, -trial.p99_ms)
 
     def best(self, trials: list[Trial]) -> Trial | None:
-        """The best trial that passed the gate; steady ones within the SLO first, then any within it,
-        then (the SLO met by none) the one with the lowest p99. Never one that failed the gate."""
+        """The best trial that passed the gate, within the SLO; if none is within it, the lowest p99.
+        Never one that failed the gate, whatever its speed."""
         usable = [t for t in trials if t.quality.passed and t.ok]
-        for tier in (
-            [t for t in usable if not t.noisy and self.meets_slo(t)],
-            [t for t in usable if self.meets_slo(t)],
-        ):
-            if tier:
-                return max(tier, key=self.key)
+        within = [t for t in usable if self.meets_slo(t)]
+        if within:
+            return max(within, key=self.key)
         return min(usable, key=lambda t: (t.p99_ms, -t.throughput)) if usable else None
 
 
@@ -133,17 +139,15 @@ class Space:
             for batching in self.batchings:
                 yield Candidate(engine, batching)
 
-    def snap(self, batching: Batching) -> Batching:
-        """The point of the space nearest a batching (the defaults may sit between its values)."""
-        return Batching(
-            _nearest(self.max_batch_tokens, batching.max_batch_tokens),
-            _nearest(self.max_batch_size, batching.max_batch_size),
-            _nearest(self.max_wait_ms, batching.max_wait_ms),
-        )
+    @property
+    def middle(self) -> Batching:
+        """The middle value of each batching knob: where engines are screened."""
+        return Batching(_middle(self.max_batch_tokens), _middle(self.max_batch_size), _middle(self.max_wait_ms))
 
 
-def _nearest(values: tuple, target: float):  # type: ignore[no-untyped-def]
-    return min(values, key=lambda v: (abs(float(v) - float(target)), v))
+def _middle(values: tuple) -> Any:  # type: ignore[type-arg]
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def default_space(device: str, cores: int, *, quick: bool = False) -> Space:
@@ -178,7 +182,6 @@ _AXES = ("max_batch_size", "max_batch_tokens", "max_wait_ms")
 
 def search(
     space: Space,
-    seed: Batching,
     engines: list[Engine],
     evaluate: Evaluate,
     objective: Objective,
@@ -191,7 +194,7 @@ def search(
     (a second call for the same candidate returns the trial as it is, except in stage `confirm`) and
     raises to stop the search, out of budget or interrupted; what was measured so far stays. It raises
     `ExploringOver` when the rest of the budget is for the confirmation round."""
-    start = space.snap(seed)
+    start = space.middle
     trials: list[Trial] = []
     try:
         for engine in engines:

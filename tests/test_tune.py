@@ -209,7 +209,7 @@ def test_search_finds_the_grids_best_measuring_a_fraction_of_it() -> None:
             measured[candidate] = trial(candidate.engine, candidate.batching, surface(candidate), 50)
         return measured[candidate]
 
-    search(space, Batching(16384, 256, 2.0), list(engines), evaluate, Objective())
+    search(space, list(engines), evaluate, Objective())
     best_in_grid = max(space.grid(), key=surface)
     found = Objective().best(list(measured.values()))
     assert found is not None and found.candidate == best_in_grid
