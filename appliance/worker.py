@@ -4,7 +4,9 @@ The pull rule: a box asks the shared durable consumer for exactly as many messag
 for (held but unanswered requests below `worker_capacity`, and local rows below two batches), with
 at most one pull request outstanding per model. A slow or busy box simply asks less; no router
 ever guesses its state. Every answer is a reply to the gateway's subject first, then the ack: if
-the box dies in between, JetStream redelivers and the gateway drops the second answer.
+the box dies in between, JetStream redelivers and the gateway drops the second answer. The reply is
+a NATS request the gateway confirms, so a reply sent while its gateway is reconnecting (a NATS server
+restarted or failed over) is sent again rather than acked and lost.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from concurrent.futures import Executor
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from appliance import bus, envelope
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 _BIG_BODY = 16 * 1024  # tokenise bodies above this off the event loop
 _BULK_IDLE_S = 0.05  # interactive silence needed before batch-priority work is pulled
 _CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any request deadline)
+_CONFIRM_TIMEOUT_S = 5.0  # how long a gateway may take to confirm it has a reply
+_RESEND_S = 0.25  # pause before sending a reply again that no gateway took
 
 
 class ModelWorker:
@@ -97,6 +103,7 @@ class ModelWorker:
             idle_poll_s=_BULK_IDLE_S,
         )
         self._ticker: asyncio.Task[None] | None = None
+        self._draining = False
 
     async def start(self) -> None:
         self.batcher.start()
@@ -107,6 +114,7 @@ class ModelWorker:
 
     async def drain(self) -> None:
         """Stop pulling, finish the batches in flight, hand unstarted requests back for redelivery."""
+        self._draining = True
         await self.puller.stop()
         await self.bulk_puller.stop()
         if self._ticker is not None:
@@ -275,7 +283,9 @@ class ModelWorker:
             if self._blobs.needed(body):
                 headers = {**headers, envelope.BLOB: await self._blobs.put(f"{meta.id}.reply", body)}
                 body = b""
-            await self._nc.publish(meta.reply, body, headers=headers)
+            if not await deliver_reply(self._nc, meta, body, headers, lambda: self._draining):
+                await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+                return
             await msg.ack()
             if meta.blob:
                 await self._blobs.delete(meta.blob)
@@ -294,6 +304,29 @@ class ModelWorker:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def deliver_reply(
+    nc: NATS, meta: RequestMeta, body: bytes, headers: dict[str, str], give_up: Callable[[], bool]
+) -> bool:
+    """Send a reply until its gateway confirms it; False if `give_up()` says stop first.
+
+    No responders means no gateway listens on the reply subject right now (it is reconnecting):
+    a plain publish would vanish, and the ack after it would lose the request. Once the request's
+    deadline has passed nobody waits for the answer, so it counts as delivered.
+    """
+    while True:
+        if time.time() * 1000 >= meta.deadline_ms:
+            await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
+            return True
+        try:
+            await nc.request(meta.reply, body, timeout=_CONFIRM_TIMEOUT_S, headers=headers)
+            return True
+        except (NoRespondersError, NatsTimeout):
+            if give_up():
+                return False
+            log.info("reply not taken by a gateway; sending it again", extra={"request_id": meta.id})
+            await asyncio.sleep(_RESEND_S)
 
 
 async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:

@@ -216,6 +216,8 @@ class Dispatcher:
         return max(1, min(60, math.ceil((self.backlog + self.waiting) / rate)))
 
     async def _on_reply(self, msg: Msg) -> None:
+        if msg.reply:  # the worker acks the request only once a gateway confirms it has the reply
+            await msg.respond(b"")
         try:
             meta = ReplyMeta.from_headers(msg.headers)
         except ValueError as exc:
