@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NoStreamResponseError
 from nats.nuid import NUID
 
 from appliance import bus
@@ -199,7 +199,7 @@ class Dispatcher:
                 raise self._overloaded("the request queue is full") from None
             log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
             raise ServiceUnavailable(f"the request queue refused the request: {exc.description}") from None
-        except (NatsTimeout, NoRespondersError):
+        except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
             raise ServiceUnavailable("the request queue (NATS JetStream) is not answering") from None
 
     def _overloaded(self, why: str) -> TooManyRequests:
