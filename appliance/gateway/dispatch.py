@@ -210,10 +210,12 @@ class Dispatcher:
         """Seconds until the backlog would drain at the rate answers have been arriving lately."""
         now = time.monotonic()
         recent = [t for t in self._answered if now - t <= 10.0]
-        rate = len(recent) / 10.0
-        if rate <= 0:
+        if not recent:
             return 1
-        return max(1, min(60, math.ceil((self.backlog + self.waiting) / rate)))
+        # Over the time the kept answers span (under 10 s when the gateway just started answering or the
+        # deque is full), and the backlog counts the requests this gateway waits for: not both.
+        rate = len(recent) / max(1.0, now - recent[0])
+        return max(1, min(60, math.ceil(max(self.backlog, self.waiting) / rate)))
 
     async def _on_reply(self, msg: Msg) -> None:
         if msg.reply:  # the worker acks the request only once a gateway confirms it has the reply
