@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     stream_max_bytes: int = 1024 * 1024 * 1024
     stream_max_age_s: float = 600.0
     # Consumer req_<slug>
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = 10.0  # a dead box's requests come back after this: well inside default_timeout_s
     max_deliver: int = 5
     max_ack_pending: int = 10_000
 
