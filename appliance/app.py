@@ -49,6 +49,7 @@ from runtimes.base import Task
 log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
+_RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
 
 
 def resolve_device(setting: str) -> str:
@@ -110,6 +111,7 @@ class Box:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
         self._stream_ok = False
         self.draining = False
         self.stop_requested = asyncio.Event()
@@ -128,14 +130,7 @@ class Box:
         await self._connect()
         assert self.js is not None and self.nc is not None
         s = self.settings
-        await bus.ensure_request_stream(
-            self.js,
-            max_msgs=s.stream_max_msgs,
-            max_bytes=s.stream_max_bytes,
-            max_age_s=s.stream_max_age_s,
-            file_storage=s.durable,
-            replicas=s.replicas,
-        )
+        await self._ensure_streams()
         self.blobs = Blobs(
             self.js,
             s.blob_threshold,
@@ -144,7 +139,6 @@ class Box:
             file_storage=s.durable,
             replicas=s.replicas,
         )
-        await bus.ensure_dead_letter_stream(self.js, file_storage=s.durable, replicas=s.replicas)
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
         self.store.on_change(self._on_catalog_change)
         await self.store.open(configured_specs(s))
@@ -208,6 +202,38 @@ class Box:
 
     async def _on_reconnect(self) -> None:
         log.info("nats reconnected")
+        if self._restoring is None or self._restoring.done():
+            self._restoring = self._spawn(self._restore_after_reconnect())
+
+    async def _ensure_streams(self) -> None:
+        assert self.js is not None
+        s = self.settings
+        await bus.ensure_request_stream(
+            self.js,
+            max_msgs=s.stream_max_msgs,
+            max_bytes=s.stream_max_bytes,
+            max_age_s=s.stream_max_age_s,
+            file_storage=s.durable,
+            replicas=s.replicas,
+        )
+        await bus.ensure_dead_letter_stream(self.js, file_storage=s.durable, replicas=s.replicas)
+
+    async def _restore_after_reconnect(self) -> None:
+        """A NATS server that restarted kept only what it stores in files: make again what it lost (the
+        heartbeats bucket always; without --durable the queue and its consumers too), idempotently.
+        Retried for a while, as a cluster may still be electing stream leaders."""
+        for _ in range(_RESTORE_ATTEMPTS):
+            try:
+                await self._ensure_streams()
+                for spec in self.catalog:
+                    if spec.adapter_of is None:
+                        await self._ensure_consumer(spec)
+                if self.fleet is not None:
+                    await self.fleet.reopen()
+                return
+            except Exception as exc:
+                log.warning("restoring streams after a reconnect failed; retrying", extra={"error": repr(exc)})
+                await asyncio.sleep(1.0)
 
     async def _ensure_consumer(self, spec: ModelSpec) -> None:
         assert self.js is not None
@@ -499,10 +525,11 @@ class Box:
             raise NotFound(f"model {name!r} does not exist; available models: {', '.join(self.catalog.names())}")
         return spec
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -48,18 +48,39 @@ class Fleet:
         self._kv: KeyValue | None = None
         self._boxes: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._watcher: KeyValue.KeyWatcher | None = None
 
     async def start(self) -> None:
         self._kv = await open_boxes_bucket(self._js, self._ttl_s, self._replicas)
-        watcher = await self._kv.watchall()
+        self._watcher = watcher = await self._kv.watchall()
+        seen = set()
         async for entry in watcher:
             if entry is None:
                 break
+            seen.add(entry.key)
             self._apply(entry)
+        for gone in set(self._boxes) - seen:  # removed while nobody watched (before a reopen)
+            del self._boxes[gone]
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
             await self.beat()
             self._tasks.append(asyncio.create_task(self._beat_forever(), name="heartbeat"))
+
+    async def reopen(self) -> None:
+        """After a reconnect: a NATS server that restarted lost this bucket (it lives in memory), and
+        its watch with it. Make the bucket again if it is gone, and watch it afresh."""
+        await self._stop_tasks()
+        await self.start()
+
+    async def _stop_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._watcher is not None:
+            with suppress(Exception):  # its consumer may be gone with the server that held it
+                await self._watcher.stop()
+            self._watcher = None
 
     async def beat(self) -> None:
         """Publish this box's record now (also called on state changes, so others see them at once)."""
@@ -115,9 +136,7 @@ class Fleet:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stop_tasks()
         if self._kv is not None and self._snapshot is not None:
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
