@@ -72,9 +72,10 @@ class TuneResult:
 
     @property
     def speedup(self) -> float:
-        if self.chosen is None or self.default.throughput <= 0:
+        """The chosen's throughput (its worst run, if noisy) over the default's median run."""
+        if self.chosen is None or self.default.median_throughput <= 0:
             return 0.0
-        return self.chosen.throughput / self.default.throughput
+        return self.chosen.throughput / self.default.median_throughput
 
     @property
     def rejected(self) -> dict[Engine, Quality]:
@@ -94,8 +95,8 @@ class TuneResult:
             "p99_ms": round(chosen.p99_ms, 2),
             "quality_metric": chosen.quality.metric,
             "quality": chosen.quality.value,
-            "default_throughput": round(self.default.throughput, 2),
-            "default_p99_ms": round(self.default.p99_ms, 2),
+            "default_throughput": round(self.default.median_throughput, 2),
+            "default_p99_ms": round(self.default.median_p99_ms, 2),
             "speedup": round(self.speedup, 3),
             "candidates_measured": sum(1 for t in self.trials if t.measurements),
             "grid_size": len(c.space.engines) * len(c.space.batchings),
@@ -151,6 +152,7 @@ class Tuner:
         self._reference_key: tuple[Any, ...] | None = None
         self._requests: list[list[Tokenized]] = []
         self._stopping = False
+        self._cut_short = False  # the search left some of its plan for the confirmation round
         self._started = 0.0
         self._measure_s = 0.0
         self._torch_threads = _torch_threads()
@@ -201,7 +203,7 @@ class Tuner:
             engine_quality=dict(self._quality),
             measure_seconds=self._measure_s,
             wall_seconds=self.elapsed,
-            stopped=stopped,
+            stopped=stopped or ("budget" if self._cut_short else None),
         )
 
     def _grid(self, engines: list[Engine]) -> None:
@@ -220,6 +222,7 @@ class Tuner:
             return trial
         self._check_budget(stage)
         if stage in ("screen", "descent") and not self._budget_left(stage, reserve=self.config.confirm):
+            self._cut_short = True
             raise ExploringOver
         runtime, quality = self._gated(candidate.engine)
         if trial is None:

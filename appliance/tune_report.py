@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from appliance.profiles import profile_path
 from appliance.tune import TuneResult
 from appliance.tune_search import Trial
@@ -108,7 +110,7 @@ def report(result: TuneResult, png_name: str, note: str | None = None, command: 
         "| | runtime | dtype | threads | max_batch_tokens | max_batch_size | max_wait_ms | inputs/s | p50 ms | p99 ms |"
         " quality |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        _result_row("default", result.default),
+        _result_row("default", result.default, median=True),
     ]
     if result.chosen is not None:
         lines.append(_result_row("**chosen**", result.chosen))
@@ -155,12 +157,18 @@ def _gate_text(result: TuneResult) -> str:
     return f"{metric} ≥ {limit:g}"
 
 
-def _result_row(label: str, trial: Trial) -> str:
+def _result_row(label: str, trial: Trial, median: bool = False) -> str:
+    """One row of the result table; `median`: the median run even when noisy (the baseline)."""
     e, b = trial.candidate.engine, trial.candidate.batching
+    runs = trial.measured
+    if median and runs:
+        throughput = trial.median_throughput
+        p50, p99 = float(np.median([m.p50_ms for m in runs])), trial.median_p99_ms
+    else:
+        throughput, p50, p99 = trial.throughput, trial.p50_ms, trial.p99_ms
     return (
         f"| {label} | {e.runtime} | {e.dtype} | {e.threads or 'default'} | {b.max_batch_tokens} | {b.max_batch_size} | "
-        f"{b.max_wait_ms:g} | {trial.throughput:.1f} | {_ms(trial.p50_ms)} | {_ms(trial.p99_ms)} | "
-        f"{trial.quality.describe()} |"
+        f"{b.max_wait_ms:g} | {throughput:.1f} | {_ms(p50)} | {_ms(p99)} | {trial.quality.describe()} |"
     )
 
 

@@ -85,6 +85,17 @@ class Trial:
     def p99_ms(self) -> float:
         return self._latency([m.p99_ms for m in self.measured])
 
+    @property
+    def median_throughput(self) -> float:
+        """The median run's, noisy or not: how the baseline is reported."""
+        values = [m.throughput for m in self.measured]
+        return float(np.median(values)) if values else 0.0
+
+    @property
+    def median_p99_ms(self) -> float:
+        values = [m.p99_ms for m in self.measured]
+        return float(np.median(values)) if values else float("inf")
+
     def _latency(self, values: list[float]) -> float:
         return float("inf") if not values else max(values) if self.noisy else float(np.median(values))
 
@@ -193,16 +204,27 @@ def search(
     """Screen, halve, descend, confirm (the module docstring). `evaluate` measures a candidate once
     (a second call for the same candidate returns the trial as it is, except in stage `confirm`) and
     raises to stop the search, out of budget or interrupted; what was measured so far stays. It raises
-    `ExploringOver` when the rest of the budget is for the confirmation round."""
-    start = space.middle
+    `ExploringOver` when the rest of the budget is for the confirmation round.
+
+    The kept engines descend side by side, one axis at a time; after each axis of the first pass
+    the worse half is dropped (successive halving), so the most telling axis (batch size) is
+    measured on every kept engine and the rest of the budget goes to the best one."""
     trials: list[Trial] = []
     try:
         for engine in engines:
-            trials.append(evaluate(Candidate(engine, start), "screen"))
+            trials.append(evaluate(Candidate(engine, space.middle), "screen"))
         ranked = sorted((t for t in trials if t.ok and t.quality.passed), key=objective.key, reverse=True)
-        survivors = [t.candidate.engine for t in ranked[: max(1, min(keep, (len(ranked) + 1) // 2))]]
-        for engine in survivors:
-            descend(space, Candidate(engine, start), evaluate, objective, passes, trials)
+        current = ranked[: max(1, min(keep, (len(ranked) + 1) // 2))]
+        for first_pass in [True] + [False] * (passes - 1):
+            moved = False
+            for axis in _AXES:
+                for i, best in enumerate(current):
+                    current[i], changed = descend_axis(space, best, axis, evaluate, objective, trials)
+                    moved = moved or changed
+                if first_pass and len(current) > 1:
+                    current = sorted(current, key=objective.key, reverse=True)[: (len(current) + 1) // 2]
+            if not moved:
+                break
     except ExploringOver:
         pass
     finalists: dict[Candidate, Trial] = {}
@@ -214,22 +236,17 @@ def search(
         evaluate(candidate, "confirm")
 
 
-def descend(
-    space: Space, start: Candidate, evaluate: Evaluate, objective: Objective, passes: int, trials: list[Trial]
-) -> None:
-    """Coordinate descent over the batching knobs of one engine, from `start`; appends to `trials`."""
-    best = evaluate(start, "descent")
-    trials.append(best)
-    for _ in range(passes):
-        moved = False
-        for axis in _AXES:
-            for value in getattr(space, axis):
-                candidate = replace(best.candidate, batching=replace(best.candidate.batching, **{axis: value}))
-                if candidate == best.candidate:
-                    continue
-                trial = evaluate(candidate, "descent")
-                trials.append(trial)
-                if trial.ok and objective.key(trial) > objective.key(best):
-                    best, moved = trial, True
-        if not moved:
-            break
+def descend_axis(
+    space: Space, best: Trial, axis: str, evaluate: Evaluate, objective: Objective, trials: list[Trial]
+) -> tuple[Trial, bool]:
+    """Every value of one batching knob, the others held; the best trial, and whether it moved."""
+    moved = False
+    for value in getattr(space, axis):
+        candidate = replace(best.candidate, batching=replace(best.candidate.batching, **{axis: value}))
+        if candidate == best.candidate:
+            continue
+        trial = evaluate(candidate, "descent")
+        trials.append(trial)
+        if trial.ok and objective.key(trial) > objective.key(best):
+            best, moved = trial, True
+    return best, moved
