@@ -293,6 +293,12 @@ class ServedBox:
             nats_cpu_s=sum(cpu_seconds(pid) for pid in nats),
         )
 
+    def settings(self) -> dict[str, Any]:
+        """Per model, what GET /v1/models says it runs with (the tuning profile applied, if any)."""
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
+            models = orjson.loads(response.read())["data"]
+        return {model["id"]: model.get("profile") for model in models}
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -687,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         if "b" in args.cases or "c" in args.cases:
             console.print("[bold](b, c)[/] starting fleetbox serve with the default model")
             with served_box(args.device, workdir, "embed") as box:
+                figures["box_settings"] = _settings(console, box)
                 for key, per_request, concurrency in (("b", 1, 64), ("c", 32, 8)):
                     if key in args.cases:
                         measured = bodies_for(sentences, per_request, EMBED_MODEL)
@@ -697,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         if "d" in args.cases:
             console.print("[bold](d)[/] starting fleetbox serve with only the no-op runtime")
             with served_box(args.device, workdir, "noop", NOOP_CONFIG) as box:
+                figures["noop_box_settings"] = _settings(console, box)
                 pool, _ = bodies_for(sentences, 1, NOOP_MODEL)
                 bodies = [pool[i % len(pool)] for i in range(plan.noop_requests)]
                 warm = [pool[i % len(pool)] for i in range(plan.noop_warmup)]
@@ -725,6 +733,18 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
         console.print(f"figures written to {args.json}")
     return 1 if any(case["errors"] for case in cases.values()) else 0
+
+
+def _settings(console: Console, box: ServedBox) -> dict[str, Any]:
+    settings = box.settings()
+    for model, profile in settings.items():
+        if profile:
+            console.print(
+                f"    {model}: profile {profile.get('match')} ({profile.get('file') or 'no file'}): batches of "
+                f"{profile.get('max_batch_tokens')} tokens / {profile.get('max_batch_size')} rows / "
+                f"{profile.get('max_wait_ms')} ms wait, threads {profile.get('threads') or 'torch default'}"
+            )
+    return settings
 
 
 def _progress(console: Console, key: str, case: dict[str, Any]) -> None:
