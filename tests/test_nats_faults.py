@@ -1,0 +1,122 @@
+"""Nothing accepted is lost when a box or NATS breaks: the fast versions of the fault runs of issue 6.
+
+Each test drives real nats-server processes and real boxes (in this process, or a `fleetbox serve`
+subprocess where the fault is a SIGKILL) with an open-loop client that checks every answer. The
+scenarios are the ones `benchmarks/faults.py` runs for longer; here they are sized to finish in
+seconds with short `ack_wait_s`, so a dead box's requests come back quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats
+
+from appliance import bus
+from appliance.envelope import ReplyMeta, RequestMeta
+from benchmarks._faultkit import SteadyLoad
+from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
+from tests.conftest import noop_model, url, wait_for
+
+
+async def test_queued_requests_are_served_after_the_only_nats_server_restarts(tmp_path) -> None:
+    """File storage keeps the queue; the boxes reconnect, and restore their heartbeats, by themselves."""
+    result = await nats_restarts(tmp_path, requests=40, rate=40)
+    tally = result.tally
+    assert tally is not None and tally.lost == 0 and tally.wrong == 0, (tally, result.facts)
+    assert tally.ok == tally.requests == 40
+    assert result.facts["queued at the stop"] >= 13
+    before = result.facts["sent before the stop, answered 200"].split("/")
+    assert before[0] == before[1], result.facts
+    assert result.facts["heartbeats back"] == "yes"
+
+
+async def test_killing_one_nats_server_of_three_loses_no_request(tmp_path) -> None:
+    """Replicas 3 on file storage: the request stream's leader dies under load; a new one is elected."""
+    result = await nats_server_dies(tmp_path, load_s=9.0, kill_after_s=2.0, rate=20, ack_wait_s=3.0)
+    tally = result.tally
+    assert tally is not None
+    assert tally.lost == 0 and tally.wrong == 0, (tally, result.facts)  # a 503 is retried; a 500 would be lost
+    assert tally.ok == tally.requests >= 150
+
+
+async def test_a_box_killed_under_load_loses_nothing_and_answers_each_request_once(tmp_path) -> None:
+    """Every 5th request runs the real default model; its vector must equal the model run directly."""
+    result = await box_dies(tmp_path, load_s=4.5, rate=20, ack_wait_s=2.0)
+    tally = result.tally
+    assert tally is not None
+    assert tally.lost == 0 and tally.wrong == 0, (tally, result.facts)
+    assert tally.ok == tally.requests >= 80  # one answer per request, each the right one
+    assert result.facts["real-model answers checked"] >= 16
+    assert result.facts["redelivered"] >= 1, result.facts  # the dead box did hold work
+
+
+async def test_a_poison_request_is_dead_lettered_while_the_others_flow(tmp_path) -> None:
+    """The runtime raises on one input: 422 `dead_lettered` after max_deliver tries, kept in FBX_DLQ."""
+    result = await poison_request(tmp_path, max_deliver=3, load_s=2.0, rate=20)
+    assert result.passed, (result.tally, result.facts)
+    assert result.facts["poison answered"].startswith("422 dead_lettered")
+    assert result.facts["deliveries"] == "3"
+    assert "poison" in result.facts["kept in FBX_DLQ with reason"].lower()
+    assert result.tally is not None and result.tally.ok == result.tally.requests >= 30
+
+
+async def test_a_reply_no_gateway_takes_is_sent_again_instead_of_acked_and_lost(start_box, nats_server, caplog) -> None:
+    """A gateway that is reconnecting has no subscription: the worker keeps the request until one takes it."""
+    caplog.set_level(logging.INFO, logger="appliance.worker")
+    box = await start_box(default_model=False, models=[noop_model()])
+    nc = await nats.connect(nats_server.url)
+    try:
+        now = int(time.time() * 1000)
+        meta = RequestMeta(
+            id="late-gateway", task="embed", model="noop", reply="test.late", deadline_ms=now + 20_000, sent_ms=now
+        )
+        await nc.jetstream().publish(
+            bus.request_subject("noop"), b'{"input": "x", "model": "noop"}', headers=meta.headers()
+        )
+
+        async def computed() -> bool:
+            return (box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) or 0) == 1
+
+        await wait_for(computed, what="the request to be computed")
+        await wait_for(lambda: _true("reply not taken by a gateway" in caplog.text), what="a second try")
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
+        assert info.num_ack_pending == 1  # nobody took the answer, so it is not acked
+
+        replies: asyncio.Queue = asyncio.Queue()
+
+        async def gateway_back(msg) -> None:  # what a gateway does with a reply: take it, and say so
+            await msg.respond(b"")
+            await replies.put(msg)
+
+        await nc.subscribe("test.late", cb=gateway_back)
+        reply = await asyncio.wait_for(replies.get(), 10)
+        assert ReplyMeta.from_headers(reply.headers).status == 200
+
+        async def acked() -> bool:
+            info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await wait_for(acked, what="the ack once the reply was taken")
+        assert box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) == 1
+    finally:
+        await nc.close()
+
+
+async def test_retry_after_follows_how_fast_the_backlog_drains(start_box) -> None:
+    """20 queued requests at 40/s drain in half a second: Retry-After must say about that, not ten times it."""
+    box = await start_box(
+        default_model=False, models=[noop_model(cost_ms=25)], max_batch_size=1, stream_max_msgs=20, max_wait_ms=0
+    )
+    outcomes = await SteadyLoad(url(box, ""), 200, retry_refused=False, timeout_s=20).run(2.0)
+    retry_after = [value for outcome in outcomes for value in outcome.retry_after]
+    assert len(retry_after) > 100  # the excess was refused at once
+    late = retry_after[len(retry_after) // 2 :]  # once the gateway has seen answers arrive for a while
+    assert max(late) <= 3, sorted(set(late))
+    assert {o.status for o in outcomes} == {200, 429}
+
+
+async def _true(value: bool) -> bool:
+    return value
