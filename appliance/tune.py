@@ -174,9 +174,10 @@ class Tuner:
         self._reference_key = _runtime_key(DEFAULT_ENGINE)
         self._reference = Reference.build(reference_runtime, c.task)
         self._requests = make_requests(reference_runtime, c.task, c.load.requests, c.load.seed)
-        default = self.evaluate(Candidate(DEFAULT_ENGINE, c.default_batching), "default")
+        baseline = Candidate(DEFAULT_ENGINE, c.default_batching)
         stopped = None
         try:
+            self.evaluate(baseline, "default")
             if strategy == "grid":
                 self._grid(engines if engines is not None else list(c.space.engines))
             else:
@@ -188,11 +189,14 @@ class Tuner:
                     keep=c.keep,
                     confirm=c.confirm,
                 )
+                # The baseline once more, later: one unlucky minute must not make the speedup.
+                self.evaluate(baseline, "confirm")
         except SearchStopped as why:
             stopped = str(why)
         finally:
             self._close()
         trials = list(self._trials.values())
+        default = self._trials.get(baseline) or Trial(baseline, Quality("not measured", float("nan"), 1.0), "default")
         return TuneResult(
             config=c,
             hardware=hardware_slug(c.device),
@@ -221,7 +225,7 @@ class Tuner:
         if trial is not None and stage != "confirm":
             return trial
         self._check_budget(stage)
-        if stage in ("screen", "descent") and not self._budget_left(stage, reserve=self.config.confirm):
+        if stage in ("screen", "descent") and not self._budget_left(stage, reserve=self.config.confirm + 1):
             self._cut_short = True
             raise ExploringOver
         runtime, quality = self._gated(candidate.engine)

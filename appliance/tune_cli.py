@@ -103,7 +103,7 @@ def run_tune(
     )
     result = tune_with_progress(config, console)
     if result.chosen is None:
-        console.print("no candidate passed the quality gate; nothing written")
+        console.print("no candidate measured passed the quality gate; nothing written")
         return 1
     console.print(summary(result))
     if not write:
