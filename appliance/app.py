@@ -13,6 +13,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any
@@ -22,7 +23,10 @@ import orjson
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 from nats.nuid import NUID
 
 from appliance import __version__, bus
@@ -49,6 +53,7 @@ from runtimes.base import Task
 log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
+_JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 _RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
 
 
@@ -66,6 +71,13 @@ def device_name(device: str) -> str:
 
         return torch.cuda.get_device_name(torch.device(device))
     return f"cpu ({os.cpu_count()} cores)"
+
+
+def _jetstream_not_ready(exc: Exception) -> bool:
+    """No answer, no responders, or JetStream's own "not available yet" (no leader, too few peers)."""
+    if isinstance(exc, NatsTimeout | NoRespondersError | NoStreamResponseError | ServiceUnavailableError):
+        return True
+    return isinstance(exc, APIError) and exc.err_code in (10005, 10008, 10023)  # no peers, unavailable, resources
 
 
 def new_box_id() -> str:
@@ -130,7 +142,7 @@ class Box:
         await self._connect()
         assert self.js is not None and self.nc is not None
         s = self.settings
-        await self._ensure_streams()
+        await self._when_jetstream_answers(self._ensure_streams)
         self.blobs = Blobs(
             self.js,
             s.blob_threshold,
@@ -141,15 +153,15 @@ class Box:
         )
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
         self.store.on_change(self._on_catalog_change)
-        await self.store.open(configured_specs(s))
+        await self._when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
         for spec in self.catalog:
             if spec.adapter_of is None:
-                await self._ensure_consumer(spec)
+                await self._when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
         self._stream_ok = True
         self.fleet = Fleet(
             self.js, self.box_id, self.heartbeat, period_s=s.heartbeat_s, ttl_s=s.heartbeat_ttl_s, replicas=s.replicas
         )
-        await self.fleet.start()
+        await self._when_jetstream_answers(self.fleet.start)
         self._control = ControlServer(self.nc, self.box_id, self._control_handlers())
         await self._control.start()
         await self.nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
@@ -165,6 +177,22 @@ class Box:
         self._spawn(self._watch_stream())
         await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
+
+    async def _when_jetstream_answers(self, step: Callable[[], Awaitable[Any]]) -> None:
+        """Run an idempotent set-up step, again while JetStream cannot answer yet: boxes started with a
+        fresh NATS cluster meet it still electing its meta leader, or the leader of a stream another
+        box has just created. Bounded; any other error fails the start at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _JETSTREAM_SETTLE_S
+        while True:
+            try:
+                await step()
+                return
+            except Exception as exc:
+                if not _jetstream_not_ready(exc) or loop.time() >= deadline:
+                    raise
+                log.warning("JetStream is not ready yet; retrying", extra={"error": repr(exc)})
+                await asyncio.sleep(1.0)
 
     async def _connect(self) -> None:
         urls = self.settings.nats_urls

@@ -79,9 +79,10 @@ class NatsCluster:
         """The `--nats` value for a box: every server, so a client fails over by itself."""
         return ",".join(server.url for server in self.servers)
 
-    async def start(self, timeout_s: float = 30.0) -> None:
+    async def start(self, timeout_s: float = 30.0, *, wait_for_jetstream: bool = True) -> None:
         await asyncio.gather(*(server.start() for server in self.servers))
-        await self._wait_for_jetstream(timeout_s)
+        if wait_for_jetstream:
+            await self._wait_for_jetstream(timeout_s)
 
     async def _wait_for_jetstream(self, timeout_s: float) -> None:
         """Listening is not enough: wait until the cluster places a stream with a replica on every server."""

@@ -15,10 +15,11 @@ import time
 import nats
 
 from appliance import bus
+from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
-from benchmarks._faultkit import SteadyLoad
+from benchmarks._faultkit import NatsCluster, SteadyLoad
 from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
-from tests.conftest import noop_model, url, wait_for
+from tests.conftest import box_settings, noop_model, url, wait_for
 
 
 async def test_queued_requests_are_served_after_the_only_nats_server_restarts(tmp_path) -> None:
@@ -40,6 +41,25 @@ async def test_killing_one_nats_server_of_three_loses_no_request(tmp_path) -> No
     assert tally is not None
     assert tally.lost == 0 and tally.wrong == 0, (tally, result.facts)  # a 503 is retried; a 500 would be lost
     assert tally.ok == tally.requests >= 150
+
+
+async def test_boxes_started_with_a_fresh_cluster_wait_for_its_jetstream(tmp_path, http) -> None:
+    """Right after nats-server starts, a cluster has no meta leader, then streams without leaders."""
+    cluster = NatsCluster(tmp_path / "cluster", size=3)
+    await cluster.start(wait_for_jetstream=False)
+    common = {"replicas": 3, "durable": True, "default_model": False, "models": [noop_model()]}
+    boxes = [Box(box_settings(cluster.urls, role=role, box_id=role, **common)) for role in ("all", "gateway", "worker")]
+    try:
+        await asyncio.gather(*(box.start() for box in boxes))  # all at once, as a fleet's boxes come up
+        for box in boxes:
+            async with http.get(url(box, "/readyz")) as response:
+                assert response.status == 200
+        async with http.post(url(boxes[1], "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
+            assert response.status == 200
+    finally:
+        for box in boxes:
+            await box.stop()
+        await cluster.stop()
 
 
 async def test_a_box_killed_under_load_loses_nothing_and_answers_each_request_once(tmp_path) -> None:
