@@ -8,6 +8,7 @@ the way a box would decide it, so the profile written is the one a box will appl
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import sys
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ def run_tune(
     from appliance.tune_report import write_outputs
 
     root = out or settings.profiles_dir or SHIPPED_PROFILES_DIR
-    command = "fleetbox tune " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["tune"] else None
+    command = shlex.join(["fleetbox", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else None
     for path in write_outputs(result, root, note, command):
         console.print(f"wrote {path}")
     return 0
