@@ -56,7 +56,7 @@ def plot(result: TuneResult, path: Path) -> None:
             ax.scatter([t.p99_ms for t in trials], [t.throughput for t in trials], label=label, s=30, **styles[label])
     d = result.default
     if d.ok:  # its median run, as in the report's table: the baseline is not judged by its worst minute
-        ax.scatter([d.median_p99_ms], [d.median_throughput], marker="s", s=110, color="black", label="default", zorder=5)
+        ax.scatter([d.median_p99_ms], [d.median_throughput], marker="s", s=110, color="black", label="default")
     if result.chosen is not None and result.chosen.ok:
         c = result.chosen
         ax.scatter([c.p99_ms], [c.throughput], marker="*", s=260, color="tab:green", label="chosen", zorder=6)
