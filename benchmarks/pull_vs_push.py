@@ -758,9 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 150)
     started = time.perf_counter()
     info = machine()
+    commit = git_describe()  # the code measured: read before the run, as HEAD may move during it
     console.print(
         f"pull vs push on {info.get('cpu', '?')} ({info['nproc']} cores, load average {load_average()}), "
-        f"commit {git_describe()}; "
+        f"commit {commit}; "
         f"speeds {', '.join(f'{s:g}×' for s in SPEEDS)}; cost model {COST}; batches of ≤ {BATCHING.max_batch_size}; "
         f"ideal fleet rate {ideal_rate():.0f} req/s"
     )
@@ -779,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         figures = {
             "machine": info,
-            "commit": git_describe(),
+            "commit": commit,
             "slo_ms": args.slo_ms,
             "speeds": SPEEDS,
             "cost": COST,
