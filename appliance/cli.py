@@ -102,8 +102,17 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     box = Box(settings)
+    starting = asyncio.create_task(box.start())
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if not starting.done():  # a signal while the box still starts (it may wait for NATS for ever): stop now
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await box.stop()
+        return 0
     try:
-        await box.start()
+        starting.result()
     except Exception as exc:
         log.error("box failed to start", extra={"error": repr(exc)})
         await box.stop()

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import subprocess
+import sys
 import time
 
 import nats
@@ -17,6 +20,7 @@ import nats
 from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.natsd import free_port
 from benchmarks._faultkit import NatsCluster, SteadyLoad
 from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
 from tests.conftest import box_settings, noop_model, url, wait_for
@@ -140,3 +144,24 @@ async def test_retry_after_follows_how_fast_the_backlog_drains(start_box) -> Non
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_box_waiting_for_nats_at_start_stops_on_sigterm(tmp_path) -> None:
+    """No NATS answers yet: the box keeps trying, and SIGTERM still ends it at once (not only once it is up)."""
+    config = tmp_path / "box.toml"
+    config.write_text('default_model = false\n[[models]]\nname = "noop"\nruntime = "noop"\npinned = true\n')
+    log_file = tmp_path / "box.log"
+    with log_file.open("wb") as log:
+        box = subprocess.Popen(
+            [sys.executable, "-m", "appliance.cli", "serve", "--nats", f"nats://127.0.0.1:{free_port()}",
+             "--port", "0", "--state-dir", str(tmp_path / "state"), "--config", str(config)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        await wait_for(lambda: _true(b"nats error" in log_file.read_bytes()), what="the box to try NATS")
+        box.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(box.wait, 10) == 0
+    finally:
+        if box.poll() is None:
+            box.kill()
+            box.wait(10)
