@@ -1,11 +1,12 @@
 """The local batcher of one model: packs tokenised rows from many requests into device batches.
 
-The batching rule: a batch is anchored on the oldest waiting row (so no row starves), then filled
-with the rows of the nearest lengths while `rows × longest row` (padding counted) stays within
-`max_batch_tokens` and the row count within `max_batch_size`. A partial batch waits at most
-`max_wait_ms` for company. Rows whose request's deadline has passed are dropped before any compute
-is spent on them. Two batches may be in flight: one on the device, the next one ready behind it,
-so the device never waits for the event loop.
+The batching rule: a batch is anchored on the oldest waiting row (so no row starves), then grown
+one row at a time toward whichever neighbour in length adds the least padding, while
+`rows × longest row` (padding counted) stays within `max_batch_tokens` and the row count within
+`max_batch_size`. One batch is on the device at a time, so rows arriving meanwhile gather for the
+next one; when the device is idle, a partial batch waits at most `max_wait_ms` for company (0 by
+default: an idle device starts at once). Rows whose request's deadline has passed are dropped
+before any compute is spent on them, the last look taken on the device thread itself.
 
 One task owns the pending list; others only call `submit`.
 """
@@ -30,7 +31,9 @@ from runtimes import Runtime, Tokenized
 
 log = logging.getLogger(__name__)
 
-_BATCHES_IN_FLIGHT = 2
+# One batch at a time: rows are tokenised on arrival, so a second batch queued behind the first
+# would overlap nothing and only split the waiting rows into smaller batches.
+_BATCHES_IN_FLIGHT = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -178,14 +181,19 @@ class Batcher:
         budget, max_rows = self.batching.max_batch_tokens, self.batching.max_batch_size
         while hi - lo < max_rows:
             rows = hi - lo + 1
-            # Shorter rows cost no extra padding; take one when it fits, else try a longer one.
-            if lo > 0 and rows * longest <= budget:
+            # Grow toward the neighbour that adds the least padding: a shorter row is padded up to the
+            # longest; a longer row pads every row already in. Either must keep the batch in budget.
+            shorter = longest - by_length[lo - 1].length if lo > 0 and rows * longest <= budget else None
+            longer = None
+            if hi < len(by_length) and rows * by_length[hi].length <= budget:
+                longer = (by_length[hi].length - longest) * (hi - lo)
+            if shorter is None and longer is None:
+                break
+            if longer is None or (shorter is not None and shorter <= longer):
                 lo -= 1
-            elif hi < len(by_length) and rows * by_length[hi].length <= budget:
+            else:
                 longest = by_length[hi].length
                 hi += 1
-            else:
-                break
         batch = by_length[lo:hi]
         chosen = {id(item) for item in batch}
         self._pending = [item for item in self._pending if id(item) not in chosen]
@@ -205,11 +213,6 @@ class Batcher:
 
     async def _compute(self, batch: list[WorkItem]) -> None:
         try:
-            started = time.time() * 1000
-            for item in batch:
-                if item.job.started_ms == 0.0:
-                    item.job.started_ms = started
-                    self._metrics.queue_ms.labels(self.model).observe(max(0.0, started - item.job.meta.sent_ms))
             await self._run_rows(batch)
         finally:
             self._slots.release()
@@ -218,9 +221,8 @@ class Batcher:
     async def _run_rows(self, batch: list[WorkItem], after_oom: bool = False) -> None:
         """Run a batch; out of memory: evict another model and retry, then split; else fail one request."""
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
         try:
-            live, outputs = await loop.run_in_executor(self._executor, self._run_live, batch)
+            live, outputs, elapsed_ms = await loop.run_in_executor(self._executor, self._run_live, batch)
         except Exception as exc:  # a failing batch must not take its neighbours down
             if _out_of_memory(exc) and not after_oom and self._on_oom is not None and await self._on_oom():
                 log.warning("out of memory; evicted a model, retrying", extra={"model": self.model})
@@ -241,8 +243,10 @@ class Batcher:
                 self._expire(item.job)
         if not live:
             return
-        elapsed_ms = (time.perf_counter() - t0) * 1000
         rows = len(live)
+        for item in live:
+            if item.job.started_ms and item.job.meta.sent_ms and item.index == 0:
+                self._metrics.queue_ms.labels(self.model).observe(max(0.0, item.job.started_ms - item.job.meta.sent_ms))
         self._metrics.compute_ms.labels(self.model).observe(elapsed_ms)
         self._metrics.batch_size.labels(self.model).observe(rows)
         self._metrics.batch_tokens.labels(self.model).observe(rows * max(item.length for item in live))
@@ -257,12 +261,21 @@ class Batcher:
             if job.remaining == 0:
                 self._finish(job, None)
 
-    def _run_live(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None]:
-        """On the device thread: the last look at deadlines before compute is spent, then the forward pass."""
+    def _run_live(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None, float]:
+        """On the device thread: the last look at deadlines before compute is spent, then the forward pass.
+
+        Start and compute times are taken here, where the batch really starts, not where it was queued.
+        """
         live = [item for item in batch if not item.job.done and not item.job.expired]
         if not live:
-            return live, None
-        return live, self.runtime.run([item.row for item in live], adapter=live[0].job.meta.adapter)
+            return live, None, 0.0
+        started = time.time() * 1000
+        for item in live:
+            if item.job.started_ms == 0.0:
+                item.job.started_ms = started
+        t0 = time.perf_counter()
+        outputs = self.runtime.run([item.row for item in live], adapter=live[0].job.meta.adapter)
+        return live, outputs, (time.perf_counter() - t0) * 1000
 
     def _expire(self, job: Job) -> None:
         self._metrics.expired.labels(self.model).inc()

@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     # Worker and batcher defaults (a profile or a model entry overrides them)
     max_batch_tokens: int = 16_384
     max_batch_size: int = 256
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0  # how long an idle device waits for company; 0: start at once
     worker_capacity: int = 1024  # messages one box holds per model (pulled, not yet acked)
     device: str = "auto"
     threads: int | None = None

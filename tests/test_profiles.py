@@ -47,7 +47,7 @@ def spec(**changes: object) -> ModelSpec:
         task=Task.EMBED,
         runtime=RuntimeKind.TORCH,
         path=Path("/models/encoder"),
-        batching=Batching(16384, 256, 2.0),
+        batching=Batching(16384, 256, 0.0),
     )
     return replace(base, **changes)  # type: ignore[arg-type]
 
@@ -167,7 +167,7 @@ async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, en
     ]
     box = await start_box(default_model=False, models=entries, profiles_dir=tmp_path / "profiles")
     assert box.workers["tiny"].spec.batching == Batching(777, 7, 0.5)
-    assert box.workers["tiny-untuned"].spec.batching == Batching(16384, 256, 2.0)
+    assert box.workers["tiny-untuned"].spec.batching == Batching(16384, 256, 0.0)
     async with http.get(url(box, "/v1/models")) as response:
         records = {m["id"]: m for m in (await response.json())["data"]}
     shown = records["tiny"]["profile"]
