@@ -97,6 +97,7 @@ class Batcher:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self.rows_per_s: float | None = None  # measured compute rate (EWMA), for sizing the box's room
 
     @property
     def pending_rows(self) -> int:
@@ -244,6 +245,9 @@ class Batcher:
         if not live:
             return
         rows = len(live)
+        if elapsed_ms > 0:
+            rate = rows / (elapsed_ms / 1000)
+            self.rows_per_s = rate if self.rows_per_s is None else 0.8 * self.rows_per_s + 0.2 * rate
         for item in live:
             if item.job.started_ms and item.job.meta.sent_ms and item.index == 0:
                 self._metrics.queue_ms.labels(self.model).observe(max(0.0, item.job.started_ms - item.job.meta.sent_ms))

@@ -107,6 +107,7 @@ class Residency:
         self._resident: dict[str, Resident] = {}
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._room_lock = asyncio.Lock()
+        self._reserved: dict[str, int] = {}  # estimated bytes of models being loaded
         self._max_adapters = max_adapters
         self._onnx_cache = onnx_cache
         self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
@@ -126,7 +127,8 @@ class Residency:
 
     @property
     def used_bytes(self) -> int:
-        return sum(r.nbytes for r in self._resident.values())
+        """Bytes of resident models plus the estimates of those loading."""
+        return sum(r.nbytes for r in self._resident.values()) + sum(self._reserved.values())
 
     def touch(self, name: str) -> None:
         resident = self._resident.get(name)
@@ -165,9 +167,22 @@ class Residency:
         return runtime
 
     async def _load(self, spec: ModelSpec) -> Runtime:
+        estimate = estimate_bytes(spec)
         async with self._room_lock:
             self.check_fits(spec)
-            await self._make_room(estimate_bytes(spec), keep=spec.name)
+            await self._make_room(estimate, keep=spec.name)
+            # Reserved until it lands, so a second load in flight makes room for this one too.
+            self._reserved[spec.name] = estimate
+        try:
+            runtime = await self._load_runtime(spec)
+        finally:
+            self._reserved.pop(spec.name, None)
+        if self.used_bytes > self.budget_bytes:  # measured bytes beat the estimate: evict again
+            async with self._room_lock:
+                await self._make_room(0, keep=spec.name)
+        return runtime
+
+    async def _load_runtime(self, spec: ModelSpec) -> Runtime:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         log.info("loading model", extra={"model": spec.name, "device": self.device})

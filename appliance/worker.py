@@ -1,9 +1,10 @@
 """The worker side of a box: pulls requests for the models it holds and answers them.
 
 The pull rule: a box asks the shared durable consumer for exactly as many messages as it has room
-for (held but unanswered requests below `worker_capacity`, and local rows below two batches), with
-at most one pull request outstanding per model. A slow or busy box simply asks less; no router
-ever guesses its state. Every answer is a reply to the gateway's subject first, then the ack: if
+for, with at most one pull request outstanding per model. Room is measured in time: the rows this
+box computes in `hold_ms` at its measured rate (at least one batch, at most `worker_capacity`
+requests), less what it already holds. A fast box asks for more, a slow or stalled one for less,
+and no router ever guesses its state. Every answer is a reply to the gateway's subject first, then the ack: if
 the box dies in between, JetStream redelivers and the gateway drops the second answer. The reply is
 a NATS request the gateway confirms, so a reply sent while its gateway is reconnecting (a NATS server
 restarted or failed over) is sent again rather than acked and lost.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -104,6 +106,7 @@ class ModelWorker:
         )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
+        self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
 
     async def start(self) -> None:
         self.batcher.start()
@@ -147,7 +150,12 @@ class ModelWorker:
     def _room(self) -> int:
         if self.batcher.pending_rows >= 2 * self.spec.batching.max_batch_size:
             return 0
-        return max(0, self._settings.worker_capacity - len(self._held))
+        rate = self.batcher.rows_per_s
+        # Until a batch has been timed, one batch's worth; then `hold_ms` of work at the measured rate.
+        rows = self.spec.batching.max_batch_size if rate is None else rate * self._settings.hold_ms / 1000
+        rows = max(rows, self.spec.batching.max_batch_size if rate is None else 1.0)
+        requests = math.ceil(rows / max(1.0, self._rows_per_request))
+        return max(0, min(self._settings.worker_capacity, requests) - len(self._held))
 
     def _bulk_room(self) -> int:
         """Batch-priority work is pulled only while no interactive work waits, a batch at a time."""
@@ -229,6 +237,7 @@ class ModelWorker:
         self._submit(meta, msg, rows, params)
 
     def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
+        self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
             self._held.pop(meta.id, None)
             self._spawn(msg.ack())
