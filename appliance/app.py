@@ -8,6 +8,7 @@ did not, stop answering, then close NATS. Every step is bounded so SIGTERM exits
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -174,6 +175,9 @@ class Box:
             self._placement = Placement(self)
             self._placement.start()
         await self._start_http()  # a worker serves /healthz, /readyz and /metrics; a gateway serves the API too
+        # Everything allocated so far (torch, models) lives for the process: keep it out of the cyclic
+        # collector, whose full passes over it stalled the event loop for ~0.3-0.5 s.
+        gc.freeze()
         self._spawn(self._watch_stream())
         await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
@@ -248,11 +252,13 @@ class Box:
 
     async def _restore_after_reconnect(self) -> None:
         """A NATS server that restarted kept only what it stores in files: make again what it lost (the
-        heartbeats bucket always; without --durable the queue and its consumers too), idempotently.
+        heartbeats bucket always; without --durable the queue, its consumers and the catalog too).
         Retried for a while, as a cluster may still be electing stream leaders."""
         for _ in range(_RESTORE_ATTEMPTS):
             try:
                 await self._ensure_streams()
+                if self.store is not None:
+                    await self.store.reopen()
                 for spec in self.catalog:
                     if spec.adapter_of is None:
                         await self._ensure_consumer(spec)

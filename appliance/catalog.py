@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,7 @@ class CatalogStore:
         self._file_storage = file_storage
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
         self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
 
     def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:
@@ -284,13 +286,24 @@ class CatalogStore:
                 await self._kv.create(spec.slug, spec.to_json())
             except KeyWrongLastSequenceError:
                 pass  # already registered (by another box, or before a restart): the bucket wins
-        watcher = await self._kv.watchall()
+        self._watcher = watcher = await self._kv.watchall()
         # The watcher replays every current key, then a None marker: the catalog is complete after it.
         async for entry in watcher:
             if entry is None:
                 break
             self._apply(entry)
         self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
+
+    async def reopen(self) -> None:
+        """After a reconnect: watch afresh. A bucket that survived is the truth (this box may have missed
+        changes); one lost with a server's memory (no --durable) is made again from this box's view."""
+        await self.close()
+        try:
+            await self._js.key_value(bus.MODELS_BUCKET)
+            known: list[ModelSpec] = []
+        except BucketNotFoundError:
+            known = list(self.catalog)
+        await self.open(known)
 
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:
@@ -322,7 +335,8 @@ class CatalogStore:
     async def put(self, spec: ModelSpec) -> None:
         assert self._kv is not None
         await self._kv.put(spec.slug, spec.to_json())
-        self.catalog.add(spec)  # visible here at once; the watch confirms it
+        self.catalog.add(spec)  # visible (and acted on) here at once; the watch confirms it
+        self._notify(spec.name, spec)
 
     async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
         updated = replace(spec, pinned=pinned)
@@ -332,9 +346,14 @@ class CatalogStore:
     async def delete(self, spec: ModelSpec) -> None:
         assert self._kv is not None
         await self._kv.delete(spec.slug)
-        self.catalog.remove(spec.name)
+        if self.catalog.remove(spec.name) is not None:
+            self._notify(spec.name, None)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._watcher is not None:
+            with suppress(Exception):  # its consumer may be gone with the server that held it
+                await self._watcher.stop()
+            self._watcher = None
