@@ -148,6 +148,7 @@ class Tuner:
         self._trials: dict[Candidate, Trial] = {}
         self._quality: dict[Engine, Quality] = {}
         self._shown_rejected: set[Engine] = set()
+        self._confirmed: set[Candidate] = set()  # measured in the confirmation round: its last run is that one
         self._runtimes: dict[tuple[Any, ...], Runtime] = {}
         self._reference_key: tuple[Any, ...] | None = None
         self._requests: list[list[Tokenized]] = []
@@ -176,12 +177,13 @@ class Tuner:
         self._requests = make_requests(reference_runtime, c.task, c.load.requests, c.load.seed)
         baseline = Candidate(DEFAULT_ENGINE, c.default_batching)
         stopped = None
+        finalists: list[Candidate] = []
         try:
             self.evaluate(baseline, "default")
             if strategy == "grid":
                 self._grid(engines if engines is not None else list(c.space.engines))
             else:
-                search(
+                finalists = search(
                     c.space,
                     engines if engines is not None else list(c.space.engines),
                     self.evaluate,
@@ -202,13 +204,24 @@ class Tuner:
             hardware=hardware_slug(c.device),
             device_name=device_description(c.device),
             default=default,
-            chosen=c.objective.best(trials),
+            chosen=self._choose(trials, finalists),
             trials=trials,
             engine_quality=dict(self._quality),
             measure_seconds=self._measure_s,
             wall_seconds=self.elapsed,
             stopped=stopped or ("budget" if self._cut_short else None),
         )
+
+    def _choose(self, trials: list[Trial], finalists: list[Candidate]) -> Trial | None:
+        """The best finalist by its confirmation run (all taken back to back, so a drifting load
+        favours none), when the round was run; else the best trial by all its runs."""
+        objective = self.config.objective
+        confirmed = [self._trials[c] for c in finalists if c in self._confirmed]
+        if not finalists or len(confirmed) < len(finalists):
+            return objective.best(trials)
+        last_runs = [Trial(t.candidate, t.quality, t.stage, [t.measurements[-1]]) for t in confirmed]
+        best = objective.best(last_runs)
+        return self._trials[best.candidate] if best is not None else objective.best(trials)
 
     def _grid(self, engines: list[Engine]) -> None:
         for engine in engines:
@@ -240,6 +253,8 @@ class Tuner:
         self._on_status(f"{stage}: {candidate.label}")
         first = self._measure(runtime, candidate)
         trial.measurements.append(first)
+        if stage == "confirm":
+            self._confirmed.add(candidate)
         if stage == "confirm" and len(trial.measured) > 1:
             trial.noisy = _disagree(trial.measured, self.config.max_spread)
         elif first.ok and first.spread > self.config.max_spread and self._budget_left(stage):

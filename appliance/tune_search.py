@@ -200,8 +200,9 @@ def search(
     keep: int = 2,
     passes: int = 2,
     confirm: int = 3,
-) -> None:
-    """Screen, halve, descend, confirm (the module docstring). `evaluate` measures a candidate once
+) -> list[Candidate]:
+    """Screen, halve, descend, confirm (the module docstring); returns the finalists, each measured
+    once more in the confirmation round, back to back. `evaluate` measures a candidate once
     (a second call for the same candidate returns the trial as it is, except in stage `confirm`) and
     raises to stop the search, out of budget or interrupted; what was measured so far stays. It raises
     `ExploringOver` when the rest of the budget is for the confirmation round.
@@ -227,13 +228,24 @@ def search(
                 break
     except ExploringOver:
         pass
-    finalists: dict[Candidate, Trial] = {}
-    for trial in sorted((t for t in trials if t.quality.passed and t.ok), key=objective.key, reverse=True):
-        finalists.setdefault(trial.candidate, trial)
-        if len(finalists) == confirm:
-            break
+    finalists = pick_finalists(trials, objective, confirm)
     for candidate in sorted(finalists, key=lambda c: c.engine.label):  # engine by engine: fewer reloads
         evaluate(candidate, "confirm")
+    return finalists
+
+
+def pick_finalists(trials: list[Trial], objective: Objective, count: int) -> list[Candidate]:
+    """The best candidate of each engine first, then the next best: engines meet again side by side,
+    measured minutes apart no more (a machine's load drifts; a comparison across minutes is not fair)."""
+    ranked = sorted((t for t in trials if t.quality.passed and t.ok), key=objective.key, reverse=True)
+    finalists: list[Candidate] = []
+    for trial in ranked:
+        if trial.candidate.engine not in {c.engine for c in finalists}:
+            finalists.append(trial.candidate)
+    for trial in ranked:
+        if trial.candidate not in finalists:
+            finalists.append(trial.candidate)
+    return finalists[:count]
 
 
 def descend_axis(
