@@ -220,6 +220,7 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     async with http.post(url(task_box, "/v1/chat/completions"), json=body) as response:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/event-stream")
+        assert response.headers["Fbx-Request-Id"]
         raw = await response.text()
     events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -157,7 +157,8 @@ async def _stream(request: web.Request, chunks, shape: _Shape, include_usage: bo
 
 
 async def _open(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Fbx-Request-Id": request[REQUEST_ID]}
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     return response
 
