@@ -35,8 +35,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from appliance import __version__  # noqa: E402
-from appliance.catalog import DEFAULT_MODEL_NAME, Batching, default_model_path  # noqa: E402
+from appliance.catalog import DEFAULT_MODEL_NAME, default_batching, default_model_path  # noqa: E402
 from appliance.profiles import cpu_cores, device_description, hardware_slug  # noqa: E402
+from appliance.settings import Settings  # noqa: E402
 from appliance.tune import DEFAULT_ENGINE, TuneConfig, Tuner, TuneResult  # noqa: E402
 from appliance.tune_cli import _quiet_libraries, default_load  # noqa: E402
 from appliance.tune_load import Load, Measurement, make_requests, measure  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> int:
         path=model,
         task=Task.EMBED,
         space=space,
-        default_batching=Batching(16_384, 256, 2.0),  # the box's defaults (appliance/settings.py)
+        default_batching=default_batching(Settings()),  # what a box runs with when no profile applies
         device=device,
         budget_s=3600.0,  # the tuner's own stopping rule decides; the grid must finish
         objective=objective,
@@ -209,6 +210,7 @@ def main() -> int:
         "slo_p99_ms": slo,
         "concurrency": load.concurrency,
         "grid_size": grid_size,
+        "default": contenders[0].candidate.label,
         "tuner": {
             "chosen": tuned.chosen.candidate.label,
             "measured": sum(1 for x in tuned.trials if x.measurements),
@@ -271,11 +273,11 @@ def markdown(f: dict[str, Any]) -> str:
         "| settings | candidate | inputs/s at fixed load | p99 ms | inputs/s within SLO | at concurrency | p99 ms |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    names = {"default": "default", "tuned": f["tuner"]["chosen"], "grid best": f["grid"]["best"]}
+    names = {"default": f["default"], "tuned": f["tuner"]["chosen"], "grid best": f["grid"]["best"]}
     for label in ("default", "tuned", "grid best"):
         fixed, slo = f["fixed_load"][label], f["at_slo"][label]
         lines.append(
-            f"| {label} | {names[label] if label != 'default' else 'torch-float32 16384/256/2ms'} | "
+            f"| {label} | {names[label]} | "
             f"{fixed['throughput']:.1f} | {fixed['p99_ms']:.0f} | {slo['throughput']:.1f} | {slo['concurrency']} | "
             f"{slo['p99_ms'] if slo['p99_ms'] is None else round(slo['p99_ms'])} |"
         )
