@@ -157,8 +157,9 @@ class Batcher:
         limit = self._pending[0].arrived + self.batching.max_wait_ms / 1000
         while not self._full() and loop.time() < limit:
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), limit - loop.time())
+            try:  # not wait_for: on Python 3.11 it can swallow a cancel that meets a wake (drain would hang)
+                async with asyncio.timeout(limit - loop.time()):
+                    await self._wake.wait()
             except TimeoutError:
                 break
 
