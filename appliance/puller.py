@@ -78,8 +78,9 @@ class Puller:
                     await self._request(want, loop)
             self._wake.clear()
             timeout = max(0.01, self._open_until - loop.time()) if self._remaining else self._idle_poll_s
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            try:  # not wait_for: on Python 3.11 it swallows a cancel that meets a wake, and stop() waited for ever
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
