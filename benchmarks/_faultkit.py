@@ -293,7 +293,8 @@ class SteadyLoad:
                 pause = started + index * self._interval - loop.time()
                 if pause > 0:
                     try:  # pace the sends; a stop ends the wait early
-                        await asyncio.wait_for(self._stop.wait(), pause)
+                        async with asyncio.timeout(pause):
+                            await self._stop.wait()
                     except TimeoutError:
                         pass
             self.sent_all.set()

@@ -26,7 +26,7 @@ The client is open-loop (a steady rate, whatever the fleet does) and retries onl
 refused (429, or 503 while NATS fails over), as a well-behaved client does; "lost" is an accepted
 request that never got a 200. `tests/test_nats_faults.py` runs 1-4 in small.
 
-    python benchmarks/faults.py [--quick] [--overload-seconds S] [--only 1,2,...] [--json PATH]
+    python benchmarks/faults.py [--quick] [--overload-seconds S] [--only 1,2,...] [--json PATH] [--markdown PATH]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
 
 from appliance import bus  # noqa: E402
 from appliance.app import Box  # noqa: E402
-from appliance.catalog import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME  # noqa: E402
+from appliance.catalog import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 from appliance.natsd import EmbeddedNats, free_port  # noqa: E402
 from appliance.settings import ModelEntry, Settings  # noqa: E402
 from benchmarks._faultkit import (  # noqa: E402
@@ -151,7 +151,14 @@ async def box_dies(
     server = EmbeddedNats(store_dir=work / "nats", port=free_port())
     await server.start()
     waits = {"ack_wait_s": ack_wait_s} if ack_wait_s is not None else {}
-    survivor = Box(settings(server.url, box_id="survivor", models=[noop_entry(cost_ms=noop_cost_ms)], **waits))
+    # The default model as the catalog has it, but without a tuned profile: torch fp32 on both boxes,
+    # no ONNX export at each box's first load, and the survivor's runtime is the reference.
+    real = ModelEntry(
+        name=DEFAULT_MODEL_NAME, path=default_model_path(), task="embed", aliases=[DEFAULT_MODEL_ALIAS],
+        pinned=True, profile="off",
+    )  # fmt: skip
+    models = [real, noop_entry(cost_ms=noop_cost_ms)]
+    survivor = Box(settings(server.url, box_id="survivor", state_dir=work / "survivor", models=models, **waits))
     doomed: BoxProcess | None = None
     try:
         await survivor.start()
@@ -518,20 +525,34 @@ def runs(plan: Plan) -> dict[str, Callable[[Path], Awaitable[FaultResult]]]:
     }
 
 
+def _numbers(t: Tally | None) -> list[str]:
+    if t is None:
+        return [""] * 6
+    return [str(t.requests), str(t.ok), str(t.lost), str(t.wrong), f"{t.p99_s:.2f} s", f"{t.max_s:.2f} s"]
+
+
 def render(results: list[FaultResult], console: Console) -> None:
     table = Table(title="Faults (issue 6)", show_lines=True)
     for column in ("fault", "requests", "right", "lost", "wrong", "p99", "worst", "what it shows", "ok"):
         table.add_column(column, justify="left" if column in ("fault", "what it shows") else "right")
     for result in results:
-        t = result.tally
-        numbers = (
-            [str(t.requests), str(t.ok), str(t.lost), str(t.wrong), f"{t.p99_s:.2f} s", f"{t.max_s:.2f} s"]
-            if t is not None
-            else ["", "", "", "", "", ""]
-        )
+        numbers = _numbers(result.tally)
         facts = "\n".join(f"{key}: {value}" for key, value in result.facts.items())
         table.add_row(result.fault, *numbers, facts, "[green]pass[/]" if result.passed else "[red]FAIL[/]")
     console.print(table)
+
+
+def markdown(results: list[FaultResult]) -> str:
+    """The same table, for docs/benchmarks.md."""
+    lines = [
+        "| fault | requests | answered right | lost | wrong | p99 | worst | what it shows | result |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for result in results:
+        numbers = _numbers(result.tally)
+        facts = "; ".join(f"{key}: {value}" for key, value in result.facts.items()).replace("|", "/")
+        lines.append(f"| {result.fault} | {' | '.join(numbers)} | {facts} | {'pass' if result.passed else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
 
 
 async def run_all(args: argparse.Namespace, console: Console) -> list[FaultResult]:
@@ -560,6 +581,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overload-seconds", type=float, default=None, help="overload duration (default 60, quick 15)")
     parser.add_argument("--only", default="1,2,3,4,5,6", help="which faults, comma-separated (default all)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table here, as markdown")
     return parser.parse_args(argv)
 
 
@@ -579,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}; box logs in {log_file}"
     )
     render(results, console)
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(results))
     if args.json is not None:
         args.json.write_text(
             orjson.dumps([asdict(r) for r in results], option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()

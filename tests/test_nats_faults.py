@@ -21,6 +21,7 @@ from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.natsd import free_port
+from appliance.puller import Puller
 from benchmarks._faultkit import NatsCluster, SteadyLoad
 from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
 from tests.conftest import box_settings, noop_model, url, wait_for
@@ -36,6 +37,28 @@ async def test_queued_requests_are_served_after_the_only_nats_server_restarts(tm
     before = result.facts["sent before the stop, answered 200"].split("/")
     assert before[0] == before[1], result.facts
     assert result.facts["heartbeats back"] == "yes"
+
+
+async def test_without_durable_a_nats_restart_loses_the_queue_but_boxes_rebuild_streams_and_catalog(
+    start_box, nats_server, http
+) -> None:
+    """Memory storage: the server comes back empty; the boxes make the stream, consumers and catalog again."""
+    worker = await start_box(role="worker", box_id="worker", default_model=False, models=[noop_model()])
+    gateway = await start_box(role="gateway", box_id="gateway", default_model=False, models=[noop_model()])
+    await nats_server.stop()
+    await nats_server.start()  # same port; nothing of the stream or the buckets survived
+
+    async def answered() -> bool:
+        body = {"model": "noop", "input": "after the restart", "timeout": 2}
+        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
+            return response.status == 200
+
+    await wait_for(answered, what="a request answered after the restart")
+    async with http.post(url(gateway, "/v1/models/noop/pin")) as response:
+        assert response.status == 200  # the catalog bucket is back, with the boxes' view in it
+    await wait_for(lambda: _true({"gateway", "worker"} <= {r["box"] for r in gateway.fleet.live_boxes()}),
+                   what="both heartbeats")  # fmt: skip
+    assert worker.nc is not None and worker.nc.is_connected
 
 
 async def test_killing_one_nats_server_of_three_loses_no_request(tmp_path) -> None:
@@ -165,3 +188,26 @@ async def test_a_box_waiting_for_nats_at_start_stops_on_sigterm(tmp_path) -> Non
         if box.poll() is None:
             box.kill()
             box.wait(10)
+
+
+async def test_a_puller_woken_as_it_is_stopped_still_stops(nats_server) -> None:
+    """A wake (an answer sent) in the same moment as the cancel of stop(): the cancel must not be lost.
+
+    asyncio.wait_for on Python 3.11 returns the result instead of raising when the cancel meets a
+    finished wait; the puller then looped on and the box's stop waited for ever (seen after NATS
+    restarts, where answers and stops crowd together). Every tick offset is tried a few times.
+    """
+    nc = await nats.connect(nats_server.url)
+    try:
+        for ticks in range(6):
+            for attempt in range(10):
+                inbox = f"_TEST.pull.{ticks}.{attempt}"
+                puller = Puller(nc, "noop", inbox, lambda: 0, lambda _msg: None, idle_poll_s=30)
+                await puller.start()
+                await asyncio.sleep(0.005)  # it waits for a wake now
+                puller.poke()
+                for _ in range(ticks):
+                    await asyncio.sleep(0)
+                await asyncio.wait_for(puller.stop(), 5)
+    finally:
+        await nc.close()
