@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from nats.errors import Error as NatsError
 from textual.app import App
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
 
 from appliance.errors import FleetboxError
 from tui.dialogs import Confirm, KeysHelp
@@ -76,7 +77,10 @@ class FleetboxApp(App[None]):
         self.view = view
         for screen in self.screen_stack:
             if isinstance(screen, DataScreen) and screen.is_mounted:
-                screen.show(view)
+                try:
+                    screen.show(view)
+                except NoMatches:  # the screen is being taken down (the app is quitting): nothing to show
+                    continue
 
     def act(self, what: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Run one action in the background; its result or error becomes a notification and an event."""
