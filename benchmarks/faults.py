@@ -367,10 +367,16 @@ async def poison_request(work: Path, *, max_deliver: int, load_s: float, rate: f
 # -- 5. overload ----------------------------------------------------------------------------------
 
 
-async def overload(work: Path, *, seconds: float, factor: float = 5.0, cost_ms: float = 25.0) -> FaultResult:
-    """Offer `factor` times a box's capacity; the box serves one request per `cost_ms` (one row a batch)."""
+async def overload(
+    work: Path, *, seconds: float, factor: float = 5.0, cost_ms: float = 25.0, queue_s: float | None = 2.0
+) -> FaultResult:
+    """Offer `factor` times a box's capacity; the box serves one request per `cost_ms` (one row a batch).
+
+    The queue holds `queue_s` seconds of work (the queue bound is the latency bound); None keeps the
+    default `stream_max_msgs`, to see what an unsized queue does.
+    """
     capacity = 1000.0 / cost_ms
-    max_queue = int(capacity * 2)  # the queue bound is the latency bound: about 2 s of work
+    max_queue = int(capacity * queue_s) if queue_s is not None else Settings().stream_max_msgs
     config = (
         f"default_model = false\nmax_batch_size = 1\nstream_max_msgs = {max_queue}\n\n"
         f'[[models]]\nname = "{NOOP}"\nruntime = "noop"\npinned = true\noptions = {{ cost_ms = {cost_ms} }}\n'
