@@ -201,6 +201,9 @@ class BoxProcess:
         """SIGSTOP: the box holds what it pulled and can neither answer nor ack it."""
         self.process.send_signal(signal.SIGSTOP)
 
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
     async def stop(self, timeout_s: float = 20.0) -> None:
         if self.process.poll() is not None:
             return

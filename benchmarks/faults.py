@@ -178,17 +178,18 @@ async def box_dies(
         await wait_until(
             lambda: sum(o.box == "doomed" for o in load.outcomes) >= 3, load_s, "the doomed box to answer some"
         )
-        doomed.pause()  # it keeps what it pulled and can neither answer nor ack it
 
-        async def held_by_doomed() -> int:  # about: read while the survivor keeps working
-            held_here = sum(w.held for w in survivor.workers.values())
-            return await ack_pending(survivor, NOOP, DEFAULT_MODEL_NAME) - held_here
+        def held_here() -> int:
+            return sum(w.held for w in survivor.workers.values())
 
-        try:
-            await wait_until(lambda: _at_least(held_by_doomed(), 1), 10.0, "the frozen box to hold a request")
-        except TimeoutError:
-            pass  # it holds none: the kill still tests that nothing else is disturbed
-        held_at_kill = await held_by_doomed()
+        async def held_by_doomed() -> int:
+            """Unacked requests the survivor does not hold; its count read on both sides of the server's,
+            the larger taken, so that answers it sends meanwhile make this an under-estimate."""
+            before = held_here()
+            pending = await ack_pending(survivor, NOOP, DEFAULT_MODEL_NAME)
+            return pending - max(before, held_here())
+
+        held_at_kill = await freeze_holding(doomed, held_by_doomed, within_s=15.0)
         killed_at = asyncio.get_running_loop().time()
         doomed.kill()
         outcomes = await running
@@ -213,6 +214,27 @@ async def box_dies(
             doomed.kill()
         await survivor.stop()
         await server.stop()
+
+
+async def freeze_holding(box: BoxProcess, held: Callable[[], Awaitable[int]], within_s: float) -> int:
+    """SIGSTOP the box at a moment it holds requests (it then keeps them, answering and acking none).
+
+    Its pull room is small and timed, so at a random moment it may hold nothing: watch for a moment it
+    does, freeze it, and check again (it may have answered in between; then let it go on and retry).
+    Returns how many it holds, frozen; 0 if no such moment came (it is frozen anyway).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while loop.time() < deadline:
+        if await held() >= 1:
+            box.pause()
+            holding = await held()
+            if holding >= 1:
+                return holding
+            box.resume()
+        await asyncio.sleep(0.01)
+    box.pause()
+    return max(0, await held())
 
 
 async def reference_vectors(runtime: Any, outcomes: list[Outcome]) -> dict[str, np.ndarray]:

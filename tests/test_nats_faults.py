@@ -97,9 +97,9 @@ async def test_a_box_killed_under_load_loses_nothing_and_answers_each_request_on
     assert tally.lost == 0 and tally.wrong == 0, (tally, result.facts)
     assert tally.ok == tally.requests >= 80  # one answer per request, each the right one
     assert result.facts["real-model answers checked"] >= 16
-    # What the frozen box held when it died came back through redelivery. (Its pull room is small and
-    # timed, so now and then it holds nothing at the kill; then there is nothing to redeliver.)
-    assert result.facts["redelivered"] >= min(1, result.facts["held by the dead box"]), result.facts
+    # The box was frozen at a moment it held requests, then killed: they came back through redelivery.
+    assert result.facts["held by the dead box"] >= 1, result.facts
+    assert result.facts["redelivered"] >= 1, result.facts
 
 
 async def test_a_poison_request_is_dead_lettered_while_the_others_flow(tmp_path) -> None:
