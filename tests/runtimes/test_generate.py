@@ -71,8 +71,7 @@ def test_a_request_never_waits_for_another_to_finish(generator) -> None:
 def test_last_output_carries_usage_and_length_finish(generator) -> None:
     prompt = prompt_ids(generator, PROMPTS[1])
     outputs = drive(generator, {0: [("r", prompt, SamplingParams(max_tokens=5, temperature=0, stop=()))]})["r"]
-    if outputs[-1].finish_reason == "stop":
-        pytest.skip("the random model emitted EOS within 5 tokens")
+    # The seeded model does not emit EOS within 5 tokens for this prompt; were that to change, this fails.
     assert len(outputs) == 5
     assert outputs[-1].finish_reason == "length"
     assert outputs[-1].usage is not None
