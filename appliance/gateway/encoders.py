@@ -117,20 +117,18 @@ async def rerank(request: web.Request) -> web.Response:
 
 
 async def classify(request: web.Request) -> web.Response:
-    _, resolved, meta, body = await _enqueue(request, ClassifyRequest, Task.CLASSIFY)
-    payload = {
-        "object": "classify",
-        "model": _model_name(resolved),
-        "data": orjson.Fragment(body),
-        "usage": _usage(meta),
-    }
-    return json_response(payload, headers=_timing(meta))
+    return await _per_input(request, ClassifyRequest, Task.CLASSIFY)
 
 
 async def extract(request: web.Request) -> web.Response:
-    _, resolved, meta, body = await _enqueue(request, ExtractRequest, Task.EXTRACT)
+    return await _per_input(request, ExtractRequest, Task.EXTRACT)
+
+
+async def _per_input(request: web.Request, schema: type, task: Task) -> web.Response:
+    """Classify and extract: the worker's JSON (one list per input) passes through unparsed."""
+    _, resolved, meta, body = await _enqueue(request, schema, task)
     payload = {
-        "object": "extract",
+        "object": task.value,
         "model": _model_name(resolved),
         "data": orjson.Fragment(body),
         "usage": _usage(meta),
