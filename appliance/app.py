@@ -280,7 +280,13 @@ class Box:
         assert self.nc is not None and self.js is not None and self.store is not None
         if self.settings.serves_http:
             self.dispatcher = Dispatcher(
-                self.box_id, self.nc, self.js, self.metrics, self.settings.max_waiting, self.blobs
+                self.box_id,
+                self.nc,
+                self.js,
+                self.metrics,
+                self.blobs,
+                max_waiting=self.settings.max_waiting,
+                max_queue_s=self.settings.max_queue_s,
             )
             await self.dispatcher.start()
         context = GatewayContext(

@@ -84,6 +84,10 @@ class InternalError(FleetboxError):
 class ServiceUnavailable(FleetboxError):
     status, type, code = 503, "server_error", "unavailable"
 
+    def __init__(self, message: str, *, code: str | None = None, retry_after_s: int | None = None) -> None:
+        headers = {"Retry-After": str(max(1, retry_after_s))} if retry_after_s is not None else None
+        super().__init__(message, code=code, headers=headers)
+
 
 class GatewayTimeout(FleetboxError):
     status, type, code = 504, "timeout_error", "deadline_exceeded"

@@ -61,6 +61,12 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.refused = Counter(
+            "fbx_refused_requests",
+            "Requests answered 429 because they would wait past max_queue_s to start",
+            ["model"],
+            registry=r,
+        )
         self.backlog = Gauge("fbx_stream_backlog", "Messages waiting in the request stream", registry=r)
         self.resident_bytes = Gauge(
             "fbx_resident_model_bytes", "Measured bytes of each resident model", ["model"], registry=r

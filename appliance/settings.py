@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     default_timeout_s: float = 30.0
     max_timeout_s: float = 300.0
     max_waiting: int = 8192  # requests one gateway awaits at once; past it, 429
+    max_queue_s: float = 10.0  # 429 when a request would wait longer than this for its model (Little's law)
 
     # NATS
     nats: str | None = None  # comma-separated URLs; None starts the embedded server

@@ -390,17 +390,16 @@ async def poison_request(work: Path, *, max_deliver: int, load_s: float, rate: f
 
 
 async def overload(
-    work: Path, *, seconds: float, factor: float = 5.0, cost_ms: float = 25.0, queue_s: float | None = 2.0
+    work: Path, *, seconds: float, factor: float = 5.0, cost_ms: float = 25.0, queue_s: float = 2.0
 ) -> FaultResult:
     """Offer `factor` times a box's capacity; the box serves one request per `cost_ms` (one row a batch).
 
-    The queue holds `queue_s` seconds of work (the queue bound is the latency bound); None keeps the
-    default `stream_max_msgs`, to see what an unsized queue does.
+    The gateway's admission bound `max_queue_s` is `queue_s`; the stream keeps its default size
+    (100,000 requests), so what refuses the excess is the wait estimate, not a full queue.
     """
     capacity = 1000.0 / cost_ms
-    max_queue = int(capacity * queue_s) if queue_s is not None else Settings().stream_max_msgs
     config = (
-        f"default_model = false\nmax_batch_size = 1\nstream_max_msgs = {max_queue}\n\n"
+        f"default_model = false\nmax_batch_size = 1\nmax_queue_s = {queue_s}\n\n"
         f'[[models]]\nname = "{NOOP}"\nruntime = "noop"\npinned = true\noptions = {{ cost_ms = {cost_ms} }}\n'
     )
     box = await BoxProcess.start(work / "overload", "overloaded", config)
@@ -432,15 +431,15 @@ async def overload(
             "RSS start / peak / end": " / ".join(f"{b / 2**20:.0f}" for b in (rss_start, max(samples), rss_end))
             + " MiB",
             "first request after the load": f"refused {refused_after}x, answered 200 in {first_ok_s:.2f} s",
-            "queue bound (stream_max_msgs)": max_queue,
+            "queue bound (max_queue_s)": f"{queue_s:g} s",
         }
         passed = (
             result.lost == 0
             and rejected > 0
-            and result.p99_s < 2 * max_queue / capacity + 1.0
+            and result.p99_s < 2 * queue_s + 1.0
             and max(samples) < rss_start * 1.5 + 64 * 2**20
             and refused_after == 0
-            and first_ok_s < max_queue / capacity + 1.0
+            and first_ok_s < queue_s + 1.0
         )
         return FaultResult(f"5. overload {factor:g}x for {seconds:g} s", passed, result, facts)
     finally:

@@ -73,6 +73,36 @@ async def test_full_queue_answers_429_with_retry_after_and_recovers(start_box, h
         assert response.status == 200  # recovered as soon as the queue drained
 
 
+async def test_overload_is_refused_at_once_and_accepted_requests_wait_within_the_queue_bound(start_box, http) -> None:
+    """5x a model's capacity with a queue that could hold minutes of work: the excess is a 429 with
+    Retry-After right away, the accepted requests wait about max_queue_s, not their 30 s deadline."""
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=50)], max_batch_size=1, max_queue_s=1.0)
+    outcomes: list[tuple[int, float, str | None]] = []
+
+    async def one(i: int) -> None:
+        started = time.monotonic()
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"r{i}"}) as response:
+            await response.read()
+            outcomes.append((response.status, time.monotonic() - started, response.headers.get("Retry-After")))
+
+    sends = []
+    for i in range(300):  # 100 requests/s for 3 s against 20/s of capacity
+        sends.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*sends)
+    accepted = [latency for status, latency, _ in outcomes if status == 200]
+    refused = [(latency, retry) for status, latency, retry in outcomes if status == 429]
+    assert {status for status, _, _ in outcomes} == {200, 429}
+    assert len(refused) > 100  # capacity is 60 of the 300 in those 3 s, and 1 s of queue is 20 more
+    assert all(retry is not None and 1 <= int(retry) <= 60 for _, retry in refused)
+    assert max(latency for latency, _ in refused) < 1.0  # refused at once, not after waiting
+    # Unbounded, the last accepted request would wait ~12 s (240 requests ahead at 20/s).
+    assert max(accepted) < 5.0
+    assert counter(box, "fbx_refused_requests") == len(refused)
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "after"}) as response:
+        assert response.status == 200  # the load has gone: served at once
+
+
 async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model(cost_ms=400)], max_batch_size=1, max_wait_ms=0)
     busy = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "first"}))
@@ -125,3 +155,13 @@ async def _gt(value, than: int) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_no_request_stream_is_a_503_with_retry_after(start_box, http) -> None:
+    """What a client sees while the stream has no leader (a NATS failover): retry shortly, not a 500."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    await box.js.delete_stream(bus.REQUEST_STREAM)
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
+        assert response.status == 503
+        assert int(response.headers["Retry-After"]) >= 1
+        assert (await response.json())["error"]["code"] == "unavailable"

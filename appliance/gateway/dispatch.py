@@ -3,6 +3,14 @@
 One `Dispatcher` per gateway owns the table of reply waiters: a request's future is resolved by
 the first reply carrying its id; any later reply for the same id (a redelivery computed twice) is
 counted and dropped, so the client gets exactly one answer.
+
+It is also the gateway's admission control. A queue that only refuses when it is full lets every
+accepted request wait out its deadline under overload (a 504 after 30 s, not a 429 at once), so
+the gateway estimates how long a new request would wait, by Little's law over what it sees of
+each model's queue: the requests it awaits for that model ÷ the rate their answers come back.
+Past `max_queue_s` (or the request's own deadline) it answers 429 with the seconds until the
+estimate would be back under the bound. Every gateway sees its own share of a shared queue and of
+its answers, so the ratio holds without any gateway knowing the others.
 """
 
 from __future__ import annotations
@@ -27,13 +35,16 @@ from nats.nuid import NUID
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import BATCH, ReplyMeta, RequestMeta
 from appliance.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT_S = 5.0
+_RATE_WINDOW_S = 2.0  # answers over this long give a model's current drain rate
+_FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
+_QUEUE_SETTLE_S = 0.5  # the oldest request must have waited this long before the estimate is trusted
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 
 
@@ -50,6 +61,31 @@ class _StreamWaiter:
     box: str | None = None  # the box whose chunks are taken
 
 
+@dataclass(slots=True)
+class ModelQueue:
+    """What one gateway sees of one model's queue (one priority): requests awaited, answers lately."""
+
+    waiting: dict[str, float] = field(default_factory=dict)  # request id -> monotonic send time, oldest first
+    answered: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # monotonic answer times
+
+    def wait_s(self, now: float) -> float | None:
+        """Expected wait of a request sent now (Little's law), or None while there is nothing to go by.
+
+        Not trusted until the oldest awaited request has waited a while: right after an idle spell
+        the rate seen is the idle one, and a burst the box clears in a blink must not be refused.
+        """
+        if not self.waiting:
+            return None
+        age = now - next(iter(self.waiting.values()))
+        if age < _QUEUE_SETTLE_S:
+            return None
+        span = min(_RATE_WINDOW_S, age)
+        recent = sum(1 for t in reversed(self.answered) if now - t <= span) if self.answered else 0
+        if recent == 0:
+            return None  # nothing answered lately: a cold load or a stall; deadlines bound those
+        return len(self.waiting) * span / recent
+
+
 @dataclass(slots=True, frozen=True)
 class Reply:
     meta: ReplyMeta
@@ -58,15 +94,25 @@ class Reply:
 
 class Dispatcher:
     def __init__(
-        self, box_id: str, nc: NATS, js: JetStreamContext, metrics: Metrics, max_waiting: int, blobs: Blobs
+        self,
+        box_id: str,
+        nc: NATS,
+        js: JetStreamContext,
+        metrics: Metrics,
+        blobs: Blobs,
+        *,
+        max_waiting: int,
+        max_queue_s: float,
     ) -> None:
         self.box_id = box_id
         self._nc = nc
         self._js = js
         self._metrics = metrics
         self._max_waiting = max_waiting
+        self._max_queue_s = max_queue_s
         self._blobs = blobs
-        self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._waiters: dict[str, tuple[asyncio.Future[Reply], ModelQueue]] = {}
+        self._queues: dict[tuple[str, str], ModelQueue] = {}
         self._streams: dict[str, _StreamWaiter] = {}
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
@@ -92,12 +138,15 @@ class Dispatcher:
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> Reply:
+        queue = self._queues.setdefault((spec.name, priority), ModelQueue())
+        self._admit(spec, queue, timeout_s, priority)
         meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
         request_id = meta.id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
-        self._waiters[request_id] = future
+        self._waiters[request_id] = (future, queue)
+        queue.waiting[request_id] = time.monotonic()
         try:
             await self._publish(spec, body, meta)
             try:
@@ -113,6 +162,23 @@ class Dispatcher:
             return reply
         finally:
             self._waiters.pop(request_id, None)
+            queue.waiting.pop(request_id, None)
+
+    def _admit(self, spec: ModelSpec, queue: ModelQueue, timeout_s: float, priority: str) -> None:
+        """429 when a new request would wait longer than the queue bound (or its own deadline) to start.
+
+        Batch-priority work is meant to wait behind interactive work, so only its deadline bounds it.
+        """
+        limit = timeout_s if priority == BATCH else min(self._max_queue_s, timeout_s)
+        wait_s = queue.wait_s(time.monotonic())
+        if wait_s is not None and wait_s > limit:
+            self._metrics.refused.labels(spec.name).inc()
+            retry = max(1, min(60, math.ceil(wait_s - limit)))
+            raise TooManyRequests(
+                f"model {spec.name} is overloaded: a request sent now would wait about {wait_s:.0f}s "
+                f"to start, over the limit of {limit:g}s; retry in {retry}s",
+                retry_after_s=retry,
+            )
 
     async def stream(
         self,
@@ -198,9 +264,13 @@ class Dispatcher:
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
                 raise self._overloaded("the request queue is full") from None
             log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
-            raise ServiceUnavailable(f"the request queue refused the request: {exc.description}") from None
+            raise ServiceUnavailable(
+                f"the request queue refused the request: {exc.description}", retry_after_s=_FAILOVER_RETRY_S
+            ) from None
         except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
-            raise ServiceUnavailable("the request queue (NATS JetStream) is not answering") from None
+            raise ServiceUnavailable(
+                "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
+            ) from None
 
     def _overloaded(self, why: str) -> TooManyRequests:
         retry = self.retry_after_s()
@@ -236,9 +306,12 @@ class Dispatcher:
                 self._answered.append(time.monotonic())
             stream.queue.put_nowait(Reply(meta, msg.data))
             return
-        future = self._waiters.get(meta.id)
-        if future is None or future.done():
+        waiter = self._waiters.get(meta.id)
+        if waiter is None or waiter[0].done():
             self._metrics.duplicate_replies.inc()
             return
-        self._answered.append(time.monotonic())
+        future, queue = waiter
+        now = time.monotonic()
+        self._answered.append(now)
+        queue.answered.append(now)
         future.set_result(Reply(meta, msg.data))
