@@ -35,6 +35,7 @@ from appliance.blobs import Blobs
 from appliance.catalog import Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
+from appliance.envelope import ReplyMeta
 from appliance.errors import Conflict, NotFound
 from appliance.fleet import Fleet
 from appliance.gateway.admin import register, registration_from
@@ -314,6 +315,13 @@ class Box:
         if server is not None and server.sockets:  # port 0 means "any free port"
             self.http_port = int(server.sockets[0].getsockname()[1])
 
+    def _local_reply(self, subject: str, meta: ReplyMeta, body: bytes) -> bool:
+        """A worker's reply to this box's own gateway skips NATS: no publish, no confirmation, no parsing."""
+        if self.dispatcher is None or subject != self.dispatcher.reply_subject:
+            return False
+        self.dispatcher.take(meta, body)
+        return True
+
     # -- models on this box ----------------------------------------------------------------------
 
     async def serve_model(self, spec: ModelSpec) -> ModelWorker | GenerateWorker:
@@ -349,6 +357,7 @@ class Box:
                 self.residency,
                 self.catalog,
                 self.blobs,
+                local_reply=self._local_reply,
             )
         else:
             worker = ModelWorker(
@@ -365,6 +374,7 @@ class Box:
                 self.blobs,
                 self.js,
                 self.cancelled,
+                local_reply=self._local_reply,
             )
         self.workers[spec.name] = worker
         await worker.start()

@@ -31,7 +31,7 @@ from appliance.puller import Puller
 from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
-from appliance.worker import keep_alive, load_adapter
+from appliance.worker import LocalReply, keep_alive, load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
 
@@ -73,8 +73,10 @@ class GenerateWorker:
         residency: Residency,
         catalog: Catalog,
         blobs: Blobs,
+        local_reply: LocalReply | None = None,
     ) -> None:
         self.box_id = box_id
+        self._local_reply = local_reply
         self.spec = spec
         self.runtime = runtime
         self._nc = nc
@@ -255,7 +257,7 @@ class GenerateWorker:
             id=output.request_id, status=200, box=self.box_id, compute_ms=step_ms, seq=stream.seq, final=output.finished
         )
         stream.seq += 1
-        await self._nc.publish(stream.meta.reply, orjson.dumps(body), headers=reply.headers())
+        await self._reply(stream.meta.reply, reply, orjson.dumps(body))
         if output.finished:
             self._forget(output.request_id)
             await stream.msg.ack()
@@ -266,10 +268,14 @@ class GenerateWorker:
     async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, seq=seq, final=True)
         try:
-            await self._nc.publish(meta.reply, error.to_json(), headers=reply.headers())
+            await self._reply(meta.reply, reply, error.to_json())
             await msg.ack()
         finally:
             self.puller.poke()
+
+    async def _reply(self, subject: str, reply: ReplyMeta, body: bytes) -> None:
+        if self._local_reply is None or not self._local_reply(subject, reply, body):
+            await self._nc.publish(subject, body, headers=reply.headers())
 
     # -- stop ------------------------------------------------------------------------------------
 

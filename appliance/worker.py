@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import replace
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -26,7 +27,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
-from appliance import bus, envelope
+from appliance import bus
 from appliance.batcher import Batcher, Job
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
@@ -48,6 +49,9 @@ _CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any re
 _CONFIRM_TIMEOUT_S = 5.0  # how long a gateway may take to confirm it has a reply
 _RESEND_S = 0.25  # pause before sending a reply again that no gateway took
 
+LocalReply = Callable[[str, ReplyMeta, bytes], bool]
+"""Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
+
 
 class ModelWorker:
     """Serves one model on this box: its puller, its batcher, and the answers."""
@@ -67,11 +71,13 @@ class ModelWorker:
         blobs: Blobs,
         js: JetStreamContext,
         cancelled: Cancellations,
+        local_reply: LocalReply | None = None,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
         self._js = js
         self._cancelled = cancelled
+        self._local_reply = local_reply
         self.runtime = runtime
         self._nc = nc
         self._settings = settings
@@ -266,7 +272,7 @@ class ModelWorker:
         except FleetboxError as exc:
             await self._answer_error(meta, msg, exc)
             return
-        await self._send(meta, msg, body, reply.headers())
+        await self._send(meta, msg, body, reply)
 
     async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
         """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
@@ -285,16 +291,19 @@ class ModelWorker:
 
     async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id)
-        await self._send(meta, msg, error.to_json(), reply.headers())
+        await self._send(meta, msg, error.to_json(), reply)
 
-    async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, headers: dict[str, str]) -> None:
+    async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, reply: ReplyMeta) -> None:
         try:
-            if self._blobs.needed(body):
-                headers = {**headers, envelope.BLOB: await self._blobs.put(f"{meta.id}.reply", body)}
-                body = b""
-            if not await deliver_reply(self._nc, meta, body, headers, lambda: self._draining):
-                await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
-                return
+            # This box's own gateway awaiting it: handed over in-process, as sure as a confirmed reply.
+            local = self._local_reply is not None and self._local_reply(meta.reply, reply, body)
+            if not local:
+                if self._blobs.needed(body):
+                    reply = replace(reply, blob=await self._blobs.put(f"{meta.id}.reply", body))
+                    body = b""
+                if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
+                    await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+                    return
             await msg.ack()
             if meta.blob:
                 await self._blobs.delete(meta.blob)

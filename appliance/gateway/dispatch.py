@@ -287,6 +287,10 @@ class Dispatcher:
         rate = len(recent) / max(1.0, now - recent[0])
         return max(1, min(60, math.ceil(max(self.backlog, self.waiting) / rate)))
 
+    @property
+    def reply_subject(self) -> str:
+        return self._reply_subject
+
     async def _on_reply(self, msg: Msg) -> None:
         if msg.reply:  # the worker acks the request only once a gateway confirms it has the reply
             await msg.respond(b"")
@@ -295,6 +299,10 @@ class Dispatcher:
         except ValueError as exc:
             log.warning("malformed reply dropped", extra={"error": str(exc)})
             return
+        self.take(meta, msg.data)
+
+    def take(self, meta: ReplyMeta, body: bytes) -> None:
+        """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box."""
         stream = self._streams.get(meta.id)
         if stream is not None:
             if stream.box is None:
@@ -304,7 +312,7 @@ class Dispatcher:
                 return
             if meta.final:
                 self._answered.append(time.monotonic())
-            stream.queue.put_nowait(Reply(meta, msg.data))
+            stream.queue.put_nowait(Reply(meta, body))
             return
         waiter = self._waiters.get(meta.id)
         if waiter is None or waiter[0].done():
@@ -314,4 +322,4 @@ class Dispatcher:
         now = time.monotonic()
         self._answered.append(now)
         queue.answered.append(now)
-        future.set_result(Reply(meta, msg.data))
+        future.set_result(Reply(meta, body))
