@@ -8,13 +8,16 @@ next one; when the device is idle, a partial batch waits at most `max_wait_ms` f
 default: an idle device starts at once). Rows whose request's deadline has passed are dropped
 before any compute is spent on them, the last look taken on the device thread itself.
 
-One task owns the pending list; others only call `submit`.
+One task owns the pending list; others only call `submit`. Every batch run also teaches `BatchCost`
+what a batch costs here, so the box can tell how much more work it could answer in a given time
+(`room`): that is what it pulls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -34,6 +37,55 @@ log = logging.getLogger(__name__)
 # One batch at a time: rows are tokenised on arrival, so a second batch queued behind the first
 # would overlap nothing and only split the waiting rows into smaller batches.
 _BATCHES_IN_FLIGHT = 1
+_NEARLY_FREE = 0.1  # of the time budget: a device with this little left of its batch takes the next one
+_LATE_S = 0.005  # a batch this far past its predicted end (or a quarter of it) is stalled, not just late
+
+
+class BatchCost:
+    """Seconds a batch takes on this device: a fixed cost plus a cost per padded token, fitted to the batches run.
+
+    Why a fit and not rows per second: much of a small batch's time is the fixed part (a launch, a
+    sync, the Python around the call), so a rate read off small batches undercounts what a full
+    batch does, and a box sized by it asks for little, runs small batches and reads a low rate
+    again. The fit is least squares with older batches weighing less (`_DECAY` per batch); a batch
+    far slower than predicted (a GC pause, a cold cache) counts as at most twice the prediction, so
+    one pause does not reshape the model, while a device that really slows down still shows within
+    a few batches.
+    """
+
+    _DECAY = 0.95
+    _TRUST_AFTER = 5  # batches before outliers are clipped
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums: weight, tokens, seconds, ...
+        self.batches = 0
+        self.tokens_per_row: float | None = None  # padded tokens per row of recent batches (EWMA)
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        predicted = self.seconds(tokens)
+        if predicted is not None and self.batches >= self._TRUST_AFTER:
+            seconds = min(seconds, 2 * predicted)
+        d = self._DECAY
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * seconds
+        self.batches += 1
+        per_row = tokens / rows
+        self.tokens_per_row = per_row if self.tokens_per_row is None else 0.9 * self.tokens_per_row + 0.1 * per_row
+
+    def seconds(self, tokens: float) -> float | None:
+        """Predicted seconds for a batch of `tokens` padded tokens; None before any batch ran."""
+        if self._w == 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        spread = self._xx / self._w - mean_x * mean_x
+        slope = (self._xy / self._w - mean_x * mean_y) / spread if spread > (0.05 * mean_x) ** 2 else -1.0
+        fixed = mean_y - slope * mean_x
+        if slope < 0 or fixed < 0:  # one batch size seen (or noise): cost in proportion to tokens
+            return mean_y / mean_x * tokens if mean_x > 0 else mean_y
+        return fixed + slope * tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -97,11 +149,74 @@ class Batcher:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self.rows_per_s: float | None = None  # measured compute rate (EWMA), for sizing the box's room
+        self.cost = BatchCost()
+        self._running: tuple[float, float | None] | None = None  # on the device: (monotonic time sent, predicted s)
 
     @property
     def pending_rows(self) -> int:
         return len(self._pending)
+
+    @property
+    def rows_per_s(self) -> float | None:
+        """Rows a second in full batches of rows like recent ones, at the measured cost; None before a batch ran."""
+        full = self._full_batch()
+        return None if full is None else full[0] / full[1]
+
+    def room(self, within_s: float) -> int:
+        """Rows this batcher could take now and still answer within `within_s`, at the measured cost.
+
+        A row taken now waits for the batch on the device and the batches of rows already waiting, then
+        runs in its own; every batch ahead is counted full. A batch is let in once the device is nearly
+        free however slow a batch is, so a box never starves itself. Before any batch is timed: one batch.
+        """
+        full = self._full_batch()
+        pending = len(self._pending)
+        if full is None:
+            return max(0, self.batching.max_batch_size - pending)
+        rows, batch_s = full
+        left = self._running_left_s()
+        if left is None:
+            return 0  # the batch on the device is overdue (stalled): rows taken now would wait it out
+        batches = math.floor((within_s - left) / batch_s)
+        if batches < 1 and left <= _NEARLY_FREE * within_s:
+            batches = 1
+        return max(0, batches * rows - pending)
+
+    def room_opens_in(self, within_s: float) -> float | None:
+        """Seconds until `room(within_s)` may turn positive as the batch on the device runs; None: only an event can."""
+        full = self._full_batch()
+        if full is None:
+            return None
+        rows, batch_s = full
+        left = self._running_left_s()
+        if left is None:
+            return 0.25 * batch_s  # stalled: look again soon
+        # Room for one more row needs the batches of the rows waiting plus one to fit in `within_s`.
+        threshold = within_s - (len(self._pending) // rows + 1) * batch_s
+        if len(self._pending) < rows:
+            threshold = max(threshold, _NEARLY_FREE * within_s)
+        if self._running is not None and threshold > 0:
+            return max(0.001, left - threshold)
+        return left + 0.25 * batch_s  # only batches ending make room: look again after this one
+
+    def _full_batch(self) -> tuple[int, float] | None:
+        """(rows, predicted seconds) of a full batch of rows like recent ones; None before a batch ran."""
+        per_row = self.cost.tokens_per_row
+        if per_row is None:
+            return None
+        rows = max(1, min(self.batching.max_batch_size, int(self.batching.max_batch_tokens // max(1.0, per_row))))
+        seconds = self.cost.seconds(rows * per_row) or 0.0
+        return rows, max(seconds, 1e-4)
+
+    def _running_left_s(self) -> float | None:
+        """Predicted seconds the batch on the device still needs: 0 with none there, None when it is overdue."""
+        if self._running is None:
+            return 0.0
+        sent, predicted = self._running
+        if predicted is None:
+            return 0.0
+        left = sent + predicted - time.monotonic()
+        return None if left < -max(_LATE_S, 0.25 * predicted) else max(0.0, left)
 
     @property
     def pending_interactive(self) -> int:
@@ -222,9 +337,8 @@ class Batcher:
 
     async def _run_rows(self, batch: list[WorkItem], after_oom: bool = False) -> None:
         """Run a batch; out of memory: evict another model and retry, then split; else fail one request."""
-        loop = asyncio.get_running_loop()
         try:
-            live, outputs, elapsed_ms = await loop.run_in_executor(self._executor, self._run_live, batch)
+            live, outputs, elapsed_ms = await self._on_device(batch)
         except Exception as exc:  # a failing batch must not take its neighbours down
             if _out_of_memory(exc) and not after_oom and self._on_oom is not None and await self._on_oom():
                 log.warning("out of memory; evicted a model, retrying", extra={"model": self.model})
@@ -246,15 +360,15 @@ class Batcher:
         if not live:
             return
         rows = len(live)
+        tokens = rows * max(item.length for item in live)
         if elapsed_ms > 0:
-            rate = rows / (elapsed_ms / 1000)
-            self.rows_per_s = rate if self.rows_per_s is None else 0.8 * self.rows_per_s + 0.2 * rate
+            self.cost.observe(tokens, rows, elapsed_ms / 1000)
         for item in live:
             if item.job.started_ms and item.job.meta.sent_ms and item.index == 0:
                 self._metrics.queue_ms.labels(self.model).observe(max(0.0, item.job.started_ms - item.job.meta.sent_ms))
         self._metrics.compute_ms.labels(self.model).observe(elapsed_ms)
         self._metrics.batch_size.labels(self.model).observe(rows)
-        self._metrics.batch_tokens.labels(self.model).observe(rows * max(item.length for item in live))
+        self._metrics.batch_tokens.labels(self.model).observe(tokens)
         self._metrics.rows_computed.labels(self.model).inc(rows)
         for item, output in zip(live, outputs, strict=True):
             job = item.job
@@ -265,6 +379,14 @@ class Batcher:
             job.remaining -= 1
             if job.remaining == 0:
                 self._finish(job, None)
+
+    async def _on_device(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None, float]:
+        """Run a batch on the device thread, knowing meanwhile when it should end (for `room`)."""
+        self._running = (time.monotonic(), self.cost.seconds(len(batch) * max(item.length for item in batch)))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_live, batch)
+        finally:
+            self._running = None
 
     def _run_live(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None, float]:
         """On the device thread: the last look at deadlines before compute is spent, then the forward pass.

@@ -34,6 +34,7 @@ class Puller:
         priority: str = INTERACTIVE,
         expires_s: float = 2.0,
         idle_poll_s: float = 1.0,
+        room_opens_in: Callable[[], float | None] | None = None,
     ) -> None:
         self._nc = nc
         self._subject = bus.pull_request_subject(slug, priority)
@@ -42,6 +43,8 @@ class Puller:
         self._idle_poll_s = idle_poll_s  # how often to reconsider when there was no room
         self.last_message_at = 0.0  # loop time of the last request delivered
         self._room = room
+        # Room that grows with time alone (a batch on the device nearing its end) says when to look again.
+        self._room_opens_in = room_opens_in
         self._on_message = on_message
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
@@ -77,12 +80,16 @@ class Puller:
                 if want > 0 and self._nc.is_connected:
                     await self._request(want, loop)
             self._wake.clear()
-            timeout = max(0.01, self._open_until - loop.time()) if self._remaining else self._idle_poll_s
+            timeout = max(0.01, self._open_until - loop.time()) if self._remaining else self._idle_wait_s()
             try:  # not wait_for: on Python 3.11 it swallows a cancel that meets a wake, and stop() waited for ever
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    def _idle_wait_s(self) -> float:
+        opens_in = self._room_opens_in() if self._room_opens_in is not None else None
+        return self._idle_poll_s if opens_in is None else min(self._idle_poll_s, max(0.001, opens_in))
 
     async def _request(self, batch: int, loop: asyncio.AbstractEventLoop) -> None:
         self._seq += 1

@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     max_batch_size: int = 256
     max_wait_ms: float = 0.0  # how long an idle device waits for company; 0: start at once
     worker_capacity: int = 1024  # at most this many requests held per model (pulled, not yet acked)
-    hold_ms: float = 300.0  # a box pulls about this much work ahead, at its measured rate (DESIGN: pull rule)
+    hold_ms: float = 150.0  # a box pulls only what it expects to answer within this (DESIGN: pull rule)
     device: str = "auto"
     threads: int | None = None
     profiles_dir: Path | None = None  # tuning profiles looked up before the shipped profiles/ (docs/tuning.md)

@@ -2,8 +2,8 @@
 
 The pull rule: a box asks the shared durable consumer for exactly as many messages as it has room
 for, with at most one pull request outstanding per model. Room is measured in time: the rows this
-box computes in `hold_ms` at its measured rate (at least one batch, at most `worker_capacity`
-requests), less what it already holds. A fast box asks for more, a slow or stalled one for less,
+box could still answer within `hold_ms` at its measured batch cost (at least one batch once its
+device is nearly free, at most `worker_capacity` requests). A fast box asks for more, a slow or stalled one for less,
 and no router ever guesses its state. Every answer is a reply to the gateway's subject first, then the ack: if
 the box dies in between, JetStream redelivers and the gateway drops the second answer. The reply is
 a NATS request the gateway confirms, so a reply sent while its gateway is reconnecting (a NATS server
@@ -99,7 +99,15 @@ class ModelWorker:
             self._on_done,
             on_oom=lambda: residency.evict_for_oom(keep=spec.name),
         )
-        self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
+        hold_s = settings.hold_ms / 1000
+        self.puller = Puller(
+            nc,
+            spec.slug,
+            bus.pull_inbox(box_id, spec.slug),
+            self._room,
+            self._on_message,
+            room_opens_in=lambda: self.batcher.room_opens_in(hold_s),
+        )
         self.bulk_puller = Puller(
             nc,
             spec.slug,
@@ -154,14 +162,13 @@ class ModelWorker:
         }
 
     def _room(self) -> int:
-        if self.batcher.pending_rows >= 2 * self.spec.batching.max_batch_size:
-            return 0
-        rate = self.batcher.rows_per_s
-        # Until a batch has been timed, one batch's worth; then `hold_ms` of work at the measured rate.
-        rows = self.spec.batching.max_batch_size if rate is None else rate * self._settings.hold_ms / 1000
-        rows = max(rows, self.spec.batching.max_batch_size if rate is None else 1.0)
-        requests = math.ceil(rows / max(1.0, self._rows_per_request))
-        return max(0, min(self._settings.worker_capacity, requests) - len(self._held))
+        # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still
+        # being prepared is already spoken for.
+        rows = self.batcher.room(self._settings.hold_ms / 1000)
+        per_request = max(1.0, self._rows_per_request)
+        rows -= per_request * sum(1 for held in self._held.values() if not isinstance(held, Job))
+        requests = math.ceil(rows / per_request) if rows > 0 else 0
+        return max(0, min(self._settings.worker_capacity - len(self._held), requests))
 
     def _bulk_room(self) -> int:
         """Batch-priority work is pulled only while no interactive work waits, a batch at a time."""

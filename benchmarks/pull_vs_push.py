@@ -9,9 +9,9 @@ ways to get requests to them:
   pull     fleetbox as built: a real nats-server (JetStream), 8 worker `Box`es and one gateway `Box`
            in this process. Requests go through the gateway's `Dispatcher` (publish to the stream,
            await the reply); the boxes pull from the shared durable consumer with their `Puller`,
-           batch, reply, ack. Settings as shipped (`worker_capacity` 1024).
-  pull-2b  the same with `worker_capacity` = 2 batches (16): how much room a box asks for is the
-           pull rule's one knob, and the default turns out to decide the result.
+           batch, reply, ack. Settings as shipped (`hold_ms` 150, `worker_capacity` 1024).
+  pull-2b  the same with `worker_capacity` = 2 batches (16): a cap in requests on top of the room
+           in time (`hold_ms`), which once was the only knob and decided the result.
   rr       a push router: round-robin, straight into each worker's batcher.
   lor      a push router: least outstanding requests, choosing from a view of the workers'
            outstanding counts refreshed every 100 ms (plus its own sends since the refresh): the
@@ -565,7 +565,9 @@ async def measure(
     """Bisect the offered rate on short trials to the highest one within the SLO; then the full run."""
     result = RouterResult(target.name)
     ideal = ideal_rate()
-    lo, hi = 0.25 * ideal, 1.2 * ideal  # lo always met the SLO here; hi never does
+    # lo always met the SLO here; hi never does ("ideal" runs every batch at the longest rows: a box that
+    # holds rows enough to pack them by length does better, and pull's boxes did pass 1.2 × ideal).
+    lo, hi = 0.25 * ideal, 1.5 * ideal
     trial_deadline_s = 10 * slo_ms / 1000  # later than this is a failure anyway: keep trials short
     for step in range(plan.search_steps):
         rate = math.sqrt(lo * hi)
