@@ -199,6 +199,21 @@ class Batcher:
             return max(0.001, left - threshold)
         return left + 0.25 * batch_s  # only batches ending make room: look again after this one
 
+    def room_lasts_s(self, within_s: float) -> float | None:
+        """How long rows pulled now for the next batch still make it: until that batch starts. None: no sooner limit.
+
+        Only a busy device with room for just its next batch has one; a row that arrived later would
+        wait out a whole batch more than `room` counted, where another box may be free.
+        """
+        full = self._full_batch()
+        if full is None or self._running is None:
+            return None
+        rows, batch_s = full
+        left = self._running_left_s()
+        if left is None or left + batch_s <= within_s - batch_s or len(self._pending) >= rows:
+            return None
+        return left + _NEARLY_FREE * within_s
+
     def _full_batch(self) -> tuple[int, float] | None:
         """(rows, predicted seconds) of a full batch of rows like recent ones; None before a batch ran."""
         per_row = self.cost.tokens_per_row

@@ -19,6 +19,8 @@ from nats.aio.subscription import Subscription
 from appliance import bus
 from appliance.envelope import INTERACTIVE
 
+_SHORTEST_S = 0.005  # a pull request's shortest life
+
 
 class Puller:
     """Keeps at most one pull request open for one model, sized to the room the box has now."""
@@ -35,6 +37,7 @@ class Puller:
         expires_s: float = 2.0,
         idle_poll_s: float = 1.0,
         room_opens_in: Callable[[], float | None] | None = None,
+        room_lasts: Callable[[], float | None] | None = None,
     ) -> None:
         self._nc = nc
         self._subject = bus.pull_request_subject(slug, priority)
@@ -45,6 +48,7 @@ class Puller:
         self._room = room
         # Room that grows with time alone (a batch on the device nearing its end) says when to look again.
         self._room_opens_in = room_opens_in
+        self._room_lasts = room_lasts  # a room that ends sooner than `expires_s` ends its request then
         self._on_message = on_message
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
@@ -94,8 +98,10 @@ class Puller:
     async def _request(self, batch: int, loop: asyncio.AbstractEventLoop) -> None:
         self._seq += 1
         self._remaining = batch
-        self._open_until = loop.time() + self._expires_s + 1.0
-        payload = orjson.dumps({"batch": batch, "expires": int(self._expires_s * 1e9)})
+        lasts = self._room_lasts() if self._room_lasts is not None else None
+        expires_s = self._expires_s if lasts is None else min(self._expires_s, max(_SHORTEST_S, lasts))
+        self._open_until = loop.time() + expires_s + 1.0
+        payload = orjson.dumps({"batch": batch, "expires": int(expires_s * 1e9)})
         await self._nc.publish(self._subject, payload, reply=f"{self._inbox}.{self._seq}")
 
     async def _receive(self, msg: Msg) -> None:

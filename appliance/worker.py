@@ -107,6 +107,7 @@ class ModelWorker:
             self._room,
             self._on_message,
             room_opens_in=lambda: self.batcher.room_opens_in(hold_s),
+            room_lasts=lambda: self.batcher.room_lasts_s(hold_s),
         )
         self.bulk_puller = Puller(
             nc,
