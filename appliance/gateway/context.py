@@ -45,4 +45,4 @@ class GatewayContext:
 
 
 CONTEXT: web.AppKey[GatewayContext] = web.AppKey("fleetbox", GatewayContext)
-REQUEST_ID = "fbx_request_id"  # where the middleware keeps the request's id on the aiohttp request
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("fbx_request_id", str)  # the request id the middleware set
