@@ -177,3 +177,22 @@ async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, en
     assert records["tiny-untuned"]["profile"]["match"] == "off"
     async with http.post(url(box, "/v1/embeddings"), json={"model": "tiny", "input": ["hello", "world"]}) as r:
         assert r.status == 200 and len((await r.json())["data"]) == 2
+
+
+async def test_a_registration_chooses_its_profile(start_box, http, encoder_dir, tmp_path) -> None:
+    """POST /v1/models takes `profile` as a [[models]] entry does: here "off" beats an exact profile."""
+    hardware = hardware_slug("cpu")
+    Profile(
+        model="tiny", hardware=hardware, runtime="torch", dtype="float32",
+        max_batch_tokens=777, max_batch_size=7, max_wait_ms=0.5, threads=1,
+    ).write(tmp_path / "profiles" / "tiny" / f"{hardware}.toml")  # fmt: skip
+    box = await start_box(default_model=False, model_roots=[encoder_dir.parent], profiles_dir=tmp_path / "profiles")
+    body = {"name": "tiny", "path": str(encoder_dir), "task": "embed", "profile": "../etc"}
+    async with http.post(url(box, "/v1/models"), json=body) as response:
+        assert response.status == 422
+    async with http.post(url(box, "/v1/models"), json={**body, "profile": "off"}) as response:
+        assert response.status == 201, await response.text()
+        assert (await response.json())["profile"]["match"] == "off"
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "tiny", "input": "hello"}) as response:
+        assert response.status == 200
+    assert box.workers["tiny"].spec.batching != Batching(777, 7, 0.5)

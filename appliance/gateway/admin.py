@@ -146,6 +146,7 @@ async def register(
         dtype=registration.dtype,
         options=dict(registration.options),
         adapter_of=registration.adapter_of,
+        profile=registration.profile,
     )
     if check_fits is not None and spec.adapter_of is None:
         check_fits(spec)
