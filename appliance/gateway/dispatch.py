@@ -100,6 +100,7 @@ class ModelQueue:
 class Reply:
     meta: ReplyMeta
     body: bytes
+    restarted: bool = False  # a stream's first chunk from another box: the one before it stopped mid-answer
 
 
 class Dispatcher:
@@ -204,8 +205,10 @@ class Dispatcher:
     ) -> AsyncIterator[Reply]:
         """Publish a generation request and yield its chunks in order, until the final one.
 
-        Chunks are taken from the first box that answers; a second box's chunks (a redelivery)
-        are dropped. A caller that stops early (its client went away) cancels the generation.
+        Chunks are taken from one box at a time. If another box starts the answer over (the first
+        died mid-answer and the request was redelivered), its chunks are taken from then on, the
+        first marked `restarted`, and any late chunk of the first box is dropped. A caller that
+        stops early (its client went away) cancels the generation.
         """
         meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
         loop = asyncio.get_running_loop()
@@ -315,14 +318,19 @@ class Dispatcher:
         """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box."""
         stream = self._streams.get(meta.id)
         if stream is not None:
+            restarted = False
             if stream.box is None:
                 stream.box = meta.box
-            if stream.box != meta.box:
-                self._metrics.duplicate_replies.inc()
-                return
+            elif stream.box != meta.box:
+                if meta.seq != 0:
+                    self._metrics.duplicate_replies.inc()
+                    return
+                # Another box starts the answer over: the first one died (or handed it back) mid-answer,
+                # and JetStream redelivered the request. Its chunks, and no more of the first's, are taken.
+                stream.box, restarted = meta.box, True
             if meta.final:
                 self._answered.append(time.monotonic())
-            stream.queue.put_nowait(Reply(meta, body))
+            stream.queue.put_nowait(Reply(meta, body, restarted))
             return
         waiter = self._waiters.get(meta.id)
         if waiter is None or waiter[0].done():

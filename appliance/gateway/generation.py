@@ -15,7 +15,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from appliance.errors import FleetboxError, Unprocessable, error_from_reply
+from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, error_from_reply
 from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import ChatRequest, CompletionRequest
@@ -121,6 +121,8 @@ def _usage(body: dict[str, Any]) -> dict[str, int]:
 async def _whole(chunks, shape: _Shape) -> web.Response:
     parts: list[str] = []
     async for chunk in chunks:
+        if chunk.restarted:
+            parts.clear()  # another box answers from the start: what the first one sent is dropped
         if chunk.meta.status != 200:
             raise error_from_reply(chunk.meta.status, chunk.body)
         body = orjson.loads(chunk.body)
@@ -133,15 +135,21 @@ async def _whole(chunks, shape: _Shape) -> web.Response:
 async def _stream(request: web.Request, chunks, shape: _Shape, include_usage: bool) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     first = True
+    resume = _Resume()
     try:
         async for chunk in chunks:
+            if chunk.restarted:
+                resume.restart()
             if chunk.meta.status != 200:
                 raise error_from_reply(chunk.meta.status, chunk.body)
             if response is None:
                 response = await _open(request)
             body = orjson.loads(chunk.body)
+            text = resume.new_text(body.get("text") or "")
+            if text is None and not chunk.meta.final:
+                continue  # the new box is still catching up with what the client has already seen
             finish = body.get("finish_reason") if chunk.meta.final else None
-            await _event(response, shape.chunk(body.get("text"), finish, first=first))
+            await _event(response, shape.chunk(text, finish, first=first))
             first = False
             if chunk.meta.final and include_usage:
                 await _event(response, shape.usage_chunk(_usage(body)))
@@ -154,6 +162,39 @@ async def _stream(request: web.Request, chunks, shape: _Shape, include_usage: bo
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+class _Resume:
+    """Carries a streamed answer over to a box that starts it again after the first one stopped.
+
+    The client already has some text. A greedy or seeded generation comes out the same on the new
+    box, so its chunks are held back until they have caught up with that text, and only the rest
+    is sent on: the client sees one unbroken answer. A new answer that differs from what was sent
+    (sampling without a seed) cannot be stitched on: the stream ends with an error event.
+    """
+
+    def __init__(self) -> None:
+        self.sent = ""  # the text the client has
+        self.replay: str | None = None  # the new box's text while it catches up; None when not resuming
+
+    def restart(self) -> None:
+        self.replay = ""
+
+    def new_text(self, text: str) -> str | None:
+        """What of this chunk's text to send on, None for nothing yet; raises when the answers diverge."""
+        if self.replay is not None:
+            self.replay += text
+            if not (self.sent.startswith(self.replay) or self.replay.startswith(self.sent)):
+                raise ServiceUnavailable(
+                    "the box generating this answer stopped mid-answer, and the box that took it over "
+                    "generated a different text (sampling without a seed); send the request again",
+                    code="generation_restarted",
+                )
+            if len(self.replay) <= len(self.sent):
+                return None
+            text, self.replay = self.replay[len(self.sent) :], None
+        self.sent += text
+        return text or None
 
 
 async def _open(request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,95 @@
+"""A box that dies mid-answer while generating: the request is redelivered, another box generates it
+again from the start, and the client still gets one whole, right answer (or, where the two answers
+cannot agree, a clear error instead of a hang).
+
+The dying box is played by a bare JetStream consumer: it takes the request, sends the first chunks
+the way a worker does, and never acks, exactly what a box killed mid-answer leaves behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import orjson
+
+from appliance import bus
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.settings import ModelEntry
+from tests.conftest import url
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+
+
+def greedy_text(folder) -> str:
+    """What the tiny generator answers to PROMPT with greedy decoding, straight from transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tokenizer.decode(out[: out.index(eos)] if eos in out else out)
+
+
+async def a_box_dies_mid_answer(nats_url: str, chunks: list[str]) -> None:
+    """Take the one queued generation request, send `chunks` of it as box "dead-box", never ack."""
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("tiny-llama"), stream=bus.REQUEST_STREAM)
+        (msg,) = await sub.fetch(1, timeout=10)
+        meta = RequestMeta.from_headers(msg.headers)
+        for seq, text in enumerate(chunks):
+            reply = ReplyMeta(id=meta.id, status=200, box="dead-box", seq=seq, final=False)
+            await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
+        await nc.flush()
+    finally:
+        await nc.close()
+
+
+async def generate_through_a_failover(start_box, nats_server, http, generator_dir, *, stream: bool, chunks: list[str]):
+    """A gateway box; the request is taken by a dying box; then a worker box joins and takes it over."""
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    common = {"default_model": False, "models": [model], "ack_wait_s": 1.0}
+    gateway = await start_box(role="gateway", box_id="gateway", **common)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    await a_box_dies_mid_answer(nats_server.url, chunks)
+    await start_box(role="worker", box_id="survivor", **common)  # gets the request again after ack_wait_s
+    async with await answer as response:
+        assert response.status == 200
+        if not stream:
+            return (await response.json())["choices"][0]["text"]
+        raw = await response.text()
+    events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [orjson.loads(event) for event in events[:-1]]
+
+
+async def test_a_whole_answer_is_taken_from_the_box_that_finished_it(start_box, nats_server, http, generator_dir):
+    text = await generate_through_a_failover(start_box, nats_server, http, generator_dir, stream=False,
+                                             chunks=["half an answer from a box that died"])  # fmt: skip
+    assert text == greedy_text(generator_dir)
+
+
+async def test_a_stream_carries_on_where_the_dead_box_stopped(start_box, nats_server, http, generator_dir):
+    """Greedy decoding gives the same text on the new box: the client sees one unbroken answer."""
+    expected = greedy_text(generator_dir)
+    assert len(expected) >= 4
+    sent = [expected[:2], expected[2:4]]
+    events = await generate_through_a_failover(start_box, nats_server, http, generator_dir, stream=True, chunks=sent)
+    assert not any("error" in event for event in events)
+    assert "".join(event["choices"][0]["text"] for event in events) == expected
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_a_stream_that_cannot_be_carried_on_ends_with_a_clear_error(start_box, nats_server, http, generator_dir):
+    """What the dead box sent is not how the new answer starts: no stitching, an error event, no hang."""
+    events = await generate_through_a_failover(start_box, nats_server, http, generator_dir, stream=True,
+                                               chunks=["\x00not this"])  # fmt: skip
+    assert events[0]["choices"][0]["text"] == "\x00not this"
+    assert events[-1]["error"]["code"] == "generation_restarted"
