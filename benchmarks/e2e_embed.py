@@ -173,7 +173,9 @@ class RawModel:
         from appliance.settings import Settings
         from runtimes import RuntimeKind, load_runtime
 
-        spec = next(s for s in configured_specs(Settings()) if s.name == DEFAULT_MODEL_NAME)
+        spec = next(
+            s for s in configured_specs(Settings(models=[], default_model=True)) if s.name == DEFAULT_MODEL_NAME
+        )
         if engine == "box":
             spec = ProfileBook(hardware_slug(device), [SHIPPED_PROFILES_DIR], cpu_cores()).apply(spec)
         source = spec.source(device, threads)
