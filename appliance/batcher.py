@@ -3,9 +3,12 @@
 The batching rule: a batch is anchored on the oldest waiting row (so no row starves), then grown
 one row at a time toward whichever neighbour in length adds the least padding, while
 `rows × longest row` (padding counted) stays within `max_batch_tokens` and the row count within
-`max_batch_size`. One batch is on the device at a time, so rows arriving meanwhile gather for the
-next one; when the device is idle, a partial batch waits at most `max_wait_ms` for company (0 by
-default: an idle device starts at once). Rows whose request's deadline has passed are dropped
+`max_batch_size`. Once the cost of a batch here is known (`BatchCost`), the batch is cut where
+rows per second peak along that growth: past some size, the padding a longer row brings to every
+row costs more than a batch's fixed cost saves (on a CPU, soon; on a GPU, rarely). One batch is
+on the device at a time, so rows arriving meanwhile gather for the next one; when the device is
+idle, a partial batch waits at most `max_wait_ms` for company (0 by default: an idle device
+starts at once). Rows whose request's deadline has passed are dropped
 before any compute is spent on them, the last look taken on the device thread itself.
 
 One task owns the pending list; others only call `submit`. Every batch run also teaches `BatchCost`
@@ -54,7 +57,7 @@ class BatchCost:
     """
 
     _DECAY = 0.95
-    _TRUST_AFTER = 5  # batches before outliers are clipped
+    TRUST_AFTER = 5  # batches before outliers are clipped and the fit shapes batches
 
     def __init__(self) -> None:
         self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums: weight, tokens, seconds, ...
@@ -63,7 +66,7 @@ class BatchCost:
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
         predicted = self.seconds(tokens)
-        if predicted is not None and self.batches >= self._TRUST_AFTER:
+        if predicted is not None and self.batches >= self.TRUST_AFTER:
             seconds = min(seconds, 2 * predicted)
         d = self._DECAY
         self._w = d * self._w + 1.0
@@ -79,13 +82,24 @@ class BatchCost:
         """Predicted seconds for a batch of `tokens` padded tokens; None before any batch ran."""
         if self._w == 0:
             return None
+        fit = self.fit()
+        if fit is None:  # one batch size seen (or noise): cost in proportion to tokens
+            mean_x, mean_y = self._x / self._w, self._y / self._w
+            return mean_y / mean_x * tokens if mean_x > 0 else mean_y
+        fixed, slope = fit
+        return fixed + slope * tokens
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds a batch, seconds a padded token); None while the batches seen cannot tell them apart."""
+        if self._w == 0:
+            return None
         mean_x, mean_y = self._x / self._w, self._y / self._w
         spread = self._xx / self._w - mean_x * mean_x
-        slope = (self._xy / self._w - mean_x * mean_y) / spread if spread > (0.05 * mean_x) ** 2 else -1.0
+        if spread <= (0.05 * mean_x) ** 2:
+            return None
+        slope = (self._xy / self._w - mean_x * mean_y) / spread
         fixed = mean_y - slope * mean_x
-        if slope < 0 or fixed < 0:  # one batch size seen (or noise): cost in proportion to tokens
-            return mean_y / mean_x * tokens if mean_x > 0 else mean_y
-        return fixed + slope * tokens
+        return None if slope < 0 or fixed < 0 else (fixed, slope)
 
 
 @dataclass(slots=True, eq=False)
@@ -311,6 +325,8 @@ class Batcher:
         lo, hi = at, at + 1  # the batch is by_length[lo:hi]
         longest = anchor.length
         budget, max_rows = self.batching.max_batch_tokens, self.batching.max_batch_size
+        fit = self.cost.fit() if self.cost.batches >= BatchCost.TRUST_AFTER else None
+        best, best_rate = (lo, hi), (1 / (fit[0] + fit[1] * longest) if fit is not None else 0.0)
         while hi - lo < max_rows:
             rows = hi - lo + 1
             # Grow toward the neighbour that adds the least padding: a shorter row is padded up to the
@@ -326,6 +342,14 @@ class Batcher:
             else:
                 longest = by_length[hi].length
                 hi += 1
+            if fit is not None:
+                # Rows a second if the batch stopped here: past some size, the padding a longer row
+                # brings to every row costs more than one batch's fixed cost saves.
+                rate = (hi - lo) / (fit[0] + fit[1] * (hi - lo) * longest)
+                if rate >= best_rate:
+                    best, best_rate = (lo, hi), rate
+        if fit is not None:
+            lo, hi = best
         batch = by_length[lo:hi]
         chosen = {id(item) for item in batch}
         self._pending = [item for item in self._pending if id(item) not in chosen]

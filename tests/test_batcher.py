@@ -107,3 +107,23 @@ async def test_a_batch_holds_one_adapter() -> None:
     assert sorted(map(str, runtime.adapters)) == ["None", "a", "b"]
     sizes = dict(zip(map(str, runtime.adapters), map(len, runtime.batches), strict=True))
     assert sizes == {"a": 3, "None": 1, "b": 2}
+
+
+def taught(fixed_s: float, per_token_s: float) -> Batcher:
+    """A batcher whose cost model has seen batches that cost `fixed_s + per_token_s × padded tokens`."""
+    batcher = Batcher("m", RecordingRuntime(), Batching(max_batch_tokens=10_000, max_batch_size=8, max_wait_ms=0),
+                      ThreadPoolExecutor(1), Metrics(), lambda job, error: None)  # fmt: skip
+    for tokens in (64, 128, 256, 512, 64, 128, 256, 512):
+        batcher.cost.observe(tokens, 8, fixed_s + per_token_s * tokens)
+    return batcher
+
+
+async def test_batch_stops_growing_where_padding_costs_more_than_a_batch_saves() -> None:
+    """Four short rows and four long ones: where padded tokens are what costs, they run apart."""
+    rows = [5, 5, 5, 5, 60, 60, 60, 60]
+    padding_bound = taught(fixed_s=0.0005, per_token_s=0.0001)
+    padding_bound.submit(job(rows))
+    assert sorted(item.length for item in padding_bound._take_batch()) == [5, 5, 5, 5]
+    launch_bound = taught(fixed_s=0.05, per_token_s=0.000001)  # a GPU-like fixed cost: one batch is best
+    launch_bound.submit(job(rows))
+    assert sorted(item.length for item in launch_bound._take_batch()) == rows
