@@ -16,7 +16,6 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from typing import Any
 
 import nats
@@ -55,6 +54,7 @@ from runtimes.base import Task
 log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
+_STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 _JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 _RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
 
@@ -589,38 +589,50 @@ class Box:
     # -- stop ------------------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Close the door, finish in-flight batches, hand back unstarted work, stop NATS."""
+        """Close the door, finish in-flight batches, hand back unstarted work, stop NATS.
+
+        Every step that talks to NATS is bounded: a connection that stops taking writes (a server
+        that hangs) must not keep a stopping box alive past its SIGTERM budget.
+        """
         log.info("box stopping", extra={"box": self.box_id})
         self.draining = True
         if self._site is not None:
             await self._site.stop()
         if self._placement is not None:
-            await self._placement.stop()
+            await _bounded("placement", self._placement.stop())
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
+        await _bounded("background tasks", asyncio.gather(*self._tasks, return_exceptions=True))
+        drains = asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
+        await _bounded("workers", drains, self.settings.shutdown_grace_s + _STOP_STEP_S)
         self.workers.clear()
         if self._runner is not None:
             await self._runner.cleanup()  # waits (bounded) for handlers still answering
         if self._control is not None:
-            with suppress(Exception):
-                await self._control.stop()
+            await _bounded("control", self._control.stop())
         if self._dead_letters is not None:
-            with suppress(Exception):
-                await self._dead_letters.stop()
+            await _bounded("dead letters", self._dead_letters.stop())
         if self.fleet is not None:
-            await self.fleet.stop()
+            await _bounded("heartbeat", self.fleet.stop())
         if self.store is not None:
-            await self.store.close()
+            await _bounded("catalog", self.store.close())
         if self.nc is not None:
-            with suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), 3.0)
-            with suppress(Exception):
-                await self.nc.close()
+            await _bounded("NATS drain", self.nc.drain())
+            await _bounded("NATS close", self.nc.close())
         await self.residency.close()
         self._device_executor.shutdown(wait=False, cancel_futures=True)
         self._cpu_executor.shutdown(wait=False, cancel_futures=True)
         if self.natsd is not None:
             await self.natsd.stop()
         log.info("box stopped", extra={"box": self.box_id})
+
+
+async def _bounded(step: str, awaitable: Awaitable[Any], timeout_s: float = 0.0) -> None:
+    """One step of a box's shutdown, given at most `timeout_s` (default `_STOP_STEP_S`); failures are logged."""
+    try:
+        async with asyncio.timeout(timeout_s or _STOP_STEP_S):
+            await awaitable
+    except TimeoutError:
+        log.warning("shutdown step timed out; going on", extra={"step": step})
+    except Exception as exc:
+        log.debug("shutdown step failed", extra={"step": step, "error": repr(exc)})
