@@ -48,6 +48,7 @@ from appliance.placement import Placement
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook, cpu_cores, hardware_slug
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
+from appliance.tasks import cancel_and_wait
 from appliance.worker import Cancellations, ModelWorker
 from runtimes.base import Task
 
@@ -600,9 +601,7 @@ class Box:
             await self._site.stop()
         if self._placement is not None:
             await _bounded("placement", self._placement.stop())
-        for task in list(self._tasks):
-            task.cancel()
-        await _bounded("background tasks", asyncio.gather(*self._tasks, return_exceptions=True))
+        await _bounded("background tasks", cancel_and_wait(list(self._tasks)))
         drains = asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
         await _bounded("workers", drains, self.settings.shutdown_grace_s + _STOP_STEP_S)
         self.workers.clear()
@@ -633,6 +632,6 @@ async def _bounded(step: str, awaitable: Awaitable[Any], timeout_s: float = 0.0)
         async with asyncio.timeout(timeout_s or _STOP_STEP_S):
             await awaitable
     except TimeoutError:
-        log.warning("shutdown step timed out; going on", extra={"step": step})
+        log.warning(f"shutdown step {step!r} timed out; going on", extra={"step": step})
     except Exception as exc:
         log.debug("shutdown step failed", extra={"step": step, "error": repr(exc)})

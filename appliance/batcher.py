@@ -33,6 +33,7 @@ from appliance.catalog import Batching
 from appliance.envelope import BATCH, RequestMeta
 from appliance.errors import deadline_passed
 from appliance.metrics import Metrics
+from appliance.tasks import cancel_and_wait
 from runtimes import Runtime, Tokenized
 
 log = logging.getLogger(__name__)
@@ -263,9 +264,7 @@ class Batcher:
         """Stop forming batches, finish those in flight; return the jobs never started."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         if self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
         unstarted: dict[int, Job] = {}

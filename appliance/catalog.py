@@ -28,6 +28,7 @@ from appliance import bus
 from appliance.bus import model_slug
 from appliance.errors import NotFound
 from appliance.settings import ModelEntry, Settings
+from appliance.tasks import cancel_and_wait
 from runtimes import ModelSource, RuntimeKind, Task
 from runtimes.detect import detect_task
 
@@ -350,9 +351,7 @@ class CatalogStore:
             self._notify(spec.name, None)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         if self._watcher is not None:
             with suppress(Exception):  # its consumer may be gone with the server that held it
                 await self._watcher.stop()

@@ -22,6 +22,7 @@ from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
+from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,7 @@ class Fleet:
         await self.start()
 
     async def _stop_tasks(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._watcher is not None:
             with suppress(Exception):  # its consumer may be gone with the server that held it

@@ -31,6 +31,7 @@ from appliance.puller import Puller
 from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
+from appliance.tasks import cancel_and_wait
 from appliance.worker import LocalReply, keep_alive, load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
@@ -289,18 +290,13 @@ class GenerateWorker:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except TimeoutError:
             log.warning("generation still active at drain; handing it back", extra={"model": self.spec.name})
-        if self._stepper is not None:
-            self._stepper.cancel()
-            await asyncio.gather(self._stepper, return_exceptions=True)
+        await cancel_and_wait([self._stepper])
         if self._streams:
             await loop.run_in_executor(self._device, self.runtime.clear)
             for stream in self._streams.values():
                 await stream.msg.nak()
             self._streams.clear()
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     def _forget(self, request_id: str) -> Stream | None:
         stream = self._streams.pop(request_id, None)

@@ -22,6 +22,7 @@ from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, ServiceUnavailable
 from appliance.puller import Puller
+from appliance.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from appliance.app import Box
@@ -49,10 +50,7 @@ class Placement:
         self._task = asyncio.create_task(self._run(), name="placement")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._loads) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([self._task, *self._loads])
 
     async def _run(self) -> None:
         while True:

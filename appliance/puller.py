@@ -18,6 +18,7 @@ from nats.aio.subscription import Subscription
 
 from appliance import bus
 from appliance.envelope import INTERACTIVE
+from appliance.tasks import cancel_and_wait
 
 _SHORTEST_S = 0.005  # a pull request's shortest life
 
@@ -62,9 +63,7 @@ class Puller:
         self._task = asyncio.create_task(self._loop(), name=f"puller:{self._subject}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None

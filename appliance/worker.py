@@ -39,6 +39,7 @@ from appliance.metrics import Metrics
 from appliance.puller import Puller
 from appliance.residency import Residency
 from appliance.settings import Settings
+from appliance.tasks import cancel_and_wait
 from runtimes import Runtime, UnknownAdapter, UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -135,8 +136,7 @@ class ModelWorker:
         self._draining = True
         await self.puller.stop()
         await self.bulk_puller.stop()
-        if self._ticker is not None:
-            self._ticker.cancel()
+        await cancel_and_wait([self._ticker])
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for job in await self.batcher.drain():
