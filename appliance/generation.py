@@ -32,7 +32,7 @@ from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
 from appliance.tasks import cancel_and_wait
-from appliance.worker import LocalReply, keep_alive, load_adapter
+from appliance.worker import LocalReply, deliver_reply, keep_alive, load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
 
@@ -78,6 +78,7 @@ class GenerateWorker:
     ) -> None:
         self.box_id = box_id
         self._local_reply = local_reply
+        self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
         self.spec = spec
         self.runtime = runtime
         self._nc = nc
@@ -221,7 +222,8 @@ class GenerateWorker:
                 for request_id in await loop.run_in_executor(self._device, self.runtime.clear):
                     stream = self._forget(request_id)
                     if stream is not None:
-                        await self._fail(stream.meta, stream.msg, InternalError(f"generation failed: {exc!r}"))
+                        error = InternalError(f"generation failed: {exc!r}")
+                        self._spawn(self._fail(stream.meta, stream.msg, error, seq=stream.seq))
                 continue
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
@@ -258,31 +260,49 @@ class GenerateWorker:
             id=output.request_id, status=200, box=self.box_id, compute_ms=step_ms, seq=stream.seq, final=output.finished
         )
         stream.seq += 1
-        await self._reply(stream.meta.reply, reply, orjson.dumps(body))
-        if output.finished:
-            self._forget(output.request_id)
+        if not output.finished:
+            await self._reply(stream.meta, reply, orjson.dumps(body))
+            return
+        self._forget(output.request_id)
+        # The last chunk is confirmed before the ack (off the stepper: all generations step together).
+        self._spawn(self._finish(stream, reply, orjson.dumps(body)))
+
+    async def _finish(self, stream: Stream, reply: ReplyMeta, body: bytes) -> None:
+        try:
+            if not await self._reply(stream.meta, reply, body, confirmed=True):
+                await stream.msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+                return
             await stream.msg.ack()
             if stream.meta.blob:
                 await self._blobs.delete(stream.meta.blob)
+        finally:
             self.puller.poke()
 
     async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, seq=seq, final=True)
         try:
-            await self._reply(meta.reply, reply, error.to_json())
+            if not await self._reply(meta, reply, error.to_json(), confirmed=True):
+                await msg.nak()
+                return
             await msg.ack()
         finally:
             self.puller.poke()
 
-    async def _reply(self, subject: str, reply: ReplyMeta, body: bytes) -> None:
-        if self._local_reply is None or not self._local_reply(subject, reply, body):
-            await self._nc.publish(subject, body, headers=reply.headers())
+    async def _reply(self, meta: RequestMeta, reply: ReplyMeta, body: bytes, *, confirmed: bool = False) -> bool:
+        """Send one chunk; a confirmed one is sent until its gateway has it (False: this box is stopping first)."""
+        if self._local_reply is not None and self._local_reply(meta.reply, reply, body):
+            return True
+        if confirmed:
+            return await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._stopping)
+        await self._nc.publish(meta.reply, body, headers=reply.headers())
+        return True
 
     # -- stop ------------------------------------------------------------------------------------
 
     async def drain(self) -> None:
         """Stop pulling; let active requests finish within the grace, hand the rest back."""
         grace_s = self._settings.shutdown_grace_s
+        self._stopping = True
         await self.puller.stop()
         await self.bulk_puller.stop()
         loop = asyncio.get_running_loop()

@@ -36,15 +36,15 @@ def greedy_text(folder) -> str:
     return tokenizer.decode(out[: out.index(eos)] if eos in out else out)
 
 
-async def a_box_dies_mid_answer(nats_url: str, chunks: list[str]) -> None:
+async def a_box_dies_mid_answer(nats_url: str, chunks: list[str], seqs: list[int] | None = None) -> None:
     """Take the one queued generation request, send `chunks` of it as box "dead-box", never ack."""
     nc = await nats.connect(nats_url)
     try:
         sub = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("tiny-llama"), stream=bus.REQUEST_STREAM)
         (msg,) = await sub.fetch(1, timeout=10)
         meta = RequestMeta.from_headers(msg.headers)
-        for seq, text in enumerate(chunks):
-            reply = ReplyMeta(id=meta.id, status=200, box="dead-box", seq=seq, final=False)
+        for seq, text in zip(seqs or range(len(chunks)), chunks, strict=True):
+            reply = ReplyMeta(id=meta.id, status=200, box="dead-box", seq=seq, final=seq == (seqs or [-1])[-1])
             await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
         await nc.flush()
     finally:
@@ -93,3 +93,15 @@ async def test_a_stream_that_cannot_be_carried_on_ends_with_a_clear_error(start_
                                                chunks=["\x00not this"])  # fmt: skip
     assert events[0]["choices"][0]["text"] == "\x00not this"
     assert events[-1]["error"]["code"] == "generation_restarted"
+
+
+async def test_an_answer_with_a_lost_chunk_is_an_error_not_a_shorter_one(start_box, nats_server, http, generator_dir):
+    """Chunks 0 and 2 arrive, 1 never does (lost in a NATS failover): no answer with a hole in it."""
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    gateway = await start_box(role="gateway", box_id="gateway", default_model=False, models=[model])
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    await a_box_dies_mid_answer(nats_server.url, ["one ", "three"], seqs=[0, 2])
+    async with await answer as response:
+        assert response.status == 503
+        assert (await response.json())["error"]["code"] == "chunk_lost"

@@ -60,6 +60,8 @@ def _deadline(timeout_s: float) -> GatewayTimeout:
 class _StreamWaiter:
     queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
     box: str | None = None  # the box whose chunks are taken
+    next_seq: int = 0  # the chunk expected next from it
+    broken: bool = False  # a chunk went missing: the answer cannot be whole
 
 
 @dataclass(slots=True)
@@ -321,13 +323,26 @@ class Dispatcher:
             restarted = False
             if stream.box is None:
                 stream.box = meta.box
-            elif stream.box != meta.box:
+            elif stream.box != meta.box or (meta.seq == 0 and stream.next_seq > 0):
                 if meta.seq != 0:
                     self._metrics.duplicate_replies.inc()
                     return
-                # Another box starts the answer over: the first one died (or handed it back) mid-answer,
-                # and JetStream redelivered the request. Its chunks, and no more of the first's, are taken.
-                stream.box, restarted = meta.box, True
+                # A box starts the answer over: the first one died (or handed it back) mid-answer, and
+                # JetStream redelivered the request. Its chunks, and no more of the first's, are taken.
+                stream.box, stream.next_seq, stream.broken, restarted = meta.box, 0, False, True
+            if stream.broken:
+                return
+            if meta.seq != stream.next_seq:
+                # Chunks are published in order on one connection: a gap is a chunk lost in transit
+                # (a NATS failover), and an answer with a hole in it must not pass for a whole one.
+                stream.broken = True
+                lost = ServiceUnavailable(
+                    f"chunk {stream.next_seq} of the answer from box {meta.box} was lost in transit; "
+                    "send the request again",
+                    code="chunk_lost",
+                )
+                meta, body = replace(meta, status=lost.status, final=True), lost.to_json()
+            stream.next_seq = meta.seq + 1
             if meta.final:
                 self._answered.append(time.monotonic())
             stream.queue.put_nowait(Reply(meta, body, restarted))
