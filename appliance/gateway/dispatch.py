@@ -102,7 +102,7 @@ class ModelQueue:
 class Reply:
     meta: ReplyMeta
     body: bytes
-    restarted: bool = False  # a stream's first chunk from another box: the one before it stopped mid-answer
+    restarted: bool = False  # the first chunk of an answer started over (its box stopped mid-answer)
 
 
 class Dispatcher:
