@@ -204,15 +204,19 @@ class BoxProcess:
     def resume(self) -> None:
         self.process.send_signal(signal.SIGCONT)
 
-    async def stop(self, timeout_s: float = 20.0) -> None:
+    def terminate(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM and wait: the box stops as an operator's would, its embedded NATS too; SIGKILL past `timeout_s`."""
         if self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGCONT)
         self.process.terminate()
         try:
-            await asyncio.to_thread(self.process.wait, timeout_s)
+            self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    async def stop(self, timeout_s: float = 20.0) -> None:
+        await asyncio.to_thread(self.terminate, timeout_s)
 
     def rss_bytes(self) -> int:
         """Resident memory of the box and its children (the embedded nats-server)."""

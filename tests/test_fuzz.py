@@ -42,7 +42,7 @@ def fuzzed_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BoxProcess]
         _wait_ready(box, timeout_s=120)
         yield box
     finally:
-        box.kill()
+        box.terminate()  # not kill(): a SIGKILLed box leaves its embedded nats-server running
 
 
 def _wait_ready(box: BoxProcess, timeout_s: float) -> None:
