@@ -76,7 +76,5 @@ class TorchBackend:
 
 
 def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
-    model = _model_class(task).from_pretrained(
-        str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
-    )
+    model = _model_class(task).from_pretrained(str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False)
     return model.eval()
