@@ -151,7 +151,7 @@ class Dispatcher:
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> Reply:
-        queue = self._queues.setdefault((spec.name, priority), ModelQueue())
+        queue = self._queue(spec.name, priority)
         self._admit(spec, queue, timeout_s, priority)
         meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
         request_id = meta.id
@@ -176,6 +176,12 @@ class Dispatcher:
         finally:
             self._waiters.pop(request_id, None)
             queue.waiting.pop(request_id, None)
+
+    def _queue(self, model: str, priority: str) -> ModelQueue:
+        queue = self._queues.get((model, priority))
+        if queue is None:  # not setdefault: that would build a ModelQueue on every request
+            queue = self._queues[(model, priority)] = ModelQueue()
+        return queue
 
     def _admit(self, spec: ModelSpec, queue: ModelQueue, timeout_s: float, priority: str) -> None:
         """429 when a new request would wait longer than the queue bound (or its own deadline) to start.
