@@ -5,10 +5,10 @@ one row at a time toward whichever neighbour in length adds the least padding, w
 `rows × longest row` (padding counted) stays within `max_batch_tokens` and the row count within
 `max_batch_size`. Once the cost of a batch here is known (`BatchCost`), the batch is cut where
 rows per second peak along that growth: past some size, the padding a longer row brings to every
-row costs more than a batch's fixed cost saves (on a CPU, soon; on a GPU, rarely). One batch is
-on the device at a time, so rows arriving meanwhile gather for the next one; when the device is
-idle, a partial batch waits at most `max_wait_ms` for company (0 by default: an idle device
-starts at once). Rows whose request's deadline has passed are dropped
+row costs more than a batch's fixed cost saves (on a CPU, soon; on a GPU, rarely). At most
+`concurrent_batches` batches are on the device at a time (one by default), so rows arriving meanwhile
+gather for the next one; when the device is idle, a partial batch waits at most `max_wait_ms` for
+company (0 by default: an idle device starts at once). Rows whose request's deadline has passed are dropped
 before any compute is spent on them, the last look taken on the device thread itself.
 
 One task owns the pending list; others only call `submit`. Every batch run also teaches `BatchCost`
@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +38,6 @@ from runtimes import Runtime, Tokenized
 
 log = logging.getLogger(__name__)
 
-# One batch at a time: rows are tokenised on arrival, so a second batch queued behind the first
-# would overlap nothing and only split the waiting rows into smaller batches.
-_BATCHES_IN_FLIGHT = 1
 _NEARLY_FREE = 0.1  # of the time budget: a device with this little left of its batch takes the next one
 _LATE_S = 0.005  # a batch this far past its predicted end (or a quarter of it) is stalled, not just late
 
@@ -154,18 +151,27 @@ class Batcher:
         self.model = model
         self.runtime = runtime
         self.batching = batching
-        self._executor = executor
+        # One batch at a time runs on the box's shared device thread: rows are tokenised on arrival,
+        # so a batch queued behind another would overlap nothing and only split the waiting rows.
+        # Concurrent batches get threads of their own, one each.
+        self._slots_total = max(1, batching.concurrent_batches)
+        self._own_executor = (
+            ThreadPoolExecutor(self._slots_total, thread_name_prefix=f"fbx-device-{model}")
+            if self._slots_total > 1
+            else None
+        )
+        self._executor = self._own_executor or executor
         self._metrics = metrics
         self._on_done = on_done
         self._on_oom = on_oom  # frees device memory (evicts another model); True when it did
         self._pending: list[WorkItem] = []  # arrival order
         self._wake = asyncio.Event()
-        self._slots = asyncio.Semaphore(_BATCHES_IN_FLIGHT)
+        self._slots = asyncio.Semaphore(self._slots_total)
         self._in_flight: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.cost = BatchCost()
-        self._running: tuple[float, float | None] | None = None  # on the device: (monotonic time sent, predicted s)
+        self._running: dict[int, tuple[float, float | None]] = {}  # on the device: (monotonic sent, predicted s)
 
     @property
     def pending_rows(self) -> int:
@@ -180,39 +186,42 @@ class Batcher:
     def room(self, within_s: float) -> int:
         """Rows this batcher could take now and still answer within `within_s`, at the measured cost.
 
-        A row taken now waits for the batch on the device and the batches of rows already waiting, then
-        runs in its own; every batch ahead is counted full. A batch is let in once the device is nearly
-        free however slow a batch is, so a box never starves itself. Before any batch is timed: one batch.
+        A row taken now waits for the batches on the device and the batches of rows already waiting,
+        then runs in its own; every batch ahead is counted full, and each of the `concurrent_batches`
+        slots runs its batches one after another. A batch is let in once a slot is nearly free however
+        slow a batch is, so a box never starves itself. Before any batch is timed: one batch per slot.
         """
         full = self._full_batch()
         pending = len(self._pending)
         if full is None:
-            return max(0, self.batching.max_batch_size - pending)
+            return max(0, self._slots_total * self.batching.max_batch_size - pending)
         rows, batch_s = full
-        left = self._running_left_s()
-        if left is None:
-            return 0  # the batch on the device is overdue (stalled): rows taken now would wait it out
-        batches = math.floor((within_s - left) / batch_s)
-        if batches < 1 and left <= _NEARLY_FREE * within_s:
+        busy = self._busy_left_s()
+        if busy is None:
+            return 0  # a batch on the device is overdue (stalled): rows taken now would wait it out
+        lefts = [0.0] * (self._slots_total - len(busy)) + busy  # soonest free first
+        batches = sum(max(0, math.floor((within_s - left) / batch_s)) for left in lefts)
+        if batches < 1 and lefts[0] <= _NEARLY_FREE * within_s:
             batches = 1
         return max(0, batches * rows - pending)
 
     def room_opens_in(self, within_s: float) -> float | None:
-        """Seconds until `room(within_s)` may turn positive as the batch on the device runs; None: only an event can."""
+        """Seconds until `room(within_s)` may turn positive as batches on the device run; None: only an event can."""
         full = self._full_batch()
         if full is None:
             return None
         rows, batch_s = full
-        left = self._running_left_s()
-        if left is None:
-            return 0.25 * batch_s  # stalled: look again soon
-        # Room for one more row needs the batches of the rows waiting plus one to fit in `within_s`.
+        busy = self._busy_left_s()
+        if not busy:  # stalled (None): look again soon; idle: only rows arriving or leaving change the room
+            return 0.25 * batch_s
+        # Room for one more row needs the batches of the rows waiting plus one to fit in `within_s`
+        # (reckoned for the slot that frees first).
         threshold = within_s - (len(self._pending) // rows + 1) * batch_s
         if len(self._pending) < rows:
             threshold = max(threshold, _NEARLY_FREE * within_s)
-        if self._running is not None and threshold > 0:
-            return max(0.001, left - threshold)
-        return left + 0.25 * batch_s  # only batches ending make room: look again after this one
+        if threshold > 0:
+            return max(0.001, busy[0] - threshold)
+        return busy[0] + 0.25 * batch_s  # only batches ending make room: look again after the next one
 
     def room_lasts_s(self, within_s: float) -> float | None:
         """How long rows pulled now for the next batch still make it: until that batch starts. None: no sooner limit.
@@ -221,13 +230,13 @@ class Batcher:
         wait out a whole batch more than `room` counted, where another box may be free.
         """
         full = self._full_batch()
-        if full is None or self._running is None:
-            return None
+        if full is None or len(self._running) < self._slots_total:
+            return None  # a slot is free: the next batch starts as soon as rows arrive
         rows, batch_s = full
-        left = self._running_left_s()
-        if left is None or left + batch_s <= within_s - batch_s or len(self._pending) >= rows:
+        busy = self._busy_left_s()
+        if busy is None or busy[0] + batch_s <= within_s - batch_s or len(self._pending) >= rows:
             return None
-        return left + _NEARLY_FREE * within_s
+        return busy[0] + _NEARLY_FREE * within_s
 
     def _full_batch(self) -> tuple[int, float] | None:
         """(rows, predicted seconds) of a full batch of rows like recent ones; None before a batch ran."""
@@ -238,15 +247,19 @@ class Batcher:
         seconds = self.cost.seconds(rows * per_row) or 0.0
         return rows, max(seconds, 1e-4)
 
-    def _running_left_s(self) -> float | None:
-        """Predicted seconds the batch on the device still needs: 0 with none there, None when it is overdue."""
-        if self._running is None:
-            return 0.0
-        sent, predicted = self._running
-        if predicted is None:
-            return 0.0
-        left = sent + predicted - time.monotonic()
-        return None if left < -max(_LATE_S, 0.25 * predicted) else max(0.0, left)
+    def _busy_left_s(self) -> list[float] | None:
+        """Predicted seconds each batch on the device still needs, soonest first; None when one is overdue."""
+        now = time.monotonic()
+        lefts: list[float] = []
+        for sent, predicted in self._running.values():
+            if predicted is None:
+                lefts.append(0.0)
+                continue
+            left = sent + predicted - now
+            if left < -max(_LATE_S, 0.25 * predicted):
+                return None
+            lefts.append(max(0.0, left))
+        return sorted(lefts)
 
     @property
     def pending_interactive(self) -> int:
@@ -267,6 +280,8 @@ class Batcher:
         await cancel_and_wait([self._task])
         if self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
+        if self._own_executor is not None:
+            self._own_executor.shutdown(wait=False)
         unstarted: dict[int, Job] = {}
         for item in self._pending:
             if not item.job.done:
@@ -419,12 +434,13 @@ class Batcher:
                 self._finish(job, None)
 
     async def _on_device(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None, float]:
-        """Run a batch on the device thread, knowing meanwhile when it should end (for `room`)."""
-        self._running = (time.monotonic(), self.cost.seconds(len(batch) * max(item.length for item in batch)))
+        """Run a batch on a device thread, knowing meanwhile when it should end (for `room`)."""
+        key = id(batch)
+        self._running[key] = (time.monotonic(), self.cost.seconds(len(batch) * max(item.length for item in batch)))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_live, batch)
         finally:
-            self._running = None
+            del self._running[key]
 
     def _run_live(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None, float]:
         """On the device thread: the last look at deadlines before compute is spent, then the forward pass.

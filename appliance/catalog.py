@@ -44,6 +44,10 @@ class Batching:
     max_batch_tokens: int
     max_batch_size: int
     max_wait_ms: float
+    # Batches on the device at once, each on its own thread. On a CPU, two batches of one thread each
+    # beat one batch on two threads when other work (the event loop, NATS) shares the cores: a
+    # single-threaded batch has no barrier for a descheduled sibling thread to stall.
+    concurrent_batches: int = 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,7 +109,9 @@ def default_model_path() -> Path:
 
 
 def default_batching(settings: Settings) -> Batching:
-    return Batching(settings.max_batch_tokens, settings.max_batch_size, settings.max_wait_ms)
+    return Batching(
+        settings.max_batch_tokens, settings.max_batch_size, settings.max_wait_ms, settings.concurrent_batches
+    )
 
 
 def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
@@ -138,6 +144,7 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
             max_batch_tokens=entry.max_batch_tokens or defaults.max_batch_tokens,
             max_batch_size=entry.max_batch_size or defaults.max_batch_size,
             max_wait_ms=entry.max_wait_ms if entry.max_wait_ms is not None else defaults.max_wait_ms,
+            concurrent_batches=entry.concurrent_batches or defaults.concurrent_batches,
         ),
     )
 

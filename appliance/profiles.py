@@ -5,10 +5,11 @@ is the selection rule a box applies at start, per model:
 
 1. **exact**: the file for this box's hardware slug (`cpu-<cores>c`, or `nvidia-<gpu>`);
 2. **nearest**: a file of the same kind and family: on a CPU, the profile tuned on the closest core
-   count (ties go to the smaller machine), its threads capped at this box's cores; on a GPU, one
-   of the same family (`nvidia-h100` for an `nvidia-h200`: the same letters before the model
-   number), the closest model number first. A CPU profile never applies to a GPU or the reverse:
-   their runtimes and precisions do not carry over (int8 is CPU-only here, float16 GPU-only);
+   count (ties go to the smaller machine), its threads (times its concurrent batches) capped at this
+   box's cores; on a GPU, one of the same family (`nvidia-h100` for an `nvidia-h200`: the same
+   letters before the model number), the closest model number first. A CPU profile never applies
+   to a GPU or the reverse: their runtimes and precisions do not carry over (int8 is CPU-only here,
+   float16 GPU-only);
 3. **default**: the model's own settings (the box's `max_batch_*` defaults, torch, float32).
 
 A model entry with `profile = "off"` keeps its own settings; `profile = "<hardware-slug>"` takes
@@ -37,7 +38,16 @@ PROFILE_OFF = "off"
 # The repository's own profiles/, shipped beside the packages (a source checkout or /src in the image).
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
-_KNOBS = ("runtime", "dtype", "max_batch_tokens", "max_batch_size", "max_wait_ms", "threads", "onnx_opt_level")
+_KNOBS = (
+    "runtime",
+    "dtype",
+    "max_batch_tokens",
+    "max_batch_size",
+    "max_wait_ms",
+    "concurrent_batches",
+    "threads",
+    "onnx_opt_level",
+)
 _TUNABLE_TASKS = (Task.EMBED, Task.SCORE, Task.CLASSIFY, Task.EXTRACT)
 # Words in a GPU's marketing name that say memory, form factor or generation, not which chip it is:
 # "NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe" are both nvidia-h100.
@@ -123,13 +133,14 @@ class Profile:
     max_wait_ms: float
     threads: int | None = None
     onnx_opt_level: str | None = None
+    concurrent_batches: int = 1  # batches on the device at once, each on `threads` threads
     measured: dict[str, Any] = field(default_factory=dict)  # throughput, p50_ms, p99_ms, quality, date, ...
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why the quality gate refused it
     path: Path | None = None
 
     @property
     def batching(self) -> Batching:
-        return Batching(self.max_batch_tokens, self.max_batch_size, self.max_wait_ms)
+        return Batching(self.max_batch_tokens, self.max_batch_size, self.max_wait_ms, self.concurrent_batches)
 
     @classmethod
     def read(cls, path: Path) -> Profile:
@@ -145,6 +156,7 @@ class Profile:
                 max_wait_ms=float(record["max_wait_ms"]),
                 threads=int(record["threads"]) if record.get("threads") else None,
                 onnx_opt_level=record.get("onnx_opt_level"),
+                concurrent_batches=int(record.get("concurrent_batches", 1)),
                 measured=dict(record.get("measured") or {}),
                 rejected={str(k): str(v) for k, v in (record.get("rejected") or {}).items()},
                 path=path,
@@ -220,6 +232,7 @@ class Choice:
             "max_batch_tokens": spec.batching.max_batch_tokens,
             "max_batch_size": spec.batching.max_batch_size,
             "max_wait_ms": spec.batching.max_wait_ms,
+            "concurrent_batches": spec.batching.concurrent_batches,
             "threads": spec.threads,
         }
 
@@ -283,10 +296,12 @@ def apply(spec: ModelSpec, choice: Choice, *, cores: int | None = None, has_adap
     profile = choice.profile
     if profile is None or not tunable(spec):
         return spec
-    threads = profile.threads
+    threads, batching = profile.threads, profile.batching
     if threads is not None and cores is not None and _cpu_cores_of(choice.hardware) is not None:
-        threads = min(threads, cores)  # a nearest profile from a bigger machine
-    updated = replace(spec, batching=profile.batching, threads=threads)
+        # A nearest profile from a bigger machine: no more threads than this box has cores, in all.
+        threads = min(threads, cores)
+        batching = replace(batching, concurrent_batches=max(1, min(batching.concurrent_batches, cores // threads)))
+    updated = replace(spec, batching=batching, threads=threads)
     if has_adapters and profile.runtime != RuntimeKind.TORCH.value:
         return updated  # LoRA adapters need the torch runtime: keep the model's own runtime and dtype
     options = {k: v for k, v in spec.options.items() if k != "onnx_opt_level"}
@@ -333,7 +348,7 @@ class ProfileBook:
                     "runtime": applied.runtime.value,
                     "dtype": applied.dtype,
                     "batching": f"{applied.batching.max_batch_tokens}/{applied.batching.max_batch_size}"
-                    f"/{applied.batching.max_wait_ms}ms",
+                    f"/{applied.batching.max_wait_ms}ms x{applied.batching.concurrent_batches}",
                     "threads": applied.threads,
                 },
             )

@@ -94,6 +94,7 @@ class ModelRegistration(msgspec.Struct, kw_only=True):
     max_batch_tokens: Positive | None = None
     max_batch_size: Positive | None = None
     max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    concurrent_batches: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     # Which tuning profile applies: "auto", "off", or a hardware slug such as "cpu-16c" (docs/tuning.md).
     profile: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] = "auto"
     # Runtime knobs, e.g. {"max_batch_size": 16} for a generator, {"onnx_file": "..."} for a shipped ONNX.

@@ -36,6 +36,7 @@ class ModelEntry(BaseModel):
     max_batch_tokens: int | None = None
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
+    concurrent_batches: int | None = None
     profile: str = "auto"  # tuning profile: "auto" (this hardware's, or the nearest), "off", or a hardware slug
 
 
@@ -82,6 +83,7 @@ class Settings(BaseSettings):
     max_batch_tokens: int = 16_384
     max_batch_size: int = 256
     max_wait_ms: float = 0.0  # how long an idle device waits for company; 0: start at once
+    concurrent_batches: int = Field(default=1, ge=1)  # batches of one model on the device at once
     worker_capacity: int = 1024  # at most this many requests held per model (pulled, not yet acked)
     hold_ms: float = 150.0  # a box pulls only what it expects to answer within this (DESIGN: pull rule)
     device: str = "auto"

@@ -117,6 +117,7 @@ class TuneResult:
             max_batch_tokens=batching.max_batch_tokens,
             max_batch_size=batching.max_batch_size,
             max_wait_ms=batching.max_wait_ms,
+            concurrent_batches=engine.concurrent_batches,
             threads=engine.threads,
             onnx_opt_level=engine.onnx_opt_level if engine.runtime == RuntimeKind.ONNX.value else None,
             measured=measured,
@@ -271,7 +272,7 @@ class Tuner:
             _set_torch_threads(candidate.engine.threads or self._torch_threads)
         started = time.perf_counter()
         try:
-            result = measure(runtime, candidate.batching, self._requests, self.config.load, lambda: self._stopping)
+            result = measure(runtime, candidate.run_batching, self._requests, self.config.load, lambda: self._stopping)
         finally:
             self._measure_s += time.perf_counter() - started
         if result.error == "interrupted":

@@ -166,8 +166,9 @@ def _result_row(label: str, trial: Trial, median: bool = False) -> str:
         p50, p99 = float(np.median([m.p50_ms for m in runs])), trial.median_p99_ms
     else:
         throughput, p50, p99 = trial.throughput, trial.p50_ms, trial.p99_ms
+    threads = f"{e.threads or 'default'}" + (f" × {e.concurrent_batches} batches" if e.concurrent_batches > 1 else "")
     return (
-        f"| {label} | {e.runtime} | {e.dtype} | {e.threads or 'default'} | {b.max_batch_tokens} | {b.max_batch_size} | "
+        f"| {label} | {e.runtime} | {e.dtype} | {threads} | {b.max_batch_tokens} | {b.max_batch_size} | "
         f"{b.max_wait_ms:g} | {throughput:.1f} | {_ms(p50)} | {_ms(p99)} | {trial.quality.describe()} |"
     )
 

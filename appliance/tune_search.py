@@ -29,22 +29,32 @@ OBJECTIVES = ("throughput", "latency")
 
 @dataclass(slots=True, frozen=True)
 class Engine:
-    """What needs a model load: runtime, precision, CPU threads (None: the runtime's own), ONNX level."""
+    """What needs a model load: runtime, precision, CPU threads (None: the runtime's own), ONNX level;
+    and how many batches run on it at once (one load serves every count)."""
 
     runtime: str
     dtype: str
     threads: int | None = None
     onnx_opt_level: str | None = None
+    concurrent_batches: int = 1
 
     @property
     def label(self) -> str:
-        return "-".join([self.runtime, self.dtype, f"t{self.threads}" if self.threads else "tdefault"])
+        threads = f"t{self.threads}" if self.threads else "tdefault"
+        if self.concurrent_batches > 1:
+            threads += f"x{self.concurrent_batches}"
+        return "-".join([self.runtime, self.dtype, threads])
 
 
 @dataclass(slots=True, frozen=True)
 class Candidate:
     engine: Engine
     batching: Batching
+
+    @property
+    def run_batching(self) -> Batching:
+        """The batching the batcher runs: the knobs searched, with the engine's concurrent batches."""
+        return replace(self.batching, concurrent_batches=self.engine.concurrent_batches)
 
     @property
     def label(self) -> str:
@@ -173,9 +183,11 @@ def default_space(device: str, cores: int, *, quick: bool = False) -> Space:
         if quick:
             return Space(tuple(engines), (8192, 32768), (64, 256), (0.0, 2.0))
         return Space(tuple(engines), (4096, 8192, 16384, 32768, 65536), (32, 64, 128, 256, 512), (0.0, 1.0, 2.0, 5.0))
+    # Each thread count alone, and (below all the cores) as many batches at once as fill the cores.
     threads = sorted({1, max(1, cores // 4), max(1, cores // 2), cores})
-    engines = [Engine("torch", "float32", t) for t in threads]
-    engines += [Engine("onnx", d, t, "all") for d in ("float32", "int8") for t in threads]
+    shapes = [(t, 1) for t in threads] + [(t, cores // t) for t in threads if cores // t > 1]
+    engines = [Engine("torch", "float32", t, None, n) for t, n in shapes]
+    engines += [Engine("onnx", d, t, "all", n) for d in ("float32", "int8") for t, n in shapes]
     if quick:
         return Space(tuple(engines), (1024, 4096, 16384), (8, 32, 256), (0.0, 2.0, 5.0))
     return Space(tuple(engines), (1024, 2048, 4096, 8192, 16384), (8, 16, 32, 64, 256), (0.0, 1.0, 2.0, 5.0))

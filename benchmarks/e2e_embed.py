@@ -163,8 +163,9 @@ class RawResult:
 class RawModel:
     """The default model in this process: the ceiling any serving path can reach on this device.
 
-    On the engine the box picks (its profile's runtime, dtype and threads), so the ratios measure
-    the serving path and not a difference of engines; `engine="torch"` is fp32 torch regardless.
+    On the engine the box picks (its profile's runtime, dtype, threads and concurrent batches), so
+    the ratios measure the serving path and not a difference of engines; `engine="torch"` is fp32
+    torch regardless, one batch at a time.
     """
 
     def __init__(self, device: str, threads: int | None, engine: str, cache_dir: Path) -> None:
@@ -173,36 +174,40 @@ class RawModel:
         from appliance.settings import Settings
         from runtimes import RuntimeKind, load_runtime
 
-        spec = next(
-            s for s in configured_specs(Settings(models=[], default_model=True)) if s.name == DEFAULT_MODEL_NAME
-        )
-        if engine == "box":
-            spec = ProfileBook(hardware_slug(device), [SHIPPED_PROFILES_DIR], cpu_cores()).apply(spec)
+        settings = Settings(models=[], default_model=True)  # FBX_* from the environment, as the box reads them
+        spec = next(s for s in configured_specs(settings) if s.name == DEFAULT_MODEL_NAME)
+        if engine == "box":  # the profiles the box looks in, in its order
+            roots = [root for root in (settings.profiles_dir, SHIPPED_PROFILES_DIR) if root is not None]
+            spec = ProfileBook(hardware_slug(device), roots, cpu_cores()).apply(spec)
         source = spec.source(device, threads)
         if source.runtime is RuntimeKind.ONNX:
             source = replace(source, options={**source.options, "cache_dir": str(cache_dir)})
+        self.concurrent = spec.batching.concurrent_batches if engine == "box" else 1
         self.engine = f"{source.runtime.value} {source.dtype}, threads {source.threads or 'default'}"
+        if self.concurrent > 1:
+            self.engine += f" × {self.concurrent} batches at once"
         self.runtime = load_runtime(source)
+        self._threads = concurrent.futures.ThreadPoolExecutor(self.concurrent, thread_name_prefix="raw")
 
     def trial(self, sentences: list[str], batch_size: int) -> Trial:
-        """Text in, vectors out: tokenise, sort by length, run at one static batch size."""
+        """Text in, vectors out: tokenise, sort by length, run at one static batch size (as many at once
+        as the box runs)."""
         # Warm the allocator (and CUDA kernels) at this batch size on the longest rows first.
         rows = sorted(self.runtime.tokenize(sentences[: batch_size * 2]), key=lambda row: row.length)
         self.runtime.run(rows[-batch_size:])
         cpu0, started = time.process_time(), time.perf_counter()
         rows = sorted(self.runtime.tokenize(sentences), key=lambda row: row.length)
         tokenized = time.perf_counter()
-        padded = 0
-        for at in range(0, len(rows), batch_size):
-            batch = rows[at : at + batch_size]
-            self.runtime.run(batch)
-            padded += len(batch) * batch[-1].length
+        batches = [rows[at : at + batch_size] for at in range(0, len(rows), batch_size)]
+        list(self._threads.map(self.runtime.run, batches))
+        padded = sum(len(batch) * batch[-1].length for batch in batches)
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu0
         real = sum(row.length for row in rows)
         return Trial(len(sentences) / elapsed, (tokenized - started) / elapsed, cpu, elapsed, real / padded)
 
     def close(self) -> None:
+        self._threads.shutdown()
         self.runtime.close()
 
 
@@ -767,6 +772,7 @@ def _settings(console: Console, box: ServedBox) -> dict[str, Any]:
                 f"    {model}: profile {profile.get('match')} ({profile.get('file') or 'no file'}): batches of "
                 f"{profile.get('max_batch_tokens')} tokens / {profile.get('max_batch_size')} rows / "
                 f"{profile.get('max_wait_ms')} ms wait, threads {profile.get('threads') or 'torch default'}"
+                f" × {profile.get('concurrent_batches', 1)} batches at once"
             )
     return settings
 

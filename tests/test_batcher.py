@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,3 +128,50 @@ async def test_batch_stops_growing_where_padding_costs_more_than_a_batch_saves()
     launch_bound = taught(fixed_s=0.05, per_token_s=0.000001)  # a GPU-like fixed cost: one batch is best
     launch_bound.submit(job(rows))
     assert sorted(item.length for item in launch_bound._take_batch()) == rows
+
+
+class BarrierRuntime(NoopRuntime):
+    """The no-op runtime whose batches each wait until `parties` batches are on the device together."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__(ModelSource(path=".", task=Task.EMBED))  # type: ignore[arg-type]
+        self.barrier = threading.Barrier(parties, timeout=5)
+
+    def run(self, batch, adapter=None):
+        self.barrier.wait()  # BrokenBarrierError (a failed job) unless the other batch runs meanwhile
+        return super().run(batch)
+
+
+async def test_concurrent_batches_run_together_on_their_own_threads() -> None:
+    runtime = BarrierRuntime(2)
+    done: list[tuple[Job, object]] = []
+    finished = asyncio.Event()
+    jobs = [job([5]), job([5])]
+
+    def on_done(j: Job, error: object) -> None:
+        done.append((j, error))
+        if len(done) == len(jobs):
+            finished.set()
+
+    with ThreadPoolExecutor(1) as shared:  # the box's one device thread: two batches could not meet there
+        batcher = Batcher("m", runtime, Batching(1024, 1, 0.0, concurrent_batches=2), shared, Metrics(), on_done)
+        for j in jobs:
+            batcher.submit(j)
+        batcher.start()
+        await asyncio.wait_for(finished.wait(), 10)
+        await batcher.drain()
+    assert [error for _, error in done] == [None, None]
+
+
+def test_room_counts_every_slot() -> None:
+    def learnt(concurrent: int) -> Batcher:
+        batching = Batching(16_384, 8, 0.0, concurrent_batches=concurrent)
+        batcher = Batcher("m", NoopRuntime(ModelSource(path=".", task=Task.EMBED)), batching, None, Metrics(), print)  # type: ignore[arg-type]
+        for rows in (2, 4, 8, 8, 8, 8):  # 10 ms a batch plus 1 ms a padded token: 90 ms for 8 rows of 10
+            batcher.cost.observe(rows * 10, rows, 0.010 + 0.001 * rows * 10)
+        return batcher
+
+    one, two = learnt(1), learnt(2)
+    assert one.room(0.2) == 2 * 8  # two 90 ms batches fit in 200 ms
+    assert two.room(0.2) == 2 * 2 * 8  # and as many again on the second slot
+    assert one.room(0.05) == two.room(0.05) == 8  # no batch fits: an idle device still takes one

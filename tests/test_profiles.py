@@ -75,10 +75,10 @@ def test_cpu_slug_counts_the_cores_this_process_may_use() -> None:
 
 
 def test_profile_survives_a_write_and_a_read(tmp_path: Path) -> None:
-    written = profile("cpu-2c")
-    path = written.write(tmp_path / "p.toml")
-    read = Profile.read(path)
-    assert replace(read, path=None) == written
+    for written in (profile("cpu-2c"), profile("cpu-4c", threads=2, concurrent_batches=2)):
+        path = written.write(tmp_path / f"{written.hardware}.toml")
+        read = Profile.read(path)
+        assert replace(read, path=None) == written
 
 
 def test_exact_profile_wins_over_a_nearer_looking_one(tmp_path: Path) -> None:
@@ -96,6 +96,9 @@ def test_nearest_cpu_profile_is_the_closest_core_count(tmp_path: Path) -> None:
     assert choice.match == "nearest" and choice.profile is not None and choice.profile.hardware == "cpu-16c"
     applied = apply(spec(), choice, cores=2)
     assert applied.threads == 2  # a bigger machine's threads, capped at this one's cores
+    wide = write(tmp_path / "wide", profile("cpu-16c", threads=2, concurrent_batches=8))
+    applied = apply(spec(), choose(SLUG, "cpu-4c", [wide]), cores=4)
+    assert (applied.threads, applied.batching.concurrent_batches) == (2, 2)  # 2 × 2 threads fill 4 cores
 
 
 def test_nearest_gpu_profile_is_of_the_same_family(tmp_path: Path) -> None:
@@ -114,10 +117,10 @@ def test_no_profile_means_the_models_own_settings(tmp_path: Path) -> None:
 
 
 def test_a_profile_sets_runtime_precision_batching_and_threads(tmp_path: Path) -> None:
-    root = write(tmp_path, profile("cpu-2c", threads=1))
+    root = write(tmp_path, profile("cpu-2c", threads=1, concurrent_batches=2))
     applied = apply(spec(), choose(SLUG, "cpu-2c", [root]), cores=2)
     assert (applied.runtime, applied.dtype, applied.threads) == (RuntimeKind.ONNX, "float32", 1)
-    assert applied.batching == Batching(4096, 32, 1.0)
+    assert applied.batching == Batching(4096, 32, 1.0, concurrent_batches=2)
     assert applied.options["onnx_opt_level"] == "all"
     assert applied.source("cpu", None).threads == 1
     assert applied.source("cpu", 2).threads == 2  # the box's own threads setting wins

@@ -20,7 +20,7 @@ from appliance.tune import TuneConfig, Tuner
 from appliance.tune_load import Load, Measurement
 from appliance.tune_quality import Reference, spearman
 from appliance.tune_report import write_outputs
-from appliance.tune_search import Candidate, Engine, Objective, Space, Trial, search
+from appliance.tune_search import Candidate, Engine, Objective, Space, Trial, default_space, search
 from runtimes import ModelSource, Runtime, RuntimeKind, Task, Tokenized, load_runtime
 
 FAST_LOAD = Load(concurrency=4, warmup_s=0.05, window_s=0.1, windows=3, requests=48, max_window_s=2.0)
@@ -225,3 +225,14 @@ def test_onnx_engines_are_tuned_too(encoder_dir: Path) -> None:
     assert result.stopped is None  # the whole search fit in the budget
     kinds = {t.candidate.engine.runtime for t in result.trials if t.ok}
     assert kinds == {RuntimeKind.TORCH.value, RuntimeKind.ONNX.value}
+
+
+def test_concurrent_batches_are_an_engine_shape_the_profile_keeps(encoder_dir: Path) -> None:
+    labels = {engine.label for engine in default_space("cpu", 4).engines}
+    assert {"onnx-float32-t1", "onnx-float32-t1x4", "onnx-float32-t2x2", "onnx-float32-t4"} <= labels
+    assert "onnx-float32-t4x1" not in labels and all("t4x" not in label for label in labels)
+    shared = Engine("onnx", "float32", 1, "all", concurrent_batches=2)
+    result = Tuner(config(encoder_dir, (shared,))).run()
+    assert any(t.candidate.engine == shared and t.ok for t in result.trials)  # measured with 2 batches at once
+    assert result.chosen is not None
+    assert result.profile().concurrent_batches == result.chosen.candidate.engine.concurrent_batches

@@ -133,6 +133,7 @@ async def register(
             max_batch_tokens=registration.max_batch_tokens or defaults.max_batch_tokens,
             max_batch_size=registration.max_batch_size or defaults.max_batch_size,
             max_wait_ms=registration.max_wait_ms if registration.max_wait_ms is not None else defaults.max_wait_ms,
+            concurrent_batches=registration.concurrent_batches or defaults.concurrent_batches,
         )
     spec = ModelSpec(
         name=name,
