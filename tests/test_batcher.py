@@ -175,3 +175,43 @@ def test_room_counts_every_slot() -> None:
     assert one.room(0.2) == 2 * 8  # two 90 ms batches fit in 200 ms
     assert two.room(0.2) == 2 * 2 * 8  # and as many again on the second slot
     assert one.room(0.05) == two.room(0.05) == 8  # no batch fits: an idle device still takes one
+
+
+class GateRuntime(NoopRuntime):
+    """The no-op runtime whose batches wait for `gate`, counting those that started."""
+
+    def __init__(self) -> None:
+        super().__init__(ModelSource(path=".", task=Task.EMBED))  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.started = 0
+
+    def run(self, batch, adapter=None):
+        self.started += 1
+        self.gate.wait(5)
+        return super().run(batch)
+
+
+async def test_a_batch_formed_ahead_waits_for_a_free_thread_and_counts_as_waiting() -> None:
+    runtime = GateRuntime()
+    done: list[Job] = []
+    batcher = Batcher(
+        "m", runtime, Batching(1024, 1, 0.0, concurrent_batches=2), None, Metrics(), lambda j, e: done.append(j)
+    )  # type: ignore[arg-type]
+    for _ in range(4):
+        batcher.submit(job([5]))
+    batcher.start()
+    for _ in range(200):
+        if runtime.started == 2 and batcher.pending_rows == 1:
+            break
+        await asyncio.sleep(0.01)
+    # Two batches on the device threads, a third formed ahead of them, the fourth row still pending:
+    # the room (one row per batch, two slots, before any batch is timed) counts both waiting rows.
+    assert (runtime.started, batcher.pending_rows) == (2, 1)
+    assert batcher.room(1.0) == 0
+    runtime.gate.set()
+    for _ in range(200):
+        if len(done) == 4:
+            break
+        await asyncio.sleep(0.01)
+    await batcher.drain()
+    assert len(done) == 4 and runtime.started == 4
