@@ -194,9 +194,8 @@ class GateRuntime(NoopRuntime):
 async def test_a_batch_formed_ahead_waits_for_a_free_thread_and_counts_as_waiting() -> None:
     runtime = GateRuntime()
     done: list[Job] = []
-    batcher = Batcher(
-        "m", runtime, Batching(1024, 1, 0.0, concurrent_batches=2), None, Metrics(), lambda j, e: done.append(j)
-    )  # type: ignore[arg-type]
+    batching = Batching(1024, 1, 0.0, concurrent_batches=2)
+    batcher = Batcher("m", runtime, batching, None, Metrics(), lambda j, e: done.append(j))  # type: ignore[arg-type]
     for _ in range(4):
         batcher.submit(job([5]))
     batcher.start()
