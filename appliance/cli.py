@@ -261,6 +261,10 @@ def tune(
     name: Annotated[str | None, typer.Option(help="the name the model is served under, for a folder")] = None,
     note: Annotated[str | None, typer.Option(help="a line for the report, e.g. how busy the machine was")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file [FBX_CONFIG]")] = None,
+    inputs: Annotated[
+        Path | None,
+        typer.Option(help="requests of your own traffic, one a line (a request body, or a line of text)"),
+    ] = None,
 ) -> None:
     """Find the fastest settings of MODEL on this machine that keep its answers; write its profile (docs/tuning.md)."""
     from appliance.tune_cli import run_tune
@@ -284,6 +288,7 @@ def tune(
         quick=quick,
         name=name,
         note=note,
+        inputs=inputs,
     )
     raise typer.Exit(code)
 

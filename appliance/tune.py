@@ -90,6 +90,7 @@ class TuneResult:
             "slo_p99_ms": c.objective.slo_p99_ms,
             "slo_met": c.objective.meets_slo(chosen),
             "concurrency": c.load.concurrency,
+            "load": c.load.described,
             "throughput": round(chosen.throughput, 2),  # inputs per second
             "p50_ms": round(chosen.p50_ms, 2),
             "p99_ms": round(chosen.p99_ms, 2),
@@ -175,7 +176,7 @@ class Tuner:
         reference_runtime = self._runtime(DEFAULT_ENGINE)
         self._reference_key = _runtime_key(DEFAULT_ENGINE)
         self._reference = Reference.build(reference_runtime, c.task)
-        self._requests = make_requests(reference_runtime, c.task, c.load.requests, c.load.seed)
+        self._requests = make_requests(reference_runtime, c.task, c.load.requests, c.load.seed, c.load.sample)
         baseline = Candidate(DEFAULT_ENGINE, c.default_batching)
         stopped = None
         finalists: list[Candidate] = []

@@ -11,7 +11,7 @@ import logging
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
@@ -19,7 +19,7 @@ from appliance.catalog import Batching, Catalog, configured_specs, default_batch
 from appliance.profiles import SHIPPED_PROFILES_DIR, cpu_cores, tunable
 from appliance.settings import Settings
 from appliance.tune import TuneConfig, Tuner, TuneResult
-from appliance.tune_load import Load
+from appliance.tune_load import Load, read_sample
 from appliance.tune_search import OBJECTIVES, Objective, Trial, default_space
 from runtimes import Task
 from runtimes.detect import detect_task
@@ -74,6 +74,7 @@ def run_tune(
     quick: bool = False,
     name: str | None = None,
     note: str | None = None,
+    inputs: Path | None = None,
 ) -> int:
     from rich.console import Console
 
@@ -90,6 +91,13 @@ def run_tune(
     from appliance.app import resolve_device
 
     chosen_device = resolve_device(device or settings.device)
+    load = default_load(chosen_device, objective, concurrency, window_s)
+    if inputs is not None:
+        try:
+            load = replace(load, sample=read_sample(inputs, target.task), sample_source=inputs.name)
+        except (OSError, ValueError) as exc:
+            console.print(f"fleetbox tune: --inputs: {exc}")
+            return 2
     config = TuneConfig(
         name=target.name,
         path=target.path,
@@ -99,7 +107,7 @@ def run_tune(
         device=chosen_device,
         budget_s=budget_minutes * 60,
         objective=Objective(objective, slo_p99_ms),
-        load=default_load(chosen_device, objective, concurrency, window_s),
+        load=load,
         cache_dir=settings.state_dir / "onnx",  # the cache a box on this machine reads: it exports once
     )
     result = tune_with_progress(config, console)

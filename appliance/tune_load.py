@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import orjson
 
 from appliance.batcher import Batcher, Job
 from appliance.catalog import Batching
@@ -79,11 +82,53 @@ def tokenize_inputs(runtime: Runtime, task: Task, count: int, seed: int) -> list
     return runtime.tokenize(texts(count, seed))
 
 
-def make_requests(runtime: Runtime, task: Task, count: int, seed: int) -> list[list[Tokenized]]:
-    """`count` requests of one to eight inputs each, tokenised by the model's own tokenizer."""
+# Requests of an operator's own traffic: each a tuple of its inputs (texts; for a reranker, (query, document) pairs).
+Sample = tuple[tuple[Any, ...], ...]
+
+
+def read_sample(path: Path, task: Task) -> Sample:
+    """Requests from a file, one a line: a request body as the API takes it (`{"input": ...}`, a string
+    or a list; for a reranker `{"query": ..., "documents": [...]}`), or a plain line of text (one input)."""
+    requests: list[tuple[Any, ...]] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if not line.lstrip().startswith("{"):
+            requests.append((line,))
+            continue
+        try:
+            body = orjson.loads(line)
+            if task is Task.SCORE:
+                query, documents = body["query"], body["documents"]
+                inputs: tuple[Any, ...] = tuple((query, d if isinstance(d, str) else d["text"]) for d in documents)
+            else:
+                given = body["input"]
+                inputs = (given,) if isinstance(given, str) else tuple(given)
+            if not inputs or not all(isinstance(i, str | tuple) for i in inputs):
+                raise ValueError("no inputs")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            field = '"query" and "documents"' if task is Task.SCORE else '"input" (a string or a list of strings)'
+            raise ValueError(f"{path}:{number}: not a request body with {field} ({exc})") from None
+        requests.append(inputs)
+    if not requests:
+        raise ValueError(f"{path} holds no requests")
+    return tuple(requests)
+
+
+def make_requests(
+    runtime: Runtime, task: Task, count: int, seed: int, sample: Sample | None = None
+) -> list[list[Tokenized]]:
+    """`count` requests tokenised by the model's own tokenizer: of one to eight inputs of the built-in
+    mix each, or drawn from an operator's `sample` of requests (seeded)."""
     rng = np.random.default_rng(seed + 7)
-    sizes = [int(rng.choice(_ROWS_PER_REQUEST)) for _ in range(count)]
-    rows = tokenize_inputs(runtime, task, sum(sizes), seed)
+    if sample is not None:
+        chosen = [sample[int(i)] for i in rng.integers(0, len(sample), count)]
+        inputs = [item for request in chosen for item in request]
+        rows = runtime.tokenize_pairs(inputs) if task is Task.SCORE else runtime.tokenize(inputs)  # type: ignore[attr-defined]
+        sizes = [len(request) for request in chosen]
+    else:
+        sizes = [int(rng.choice(_ROWS_PER_REQUEST)) for _ in range(count)]
+        rows = tokenize_inputs(runtime, task, sum(sizes), seed)
     at = list(itertools.accumulate(sizes, initial=0))
     return [rows[a:b] for a, b in itertools.pairwise(at)]
 
@@ -99,6 +144,14 @@ class Load:
     requests: int = 512  # distinct requests, cycled
     seed: int = 0
     max_window_s: float = 20.0  # a candidate slower than this per window is not worth the wait
+    sample: Sample | None = None  # requests of the operator's own traffic instead of the built-in mix
+    sample_source: str | None = None  # where they came from, for the profile and report
+
+    @property
+    def described(self) -> str:
+        if self.sample is None:
+            return "built-in mix"
+        return f"{len(self.sample)} requests from {self.sample_source or 'a sample'}"
 
     @property
     def seconds(self) -> float:

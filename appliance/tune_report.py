@@ -15,6 +15,7 @@ import numpy as np
 
 from appliance.profiles import profile_path
 from appliance.tune import TuneResult
+from appliance.tune_load import Load
 from appliance.tune_search import Trial
 
 
@@ -88,9 +89,8 @@ def report(result: TuneResult, png_name: str, note: str | None = None, command: 
         f"on {result.device_name}, device `{c.device}`.",
         "",
         f"- **Objective**: {c.objective.kind}, {slo}.",
-        f"- **Load**: closed loop, {load.concurrency} clients, each request 1–8 inputs of a seeded log-normal "
-        "spread of lengths (median 14 words, up to 300), tokenised by the model's own tokenizer, run through "
-        "the real batcher and runtime.",
+        f"- **Load**: closed loop, {load.concurrency} clients, {_load_text(load)}, tokenised by the model's "
+        "own tokenizer, run through the real batcher and runtime.",
         f"- **Each measurement**: a warm-up of at least {load.warmup_s:g} s (until every client has had an answer), "
         f"then {load.windows} windows of at least {load.window_s:g} s (and three typical request latencies); "
         "throughput is the inputs answered over all windows. A run whose windows disagree by more than "
@@ -155,6 +155,12 @@ def _gate_text(result: TuneResult) -> str:
 
     metric, limit = GATES[result.config.task]
     return f"{metric} ≥ {limit:g}"
+
+
+def _load_text(load: Load) -> str:
+    if load.sample is None:
+        return "each request 1–8 inputs of a seeded log-normal spread of lengths (median 14 words, up to 300)"
+    return f"each request one of {load.described} (drawn at random, seeded)"
 
 
 def _result_row(label: str, trial: Trial, median: bool = False) -> str:

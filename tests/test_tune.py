@@ -17,7 +17,7 @@ from appliance.catalog import Batching
 from appliance.cli import app
 from appliance.profiles import Profile, hardware_slug
 from appliance.tune import TuneConfig, Tuner
-from appliance.tune_load import Load, Measurement
+from appliance.tune_load import Load, Measurement, make_requests, read_sample
 from appliance.tune_quality import Reference, spearman
 from appliance.tune_report import write_outputs
 from appliance.tune_search import Candidate, Engine, Objective, Space, Trial, default_space, search
@@ -236,3 +236,33 @@ def test_concurrent_batches_are_an_engine_shape_the_profile_keeps(encoder_dir: P
     assert any(t.candidate.engine == shared and t.ok for t in result.trials)  # measured with 2 batches at once
     assert result.chosen is not None
     assert result.profile().concurrent_batches == result.chosen.candidate.engine.concurrent_batches
+
+
+def test_a_sample_of_your_own_traffic_is_the_load(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    sample = tmp_path / "traffic.jsonl"
+    sample.write_text(
+        'how do I reset my password\n{"input": "one sentence"}\n\n{"input": ["two", "inputs here"], "model": "m"}\n'
+    )
+    expected = (("how do I reset my password",), ("one sentence",), ("two", "inputs here"))
+    assert read_sample(sample, Task.EMBED) == expected
+    rerank = tmp_path / "rerank.jsonl"
+    rerank.write_text('{"query": "q", "documents": ["d1", {"text": "d2"}]}\n')
+    assert read_sample(rerank, Task.SCORE) == ((("q", "d1"), ("q", "d2")),)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"input": "fine"}\n{"inputs": "misspelt"}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not a request body"):
+        read_sample(broken, Task.EMBED)
+
+    runtime = load_runtime(ModelSource(path=encoder_dir, task=Task.EMBED))
+    requests = make_requests(runtime, Task.EMBED, 50, 0, read_sample(sample, Task.EMBED))
+    assert len(requests) == 50 and {len(r) for r in requests} == {1, 2}  # the sample's shapes, drawn at random
+    runtime.close()
+
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FBX_DEFAULT_MODEL", "false")
+    args = ["tune", str(encoder_dir), "--budget-minutes", "0.05", "--device", "cpu", "--dry-run", "--quick"]
+    result = CliRunner().invoke(app, [*args, "--concurrency", "2", "--window-s", "0.05", "--inputs", str(sample)])
+    assert result.exit_code == 0, result.output
+    assert 'load = "3 requests from traffic.jsonl"' in result.stdout
+    result = CliRunner().invoke(app, [*args, "--inputs", str(broken)])
+    assert result.exit_code == 2 and "broken.jsonl:2" in result.output
