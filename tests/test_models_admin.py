@@ -21,11 +21,14 @@ async def call(http, box, method: str, path: str, body: dict | None = None, head
 
 async def test_registered_model_is_servable_and_listed(start_box, http, encoder_dir, tmp_path_factory) -> None:
     box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
-    status, record = await call(http, box, "POST", "/v1/models", {"name": "enc", "path": str(encoder_dir)})
+    registration = {"name": "enc", "path": str(encoder_dir), "concurrent_batches": 2, "max_batch_size": 2}
+    status, record = await call(http, box, "POST", "/v1/models", registration)
     assert status == 201, record
     assert record["task"] == "embed" and record["state"] == "cold"
-    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": ["hello"]})
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": ["hello"] * 9})
     assert status == 200, body  # the cold model was loaded because a request waited for it
+    assert len(body["data"]) == 9  # in batches of 2 rows, two at a time on the model's own device threads
+    assert box.workers["enc"].spec.batching.concurrent_batches == 2
     _, listing = await call(http, box, "GET", "/v1/models")
     (enc,) = [m for m in listing["data"] if m["id"] == "enc"]
     assert enc["state"] == "resident" and enc["boxes"] == [box.box_id] and enc["bytes"] > 0
@@ -66,6 +69,7 @@ async def test_registration_errors(start_box, http, encoder_dir, tmp_path_factor
         ({"name": "new", "path": str(encoder_dir), "task": "generate"}, 422, "wrong_task"),
         ({"name": "new", "path": str(encoder_dir), "adapter_of": "ghost"}, 404, "model_not_found"),
         ({"name": "new"}, 422, "invalid_input"),
+        ({"name": "new", "path": str(encoder_dir), "concurrent_batches": 0}, 422, "invalid_input"),
     ]
     for body, status, code in cases:
         got, payload = await call(http, box, "POST", "/v1/models", body)
