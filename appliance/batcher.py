@@ -6,10 +6,11 @@ one row at a time toward whichever neighbour in length adds the least padding, w
 `max_batch_size`. Once the cost of a batch here is known (`BatchCost`), the batch is cut where
 rows per second peak along that growth: past some size, the padding a longer row brings to every
 row costs more than a batch's fixed cost saves (on a CPU, soon; on a GPU, rarely). At most
-`concurrent_batches` batches are on the device at a time (one by default), so rows arriving meanwhile
-gather for the next one; when the device is idle, a partial batch waits at most `max_wait_ms` for
-company (0 by default: an idle device starts at once). Rows whose request's deadline has passed are dropped
-before any compute is spent on them, the last look taken on the device thread itself.
+`concurrent_batches` batches are on the device at a time (one by default), so rows arriving
+meanwhile gather for the next one; when the device is idle, a partial batch waits at most
+`max_wait_ms` for company (0 by default: an idle device starts at once). Rows whose request's
+deadline has passed are dropped before any compute is spent on them, the last look taken on the
+device thread itself.
 
 One task owns the pending list; others only call `submit`. Every batch run also teaches `BatchCost`
 what a batch costs here, so the box can tell how much more work it could answer in a given time
@@ -265,7 +266,8 @@ class Batcher:
         now = time.monotonic()
         lefts: list[float] = []
         for key, sent in list(self._started.items()):  # one C call: safe while a device thread adds one
-            predicted = self._formed[key][1]
+            formed = self._formed.get(key)
+            predicted = formed[1] if formed is not None else None
             if predicted is None:
                 lefts.append(0.0)
                 continue
@@ -325,15 +327,25 @@ class Batcher:
             task.add_done_callback(self._in_flight.discard)
 
     async def _wait_for_company(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Wait up to max_wait_ms after the oldest row arrived, unless a full batch is already there."""
+        """Wait up to max_wait_ms after the oldest row arrived, unless a full batch is already there.
+
+        A batch formed ahead of busy device threads waits for a full batch or a free thread, however
+        long: rows arriving meanwhile join it instead of the one after.
+        """
         limit = self._pending[0].arrived + self.batching.max_wait_ms / 1000
-        while not self._full() and loop.time() < limit:
+        while not self._full() and (loop.time() < limit or self._threads_busy()):
             self._wake.clear()
+            if self._threads_busy():
+                await self._wake.wait()  # a row arriving or a batch ending wakes it
+                continue
             try:  # not wait_for: on Python 3.11 it can swallow a cancel that meets a wake (drain would hang)
                 async with asyncio.timeout(limit - loop.time()):
                     await self._wake.wait()
             except TimeoutError:
                 break
+
+    def _threads_busy(self) -> bool:
+        return len(self._formed) >= self._slots_total
 
     def _full(self) -> bool:
         if len(self._pending) >= self.batching.max_batch_size:
