@@ -141,6 +141,12 @@ def _artifact(source: ModelSource, config: SessionConfig) -> OnnxArtifact:
 
 
 def _check_precision(source: ModelSource, config: SessionConfig) -> None:
+    if config.on_gpu and "CUDAExecutionProvider" not in ort.get_available_providers():
+        # Before an export that would take a while only to fail at the session.
+        raise RuntimeError(
+            f"this ONNX Runtime has no CUDA provider for {config.device} (providers: "
+            f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu, not onnxruntime"
+        )
     if source.options.get("onnx_file"):
         return  # a shipped file runs at the precision it was made in
     if source.dtype == "float16" and not config.on_gpu:

@@ -143,6 +143,17 @@ def test_float16_on_cpu_is_refused_before_any_export(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_gpu_without_the_cuda_provider_is_refused_before_any_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])  # plain onnxruntime
+    with pytest.raises(RuntimeError, match=r"no CUDA provider.*install onnxruntime-gpu"):
+        OnnxBackend(onnx_source(MODEL_DIR, tmp_path / "cache", device="cuda"))
+    assert not (tmp_path / "cache").exists()
+
+
 def test_unknown_optimisation_level_is_refused(onnx_cache: Path) -> None:
     with pytest.raises(ValueError, match="onnx_opt_level"):
         OnnxBackend(onnx_source(MODEL_DIR, onnx_cache, options={"onnx_opt_level": "max"}))
