@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from nats.js import JetStreamContext
@@ -114,6 +114,25 @@ def default_batching(settings: Settings) -> Batching:
     )
 
 
+class BatchingGiven(Protocol):
+    """The batching knobs a model entry or a registration may give (None: the box's default)."""
+
+    max_batch_tokens: int | None
+    max_batch_size: int | None
+    max_wait_ms: float | None
+    concurrent_batches: int | None
+
+
+def batching_of(given: BatchingGiven, defaults: Batching) -> Batching:
+    """A model's batching: the knobs its entry (or registration) gives, the box's defaults for the rest."""
+    return Batching(
+        max_batch_tokens=given.max_batch_tokens or defaults.max_batch_tokens,
+        max_batch_size=given.max_batch_size or defaults.max_batch_size,
+        max_wait_ms=given.max_wait_ms if given.max_wait_ms is not None else defaults.max_wait_ms,
+        concurrent_batches=given.concurrent_batches or defaults.concurrent_batches,
+    )
+
+
 def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
     runtime = RuntimeKind(entry.runtime)
     path = entry.path
@@ -140,12 +159,7 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         options=dict(entry.options),
         adapter_of=entry.adapter_of,
         profile=entry.profile,
-        batching=Batching(
-            max_batch_tokens=entry.max_batch_tokens or defaults.max_batch_tokens,
-            max_batch_size=entry.max_batch_size or defaults.max_batch_size,
-            max_wait_ms=entry.max_wait_ms if entry.max_wait_ms is not None else defaults.max_wait_ms,
-            concurrent_batches=entry.concurrent_batches or defaults.concurrent_batches,
-        ),
+        batching=batching_of(entry, defaults),
     )
 
 

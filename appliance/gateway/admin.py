@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from appliance.bus import model_slug
-from appliance.catalog import ADAPTER_SEPARATOR, Batching, Catalog, CatalogStore, ModelSpec, default_batching
+from appliance.catalog import ADAPTER_SEPARATOR, Catalog, CatalogStore, ModelSpec, batching_of, default_batching
 from appliance.control import call_box
 from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import GatewayContext
@@ -129,12 +129,7 @@ async def register(
         task, batching = base.task, base.batching
     else:
         task = _task_for(registration, folder)
-        batching = Batching(
-            max_batch_tokens=registration.max_batch_tokens or defaults.max_batch_tokens,
-            max_batch_size=registration.max_batch_size or defaults.max_batch_size,
-            max_wait_ms=registration.max_wait_ms if registration.max_wait_ms is not None else defaults.max_wait_ms,
-            concurrent_batches=registration.concurrent_batches or defaults.concurrent_batches,
-        )
+        batching = batching_of(registration, defaults)
     spec = ModelSpec(
         name=name,
         slug=slug,
