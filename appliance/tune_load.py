@@ -115,21 +115,26 @@ def read_sample(path: Path, task: Task) -> Sample:
     return tuple(requests)
 
 
+def mix(task: Task, count: int, seed: int, sample: Sample | None = None) -> list[tuple[Any, ...]]:
+    """`count` requests, each a tuple of inputs: one to eight of the built-in mix, or drawn from an
+    operator's `sample` of requests (seeded). A benchmark can send the same requests over HTTP."""
+    rng = np.random.default_rng(seed + 7)
+    if sample is not None:
+        return [sample[int(i)] for i in rng.integers(0, len(sample), count)]
+    sizes = [int(rng.choice(_ROWS_PER_REQUEST)) for _ in range(count)]
+    inputs: list[Any] = pairs(sum(sizes), seed) if task is Task.SCORE else texts(sum(sizes), seed)
+    at = list(itertools.accumulate(sizes, initial=0))
+    return [tuple(inputs[a:b]) for a, b in itertools.pairwise(at)]
+
+
 def make_requests(
     runtime: Runtime, task: Task, count: int, seed: int, sample: Sample | None = None
 ) -> list[list[Tokenized]]:
-    """`count` requests tokenised by the model's own tokenizer: of one to eight inputs of the built-in
-    mix each, or drawn from an operator's `sample` of requests (seeded)."""
-    rng = np.random.default_rng(seed + 7)
-    if sample is not None:
-        chosen = [sample[int(i)] for i in rng.integers(0, len(sample), count)]
-        inputs = [item for request in chosen for item in request]
-        rows = runtime.tokenize_pairs(inputs) if task is Task.SCORE else runtime.tokenize(inputs)  # type: ignore[attr-defined]
-        sizes = [len(request) for request in chosen]
-    else:
-        sizes = [int(rng.choice(_ROWS_PER_REQUEST)) for _ in range(count)]
-        rows = tokenize_inputs(runtime, task, sum(sizes), seed)
-    at = list(itertools.accumulate(sizes, initial=0))
+    """The requests of `mix`, tokenised by the model's own tokenizer."""
+    requests = mix(task, count, seed, sample)
+    inputs = [item for request in requests for item in request]
+    rows = runtime.tokenize_pairs(inputs) if task is Task.SCORE else runtime.tokenize(inputs)  # type: ignore[attr-defined]
+    at = list(itertools.accumulate((len(request) for request in requests), initial=0))
     return [rows[a:b] for a, b in itertools.pairwise(at)]
 
 

@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
+import http.client
 import multiprocessing
 import os
 import platform
@@ -287,7 +288,7 @@ class ServedBox:
                 with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as response:
                     if response.status == 200:
                         return time.monotonic() - started
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, http.client.HTTPException):  # not listening, or half up
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"the box was not ready within {timeout_s:.0f}s:\n{self.log_tail()}")
