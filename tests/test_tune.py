@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from appliance.catalog import Batching
@@ -227,10 +228,14 @@ def test_onnx_engines_are_tuned_too(encoder_dir: Path) -> None:
     assert kinds == {RuntimeKind.TORCH.value, RuntimeKind.ONNX.value}
 
 
-def test_concurrent_batches_are_an_engine_shape_the_profile_keeps(encoder_dir: Path) -> None:
+def test_concurrent_batches_are_an_engine_shape_the_profile_keeps(encoder_dir: Path, monkeypatch) -> None:
     labels = {engine.label for engine in default_space("cpu", 4).engines}
     assert {"onnx-float32-t1", "onnx-float32-t1x4", "onnx-float32-t2x2", "onnx-float32-t4"} <= labels
     assert "onnx-float32-t4x1" not in labels and all("t4x" not in label for label in labels)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    gpu = {engine.label for engine in default_space("cuda", 16).engines}
+    assert {"torch-float16-tdefaultx2", "torch-bfloat16-tdefaultx2", "torch-float32-tdefault"} <= gpu
+    assert "torch-float32-tdefaultx2" not in gpu
     shared = Engine("onnx", "float32", 1, "all", concurrent_batches=2)
     result = Tuner(config(encoder_dir, (shared,))).run()
     assert any(t.candidate.engine == shared and t.ok for t in result.trials)  # measured with 2 batches at once
