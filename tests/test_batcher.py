@@ -214,3 +214,33 @@ async def test_a_batch_formed_ahead_waits_for_a_free_thread_and_counts_as_waitin
         await asyncio.sleep(0.01)
     await batcher.drain()
     assert len(done) == 4 and runtime.started == 4
+
+
+async def test_room_waits_for_the_soonest_slot_when_every_slot_is_busy() -> None:
+    runtime = GateRuntime()
+    batching = Batching(16_384, 8, 0.0, concurrent_batches=2)
+    batcher = Batcher("m", runtime, batching, None, Metrics(), lambda j, e: None)  # type: ignore[arg-type]
+    for rows in (2, 4, 8, 8, 8, 8):  # 100 ms a batch plus 10 ms a padded token: 900 ms for 8 rows of 10
+        batcher.cost.observe(rows * 10, rows, 0.100 + 0.010 * rows * 10)
+    batcher.submit(job([10] * 8))
+    batcher.submit(job([10] * 8))
+    batcher.start()
+    for _ in range(200):
+        if runtime.started == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert runtime.started == 2  # both slots hold a batch predicted to take 900 ms (held at the gate)
+    # Within 3 s each slot finishes its batch and runs two more: four batches of 8 rows; within 2 s,
+    # one more each. (Robust to this test running up to 300 ms late.)
+    assert batcher.room(3.0) == 4 * 8
+    assert batcher.room(2.0) == 2 * 8
+    # Within 1.5 s none: a row would wait out a slot's batch (up to 900 ms) and then run in its own.
+    # Room opens once the sooner slot has 600 ms left, and a request sent then lasts until that slot
+    # frees, plus the nearly-free margin (150 ms of 1.5 s).
+    assert batcher.room(1.5) == 0
+    opens = batcher.room_opens_in(1.5)
+    assert opens is not None and 0 < opens <= 0.3
+    lasts = batcher.room_lasts_s(1.5)
+    assert lasts is not None and 0.15 < lasts <= 0.9 + 0.15
+    runtime.gate.set()
+    await batcher.drain()
