@@ -36,7 +36,7 @@ class ModelEntry(BaseModel):
     max_batch_tokens: int | None = None
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
-    concurrent_batches: int | None = None
+    concurrent_batches: int | None = Field(default=None, ge=1)
     profile: str = "auto"  # tuning profile: "auto" (this hardware's, or the nearest), "off", or a hardware slug
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pydantic
+import pytest
+
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
-from appliance.settings import load_settings
+from appliance.settings import ModelEntry, Settings, load_settings
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
@@ -25,3 +28,12 @@ def test_models_from_toml_join_the_default_model(tmp_path) -> None:
     assert catalog.resolve("fast").spec.batching.max_batch_size == 8
     assert catalog.resolve("all-minilm-l6-v2").spec.name == DEFAULT_MODEL_NAME
     assert catalog.resolve(DEFAULT_MODEL_NAME).spec.pinned
+
+
+def test_concurrent_batches_must_be_positive() -> None:
+    assert ModelEntry(name="m", concurrent_batches=2).concurrent_batches == 2
+    for bad in (0, -1):
+        with pytest.raises(pydantic.ValidationError):
+            ModelEntry(name="m", concurrent_batches=bad)
+        with pytest.raises(pydantic.ValidationError):
+            Settings(concurrent_batches=bad)
