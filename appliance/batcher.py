@@ -185,12 +185,6 @@ class Batcher:
     def pending_rows(self) -> int:
         return len(self._pending)
 
-    @property
-    def rows_per_s(self) -> float | None:
-        """Rows a second in full batches of rows like recent ones, at the measured cost; None before a batch ran."""
-        full = self._full_batch()
-        return None if full is None else full[0] / full[1]
-
     def room(self, within_s: float) -> int:
         """Rows this batcher could take now and still answer within `within_s`, at the measured cost.
 
