@@ -265,26 +265,21 @@ class GenerateWorker:
             return
         self._forget(output.request_id)
         # The last chunk is confirmed before the ack (off the stepper: all generations step together).
-        self._spawn(self._finish(stream, reply, orjson.dumps(body)))
-
-    async def _finish(self, stream: Stream, reply: ReplyMeta, body: bytes) -> None:
-        try:
-            if not await self._reply(stream.meta, reply, body, confirmed=True):
-                await stream.msg.nak()  # this box is stopping with the answer undelivered: another box answers it
-                return
-            await stream.msg.ack()
-            if stream.meta.blob:
-                await self._blobs.delete(stream.meta.blob)
-        finally:
-            self.puller.poke()
+        self._spawn(self._settle(stream.meta, stream.msg, reply, orjson.dumps(body)))
 
     async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, seq=seq, final=True)
+        await self._settle(meta, msg, reply, error.to_json())
+
+    async def _settle(self, meta: RequestMeta, msg: Msg, reply: ReplyMeta, body: bytes) -> None:
+        """The last chunk or an error: confirmed by its gateway, then the request acked and its blob deleted."""
         try:
-            if not await self._reply(meta, reply, error.to_json(), confirmed=True):
-                await msg.nak()
+            if not await self._reply(meta, reply, body, confirmed=True):
+                await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
                 return
             await msg.ack()
+            if meta.blob:
+                await self._blobs.delete(meta.blob)
         finally:
             self.puller.poke()
 
