@@ -19,6 +19,7 @@ import typer
 from appliance import __version__
 from appliance.logs import configure_logging
 from appliance.settings import Settings, load_settings
+from appliance.tasks import cancel_and_wait
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: serve a fleet of small models.")
 log = logging.getLogger("appliance.cli")
@@ -107,8 +108,7 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
     await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
     if not starting.done():  # a signal while the box still starts (it may wait for NATS for ever): stop now
-        starting.cancel()
-        await asyncio.gather(starting, return_exceptions=True)
+        await cancel_and_wait([starting])
         await box.stop()
         return 0
     try:

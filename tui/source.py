@@ -31,6 +31,7 @@ from nats.js.kv import KeyValue
 from appliance import bus
 from appliance.catalog import Catalog, CatalogStore
 from appliance.fleet import Fleet
+from appliance.tasks import cancel_and_wait
 from tui.model import BoxState, ConsumerState, FleetView, QueueState, StreamState
 from tui.ops import FleetOps
 
@@ -201,7 +202,7 @@ class NatsSource:
             await asyncio.sleep(self._period_s)
 
     async def _reattach(self) -> None:
-        await _cancel(self._attach_task)
+        await cancel_and_wait([self._attach_task])
         self._attached.clear()
         self._waiting_for = "reconnected to NATS; reading the fleet again…"
         fleet, store, self._fleet, self._store = self._fleet, self._store, None, None
@@ -249,8 +250,7 @@ class NatsSource:
         )
 
     async def stop(self) -> None:
-        await _cancel(self._follow_task)
-        await _cancel(self._attach_task)
+        await cancel_and_wait([self._follow_task, self._attach_task])
         if self._fleet is not None:
             await self._fleet.stop()
         if self._store is not None:
@@ -260,12 +260,6 @@ class NatsSource:
                 await asyncio.wait_for(self._nc.close(), 3.0)
             except TimeoutError:
                 log.debug("closing the TUI's NATS connection timed out")
-
-
-async def _cancel(task: asyncio.Task[None] | None) -> None:
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def _stream_state(info: Any) -> StreamState:
