@@ -49,6 +49,11 @@ _QUEUE_SETTLE_S = 0.5  # the oldest request must have waited this long before th
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 
 
+def _retry_s(seconds: float) -> int:
+    """A Retry-After: whole seconds, 1 to 60."""
+    return max(1, min(60, math.ceil(seconds)))
+
+
 def _deadline(timeout_s: float) -> GatewayTimeout:
     return GatewayTimeout(
         f"no answer within the request's deadline of {timeout_s:g}s; "
@@ -192,7 +197,7 @@ class Dispatcher:
         wait_s = queue.wait_s(time.monotonic())
         if wait_s is not None and wait_s > limit:
             self._metrics.refused.labels(spec.name).inc()
-            retry = max(1, min(60, math.ceil(wait_s - limit)))
+            retry = _retry_s(wait_s - limit)
             raise TooManyRequests(
                 f"model {spec.name} is overloaded: a request sent now would wait about {wait_s:.0f}s "
                 f"to start, over the limit of {limit:g}s; retry in {retry}s",
@@ -306,7 +311,7 @@ class Dispatcher:
         # Over the time the kept answers span (under 10 s when the gateway just started answering or the
         # deque is full), and the backlog counts the requests this gateway waits for: not both.
         rate = len(recent) / max(1.0, now - recent[0])
-        return max(1, min(60, math.ceil(max(self.backlog, self.waiting) / rate)))
+        return _retry_s(max(self.backlog, self.waiting) / rate)
 
     @property
     def reply_subject(self) -> str:
