@@ -24,10 +24,10 @@ from nats.aio.msg import Msg
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.envelope import BATCH, ReplyMeta, RequestMeta
+from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, InternalError, PayloadTooLarge, Unprocessable, deadline_passed
 from appliance.metrics import Metrics
-from appliance.puller import Puller
+from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
 _DEFAULT_MAX_TOKENS = 256
-_BULK_IDLE_S = 0.05
 
 
 @dataclass(slots=True)
@@ -97,16 +96,7 @@ class GenerateWorker:
         self._stepper: asyncio.Task[None] | None = None
         self._capacity = 2 * spec.batching.max_batch_size
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
-        self.bulk_puller = Puller(
-            nc,
-            spec.slug,
-            bus.pull_inbox(box_id, spec.slug, BATCH),
-            self._bulk_room,
-            self._on_message,
-            priority=BATCH,
-            expires_s=0.5,
-            idle_poll_s=_BULK_IDLE_S,
-        )
+        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
 
     async def start(self) -> None:
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
@@ -126,7 +116,7 @@ class GenerateWorker:
 
     def _bulk_room(self) -> int:
         """Batch-priority generations join only while no interactive request has arrived lately."""
-        quiet = asyncio.get_running_loop().time() - self.puller.last_message_at >= _BULK_IDLE_S
+        quiet = self.puller.quiet_for(BULK_IDLE_S)
         return self._room() if quiet else 0
 
     def cancel(self, request_id: str) -> bool:

@@ -17,10 +17,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from appliance import bus
-from appliance.envelope import INTERACTIVE
+from appliance.envelope import BATCH, INTERACTIVE
 from appliance.tasks import cancel_and_wait
 
 _SHORTEST_S = 0.005  # a pull request's shortest life
+BULK_IDLE_S = 0.05  # interactive silence needed before batch-priority work is pulled
 
 
 class Puller:
@@ -67,6 +68,10 @@ class Puller:
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
+
+    def quiet_for(self, seconds: float) -> bool:
+        """No message has been delivered for `seconds`: the box may turn to batch-priority work."""
+        return asyncio.get_running_loop().time() - self.last_message_at >= seconds
 
     def poke(self) -> None:
         """Room may have grown: consider asking for more."""
@@ -116,3 +121,18 @@ class Puller:
         if self._remaining == 0:
             self._wake.set()
         self._on_message(msg)
+
+
+def bulk_puller(nc: NATS, box_id: str, slug: str, room: Callable[[], int], on_message: Callable[[Msg], None]) -> Puller:
+    """The puller of a model's batch-priority subject: short requests, looked at often, so bulk work
+    starts soon after interactive work goes quiet and stops soon after it returns."""
+    return Puller(
+        nc,
+        slug,
+        bus.pull_inbox(box_id, slug, BATCH),
+        room,
+        on_message,
+        priority=BATCH,
+        expires_s=0.5,
+        idle_poll_s=BULK_IDLE_S,
+    )

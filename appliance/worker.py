@@ -32,11 +32,11 @@ from appliance.batcher import Batcher, Job
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import dead_letter
-from appliance.envelope import BATCH, ReplyMeta, RequestMeta
+from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
-from appliance.puller import Puller
+from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import cancel_and_wait
@@ -45,7 +45,6 @@ from runtimes import Runtime, UnknownAdapter, UnsupportedModel
 log = logging.getLogger(__name__)
 
 _BIG_BODY = 16 * 1024  # tokenise bodies above this off the event loop
-_BULK_IDLE_S = 0.05  # interactive silence needed before batch-priority work is pulled
 _CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any request deadline)
 _CONFIRM_TIMEOUT_S = 5.0  # how long a gateway may take to confirm it has a reply
 _RESEND_S = 0.25  # pause before sending a reply again that no gateway took
@@ -110,16 +109,7 @@ class ModelWorker:
             room_opens_in=lambda: self.batcher.room_opens_in(hold_s),
             room_lasts=lambda: self.batcher.room_lasts_s(hold_s),
         )
-        self.bulk_puller = Puller(
-            nc,
-            spec.slug,
-            bus.pull_inbox(box_id, spec.slug, BATCH),
-            self._bulk_room,
-            self._on_message,
-            priority=BATCH,
-            expires_s=0.5,
-            idle_poll_s=_BULK_IDLE_S,
-        )
+        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
@@ -173,7 +163,7 @@ class ModelWorker:
 
     def _bulk_room(self) -> int:
         """Batch-priority work is pulled only while no interactive work waits, a batch at a time."""
-        quiet = asyncio.get_running_loop().time() - self.puller.last_message_at >= _BULK_IDLE_S
+        quiet = self.puller.quiet_for(BULK_IDLE_S)
         if not quiet or self.batcher.pending_interactive > 0:
             return 0
         return min(self._room(), self.spec.batching.max_batch_size)
