@@ -42,7 +42,7 @@ def serve(
     role: Annotated[str | None, typer.Option(help="all | gateway | worker [FBX_ROLE]")] = None,
     box_id: Annotated[str | None, typer.Option(help="this box's id [FBX_BOX_ID, default host-random]")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N [FBX_DEVICE]")] = None,
-    log_level: Annotated[str | None, typer.Option(help="DEBUG | INFO | WARNING [FBX_LOG_LEVEL]")] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG | INFO | WARNING | ERROR [FBX_LOG_LEVEL]")] = None,
     creds: Annotated[Path | None, typer.Option(help="NATS credentials file [FBX_CREDS]")] = None,
     tls_ca: Annotated[Path | None, typer.Option(help="CA bundle for NATS TLS [FBX_TLS_CA]")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="client certificate for NATS TLS [FBX_TLS_CERT]")] = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -21,6 +20,7 @@ from pathlib import Path
 from appliance.catalog import ModelSpec
 from appliance.errors import InsufficientMemory
 from appliance.metrics import Metrics
+from appliance.settings import memory_budget_bytes
 from runtimes import Runtime, RuntimeKind, load_runtime
 
 log = logging.getLogger(__name__)
@@ -28,22 +28,14 @@ log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".onnx", ".pt")
 _DTYPE_SCALE = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5, "int8": 0.25}
 _ACTIVATION_ALLOWANCE = 1.25  # until measured, assume activations add a quarter of the weights
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_budget(raw: str | None, device: str) -> int:
-    """`"6GB"`, `"512MiB"`, `"123456"` (bytes) or `"0.5"` (a share of memory); None: the device default."""
+    """The box's memory budget in bytes (`Settings.memory_budget`); None: 90% of a GPU, half the RAM."""
     total = device_memory(device)
     if raw is None:
         return int(total * (0.9 if device.startswith("cuda") else 0.5))
-    text = raw.strip().lower()
-    match = re.fullmatch(r"([0-9.]+)\s*([kmg]i?b|b)?", text)
-    if not match:
-        raise ValueError(f"memory budget {raw!r} is not a size like 6GB, 512MiB or 0.5")
-    number, unit = float(match.group(1)), match.group(2) or ""
-    if not unit and number <= 1.0:
-        return int(total * number)
-    return int(number * _UNITS[unit])
+    return memory_budget_bytes(raw, total)
 
 
 def device_memory(device: str) -> int:

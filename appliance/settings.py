@@ -7,10 +7,11 @@ Models come from `[[models]]` tables of the same TOML file.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -19,6 +20,21 @@ from pydantic_settings import (
 )
 
 Role = Literal["all", "gateway", "worker"]
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def memory_budget_bytes(raw: str, total: int) -> int:
+    """A memory budget in bytes: `"6GB"` or `"6G"` (decimal), `"512MiB"` or `"512Mi"` (binary), `"123456"`
+    (bytes), or a plain number up to 1 (`"0.5"`) as a share of `total`."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmg]i?)?(b?)", raw.strip().lower())
+    if not match:
+        raise ValueError(f"memory budget {raw!r} is not a size like 6GB, 512MiB or a share like 0.5")
+    number, unit = float(match.group(1)), match.group(2) or ""
+    if not unit and not match.group(3) and number <= 1.0:
+        return int(total * number)
+    return int(number * _SIZE_UNITS[unit])
 
 
 class ModelEntry(BaseModel):
@@ -107,8 +123,20 @@ class Settings(BaseSettings):
     max_concurrent_per_key: int = 0  # requests one API key may have in flight at once; 0: no limit
     metrics_require_key: bool = False  # protect /metrics with an API (or admin) key
 
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     shutdown_grace_s: float = 8.0  # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_upper(cls, value: object) -> object:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget_form(cls, value: str | None) -> str | None:
+        if value is not None:
+            memory_budget_bytes(value, total=1)  # checks the form only; the device's memory is read at start
+        return value
 
     @classmethod
     def settings_customise_sources(

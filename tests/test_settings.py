@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pydantic
 import pytest
+from typer.testing import CliRunner
 
+from appliance import cli
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
-from appliance.settings import ModelEntry, Settings, load_settings
+from appliance.settings import ModelEntry, Settings, load_settings, memory_budget_bytes
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
@@ -37,3 +39,31 @@ def test_concurrent_batches_must_be_positive() -> None:
             ModelEntry(name="m", concurrent_batches=bad)
         with pytest.raises(pydantic.ValidationError):
             Settings(concurrent_batches=bad)
+
+
+def test_memory_budget_forms() -> None:
+    total = 1000
+    assert memory_budget_bytes("6GB", total) == memory_budget_bytes("6G", total) == 6 * 10**9
+    assert memory_budget_bytes("512MiB", total) == memory_budget_bytes("512mi", total) == 512 * 2**20
+    assert memory_budget_bytes("123456", total) == 123456  # bytes
+    assert memory_budget_bytes("0.5", total) == 500  # a share of the device's memory
+    for bad in ("6X", "", "GB", "1.2.3", "-1", "6GiBs"):
+        with pytest.raises(ValueError, match="not a size"):
+            memory_budget_bytes(bad, total)
+
+
+def test_bad_log_level_or_budget_is_a_settings_error() -> None:
+    assert Settings(log_level="debug").log_level == "DEBUG"
+    with pytest.raises(pydantic.ValidationError, match="log_level"):
+        Settings(log_level="LOUD")
+    with pytest.raises(pydantic.ValidationError, match="memory budget"):
+        Settings(memory_budget="6X")
+
+
+@pytest.mark.parametrize("args", [["--memory-budget", "6X"], ["--log-level", "LOUD"]])
+def test_serve_refuses_bad_settings_with_exit_2(args: list[str], tmp_path) -> None:
+    """Stopped before anything starts, with the usage-error exit code and no traceback."""
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert "fleetbox: bad settings:" in result.output
+    assert "Traceback" not in result.output
