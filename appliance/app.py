@@ -455,7 +455,9 @@ class Box:
             loading = True
         state = "resident" if boxes else "loading" if loading else "cold"
         spec = self.catalog.get(name)
-        profile = self.profiles.describe(spec) if self.profiles is not None and spec is not None else None
+        profile = None
+        if self.profiles is not None and spec is not None:
+            profile = self.profiles.describe(spec, has_adapters=bool(self.catalog.adapters_of(spec.name)))
         return {"state": state, "boxes": sorted(boxes), "bytes": nbytes, "profile": profile}
 
     def heartbeat(self) -> dict[str, Any]:
@@ -551,11 +553,6 @@ class Box:
 
         async def status(payload: dict[str, Any]) -> dict[str, Any]:
             return self.heartbeat()
-
-        async def cancel(payload: dict[str, Any]) -> dict[str, Any]:
-            request_id = str(payload.get("id", ""))
-            cancelled = any(w.cancel(request_id) for w in self.workers.values() if isinstance(w, GenerateWorker))
-            return {"id": request_id, "cancelled": cancelled}
 
         return {
             "load": load,

@@ -354,8 +354,11 @@ class ProfileBook:
             )
         return applied
 
-    def describe(self, spec: ModelSpec) -> dict[str, Any] | None:
-        """The choice applied to a model on this box, or the one a load would make; None if none fits."""
+    def describe(self, spec: ModelSpec, has_adapters: bool = False) -> dict[str, Any] | None:
+        """The choice applied to a model on this box, or the one a load would make; None if none fits.
+
+        `has_adapters` as for `apply`: a base with LoRA adapters keeps torch, and the preview must say so.
+        """
         if not tunable(spec):
             return None
         chosen = self._chosen.get(spec.name)
@@ -365,4 +368,4 @@ class ProfileBook:
         if key not in self._previews:
             self._previews[key] = choose(spec.slug, self.hardware, self.roots, spec.profile)
         choice = self._previews[key]
-        return choice.describe(apply(spec, choice, cores=self.cores))
+        return choice.describe(apply(spec, choice, cores=self.cores, has_adapters=has_adapters))

@@ -154,6 +154,10 @@ def test_profile_book_shows_the_choice_before_and_after_a_load(tmp_path: Path) -
     applied = book.apply(spec())
     assert book.describe(spec()) == preview and applied.threads == 2
     assert book.describe(spec(runtime=RuntimeKind.NOOP)) is None
+    # A base with LoRA adapters keeps torch at its load; the preview says the same.
+    fresh = ProfileBook("cpu-2c", [tmp_path], cores=2)
+    assert fresh.describe(spec())["runtime"] == "onnx"  # type: ignore[index]
+    assert fresh.describe(spec(), has_adapters=True)["runtime"] == "torch"  # type: ignore[index]
 
 
 async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, encoder_dir, tmp_path) -> None:
