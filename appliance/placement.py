@@ -125,12 +125,25 @@ class Placement:
             self._loads.add(task)
             task.add_done_callback(self._loads.discard)
 
-        puller = Puller(box.nc, spec.slug, bus.pull_inbox(box.box_id, spec.slug) + ".refuse", lambda: 64, answer)
-        await puller.start()
+        # Both priorities: a batch-priority request would otherwise wait out its deadline for a 504.
+        pullers = [
+            Puller(
+                box.nc,
+                spec.slug,
+                bus.pull_inbox(box.box_id, spec.slug, priority) + ".refuse",
+                lambda: 64,
+                answer,
+                priority=priority,
+            )
+            for priority in PRIORITIES
+        ]
         try:
+            for puller in pullers:
+                await puller.start()
             await asyncio.sleep(_RETRY_AFTER_FAILURE_S)
         finally:
-            await puller.stop()
+            for puller in pullers:
+                await puller.stop()
 
     async def _answer(self, msg: Msg, error: FleetboxError) -> None:
         assert self._box.nc is not None

@@ -37,10 +37,12 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
     box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
     async with http.post(url(box, "/v1/models"), json={"name": "broken", "path": "broken"}) as response:
         assert response.status == 201  # its files look right; only loading finds them corrupt
-    async with http.post(url(box, "/v1/embeddings"), json={"model": "broken", "input": "x", "timeout": 60}) as response:
-        assert response.status == 503
-        error = (await response.json())["error"]
-    assert "broken" in error["message"] and "could not be loaded" in error["message"]
+    for headers in ({}, {"Fbx-Priority": "batch"}):  # batch-priority work waits in its own queue: refused too
+        body = {"model": "broken", "input": "x", "timeout": 60}
+        async with http.post(url(box, "/v1/embeddings"), json=body, headers=headers) as response:
+            assert response.status == 503, headers
+            error = (await response.json())["error"]
+        assert "broken" in error["message"] and "could not be loaded" in error["message"]
 
 
 async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, http) -> None:
