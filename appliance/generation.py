@@ -94,7 +94,8 @@ class GenerateWorker:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stepper: asyncio.Task[None] | None = None
-        self._capacity = 2 * spec.batching.max_batch_size
+        # Room for the decode batch and as many again waiting to join it; the rest stays in the queue for other boxes.
+        self._capacity = 2 * runtime.decode_batch
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
         self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
 

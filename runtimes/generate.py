@@ -202,6 +202,11 @@ class GenerateRuntime:
             return bool(self._ids)
 
     @property
+    def decode_batch(self) -> int:
+        """The most requests one decode step advances (`options.max_batch_size`)."""
+        return self._max_rows
+
+    @property
     def active(self) -> int:
         """Requests in the decode batch now (not counting those waiting to join)."""
         return len(self._rows)

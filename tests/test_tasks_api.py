@@ -260,6 +260,9 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
     tokens = sum(body["usage"]["completion_tokens"] for _, body in results)
     assert rows == tokens
     assert steps < tokens  # one after another would take one step per token
+    # An idle generator pulls room for its decode batch and as many again, not the box's encoder batch size.
+    worker = task_box.workers["tiny-llama"]
+    assert worker.held == 0 and worker._room() == 2 * worker.runtime.decode_batch == 64
 
 
 @pytest.mark.parametrize(
