@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from appliance import bus
+from appliance.settings import ModelEntry
 from tests.conftest import noop_model, url, wait_for
 
 
@@ -100,6 +101,38 @@ async def test_overload_is_refused_at_once_and_accepted_requests_wait_within_the
     assert max(accepted) < 5.0
     assert counter(box, "fbx_refused_requests") == len(refused)
     async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "after"}) as response:
+        assert response.status == 200  # the load has gone: served at once
+
+
+async def test_generation_overload_is_refused_at_once_too(start_box, http, generator_dir) -> None:
+    """Generation is admitted like the encoder routes, its wait reckoned to the first chunk: with one
+    request decoded at a time and many arriving, the excess is a 429 with Retry-After, not a 504 later."""
+    one_at_a_time = {"max_batch_size": 1}
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True, options=one_at_a_time)
+    box = await start_box(default_model=False, models=[model], max_queue_s=1.0)
+    outcomes: list[tuple[int, float, str | None]] = []
+
+    async def one(i: int) -> None:
+        started = time.monotonic()
+        body = {"model": "tiny-llama", "prompt": f"Request {i} says", "max_tokens": 96, "temperature": 0}
+        async with http.post(url(box, "/v1/completions"), json=body) as response:
+            await response.read()
+            outcomes.append((response.status, time.monotonic() - started, response.headers.get("Retry-After")))
+
+    sends = []
+    for i in range(120):  # 40 requests/s for 3 s, each decoded alone for 96 steps (~10/s here)
+        sends.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.025)
+    await asyncio.gather(*sends)
+    refused = [(latency, retry) for status, latency, retry in outcomes if status == 429]
+    assert {status for status, _, _ in outcomes} == {200, 429}, sorted({s for s, _, _ in outcomes})
+    assert all(retry is not None and 1 <= int(retry) <= 60 for _, retry in refused)
+    assert max(latency for latency, _ in refused) < 1.0  # refused at once, not after waiting
+    assert counter(box, "fbx_refused_requests", model="tiny-llama") == len(refused)
+    # Unbounded, the last request would wait ~8 s to start (80 ahead at ~10/s); admitted ones start within ~1 s.
+    assert max(latency for status, latency, _ in outcomes if status == 200) < 5.0
+    body = {"model": "tiny-llama", "prompt": "after", "max_tokens": 4, "temperature": 0}
+    async with http.post(url(box, "/v1/completions"), json=body) as response:
         assert response.status == 200  # the load has gone: served at once
 
 

@@ -222,12 +222,18 @@ class Dispatcher:
         died mid-answer and the request was redelivered), its chunks are taken from then on, the
         first marked `restarted`, and any late chunk of the first box is dropped. A caller that
         stops early (its client went away) cancels the generation.
+
+        Admission is reckoned as for `call`, with a generation counted as started at its first chunk:
+        what a client waits for before tokens flow is the wait to start, however long the answer.
         """
+        queue = self._queue(spec.name, priority)
+        self._admit(spec, queue, timeout_s, priority)
         meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter()
         self._streams[meta.id] = waiter
+        queue.waiting[meta.id] = time.monotonic()
         finished = False
         try:
             await self._publish(spec, body, meta)
@@ -236,12 +242,15 @@ class Dispatcher:
                     chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     raise _deadline(timeout_s) from None
+                if queue.waiting.pop(meta.id, None) is not None:
+                    queue.answer(time.monotonic())  # started
                 finished = chunk.meta.final
                 yield chunk
                 if finished:
                     return
         finally:
             self._streams.pop(meta.id, None)
+            queue.waiting.pop(meta.id, None)
             if not finished:
                 await self._cancel(meta.id)
 
