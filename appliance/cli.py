@@ -63,6 +63,8 @@ def serve(
     if tui and not sys.stdout.isatty():
         typer.echo("fleetbox: --tui needs a terminal", err=True)
         raise typer.Exit(2)
+    from appliance.catalog import configured_specs
+
     try:
         settings = load_settings(
             config,
@@ -85,6 +87,7 @@ def serve(
             blob_threshold=blob_threshold,
             memory_budget=memory_budget,
         )
+        configured_specs(settings)  # every [[models]] entry's folder and task, checked before anything starts
     except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
         typer.echo(f"fleetbox: bad settings: {exc}", err=True)
         raise typer.Exit(2) from None

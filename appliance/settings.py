@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,6 +22,7 @@ from pydantic_settings import (
 Role = Literal["all", "gateway", "worker"]
 
 
+MAX_WAIT_MS = 1000.0  # a batch's wait for company past a second only ever delays it: the bound on max_wait_ms
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
@@ -40,20 +41,26 @@ def memory_budget_bytes(raw: str, total: int) -> int:
 class ModelEntry(BaseModel):
     """One `[[models]]` table: a model the box should know at start."""
 
-    name: str
-    path: Path | None = None  # a folder; None for the packaged default model
-    task: str | None = None
-    runtime: str = "torch"
+    name: str = Field(min_length=1, max_length=200)
+    path: Path | None = None  # a folder; None only for the no-op runtime
+    task: Literal["embed", "score", "classify", "extract", "generate"] | None = None
+    runtime: Literal["torch", "onnx", "noop"] = "torch"
     aliases: list[str] = Field(default_factory=list)
     pinned: bool = False
     dtype: str = "float32"
     options: dict[str, Any] = Field(default_factory=dict)
     adapter_of: str | None = None  # the base model's name, for a LoRA adapter
-    max_batch_tokens: int | None = None
-    max_batch_size: int | None = None
-    max_wait_ms: float | None = None
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    max_batch_size: int | None = Field(default=None, ge=1)
+    max_wait_ms: float | None = Field(default=None, ge=0, le=MAX_WAIT_MS)
     concurrent_batches: int | None = Field(default=None, ge=1)
     profile: str = "auto"  # tuning profile: "auto" (this hardware's, or the nearest), "off", or a hardware slug
+
+    @model_validator(mode="after")
+    def _has_a_folder(self) -> ModelEntry:
+        if self.path is None and self.runtime != "noop":
+            raise ValueError(f"model {self.name!r} needs a path (only the no-op runtime runs without a folder)")
+        return self
 
 
 class Settings(BaseSettings):
@@ -61,18 +68,18 @@ class Settings(BaseSettings):
 
     # HTTP gateway
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: int = Field(default=8080, ge=0, le=65535)  # 0: any free port
     role: Role = "all"
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_inputs: int = 2048
-    default_timeout_s: float = 30.0
-    max_timeout_s: float = 300.0
-    max_waiting: int = 8192  # requests one gateway awaits at once; past it, 429
-    max_queue_s: float = 10.0  # 429 when a request would wait longer than this for its model (Little's law)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    max_inputs: int = Field(default=2048, ge=1)
+    default_timeout_s: float = Field(default=30.0, gt=0)
+    max_timeout_s: float = Field(default=300.0, gt=0)
+    max_waiting: int = Field(default=8192, ge=1)  # requests one gateway awaits at once; past it, 429
+    max_queue_s: float = Field(default=10.0, gt=0)  # 429 when a request would wait longer than this for its model
 
     # NATS
     nats: str | None = None  # comma-separated URLs; None starts the embedded server
-    nats_port: int = 4222
+    nats_port: int = Field(default=4222, ge=0, le=65535)
     nats_host: str = "127.0.0.1"
     creds: Path | None = None  # NATS credentials (JWT + nkey) file
     tls_ca: Path | None = None
@@ -83,27 +90,27 @@ class Settings(BaseSettings):
 
     # Durability: file storage and replicas for the stream and buckets (a NATS cluster of >= replicas)
     durable: bool = False
-    replicas: int = 1
-    blob_threshold: int = 512 * 1024  # bodies above this travel in the object store fbx_blobs
+    replicas: int = Field(default=1, ge=1, le=5)  # JetStream keeps at most 5 copies
+    blob_threshold: int = Field(default=512 * 1024, ge=1)  # bodies above this travel in the object store fbx_blobs
 
     # Stream FBX_REQ bounds (discard-new: a full queue is an immediate 429)
-    stream_max_msgs: int = 100_000
-    stream_max_bytes: int = 1024 * 1024 * 1024
-    stream_max_age_s: float = 600.0
+    stream_max_msgs: int = Field(default=100_000, ge=1)
+    stream_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1)
+    stream_max_age_s: float = Field(default=600.0, gt=0)
     # Consumer req_<slug>
-    ack_wait_s: float = 10.0  # a dead box's requests come back after this: well inside default_timeout_s
-    max_deliver: int = 5
-    max_ack_pending: int = 10_000
+    ack_wait_s: float = Field(default=10.0, gt=0)  # a dead box's requests come back after this: inside the deadline
+    max_deliver: int = Field(default=5, ge=1)
+    max_ack_pending: int = Field(default=10_000, ge=1)
 
     # Worker and batcher defaults (a profile or a model entry overrides them)
-    max_batch_tokens: int = 16_384
-    max_batch_size: int = 256
-    max_wait_ms: float = 0.0  # how long an idle device waits for company; 0: start at once
+    max_batch_tokens: int = Field(default=16_384, ge=1)
+    max_batch_size: int = Field(default=256, ge=1)
+    max_wait_ms: float = Field(default=0.0, ge=0, le=MAX_WAIT_MS)  # how long an idle device waits for company
     concurrent_batches: int = Field(default=1, ge=1)  # batches of one model on the device at once
-    worker_capacity: int = 1024  # at most this many requests held per model (pulled, not yet acked)
-    hold_ms: float = 150.0  # a box pulls only what it expects to answer within this (DESIGN: pull rule)
-    device: str = "auto"
-    threads: int | None = None
+    worker_capacity: int = Field(default=1024, ge=1)  # at most this many requests held per model (pulled, not acked)
+    hold_ms: float = Field(default=150.0, gt=0)  # a box pulls only what it expects to answer within this (pull rule)
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    threads: int | None = Field(default=None, ge=1)
     profiles_dir: Path | None = None  # tuning profiles looked up before the shipped profiles/ (docs/tuning.md)
 
     # Catalog and residency
@@ -111,20 +118,22 @@ class Settings(BaseSettings):
     models: list[ModelEntry] = Field(default_factory=list)
     model_roots: list[Path] = Field(default_factory=list)  # empty: <state_dir>/models
     memory_budget: str | None = None  # bytes ("6GB", "512MiB", "0.5" = share of memory); None: 90% GPU, 50% RAM
-    cold_backlog: int = 32  # a box loads a model another box holds once this many requests wait for it
+    # a box loads a model another box holds once this many requests wait for it
+    cold_backlog: int = Field(default=32, ge=1)
 
     # Fleet
-    heartbeat_s: float = 1.0
-    heartbeat_ttl_s: float = 5.0
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=5.0, gt=0)
 
     # Security: comma-separated keys; none set means the routes are open
     api_keys: str | None = None
     admin_keys: str | None = None
-    max_concurrent_per_key: int = 0  # requests one API key may have in flight at once; 0: no limit
+    max_concurrent_per_key: int = Field(default=0, ge=0)  # requests one API key may have in flight at once; 0: no limit
     metrics_require_key: bool = False  # protect /metrics with an API (or admin) key
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    shutdown_grace_s: float = 8.0  # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
+    # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
+    shutdown_grace_s: float = Field(default=8.0, ge=0)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -33,10 +33,10 @@ def test_models_from_toml_join_the_default_model(tmp_path) -> None:
 
 
 def test_concurrent_batches_must_be_positive() -> None:
-    assert ModelEntry(name="m", concurrent_batches=2).concurrent_batches == 2
+    assert ModelEntry(name="m", runtime="noop", concurrent_batches=2).concurrent_batches == 2
     for bad in (0, -1):
         with pytest.raises(pydantic.ValidationError):
-            ModelEntry(name="m", concurrent_batches=bad)
+            ModelEntry(name="m", runtime="noop", concurrent_batches=bad)
         with pytest.raises(pydantic.ValidationError):
             Settings(concurrent_batches=bad)
 
@@ -60,9 +60,25 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         Settings(memory_budget="6X")
 
 
-@pytest.mark.parametrize("args", [["--memory-budget", "6X"], ["--log-level", "LOUD"]])
-def test_serve_refuses_bad_settings_with_exit_2(args: list[str], tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--memory-budget", "6X"], {}),
+        (["--log-level", "LOUD"], {}),
+        (["--port", "70000"], {}),
+        (["--device", "tpu"], {}),
+        (["--replicas", "0"], {}),
+        ([], {"FBX_MAX_INPUTS": "-1"}),
+        ([], {"FBX_MAX_WAIT_MS": "60000"}),
+        ([], {"FBX_MODELS": '[{"name": "x"}]'}),  # a model needs a folder
+        ([], {"FBX_MODELS": '[{"name": "x", "path": "/nonexistent/folder"}]'}),
+        ([], {"FBX_MODELS": '[{"name": "x", "runtime": "tensorrt"}]'}),
+    ],
+)
+def test_serve_refuses_bad_settings_with_exit_2(args: list[str], env: dict[str, str], tmp_path, monkeypatch) -> None:
     """Stopped before anything starts, with the usage-error exit code and no traceback."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), *args])
     assert result.exit_code == 2, result.output
     assert "fleetbox: bad settings:" in result.output
