@@ -327,6 +327,10 @@ class Batcher:
         long: rows arriving meanwhile join it instead of the one after.
         """
         limit = self._pending[0].arrived + self.batching.max_wait_ms / 1000
+        if self.batching.max_wait_ms > 0:  # never wait for company so long that a waiting row misses its deadline
+            soonest = min(self._pending, key=lambda item: item.job.meta.deadline_ms)
+            compute_s = self.cost.seconds(soonest.length) or 0.0
+            limit = min(limit, loop.time() + (soonest.job.meta.deadline_ms - time.time() * 1000) / 1000 - compute_s)
         while not self._full() and (loop.time() < limit or self._threads_busy()):
             self._wake.clear()
             if self._threads_busy():

@@ -101,6 +101,15 @@ async def test_expired_job_is_answered_with_504_and_never_computed() -> None:
     assert sum(len(b) for b in runtime.batches) == 2
 
 
+async def test_a_lone_row_never_waits_for_company_past_its_deadline() -> None:
+    """A long max_wait_ms must not outlive a request: the batch starts at the row's deadline at the latest."""
+    started = time.monotonic()
+    _, done = await run_batcher([job([5], timeout_s=0.3)], Batching(16384, 64, max_wait_ms=1000))
+    waited = time.monotonic() - started
+    assert len(done) == 1
+    assert waited < 0.9, waited  # waiting out max_wait_ms would take 1 s
+
+
 async def test_a_batch_holds_one_adapter() -> None:
     jobs = [job([4, 4], adapter="a"), job([4], adapter=None), job([4, 4], adapter="b"), job([4], adapter="a")]
     runtime, done = await run_batcher(jobs, Batching(max_batch_tokens=1000, max_batch_size=64, max_wait_ms=1))
