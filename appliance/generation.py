@@ -25,7 +25,14 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, InternalError, PayloadTooLarge, Unprocessable, deadline_passed
+from appliance.errors import (
+    FleetboxError,
+    GatewayTimeout,
+    InternalError,
+    PayloadTooLarge,
+    Unprocessable,
+    deadline_passed,
+)
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
@@ -230,7 +237,13 @@ class GenerateWorker:
                 self.runtime.cancel(request_id)
                 self._forget(request_id)
                 self._metrics.expired.labels(self.spec.name).inc()
-                self._spawn(self._fail(stream.meta, stream.msg, deadline_passed(request_id), seq=stream.seq))
+                error = deadline_passed(request_id)
+                if stream.tokens:
+                    error = GatewayTimeout(
+                        f"request {request_id} reached its deadline after {stream.tokens} generated tokens; "
+                        "raise its `timeout`, or ask for fewer tokens"
+                    )
+                self._spawn(self._fail(stream.meta, stream.msg, error, seq=stream.seq))
 
     async def _send(self, output: StepOutput, step_ms: float) -> None:
         stream = self._streams.get(output.request_id)
