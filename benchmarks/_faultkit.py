@@ -153,14 +153,24 @@ class BoxProcess:
         """Start a box with `config` (TOML) and wait until its `/readyz` says ready."""
         box = cls.spawn(state_dir, box_id, config, nats_urls=nats_urls, role=role)
         try:
-            await wait_until(box._ready, ready_timeout_s, f"box {box_id} to be ready", period_s=0.2)
+            await box.wait_ready(ready_timeout_s)
         except BaseException:
             box.kill()
             raise
         return box
 
     @classmethod
-    def spawn(cls, state_dir: Path, box_id: str, config: str, *, nats_urls: str | None, role: str) -> BoxProcess:
+    def spawn(
+        cls,
+        state_dir: Path,
+        box_id: str,
+        config: str,
+        *,
+        nats_urls: str | None,
+        role: str,
+        env: dict[str, str] | None = None,
+    ) -> BoxProcess:
+        """Start `fleetbox serve`; `env` adds to (or overrides) the box's environment (quiet logs by default)."""
         state_dir.mkdir(parents=True, exist_ok=True)
         config_file = state_dir / "box.toml"
         config_file.write_text(config)
@@ -172,19 +182,30 @@ class BoxProcess:
         ]  # fmt: skip
         args += ["--nats", nats_urls] if nats_urls else ["--nats-port", str(free_port())]
         log_file = state_dir / "box.log"
-        env = {**os.environ, "FBX_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        box_env = {**os.environ, "FBX_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         with log_file.open("wb") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env={**box_env, **(env or {})}, cwd=ROOT
+            )
         return cls(box_id, http_port, log_file, process)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until `/readyz` says ready; raises (with the log's tail) if the box exits or is not ready in time."""
+        try:
+            await wait_until(self._ready, timeout_s, f"box {self.box_id} to be ready", period_s=0.2)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.log_tail()}") from None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_file.read_text(errors="replace")[-chars:]
+
     async def _ready(self) -> bool:
         if self.process.poll() is not None:
-            tail = self.log_file.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"box {self.box_id} exited with {self.process.returncode}:\n{tail}")
+            raise RuntimeError(f"box {self.box_id} exited with {self.process.returncode}:\n{self.log_tail()}")
         try:
             async with aiohttp.ClientSession() as session, session.get(f"{self.url}/readyz") as response:
                 return response.status == 200

@@ -29,14 +29,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
-import http.client
 import multiprocessing
 import os
 import platform
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +53,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `runtimes` is importable
+
+from benchmarks._faultkit import BoxProcess  # noqa: E402
 
 # A fixed vocabulary, so sentences (and their token lengths) are the same on every machine.
 WORDS = """
@@ -224,12 +223,6 @@ def raw_limit(model: RawModel, sentences: list[str], sweep: int) -> RawResult:
 # The box under test
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process (all its threads), from /proc; 0 where unreadable."""
     try:
@@ -262,40 +255,19 @@ class ServedBox:
     """`fleetbox serve` in a subprocess with its own embedded NATS and state dir; stopped with SIGTERM."""
 
     def __init__(self, device: str, workdir: Path, name: str, config: str | None = None) -> None:
-        self.http_port, self.nats_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.http_port}"
-        state = workdir / name
-        state.mkdir(parents=True)
-        self.log_path = state / "box.log"
-        args = [
-            sys.executable, "-m", "appliance.cli", "serve",
-            "--port", str(self.http_port), "--nats-port", str(self.nats_port), "--state-dir", str(state / "state"),
-        ]  # fmt: skip
-        if config is not None:
-            config_path = state / "box.toml"
-            config_path.write_text(config)
-            args += ["--config", str(config_path)]
-        env = {**os.environ, "FBX_DEVICE": device}
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        # The box logs at its default level here (INFO), as a box an operator runs does.
+        env = {"FBX_DEVICE": device, "FBX_LOG_LEVEL": os.environ.get("FBX_LOG_LEVEL", "INFO")}
+        self._box = BoxProcess.spawn(workdir / name, name, config or "", nats_urls=None, role="all", env=env)
+        self.process = self._box.process
+        self.url = self._box.url
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
         started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the box exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as response:
-                    if response.status == 200:
-                        return time.monotonic() - started
-            except (urllib.error.URLError, OSError, http.client.HTTPException):  # not listening, or half up
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the box was not ready within {timeout_s:.0f}s:\n{self.log_tail()}")
+        asyncio.run(self._box.wait_ready(timeout_s))
+        return time.monotonic() - started
 
     def log_tail(self, chars: int = 3000) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return self._box.log_tail(chars)
 
     def stats(self) -> BoxStats:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
@@ -321,14 +293,7 @@ class ServedBox:
         return {model["id"]: model.get("profile") for model in models}
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self._log.close()
+        self._box.terminate(timeout_s=20)
 
 
 @contextlib.contextmanager
