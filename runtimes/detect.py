@@ -7,23 +7,37 @@ a bare text encoder (`BertModel`, `XLMRobertaModel`, ...) embeds with mean pooli
 must be one transformers implements itself, since fleetbox never runs a folder's own code, and a
 fast tokenizer (`tokenizer.json`) is required for all of them. Anything else is `UnsupportedModel`,
 with a message that lists what is supported.
+
+`check_loadable` then refuses what a load would certainly refuse, where that is cheap to see (no
+weights file, a tokenizer that does not load, generation on ONNX), so a registration fails at once
+rather than every request after it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from runtimes.base import Task, UnsupportedModel
+from runtimes.base import RuntimeKind, Task, UnsupportedModel
 from runtimes.tasks.classify import labels_from_config
 
-__all__ = ["SUPPORTED", "UnsupportedModel", "check_adapter_folder", "detect_task"]
+__all__ = ["SUPPORTED", "UnsupportedModel", "check_adapter_folder", "check_loadable", "detect_task"]
 
 SUPPORTED = (
     "*ForSequenceClassification with one label (score) or more (classify), "
     "*ForTokenClassification (extract), *ForCausalLM or *LMHeadModel (generate), "
     "and sentence-transformers folders or bare text encoders such as BertModel (embed)"
 )
+# What transformers' `from_pretrained` reads (sharded or whole), and peft's for an adapter.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def detect_task(folder: Path) -> Task:
@@ -32,11 +46,19 @@ def detect_task(folder: Path) -> Task:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{folder} has no config.json; a transformers model folder is expected")
-    config = json.loads(config_file.read_text())
+    config = _json_object(config_file)
     if not (folder / "tokenizer.json").is_file():
         raise UnsupportedModel(f"{folder} has no tokenizer.json; fleetbox needs a fast (Rust) tokenizer")
-    architectures = tuple(config.get("architectures") or ())
-    model_type = str(config.get("model_type", ""))
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise UnsupportedModel(
+            f'{config_file}: architectures must be a list of class names (e.g. ["BertModel"]), '
+            f"not {json.dumps(architectures)}"
+        )
+    architectures = tuple(architectures)
+    model_type = config.get("model_type") or ""
+    if not isinstance(model_type, str):
+        raise UnsupportedModel(f"{config_file}: model_type must be a string, not {json.dumps(model_type)}")
     task = _task_from(architectures, model_type, config, sentence_transformers=(folder / "modules.json").is_file())
     if task is None:
         named = ", ".join(architectures) or f"model type {model_type or 'unknown'}"
@@ -92,6 +114,42 @@ def check_adapter_folder(folder: Path) -> None:
     config_file = Path(folder) / "adapter_config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{folder} has no adapter_config.json; a LoRA adapter saved by peft is expected")
-    peft_type = json.loads(config_file.read_text()).get("peft_type")
+    peft_type = _json_object(config_file).get("peft_type")
     if peft_type != "LORA":
         raise UnsupportedModel(f"{folder} is a {peft_type} adapter; only LoRA adapters are supported")
+    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
+        raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
+
+
+def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapping[str, Any]) -> None:
+    """Raise `UnsupportedModel` for a folder (detected as `task`) that `runtimes.load_runtime` would refuse.
+
+    Reads the tokenizer whole, so call it off the event loop.
+    """
+    folder = Path(folder)
+    if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
+        raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
+    shipped = options.get("onnx_file") if runtime is RuntimeKind.ONNX else None
+    if shipped:
+        # Resolved as the ONNX backend resolves it.
+        if not Path(str(shipped)).expanduser().is_file():
+            raise UnsupportedModel(f"onnx_file {shipped} is not a file")
+    elif not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise UnsupportedModel(f"{folder} has no weights file ({', '.join(WEIGHT_FILES)})")
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as exc:  # the Rust library raises a bare Exception with the parser's message
+        raise UnsupportedModel(f"{folder}/tokenizer.json cannot be loaded: {exc}") from None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object, or `UnsupportedModel` saying what it holds instead."""
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as exc:  # malformed JSON or bytes that are not UTF-8
+        raise UnsupportedModel(f"{path.name} in {path.parent} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UnsupportedModel(f"{path.name} in {path.parent} must hold a JSON object, not {json.dumps(value)[:60]}")
+    return value

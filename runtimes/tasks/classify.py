@@ -15,6 +15,7 @@ from typing import TypedDict
 
 import numpy as np
 
+from runtimes.base import UnsupportedModel
 from runtimes.tasks.score import sigmoid
 
 
@@ -70,9 +71,18 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def labels_from_config(config: dict) -> tuple[str, ...]:
-    """Label names in index order from `id2label`; `LABEL_i` when a config has only `num_labels`."""
+    """Label names in index order from `id2label`; `LABEL_i` when a config has only `num_labels`.
+
+    Raises `UnsupportedModel` for an `id2label` that is not an object or a `num_labels` that is not a
+    count: transformers could not load such a config either.
+    """
     id2label = config.get("id2label") or {}
-    count = max(len(id2label), int(config.get("num_labels") or 0))
+    if not isinstance(id2label, dict):
+        raise UnsupportedModel(f"config.json: id2label must be an object of index to label, not {id2label!r}")
+    num_labels = config.get("num_labels") or 0
+    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 0:
+        raise UnsupportedModel(f"config.json: num_labels must be a whole number of labels, not {num_labels!r}")
+    count = max(len(id2label), num_labels)
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
 
 

