@@ -31,11 +31,11 @@ from nats.nuid import NUID
 
 from appliance import __version__, bus
 from appliance.blobs import Blobs
-from appliance.catalog import Catalog, CatalogStore, ModelSpec, configured_specs
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
 from appliance.envelope import ReplyMeta
-from appliance.errors import Conflict, NotFound
+from appliance.errors import Conflict, FleetboxError, NotFound
 from appliance.fleet import Fleet
 from appliance.gateway.admin import register, registration_from
 from appliance.gateway.app import build_app
@@ -44,7 +44,7 @@ from appliance.gateway.dispatch import Dispatcher
 from appliance.generation import GenerateWorker
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
-from appliance.placement import Placement
+from appliance.placement import Placement, load_failed
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook, cpu_cores, hardware_slug
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
@@ -432,6 +432,11 @@ class Box:
         if self.settings.runs_models:
             for spec in self.catalog:
                 if spec.pinned and spec.adapter_of is None and not self.residency.is_resident(spec.name):
+                    # A pinned model whose load failed here would keep every box out of rotation until
+                    # someone unpins it: it stops counting (its record shows `load_error`). The packaged
+                    # default model always counts: a box is not ready without it.
+                    if spec.name != DEFAULT_MODEL_NAME and self.residency.load_error(spec.name) is not None:
+                        continue
                     return f"pinned model {spec.name} is not resident yet"
         return None
 
@@ -458,7 +463,13 @@ class Box:
         profile = None
         if self.profiles is not None and spec is not None:
             profile = self.profiles.describe(spec, has_adapters=bool(self.catalog.adapters_of(spec.name)))
-        return {"state": state, "boxes": sorted(boxes), "bytes": nbytes, "profile": profile}
+        return {
+            "state": state,
+            "boxes": sorted(boxes),
+            "bytes": nbytes,
+            "profile": profile,
+            "load_error": self.residency.load_error(name),
+        }
 
     def heartbeat(self) -> dict[str, Any]:
         models = [
@@ -520,7 +531,12 @@ class Box:
             spec = self._model(payload)
             if not self.settings.runs_models:
                 raise Conflict(f"box {self.box_id} is a gateway; it runs no models")
-            await self.serve_model(spec)
+            try:
+                await self.serve_model(spec)
+            except FleetboxError:
+                raise  # its own status: an adapter (409), a model too big for the budget (507)
+            except Exception as exc:
+                raise load_failed(spec.name, self.box_id, exc) from None
             return {"model": spec.name, "state": "resident", "bytes": self.residency.get(spec.name).nbytes}
 
         async def evict(payload: dict[str, Any]) -> dict[str, Any]:

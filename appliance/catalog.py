@@ -26,7 +26,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
 from appliance.bus import model_slug
-from appliance.errors import NotFound
+from appliance.errors import Conflict, NotFound
 from appliance.settings import ModelEntry, Settings
 from appliance.tasks import cancel_and_wait
 from runtimes import ModelSource, RuntimeKind, Task
@@ -361,6 +361,8 @@ class CatalogStore:
         self._notify(spec.name, spec)
 
     async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
+        if pinned and spec.adapter_of is not None:
+            raise Conflict(f"{spec.name} is an adapter; pin its base model {spec.adapter_of}")
         updated = replace(spec, pinned=pinned)
         await self.put(updated)
         return updated

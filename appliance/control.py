@@ -9,6 +9,7 @@ steering a box runs the same code and gets the same errors.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +24,9 @@ from appliance import bus
 from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
 
 log = logging.getLogger(__name__)
+
+# A box id is one NATS subject token: printable, no space, no dot, no wildcard.
+_BOX_ID = re.compile(r"[^\s.*>]+")
 
 VERBS = ("load", "evict", "pin", "unpin", "register", "drain", "status")
 
@@ -73,10 +77,13 @@ async def call_box(
     nc: NATS, box_id: str, verb: str, payload: dict[str, Any] | None = None, timeout_s: float = 120.0
 ) -> dict:
     """Ask one box to do `verb`; raises the box's own typed error when it refuses."""
+    not_found = NotFound(f"box {box_id!r} is not connected to the fleet", code="box_not_found")
+    if not _BOX_ID.fullmatch(box_id):
+        raise not_found  # not one subject token (a space, a dot, a wildcard): no box can have that id
     try:
         reply = await nc.request(bus.control_subject(box_id, verb), orjson.dumps(payload or {}), timeout=timeout_s)
     except NoRespondersError:
-        raise NotFound(f"box {box_id!r} is not connected to the fleet", code="box_not_found") from None
+        raise not_found from None
     except NatsTimeout:
         raise ServiceUnavailable(f"box {box_id!r} did not answer {verb} within {timeout_s:g}s") from None
     status = int((reply.headers or {}).get("Fbx-Status", "200"))

@@ -34,6 +34,12 @@ _JITTER_S = 0.3
 _RETRY_AFTER_FAILURE_S = 30.0
 
 
+def load_failed(model: str, box_id: str, exc: BaseException) -> ServiceUnavailable:
+    """The 503 for a model whose load failed on this box, as a waiting request or an admin `load` sees it."""
+    reason = exc.message if isinstance(exc, FleetboxError) else repr(exc)
+    return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason}")
+
+
 class Placement:
     def __init__(self, box: Box) -> None:
         self._box = box
@@ -104,13 +110,12 @@ class Placement:
         try:
             await self._box.serve_model(spec)
         except Exception as exc:
-            reason = exc.message if isinstance(exc, FleetboxError) else repr(exc)
-            log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": reason})
+            error = load_failed(spec.name, self._box.box_id, exc)
+            log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
             self._failed(spec.name)
             self._loading.discard(spec.name)  # no longer on its way here; other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
-                error = ServiceUnavailable(f"model {spec.name} could not be loaded on box {self._box.box_id}: {reason}")
                 await self._refuse(spec, error)
         finally:
             self._loading.discard(spec.name)

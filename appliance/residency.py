@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from appliance.catalog import ModelSpec
-from appliance.errors import InsufficientMemory
+from appliance.errors import FleetboxError, InsufficientMemory
 from appliance.metrics import Metrics
 from appliance.settings import memory_budget_bytes
 from runtimes import Runtime, RuntimeKind, load_runtime
@@ -103,6 +103,7 @@ class Residency:
         self._max_adapters = max_adapters
         self._onnx_cache = onnx_cache
         self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._load_errors: dict[str, str] = {}  # model -> why its last load on this box failed
         self.pinned: set[str] = set()
 
     def get(self, name: str) -> Resident | None:
@@ -116,6 +117,10 @@ class Residency:
 
     def is_loading(self, name: str) -> bool:
         return name in self._loading
+
+    def load_error(self, name: str) -> str | None:
+        """Why the last load of `name` on this box failed; None when it succeeded or none was tried."""
+        return self._load_errors.get(name)
 
     @property
     def used_bytes(self) -> int:
@@ -147,9 +152,12 @@ class Residency:
             return await asyncio.shield(pending)
         future: asyncio.Future[Runtime] = asyncio.get_running_loop().create_future()
         self._loading[spec.name] = future
+        self._load_errors.pop(spec.name, None)
         try:
             runtime = await self._load(spec)
         except BaseException as exc:
+            if isinstance(exc, Exception):
+                self._load_errors[spec.name] = exc.message if isinstance(exc, FleetboxError) else repr(exc)
             future.set_exception(exc)
             future.exception()  # retrieved here: each waiter re-raises it
             raise

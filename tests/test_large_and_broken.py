@@ -3,8 +3,11 @@ answers its waiting requests with a clear error instead of letting them time out
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
 
 
@@ -28,12 +31,16 @@ async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(
     await wait_for(blobs_deleted, what="the blobs to be deleted")
 
 
+def folder_that_fails_to_load(folder: Path) -> Path:
+    """A model folder whose files pass registration's checks; only loading finds its weights corrupt."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
+    (folder / "model.safetensors").write_bytes(b"corrupt")
+    return copy_bert_tokenizer(folder)
+
+
 async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, http, tmp_path) -> None:
-    broken = tmp_path / "models" / "broken"
-    broken.mkdir(parents=True)
-    (broken / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
-    (broken / "tokenizer.json").write_text("not a tokenizer")
-    (broken / "model.safetensors").write_bytes(b"corrupt")
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
     box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
     async with http.post(url(box, "/v1/models"), json={"name": "broken", "path": "broken"}) as response:
         assert response.status == 201  # its files look right; only loading finds them corrupt

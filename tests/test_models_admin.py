@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import numpy as np
+import pytest
 import torch
 
+from appliance.errors import NotFound
 from tests.conftest import noop_model, url, wait_for
+from tests.test_large_and_broken import folder_that_fails_to_load
+from tui.model import BoxState
+from tui.ops import FleetOps
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -192,3 +198,119 @@ async def test_two_boxes_see_a_model_registered_on_the_other(start_box, http, en
     # Loaded once in the fleet: whichever box took it, the other sees it resident there.
     _, record = await call(http, first, "GET", "/v1/models/shared")
     assert record["state"] == "resident" and len(record["boxes"]) == 1
+
+
+async def test_registration_refuses_malformed_and_unloadable_folders_with_422(
+    start_box, http, encoder_dir, generator_dir, tmp_path
+) -> None:
+    def folder(name: str, config: str, *, weights: bool = True, tokenizer: str | None = None) -> str:
+        made = tmp_path / name
+        made.mkdir()
+        shutil.copy(encoder_dir / "tokenizer.json", made / "tokenizer.json")
+        (made / "config.json").write_text(config)
+        if weights:
+            shutil.copy(encoder_dir / "model.safetensors", made / "model.safetensors")
+        if tokenizer is not None:
+            (made / "tokenizer.json").write_text(tokenizer)
+        return str(made)
+
+    bert = '{"architectures": ["BertModel"], "model_type": "bert"}'
+    seq = '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", '
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{bad")
+    box = await start_box(model_roots=[tmp_path, generator_dir])
+    cases = [
+        ({"path": folder("not-json", "{not json")}, "unsupported_model", "config.json in"),
+        ({"path": folder("a-list", "[]")}, "unsupported_model", "must hold a JSON object"),
+        ({"path": folder("null", "null")}, "unsupported_model", "must hold a JSON object"),
+        ({"path": folder("null-arch", '{"architectures": [null]}')}, "unsupported_model", "list of class names"),
+        ({"path": folder("str-arch", '{"architectures": "BertModel"}')}, "unsupported_model", '"BertModel"'),
+        ({"path": folder("labels", seq + '"num_labels": "x"}')}, "unsupported_model", "num_labels"),
+        ({"path": folder("id2label", seq + '"id2label": [1, 2]}')}, "unsupported_model", "id2label"),
+        ({"path": str(adapter), "adapter_of": "all-minilm-l6-v2"}, "unsupported_adapter", "not valid JSON"),
+        ({"path": folder("no-weights", bert, weights=False)}, "unsupported_model", "no weights file"),
+        ({"path": folder("bad-tok", bert, tokenizer="{bad")}, "unsupported_model", "tokenizer.json cannot be loaded"),
+        ({"path": str(generator_dir), "runtime": "onnx"}, "unsupported_model", "torch runtime, not onnx"),
+        ({"path": str(encoder_dir) + "\0"}, "path_not_found", "NUL"),
+    ]
+    for body, code, words in cases:
+        status, payload = await call(http, box, "POST", "/v1/models", {"name": "new", **body})
+        assert (status, payload["error"]["code"]) == (422, code), (body, payload)
+        assert words in payload["error"]["message"], (body, payload)
+    assert box.catalog.get("new") is None
+
+
+async def test_registration_judges_aliases_integers_and_the_profile(start_box, http, encoder_dir, tmp_path_factory):
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    too_big = 2**64
+    cases = [
+        ({"aliases": [""]}, "$.aliases[0]"),
+        ({"aliases": ["x" * 201]}, "$.aliases[0]"),
+        ({"aliases": ["dup", "dup"]}, "$.aliases[1]"),
+        ({"aliases": ["new"]}, "own name"),
+        ({"aliases": [f"a{i}" for i in range(65)]}, "at most 64 aliases"),
+        ({"max_batch_size": too_big}, "$.max_batch_size"),
+        ({"max_batch_tokens": too_big}, "$.max_batch_tokens"),
+        ({"options": {"x": too_big}}, "$.options.x"),
+        ({"profile": "nonsense"}, "$.profile"),
+        ({"profile": "cpu-c"}, "$.profile"),
+    ]
+    for extra, words in cases:
+        body = {"name": "new", "path": str(encoder_dir), **extra}
+        status, payload = await call(http, box, "POST", "/v1/models", body)
+        assert (status, payload["error"]["code"]) == (422, "invalid_input"), (extra, payload)
+        assert words in payload["error"]["message"], (extra, payload)
+    ok = {"aliases": ["n1", "n2"], "profile": "nvidia-h100", "options": {"x": 2**63 - 1}}
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "new", "path": str(encoder_dir), **ok})
+    assert status == 201 and record["aliases"] == ["n1", "n2"], record
+
+
+async def test_an_adapter_registered_on_an_alias_belongs_to_the_base(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path_factory
+) -> None:
+    from runtimes import Task
+
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    base = {"name": "enc", "path": str(encoder_dir), "aliases": ["e"]}
+    assert (await call(http, box, "POST", "/v1/models", base))[0] == 201
+    registration = {"name": "tuned", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "e"}
+    status, record = await call(http, box, "POST", "/v1/models", registration)
+    assert status == 201 and record["adapter_of"] == "enc", record
+    _, listing = await call(http, box, "GET", "/v1/models/e")
+    assert listing["adapters"] == ["tuned"]
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "tuned", "input": "x"})
+    assert status == 200 and body["model"] == "tuned", body
+    status, body = await call(http, box, "DELETE", "/v1/models/enc")
+    assert status == 409 and body["error"]["code"] == "model_has_adapters"
+    # An adapter is never pinned: its base is.
+    status, body = await call(http, box, "POST", "/v1/models/tuned/pin")
+    assert status == 409 and "pin its base model enc" in body["error"]["message"], body
+    status, body = await call(http, box, "POST", "/v1/models", {**registration, "name": "t2", "pinned": True})
+    assert status == 422 and "pin its base model enc" in body["error"]["message"], body
+
+
+async def test_load_and_evict_refusals_are_typed(start_box, http, tmp_path) -> None:
+    folder_that_fails_to_load(tmp_path / "broken")
+    box = await start_box(default_model=False, models=[noop_model("a", pinned=False)], model_roots=[tmp_path])
+    for verb in ("load", "evict"):
+        for target in ("x y", "a.b", "*", ""):
+            status, body = await call(http, box, "POST", f"/v1/models/a/{verb}", {"box": target})
+            assert (status, body["error"]["code"]) == (404, "box_not_found"), (verb, target, body)
+    assert (await call(http, box, "POST", "/v1/models", {"name": "broken", "path": "broken"}))[0] == 201
+    status, body = await call(http, box, "POST", "/v1/models/broken/load")
+    assert (status, body["error"]["code"]) == (503, "unavailable"), body
+    assert body["error"]["message"].startswith(f"model broken could not be loaded on box {box.box_id}: ")
+    _, record = await call(http, box, "GET", "/v1/models/broken")
+    assert "SafetensorError" in record["load_error"], record
+
+
+async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box) -> None:
+    box = await start_box(default_model=False, models=[noop_model("a", pinned=False)])
+    ops = FleetOps(box.nc, lambda: [BoxState.from_heartbeat({"box": box.box_id, **box.heartbeat()})])
+    with pytest.raises(NotFound, match="'ghost' does not exist"):
+        await ops.evict("ghost")
+    with pytest.raises(NotFound, match="'a' is not resident on any live box"):
+        await ops.evict("a")
+    await box.serve_model(box.catalog.get("a"))  # resident, though no heartbeat has said so yet
+    assert await ops.evict("a") == {"model": "a", "evicted_from": [box.box_id]}

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from appliance.app import Box
-from tests.conftest import box_settings, noop_model, url
+from appliance.catalog import DEFAULT_MODEL_NAME
+from tests.conftest import box_settings, noop_model, url, wait_for
+from tests.test_large_and_broken import folder_that_fails_to_load
 
 
 async def test_healthz_and_readyz_when_ready(default_box, http) -> None:
@@ -54,3 +60,32 @@ async def test_readyz_is_503_with_a_reason_until_the_pinned_model_is_resident(na
             assert "noop" in (await response.json())["reason"]
     finally:
         await box.stop()
+
+
+async def test_a_pinned_model_that_cannot_load_leaves_the_box_ready_and_says_why(start_box, http, tmp_path) -> None:
+    folder_that_fails_to_load(tmp_path / "broken")
+    box = await start_box(default_model=False, model_roots=[tmp_path])
+    registration = {"name": "broken", "path": "broken", "pinned": True}
+    async with http.post(url(box, "/v1/models"), json=registration) as response:
+        assert response.status == 201
+
+    async def load_failed() -> bool:
+        return box.residency.load_error("broken") is not None
+
+    await wait_for(load_failed, what="the pinned model's load to fail")
+    async with http.get(url(box, "/readyz")) as response:
+        assert response.status == 200, await response.text()
+    async with http.get(url(box, "/v1/models/broken")) as response:
+        assert "SafetensorError" in (await response.json())["load_error"]
+
+
+async def test_the_default_model_gates_readiness_even_when_its_load_failed(start_box, http, tmp_path) -> None:
+    box = await start_box()
+    spec = box.catalog.get(DEFAULT_MODEL_NAME)
+    await box.residency.evict(spec.name)
+    with pytest.raises(OSError):
+        await box.residency.ensure_loaded(replace(spec, path=tmp_path / "gone"))
+    assert box.residency.load_error(spec.name) is not None
+    async with http.get(url(box, "/readyz")) as response:
+        assert response.status == 503
+        assert DEFAULT_MODEL_NAME in (await response.json())["reason"]

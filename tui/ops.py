@@ -39,13 +39,16 @@ class FleetOps:
     async def evict(self, model: str, box: str | None = None) -> dict[str, Any]:
         """Evict from `box`, or from every live box that holds the model; says where it was evicted."""
         targets = [box] if box else self.holders(model)
-        if not targets:
-            raise NotFound(f"model {model!r} is not resident on any live box", code="model_not_resident")
+        # With no holder in the heartbeats, one box is asked all the same: it answers 404 for a model
+        # that does not exist, and evicts one that became resident since its last heartbeat.
+        probing = not targets
         evicted = []
-        for target in targets:
+        for target in targets or [self._any_box()]:
             result = await self._call(target, "evict", {"model": model})
             if result.get("evicted"):
                 evicted.append(target)
+        if probing and not evicted:
+            raise NotFound(f"model {model!r} is not resident on any live box", code="model_not_resident")
         return {"model": model, "evicted_from": evicted}
 
     async def drain(self, box: str) -> dict[str, Any]:

@@ -8,6 +8,8 @@ Load and evict act on one box through its control subject, so any box's API can 
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,14 +23,20 @@ from appliance.control import call_box
 from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
+from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel
-from runtimes.detect import check_adapter_folder, detect_task
+from runtimes.detect import check_adapter_folder, check_loadable, detect_task
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _target = msgspec.json.Decoder(BoxTarget)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
+MAX_NAME_LENGTH = 200  # as the schema bounds `name`
+MAX_ALIASES = 64
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what the catalog's JSON (orjson) writes
+# appliance.profiles.hardware_slug's forms: `cpu-<cores>c`, or `nvidia-` and the GPU's name words.
+_HARDWARE_SLUG = re.compile(r"cpu-[1-9][0-9]*c|nvidia(-[a-z0-9]+)+")
 
 
 def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
@@ -48,6 +56,8 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
 
 def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
     """The folder a registration names, only if it resolves inside a model root."""
+    if "\0" in raw:
+        raise Unprocessable(f"path {raw!r} has a NUL character; no folder is named so", code="path_not_found")
     candidate = Path(raw)
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
@@ -63,16 +73,48 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
 
 
 def _task_for(registration: ModelRegistration, folder: Path) -> Task:
+    """The folder's task, once it is known the folder can load (off the event loop: it reads the tokenizer)."""
     try:
         detected = detect_task(folder)
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_model") from None
-    if registration.task is None:
-        return detected
-    asked = Task(registration.task)
-    if asked is detected or {asked, detected} <= _SEQUENCE_TASKS:
-        return asked
-    raise Unprocessable(f"the folder holds a {detected} model, not {asked}", code="wrong_task")
+    task = detected
+    if registration.task is not None:
+        asked = Task(registration.task)
+        if not (asked is detected or {asked, detected} <= _SEQUENCE_TASKS):
+            raise Unprocessable(f"the folder holds a {detected} model, not {asked}", code="wrong_task")
+        task = asked
+    try:
+        check_loadable(folder, task, RuntimeKind(registration.runtime), registration.options)
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="unsupported_model") from None
+    return task
+
+
+def _check_fields(registration: ModelRegistration) -> None:
+    """What the schema cannot say: aliases judged like names, integers the catalog's JSON can hold, a profile."""
+    aliases = registration.aliases
+    if len(aliases) > MAX_ALIASES:
+        raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
+    for i, alias in enumerate(aliases):
+        where = f"at `$.aliases[{i}]`"
+        if not 1 <= len(alias) <= MAX_NAME_LENGTH:
+            raise Unprocessable(f"invalid request: an alias is 1 to {MAX_NAME_LENGTH} characters - {where}")
+        if alias == registration.name:
+            raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
+        if alias in aliases[:i]:
+            raise Unprocessable(f"invalid request: alias {alias!r} is given twice - {where}")
+    numbers = {field: getattr(registration, field) for field in ("max_batch_tokens", "max_batch_size")}
+    numbers |= {f"options.{key}": value for key, value in registration.options.items()}
+    for field, value in numbers.items():
+        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            raise Unprocessable(f"invalid request: integer out of range (64 bits at most) - at `$.{field}`")
+    profile = registration.profile
+    if profile not in (PROFILE_AUTO, PROFILE_OFF) and not _HARDWARE_SLUG.fullmatch(profile):
+        raise Unprocessable(
+            f"invalid request: profile {profile!r} is not auto, off or a hardware slug "
+            "(cpu-<cores>c, nvidia-<gpu>) - at `$.profile`"
+        )
 
 
 async def register_model(request: web.Request) -> web.Response:
@@ -103,6 +145,7 @@ async def register(
         slug = model_slug(name)
     except ValueError as exc:
         raise Unprocessable(str(exc), code="invalid_name") from None
+    _check_fields(registration)
     for taken in (name, *registration.aliases):
         if catalog.get(taken) is not None:
             raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")
@@ -115,9 +158,11 @@ async def register(
     if registration.runtime == "torch" and registration.dtype == "int8":
         raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")
     if registration.adapter_of is not None:
-        base = catalog.get(registration.adapter_of)
+        base = catalog.get(registration.adapter_of)  # a name or an alias; the spec keeps the base's name
         if base is None or base.adapter_of is not None:
             raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
+        if registration.pinned:
+            raise Unprocessable(f"an adapter is not pinned; pin its base model {base.name}")
         if base.runtime is not RuntimeKind.TORCH:
             raise Unprocessable(f"base model {base.name} runs on {base.runtime}; adapters need torch")
         try:
@@ -126,10 +171,10 @@ async def register(
             raise Unprocessable(str(exc), code="unsupported_adapter") from None
         if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
             raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
-        task, batching = base.task, base.batching
+        task, batching, adapter_of = base.task, base.batching, base.name
     else:
-        task = _task_for(registration, folder)
-        batching = batching_of(registration, defaults)
+        task = await asyncio.get_running_loop().run_in_executor(None, _task_for, registration, folder)
+        batching, adapter_of = batching_of(registration, defaults), None
     spec = ModelSpec(
         name=name,
         slug=slug,
@@ -141,7 +186,7 @@ async def register(
         pinned=registration.pinned,
         dtype=registration.dtype,
         options=dict(registration.options),
-        adapter_of=registration.adapter_of,
+        adapter_of=adapter_of,
         profile=registration.profile,
     )
     if check_fits is not None and spec.adapter_of is None:
