@@ -1,29 +1,53 @@
 """Request bodies of each API family, validated once by msgspec (C speed, clear paths in errors).
 
 The gateway validates a body before it is queued, so a bad request is answered at once with a
-4xx; the worker decodes the same bytes with the same schema to get its inputs.
+4xx; the worker decodes the same bytes with the same schema to get its inputs. As in OpenAI's API,
+an explicit `null` for an optional field means "not given": such a field is typed `X | None` with
+its real default, and `_NullIsDefault` puts the default back after decoding.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from functools import cache
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 Timeout = Annotated[float, msgspec.Meta(gt=0, description="seconds before the request's deadline")]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
+# What torch's generators take: a signed 64-bit integer.
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a signed 64-bit integer")]
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class _NullIsDefault(msgspec.Struct, kw_only=True):
+    """A request body in which `null` for an optional field means its default, as OpenAI's clients send it."""
+
+    def __post_init__(self) -> None:
+        for name, default in _defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+@cache
+def _defaults(schema: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
+    """The fields of a schema whose default is a value rather than None."""
+    return tuple(
+        (field.name, field.default)
+        for field in msgspec.structs.fields(schema)
+        if field.default is not msgspec.NODEFAULT and field.default is not None
+    )
+
+
+class EmbeddingRequest(_NullIsDefault, kw_only=True):
     """OpenAI `POST /v1/embeddings`, plus TEI's `truncate` and a per-request `timeout` (s)."""
 
     input: str | list[str]
     model: str
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Positive | None = None
     user: str | None = None
-    truncate: bool = True
+    truncate: bool | None = True
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -35,16 +59,16 @@ class Document(msgspec.Struct):
     text: str
 
 
-class RerankRequest(msgspec.Struct, kw_only=True):
+class RerankRequest(_NullIsDefault, kw_only=True):
     """Cohere/Jina `POST /v1/rerank`: documents as strings or `{text}` objects."""
 
     model: str
     query: NonEmptyText
     documents: Annotated[list[str | Document], msgspec.Meta(min_length=1)]
     top_n: Positive | None = None
-    return_documents: bool = False
-    raw_scores: bool = False
-    truncate: bool = True
+    return_documents: bool | None = False
+    raw_scores: bool | None = False
+    truncate: bool | None = True
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -52,14 +76,14 @@ class RerankRequest(msgspec.Struct, kw_only=True):
         return [doc if isinstance(doc, str) else doc.text for doc in self.documents]
 
 
-class ClassifyRequest(msgspec.Struct, kw_only=True):
+class ClassifyRequest(_NullIsDefault, kw_only=True):
     """Infinity-style `POST /v1/classify`: per input, labels with scores, best first."""
 
     model: str
     input: str | list[str]
-    raw_scores: bool = False
+    raw_scores: bool | None = False
     top_k: Positive | None = None
-    truncate: bool = True
+    truncate: bool | None = True
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -67,12 +91,12 @@ class ClassifyRequest(msgspec.Struct, kw_only=True):
         return [self.input] if isinstance(self.input, str) else self.input
 
 
-class ExtractRequest(msgspec.Struct, kw_only=True):
+class ExtractRequest(_NullIsDefault, kw_only=True):
     """`POST /v1/extract`: per input, entity spans with character offsets."""
 
     model: str
     input: str | list[str]
-    truncate: bool = True
+    truncate: bool | None = True
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -114,29 +138,32 @@ class TextPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]  # OpenAI's content parts: text only (these are text models)
+    # OpenAI's content parts: text only (these are text models). `null`: an assistant turn of tool calls.
+    content: str | list[TextPart] | None
     name: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+class StreamOptions(_NullIsDefault, kw_only=True):
+    include_usage: bool | None = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(_NullIsDefault, kw_only=True):
     model: str
     max_tokens: Positive | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = 1.0
     stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: Seed | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = 1
     user: str | None = None
-    truncate: bool = False
+    truncate: bool | None = False
     adapter: str | None = None
     timeout: Timeout | None = None
 

@@ -32,12 +32,16 @@ class RuntimeKind(StrEnum):
 
 
 class InputTooLong(ValueError):
-    """An input is longer than the model allows and the caller asked not to truncate."""
+    """An input is longer than the model allows and the caller asked not to truncate.
 
-    def __init__(self, index: int, max_length: int) -> None:
+    `what` names the input as the client sent it (`the query with document 3`); by default `input INDEX`.
+    The advice holds on every route: where `truncate` defaults to true, the client set it to false.
+    """
+
+    def __init__(self, index: int, max_length: int, *, what: str | None = None) -> None:
         super().__init__(
-            f"input {index} is longer than the model's maximum of {max_length} tokens; "
-            'shorten it, or leave "truncate" at its default (true) to cut it to the maximum'
+            f"{what or f'input {index}'} is longer than the model's maximum of {max_length} tokens; "
+            'shorten it, or send "truncate": true to cut it to the maximum'
         )
         self.index = index
         self.max_length = max_length

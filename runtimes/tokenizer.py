@@ -93,7 +93,8 @@ class TextTokenizer:
         encodings = self._probing.encode_batch(inputs, add_special_tokens=add_special_tokens)
         for index, enc in enumerate(encodings):
             if len(enc.ids) > self.max_length:
-                raise InputTooLong(index, self.max_length)
+                what = f"the query with document {index}" if isinstance(inputs[index], tuple) else None
+                raise InputTooLong(index, self.max_length, what=what)
         return encodings
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

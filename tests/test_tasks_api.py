@@ -118,6 +118,15 @@ async def test_bad_rerank_requests_are_clear_4xx(task_box, http, body, status, c
     assert payload["error"]["code"] == code
 
 
+async def test_an_over_long_pair_is_named_by_its_document(task_box, http) -> None:
+    body = {"model": "ranker", "query": "q", "documents": ["short", "word " * 600], "truncate": False}
+    status, payload = await post(http, task_box, "/v1/rerank", body)
+    assert status == 413, payload
+    assert payload["error"]["code"] == "input_too_long"
+    assert payload["error"]["message"].startswith("the query with document 1 is longer"), payload
+    assert '"truncate": true' in payload["error"]["message"]
+
+
 # -- classify --------------------------------------------------------------------------------------
 
 
@@ -234,6 +243,42 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     assert streamed == whole[1]["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "named"),
+    [
+        ("/v1/completions", {"prompt": "word " * 400}, "the prompt is longer"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, "the conversation"),
+    ],
+)
+async def test_an_over_long_prompt_says_to_send_truncate_true(task_box, http, path, body, named) -> None:
+    """`truncate` defaults to false for generation: the advice is to send true, and there is no "input 0"."""
+    status, payload = await post(http, task_box, path, {"model": "tiny-llama", "max_tokens": 2, **body})
+    assert status == 413, payload
+    assert payload["error"]["code"] == "input_too_long"
+    message = payload["error"]["message"]
+    assert message.startswith(named) and '"truncate": true' in message and "input 0" not in message, message
+
+
+async def test_null_optional_fields_and_a_tool_call_turn_are_openai_compatible(task_box, http) -> None:
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "stream_options", "seed", "stop", "max_tokens",
+                           "presence_penalty", "frequency_penalty", "user", "truncate", "timeout"))  # fmt: skip
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": "done"},
+    ]
+    chat = {"model": "tiny-llama", "messages": messages, **nulls, "max_completion_tokens": 2}
+    status, payload = await post(http, task_box, "/v1/chat/completions", chat)
+    assert status == 200, payload
+    assert payload["object"] == "chat.completion"
+    status, payload = await post(http, task_box, "/v1/completions", {"model": "tiny-llama", "prompt": "x", **nulls})
+    assert status == 200, payload
+    chat["stream_options"] = {"include_usage": None}
+    status, payload = await post(http, task_box, "/v1/chat/completions", chat)
+    assert status == 200, payload
+
+
 async def test_openai_sdk_streams_completions(task_box) -> None:
     from openai import AsyncOpenAI
 
@@ -276,9 +321,14 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
         ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}, 422),
         ("/v1/chat/completions", {"model": "ranker", "messages": [{"role": "user", "content": "x"}]}, 422),
         ("/v1/completions", {"model": "tiny-llama", "prompt": "word " * 400, "truncate": False}, 413),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "seed": 2**63}, 422),
+        ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "seed": -(2**63) - 1}, 422),
+        ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user"}]}, 422),
     ],
 )
 async def test_bad_generation_requests_are_clear_4xx(task_box, http, path, body, status) -> None:
     got, payload = await post(http, task_box, path, body)
     assert got == status, payload
     assert set(payload["error"]) == {"message", "type", "code"}
+    if status == 422 and "seed" in body:  # a seed torch cannot take is named, with its range
+        assert "`$.seed`" in payload["error"]["message"] and "9223372036854775" in payload["error"]["message"]
