@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import gzip
+import zlib
+
 import pytest
 
 from appliance.catalog import DEFAULT_MODEL_NAME
-from tests.conftest import url
+from tests.conftest import noop_model, url
 
 JSON = {"Content-Type": "application/json"}
+EMBED = b'{"input": "x", "model": "all-minilm-l6-v2"}'
+DEEP_LISTS = b'{"input": "x", "model": "all-minilm-l6-v2", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+DEEP_OBJECTS = b'{"extra": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b', "input": "x", "model": "m"}'
 
 
 async def post(http, box, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
@@ -40,6 +47,8 @@ def assert_error_shape(body: dict, code: str | None = None) -> None:
         (b'{"input": "x", "model": "all-minilm-l6-v2", "dimensions": 1000}', 422, "invalid_dimensions"),
         (b'{"input": "x", "model": "all-minilm-l6-v2", "timeout": -1}', 422, "invalid_input"),
         (b"[1, 2, 3]", 422, "invalid_input"),
+        pytest.param(DEEP_LISTS, 400, "invalid_json", id="deep-lists-in-an-ignored-field"),
+        pytest.param(DEEP_OBJECTS, 400, "invalid_json", id="deep-objects-in-an-ignored-field"),
     ],
 )
 async def test_bad_bodies_get_clear_client_errors(default_box, http, body, status, code) -> None:
@@ -61,6 +70,77 @@ async def test_wrong_content_type_is_415(default_box, http) -> None:
     )
     assert status == 415
     assert_error_shape(payload, "unsupported_media_type")
+
+
+async def test_a_missing_content_type_is_415_saying_none_was_given(default_box, http) -> None:
+    async with http.post(url(default_box, "/v1/embeddings"), data=EMBED, skip_auto_headers=["Content-Type"]) as got:
+        assert got.status == 415
+        payload = await got.json()
+    assert_error_shape(payload, "unsupported_media_type")
+    assert "no Content-Type" in payload["error"]["message"], payload
+
+
+@pytest.mark.parametrize("charset", ["latin-1", "utf-16", "ascii"])
+async def test_a_charset_other_than_utf8_is_415(default_box, http, charset) -> None:
+    status, payload, _ = await post(http, default_box, EMBED, {"Content-Type": f"application/json; charset={charset}"})
+    assert status == 415
+    assert_error_shape(payload, "unsupported_media_type")
+    assert "UTF-8" in payload["error"]["message"] and charset in payload["error"]["message"]
+
+
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", "utf8"])
+async def test_a_utf8_charset_and_a_byte_order_mark_are_fine(default_box, http, charset) -> None:
+    headers = {"Content-Type": f"application/json; charset={charset}"}
+    status, payload, _ = await post(http, default_box, b"\xef\xbb\xbf" + EMBED, headers)
+    assert status == 200, payload
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, zlib.compress, lambda data: zlib.compress(data, wbits=-15)])
+async def test_a_gzip_or_deflate_body_is_decompressed(default_box, http, compress) -> None:
+    encoding = "gzip" if compress is gzip.compress else "deflate"
+    status, payload, _ = await post(http, default_box, compress(EMBED), {**JSON, "Content-Encoding": encoding})
+    assert status == 200, payload
+    assert len(payload["data"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body", "status"),
+    [
+        pytest.param("gzip", EMBED, 400, id="not-gzip"),
+        pytest.param("deflate", EMBED, 400, id="not-deflate"),
+        pytest.param("gzip", gzip.compress(EMBED)[:-12], 400, id="gzip-cut-short"),
+        pytest.param("br", EMBED, 415, id="brotli"),
+        pytest.param("compress", EMBED, 415, id="compress"),
+        pytest.param("gzip, br", EMBED, 415, id="two-encodings"),
+    ],
+)
+async def test_a_bad_or_unsupported_content_encoding_is_a_clear_4xx(default_box, http, encoding, body, status) -> None:
+    got, payload, _ = await post(http, default_box, body, {**JSON, "Content-Encoding": encoding})
+    assert got == status, payload
+    assert_error_shape(payload)
+    assert "Content-Encoding" in payload["error"]["message"]
+
+
+async def test_a_compressed_body_that_inflates_past_max_body_bytes_is_413(default_box, http) -> None:
+    bomb = gzip.compress(b" " * (default_box.settings.max_body_bytes + 1))
+    status, payload, _ = await post(http, default_box, bomb, {**JSON, "Content-Encoding": "gzip"})
+    assert status == 413
+    assert_error_shape(payload, "payload_too_large")
+
+
+async def test_a_lone_surrogate_at_the_end_of_a_string_is_named(default_box, http) -> None:
+    status, payload, _ = await post(http, default_box, b'{"model": "all-minilm-l6-v2", "input": "\\ud800"}')
+    assert status == 400
+    assert_error_shape(payload, "invalid_json")
+    assert "surrogate" in payload["error"]["message"], payload
+
+
+async def test_null_for_an_optional_field_means_its_default(default_box, http) -> None:
+    body = (b'{"model": "all-minilm-l6-v2", "input": "x", "encoding_format": null, "dimensions": null,'
+            b' "user": null, "truncate": null, "adapter": null, "timeout": null}')  # fmt: skip
+    status, payload, _ = await post(http, default_box, body)
+    assert status == 200, payload
+    assert len(payload["data"][0]["embedding"]) == 384
 
 
 async def test_more_inputs_than_max_inputs_is_413(default_box, http) -> None:
@@ -104,11 +184,20 @@ async def test_unknown_route_and_wrong_method_use_the_error_shape(default_box, h
         assert_error_shape(await response.json(), "method_not_allowed")
 
 
-async def test_bad_timeout_header_is_400(default_box, http) -> None:
-    headers = {**JSON, "Timeout": "soon"}
-    status, payload, _ = await post(http, default_box, b'{"input": "x", "model": "all-minilm-l6-v2"}', headers)
-    assert status == 400
+@pytest.mark.parametrize(
+    "seconds", ["soon", "1_0", "\uff11", "nan", "inf", "-Infinity", "1e400", "-1", "0", "0x10", ""]
+)
+async def test_bad_timeout_header_is_400(default_box, http, seconds) -> None:
+    status, payload, _ = await post(http, default_box, EMBED, {**JSON, "Timeout": seconds})
+    assert status == 400, payload
     assert_error_shape(payload)
+    assert "Timeout header" in payload["error"]["message"]
+
+
+@pytest.mark.parametrize("seconds", ["30", "2.5", "1e1", ".5", "1e9"])
+async def test_a_plain_decimal_timeout_header_is_accepted(default_box, http, seconds) -> None:
+    status, payload, _ = await post(http, default_box, EMBED, {**JSON, "Timeout": seconds})
+    assert status == 200, payload
 
 
 async def test_passed_deadline_is_504_with_a_clear_message(default_box, http) -> None:
@@ -118,6 +207,57 @@ async def test_passed_deadline_is_504_with_a_clear_message(default_box, http) ->
     assert status == 504
     assert_error_shape(payload, "deadline_exceeded")
     assert "deadline" in payload["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+    ],
+)
+async def test_malformed_http_is_a_400_and_the_connection_is_closed(default_box, request_head) -> None:
+    """As docs/api.md says: aiohttp answers these before the app sees a request, in plain text."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", default_box.http_port)
+    try:
+        writer.write(request_head)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=10)
+    finally:
+        writer.close()
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", answer[:200]
+
+
+async def test_post_to_an_unknown_model_verb_is_404_not_405(default_box, http) -> None:
+    async with http.post(url(default_box, "/v1/models/all-minilm-l6-v2/frobnicate")) as response:
+        assert response.status == 404
+        payload = await response.json()
+    assert_error_shape(payload, "route_not_found")
+    assert "pin" in payload["error"]["message"] and "frobnicate" in payload["error"]["message"]
+    # A model name holds a `/`: its own path takes GET and DELETE, not POST, and its verbs still work.
+    async with http.post(url(default_box, f"/v1/models/{DEFAULT_MODEL_NAME}")) as response:
+        assert response.status == 405
+        assert_error_shape(await response.json(), "method_not_allowed")
+    async with http.post(url(default_box, f"/v1/models/{DEFAULT_MODEL_NAME}/pin")) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_openapi_lists_the_metrics_keys_and_only_the_routes_a_worker_box_serves(
+    default_box, http, start_box
+) -> None:
+    async with http.get(url(default_box, "/openapi.json")) as response:
+        spec = await response.json()
+    assert {"401", "403"} <= set(spec["paths"]["/metrics"]["get"]["responses"])
+    assert "/v1/embeddings" in spec["paths"]
+    worker = await start_box(role="worker", default_model=False, models=[noop_model()])
+    async with http.get(url(worker, "/openapi.json")) as response:
+        spec = await response.json()
+    assert set(spec["paths"]) == {"/healthz", "/readyz", "/metrics", "/openapi.json"}
+    for path in ("/v1/embeddings", "/v1/models"):
+        async with http.get(url(worker, path)) as response:
+            assert response.status == 404
 
 
 async def test_box_still_serves_after_every_bad_request(default_box, http) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
-from appliance.gateway import admin, encoders, generation, ops
+from appliance.gateway import admin, encoders, generation, openapi, ops
 from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
@@ -23,6 +23,8 @@ from appliance.gateway.http import json_response
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_MODEL_VERBS = ("pin", "unpin", "load", "evict")
 
 
 def _route_label(request: web.Request) -> str:
@@ -81,27 +83,46 @@ def _from_http_exception(exc: web.HTTPException) -> FleetboxError:
     return error
 
 
+async def _unknown_model_verb(request: web.Request) -> web.Response:
+    """`POST /v1/models/{name}/{verb}` for a verb there is none of (a model's own path takes no POST)."""
+    path = f"{request.match_info['name']}/{request.match_info['verb']}"
+    if GatewayContext.of(request).catalog.get(path) is not None:
+        raise MethodNotAllowed("method not allowed; allowed: DELETE,GET,HEAD")
+    raise NotFound(
+        f"no such route: POST /v1/models/{{name}}/VERB takes the verbs {', '.join(_MODEL_VERBS)}, "
+        f"not {request.match_info['verb']!r}",
+        code="route_not_found",
+    )
+
+
 def _error_response(error: FleetboxError) -> web.Response:
     response = json_response(error.body(), status=error.status, headers=error.headers)
     return response
 
 
 def build_app(context: GatewayContext) -> web.Application:
-    app = web.Application(middlewares=[errors_and_metrics], client_max_size=context.settings.max_body_bytes)
+    # auto_decompress off: read_body decodes a compressed body itself, so a bad one is a 4xx in the error shape.
+    app = web.Application(
+        middlewares=[errors_and_metrics],
+        client_max_size=context.settings.max_body_bytes,
+        handler_args={"auto_decompress": False},
+    )
     app[CONTEXT] = context
     app[IN_FLIGHT] = {}
     routes = [
         web.get("/healthz", ops.healthz),
         web.get("/readyz", ops.readyz),
         web.get("/metrics", metrics_guard(ops.metrics)),
-        web.get("/openapi.json", ops.openapi),
+        web.get("/openapi.json", openapi.document),
     ]
     if context.dispatcher is not None:  # a gateway: the API; a worker-only box serves operations only
         routes.append(web.get("/v1/models", inference(ops.list_models)))
         routes.append(web.get("/v1/models/{name:.+}", inference(admin.get_model)))
         routes.append(web.post("/v1/models", admin_only(admin.register_model)))
-        for verb in ("pin", "unpin", "load", "evict"):
+        for verb in _MODEL_VERBS:
             routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
+        # After the verbs: a model name may hold a `/`, so any other last segment would match GET's route.
+        routes.append(web.post("/v1/models/{name:.+}/{verb}", _unknown_model_verb))
         routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
         routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):

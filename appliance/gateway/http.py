@@ -1,12 +1,21 @@
-"""The HTTP details every route shares: reading a JSON body within limits, deadlines, responses."""
+"""The HTTP details every route shares: reading a JSON body within limits, deadlines, responses.
+
+The body is the client's bytes, so everything about it is checked here before anything parses it:
+the media type and its charset, the content encoding (decompressed here, within the size limit, not
+by aiohttp, so a bad or unsupported encoding is a 4xx in the error shape), and the JSON itself.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import math
+import re
+import zlib
 from typing import Any, TypeVar
 
 import msgspec
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from appliance.envelope import INTERACTIVE, PRIORITIES
 from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
@@ -17,17 +26,63 @@ T = TypeVar("T")
 TIMEOUT_HEADER = "Timeout"
 PRIORITY_HEADER = "Fbx-Priority"
 
+_UTF8 = frozenset({"utf-8", "utf8"})
+_BOM = b"\xef\xbb\xbf"
+# zlib window bits: a gzip header, a zlib header, or raw deflate (some clients send `deflate` without a header).
+_GZIP, _ZLIB, _RAW_DEFLATE = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
+_ENCODINGS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": _ZLIB}
+# A plain decimal number of seconds: ASCII digits, an optional fraction and exponent; no sign, `_`, nan or inf.
+_SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
 
 async def read_body(request: web.Request, settings: Settings) -> bytes:
-    """The raw JSON body, after the content-type and size checks."""
-    if request.content_type != "application/json":
-        raise UnsupportedMediaType(f"expected Content-Type: application/json, got {request.content_type or 'none'}")
+    """The raw JSON body (decompressed, without a BOM), after the media type, encoding and size checks."""
+    _check_media_type(request)
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower() or "identity"
+    if encoding != "identity" and encoding not in _ENCODINGS:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding!r} is not supported; send the body as gzip, deflate or uncompressed",
+            code="unsupported_encoding",
+        )
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
         raise _too_large(settings)
     try:
-        return await request.read()
+        body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(settings) from None
+    if encoding != "identity":
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, _decompress, body, encoding, settings.max_body_bytes
+        )
+    return body.removeprefix(_BOM)
+
+
+def _check_media_type(request: web.Request) -> None:
+    if hdrs.CONTENT_TYPE not in request.headers:
+        raise UnsupportedMediaType("the request has no Content-Type; send Content-Type: application/json")
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType(f"expected Content-Type: application/json, got {request.content_type or 'none'}")
+    charset = request.charset
+    if charset is not None and charset.lower() not in _UTF8:
+        raise UnsupportedMediaType(f"the body must be UTF-8 JSON; charset={charset} is not accepted")
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """The decoded body, refused as too large past `limit` bytes without inflating the rest (a zip bomb)."""
+    wbits = _ENCODINGS[encoding]
+    if wbits == _ZLIB and body[:1] and body[0] & 0x0F != 8:  # not a zlib header: raw deflate
+        wbits = _RAW_DEFLATE
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+        if len(data) > limit:
+            raise PayloadTooLarge(f"the decompressed request body is larger than the limit of {limit} bytes")
+        data += inflater.flush()
+    except zlib.error as exc:
+        raise BadRequest(f"the body is not valid {encoding} data, as its Content-Encoding says ({exc})") from None
+    if not inflater.eof:
+        raise BadRequest(f"the body is not valid {encoding} data, as its Content-Encoding says (it is cut short)")
+    return data
 
 
 def _too_large(settings: Settings) -> PayloadTooLarge:
@@ -41,22 +96,46 @@ def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     except msgspec.ValidationError as exc:
         raise Unprocessable(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"malformed JSON: {exc}", code="invalid_json") from None
+        raise BadRequest(f"malformed JSON: {_decode_error(body, exc)}", code="invalid_json") from None
+    except RecursionError:  # deep nesting, even in a field the schema ignores
+        raise BadRequest("malformed JSON: nested too deeply", code="invalid_json") from None
+
+
+def _decode_error(body: bytes, exc: msgspec.DecodeError) -> str:
+    # A `\ud800` escape near the end makes the decoder look past the end of the body for its pair and
+    # call the body truncated; a body padded with whitespace (still the same JSON) names the real fault.
+    if str(exc) == "Input data was truncated":
+        try:
+            msgspec.json.decode(body + b" " * 12)
+        except msgspec.DecodeError as padded:
+            if "surrogate" in str(padded):
+                return str(padded).removeprefix("JSON is malformed: ")
+        except (msgspec.ValidationError, RecursionError):
+            pass
+    return str(exc)
 
 
 def request_timeout(request: web.Request, field: float | None, settings: Settings) -> float:
     """The request's deadline in seconds: the `timeout` field, else the `Timeout` header, else the default."""
     value: float | None = field
     if value is None and TIMEOUT_HEADER in request.headers:
-        try:
-            value = float(request.headers[TIMEOUT_HEADER])
-        except ValueError:
-            raise BadRequest(f"the {TIMEOUT_HEADER} header must be a number of seconds") from None
-        if not value > 0:
-            raise BadRequest(f"the {TIMEOUT_HEADER} header must be positive")
+        value = _header_seconds(request.headers[TIMEOUT_HEADER])
     if value is None:
         return settings.default_timeout_s
     return min(value, settings.max_timeout_s)
+
+
+def _header_seconds(text: str) -> float:
+    if not _SECONDS.fullmatch(text.strip()):
+        raise BadRequest(
+            f"the {TIMEOUT_HEADER} header must be a positive number of seconds, such as 30 or 2.5; got {text!r}"
+        )
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"the {TIMEOUT_HEADER} header is too large: {text!r}")
+    if not value > 0:
+        raise BadRequest(f"the {TIMEOUT_HEADER} header must be positive, not {text!r}")
+    return value
 
 
 def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -1,4 +1,7 @@
-"""The OpenAPI document, generated from the same msgspec schemas the routes validate with."""
+"""The OpenAPI document, generated from the same msgspec schemas the routes validate with.
+
+It lists the routes this box mounts: a worker-only box serves the operations routes alone.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,11 @@ from functools import cache
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from appliance import __version__
+from appliance.gateway.context import GatewayContext
+from appliance.gateway.http import json_response
 from appliance.schemas import (
     BoxTarget,
     ChatRequest,
@@ -68,8 +74,21 @@ def _get(summary: str, errors: tuple[int, ...] = ()) -> dict[str, Any]:
     return {"get": _operation(summary, None, errors)}
 
 
+async def document(request: web.Request) -> web.Response:
+    return json_response(openapi_spec(api=GatewayContext.of(request).dispatcher is not None))
+
+
 @cache
-def openapi_spec() -> dict[str, Any]:
+def openapi_spec(api: bool = True) -> dict[str, Any]:
+    """The whole API, or (`api=False`, a worker-only box) the operations routes only."""
+    operations: dict[str, Any] = {
+        "/healthz": _get("Liveness"),
+        "/readyz": _get("Readiness: NATS, the stream, pinned models resident", (503,)),
+        "/metrics": _get("Prometheus metrics", (401, 403)),
+        "/openapi.json": _get("This document"),
+    }
+    if not api:
+        return _document(operations, {"Error": _ERROR})
     _, components = msgspec.json.schema_components(_SCHEMAS, ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
     paths: dict[str, Any] = {
@@ -86,10 +105,6 @@ def openapi_spec() -> dict[str, Any]:
             "get": {**_operation("One model", None, (401, 403, 404)), "parameters": _NAME},
             "delete": {**_operation("Remove a model from the catalog", None, _ADMIN_ERRORS), "parameters": _NAME},
         },
-        "/healthz": _get("Liveness"),
-        "/readyz": _get("Readiness: NATS, the stream, pinned models resident", (503,)),
-        "/metrics": _get("Prometheus metrics"),
-        "/openapi.json": _get("This document"),
     }
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         paths[path] = {"post": _operation("Rerank documents (Cohere/Jina)", "RerankRequest", _INFERENCE_ERRORS)}
@@ -101,6 +116,10 @@ def openapi_spec() -> dict[str, Any]:
         paths[f"/v1/models/{{name}}/{verb}"] = {
             "post": {**_operation(f"{verb.title()} a model on a box", "BoxTarget", _ADMIN_ERRORS), "parameters": _NAME}
         }
+    return _document(paths | operations, components)
+
+
+def _document(paths: dict[str, Any], components: dict[str, Any]) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "fleetbox", "version": __version__},
