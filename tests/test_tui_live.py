@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -143,13 +144,13 @@ async def test_keys_load_pin_evict_and_drain_change_the_box(start_box, tui, http
     assert box.stop_requested.is_set()
 
 
-async def test_register_form_registers_a_folder_and_reports_refusals(start_box, tui, http, tmp_path) -> None:
+async def test_register_form_registers_a_folder_and_reports_refusals(
+    start_box, tui, http, tmp_path, encoder_dir
+) -> None:
     app, pilot = tui
     root = tmp_path / "models"
     folder = root / "tiny"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
-    (folder / "tokenizer.json").write_text("{}")
+    shutil.copytree(encoder_dir, folder)  # a real (tiny) model folder: registration checks that it would load
     box = await start_box(default_model=False, models=[noop_model("alpha")], model_roots=[root], box_id="tui-box-3")
 
     async def box_seen() -> bool:
