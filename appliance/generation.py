@@ -185,8 +185,11 @@ class GenerateWorker:
                 ]
                 return self.runtime.apply_chat_template(messages, truncate=request.truncate)
             return self.runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
-        except InputTooLong as exc:
-            raise PayloadTooLarge(str(exc), code="input_too_long") from None
+        except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
+            chat = isinstance(request, ChatRequest)
+            what = "the conversation, rendered with the model's chat template," if chat else "the prompt"
+            message = str(InputTooLong(exc.index, exc.max_length, what=what))
+            raise PayloadTooLarge(message, code="input_too_long") from None
         except UnsupportedModel as exc:
             raise Unprocessable(str(exc), code="no_chat_template") from None
 

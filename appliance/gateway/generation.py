@@ -7,7 +7,6 @@ the first chunk is an ordinary HTTP error; one after it is an SSE `error` event,
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import aclosing
 from typing import Any
@@ -22,8 +21,6 @@ from appliance.gateway.http import decode, json_response, read_body, request_pri
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
 
-# A runtime numbers a generation's one tokenised input 0.
-_FIRST_INPUT = re.compile(r"^input 0\b")
 _decoders = {ChatRequest: msgspec.json.Decoder(ChatRequest), CompletionRequest: msgspec.json.Decoder(CompletionRequest)}
 
 
@@ -104,14 +101,6 @@ class _Shape:
             "choices": [choice],
         }
 
-    def error(self, status: int, body: bytes) -> FleetboxError:
-        """A box's error; an over-long prompt is named as this route's client knows it, not as "input 0"."""
-        error = error_from_reply(status, body)
-        if error.code == "input_too_long":
-            what = "the conversation, rendered with the model's chat template," if self.chat else "the prompt"
-            error.message = _FIRST_INPUT.sub(what, error.message, count=1)
-        return error
-
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -135,7 +124,7 @@ async def _whole(chunks, shape: _Shape) -> web.Response:
         if chunk.restarted:
             parts.clear()  # another box answers from the start: what the first one sent is dropped
         if chunk.meta.status != 200:
-            raise shape.error(chunk.meta.status, chunk.body)
+            raise error_from_reply(chunk.meta.status, chunk.body)
         body = orjson.loads(chunk.body)
         parts.append(body.get("text", ""))
         if chunk.meta.final:
@@ -152,7 +141,7 @@ async def _stream(request: web.Request, chunks, shape: _Shape, include_usage: bo
             if chunk.restarted:
                 resume.restart()
             if chunk.meta.status != 200:
-                raise shape.error(chunk.meta.status, chunk.body)
+                raise error_from_reply(chunk.meta.status, chunk.body)
             if response is None:
                 response = await _open(request)
             body = orjson.loads(chunk.body)

@@ -10,7 +10,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from appliance.gateway.admin import model_record
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response
-from appliance.gateway.openapi import openapi_spec
 
 _STARTED = int(time.time())
 
@@ -37,7 +36,3 @@ async def list_models(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     data = [{"created": _STARTED, **model_record(ctx, spec)} for spec in ctx.catalog]
     return json_response({"object": "list", "data": data})
-
-
-async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_spec())
