@@ -173,7 +173,7 @@ class Box:
         if s.runs_models:
             for spec in self.catalog:
                 if spec.pinned and spec.adapter_of is None:
-                    await self.serve_model(spec)
+                    await self._serve_pinned(spec)
             self._placement = Placement(self)
             self._placement.start()
         await self._start_http()  # a worker serves /healthz, /readyz and /metrics; a gateway serves the API too
@@ -183,6 +183,17 @@ class Box:
         self._spawn(self._watch_stream())
         await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
+
+    async def _serve_pinned(self, spec: ModelSpec) -> None:
+        """Load a pinned model at start. One that fails (a corrupt folder pinned through the API, say)
+        must not keep every new box of the fleet from starting: it is logged and shown as `load_error`,
+        and the box serves the rest. Without the packaged default model a box cannot be ready at all."""
+        try:
+            await self.serve_model(spec)
+        except Exception as exc:
+            if spec.name == DEFAULT_MODEL_NAME:
+                raise
+            log.error("pinned model failed to load; serving the others", extra={"model": spec.name, "error": repr(exc)})
 
     async def _when_jetstream_answers(self, step: Callable[[], Awaitable[Any]]) -> None:
         """Run an idempotent set-up step, again while JetStream cannot answer yet: boxes started with a

@@ -8,6 +8,7 @@ import pytest
 
 from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME
+from appliance.settings import ModelEntry
 from tests.conftest import box_settings, noop_model, url, wait_for
 from tests.test_large_and_broken import folder_that_fails_to_load
 
@@ -77,6 +78,18 @@ async def test_a_pinned_model_that_cannot_load_leaves_the_box_ready_and_says_why
         assert response.status == 200, await response.text()
     async with http.get(url(box, "/v1/models/broken")) as response:
         assert "SafetensorError" in (await response.json())["load_error"]
+
+
+async def test_a_box_starts_and_is_ready_though_a_pinned_model_fails_to_load(start_box, http, tmp_path) -> None:
+    """A corrupt pinned model (in a durable catalog, every new box would meet it) must not stop a box."""
+    folder_that_fails_to_load(tmp_path / "broken")
+    pinned = ModelEntry(name="broken", path=tmp_path / "broken", task="embed", pinned=True)
+    box = await start_box(default_model=False, models=[pinned, noop_model("alpha")])
+    assert box.residency.load_error("broken") is not None
+    async with http.get(url(box, "/readyz")) as response:
+        assert response.status == 200, await response.text()
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "alpha", "input": "x"}) as response:
+        assert response.status == 200
 
 
 async def test_the_default_model_gates_readiness_even_when_its_load_failed(start_box, http, tmp_path) -> None:
