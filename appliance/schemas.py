@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from appliance.settings import MAX_WAIT_MS
+
 Timeout = Annotated[float, msgspec.Meta(gt=0, description="seconds before the request's deadline")]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
@@ -104,20 +106,24 @@ class ExtractRequest(_NullIsDefault, kw_only=True):
         return [self.input] if isinstance(self.input, str) else self.input
 
 
+# A model's name or alias: what clients send as `model`, shown in logs and headers, so no control characters.
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
 class ModelRegistration(msgspec.Struct, kw_only=True):
     """`POST /v1/models`: a folder under a model root becomes a model (or an adapter) of the fleet."""
 
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    name: ModelName
     path: NonEmptyText
     task: Literal["embed", "score", "classify", "extract", "generate"] | None = None
     runtime: Literal["torch", "onnx"] = "torch"
     adapter_of: str | None = None
     pinned: bool = False
-    aliases: list[str] = msgspec.field(default_factory=list)
+    aliases: list[ModelName] = msgspec.field(default_factory=list)
     dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32"
     max_batch_tokens: Positive | None = None
     max_batch_size: Positive | None = None
-    max_wait_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    max_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_MS)] | None = None
     concurrent_batches: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     # Which tuning profile applies: "auto", "off", or a hardware slug such as "cpu-16c" (docs/tuning.md).
     profile: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] = "auto"

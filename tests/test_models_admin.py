@@ -255,6 +255,9 @@ async def test_registration_judges_aliases_integers_and_the_profile(start_box, h
         ({"options": {"x": too_big}}, "$.options.x"),
         ({"profile": "nonsense"}, "$.profile"),
         ({"profile": "cpu-c"}, "$.profile"),
+        ({"max_wait_ms": 5000}, "$.max_wait_ms"),  # a wait for company past 1 s only ever delays a batch
+        ({"name": "new\u0000"}, "$.name"),  # no control characters in what clients send and logs show
+        ({"aliases": ["tab\there"]}, "$.aliases[0]"),
     ]
     for extra, words in cases:
         body = {"name": "new", "path": str(encoder_dir), **extra}
