@@ -177,6 +177,12 @@ def configured_specs(settings: Settings) -> list[ModelSpec]:
                 pinned=True,
             ),
         )
+    # An adapter's base may be named by an alias, as through the API; the catalog keeps the base's name.
+    names = {alias: entry.name for entry in entries for alias in entry.aliases}
+    entries = [
+        entry.model_copy(update={"adapter_of": names[entry.adapter_of]}) if entry.adapter_of in names else entry
+        for entry in entries
+    ]
     return [spec_from_entry(entry, settings) for entry in entries]
 
 

@@ -41,7 +41,7 @@ def memory_budget_bytes(raw: str, total: int) -> int:
 class ModelEntry(BaseModel):
     """One `[[models]]` table: a model the box should know at start."""
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
     path: Path | None = None  # a folder; None only for the no-op runtime
     task: Literal["embed", "score", "classify", "extract", "generate"] | None = None
     runtime: Literal["torch", "onnx", "noop"] = "torch"

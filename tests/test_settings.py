@@ -32,6 +32,17 @@ def test_models_from_toml_join_the_default_model(tmp_path) -> None:
     assert catalog.resolve(DEFAULT_MODEL_NAME).spec.pinned
 
 
+def test_an_adapter_entry_may_name_its_base_by_an_alias(tmp_path) -> None:
+    config = tmp_path / "box.toml"
+    config.write_text(
+        '[[models]]\nname = "base"\nruntime = "noop"\naliases = ["b"]\n'
+        '[[models]]\nname = "base:tuned"\nruntime = "noop"\nadapter_of = "b"\n'
+    )
+    catalog = Catalog.from_settings(load_settings(config, default_model=False))
+    assert catalog.get("base:tuned").adapter_of == "base"
+    assert [spec.name for spec in catalog.adapters_of("base")] == ["base:tuned"]
+
+
 def test_concurrent_batches_must_be_positive() -> None:
     assert ModelEntry(name="m", runtime="noop", concurrent_batches=2).concurrent_batches == 2
     for bad in (0, -1):
