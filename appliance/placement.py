@@ -75,13 +75,13 @@ class Placement:
                 continue
             if self._failed_until.get(spec.name, 0.0) > asyncio.get_running_loop().time():
                 continue
-            waiting = await self._waiting(spec.slug)
+            waiting = await self._waiting(spec.slug, self._holders(spec.name))
             if waiting == 0 or not self._should_load(spec.name, waiting):
                 continue
             await asyncio.sleep(random.uniform(0, _JITTER_S))
             if not self._should_load(spec.name, waiting):
                 continue
-            holders = box.fleet.holders(spec.name, loading=True) if box.fleet else []
+            holders = self._holders(spec.name)
             if not holders and box.fleet is not None and not await box.fleet.claim(f"load.{spec.slug}"):
                 continue  # another box claimed the first load of this model
             self._loading.add(spec.name)
@@ -91,11 +91,16 @@ class Placement:
             self._loads.add(task)
             task.add_done_callback(self._loads.discard)
 
-    def _should_load(self, name: str, waiting: int) -> bool:
-        holders = self._box.fleet.holders(name, loading=True) if self._box.fleet else []
-        return not holders or waiting >= self._box.settings.cold_backlog
+    def _holders(self, name: str) -> list[str]:
+        return self._box.fleet.holders(name, loading=True) if self._box.fleet else []
 
-    async def _waiting(self, slug: str) -> int:
+    def _should_load(self, name: str, waiting: int) -> bool:
+        return not self._holders(name) or waiting >= self._box.settings.cold_backlog
+
+    async def _waiting(self, slug: str, holders: list[str]) -> int:
+        """Requests waiting for a model: those in its queue, and with no live box holding it, those a box
+        that died had taken: they come back to the queue once their `ack_wait` runs out, and need a box
+        pulling for them then (counting only the queue, such a request waited out its deadline)."""
         assert self._box.js is not None
         waiting = 0
         for priority in PRIORITIES:
@@ -104,6 +109,8 @@ class Placement:
             except NotFoundError:
                 continue
             waiting += int(info.num_pending or 0)
+            if not holders:
+                waiting += int(info.num_ack_pending or 0)
         return waiting
 
     async def _load(self, spec) -> None:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from appliance import bus
+from appliance.envelope import RequestMeta
 from appliance.settings import ModelEntry
 from tests.conftest import noop_model, url, wait_for
 
@@ -198,3 +199,24 @@ async def test_no_request_stream_is_a_503_with_retry_after(start_box, http) -> N
         assert response.status == 503
         assert int(response.headers["Retry-After"]) >= 1
         assert (await response.json())["error"]["code"] == "unavailable"
+
+
+async def test_a_request_taken_by_a_dead_box_is_answered_though_no_live_box_held_its_model(
+    start_box, nats_server, http
+) -> None:
+    """The only box holding a model dies holding a request: nothing is left in the queue proper (the request
+    is pending acknowledgement), yet another box must load the model and answer it once it comes back."""
+    box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)], ack_wait_s=1.0)
+    nc = await nats.connect(nats_server.url)
+    try:
+        dying = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("cold"), stream=bus.REQUEST_STREAM)
+        taken = asyncio.create_task(dying.fetch(1, timeout=10))  # a box's pull, open before the request comes
+        await asyncio.sleep(0.3)
+        answer = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "cold", "input": "x"}))
+        (msg,) = await taken  # held, never acked: the dying box
+        assert RequestMeta.from_headers(msg.headers).model == "cold"
+        async with await asyncio.wait_for(answer, 20) as response:
+            assert response.status == 200, await response.text()
+        assert box.residency.is_resident("cold")
+    finally:
+        await nc.close()
