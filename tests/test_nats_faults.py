@@ -213,3 +213,27 @@ async def test_a_puller_woken_as_it_is_stopped_still_stops(nats_server) -> None:
                 await asyncio.wait_for(puller.stop(), 5)
     finally:
         await nc.close()
+
+
+async def test_with_nats_down_a_request_is_refused_at_once_and_never_computed_later(start_box, nats_server, http):
+    """A gateway cut off from NATS answers 503 at once, and the request is not queued behind the client's back."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    await nats_server.stop()
+    await wait_for(lambda: _true(box.nc is not None and not box.nc.is_connected), what="the box to notice")
+    started = time.monotonic()
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
+        assert response.status == 503
+        assert "not connected" in (await response.json())["error"]["message"]
+        assert response.headers["Retry-After"]
+    assert time.monotonic() - started < 1.0  # not after the 5 s publish timeout
+    rows = box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) or 0
+    await nats_server.start()
+    await wait_for(lambda: _true(box.nc.is_connected), what="the box to reconnect")
+
+    async def answered() -> bool:
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "y", "timeout": 2}) as r:
+            return r.status == 200
+
+    await wait_for(answered, what="a request answered after the restart")
+    computed = box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) or 0
+    assert computed - rows == 1  # only the one answered 200

@@ -287,6 +287,12 @@ class Dispatcher:
         )
 
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
+        if not self._nc.is_connected:
+            # Refused at once: a publish now would wait in the client's buffer, be answered 503 after the
+            # publish timeout, and still be queued (and computed) once NATS is back, beside the client's retry.
+            raise ServiceUnavailable(
+                "not connected to the request queue (NATS); retry shortly", retry_after_s=_FAILOVER_RETRY_S
+            )
         if self._blobs.needed(body):
             # Too large to ride the queue: the message carries the object-store key instead.
             meta = replace(meta, blob=await self._blobs.put(meta.id, body))
@@ -303,6 +309,9 @@ class Dispatcher:
                 f"the request queue refused the request: {exc.description}", retry_after_s=_FAILOVER_RETRY_S
             ) from None
         except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
+            # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
+            # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
+            await self._cancel(meta.id)
             raise ServiceUnavailable(
                 "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
             ) from None
