@@ -8,7 +8,7 @@ plain token ids in and numpy arrays out. The batcher above packs `Tokenized` row
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -57,6 +57,15 @@ class UnknownAdapter(LookupError):
     def __init__(self, name: str) -> None:
         super().__init__(f"LoRA adapter {name!r} is not loaded on this model")
         self.name = name
+
+
+def shipped_onnx(folder: Path, options: Mapping[str, Any]) -> Path | None:
+    """The `.onnx` file an `onnx_file` option names (relative to the model folder), or None."""
+    shipped = options.get("onnx_file")
+    if not shipped:
+        return None
+    path = Path(str(shipped)).expanduser()
+    return path if path.is_absolute() else Path(folder) / path
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtimes.base import RuntimeKind, Task, UnsupportedModel
+from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.tasks.classify import labels_from_config
 
 __all__ = ["SUPPORTED", "UnsupportedModel", "check_adapter_folder", "check_loadable", "detect_task"]
@@ -129,10 +129,9 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     folder = Path(folder)
     if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
-    shipped = options.get("onnx_file") if runtime is RuntimeKind.ONNX else None
-    if shipped:
-        # Resolved as the ONNX backend resolves it.
-        if not Path(str(shipped)).expanduser().is_file():
+    shipped = shipped_onnx(folder, options) if runtime is RuntimeKind.ONNX else None
+    if shipped is not None:
+        if not shipped.is_file():
             raise UnsupportedModel(f"onnx_file {shipped} is not a file")
     elif not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise UnsupportedModel(f"{folder} has no weights file ({', '.join(WEIGHT_FILES)})")

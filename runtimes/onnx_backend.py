@@ -25,7 +25,7 @@ import torch  # noqa: F401
 # isort: split
 import onnxruntime as ort
 
-from runtimes.base import ModelSource, Task
+from runtimes.base import ModelSource, Task, shipped_onnx
 from runtimes.onnx_export import OnnxArtifact, ensure_exported, head_for
 
 DEFAULT_CACHE_DIR = Path("~/.cache/fleetbox/onnx")
@@ -125,9 +125,8 @@ def cache_dir(source: ModelSource) -> Path:
 
 
 def _artifact(source: ModelSource, config: SessionConfig) -> OnnxArtifact:
-    shipped = source.options.get("onnx_file")
-    if shipped:
-        path = Path(shipped).expanduser()
+    path = shipped_onnx(source.path, source.options)
+    if path is not None:
         if not path.is_file():
             raise FileNotFoundError(f"onnx_file {path} does not exist")
         return OnnxArtifact(path, exported=False, parity=None)

@@ -51,6 +51,10 @@ async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(
         status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": path})
         assert status == 403, (path, body)
         assert body["error"]["code"] == "path_outside_model_roots"
+    shutil.copytree(encoder_dir, root / "inside")
+    outside = {"name": "x", "path": "inside", "runtime": "onnx", "options": {"onnx_file": "../../model.onnx"}}
+    status, body = await call(http, box, "POST", "/v1/models", outside)  # a file the box reads: inside a root too
+    assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
 
 
 async def test_unsupported_architecture_is_422_at_registration(start_box, http, tmp_path) -> None:

@@ -26,7 +26,7 @@ from appliance.gateway.http import decode, json_response, read_body
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import Settings
-from runtimes.base import RuntimeKind, Task, UnsupportedModel
+from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.detect import check_adapter_folder, check_loadable, detect_task
 
 _registration = msgspec.json.Decoder(ModelRegistration)
@@ -154,6 +154,9 @@ async def register(
     folder = resolve_under_roots(registration.path, settings.roots)
     if not folder.is_dir():
         raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
+    shipped = shipped_onnx(folder, registration.options)
+    if shipped is not None:  # a file the box will read, so inside a model root like the folder
+        resolve_under_roots(str(shipped), settings.roots)
     defaults = default_batching(settings)
     if registration.runtime == "torch" and registration.dtype == "int8":
         raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")

@@ -114,6 +114,7 @@ def test_what_a_load_would_refuse_is_refused_before_it(tmp_path: Path, encoder_d
         check_loadable(folder, Task.EMBED, RuntimeKind.ONNX, {"onnx_file": str(folder / "model.onnx")})
     (folder / "model.onnx").write_bytes(b"a shipped graph")
     check_loadable(folder, Task.EMBED, RuntimeKind.ONNX, {"onnx_file": str(folder / "model.onnx")})
+    check_loadable(folder, Task.EMBED, RuntimeKind.ONNX, {"onnx_file": "model.onnx"})  # relative: in the folder
     (folder / "model.safetensors").write_bytes(b"weights")
     (folder / "tokenizer.json").write_text("{not a tokenizer")
     with pytest.raises(UnsupportedModel, match=r"tokenizer\.json cannot be loaded"):
