@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,14 +20,17 @@ from typing import Any
 import orjson
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
+from typer.testing import CliRunner
 
-from appliance import bus
+from appliance import bus, cli
 from appliance.app import Box
+from appliance.natsd import EmbeddedNats, free_port
 from tests.conftest import box_settings, noop_model, url, wait_for
+from tui import commands
 from tui.app import FleetboxApp
 from tui.dialogs import Choose, Confirm, RegisterForm
-from tui.source import NatsSource, connect
+from tui.source import NatsSource, connect, connect_problem
 
 FLEETBOX = str(Path(sys.executable).with_name("fleetbox"))
 
@@ -245,3 +249,88 @@ async def test_boxes_joining_leaving_and_dying_are_marked_and_logged(start_box, 
     assert {("leave", "tui-leaves"), ("dead", "tui-dies")} <= kinds
     marks = [str(row[0]) for row in map(app.screen.query_one(DataTable).get_row, ["tui-dies", "tui-leaves"])]
     assert marks == ["✗ tui-dies", "○ tui-leaves"]
+
+
+def test_one_shot_commands_name_an_unreachable_nats_and_exit_1(monkeypatch) -> None:
+    """Nothing listens on the port: a one-line reason and exit status 1, not a silent wait for ever."""
+    monkeypatch.setattr(commands, "ATTACH_TIMEOUT_S", 2.0)
+    address = f"nats://127.0.0.1:{free_port()}"
+    for args in (["models", "list"], ["models", "pin", "alpha"], ["box", "drain", "some-box"]):
+        started = time.monotonic()
+        result = CliRunner().invoke(cli.app, [*args, "--nats", address])
+        assert result.exit_code == 1, result.output
+        assert result.output == f"fleetbox: cannot reach NATS at {address}: connection refused\n"
+        assert time.monotonic() - started < 8
+
+
+def test_connect_problems_are_named_in_words() -> None:
+    assert connect_problem(ConnectionRefusedError(111, "Connect call failed")) == "connection refused"
+    assert connect_problem(socket.gaierror(-2, "Name or service not known")).startswith("host not found")
+    assert connect_problem(TimeoutError()) == "no answer"
+
+
+async def test_the_tui_says_why_it_cannot_reach_nats_and_attaches_once_it_can(tmp_path) -> None:
+    """The screen is drawn at once; its status line names the problem, and the TUI keeps trying."""
+    port = free_port()
+    source = NatsSource.dialing(f"nats://127.0.0.1:{port}", period_s=0.2)
+    await source.start()
+    app = FleetboxApp(source, refresh_s=0.2)
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=port)
+    try:
+        async with app.run_test(size=(100, 24)):
+
+            def status() -> str:
+                return str(app.screen.query_one("#status", Static).visual)
+
+            async def says(text: str) -> bool:
+                return text in status()
+
+            await wait_for(lambda: says("cannot reach NATS: connection refused; retrying"), 10.0, "the problem shown")
+            await server.start()
+            await wait_for(lambda: says("no fleet at"), 15.0, "the TUI connected once NATS listens")
+    finally:
+        await source.stop()
+        await server.stop()
+
+
+async def test_a_credentials_file_is_read_with_nkeys(nats_server, tmp_path) -> None:
+    """A well-formed credentials file connects (the server here asks for no signature; nats-py still
+    needs the nkeys package to take the file at all), and the CLI refuses a broken one in one line."""
+    import nkeys
+
+    seed = nkeys.encode_seed(bytes(32), nkeys.PREFIX_BYTE_USER).decode()
+    creds = tmp_path / "user.creds"
+    creds.write_text(
+        f"-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QifQ.e30.c2ln\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+    )
+    nc = await connect(nats_server.url, creds)
+    assert nc.is_connected
+    await nc.close()
+
+    junk = tmp_path / "junk.creds"
+    junk.write_text("junk\n")
+    for bad, why in ((junk, "is not a NATS credentials file"), (tmp_path / "absent.creds", "does not exist")):
+        result = CliRunner().invoke(cli.app, ["models", "list", "--nats", nats_server.url, "--creds", str(bad)])
+        assert result.exit_code == 2 and why in result.output, result.output
+        assert len(result.output.splitlines()) == 1
+
+
+def test_models_list_never_cuts_a_name() -> None:
+    """Piped, every row is one line with the whole name (`| grep` finds it); on a narrow terminal a
+    long name folds onto more lines instead of ending in an ellipsis (the figures give way)."""
+    import io
+
+    from rich.console import Console
+
+    from tui.model import ModelRow
+
+    name = "sentence-transformers/all-MiniLM-L6-v2-with-a-very-long-organisation-suffix"
+    rows = [ModelRow(name, "embed", "torch", None, True, "resident", ("box-1",), 1, 0, 0.0, 0.0, 0.0, 0)]
+    piped = io.StringIO()
+    commands.print_rows(rows, Console(file=piped, width=80))
+    assert any(line.split()[:3] == [name, "embed", "resident"] for line in piped.getvalue().splitlines())
+    terminal = io.StringIO()
+    commands.print_rows(rows, Console(file=terminal, width=60, force_terminal=True, color_system=None))
+    firsts = [line.split()[0] for line in terminal.getvalue().splitlines() if line.strip()]
+    assert "".join(firsts[firsts.index("model") + 1 :]) == name

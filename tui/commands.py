@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
 from tui import format as fmt
@@ -20,11 +21,15 @@ from tui.app import FleetboxApp
 from tui.model import ModelRow, model_rows
 from tui.source import NatsSource, connect
 
+ATTACH_TIMEOUT_S = 10.0  # how long a one-shot command waits for NATS, then for the fleet's state
+
 
 @asynccontextmanager
-async def attached(servers: str, creds: Path | None, timeout_s: float = 10.0) -> AsyncIterator[NatsSource]:
-    """A source that has read the heartbeats, the catalog and the queue once; raises TimeoutError."""
-    nc = await connect(servers, creds)
+async def attached(servers: str, creds: Path | None, timeout_s: float | None = None) -> AsyncIterator[NatsSource]:
+    """A source that has read the heartbeats, the catalog and the queue once; raises TimeoutError,
+    or `NatsUnreachable` when NATS itself does not answer within `timeout_s`."""
+    timeout_s = timeout_s or ATTACH_TIMEOUT_S
+    nc = await connect(servers, creds, give_up_after_s=timeout_s)
     source = NatsSource(nc, address=servers, own_connection=True)
     await source.start()
     try:
@@ -38,8 +43,8 @@ async def attached(servers: str, creds: Path | None, timeout_s: float = 10.0) ->
 
 
 async def run_tui(servers: str, creds: Path | None, refresh_s: float) -> None:
-    nc = await connect(servers, creds)
-    source = NatsSource(nc, address=servers, own_connection=True, period_s=refresh_s)
+    """The TUI draws at once; while NATS cannot be reached its status line says why, and it retries."""
+    source = NatsSource.dialing(servers, creds, period_s=refresh_s)
     await source.start()
     try:
         await FleetboxApp(source, refresh_s=refresh_s).run_async()
@@ -62,10 +67,30 @@ def rows_as_json(rows: list[ModelRow]) -> list[dict[str, Any]]:
     return [asdict(row) for row in rows]
 
 
+def print_rows(rows: list[ModelRow], console: Console | None = None) -> None:
+    """The table, never cutting a name: on a terminal long names fold onto a second line; piped,
+    the table is as wide as it needs, so `| grep` sees every name whole on one line."""
+    console = console or Console()
+    if not console.is_terminal:
+        console = Console(file=console.file, width=_UNBOUNDED, no_color=True, highlight=False)
+    console.print(rows_as_table(rows))
+
+
+_UNBOUNDED = 10_000  # columns: wider than any row
+
+
 def rows_as_table(rows: list[ModelRow]) -> Table:
     table = Table(box=None, header_style="bold")
+    # A narrow terminal folds names (models, boxes) onto more lines, never cuts them; the figures give way.
+    longest = max((len(row.name) + 2 for row in rows), default=5)
     for column in ("model", "task", "state", "on", "pinned", "queue", "req/s", "p50 ms", "p99 ms", "errors"):
-        table.add_column(column, justify="right" if column in ("queue", "req/s", "p50 ms", "p99 ms") else "left")
+        named = column in ("model", "on")
+        table.add_column(
+            column,
+            justify="right" if column in ("queue", "req/s", "p50 ms", "p99 ms") else "left",
+            overflow="fold" if named else "ellipsis",
+            min_width=min(longest, 24) if column == "model" else 6 if column == "on" else None,
+        )
     for row in rows:
         table.add_row(
             row.name if row.adapter_of is None else f"↳ {row.name}",

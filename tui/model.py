@@ -167,6 +167,7 @@ class FleetView:
     queue: QueueState | None = None
     connected: bool = True
     waiting_for: str | None = None  # e.g. "no fleet at this address yet"
+    problem: str | None = None  # while not connected: why the last attempt failed ("connection refused")
 
     def box(self, box_id: str) -> BoxState | None:
         return next((b for b in self.boxes if b.box == box_id), None)

@@ -79,8 +79,10 @@ def status_line(view: FleetView, screen: str) -> Text:
     line = Text(no_wrap=True, overflow="ellipsis")
     line.append(" fleetbox ", style="bold reverse")
     line.append(f" {screen} ", style="bold")
-    if not view.connected:
-        line.append(" disconnected from NATS, reconnecting… ", style="bold red")
+    if not view.connected and view.problem:
+        line.append(f" cannot reach NATS: {view.problem} ", style="bold red")
+    elif not view.connected:
+        line.append(" not connected to NATS, connecting… ", style="bold red")
     elif view.waiting_for:
         line.append(f" {view.waiting_for} ", style="yellow")
     else:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -62,23 +62,89 @@ class FleetSource(Protocol):
     async def stop(self) -> None: ...
 
 
-async def connect(servers: str, creds: Path | None = None) -> NATS:
-    """A client connection for the TUI and CLI: reconnects forever, reports problems in the view."""
+class NatsUnreachable(ConnectionError):
+    """The first connection to NATS did not come about; the message says where and why."""
 
-    async def quiet(*_: Any) -> None:  # nats-py prints errors itself otherwise; the status line shows them
+    def __init__(self, servers: str, reason: str) -> None:
+        super().__init__(f"cannot reach NATS at {servers}: {reason}")
+        self.reason = reason
+
+
+def connect_problem(exc: BaseException) -> str:
+    """Why a connection attempt failed, in words an operator acts on."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror):
+        return f"host not found ({exc.strerror})"
+    if isinstance(exc, TimeoutError):
+        return "no answer"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[0].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
+
+
+async def dial(
+    nc: NATS,
+    servers: str,
+    creds: Path | None = None,
+    *,
+    give_up_after_s: float | None = 10.0,
+    on_problem: Callable[[str], None] | None = None,
+) -> None:
+    """Connect `nc` for the TUI and the CLI; once connected it reconnects for ever.
+
+    The first connect tries for `give_up_after_s`, then raises `NatsUnreachable` naming the last
+    reason (the CLI's one-shot verbs); with None it tries for ever (the TUI), telling `on_problem`
+    each reason so that the screen can show it. nats-py itself would retry a first connect for
+    ever in silence.
+    """
+    problems: list[str] = []  # the last one only
+
+    async def failed(exc: Exception) -> None:  # nats-py prints errors itself otherwise
+        problems[:] = [connect_problem(exc)]
+        if on_problem is not None:
+            on_problem(problems[0])
+
+    async def quiet(*_: Any) -> None:
         return None
 
-    return await nats.connect(
+    connecting = nc.connect(
         servers=[url.strip() for url in servers.split(",") if url.strip()],
         user_credentials=str(creds) if creds else None,
         name="fleetbox-tui",
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
-        error_cb=quiet,
+        error_cb=failed,
         disconnected_cb=quiet,
         reconnected_cb=quiet,
     )
+    try:
+        await asyncio.wait_for(connecting, give_up_after_s)
+    except asyncio.CancelledError:
+        await _close_quietly(nc)
+        raise
+    except TimeoutError:
+        await _close_quietly(nc)
+        why = problems[0] if problems else f"no answer within {give_up_after_s:g} s"
+        raise NatsUnreachable(servers, why) from None
+    except Exception as exc:  # a URL nats-py cannot parse, a credentials file it cannot use
+        await _close_quietly(nc)
+        raise NatsUnreachable(servers, connect_problem(exc)) from None
+
+
+async def connect(servers: str, creds: Path | None = None, *, give_up_after_s: float | None = 10.0) -> NATS:
+    """A connected client (see `dial`); raises `NatsUnreachable` after `give_up_after_s`."""
+    nc = NATS()
+    await dial(nc, servers, creds, give_up_after_s=give_up_after_s)
+    return nc
+
+
+async def _close_quietly(nc: NATS) -> None:
+    try:
+        await asyncio.wait_for(nc.close(), 3.0)
+    except (NatsError, OSError, TimeoutError) as exc:
+        log.debug("closing a NATS connection that never came up failed", extra={"error": repr(exc)})
 
 
 class NatsSource:
@@ -108,11 +174,37 @@ class NatsSource:
         self._attached = asyncio.Event()
         self._attach_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
+        self._dial_to: tuple[str, Path | None] | None = None  # connect in start(), for `dialing`
+        self._problem: str | None = None  # why the connection is down, while it is
         self.ops = FleetOps(nc, self._current_boxes)
 
+    @classmethod
+    def dialing(cls, servers: str, creds: Path | None = None, *, period_s: float = 1.0) -> NatsSource:
+        """A source that makes its own connection in `start()` and retries it for ever, its view
+        saying why it cannot connect meanwhile (the TUI draws at once, not after a connect)."""
+        source = cls(NATS(), address=servers, own_connection=True, period_s=period_s)
+        source._dial_to = (servers, creds)
+        source._waiting_for = f"connecting to NATS at {servers}…"
+        return source
+
     async def start(self) -> None:
-        self._attach_task = asyncio.create_task(self._attach(), name="tui-attach")
+        self._attach_task = asyncio.create_task(self._connect_and_attach(), name="tui-attach")
         self._follow_task = asyncio.create_task(self._follow(), name="tui-follow")
+
+    async def _connect_and_attach(self) -> None:
+        if self._dial_to is not None:
+            servers, creds = self._dial_to
+            try:
+                await dial(self._nc, servers, creds, give_up_after_s=None, on_problem=self._connect_failed)
+            except NatsUnreachable as exc:  # nothing to retry: a URL or credentials nats-py cannot use
+                self._problem = f"{exc.reason} (not retrying)"
+                return
+            self._dial_to = None
+            self._waiting_for = "reading the fleet…"
+        await self._attach()
+
+    def _connect_failed(self, problem: str) -> None:
+        self._problem = f"{problem}; retrying…"
 
     async def attached(self, timeout_s: float) -> None:
         """Wait until the heartbeats and the catalog are read (for the CLI); raises TimeoutError."""
@@ -134,6 +226,7 @@ class NatsSource:
             queue=self._queue,
             connected=self._nc.is_connected,
             waiting_for=self._waiting_for,
+            problem=None if self._nc.is_connected else self._problem,
         )
 
     def _current_boxes(self) -> Sequence[BoxState]:
