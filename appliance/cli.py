@@ -6,6 +6,7 @@ Flags override `FBX_*` environment variables, which override the `--config` TOML
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -18,7 +19,7 @@ import typer
 
 from appliance import __version__
 from appliance.logs import configure_logging
-from appliance.settings import Settings, load_settings
+from appliance.settings import Settings, load_settings, settings_problems
 from appliance.tasks import cancel_and_wait
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: serve a fleet of small models.")
@@ -89,13 +90,111 @@ def serve(
         )
         configured_specs(settings)  # every [[models]] entry's folder and task, checked before anything starts
     except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
-        typer.echo(f"fleetbox: bad settings: {exc}", err=True)
+        _refuse_settings(settings_problems(exc))
         raise typer.Exit(2) from None
+    _refuse_settings(
+        [
+            *([_device_problem(settings.device)] if settings.runs_models else []),
+            *([_creds_problem(settings.creds)] if settings.creds else []),
+        ]
+    )
+    in_use = _port_problem(settings.host, settings.port)
+    if in_use:
+        typer.echo(f"fleetbox: {in_use}", err=True)
+        raise typer.Exit(1)
     configure_logging(settings.log_level)
     import uvloop
 
     code = uvloop.run(_serve(settings, tui=tui))
     raise typer.Exit(code)
+
+
+def _refuse_settings(problems: list[str | None]) -> None:
+    """Exit 2 with one `fleetbox: bad settings: …` line per problem, if there is any."""
+    problems_given = [problem for problem in problems if problem]
+    for problem in problems_given:
+        typer.echo(f"fleetbox: bad settings: {problem}", err=True)
+    if problems_given:
+        raise typer.Exit(2)
+
+
+def _device_problem(device: str) -> str | None:
+    """Why torch cannot run on `device` here (`cuda` on a machine without one), or None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if count == 0:
+        built = "" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"
+        return f"device: {device}: torch sees no CUDA device on this machine{built}"
+    if index >= count:
+        devices = f"{count} CUDA device{'s' if count > 1 else ''}"
+        return f"device: {device}: torch sees {devices} on this machine (cuda:0 to cuda:{count - 1})"
+    return None
+
+
+def _creds_problem(path: Path) -> str | None:
+    """Why `path` is not a usable NATS credentials file (a user JWT and its nkey seed), or None.
+
+    Checked before connecting: nats-py reads the file only while it connects, and retries a
+    missing or broken one with every attempt instead of saying what is wrong.
+    """
+    import re
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return f"creds: {path} does not exist"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"creds: cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+    jwt = re.search(r"-{3,}BEGIN NATS USER JWT-{3,}\s*\n\s*(\S+)", text)
+    seed = re.search(r"-{3,}BEGIN USER NKEY SEED-{3,}\s*\n\s*(\S+)", text)
+    if jwt is None or seed is None:
+        return f"creds: {path} is not a NATS credentials file (it needs a user JWT and a user nkey seed)"
+    import nkeys
+
+    try:
+        nkeys.from_seed(bytearray(seed.group(1).encode()))
+    except (nkeys.NkeysError, ValueError):
+        return f"creds: {path}: the user nkey seed is not valid"
+    return None
+
+
+def _check_creds_option(creds: Path | None) -> Path | None:
+    """The `--creds` option of the fleet commands: a bad file is a one-line usage error."""
+    problem = _creds_problem(creds) if creds is not None else None
+    if problem:
+        typer.echo(f"fleetbox: {problem}", err=True)
+        raise typer.Exit(2)
+    return creds
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """'port P on H is in use' when another process listens there (checked before a box starts,
+    which binds its HTTP port only after loading its models); None when it is free or any port."""
+    import errno
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return None  # the box's own bind reports it
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"port {port} on {host} is in use"
+                return None  # not this check's business: the box's own bind reports it
+    return None
 
 
 async def _serve(settings: Settings, tui: bool = False) -> int:
@@ -116,6 +215,13 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
         return 0
     try:
         starting.result()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE or f"{settings.port}" not in str(exc):
+            log.error("box failed to start", extra={"error": repr(exc)})
+        else:  # taken since the check before the start
+            typer.echo(f"fleetbox: port {settings.port} on {settings.host} is in use", err=True)
+        await box.stop()
+        return 1
     except Exception as exc:
         log.error("box failed to start", extra={"error": repr(exc)})
         await box.stop()
@@ -142,7 +248,9 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
 
 
 FleetUrl = Annotated[str, typer.Option("--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated")]
-Creds = Annotated[Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file")]
+Creds = Annotated[
+    Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file", callback=_check_creds_option)
+]
 models_app = typer.Typer(no_args_is_help=True, help="List and steer the fleet's models through NATS (as the TUI does).")
 box_app = typer.Typer(no_args_is_help=True, help="Steer one box through NATS.")
 app.add_typer(models_app, name="models")
@@ -154,12 +262,12 @@ _LOCAL_NATS = "nats://127.0.0.1:4222"
 def tui_command(
     nats: FleetUrl = _LOCAL_NATS,
     creds: Creds = None,
-    refresh: Annotated[float, typer.Option(help="seconds between screen refreshes")] = 1.0,
+    refresh: Annotated[float, typer.Option(min=0.2, help="seconds between screen refreshes (at least 0.2)")] = 1.0,
 ) -> None:
     """Watch and steer a fleet from the terminal, attached through NATS alone."""
     from tui.commands import run_tui
 
-    _fleet_command(run_tui(nats, creds, max(0.2, refresh)))
+    _fleet_command(run_tui(nats, creds, refresh))
 
 
 @models_app.command("list")
@@ -169,15 +277,13 @@ def models_list(
     json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
     """Every catalog model: task, state, where resident, pinned, backlog, throughput, latency."""
-    from rich.console import Console
-
-    from tui.commands import list_models, rows_as_json, rows_as_table
+    from tui.commands import list_models, print_rows, rows_as_json
 
     rows = _fleet_command(list_models(nats, creds))
     if json_out:
         typer.echo(orjson.dumps(rows_as_json(rows), option=orjson.OPT_INDENT_2).decode())
     else:
-        Console().print(rows_as_table(rows))
+        print_rows(rows)
 
 
 @models_app.command("pin")
@@ -250,7 +356,7 @@ def version() -> None:
 @app.command()
 def tune(
     model: Annotated[str, typer.Argument(help="a model name or alias the box knows, or a model folder")],
-    budget_minutes: Annotated[float, typer.Option(help="how long the whole tune may take")] = 10.0,
+    budget_minutes: Annotated[float, typer.Option(min=0.01, help="how long the whole tune may take")] = 10.0,
     slo_p99_ms: Annotated[float | None, typer.Option(help="only settings whose p99 stays within this qualify")] = None,
     objective: Annotated[str, typer.Option(help="throughput (heavy load) | latency (light load)")] = "throughput",
     write: Annotated[bool, typer.Option("--write/--dry-run", help="write the profile and report, or print it")] = True,
@@ -258,8 +364,12 @@ def tune(
     out: Annotated[
         Path | None, typer.Option(help="profiles folder [FBX_PROFILES_DIR, default the shipped profiles/]")
     ] = None,
-    concurrency: Annotated[int | None, typer.Option(help="closed-loop clients [8/core, 128 GPU, 4 latency]")] = None,
-    window_s: Annotated[float | None, typer.Option(help="seconds per measured window [1 CPU, 0.5 GPU]")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="closed-loop clients [8/core, 128 GPU, 4 latency]")
+    ] = None,
+    window_s: Annotated[
+        float | None, typer.Option(min=0.01, help="seconds per measured window [1 CPU, 0.5 GPU]")
+    ] = None,
     quick: Annotated[bool, typer.Option(help="a smaller space (fewer batching values)")] = False,
     name: Annotated[str | None, typer.Option(help="the name the model is served under, for a folder")] = None,
     note: Annotated[str | None, typer.Option(help="a line for the report, e.g. how busy the machine was")] = None,
@@ -275,8 +385,9 @@ def tune(
     try:
         settings = load_settings(config, device=device)
     except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
-        typer.echo(f"fleetbox: bad settings: {exc}", err=True)
+        _refuse_settings(settings_problems(exc))
         raise typer.Exit(2) from None
+    _refuse_settings([_device_problem(settings.device)])
     code = run_tune(
         model,
         settings,

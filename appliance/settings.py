@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,6 +22,7 @@ from pydantic_settings import (
 Role = Literal["all", "gateway", "worker"]
 
 
+BOX_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_WAIT_MS = 1000.0  # a batch's wait for company past a second only ever delays it: the bound on max_wait_ms
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -86,7 +87,8 @@ class Settings(BaseSettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     state_dir: Path = Path(".fleetbox")
-    box_id: str | None = None
+    # one NATS subject token (fbx.ctl.<box>.<verb>): no dots, spaces or wildcards
+    box_id: str | None = Field(default=None, pattern=BOX_ID_PATTERN)
 
     # Durability: file storage and replicas for the stream and buckets (a NATS cluster of >= replicas)
     durable: bool = False
@@ -199,3 +201,30 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         config = SettingsConfigDict(**{**Settings.model_config, "toml_file": config_file})
         settings_cls = type("Settings", (Settings,), {"model_config": config})
     return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
+
+
+_PATTERN_RULES = {  # what a pattern means, for the fields whose pattern an operator types
+    "box_id": "use 1 to 64 letters, digits, '-' or '_'",
+    "device": "use auto, cpu, cuda or cuda:N",
+}
+
+
+def settings_problems(exc: BaseException) -> list[str]:
+    """One line per invalid setting, `field: what is wrong (got value)`, for the CLI's refusal.
+
+    pydantic's own text spans several lines per field and links its docs; an operator needs the
+    setting, the rule and the value given.
+    """
+    if not isinstance(exc, ValidationError):
+        return [str(exc) or type(exc).__name__]
+    lines = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        message = error["msg"].removeprefix("Value error, ")
+        given = error.get("input")
+        if error["type"] == "string_pattern_mismatch" and where in _PATTERN_RULES:
+            message = _PATTERN_RULES[where]
+        if isinstance(given, str | int | float) and not isinstance(given, bool) and str(given) not in message:
+            message += f" (got {given!r})"
+        lines.append(f"{where}: {message}")
+    return lines

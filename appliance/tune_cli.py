@@ -7,6 +7,7 @@ the way a box would decide it, so the profile written is the one a box will appl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shlex
 import signal
@@ -79,15 +80,27 @@ def run_tune(
     from rich.console import Console
 
     console = Console(stderr=True)
+    console.soft_wrap = not console.is_terminal  # piped or logged: one line stays one line
+
+    def refuse(text: str, code: int = 2) -> int:
+        console.print(f"fleetbox tune: {text}", markup=False, highlight=False)
+        return code
+
     if objective not in OBJECTIVES:
-        console.print(f"fleetbox tune: --objective must be one of {', '.join(OBJECTIVES)}")
-        return 2
+        return refuse(f"--objective must be one of {', '.join(OBJECTIVES)}")
+    root = out or settings.profiles_dir or SHIPPED_PROFILES_DIR
+    if write:
+        from appliance.tune_report import check_writable
+
+        try:
+            check_writable(root)
+        except OSError as exc:
+            return refuse(f"cannot write profiles to {root}: {exc.strerror or exc}")
     _quiet_libraries()
     try:
         target = resolve_model(model, settings, name)
     except (ValueError, FileNotFoundError) as exc:
-        console.print(f"fleetbox tune: {exc}")
-        return 2
+        return refuse(str(exc))
     from appliance.app import resolve_device
 
     chosen_device = resolve_device(device or settings.device)
@@ -96,8 +109,7 @@ def run_tune(
         try:
             load = replace(load, sample=read_sample(inputs, target.task), sample_source=inputs.name)
         except (OSError, ValueError) as exc:
-            console.print(f"fleetbox tune: --inputs: {exc}")
-            return 2
+            return refuse(f"--inputs: {exc}")
     config = TuneConfig(
         name=target.name,
         path=target.path,
@@ -110,25 +122,84 @@ def run_tune(
         load=load,
         cache_dir=settings.state_dir / "onnx",  # the cache a box on this machine reads: it exports once
     )
-    result = tune_with_progress(config, console)
-    if result.chosen is None:
-        console.print("no candidate measured passed the quality gate; nothing written")
-        return 1
-    console.print(summary(result))
-    if not write:
-        sys.stdout.write(result.profile(note).to_toml())
-        return 0
-    from appliance.tune_report import write_outputs
+    with CtrlC(console) as ctrl_c:
+        try:
+            result = tune_with_progress(config, console, ctrl_c)
+            if ctrl_c.aborted:  # the second Ctrl-C came during a measurement
+                raise KeyboardInterrupt
+            if result.chosen is None:
+                passed = [t for t in result.trials if t.quality.passed and t.measurements]
+                if not passed:
+                    return refuse("no candidate measured passed the quality gate; nothing written", 1)
+                why = passed[0].measurements[-1].error
+                return refuse(f"no candidate could be measured ({why}); nothing written", 1)
+            console.print(summary(result), markup=False, highlight=False)
+            if not write:
+                sys.stdout.write(result.profile(note).to_toml())
+                return 0
+            from appliance.tune_report import write_outputs
 
-    root = out or settings.profiles_dir or SHIPPED_PROFILES_DIR
-    command = shlex.join(["fleetbox", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else None
-    for path in write_outputs(result, root, note, command):
-        console.print(f"wrote {path}")
+            command = shlex.join(["fleetbox", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else None
+            try:
+                written = write_outputs(result, root, note, command)
+            except OSError as exc:  # the folder was writable when the tune started: print what it found
+                sys.stdout.write(result.profile(note).to_toml())
+                return refuse(f"cannot write profiles to {root}: {exc}; the profile is printed above", 1)
+        except KeyboardInterrupt:
+            return refuse("aborted by a second Ctrl-C; nothing written", 130)
+    for path in written:
+        console.print(f"wrote {path}", markup=False, highlight=False)
     return 0
 
 
-def tune_with_progress(config: TuneConfig, console: object) -> TuneResult:
-    """Run a tune under a rich progress bar; the first Ctrl-C ends it with the best found so far."""
+class CtrlC:
+    """SIGINT during a tune: the first ends it after the run in progress (the best so far is kept);
+    the second aborts it, nothing written.
+
+    The second marks the tune aborted, which the command checks before it writes anything, and
+    raises KeyboardInterrupt unless a measurement's event loop is running (that one ends by itself).
+    """
+
+    def __init__(self, console: object) -> None:
+        self._console = console
+        self._tuner: Tuner | None = None
+        self._presses = 0
+        self._previous: object = None
+
+    @property
+    def aborted(self) -> bool:
+        return self._presses >= 2
+
+    def watch(self, tuner: Tuner) -> None:
+        self._tuner = tuner
+
+    def __enter__(self) -> CtrlC:
+        self._previous = signal.signal(signal.SIGINT, self._pressed)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._previous is not None:  # None: the handler was not set from Python; nothing to put back
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+
+    def _pressed(self, signum: int, frame: FrameType | None) -> None:
+        self._presses += 1
+        if self._presses == 1:
+            self._console.print("stopping after this run; a second Ctrl-C aborts")  # type: ignore[attr-defined]
+            if self._tuner is not None:
+                self._tuner.stop()
+            return
+        if self._tuner is not None:
+            self._tuner.stop()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # loading or grading an engine: stop right here
+            raise KeyboardInterrupt from None
+        # Inside a measurement's event loop an interrupt would strand its tasks; the measurement
+        # ends at once by itself (the tuner is stopping), and the command sees `aborted`.
+
+
+def tune_with_progress(config: TuneConfig, console: object, ctrl_c: CtrlC | None = None) -> TuneResult:
+    """Run a tune under a rich progress bar; `ctrl_c` stops it (first press) or aborts it (second)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
@@ -151,17 +222,9 @@ def tune_with_progress(config: TuneConfig, console: object) -> TuneResult:
             progress.console.print(_trial_line(trial))
 
         tuner = Tuner(config, on_trial=trial_done, on_status=status)
-
-        def interrupt(signum: int, frame: FrameType | None) -> None:
-            progress.console.print("stopping after this run; a second Ctrl-C aborts")
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            tuner.stop()
-
-        previous = signal.signal(signal.SIGINT, interrupt)
-        try:
-            return tuner.run()
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        if ctrl_c is not None:
+            ctrl_c.watch(tuner)
+        return tuner.run()
 
 
 def _trial_line(trial: Trial) -> str:

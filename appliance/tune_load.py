@@ -90,7 +90,12 @@ def read_sample(path: Path, task: Task) -> Sample:
     """Requests from a file, one a line: a request body as the API takes it (`{"input": ...}`, a string
     or a list; for a reranker `{"query": ..., "documents": [...]}`), or a plain line of text (one input)."""
     requests: list[tuple[Any, ...]] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if not line.lstrip().startswith("{"):

@@ -9,6 +9,7 @@ of them with the chosen and the default marked.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +21,46 @@ from appliance.tune_search import Trial
 
 
 def write_outputs(result: TuneResult, root: Path, note: str | None = None, command: str | None = None) -> list[Path]:
-    """Write the profile, its report and its plot under `root/<model-slug>/`; returns the paths."""
-    profile = result.profile(note)
-    toml = profile.write(profile_path(root, result.slug, result.hardware))
-    png = toml.with_suffix(".png")
-    plot(result, png)
-    md = toml.with_suffix(".md")
-    md.write_text(report(result, png.name, note, command))
+    """Write the profile, its report and its plot under `root/<model-slug>/`; returns the paths.
+
+    All or nothing: the report and plot are written beside their places and moved in, the profile
+    (which a box applies) last, so a write cut short (a second Ctrl-C, a full disk) leaves what was
+    there before.
+    """
+    toml = profile_path(root, result.slug, result.hardware)
+    png, md = toml.with_suffix(".png"), toml.with_suffix(".md")
+    drafts = {png: png.with_name(f".{png.name}.tmp"), md: md.with_name(f".{md.name}.tmp")}
+    folder_was_there = toml.parent.is_dir()
+    try:
+        toml.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, drafts[png])
+        drafts[md].write_text(report(result, png.name, note, command))
+        for final, draft in drafts.items():
+            os.replace(draft, final)
+        result.profile(note).write(toml)
+    except BaseException:
+        for draft in drafts.values():
+            draft.unlink(missing_ok=True)
+        if not folder_was_there and toml.parent.is_dir() and not any(toml.parent.iterdir()):
+            toml.parent.rmdir()
+        raise
     return [toml, md, png]
+
+
+def check_writable(root: Path) -> None:
+    """Create `root` if missing and prove a file can be written in it; raises OSError saying why not.
+
+    Checked before a tune starts, so that a folder that cannot take the results does not cost the
+    whole tune.
+    """
+    import errno
+    import tempfile
+
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder", str(root))
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=root):
+        pass
 
 
 def plot(result: TuneResult, path: Path) -> None:
@@ -72,7 +105,7 @@ def plot(result: TuneResult, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
     plt.close(fig)
 
 

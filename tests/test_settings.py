@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+
 import pydantic
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from appliance import cli
+from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
 from appliance.settings import ModelEntry, Settings, load_settings, memory_budget_bytes
 
@@ -84,6 +88,13 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         ([], {"FBX_MODELS": '[{"name": "x"}]'}),  # a model needs a folder
         ([], {"FBX_MODELS": '[{"name": "x", "path": "/nonexistent/folder"}]'}),
         ([], {"FBX_MODELS": '[{"name": "x", "runtime": "tensorrt"}]'}),
+        (["--box-id", "a.b"], {}),  # a box id is one NATS subject token
+        (["--box-id", "a b.c"], {}),
+        (["--device", "cuda:64"], {}),  # more CUDA devices than any machine here has
+        pytest.param(
+            ["--device", "cuda"], {}, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+        ),
+        (["--creds", "/nonexistent/user.creds"], {}),
     ],
 )
 def test_serve_refuses_bad_settings_with_exit_2(args: list[str], env: dict[str, str], tmp_path, monkeypatch) -> None:
@@ -92,5 +103,39 @@ def test_serve_refuses_bad_settings_with_exit_2(args: list[str], env: dict[str, 
         monkeypatch.setenv(key, value)
     result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), *args])
     assert result.exit_code == 2, result.output
-    assert "fleetbox: bad settings:" in result.output
+    assert result.output.startswith("fleetbox: bad settings:")
+    assert len(result.output.splitlines()) == 1, result.output  # one line, no pydantic text or links
     assert "Traceback" not in result.output
+
+
+def test_each_bad_setting_is_one_line_naming_the_field_and_the_value(tmp_path) -> None:
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--port", "70000", "--replicas", "0"])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "fleetbox: bad settings: port: Input should be less than or equal to 65535 (got 70000)",
+        "fleetbox: bad settings: replicas: Input should be greater than or equal to 1 (got 0)",
+    ]
+
+
+def test_box_ids_are_one_subject_token_and_generated_ones_pass() -> None:
+    for good in ("box-1", "tui_box", "A9", "x" * 64, new_box_id()):
+        assert Settings(box_id=good).box_id == good
+    for bad in ("a.b", "a b", "a*", ">", "", "x" * 65, "bö"):
+        with pytest.raises(pydantic.ValidationError, match="box_id"):
+            Settings(box_id=bad)
+
+
+def test_tune_refuses_a_device_this_machine_lacks_before_anything_starts(tmp_path) -> None:
+    result = CliRunner().invoke(cli.app, ["tune", str(tmp_path), "--device", "cuda:64", "--dry-run"])
+    assert result.exit_code == 2
+    assert result.output.startswith("fleetbox: bad settings: device: cuda:64: torch sees ")
+
+
+def test_serve_names_a_port_in_use_in_one_line(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.output == f"fleetbox: port {port} on 127.0.0.1 is in use\n"

@@ -271,3 +271,78 @@ def test_a_sample_of_your_own_traffic_is_the_load(encoder_dir: Path, tmp_path: P
     assert 'load = "3 requests from traffic.jsonl"' in result.stdout
     result = CliRunner().invoke(app, [*args, "--inputs", str(broken)])
     assert result.exit_code == 2 and "broken.jsonl:2" in result.output
+
+
+def test_an_unusable_out_folder_is_refused_before_the_tune(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out in (a_file, a_file / "sub", Path("/proc/fleetbox-profiles")):
+        started = time.perf_counter()
+        result = CliRunner().invoke(app, ["tune", "no-such-model", "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"fleetbox tune: cannot write profiles to {out}: ")
+        assert len(result.output.splitlines()) == 1 and time.perf_counter() - started < 10
+    fresh = tmp_path / "new" / "profiles"
+    result = CliRunner().invoke(app, ["tune", "no-such-model", "--out", str(fresh)])
+    assert result.exit_code == 2 and "neither a model" in result.output and fresh.is_dir()  # created, then on
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--budget-minutes", "0"],
+        ["--budget-minutes", "-1"],
+        ["--concurrency", "0"],
+        ["--concurrency", "-3"],
+        ["--window-s", "0"],
+    ],
+)
+def test_nonsense_numbers_are_usage_errors(args: list[str], tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["tune", str(tmp_path), "--dry-run", *args])
+    assert result.exit_code == 2 and "Invalid value" in result.output, result.output
+
+
+def test_a_binary_inputs_file_is_named_on_one_unwrapped_line(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FBX_DEFAULT_MODEL", "false")
+    binary = tmp_path / ("traffic-" + "x" * 80 + ".jsonl")
+    binary.write_bytes(b'{"input": "fine"}\n\xcb\xff\x00')
+    result = CliRunner().invoke(
+        app, ["tune", str(encoder_dir), "--device", "cpu", "--dry-run", "--inputs", str(binary)]
+    )
+    assert result.exit_code == 2
+    assert result.output == f"fleetbox tune: --inputs: {binary}:2: not UTF-8 text (byte 18 is 0xcb)\n"
+
+
+def test_a_second_ctrl_c_aborts_and_writes_nothing(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The presses come while a candidate is measured (inside the measuring event loop), as an
+    operator's would; the stop callback the tuner passes in is where this test presses."""
+    import os
+    import signal
+
+    import appliance.tune
+
+    real_measure = appliance.tune.measure
+    presses: list[float] = []
+
+    def measure_and_press(runtime, batching, requests, load, stop):  # type: ignore[no-untyped-def]
+        def stop_and_press() -> bool:
+            stopping = stop()
+            if not presses or (stopping and len(presses) == 1):  # the second once the first was taken
+                presses.append(time.perf_counter())
+                os.kill(os.getpid(), signal.SIGINT)
+            return stopping
+
+        return real_measure(runtime, batching, requests, load, stop_and_press)
+
+    monkeypatch.setattr(appliance.tune, "measure", measure_and_press)
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FBX_DEFAULT_MODEL", "false")
+    out = tmp_path / "profiles"
+    args = ["tune", str(encoder_dir), "--name", "org/tiny", "--budget-minutes", "1", "--quick", "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--concurrency", "2", "--window-s", "0.1", "--out", str(out)])
+    assert len(presses) == 2
+    assert result.exit_code == 130, result.output
+    assert "a second Ctrl-C aborts" in result.output and "aborted by a second Ctrl-C; nothing written" in result.output
+    assert list(out.iterdir()) == []  # checked writable up front, and left empty
