@@ -78,6 +78,10 @@ def gpu_slug(name: str) -> str:
     return "-".join(["nvidia", *kept]) if kept else "nvidia-gpu"
 
 
+# The forms `hardware_slug` gives: `cpu-<cores>c`, or `nvidia-` and the GPU's name words.
+HARDWARE_SLUG = re.compile(r"cpu-[1-9][0-9]*c|nvidia(-[a-z0-9]+)+")
+
+
 def hardware_slug(device: str) -> str:
     """The slug of the hardware a device runs on: `cpu-<cores>c`, or the GPU's `nvidia-...`."""
     if device.startswith("cuda"):

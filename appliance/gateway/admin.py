@@ -9,7 +9,6 @@ Load and evict act on one box through its control subject, so any box's API can 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from appliance.control import call_box
 from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
-from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
+from appliance.profiles import HARDWARE_SLUG, PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
@@ -32,11 +31,8 @@ from runtimes.detect import check_adapter_folder, check_loadable, detect_task
 _registration = msgspec.json.Decoder(ModelRegistration)
 _target = msgspec.json.Decoder(BoxTarget)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
-MAX_NAME_LENGTH = 200  # as the schema bounds `name`
 MAX_ALIASES = 64
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what the catalog's JSON (orjson) writes
-# appliance.profiles.hardware_slug's forms: `cpu-<cores>c`, or `nvidia-` and the GPU's name words.
-_HARDWARE_SLUG = re.compile(r"cpu-[1-9][0-9]*c|nvidia(-[a-z0-9]+)+")
 
 
 def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
@@ -96,10 +92,8 @@ def _check_fields(registration: ModelRegistration) -> None:
     aliases = registration.aliases
     if len(aliases) > MAX_ALIASES:
         raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
-    for i, alias in enumerate(aliases):
+    for i, alias in enumerate(aliases):  # each one's length and characters: the schema's `ModelName`
         where = f"at `$.aliases[{i}]`"
-        if not 1 <= len(alias) <= MAX_NAME_LENGTH:
-            raise Unprocessable(f"invalid request: an alias is 1 to {MAX_NAME_LENGTH} characters - {where}")
         if alias == registration.name:
             raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
         if alias in aliases[:i]:
@@ -110,7 +104,7 @@ def _check_fields(registration: ModelRegistration) -> None:
         if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
             raise Unprocessable(f"invalid request: integer out of range (64 bits at most) - at `$.{field}`")
     profile = registration.profile
-    if profile not in (PROFILE_AUTO, PROFILE_OFF) and not _HARDWARE_SLUG.fullmatch(profile):
+    if profile not in (PROFILE_AUTO, PROFILE_OFF) and not HARDWARE_SLUG.fullmatch(profile):
         raise Unprocessable(
             f"invalid request: profile {profile!r} is not auto, off or a hardware slug "
             "(cpu-<cores>c, nvidia-<gpu>) - at `$.profile`"
