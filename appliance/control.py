@@ -22,11 +22,11 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from appliance import bus
 from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
+from appliance.settings import BOX_ID_PATTERN
 
 log = logging.getLogger(__name__)
 
-# A box id is one NATS subject token: printable, no space, no dot, no wildcard.
-_BOX_ID = re.compile(r"[^\s.*>]+")
+_BOX_ID = re.compile(BOX_ID_PATTERN)  # what a box may be named: one NATS subject token
 
 VERBS = ("load", "evict", "pin", "unpin", "register", "drain", "status")
 
@@ -79,7 +79,7 @@ async def call_box(
     """Ask one box to do `verb`; raises the box's own typed error when it refuses."""
     not_found = NotFound(f"box {box_id!r} is not connected to the fleet", code="box_not_found")
     if not _BOX_ID.fullmatch(box_id):
-        raise not_found  # not one subject token (a space, a dot, a wildcard): no box can have that id
+        raise not_found  # no box can have that id (a space, a dot, a wildcard would also break the subject)
     try:
         reply = await nc.request(bus.control_subject(box_id, verb), orjson.dumps(payload or {}), timeout=timeout_s)
     except NoRespondersError:
