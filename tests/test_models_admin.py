@@ -55,6 +55,9 @@ async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(
     outside = {"name": "x", "path": "inside", "runtime": "onnx", "options": {"onnx_file": "../../model.onnx"}}
     status, body = await call(http, box, "POST", "/v1/models", outside)  # a file the box reads: inside a root too
     assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
+    writes = {"name": "x", "path": "inside", "runtime": "onnx", "options": {"cache_dir": "/etc"}}
+    status, body = await call(http, box, "POST", "/v1/models", writes)  # a folder every box would write to
+    assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
 
 
 async def test_unsupported_architecture_is_422_at_registration(start_box, http, tmp_path) -> None:

@@ -151,6 +151,12 @@ async def register(
     shipped = shipped_onnx(folder, registration.options)
     if shipped is not None:  # a file the box will read, so inside a model root like the folder
         resolve_under_roots(str(shipped), settings.roots)
+    if "cache_dir" in registration.options:  # a folder every box would write to: each box's own config says it
+        raise Forbidden(
+            "options.cache_dir is set in a box's config file, not through the API "
+            "(exports are cached under each box's <state_dir>/onnx)",
+            code="path_outside_model_roots",
+        )
     defaults = default_batching(settings)
     if registration.runtime == "torch" and registration.dtype == "int8":
         raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")
