@@ -35,7 +35,7 @@ from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSp
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
 from appliance.envelope import ReplyMeta
-from appliance.errors import Conflict, FleetboxError, NotFound
+from appliance.errors import Conflict, FleetboxError, NotFound, ServiceUnavailable
 from appliance.fleet import Fleet
 from appliance.gateway.admin import register, registration_from
 from appliance.gateway.app import build_app
@@ -613,6 +613,15 @@ class Box:
 
     # -- stop ------------------------------------------------------------------------------------
 
+    def _other_workers(self) -> list[str]:
+        """Live boxes besides this one that compute (and are not draining): who may answer what it hands back."""
+        records = self.fleet.live_boxes() if self.fleet is not None else []
+        return [
+            r["box"]
+            for r in records
+            if r.get("box") != self.box_id and r.get("role") in ("all", "worker") and not r.get("draining")
+        ]
+
     async def stop(self) -> None:
         """Close the door, finish in-flight batches, hand back unstarted work, stop NATS.
 
@@ -627,8 +636,17 @@ class Box:
             await _bounded("placement", self._placement.stop())
         await _bounded("background tasks", cancel_and_wait(list(self._tasks)))
         drains = asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
-        await _bounded("workers", drains, self.settings.shutdown_grace_s + _STOP_STEP_S)
+        # Meanwhile the gateway waits for what its clients still await: the work its own worker hands
+        # back is computed by other boxes and answered here. What is left after the grace gets a 503.
+        grace = self.settings.shutdown_grace_s
+        steps = [_bounded("workers", drains, grace + _STOP_STEP_S)]
+        if self.dispatcher is not None and self._other_workers():
+            steps.append(_bounded("answers", self.dispatcher.wait_answered(grace), grace + _STOP_STEP_S))
+        await asyncio.gather(*steps)
         self.workers.clear()
+        if self.dispatcher is not None:
+            stopped = ServiceUnavailable(f"box {self.box_id} is stopping; send the request again", retry_after_s=1)
+            await _bounded("unanswered", self.dispatcher.abandon(stopped))
         if self._runner is not None:
             await self._runner.cleanup()  # waits (bounded) for handlers still answering
         if self._control is not None:

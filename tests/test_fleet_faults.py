@@ -12,9 +12,10 @@ import orjson
 import pytest
 
 from appliance import bus
+from appliance.app import Box
 from appliance.envelope import RequestMeta
 from appliance.settings import ModelEntry
-from tests.conftest import noop_model, url, wait_for
+from tests.conftest import box_settings, noop_model, url, wait_for
 
 
 def counter(box, name: str, model: str = "noop") -> float:
@@ -220,3 +221,49 @@ async def test_a_request_taken_by_a_dead_box_is_answered_though_no_live_box_held
         assert box.residency.is_resident("cold")
     finally:
         await nc.close()
+
+
+async def test_a_stopping_gateway_still_answers_its_clients_with_the_other_boxes_work(
+    start_box, nats_server, http
+) -> None:
+    """A box that drains is also a gateway: the requests its clients wait for are computed by the other
+    box (its own worker hands them back) and answered here before it goes; nothing is dropped."""
+    slow = [noop_model(cost_ms=150)]
+    await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
+    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
+    await leaving.start()
+    try:
+
+        async def one(i: int) -> int:
+            body = {"model": "noop", "input": f"r{i}", "timeout": 30}
+            async with http.post(url(leaving, "/v1/embeddings"), json=body) as response:
+                await response.read()
+                return response.status
+
+        calls = [asyncio.create_task(one(i)) for i in range(12)]  # ~1 s of work for two boxes
+        await wait_for(lambda: _true(leaving.dispatcher.waiting == 12), what="all twelve to be awaited")
+        await leaving.stop()
+        assert await asyncio.gather(*calls) == [200] * 12
+    finally:
+        if leaving.nc is not None and leaving.nc.is_connected:
+            await leaving.stop()
+
+
+async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server, http) -> None:
+    """Alone, a stopping box's unstarted requests have no one to compute them: a 503 to retry, not a dropped line."""
+    box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1))
+    await box.start()
+    calls = [
+        asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"r{i}"}))
+        for i in range(6)
+    ]
+    await wait_for(lambda: _true(box.dispatcher.waiting == 6), what="all six to be awaited")
+    await box.stop()
+    statuses = []
+    for call in calls:
+        async with await call as response:
+            statuses.append(response.status)
+            if response.status == 503:
+                assert "is stopping" in (await response.json())["error"]["message"]
+                assert response.headers["Retry-After"] == "1"
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import math
 import time
@@ -37,7 +38,7 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import BATCH, ReplyMeta, RequestMeta
-from appliance.errors import GatewayTimeout, ServiceUnavailable, TooManyRequests
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, TooManyRequests
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class Dispatcher:
         self._max_queue_s = max_queue_s
         self._blobs = blobs
         self._waiters: dict[str, tuple[asyncio.Future[Reply], ModelQueue]] = {}
+        self._none_awaited = asyncio.Event()  # set whenever no request is awaited (a stopping box waits for it)
+        self._none_awaited.set()
         self._queues: dict[tuple[str, str], ModelQueue] = {}
         self._streams: dict[str, _StreamWaiter] = {}
         self._nuid = NUID()
@@ -143,6 +146,35 @@ class Dispatcher:
     @property
     def waiting(self) -> int:
         return len(self._waiters) + len(self._streams)
+
+    async def wait_answered(self, timeout_s: float) -> None:
+        """Until every request this gateway awaits is answered, or `timeout_s` (a stopping box's grace).
+
+        Its own worker hands unstarted requests back to the queue as the box stops; other boxes
+        compute them and reply here, to clients still connected to this box's HTTP port.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._none_awaited.wait()
+
+    def _settle(self) -> None:
+        if not self.waiting:
+            self._none_awaited.set()
+
+    async def abandon(self, error: FleetboxError) -> None:
+        """Answer every request still awaited with `error` and cancel it fleet-wide: the box is stopping.
+
+        A client then gets a clear error it can retry elsewhere instead of a dropped connection, and no
+        box computes an answer nobody can be given.
+        """
+        for request_id, (future, _queue) in list(self._waiters.items()):
+            if not future.done():
+                future.set_exception(error)
+            await self._cancel(request_id)
+        for request_id, stream in list(self._streams.items()):
+            reply = ReplyMeta(id=request_id, status=error.status, box=self.box_id)
+            stream.queue.put_nowait(Reply(reply, error.to_json()))
+            await self._cancel(request_id)
 
     async def call(
         self,
@@ -164,6 +196,7 @@ class Dispatcher:
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
         self._waiters[request_id] = (future, queue)
+        self._none_awaited.clear()
         queue.waiting[request_id] = time.monotonic()
         try:
             await self._publish(spec, body, meta)
@@ -181,6 +214,7 @@ class Dispatcher:
         finally:
             self._waiters.pop(request_id, None)
             queue.waiting.pop(request_id, None)
+            self._settle()
 
     def _queue(self, model: str, priority: str) -> ModelQueue:
         queue = self._queues.get((model, priority))
@@ -233,6 +267,7 @@ class Dispatcher:
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter()
         self._streams[meta.id] = waiter
+        self._none_awaited.clear()
         queue.waiting[meta.id] = time.monotonic()
         finished = False
         try:
@@ -251,6 +286,7 @@ class Dispatcher:
         finally:
             self._streams.pop(meta.id, None)
             queue.waiting.pop(meta.id, None)
+            self._settle()
             if not finished:
                 await self._cancel(meta.id)
 
