@@ -253,6 +253,9 @@ class GenerateWorker:
         if stream is None:
             return  # cancelled or expired meanwhile
         stream.tokens += 1
+        if stream.tokens == 1 and stream.meta.sent_ms:  # its first step: queued until that step started
+            started_ms = time.time() * 1000 - step_ms
+            self._metrics.queue_ms.labels(self.spec.name).observe(max(0.0, started_ms - stream.meta.sent_ms))
         if not output.text_delta and not output.finished:
             return  # nothing stable to show yet (a half-made character, a possible stop string)
         body: dict[str, Any] = {"text": output.text_delta}

@@ -300,6 +300,8 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
     ]
     results = await asyncio.gather(*(post(http, task_box, "/v1/completions", b) for b in bodies))
     assert all(status == 200 for status, _ in results)
+    queued = metrics.get_sample_value("fbx_queue_ms_count", {"model": "tiny-llama"}) or 0
+    assert queued >= len(bodies)  # each generation's wait for its first step, as for every model
     steps = (metrics.get_sample_value("fbx_batch_size_count", {"model": "tiny-llama"}) or 0) - before
     rows = (metrics.get_sample_value("fbx_rows_computed_total", {"model": "tiny-llama"}) or 0) - rows_before
     tokens = sum(body["usage"]["completion_tokens"] for _, body in results)
