@@ -243,6 +243,9 @@ class Box:
         log.warning("nats error", extra={"error": repr(exc)})
 
     async def _on_disconnect(self) -> None:
+        if self.draining:  # its own close as the box stops: expected, not a warning
+            log.info("nats disconnected")
+            return
         log.warning("nats disconnected")
 
     async def _on_reconnect(self) -> None:

@@ -31,5 +31,5 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("aiohttp.access", "transformers", "httpx"):
+    for noisy in ("aiohttp.access", "transformers", "httpx", "onnxscript", "torch.onnx"):  # ~170 lines an export
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -6,14 +6,16 @@ Models come from `[[models]]` tables of the same TOML file.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -118,7 +120,8 @@ class Settings(BaseSettings):
     # Catalog and residency
     default_model: bool = True
     models: list[ModelEntry] = Field(default_factory=list)
-    model_roots: list[Path] = Field(default_factory=list)  # empty: <state_dir>/models
+    # empty: <state_dir>/models; FBX_MODEL_ROOTS is a JSON list or comma-separated folders
+    model_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     memory_budget: str | None = None  # bytes ("6GB", "512MiB", "0.5" = share of memory); None: 90% GPU, 50% RAM
     # a box loads a model another box holds once this many requests wait for it
     cold_backlog: int = Field(default=32, ge=1)
@@ -136,6 +139,15 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
     shutdown_grace_s: float = Field(default=8.0, ge=0)
+
+    @field_validator("model_roots", mode="before")
+    @classmethod
+    def _roots_from_text(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("["):
+            return json.loads(value)
+        return [part.strip() for part in value.split(",") if part.strip()]
 
     @field_validator("log_level", mode="before")
     @classmethod

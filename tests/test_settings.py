@@ -139,3 +139,10 @@ def test_serve_names_a_port_in_use_in_one_line(tmp_path) -> None:
         result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--port", str(port)])
     assert result.exit_code == 1
     assert result.output == f"fleetbox: port {port} on 127.0.0.1 is in use\n"
+
+
+def test_model_roots_from_the_environment_as_a_list_or_comma_separated(monkeypatch) -> None:
+    monkeypatch.setenv("FBX_MODEL_ROOTS", "/srv/a, /srv/b")
+    assert [str(p) for p in load_settings(None).model_roots] == ["/srv/a", "/srv/b"]
+    monkeypatch.setenv("FBX_MODEL_ROOTS", '["/srv/c"]')
+    assert [str(p) for p in load_settings(None).model_roots] == ["/srv/c"]
