@@ -14,7 +14,9 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
+	@echo "fleetbox: installing $(TORCH) (the CPU build) into $(VENV) ..."
 	$(BIN)/pip install --quiet $(TORCH)
+	@echo "fleetbox: installing fleetbox and its dependencies (a minute or two on a fresh machine) ..."
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
