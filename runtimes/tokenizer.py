@@ -3,6 +3,15 @@
 The one trick: over-long inputs are detected without tokenising a huge text twice. A second
 tokenizer truncates one token past the model's maximum, so a row of `max_length + 1` tokens means
 "too long" when the caller refused truncation.
+
+Memory is bounded whatever a client sends. The Rust tokenizer keeps every truncated-away window
+("overflowing" encodings): about 100 bytes a token of the whole text, and for a pair the windows
+of both sides combined, quadratic (measured: two 2,000-word sides made 178,528 tokens). So a text
+is cut to `_CHARS_PER_TOKEN` characters a token of the model's maximum before it is tokenised (far
+more than the kept tokens span, but for text of runs the tokenizer drops or of words that become one
+[UNK]), and each over-long side of a pair is first cut, alone, just past `max_length` tokens: the
+pair then truncates exactly as before (see `_cut_pairs`; for two sides past the character cap,
+which one gets the odd token of the half-and-half share may differ).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from tokenizers import Encoding, Tokenizer
 from runtimes.base import InputTooLong, Tokenized
 
 _FALLBACK_MAX_LENGTH = 512
+_CHARS_PER_TOKEN = 64  # a text is cut to this many characters a token of the model's maximum
 
 
 def model_max_length(folder: Path) -> int:
@@ -57,6 +67,8 @@ class TextTokenizer:
         self._probing = Tokenizer.from_file(str(path))
         self._probing.no_padding()
         self._probing.enable_truncation(self.max_length + 1, direction=direction)
+        self._keep_end = keep == "end"
+        self._char_cap = self.max_length * _CHARS_PER_TOKEN
         self.pad_id = self._truncating.token_to_id("[PAD]") or 0
 
     def tokenize(
@@ -87,7 +99,9 @@ class TextTokenizer:
         add_special_tokens: bool = True,
     ) -> list[Encoding]:
         """Raw encodings (with offsets), for tasks that map tokens back to characters."""
-        inputs = list(texts)
+        inputs = [self._capped(text) for text in texts]
+        if inputs and isinstance(inputs[0], tuple):
+            inputs = self._cut_pairs(inputs)  # type: ignore[arg-type]
         if truncate:
             return self._truncating.encode_batch(inputs, add_special_tokens=add_special_tokens)
         encodings = self._probing.encode_batch(inputs, add_special_tokens=add_special_tokens)
@@ -97,11 +111,53 @@ class TextTokenizer:
                 raise InputTooLong(index, self.max_length, what=what)
         return encodings
 
+    def _capped(self, text: str | tuple[str, str]) -> str | tuple[str, str]:
+        if isinstance(text, tuple):
+            return (self._capped_text(text[0]), self._capped_text(text[1]))
+        return self._capped_text(text)
+
+    def _capped_text(self, text: str) -> str:
+        if len(text) <= self._char_cap:
+            return text
+        return text[-self._char_cap :] if self._keep_end else text[: self._char_cap]
+
+    def _cut_pairs(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Each over-long side cut, alone, just past `max_length` tokens: the pair's windows stay few.
+
+        Longest-first truncation shares the room by which side is longer, and by the shorter's length
+        when it fits: so an over-long side keeps `max_length + 1` tokens, one more when both are over
+        and it was the longer, and the pair comes out as it would whole.
+        """
+        sides = [side for pair in pairs for side in pair]
+        encodings = self._probing.encode_batch(sides, add_special_tokens=False)
+        totals = [_token_count(enc) for enc in encodings]
+        limit = self.max_length
+        cut: list[str] = []
+        for i in range(0, len(sides), 2):
+            keep = [limit + 1 if totals[j] > limit else totals[j] for j in (i, i + 1)]
+            if min(totals[i], totals[i + 1]) > limit and totals[i] != totals[i + 1]:
+                keep[0 if totals[i] > totals[i + 1] else 1] += 1
+            for j, tokens in zip((i, i + 1), keep, strict=True):
+                cut.append(_prefix(sides[j], encodings[j], tokens) if tokens < totals[j] else sides[j])
+        return list(zip(cut[0::2], cut[1::2], strict=True))
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._truncating.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self._truncating.token_to_id(token)
+
+
+def _prefix(text: str, enc: Encoding, tokens: int) -> str:
+    """`text` up to the end of its `tokens`-th token (`enc` keeps the first window and the overflowing ones)."""
+    kept = len(enc.ids)
+    end = enc.offsets[tokens - 1][1] if tokens <= kept else enc.overflowing[0].offsets[tokens - kept - 1][1]
+    return text[:end]
+
+
+def _token_count(enc: Encoding) -> int:
+    """All the tokens of a truncated text: its kept window and the overflowing ones (no stride)."""
+    return len(enc.ids) + sum(len(window.ids) for window in enc.overflowing)
 
 
 def _to_row(enc: Encoding, with_offsets: bool) -> Tokenized:

@@ -70,6 +70,29 @@ def test_pair_rows_match_transformers_tokenizer_with_longest_first_truncation(sc
     assert rows[-1].ids.tolist()[: len(tokenizer("short query")["input_ids"])] == tokenizer("short query")["input_ids"]
 
 
+def test_pairs_whose_both_sides_are_over_long_truncate_as_whole(scorer, cross_encoder_dir: Path) -> None:
+    """Each over-long side is cut alone before the pair is tokenised (the tokenizer's windows of a long
+    pair grow with the product of both sides' lengths); the rows must not change for it."""
+    tokenizer, _ = _hf(cross_encoder_dir, "AutoModelForSequenceClassification")
+    limit = scorer.info.max_length
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+    def text(tokens: int, shift: int = 0) -> str:
+        return " ".join(words[(i + shift) % len(words)] for i in range(tokens))
+
+    lengths = [(limit, limit), (limit + 1, limit + 1), (limit + 1, limit), (limit + 2, limit + 1)]
+    lengths += [(3 * limit, limit + 1), (limit - 5, 4 * limit), (5 * limit, 5 * limit), (5 * limit, 5 * limit + 1)]
+    pairs = [(text(q), text(d, shift=3)) for q, d in lengths]
+    for row, (query, document) in zip(scorer.tokenize_pairs(pairs), pairs, strict=True):
+        expected = tokenizer(query, document, truncation=True, max_length=limit)
+        assert row.ids.tolist() == expected["input_ids"]
+        assert row.type_ids.tolist() == expected["token_type_ids"]
+    # Past the character cap (64 a token of the maximum) a side is cut before it is read at all: a
+    # pair of 20,000-token sides fills the row half and half, which side has the odd token aside.
+    (row,) = scorer.tokenize_pairs([("query " * 20_000, "document " * 20_000)])
+    assert row.length == limit and abs(row.type_ids.tolist().count(0) - row.type_ids.tolist().count(1)) <= 2
+
+
 def test_over_long_pair_raises_input_too_long_when_truncation_is_refused(scorer) -> None:
     with pytest.raises(InputTooLong) as error:
         scorer.tokenize_pairs([("ok", "fine"), ("query", "word " * 400)], truncate=False)
