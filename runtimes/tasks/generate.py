@@ -18,9 +18,12 @@ import torch
 _CONTEXT_TOKENS = 5
 
 
+_GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway; below float32's range it would be 0
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """How one request decodes. `temperature == 0` is greedy; `seed` makes sampling reproducible."""
+    """How one request decodes. `temperature == 0` (or under 1e-5) is greedy; `seed` makes sampling reproducible."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -49,7 +52,7 @@ def choose_tokens(
     """
     picks = torch.argmax(logits, dim=-1)
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
-        if row_params.temperature > 0:
+        if row_params.temperature > _GREEDY_BELOW:
             picks[row] = _draw(logits[row], row_params, generator)
     return picks.tolist()
 
@@ -60,7 +63,10 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # Shifted so the best is 0 first: a tiny temperature then drives the rest to -inf (an argmax), not to
+    # inf - inf = nan, which failed the decode step of every request in the batch.
+    scores = logits.float()
+    probs = torch.softmax((scores - scores.max()) / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         # Drop the tokens whose predecessors already cover top_p; the most likely one always stays.
