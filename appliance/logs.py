@@ -25,6 +25,17 @@ class JsonLines(logging.Formatter):
         return orjson.dumps(event, default=str).decode()
 
 
+class MalformedHttpFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse at error level with the raw bytes, headers included: a
+    client's key could land in the log, and anyone could flood it. The client already has its 400."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, HttpProcessingError)
+
+
 def configure_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
@@ -33,3 +44,4 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
     for noisy in ("aiohttp.access", "transformers", "httpx", "onnxscript", "torch.onnx"):  # ~170 lines an export
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())

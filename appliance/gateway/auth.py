@@ -22,13 +22,17 @@ def _check(request: web.Request, keys: list[str], kind: str) -> str | None:
     """The key the request presented, once it is known to be valid; None when the route is open."""
     if not keys:
         return None
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+    headers = request.headers.getall("Authorization", [])
+    if len(headers) > 1:  # which one counts would depend on who reads them (a proxy may add one)
+        raise Unauthorized("send one Authorization header, not several")
+    scheme, _, token = (headers[0] if headers else "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized(f"this route needs an {kind} key: send `Authorization: Bearer <key>`")
+    # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the bytes they were.
+    presented = token.encode("utf-8", "surrogateescape")
     matched = False
     for key in keys:  # every key is compared, so timing does not tell which one nearly matched
-        matched |= hmac.compare_digest(token.encode(), key.encode())
+        matched |= hmac.compare_digest(presented, key.encode())
     if not matched:
         raise Forbidden(f"the {kind} key is not valid")
     return token
