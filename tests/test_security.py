@@ -77,3 +77,11 @@ async def _refused_cleanly(box, caplog) -> None:
         assert b" 401 " in await _raw(box, twice)  # which one counts would depend on who reads them
         control = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer user-key\x7f\r\n\r\n"
         assert b" 400 " in await _raw(box, control)  # aiohttp refuses it; its raw bytes must not be logged
+
+
+async def test_model_names_cannot_be_probed_without_a_key(start_box, http) -> None:
+    """POST /v1/models/A/B for a name with a slash answered 405 (it exists) or 404 (it does not) to anyone."""
+    box = await start_box(api_keys="user-key", admin_keys="admin-key")
+    for path in ("/v1/models/sentence-transformers/all-MiniLM-L6-v2", "/v1/models/sentence-transformers/nonexistent"):
+        async with http.post(url(box, path)) as response:
+            assert response.status == 401, path

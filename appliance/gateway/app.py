@@ -122,7 +122,7 @@ def build_app(context: GatewayContext) -> web.Application:
         for verb in _MODEL_VERBS:
             routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
         # After the verbs: a model name may hold a `/`, so any other last segment would match GET's route.
-        routes.append(web.post("/v1/models/{name:.+}/{verb}", _unknown_model_verb))
+        routes.append(web.post("/v1/models/{name:.+}/{verb}", admin_only(_unknown_model_verb)))  # no probing for names
         routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
         routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
