@@ -248,6 +248,16 @@ async def test_registration_refuses_malformed_and_unloadable_folders_with_422(
     assert box.catalog.get("new") is None
 
 
+async def test_names_that_would_make_routes_ambiguous_are_refused(start_box, http, encoder_dir, tmp_path_factory):
+    """`cls/pin` would be pinned by POST /v1/models/cls/pin as `cls`; `a/../b` and `a//b` are not one path."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    for name in ("cls/pin", "org/evict", "../../healthz", "a//b", "a/./b"):
+        status, payload = await call(http, box, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)})
+        assert (status, payload["error"]["code"]) == (422, "invalid_name"), (name, payload)
+    status, _ = await call(http, box, "POST", "/v1/models", {"name": "org/pinned-model", "path": str(encoder_dir)})
+    assert status == 201
+
+
 async def test_registration_judges_aliases_integers_and_the_profile(start_box, http, encoder_dir, tmp_path_factory):
     box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
     too_big = 2**64

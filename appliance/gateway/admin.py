@@ -32,6 +32,7 @@ _registration = msgspec.json.Decoder(ModelRegistration)
 _target = msgspec.json.Decoder(BoxTarget)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
 MAX_ALIASES = 64
+MODEL_VERBS = ("pin", "unpin", "load", "evict")  # POST /v1/models/{name}/{verb}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what the catalog's JSON (orjson) writes
 
 
@@ -140,6 +141,13 @@ async def register(
     except ValueError as exc:
         raise Unprocessable(str(exc), code="invalid_name") from None
     _check_fields(registration)
+    segments = name.split("/")
+    if segments[-1] in MODEL_VERBS or any(segment in ("", ".", "..") for segment in segments):
+        raise Unprocessable(
+            f"model name {name!r} would make its routes ambiguous: no empty, '.' or '..' segment between "
+            f"slashes, and no last segment that is a verb ({', '.join(MODEL_VERBS)})",
+            code="invalid_name",
+        )
     for taken in (name, *registration.aliases):
         if catalog.get(taken) is not None:
             raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_MODEL_VERBS = ("pin", "unpin", "load", "evict")
+_MODEL_VERBS = admin.MODEL_VERBS
 
 
 def _route_label(request: web.Request) -> str:
