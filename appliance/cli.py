@@ -174,27 +174,14 @@ def _check_creds_option(creds: Path | None) -> Path | None:
 def _port_problem(host: str, port: int) -> str | None:
     """'port P on H is in use' when another process listens there (checked before a box starts,
     which binds its HTTP port only after loading its models); None when it is free or any port."""
-    import errno
-    import socket
+    from appliance.natsd import port_in_use
 
     if port == 0:
         return None
     try:
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return None  # the box's own bind reports it
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return f"port {port} on {host} is in use"
-                return None  # not this check's business: the box's own bind reports it
-    return None
+        return f"port {port} on {host} is in use" if port_in_use(host, port) else None
+    except OSError:
+        return None  # not this check's business: the box's own bind reports it
 
 
 async def _serve(settings: Settings, tui: bool = False) -> int:

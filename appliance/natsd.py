@@ -51,20 +51,34 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise if something already listens on host:port (a socket in TIME_WAIT does not count)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another process listens on host:port, binding as a server would (SO_REUSEADDR: a
+    socket in TIME_WAIT does not count). Any other failure to bind (an address this machine does
+    not have, a host that does not resolve) is raised as it is."""
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
                 raise
-            raise OSError(
-                exc.errno,
-                f"the embedded nats-server cannot listen on {host}:{port}: another process already does "
-                "(another box's server?); give another --nats-port, or join that server with --nats",
-            ) from None
+    return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise if something already listens on host:port, saying what to do instead."""
+    if port_in_use(host, port):
+        raise OSError(
+            errno.EADDRINUSE,
+            f"the embedded nats-server cannot listen on {host}:{port}: another process already does "
+            "(another box's server?); give another --nats-port, or join that server with --nats",
+        )
 
 
 @dataclass(slots=True)
