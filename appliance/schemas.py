@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from appliance.settings import MAX_WAIT_MS
+from appliance.settings import MAX_WAIT_MS, MODEL_NAME_MAX, MODEL_NAME_PATTERN
 
 Timeout = Annotated[float, msgspec.Meta(gt=0, description="seconds before the request's deadline")]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -106,8 +106,8 @@ class ExtractRequest(_NullIsDefault, kw_only=True):
         return [self.input] if isinstance(self.input, str) else self.input
 
 
-# A model's name or alias: what clients send as `model`, shown in logs and headers, so no control characters.
-ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# A model's name or alias, as a [[models]] entry's name is judged.
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)]
 
 
 class ModelRegistration(msgspec.Struct, kw_only=True):

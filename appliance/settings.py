@@ -25,6 +25,9 @@ Role = Literal["all", "gateway", "worker"]
 
 
 BOX_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# A model's name or alias: what clients send as `model`, shown in logs and headers, so no control characters.
+MODEL_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+MODEL_NAME_MAX = 200
 MAX_WAIT_MS = 1000.0  # a batch's wait for company past a second only ever delays it: the bound on max_wait_ms
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -44,7 +47,7 @@ def memory_budget_bytes(raw: str, total: int) -> int:
 class ModelEntry(BaseModel):
     """One `[[models]]` table: a model the box should know at start."""
 
-    name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
+    name: str = Field(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)
     path: Path | None = None  # a folder; None only for the no-op runtime
     task: Literal["embed", "score", "classify", "extract", "generate"] | None = None
     runtime: Literal["torch", "onnx", "noop"] = "torch"
