@@ -76,10 +76,20 @@ def pairs(count: int, seed: int) -> list[tuple[str, str]]:
     return list(zip(queries, documents, strict=True))
 
 
-def tokenize_inputs(runtime: Runtime, task: Task, count: int, seed: int) -> list[Tokenized]:
+def inputs_for(task: Task, count: int, seed: int) -> list[Any]:
+    """`count` inputs of the built-in mix: texts, or (query, document) pairs for a reranker."""
+    return pairs(count, seed) if task is Task.SCORE else texts(count, seed)
+
+
+def tokenize_for(runtime: Runtime, task: Task, inputs: list[Any]) -> list[Tokenized]:
+    """Inputs as the model's own tokenizer makes rows of them: pairs for a reranker, texts otherwise."""
     if task is Task.SCORE:
-        return runtime.tokenize_pairs(pairs(count, seed))  # type: ignore[attr-defined]
-    return runtime.tokenize(texts(count, seed))
+        return runtime.tokenize_pairs(inputs)  # type: ignore[attr-defined]
+    return runtime.tokenize(inputs)
+
+
+def tokenize_inputs(runtime: Runtime, task: Task, count: int, seed: int) -> list[Tokenized]:
+    return tokenize_for(runtime, task, inputs_for(task, count, seed))
 
 
 # Requests of an operator's own traffic: each a tuple of its inputs (texts; for a reranker, (query, document) pairs).
@@ -127,7 +137,7 @@ def mix(task: Task, count: int, seed: int, sample: Sample | None = None) -> list
     if sample is not None:
         return [sample[int(i)] for i in rng.integers(0, len(sample), count)]
     sizes = [int(rng.choice(_ROWS_PER_REQUEST)) for _ in range(count)]
-    inputs: list[Any] = pairs(sum(sizes), seed) if task is Task.SCORE else texts(sum(sizes), seed)
+    inputs = inputs_for(task, sum(sizes), seed)
     at = list(itertools.accumulate(sizes, initial=0))
     return [tuple(inputs[a:b]) for a, b in itertools.pairwise(at)]
 
@@ -138,7 +148,7 @@ def make_requests(
     """The requests of `mix`, tokenised by the model's own tokenizer."""
     requests = mix(task, count, seed, sample)
     inputs = [item for request in requests for item in request]
-    rows = runtime.tokenize_pairs(inputs) if task is Task.SCORE else runtime.tokenize(inputs)  # type: ignore[attr-defined]
+    rows = tokenize_for(runtime, task, inputs)
     at = list(itertools.accumulate((len(request) for request in requests), initial=0))
     return [rows[a:b] for a, b in itertools.pairwise(at)]
 
