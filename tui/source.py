@@ -119,8 +119,9 @@ async def dial(
         disconnected_cb=quiet,
         reconnected_cb=quiet,
     )
-    try:
-        await asyncio.wait_for(connecting, give_up_after_s)
+    try:  # not wait_for: on Python 3.11 it can swallow a cancel (the TUI quitting while it dials)
+        async with asyncio.timeout(give_up_after_s):
+            await connecting
     except asyncio.CancelledError:
         await _close_quietly(nc)
         raise
@@ -142,7 +143,8 @@ async def connect(servers: str, creds: Path | None = None, *, give_up_after_s: f
 
 async def _close_quietly(nc: NATS) -> None:
     try:
-        await asyncio.wait_for(nc.close(), 3.0)
+        async with asyncio.timeout(3.0):
+            await nc.close()
     except (NatsError, OSError, TimeoutError) as exc:
         log.debug("closing a NATS connection that never came up failed", extra={"error": repr(exc)})
 
