@@ -93,6 +93,11 @@ class GatewayTimeout(FleetboxError):
     status, type, code = 504, "timeout_error", "deadline_exceeded"
 
 
+def reason_of(exc: BaseException) -> str:
+    """What went wrong, for a client or an operator: a fleetbox error's own message, else the exception's repr."""
+    return exc.message if isinstance(exc, FleetboxError) else repr(exc)
+
+
 def deadline_passed(request_id: str) -> GatewayTimeout:
     return GatewayTimeout(f"request {request_id} passed its deadline while queued; it was not computed")
 

@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from appliance import bus
 from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable
+from appliance.errors import FleetboxError, ServiceUnavailable, reason_of
 from appliance.puller import Puller
 from appliance.tasks import cancel_and_wait
 
@@ -36,8 +36,7 @@ _RETRY_AFTER_FAILURE_S = 30.0
 
 def load_failed(model: str, box_id: str, exc: BaseException) -> ServiceUnavailable:
     """The 503 for a model whose load failed on this box, as a waiting request or an admin `load` sees it."""
-    reason = exc.message if isinstance(exc, FleetboxError) else repr(exc)
-    return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason}")
+    return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason_of(exc)}")
 
 
 class Placement:

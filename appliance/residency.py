@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from appliance.catalog import ModelSpec
-from appliance.errors import FleetboxError, InsufficientMemory
+from appliance.errors import InsufficientMemory, reason_of
 from appliance.metrics import Metrics
 from appliance.settings import memory_budget_bytes
 from runtimes import Runtime, RuntimeKind, load_runtime
@@ -157,7 +157,7 @@ class Residency:
             runtime = await self._load(spec)
         except BaseException as exc:
             if isinstance(exc, Exception):
-                self._load_errors[spec.name] = exc.message if isinstance(exc, FleetboxError) else repr(exc)
+                self._load_errors[spec.name] = reason_of(exc)
             future.set_exception(exc)
             future.exception()  # retrieved here: each waiter re-raises it
             raise

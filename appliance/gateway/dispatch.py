@@ -22,8 +22,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -188,17 +189,11 @@ class Dispatcher:
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> Reply:
-        queue = self._queue(spec.name, priority)
-        self._admit(spec, queue, timeout_s, priority)
-        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
-        request_id = meta.id
+        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
-        self._waiters[request_id] = (future, queue)
-        self._none_awaited.clear()
-        queue.waiting[request_id] = time.monotonic()
-        try:
+        with self._awaiting(self._waiters, meta.id, (future, queue), queue):
             await self._publish(spec, body, meta)
             try:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
@@ -206,13 +201,52 @@ class Dispatcher:
                 raise _deadline(timeout_s) from None
             except asyncio.CancelledError:
                 # The client went away: a box that has not started it drops it, and so does any box later.
-                await asyncio.shield(self._cancel(request_id))
+                await asyncio.shield(self._cancel(meta.id))
                 raise
             if reply.meta.blob:
                 return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
             return reply
+
+    def _accept(
+        self,
+        spec: ModelSpec,
+        task: str,
+        timeout_s: float,
+        tokens: int,
+        adapter: str | None,
+        priority: str,
+        request_id: str | None,
+    ) -> tuple[ModelQueue, RequestMeta]:
+        """Admit a request (or raise the 429) and give it its model's queue and its envelope."""
+        queue = self._queue(spec.name, priority)
+        self._admit(spec, queue, timeout_s, priority)
+        if self.waiting >= self._max_waiting:
+            raise self._overloaded(f"this gateway already waits on {self.waiting} requests")
+        request_id = request_id or self._nuid.next().decode()
+        now_ms = int(time.time() * 1000)
+        meta = RequestMeta(
+            id=request_id,
+            task=task,
+            model=spec.name,
+            reply=self._reply_subject,
+            deadline_ms=now_ms + int(timeout_s * 1000),
+            sent_ms=now_ms,
+            tokens=tokens,
+            adapter=adapter,
+            priority=priority,
+        )
+        return queue, meta
+
+    @contextlib.contextmanager
+    def _awaiting(self, table: dict[str, Any], request_id: str, waiter: Any, queue: ModelQueue) -> Iterator[None]:
+        """Count a request as awaited (by its model's queue, and by a stopping box) while the block runs."""
+        table[request_id] = waiter
+        self._none_awaited.clear()
+        queue.waiting[request_id] = time.monotonic()
+        try:
+            yield
         finally:
-            self._waiters.pop(request_id, None)
+            table.pop(request_id, None)
             queue.waiting.pop(request_id, None)
             self._settle()
 
@@ -260,33 +294,24 @@ class Dispatcher:
         Admission is reckoned as for `call`, with a generation counted as started at its first chunk:
         what a client waits for before tokens flow is the wait to start, however long the answer.
         """
-        queue = self._queue(spec.name, priority)
-        self._admit(spec, queue, timeout_s, priority)
-        meta = self._meta(spec, task, timeout_s, tokens, adapter, priority, request_id)
+        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter()
-        self._streams[meta.id] = waiter
-        self._none_awaited.clear()
-        queue.waiting[meta.id] = time.monotonic()
         finished = False
         try:
-            await self._publish(spec, body, meta)
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    raise _deadline(timeout_s) from None
-                if queue.waiting.pop(meta.id, None) is not None:
-                    queue.answer(time.monotonic())  # started
-                finished = chunk.meta.final
-                yield chunk
-                if finished:
-                    return
+            with self._awaiting(self._streams, meta.id, waiter, queue):
+                await self._publish(spec, body, meta)
+                while not finished:
+                    try:
+                        chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
+                    except TimeoutError:
+                        raise _deadline(timeout_s) from None
+                    if queue.waiting.pop(meta.id, None) is not None:
+                        queue.answer(time.monotonic())  # started
+                    finished = chunk.meta.final
+                    yield chunk
         finally:
-            self._streams.pop(meta.id, None)
-            queue.waiting.pop(meta.id, None)
-            self._settle()
             if not finished:
                 await self._cancel(meta.id)
 
@@ -295,32 +320,6 @@ class Dispatcher:
             await self._nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
-
-    def _meta(
-        self,
-        spec: ModelSpec,
-        task: str,
-        timeout_s: float,
-        tokens: int,
-        adapter: str | None,
-        priority: str,
-        request_id: str | None,
-    ) -> RequestMeta:
-        if self.waiting >= self._max_waiting:
-            raise self._overloaded(f"this gateway already waits on {self.waiting} requests")
-        request_id = request_id or self._nuid.next().decode()
-        now_ms = int(time.time() * 1000)
-        return RequestMeta(
-            id=request_id,
-            task=task,
-            model=spec.name,
-            reply=self._reply_subject,
-            deadline_ms=now_ms + int(timeout_s * 1000),
-            sent_ms=now_ms,
-            tokens=tokens,
-            adapter=adapter,
-            priority=priority,
-        )
 
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
         if not self._nc.is_connected:
