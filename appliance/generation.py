@@ -252,6 +252,15 @@ class GenerateWorker:
         stream = self._streams.get(output.request_id)
         if stream is None:
             return  # cancelled or expired meanwhile
+        if output.error is not None:
+            log.error(
+                "prefill failed",
+                extra={"model": self.spec.name, "request_id": output.request_id, "error": repr(output.error)},
+            )
+            self._forget(output.request_id)
+            error = InternalError(f"generation failed: {output.error!r}")
+            self._spawn(self._fail(stream.meta, stream.msg, error, seq=stream.seq))
+            return
         stream.tokens += 1
         if stream.tokens == 1 and stream.meta.sent_ms:  # its first step: queued until that step started
             started_ms = time.time() * 1000 - step_ms

@@ -17,6 +17,7 @@ called from any thread):
             stream(out.request_id, out.text_delta)           # out.usage is set on the last one
     runtime.cancel(request_id)                               # client gone: dropped at the next step
     runtime.clear()                                          # after a failed step: ids owed an error
+                                                             # (out.error: that request alone failed)
 
 Greedy decoding (temperature 0) gives the tokens `model.generate(do_sample=False)` gives for the
 prompt alone; a seeded request draws the same tokens every time. Models are loaded from local
@@ -68,6 +69,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     usage: Usage | None = None  # on the last output of a request only
+    error: Exception | None = None  # this request alone failed (its prefill): it is dropped, and owed an error
 
 
 @dataclass(slots=True)
@@ -92,6 +94,7 @@ class GenerateRuntime:
         model = load_torch_model(source.path, Task.GENERATE, _DTYPES[source.dtype]).to(self.device)
         _check_full_attention(model.config, source.path)
         self.model = model
+        self._vocab = model.get_input_embeddings().num_embeddings
         self._adapters = LoraAdapters(model)
         self._folder = source.path
         context = model_max_length(source.path)
@@ -171,6 +174,13 @@ class GenerateRuntime:
         room = self.info.max_length - prompt.numel()
         if room < 1:
             raise InputTooLong(0, self.info.max_length - 1)
+        if int(ids.max()) >= self._vocab or int(ids.min()) < 0:
+            # A tokenizer with more tokens than the model embeds: the id would fail the prefill.
+            bad = int(ids[(ids >= self._vocab) | (ids < 0)][0])
+            raise ValueError(
+                f"the prompt has token {bad} ({self.tokenizer.decode([bad])!r}), which the model does not have "
+                f"(it embeds {self._vocab}): its tokenizer does not match it; leave that text out"
+            )
         self._adapters.check([adapter])
         generator = None
         if params.seed is not None:
@@ -237,14 +247,29 @@ class GenerateRuntime:
             if self._rows:
                 outputs += self._choose(self._rows, self._decode())
             if joining:
-                batch, logits = self._prefill([r.prompt for r in joining], [r.adapter for r in joining])
-                outputs += self._choose(joining, logits)
-                self._batch = batch if self._batch is None else self._batch.merge(batch)
-                self._rows += joining
-            self._drop({o.request_id for o in outputs if o.finished})
+                outputs += self._join(joining)
+            self._drop({o.request_id for o in outputs if o.finished or o.error is not None})
             return outputs
         finally:
             self._step_lock.release()
+
+    def _join(self, joining: list[_Request]) -> list[StepOutput]:
+        """Prefill requests into the decode batch; a failing prefill is split until the culprit is alone.
+
+        The decode batch is untouched until a prefill succeeds, so one request that cannot be
+        prefilled (out of memory with a long prompt, say) fails alone, not every request decoding.
+        """
+        try:
+            batch, logits = self._prefill([r.prompt for r in joining], [r.adapter for r in joining])
+            tokens = choose_tokens(logits, [r.params for r in joining], [r.generator for r in joining])
+        except Exception as exc:
+            if len(joining) == 1:
+                return [StepOutput(joining[0].request_id, -1, "", finished=True, error=exc)]
+            half = len(joining) // 2
+            return self._join(joining[:half]) + self._join(joining[half:])
+        self._batch = batch if self._batch is None else self._batch.merge(batch)
+        self._rows += joining
+        return self._emit(joining, tokens)
 
     def _take_inbox(self) -> list[_Request]:
         """Apply cancellations, then take as many waiting requests as the batch has room for."""
@@ -306,7 +331,12 @@ class GenerateRuntime:
         return output.logits[:, -1, :].float()
 
     def _choose(self, requests: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
-        tokens = choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests])
+        return self._emit(
+            requests, choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests])
+        )
+
+    def _emit(self, requests: list[_Request], tokens: list[int]) -> list[StepOutput]:
+        """Append each request's new token and say what text it adds (and whether it ends the request)."""
         outputs = []
         for request, token in zip(requests, tokens, strict=True):
             request.generated.append(token)

@@ -224,6 +224,44 @@ def test_clear_drops_every_request_and_the_runtime_serves_on(generator, referenc
     assert [o.token_id for o in outputs["a"]] == greedy_reference(reference, prompt, 12)
 
 
+def test_a_prompt_token_the_model_does_not_embed_is_refused_before_it_joins(generator, reference) -> None:
+    """A tokenizer with more tokens than the model embeds would fail the whole step at its prefill."""
+    vocab = reference.get_input_embeddings().num_embeddings
+    prompt = prompt_ids(generator, PROMPTS[0])
+    with pytest.raises(ValueError, match=f"does not have \\(it embeds {vocab}\\)"):
+        generator.add("beyond", np.append(prompt, vocab), GREEDY)
+    assert not generator.has_work
+    outputs = drive(generator, {0: [("ok", prompt, GREEDY)]})
+    assert [o.token_id for o in outputs["ok"]] == greedy_reference(reference, prompt, 12)
+
+
+def test_a_prefill_that_fails_fails_its_request_alone(generator, reference, monkeypatch) -> None:
+    """Fault injected into the real runtime's prefill (as an out-of-memory on a long prompt would strike).
+
+    The request already decoding and the one that joined beside the culprit decode on, as they would alone.
+    """
+    decoding, joining, culprit = (prompt_ids(generator, text) for text in PROMPTS[:3])
+    prefill = generator._prefill
+
+    def failing_prefill(prompts, adapters, **kwargs):
+        if any(len(p) == len(culprit) and torch.equal(p, torch.as_tensor(culprit)) for p in prompts):
+            raise RuntimeError("out of memory (injected)")
+        return prefill(prompts, adapters, **kwargs)
+
+    monkeypatch.setattr(generator, "_prefill", failing_prefill)
+    outputs = drive(
+        generator,
+        {0: [("decoding", decoding, GREEDY)], 2: [("joining", joining, GREEDY), ("culprit", culprit, GREEDY)]},
+    )
+    assert len(outputs["culprit"]) == 1
+    failed = outputs["culprit"][0]
+    assert failed.finished and isinstance(failed.error, RuntimeError) and "injected" in str(failed.error)
+    assert [o.token_id for o in outputs["decoding"]] == greedy_reference(reference, decoding, 12)
+    assert [o.token_id for o in outputs["joining"]] == greedy_reference(reference, joining, 12)
+    assert all(o.error is None for o in outputs["decoding"] + outputs["joining"])
+    assert not generator.has_work
+
+
 def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(generator, reference) -> None:
     config = reference.config
     head_dim = config.hidden_size // config.num_attention_heads
