@@ -7,7 +7,7 @@ counted and dropped, so the client gets exactly one answer.
 It is also the gateway's admission control. A queue that only refuses when it is full lets every
 accepted request wait out its deadline under overload (a 504 after 30 s, not a 429 at once), so
 the gateway estimates how long a new request would wait, by Little's law over what it sees of
-each model's queue: the requests it awaits for that model ÷ the rate their answers come back.
+each model's queue: the work it awaits for that model (weighed by cost) ÷ the rate it is answered.
 Past `max_queue_s` (or the request's own deadline) it answers 429 with the seconds until the
 estimate would be back under the bound. Every gateway sees its own share of a shared queue and of
 its answers, so the ratio holds without any gateway knowing the others.
@@ -16,7 +16,6 @@ its answers, so the ratio holds without any gateway knowing the others.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import math
@@ -45,7 +44,8 @@ from appliance.metrics import Metrics
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT_S = 5.0
-_RATE_WINDOW_S = 2.0  # answers over this long give a model's current drain rate
+_RATE_SPAN_S = 0.5  # the answer rate is kept in spans at least this long (shorter busy spells are not load)
+_RATE_WINDOW_S = 2.0  # the spans that ended this recently give a model's current rate
 _FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _QUEUE_SETTLE_S = 0.5  # the oldest request must have waited this long before the estimate is trusted
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
@@ -73,36 +73,62 @@ class _StreamWaiter:
 
 @dataclass(slots=True)
 class ModelQueue:
-    """What one gateway sees of one model's queue (one priority): requests awaited, answers lately."""
+    """What one gateway sees of one model's queue (one priority): work awaited, and how fast it is answered.
 
-    waiting: dict[str, float] = field(default_factory=dict)  # request id -> monotonic send time, oldest first
-    answered: deque[float] = field(default_factory=deque)  # monotonic answer times, the last _RATE_WINDOW_S
+    Work is weighed by what it costs the model: an encoder request by its tokens (one request of 250
+    long inputs must not count as one of a word), a generation as one (what delays its start is a
+    free decode slot). The rate is weight answered per second *while work waited*: over the spans
+    that ended in the last `_RATE_WINDOW_S` (or the last one, however old: answers seconds apart, as
+    large requests come, still give a rate) and the span still open. Idle time does not dilute it;
+    a stall does, so a queue that stops being answered stops admitting.
+    """
 
-    def answer(self, now: float) -> None:
-        self.answered.append(now)
-        self._forget_before(now - _RATE_WINDOW_S)
+    waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
+    weight: int = 0  # of the work waiting
+    spans: deque[tuple[float, float, int]] = field(default_factory=deque)  # (ended, seconds, weight answered)
+    _since: float = 0.0  # the open span began: work has waited throughout it
+    _done: int = 0  # weight answered in the open span
+
+    def add(self, request_id: str, now: float, weight: int) -> None:
+        if not self.waiting:
+            self._since, self._done = now, 0
+        self.waiting[request_id] = (now, weight)
+        self.weight += weight
+
+    def remove(self, request_id: str, now: float, *, answered: bool) -> None:
+        """The request is answered (a generation: started), or no longer awaited."""
+        entry = self.waiting.pop(request_id, None)
+        if entry is None:
+            return
+        self.weight -= entry[1]
+        if not answered:
+            return
+        self._done += entry[1]
+        if now - self._since >= _RATE_SPAN_S:
+            self.spans.append((now, now - self._since, self._done))
+            self._since, self._done = now, 0
+
+    def rate(self, now: float) -> float | None:
+        """Weight answered per second while work waited, lately; None before anything was answered."""
+        while len(self.spans) > 1 and self.spans[0][0] < now - _RATE_WINDOW_S:
+            self.spans.popleft()
+        done = self._done + sum(answered for _, _, answered in self.spans)
+        seconds = (now - self._since if self.waiting else 0.0) + sum(span for _, span, _ in self.spans)
+        return done / seconds if done and seconds > 0 else None
 
     def wait_s(self, now: float) -> float | None:
         """Expected wait of a request sent now (Little's law), or None while there is nothing to go by.
 
-        Not trusted until the oldest awaited request has waited a while: right after an idle spell
-        the rate seen is the idle one, and a burst the box clears in a blink must not be refused.
+        Not trusted until the oldest awaited request has waited a while: a burst the box clears in a
+        blink must not be refused on a rate measured when the work came a little at a time.
         """
         if not self.waiting:
             return None
-        age = now - next(iter(self.waiting.values()))
-        if age < _QUEUE_SETTLE_S:
+        oldest = next(iter(self.waiting.values()))[0]
+        if now - oldest < _QUEUE_SETTLE_S:
             return None
-        self._forget_before(now - _RATE_WINDOW_S)
-        span = min(_RATE_WINDOW_S, age)
-        recent = len(self.answered) - bisect.bisect_left(self.answered, now - span)
-        if recent == 0:
-            return None  # nothing answered lately: a cold load or a stall; deadlines bound those
-        return len(self.waiting) * span / recent
-
-    def _forget_before(self, since: float) -> None:
-        while self.answered and self.answered[0] < since:
-            self.answered.popleft()
+        rate = self.rate(now)
+        return None if rate is None else self.weight / rate
 
 
 @dataclass(slots=True, frozen=True)
@@ -193,7 +219,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
-        with self._awaiting(self._waiters, meta.id, (future, queue), queue):
+        with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight=max(1, tokens)):
             await self._publish(spec, body, meta)
             try:
                 reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
@@ -238,16 +264,18 @@ class Dispatcher:
         return queue, meta
 
     @contextlib.contextmanager
-    def _awaiting(self, table: dict[str, Any], request_id: str, waiter: Any, queue: ModelQueue) -> Iterator[None]:
+    def _awaiting(
+        self, table: dict[str, Any], request_id: str, waiter: Any, queue: ModelQueue, weight: int
+    ) -> Iterator[None]:
         """Count a request as awaited (by its model's queue, and by a stopping box) while the block runs."""
         table[request_id] = waiter
         self._none_awaited.clear()
-        queue.waiting[request_id] = time.monotonic()
+        queue.add(request_id, time.monotonic(), weight)
         try:
             yield
         finally:
             table.pop(request_id, None)
-            queue.waiting.pop(request_id, None)
+            queue.remove(request_id, time.monotonic(), answered=False)
             self._settle()
 
     def _queue(self, model: str, priority: str) -> ModelQueue:
@@ -300,15 +328,14 @@ class Dispatcher:
         waiter = _StreamWaiter()
         finished = False
         try:
-            with self._awaiting(self._streams, meta.id, waiter, queue):
+            with self._awaiting(self._streams, meta.id, waiter, queue, weight=1):
                 await self._publish(spec, body, meta)
                 while not finished:
                     try:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
                     except TimeoutError:
                         raise _deadline(timeout_s) from None
-                    if queue.waiting.pop(meta.id, None) is not None:
-                        queue.answer(time.monotonic())  # started
+                    queue.remove(meta.id, time.monotonic(), answered=True)  # started: its first chunk
                     finished = chunk.meta.final
                     yield chunk
         finally:
@@ -418,5 +445,5 @@ class Dispatcher:
         future, queue = waiter
         now = time.monotonic()
         self._answered.append(now)
-        queue.answer(now)
+        queue.remove(meta.id, now, answered=True)
         future.set_result(Reply(meta, body))
