@@ -4,6 +4,10 @@ Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `register` (the
 `POST /v1/models`), `drain` and `status`. The
 admin HTTP routes, the `fleetbox` CLI and the TUI all go through `call_box`, so every way of
 steering a box runs the same code and gets the same errors.
+
+Each request is answered by a task of its own: nats-py runs one callback at a time per
+subscription, so a handler awaited in the callback would make a minutes-long `load` hold up a
+`drain` or a `status` sent to the same box.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from appliance import bus
+from appliance.envelope import STATUS
 from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
 from appliance.settings import BOX_ID_PATTERN
+from appliance.tasks import Background
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ class ControlServer:
         self._box_id = box_id
         self._handlers = handlers
         self._sub: Subscription | None = None
+        self._answering = Background("control")
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(bus.control_subject(self._box_id, "*"), cb=self._on_request)
@@ -48,8 +55,12 @@ class ControlServer:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+        await self._answering.cancel()
 
     async def _on_request(self, msg: Msg) -> None:
+        self._answering.spawn(self._answer(msg))
+
+    async def _answer(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]
         try:
             handler = self._handlers.get(verb)
@@ -70,7 +81,7 @@ class ControlServer:
             error = InternalError(f"{verb} failed: {exc!r}")
             result, status = error.body(), error.status
         if msg.reply:
-            await self._nc.publish(msg.reply, orjson.dumps(result), headers={"Fbx-Status": str(status)})
+            await self._nc.publish(msg.reply, orjson.dumps(result), headers={STATUS: str(status)})
 
 
 async def call_box(
@@ -86,7 +97,7 @@ async def call_box(
         raise not_found from None
     except NatsTimeout:
         raise ServiceUnavailable(f"box {box_id!r} did not answer {verb} within {timeout_s:g}s") from None
-    status = int((reply.headers or {}).get("Fbx-Status", "200"))
+    status = int((reply.headers or {}).get(STATUS, "200"))
     if status != 200:
         raise error_from_reply(status, reply.data)
     return orjson.loads(reply.data)
