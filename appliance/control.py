@@ -12,6 +12,7 @@ subscription, so a handler awaited in the callback would make a minutes-long `lo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -28,7 +29,7 @@ from appliance import bus
 from appliance.envelope import STATUS
 from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
 from appliance.settings import BOX_ID_PATTERN
-from appliance.tasks import Background
+from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ControlServer:
         self._box_id = box_id
         self._handlers = handlers
         self._sub: Subscription | None = None
-        self._answering = Background("control")
+        self._answering: set[asyncio.Task[None]] = set()  # one per request being answered
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(bus.control_subject(self._box_id, "*"), cb=self._on_request)
@@ -55,10 +56,17 @@ class ControlServer:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
-        await self._answering.cancel()
+        await cancel_and_wait(list(self._answering))
 
     async def _on_request(self, msg: Msg) -> None:
-        self._answering.spawn(self._answer(msg))
+        task = asyncio.create_task(self._answer(msg), name=f"control-{msg.subject}")
+        self._answering.add(task)  # kept, or the loop may collect it mid-answer
+        task.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        self._answering.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the reply itself failed to go out
+            log.warning("control reply failed", extra={"task": task.get_name(), "error": repr(task.exception())})
 
     async def _answer(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]
