@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import orjson
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_MODEL_ALIAS = "all-minilm-l6-v2"
 ADAPTER_SEPARATOR = ":"
+_UPDATE_TRIES = 3  # a pin reads the model and writes it back; this many times when others write in between
 
 
 @dataclass(slots=True, frozen=True)
@@ -363,15 +364,48 @@ class CatalogStore:
     async def put(self, spec: ModelSpec) -> None:
         assert self._kv is not None
         await self._kv.put(spec.slug, spec.to_json())
-        self.catalog.add(spec)  # visible (and acted on) here at once; the watch confirms it
-        self._notify(spec.name, spec)
+        self._added(spec)
+
+    async def create(self, spec: ModelSpec) -> None:
+        """Add a model whose slug no model holds yet, fleet-wide: of two registrations racing for one
+        slug (one name twice, or `Foo` and `foo`) on any boxes, the second is refused, never written over the first."""
+        assert self._kv is not None
+        try:
+            await self._kv.create(spec.slug, spec.to_json())
+        except KeyWrongLastSequenceError:
+            raise Conflict(
+                f"a model with slug {spec.slug!r} exists already (registered meanwhile); delete it first",
+                code="model_exists",
+            ) from None
+        self._added(spec)
 
     async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
+        """Pin or unpin the model as the bucket holds it now, only if nobody changed it meanwhile: a pin
+        racing a delete made on another box must not bring the model back."""
         if pinned and spec.adapter_of is not None:
             raise Conflict(f"{spec.name} is an adapter; pin its base model {spec.adapter_of}")
-        updated = replace(spec, pinned=pinned)
-        await self.put(updated)
-        return updated
+        assert self._kv is not None
+        gone = NotFound(f"model {spec.name!r} does not exist (deleted meanwhile)", code="model_not_found")
+        for _ in range(_UPDATE_TRIES):
+            try:
+                entry = await self._kv.get(spec.slug)
+            except KeyNotFoundError:
+                raise gone from None
+            current = ModelSpec.from_json(entry.value) if entry.value else None
+            if current is None or current.name != spec.name:
+                raise gone
+            updated = replace(current, pinned=pinned)
+            try:
+                await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
+            except KeyWrongLastSequenceError:
+                continue  # changed since it was read: read it again (it may be gone now)
+            self._added(updated)
+            return updated
+        raise Conflict(f"model {spec.name} keeps changing (on other boxes?); pin or unpin it again")
+
+    def _added(self, spec: ModelSpec) -> None:
+        self.catalog.add(spec)  # visible (and acted on) here at once; the watch confirms it
+        self._notify(spec.name, spec)
 
     async def delete(self, spec: ModelSpec) -> None:
         assert self._kv is not None

@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+from nats.js.errors import KeyNotFoundError
 
+from appliance import bus
+from appliance.bus import model_slug
+from appliance.catalog import ModelSpec
 from appliance.errors import NotFound
 from tests.conftest import noop_model, url, wait_for
 from tests.test_large_and_broken import folder_that_fails_to_load
@@ -205,6 +210,54 @@ async def test_two_boxes_see_a_model_registered_on_the_other(start_box, http, en
     # Loaded once in the fleet: whichever box took it, the other sees it resident there.
     _, record = await call(http, first, "GET", "/v1/models/shared")
     assert record["state"] == "resident" and len(record["boxes"]) == 1
+
+
+async def test_concurrent_registrations_of_one_slug_give_one_201_and_one_409(
+    start_box, http, encoder_dir, tmp_path_factory
+) -> None:
+    roots = [tmp_path_factory.getbasetemp()]
+    first = await start_box(box_id="first", default_model=False, model_roots=roots)
+    second = await start_box(box_id="second", default_model=False, model_roots=roots)
+    assert first.js is not None
+    models = await first.js.key_value(bus.MODELS_BUCKET)
+    # One name twice, two names with one slug, and one name on two boxes whose catalogs lag each other.
+    for (box_a, name_a), (box_b, name_b) in (
+        ((first, "dup"), (first, "dup")),
+        ((first, "Case"), (first, "case")),
+        ((first, "twice"), (second, "twice")),
+    ):
+        bodies = [
+            {"name": name_a, "path": str(encoder_dir), "max_batch_size": 3},
+            {"name": name_b, "path": str(encoder_dir), "max_batch_size": 5},
+        ]
+        results = await asyncio.gather(
+            call(http, box_a, "POST", "/v1/models", bodies[0]), call(http, box_b, "POST", "/v1/models", bodies[1])
+        )
+        statuses = [status for status, _ in results]
+        assert sorted(statuses) == [201, 409], results
+        (loser,) = [record for status, record in results if status == 409]
+        assert loser["error"]["code"] == "model_exists"
+        winner = bodies[statuses.index(201)]
+        stored = ModelSpec.from_json((await models.get(model_slug(name_a))).value)
+        assert (stored.name, stored.batching.max_batch_size) == (winner["name"], winner["max_batch_size"])
+        for box in (box_a, box_b):
+            await wait_for(partial(_holds, box, stored), what="both boxes to hold the winner")
+
+
+async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_back(start_box) -> None:
+    box = await start_box(default_model=False, models=[noop_model("a", pinned=False)])
+    assert box.js is not None and box.store is not None
+    spec = box.catalog.get("a")
+    models = await box.js.key_value(bus.MODELS_BUCKET)
+    await models.delete(spec.slug)  # another box deletes it; this box pins what it still knows of
+    with pytest.raises(NotFound, match="deleted meanwhile"):
+        await box.store.set_pinned(spec, True)
+    with pytest.raises(KeyNotFoundError):
+        await models.get(spec.slug)
+
+
+async def _holds(box, spec: ModelSpec) -> bool:
+    return box.catalog.get(spec.name) == spec
 
 
 async def test_registration_refuses_malformed_and_unloadable_folders_with_422(

@@ -69,8 +69,25 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
     )
 
 
+def _judge_folder(registration: ModelRegistration, roots: list[Path], model: bool) -> tuple[Path, Task | None]:
+    """The registration's folder and, for a model (not an adapter), its task: file reads, so off the event loop."""
+    folder = resolve_under_roots(registration.path, roots)
+    if not folder.is_dir():
+        raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
+    shipped = shipped_onnx(folder, registration.options)
+    if shipped is not None:  # a file the box will read, so inside a model root like the folder
+        resolve_under_roots(str(shipped), roots)
+    if model:
+        return folder, _task_for(registration, folder)
+    try:
+        check_adapter_folder(folder)
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="unsupported_adapter") from None
+    return folder, None
+
+
 def _task_for(registration: ModelRegistration, folder: Path) -> Task:
-    """The folder's task, once it is known the folder can load (off the event loop: it reads the tokenizer)."""
+    """The folder's task, once it is known the folder can load."""
     try:
         detected = detect_task(folder)
     except UnsupportedModel as exc:
@@ -153,21 +170,15 @@ async def register(
             raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")
     if catalog.by_slug(slug) is not None:
         raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")
-    folder = resolve_under_roots(registration.path, settings.roots)
-    if not folder.is_dir():
-        raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
-    shipped = shipped_onnx(folder, registration.options)
-    if shipped is not None:  # a file the box will read, so inside a model root like the folder
-        resolve_under_roots(str(shipped), settings.roots)
     if "cache_dir" in registration.options:  # a folder every box would write to: each box's own config says it
         raise Forbidden(
             "options.cache_dir is set in a box's config file, not through the API "
             "(exports are cached under each box's <state_dir>/onnx)",
             code="path_outside_model_roots",
         )
-    defaults = default_batching(settings)
     if registration.runtime == "torch" and registration.dtype == "int8":
         raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")
+    base = None
     if registration.adapter_of is not None:
         base = catalog.get(registration.adapter_of)  # a name or an alias; the spec keeps the base's name
         if base is None or base.adapter_of is not None:
@@ -176,16 +187,15 @@ async def register(
             raise Unprocessable(f"an adapter is not pinned; pin its base model {base.name}")
         if base.runtime is not RuntimeKind.TORCH:
             raise Unprocessable(f"base model {base.name} runs on {base.runtime}; adapters need torch")
-        try:
-            check_adapter_folder(folder)
-        except UnsupportedModel as exc:
-            raise Unprocessable(str(exc), code="unsupported_adapter") from None
         if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
             raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
+    loop = asyncio.get_running_loop()
+    folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base is None)
+    if base is not None:
         task, batching, adapter_of = base.task, base.batching, base.name
     else:
-        task = await asyncio.get_running_loop().run_in_executor(None, _task_for, registration, folder)
-        batching, adapter_of = batching_of(registration, defaults), None
+        assert detected is not None
+        task, batching, adapter_of = detected, batching_of(registration, default_batching(settings)), None
     spec = ModelSpec(
         name=name,
         slug=slug,
@@ -201,8 +211,8 @@ async def register(
         profile=registration.profile,
     )
     if check_fits is not None and spec.adapter_of is None:
-        check_fits(spec)
-    await store.put(spec)
+        await loop.run_in_executor(None, check_fits, spec)  # it sizes the folder's weight files
+    await store.create(spec)  # refused (409) when a registration racing this one took the slug meanwhile
     return spec
 
 
