@@ -110,8 +110,9 @@ class EmbeddedNats:
             "--log", str(self.log_file),
             *self.extra_args,
         ]  # fmt: skip
-        if self.port != 0:
-            check_port_free(self.host, self.port)
+        if not 1 <= self.port <= 65535:  # 0 would make the server pick a port the box never learns
+            raise ValueError(f"the embedded nats-server needs a port from 1 to 65535, not {self.port}")
+        check_port_free(self.host, self.port)
         log.info("starting embedded nats-server", extra={"url": self.url, "store": str(self.store_dir)})
         parent = os.getpid()
         self.process = await asyncio.create_subprocess_exec(

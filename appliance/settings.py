@@ -85,7 +85,7 @@ class Settings(BaseSettings):
 
     # NATS
     nats: str | None = None  # comma-separated URLs; None starts the embedded server
-    nats_port: int = Field(default=4222, ge=0, le=65535)
+    nats_port: int = Field(default=4222, ge=1, le=65535)  # a real port: the box connects to it (no 0 here)
     nats_host: str = "127.0.0.1"
     creds: Path | None = None  # NATS credentials (JWT + nkey) file
     tls_ca: Path | None = None

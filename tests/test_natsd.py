@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -42,6 +43,13 @@ async def test_a_port_another_server_holds_is_refused_before_starting(tmp_path: 
         assert second.process is None  # refused before anything was started
     finally:
         await first.stop()
+
+
+async def test_port_0_is_refused_at_once_not_waited_for(tmp_path: Path) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=0)
+    with pytest.raises(ValueError, match="port from 1 to 65535, not 0"):
+        await asyncio.wait_for(server.start(timeout_s=30), 5)
+    assert server.process is None  # refused before anything was started
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")

@@ -83,6 +83,8 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         (["--port", "70000"], {}),
         (["--device", "tpu"], {}),
         (["--replicas", "0"], {}),
+        (["--nats-port", "0"], {}),  # the box would wait for a server on port 0, then fail
+        ([], {"FBX_NATS_PORT": "0"}),
         ([], {"FBX_MAX_INPUTS": "-1"}),
         ([], {"FBX_MAX_WAIT_MS": "60000"}),
         ([], {"FBX_MODELS": '[{"name": "x"}]'}),  # a model needs a folder
