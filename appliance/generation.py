@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
-from appliance.tasks import cancel_and_wait
+from appliance.tasks import Background, cancel_and_wait
 from appliance.worker import LocalReply, deliver_reply, keep_alive, load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
 _DEFAULT_MAX_TOKENS = 256
+_SETTLE_S = 5.0  # at most this long, at drain, for final answers to be confirmed and acked
 
 
 @dataclass(slots=True)
@@ -99,8 +101,9 @@ class GenerateWorker:
         self._idle.set()
         self._preparing: set[str] = set()
         self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Background(f"generate:{spec.slug}")
         self._stepper: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
         # Room for the decode batch and as many again waiting to join it; the rest stays in the queue for other boxes.
         self._capacity = 2 * runtime.decode_batch
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
@@ -108,7 +111,8 @@ class GenerateWorker:
 
     async def start(self) -> None:
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
-        self._spawn(keep_alive(lambda: [s.msg for s in self._streams.values()], self._settings.ack_wait_s))
+        in_progress = keep_alive(lambda: [s.msg for s in self._streams.values()], self._settings.ack_wait_s)
+        self._ticker = asyncio.create_task(in_progress, name=f"in-progress:{self.spec.slug}")
         await self.puller.start()
         await self.bulk_puller.start()
 
@@ -169,6 +173,15 @@ class GenerateWorker:
             return
         except (ValueError, UnknownAdapter) as exc:
             await self._fail(meta, msg, Unprocessable(str(exc)))
+            return
+        except Exception as exc:
+            # Not the client's doing (its body's blob not read, a NATS hiccup): tried again, maybe elsewhere,
+            # and past max_deliver dead-lettered by JetStream's advisory, instead of waiting out ack_wait.
+            log.error(
+                "generation not admitted", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)}
+            )
+            deliveries = msg.metadata.num_delivered or 1
+            await msg.nak(delay=min(2.0, 0.1 * 2 ** (deliveries - 1)))
             return
         finally:
             self._preparing.discard(meta.id)
@@ -319,18 +332,22 @@ class GenerateWorker:
         self._stopping = True
         await self.puller.stop()
         await self.bulk_puller.stop()
-        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(self._idle.wait(), grace_s)
+            async with asyncio.timeout(grace_s):
+                await self._idle.wait()
         except TimeoutError:
             log.warning("generation still active at drain; handing it back", extra={"model": self.spec.name})
         await cancel_and_wait([self._stepper])
+        # Last chunks being confirmed then acked, requests being admitted: let them end, not cut them off
+        # (a cut-off final answer is never acked, and another box would generate it all over again).
+        await self._tasks.wait(min(grace_s, _SETTLE_S))
         if self._streams:
-            await loop.run_in_executor(self._device, self.runtime.clear)
+            await asyncio.get_running_loop().run_in_executor(self._device, self.runtime.clear)
             for stream in self._streams.values():
                 await stream.msg.nak()
             self._streams.clear()
-        await cancel_and_wait(list(self._tasks))
+        await self._tasks.cancel()
+        await cancel_and_wait([self._ticker])
 
     def _forget(self, request_id: str) -> Stream | None:
         stream = self._streams.pop(request_id, None)
@@ -338,7 +355,5 @@ class GenerateWorker:
             self._idle.set()
         return stream
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._tasks.spawn(coro)

@@ -17,9 +17,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import replace
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -39,7 +40,7 @@ from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.settings import Settings
-from appliance.tasks import cancel_and_wait
+from appliance.tasks import Background, cancel_and_wait
 from runtimes import Runtime, UnknownAdapter, UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class ModelWorker:
         self._started = time.time()
         self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Background(f"worker:{spec.slug}")
         self.batcher = Batcher(
             spec.name,
             runtime,
@@ -127,13 +128,11 @@ class ModelWorker:
         await self.puller.stop()
         await self.bulk_puller.stop()
         await cancel_and_wait([self._ticker])
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.wait()
         for job in await self.batcher.drain():
             self._held.pop(job.meta.id, None)
             await job.handle.nak()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.wait()
 
     @property
     def held(self) -> int:
@@ -218,16 +217,16 @@ class ModelWorker:
             body = await self._blobs.get(meta.blob) if meta.blob else msg.data
             if meta.adapter is not None:
                 await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
-        except FleetboxError as exc:
-            await self._answer_error(meta, msg, exc)
+        except Exception as exc:
+            await self._not_prepared(meta, msg, exc)
             return
         await self._prepare_off_loop(meta, msg, jobs, body)
 
     def _prepare(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
         try:
             rows, params = jobs.prepare(msg.data, self.runtime)
-        except FleetboxError as exc:
-            self._spawn(self._answer_error(meta, msg, exc))
+        except Exception as exc:
+            self._spawn(self._not_prepared(meta, msg, exc))
             return
         self._submit(meta, msg, rows, params)
 
@@ -235,10 +234,22 @@ class ModelWorker:
         loop = asyncio.get_running_loop()
         try:
             rows, params = await loop.run_in_executor(self._cpu_executor, jobs.prepare, body, self.runtime)
-        except FleetboxError as exc:
-            await self._answer_error(meta, msg, exc)
+        except Exception as exc:
+            await self._not_prepared(meta, msg, exc)
             return
         self._submit(meta, msg, rows, params)
+
+    async def _not_prepared(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+        """A request that could not be made ready: the client's error is answered; any other is retried.
+
+        Anything else (its body's blob not fetched, a NATS hiccup, a bug) must not leave the request
+        held: a held request is kept in progress, so JetStream would never hand it to anyone again.
+        """
+        if isinstance(error, FleetboxError):
+            await self._answer_error(meta, msg, error)
+            return
+        log.error("request not prepared", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(error)})
+        await self._retry_or_dead_letter(meta, msg, error)
 
     def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
@@ -270,6 +281,10 @@ class ModelWorker:
         except FleetboxError as exc:
             await self._answer_error(meta, msg, exc)
             return
+        except Exception as exc:
+            log.error("answer not made", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)})
+            await self._retry_or_dead_letter(meta, msg, exc)
+            return
         await self._send(meta, msg, body, reply)
 
     async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
@@ -279,8 +294,13 @@ class ModelWorker:
             if deliveries < self._settings.max_deliver:
                 await msg.nak(delay=min(2.0, 0.1 * 2 ** (deliveries - 1)))
                 return
-            body = await self._blobs.get(meta.blob) if meta.blob else msg.data
-            await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, repr(error))
+            reason, body = repr(error), msg.data
+            if meta.blob:
+                try:
+                    body = await self._blobs.get(meta.blob)
+                except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
+                    reason += f"; its body (blob {meta.blob}) could not be read: {exc!r}"
+            await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
             self._metrics.dead_lettered.labels(self.spec.name).inc()
             await msg.ack()
         finally:
@@ -316,10 +336,8 @@ class ModelWorker:
             self._settings.ack_wait_s,
         )
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._tasks.spawn(coro)
 
 
 async def deliver_reply(

@@ -105,3 +105,24 @@ async def test_an_answer_with_a_lost_chunk_is_an_error_not_a_shorter_one(start_b
     async with await answer as response:
         assert response.status == 503
         assert (await response.json())["error"]["code"] == "chunk_lost"
+
+
+async def test_a_draining_generator_finishes_its_answers_and_acks_them(start_box, http, generator_dir) -> None:
+    """Drain waits for the active generation, then for its final chunk to be confirmed and the request acked:
+    an answer cut off there would be left unacked, and another box would generate it all over again."""
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    common = {"default_model": False, "models": [model]}
+    gateway = await start_box(role="gateway", box_id="gateway", **common)
+    worker_box = await start_box(role="worker", box_id="worker", **common)
+    worker = worker_box.workers["tiny-llama"]
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    async with asyncio.timeout(20):
+        while not worker.held:  # noqa: ASYNC110 (tighter than wait_for's polling: the answer takes milliseconds)
+            await asyncio.sleep(0.001)
+    await worker.drain()
+    async with await answer as response:
+        assert response.status == 200
+        assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)
+    info = await worker_box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
+    assert info.num_ack_pending == 0 and info.num_pending == 0

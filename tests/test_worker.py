@@ -67,6 +67,32 @@ async def test_message_already_expired_on_arrival_is_answered_504_and_not_comput
     await nc.close()
 
 
+async def test_a_request_whose_blob_is_gone_is_retried_then_dead_lettered_not_held_for_ever(
+    start_box, nats_server
+) -> None:
+    """Its offloaded body expired or was deleted: the fetch fails, and the request must still be settled.
+
+    A held request is kept in progress (never redelivered), so one that failed to be prepared and was
+    left held would never be answered and would hold a slot of the box's room for good.
+    """
+    box = await start_box(default_model=False, models=[noop_model()])
+    nc = await nats.connect(nats_server.url)
+    replies: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe("test.replies", cb=replies.put)
+    now = int(time.time() * 1000)
+    meta = RequestMeta(
+        id="no-blob-1", task="embed", model="noop", reply="test.replies", deadline_ms=now + 30_000, sent_ms=now,
+        blob="no-blob-1.never-put",
+    )  # fmt: skip
+    await nc.jetstream().publish(bus.request_subject("noop"), b"", headers=meta.headers())
+    reply = await asyncio.wait_for(replies.get(), 20)
+    assert ReplyMeta.from_headers(reply.headers).status == 422
+    assert b"dead_lettered" in reply.data
+    await wait_for(lambda: _async(box.workers["noop"].held == 0), what="the request let go")
+    assert counter(box, "fbx_dead_lettered_requests") == 1
+    await nc.close()
+
+
 async def test_two_workers_on_one_consumer_share_the_work(start_box, http) -> None:
     models = [noop_model(cost_ms=40)]
     first = await start_box(role="worker", box_id="worker-a", default_model=False, models=models, worker_capacity=2)
