@@ -14,7 +14,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,7 +48,7 @@ from appliance.placement import Placement, load_failed
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook, cpu_cores, hardware_slug
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
-from appliance.tasks import cancel_and_wait
+from appliance.tasks import Background
 from appliance.worker import Cancellations, ModelWorker
 from runtimes.base import Task
 
@@ -125,7 +125,7 @@ class Box:
         self._placement: Placement | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Background("box")
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
         self._stream_ok = False
         self.draining = False
@@ -603,16 +603,8 @@ class Box:
             raise NotFound(f"model {name!r} does not exist; available models: {', '.join(self.catalog.names())}")
         return spec
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background step failed", extra={"error": repr(task.exception())})
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        return self._tasks.spawn(coro)
 
     # -- stop ------------------------------------------------------------------------------------
 
@@ -637,7 +629,7 @@ class Box:
             await self._site.stop()
         if self._placement is not None:
             await _bounded("placement", self._placement.stop())
-        await _bounded("background tasks", cancel_and_wait(list(self._tasks)))
+        await _bounded("background tasks", self._tasks.cancel())
         drains = asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
         # Meanwhile the gateway waits for what its clients still await: the work its own worker hands
         # back is computed by other boxes and answered here. What is left after the grace gets a 503.

@@ -13,8 +13,10 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 import nats
+from nats.aio.client import Client as NATS
 
 from appliance import bus
 from appliance.catalog import Catalog
@@ -22,11 +24,24 @@ from appliance.envelope import ReplyMeta, RequestMeta
 from tests.conftest import noop_model, url, wait_for
 
 NOOP_BODY = {"input": ["one two three"], "model": "noop"}
+NOOP_RAW = b'{"input": "x", "model": "noop"}'
 
 
 def counter(box, name: str, model: str = "noop") -> float:
     value = box.metrics.registry.get_sample_value(f"{name}_total", {"model": model})
     return value or 0.0
+
+
+async def publish_raw(nats_url: str, body: bytes, **fields: Any) -> tuple[NATS, asyncio.Queue]:
+    """Queue a request for model "noop" as a gateway would, with no gateway: its replies come to the queue."""
+    nc = await nats.connect(nats_url)
+    replies: asyncio.Queue = asyncio.Queue()
+    await nc.subscribe("test.replies", cb=replies.put)
+    now = int(time.time() * 1000)
+    envelope = {"task": "embed", "model": "noop", "reply": "test.replies", "deadline_ms": now + 30_000, "sent_ms": now}
+    meta = RequestMeta(**(envelope | fields))
+    await nc.jetstream().publish(bus.request_subject("noop"), body, headers=meta.headers())
+    return nc, replies
 
 
 async def test_request_past_its_deadline_is_never_computed(start_box, http) -> None:
@@ -50,16 +65,8 @@ async def test_request_past_its_deadline_is_never_computed(start_box, http) -> N
 
 async def test_message_already_expired_on_arrival_is_answered_504_and_not_computed(start_box, nats_server) -> None:
     box = await start_box(default_model=False, models=[noop_model()])
-    nc = await nats.connect(nats_server.url)
-    replies: asyncio.Queue = asyncio.Queue()
-    await nc.subscribe("test.replies", cb=replies.put)
     now = int(time.time() * 1000)
-    meta = RequestMeta(
-        id="late-1", task="embed", model="noop", reply="test.replies", deadline_ms=now - 1, sent_ms=now - 5
-    )
-    await nc.jetstream().publish(
-        bus.request_subject("noop"), b'{"input": "x", "model": "noop"}', headers=meta.headers()
-    )
+    nc, replies = await publish_raw(nats_server.url, NOOP_RAW, id="late-1", deadline_ms=now - 1, sent_ms=now - 5)
     reply = await asyncio.wait_for(replies.get(), 10)
     assert ReplyMeta.from_headers(reply.headers).status == 504
     assert counter(box, "fbx_expired_requests") == 1
@@ -76,15 +83,7 @@ async def test_a_request_whose_blob_is_gone_is_retried_then_dead_lettered_not_he
     left held would never be answered and would hold a slot of the box's room for good.
     """
     box = await start_box(default_model=False, models=[noop_model()])
-    nc = await nats.connect(nats_server.url)
-    replies: asyncio.Queue = asyncio.Queue()
-    await nc.subscribe("test.replies", cb=replies.put)
-    now = int(time.time() * 1000)
-    meta = RequestMeta(
-        id="no-blob-1", task="embed", model="noop", reply="test.replies", deadline_ms=now + 30_000, sent_ms=now,
-        blob="no-blob-1.never-put",
-    )  # fmt: skip
-    await nc.jetstream().publish(bus.request_subject("noop"), b"", headers=meta.headers())
+    nc, replies = await publish_raw(nats_server.url, b"", id="no-blob-1", blob="no-blob-1.never-put")
     reply = await asyncio.wait_for(replies.get(), 20)
     assert ReplyMeta.from_headers(reply.headers).status == 422
     assert b"dead_lettered" in reply.data
