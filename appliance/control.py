@@ -12,7 +12,6 @@ subscription, so a handler awaited in the callback would make a minutes-long `lo
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,7 @@ from appliance import bus
 from appliance.envelope import STATUS
 from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
 from appliance.settings import BOX_ID_PATTERN
-from appliance.tasks import cancel_and_wait
+from appliance.tasks import Background
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class ControlServer:
         self._box_id = box_id
         self._handlers = handlers
         self._sub: Subscription | None = None
-        self._answering: set[asyncio.Task[None]] = set()  # one per request being answered
+        self._answering = Background("control")  # one task per request being answered
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(bus.control_subject(self._box_id, "*"), cb=self._on_request)
@@ -56,17 +55,10 @@ class ControlServer:
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
-        await cancel_and_wait(list(self._answering))
+        await self._answering.cancel()
 
     async def _on_request(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._answer(msg), name=f"control-{msg.subject}")
-        self._answering.add(task)  # kept, or the loop may collect it mid-answer
-        task.add_done_callback(self._answered)
-
-    def _answered(self, task: asyncio.Task[None]) -> None:
-        self._answering.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the reply itself failed to go out
-            log.warning("control reply failed", extra={"task": task.get_name(), "error": repr(task.exception())})
+        self._answering.spawn(self._answer(msg))
 
     async def _answer(self, msg: Msg) -> None:
         verb = msg.subject.rsplit(".", 1)[-1]
