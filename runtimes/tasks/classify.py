@@ -1,9 +1,9 @@
 """Sequence classification: logits per input to `[{label, score}]`, best first.
 
 The model's config decides the squashing, as transformers' text-classification pipeline does:
-softmax over labels for single-label models, an independent sigmoid per label when
-`problem_type == "multi_label_classification"`. `raw_scores` returns the logits unchanged (still
-sorted), and `top_k` keeps the best k.
+the outputs as they are for `problem_type == "regression"`, an independent sigmoid per label for
+`"multi_label_classification"` or a model with one label, a softmax over the labels otherwise.
+`raw_scores` returns the logits unchanged (still sorted), and `top_k` keeps the best k.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import numpy as np
 
@@ -24,35 +24,39 @@ class LabelScore(TypedDict):
     score: float
 
 
+Squash = Literal["softmax", "sigmoid", "none"]
+
+
 @dataclass(slots=True, frozen=True)
 class ClassifyHead:
     labels: tuple[str, ...]
-    multi_label: bool = False
+    squash: Squash = "softmax"
 
     @classmethod
     def from_folder(cls, folder: Path) -> ClassifyHead:
         config = json.loads((folder / "config.json").read_text())
-        return cls(labels=labels_from_config(config), multi_label=is_multi_label(config))
+        labels = labels_from_config(config)
+        return cls(labels=labels, squash=squash_for(config, len(labels)))
 
     def predictions(
         self, logits: np.ndarray, *, raw_scores: bool = False, top_k: int | None = None
     ) -> list[list[LabelScore]]:
         """(n, labels) logits to, per input, labels with scores sorted from best to worst."""
-        return label_scores(logits, self.labels, multi_label=self.multi_label, raw_scores=raw_scores, top_k=top_k)
+        return label_scores(logits, self.labels, squash=self.squash, raw_scores=raw_scores, top_k=top_k)
 
 
 def label_scores(
     logits: np.ndarray,
     labels: tuple[str, ...],
     *,
-    multi_label: bool = False,
+    squash: Squash = "softmax",
     raw_scores: bool = False,
     top_k: int | None = None,
 ) -> list[list[LabelScore]]:
     logits = np.asarray(logits, dtype=np.float32)
-    if raw_scores:
+    if raw_scores or squash == "none":
         scores = logits
-    elif multi_label:
+    elif squash == "sigmoid":
         scores = sigmoid(logits)
     else:
         scores = softmax(logits)
@@ -86,5 +90,11 @@ def labels_from_config(config: dict) -> tuple[str, ...]:
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
 
 
-def is_multi_label(config: dict) -> bool:
-    return config.get("problem_type") == "multi_label_classification"
+def squash_for(config: dict, num_labels: int) -> Squash:
+    """What transformers' text-classification pipeline applies to this model's logits by default."""
+    problem = config.get("problem_type")
+    if problem == "regression":
+        return "none"
+    if problem == "multi_label_classification" or num_labels == 1:
+        return "sigmoid"
+    return "softmax"

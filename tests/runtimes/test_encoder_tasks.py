@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtimes import InputTooLong, ModelSource, Task, load_runtime
-from runtimes.tasks.classify import label_scores
+from runtimes.tasks.classify import ClassifyHead, label_scores
 from runtimes.tasks.score import relevance_scores
 
 from .conftest import BIO_LABELS, CLASS_LABELS
@@ -154,10 +154,40 @@ def test_classify_raw_scores_are_the_logits_sorted() -> None:
 
 def test_multi_label_classification_uses_an_independent_sigmoid_per_label() -> None:
     logits = np.array([[2.0, 2.0, -1.0]], dtype=np.float32)
-    got = label_scores(logits, CLASS_LABELS, multi_label=True)[0]
+    got = label_scores(logits, CLASS_LABELS, squash="sigmoid")[0]
     expected = 1 / (1 + np.exp(-logits[0]))
     assert [p["label"] for p in got] == ["negative", "neutral", "positive"]  # ties keep config order
     np.testing.assert_allclose([p["score"] for p in got], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("config", "labels", "squash"),
+    [
+        ({"problem_type": "regression"}, 2, "none"),
+        ({"problem_type": "multi_label_classification"}, 3, "sigmoid"),
+        ({}, 1, "sigmoid"),
+        ({}, 3, "softmax"),
+        ({"problem_type": "single_label_classification"}, 3, "softmax"),
+    ],
+)
+def test_classify_squashes_the_logits_as_the_pipeline_does(
+    tmp_path: Path, classifier_dir: Path, config: dict, labels: int, squash
+) -> None:
+    """One label is a sigmoid, regression the outputs as they are: what the text-classification pipeline gives."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, pipeline
+
+    small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    model = BertForSequenceClassification(BertConfig(num_labels=labels, **small, **config)).eval()
+    model.save_pretrained(tmp_path)
+    assert ClassifyHead.from_folder(tmp_path).squash == squash
+    logits = np.array([[1.5, -0.5, 0.25][:labels]], dtype=np.float32)
+    got = label_scores(logits, tuple(model.config.id2label[i] for i in range(labels)), squash=squash)[0]
+    tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
+    classifier = pipeline("text-classification", model=model, tokenizer=tokenizer, top_k=None)
+    want = classifier.postprocess({"logits": torch.as_tensor(logits)}, top_k=None)
+    want_by_label = {w["label"]: w["score"] for w in want}
+    np.testing.assert_allclose([p["score"] for p in got], [want_by_label[p["label"]] for p in got], atol=1e-6)
+    assert [p["score"] for p in got] == sorted((p["score"] for p in got), reverse=True)
 
 
 def test_extract_rows_carry_character_offsets_with_special_tokens_marked(extractor) -> None:
