@@ -30,6 +30,14 @@ _FALLBACK_MAX_LENGTH = 512
 _CHARS_PER_TOKEN = 64  # a text is cut to this many characters a token of the model's maximum
 
 
+# RoBERTa and its kin number positions from `pad_token_id + 1` (514 positions hold 512 tokens):
+# counted from 0, the last inputs would index past the position table.
+_POSITIONS_AFTER_PADDING = frozenset(
+    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "ibert", "longformer", "mpnet",
+     "roberta-prelayernorm", "luke"}
+)  # fmt: skip
+
+
 def model_max_length(folder: Path) -> int:
     """The longest input the model accepts, as sentence-transformers would truncate it."""
     st_config = folder / "sentence_bert_config.json"
@@ -45,9 +53,13 @@ def model_max_length(folder: Path) -> int:
             limits.append(value)
     config = folder / "config.json"
     if config.is_file():
-        value = json.loads(config.read_text()).get("max_position_embeddings")
+        values = json.loads(config.read_text())
+        value = values.get("max_position_embeddings")
         if isinstance(value, int) and value > 0:
-            limits.append(value)
+            if values.get("model_type") in _POSITIONS_AFTER_PADDING:
+                pad = values.get("pad_token_id")
+                value -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
+            limits.append(max(1, value))
     return min(limits) if limits else _FALLBACK_MAX_LENGTH
 
 

@@ -11,6 +11,8 @@ import torch
 from runtimes import InputTooLong, ModelSource, Task, load_runtime
 from runtimes.tasks.classify import ClassifyHead, label_scores
 from runtimes.tasks.score import relevance_scores
+from runtimes.tokenizer import model_max_length
+from tests.models import copy_bert_tokenizer
 
 from .conftest import BIO_LABELS, CLASS_LABELS
 
@@ -188,6 +190,24 @@ def test_classify_squashes_the_logits_as_the_pipeline_does(
     want_by_label = {w["label"]: w["score"] for w in want}
     np.testing.assert_allclose([p["score"] for p in got], [want_by_label[p["label"]] for p in got], atol=1e-6)
     assert [p["score"] for p in got] == sorted((p["score"] for p in got), reverse=True)
+
+
+def test_a_roberta_folder_is_cut_to_the_positions_it_has_after_its_padding_offset(tmp_path: Path) -> None:
+    """RoBERTa numbers positions from pad_token_id + 1: 66 position embeddings hold 64 tokens, not 66."""
+    from transformers import AutoModel, RobertaConfig, RobertaModel
+
+    small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    RobertaModel(RobertaConfig(max_position_embeddings=66, pad_token_id=1, **small)).save_pretrained(tmp_path)
+    copy_bert_tokenizer(tmp_path)  # says model_max_length 512: the position table is what bounds it
+    assert model_max_length(tmp_path) == 64
+    runtime = load_runtime(ModelSource(tmp_path, Task.EMBED))
+    rows = runtime.tokenize(["word " * 200])
+    assert rows[0].length == 64
+    vector = runtime.run(rows)[0]
+    model = AutoModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        hidden = model(input_ids=torch.as_tensor(rows[0].ids).unsqueeze(0)).last_hidden_state[0].mean(0)
+    np.testing.assert_allclose(vector, (hidden / hidden.norm()).numpy(), atol=1e-5)
 
 
 def test_extract_rows_carry_character_offsets_with_special_tokens_marked(extractor) -> None:
