@@ -34,6 +34,7 @@ def quantize_int8(path: Path, out: Path, calibration: Mapping[str, np.ndarray]) 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(path))
+    _drop_initializer_shapes(model)
     products, after_gelu = _matrix_products(model)
     peaks = _activation_peaks(model, [node.input[0] for node in products], calibration)
     _smooth(model, products, peaks)
@@ -49,6 +50,19 @@ def quantize_int8(path: Path, out: Path, calibration: Mapping[str, np.ndarray]) 
             nodes_to_exclude=after_gelu,
         )
     return out
+
+
+def _drop_initializer_shapes(model: onnx.ModelProto) -> None:
+    """Forget the shapes the exporter wrote down for constants: a constant's shape is its own.
+
+    ONNX Runtime's quantiser re-infers shapes and refuses a graph where such an entry disagrees with
+    what it infers; the torch exporter's entry for a classification head's Gemm weight does (3 labels
+    against 32 channels), so no sequence-classification model could be quantised.
+    """
+    constants = {init.name for init in model.graph.initializer}
+    kept = [info for info in model.graph.value_info if info.name not in constants]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
 
 
 def _matrix_products(model: onnx.ModelProto) -> tuple[list[onnx.NodeProto], list[str]]:

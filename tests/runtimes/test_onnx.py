@@ -207,6 +207,29 @@ def test_onnx_backend_serves_every_encoder_task_like_torch(
         reference.close()
 
 
+@pytest.mark.parametrize("task", [Task.SCORE, Task.CLASSIFY, Task.EXTRACT])
+def test_int8_serves_every_encoder_task_close_to_torch(
+    model_dirs: dict[Task, Path], onnx_cache: Path, task: Task, record_property: pytest.RecordProperty
+) -> None:
+    """Sequence-classification heads too: ONNX Runtime's quantiser used to refuse their graphs."""
+    ours = load_runtime(onnx_source(model_dirs[task], onnx_cache, task=task, dtype="int8"))
+    reference = load_runtime(ModelSource(path=model_dirs[task], task=task))
+    try:
+        batch = ours.tokenize(SENTENCES[:6])
+        if task is Task.SCORE:
+            batch = ours.tokenize_pairs([("what is the capital?", text) for text in SENTENCES[:6]])  # type: ignore[attr-defined]
+        got, expected = ours.run(batch), reference.run(batch)
+    finally:
+        ours.close()
+        reference.close()
+    if task is Task.EXTRACT:
+        got, expected = np.concatenate(list(got)), np.concatenate(list(expected))
+    relative = float(np.abs(got - expected).max() / np.abs(expected).max())
+    record_property(f"int8_max_relative_diff_{task}", relative)
+    print(f"ONNX int8 vs torch {task}: max abs diff / largest logit {relative:.3f}")
+    assert relative < 0.1
+
+
 def test_second_load_reuses_the_cached_export(
     encoder_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
