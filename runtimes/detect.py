@@ -22,6 +22,7 @@ from typing import Any
 
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.tasks.classify import labels_from_config
+from runtimes.tasks.score import check_one_logit
 
 __all__ = ["SUPPORTED", "UnsupportedModel", "check_adapter_folder", "check_loadable", "detect_task"]
 
@@ -129,6 +130,8 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     folder = Path(folder)
     if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
+    if task is Task.SCORE:
+        check_one_logit(folder, labels_from_config(_json_object(folder / "config.json")))
     shipped = shipped_onnx(folder, options) if runtime is RuntimeKind.ONNX else None
     if shipped is not None:
         if not shipped.is_file():

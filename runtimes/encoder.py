@@ -22,7 +22,7 @@ from runtimes.base import Backend, ModelInfo, ModelSource, Task, Tokenized, Unkn
 from runtimes.tasks.classify import ClassifyHead
 from runtimes.tasks.embed import EmbedHead
 from runtimes.tasks.extract import ExtractHead
-from runtimes.tasks.score import ScoreHead
+from runtimes.tasks.score import ScoreHead, check_one_logit
 from runtimes.tokenizer import TextTokenizer
 
 _WARMUP_ROWS = 8
@@ -128,11 +128,7 @@ class ScoreRuntime(EncoderRuntime):
 
     def __init__(self, source: ModelSource, backend: Backend) -> None:
         super().__init__(source, backend)
-        labels = ClassifyHead.from_folder(source.path).labels
-        if len(labels) != 1:
-            raise UnsupportedModel(
-                f"{source.path} has {len(labels)} labels; a reranker (score) has exactly one relevance logit"
-            )
+        check_one_logit(source.path, ClassifyHead.from_folder(source.path).labels)
         self.info = self._measure()
 
     def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]:

@@ -78,13 +78,14 @@ async def test_unsupported_architecture_is_422_at_registration(start_box, http, 
     assert body["error"]["code"] == "unsupported_model" and "ViTForImageClassification" in body["error"]["message"]
 
 
-async def test_registration_errors(start_box, http, encoder_dir, tmp_path_factory) -> None:
+async def test_registration_errors(start_box, http, encoder_dir, classifier_dir, tmp_path_factory) -> None:
     box = await start_box(model_roots=[tmp_path_factory.getbasetemp()])
     root = str(tmp_path_factory.getbasetemp())
     cases = [
         ({"name": "all-minilm-l6-v2", "path": str(encoder_dir)}, 409, "model_exists"),
         ({"name": "new", "path": f"{root}/does-not-exist"}, 422, "path_not_found"),
         ({"name": "new", "path": str(encoder_dir), "task": "generate"}, 422, "wrong_task"),
+        ({"name": "new", "path": str(classifier_dir), "task": "score"}, 422, "unsupported_model"),  # 3 labels
         ({"name": "new", "path": str(encoder_dir), "adapter_of": "ghost"}, 404, "model_not_found"),
         ({"name": "new"}, 422, "invalid_input"),
         ({"name": "new", "path": str(encoder_dir), "concurrent_batches": 0}, 422, "invalid_input"),

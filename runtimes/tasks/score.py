@@ -7,9 +7,13 @@ the sigmoid of it is what sentence-transformers' `CrossEncoder.predict` and TEI'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from runtimes.base import UnsupportedModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,3 +36,9 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     # exp of a negative magnitude only, so a logit of -1000 neither overflows nor warns.
     z = np.exp(-np.abs(x))
     return np.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z)).astype(np.float32)
+
+
+def check_one_logit(folder: Path, labels: Sequence[str]) -> None:
+    """A reranker's head gives one relevance logit: a classifier's labels are no relevance score."""
+    if len(labels) != 1:
+        raise UnsupportedModel(f"{folder} has {len(labels)} labels; a reranker (score) has exactly one relevance logit")
