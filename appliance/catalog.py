@@ -184,7 +184,9 @@ def configured_specs(settings: Settings) -> list[ModelSpec]:
         entry.model_copy(update={"adapter_of": names[entry.adapter_of]}) if entry.adapter_of in names else entry
         for entry in entries
     ]
-    return [spec_from_entry(entry, settings) for entry in entries]
+    specs = [spec_from_entry(entry, settings) for entry in entries]
+    tasks = {spec.name: spec.task for spec in specs}  # an adapter serves its base's task, as through the API
+    return [replace(spec, task=tasks[spec.adapter_of]) if spec.adapter_of in tasks else spec for spec in specs]
 
 
 @dataclass(slots=True, frozen=True)

@@ -47,6 +47,17 @@ def test_an_adapter_entry_may_name_its_base_by_an_alias(tmp_path) -> None:
     assert [spec.name for spec in catalog.adapters_of("base")] == ["base:tuned"]
 
 
+def test_an_adapter_entry_serves_its_bases_task(tmp_path) -> None:
+    """Listed and served as its base's task (classify here), as an adapter registered through the API is."""
+    config = tmp_path / "box.toml"
+    config.write_text(
+        '[[models]]\nname = "base"\nruntime = "noop"\ntask = "classify"\n'
+        '[[models]]\nname = "base:tuned"\nruntime = "noop"\nadapter_of = "base"\n'
+    )
+    catalog = Catalog.from_settings(load_settings(config, default_model=False))
+    assert catalog.get("base:tuned").task.value == "classify"
+
+
 def test_concurrent_batches_must_be_positive() -> None:
     assert ModelEntry(name="m", runtime="noop", concurrent_batches=2).concurrent_batches == 2
     for bad in (0, -1):
