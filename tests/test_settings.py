@@ -36,26 +36,17 @@ def test_models_from_toml_join_the_default_model(tmp_path) -> None:
     assert catalog.resolve(DEFAULT_MODEL_NAME).spec.pinned
 
 
-def test_an_adapter_entry_may_name_its_base_by_an_alias(tmp_path) -> None:
+def test_an_adapter_entry_may_name_its_base_by_an_alias_and_serves_its_task(tmp_path) -> None:
+    """Kept under its base's name and listed with its base's task, as an adapter registered through the API."""
     config = tmp_path / "box.toml"
     config.write_text(
-        '[[models]]\nname = "base"\nruntime = "noop"\naliases = ["b"]\n'
+        '[[models]]\nname = "base"\nruntime = "noop"\naliases = ["b"]\ntask = "classify"\n'
         '[[models]]\nname = "base:tuned"\nruntime = "noop"\nadapter_of = "b"\n'
     )
     catalog = Catalog.from_settings(load_settings(config, default_model=False))
     assert catalog.get("base:tuned").adapter_of == "base"
-    assert [spec.name for spec in catalog.adapters_of("base")] == ["base:tuned"]
-
-
-def test_an_adapter_entry_serves_its_bases_task(tmp_path) -> None:
-    """Listed and served as its base's task (classify here), as an adapter registered through the API is."""
-    config = tmp_path / "box.toml"
-    config.write_text(
-        '[[models]]\nname = "base"\nruntime = "noop"\ntask = "classify"\n'
-        '[[models]]\nname = "base:tuned"\nruntime = "noop"\nadapter_of = "base"\n'
-    )
-    catalog = Catalog.from_settings(load_settings(config, default_model=False))
     assert catalog.get("base:tuned").task.value == "classify"
+    assert [spec.name for spec in catalog.adapters_of("base")] == ["base:tuned"]
 
 
 def test_concurrent_batches_must_be_positive() -> None:
