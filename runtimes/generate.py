@@ -44,7 +44,7 @@ from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
 from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
 from runtimes.tokenizer import TextTokenizer, model_max_length
-from runtimes.torch_backend import _DTYPES, load_torch_model
+from runtimes.torch_backend import _DTYPES, load_torch_model, release
 
 __all__ = ["GenerateRuntime", "SamplingParams", "StepOutput", "Usage"]
 
@@ -401,9 +401,9 @@ class GenerateRuntime:
 
     def close(self) -> None:
         self._rows, self._batch = [], None
+        self._adapters.close()
         del self.model
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(self.device)
 
 
 def _check_full_attention(config: Any, folder: Path) -> None:

@@ -49,6 +49,13 @@ class LoraAdapters:
         self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def close(self) -> None:
+        """Let go of the model and its adapters: the runtime closing frees their memory only once nothing holds them."""
+        with self._lock:
+            del self._base
+            self._peft = None
+            self._bytes.clear()
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._bytes)

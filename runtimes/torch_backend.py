@@ -6,6 +6,7 @@ the others), loaded from a local folder only: no hub, no `trust_remote_code`.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -70,9 +71,16 @@ class TorchBackend:
         return max(0, peak - self.weight_bytes)
 
     def close(self) -> None:
+        self.adapters.close()
         del self.model
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(self.device)
+
+
+def release(device: torch.device) -> None:
+    """After the last reference to a model is dropped: collect it (modules hold cycles), return CUDA's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +70,18 @@ def test_encoder_adapter_matches_peft_and_leaves_the_base_alone(
     lora_params = sum(p.numel() for n, p in reference.named_parameters() if ".default." in n)
     assert added == 4 * lora_params
     runtime.close()
+
+
+def test_closing_a_runtime_with_an_adapter_lets_go_of_its_model(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path]
+) -> None:
+    """The adapters kept the base model alive after close, so its (GPU) memory was not freed with it."""
+    runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY])
+    model = weakref.ref(runtime.backend.model)  # type: ignore[attr-defined]
+    runtime.close()
+    gc.collect()
+    assert model() is None
 
 
 def test_evicted_adapter_is_unknown_and_can_be_loaded_again(
