@@ -424,8 +424,9 @@ class Batcher:
             if len(batch) > 1:
                 log.warning("batch failed; splitting", extra={"model": self.model, "error": repr(exc)})
                 half = len(batch) // 2
-                await self._run_rows(batch[:half])
-                await self._run_rows(batch[half:])
+                # At most one eviction per batch formed: its halves must not each evict another model.
+                await self._run_rows(batch[:half], after_oom=True)
+                await self._run_rows(batch[half:], after_oom=True)
                 return
             job = batch[0].job
             log.error("input failed", extra={"model": self.model, "request_id": job.meta.id, "error": repr(exc)})

@@ -98,6 +98,7 @@ class Residency:
         self._before_evict = before_evict
         self._resident: dict[str, Resident] = {}
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
+        self._evicting: dict[str, asyncio.Event] = {}  # set once the model is gone
         self._room_lock = asyncio.Lock()
         self._reserved: dict[str, int] = {}  # estimated bytes of models being loaded
         self._max_adapters = max_adapters
@@ -143,6 +144,8 @@ class Residency:
             )
 
     async def ensure_loaded(self, spec: ModelSpec) -> Runtime:
+        while (evicting := self._evicting.get(spec.name)) is not None:
+            await evicting.wait()  # a runtime being closed must not be handed out: load it afresh after
         resident = self._resident.get(spec.name)
         if resident is not None:
             resident.last_used = time.monotonic()
@@ -204,13 +207,19 @@ class Residency:
     async def _make_room(self, need: int, keep: str) -> None:
         """Evict LRU unpinned models until `need` more bytes fit in the budget."""
         while self.used_bytes + need > self.budget_bytes:
-            victims = sorted(
-                (r for r in self._resident.values() if r.spec.name not in self.pinned and r.spec.name != keep),
-                key=lambda r: r.last_used,
-            )
-            if not victims:
+            victim = self._victim(keep)
+            if victim is None:
                 return  # check_fits guaranteed the pinned set leaves room; measured bytes may exceed estimates
-            await self.evict(victims[0].spec.name, reason="budget")
+            await self.evict(victim, reason="budget")
+
+    def _victim(self, keep: str) -> str | None:
+        """The least recently used model that may be evicted for `keep`: not pinned, not already on its way out."""
+        candidates = [
+            r
+            for r in self._resident.values()
+            if r.spec.name not in self.pinned and r.spec.name != keep and r.spec.name not in self._evicting
+        ]
+        return min(candidates, key=lambda r: r.last_used).spec.name if candidates else None
 
     async def ensure_adapter(self, base: str, adapter: ModelSpec) -> None:
         """Load a LoRA adapter onto its resident base (single flight); evict the base's LRU adapter past the cap."""
@@ -257,25 +266,31 @@ class Residency:
         return True
 
     async def evict_for_oom(self, keep: str) -> bool:
-        """Free memory after an out-of-memory error: evict the LRU unpinned model other than `keep`."""
-        victims = sorted(
-            (r for r in self._resident.values() if r.spec.name not in self.pinned and r.spec.name != keep),
-            key=lambda r: r.last_used,
-        )
-        if not victims:
+        """Free memory after an out-of-memory error: evict the LRU unpinned model other than `keep`.
+
+        Not while `keep` is itself being evicted: its eviction waits for this very batch, and two
+        models each evicting the other for a failing batch would wait on each other for ever.
+        """
+        victim = None if keep in self._evicting else self._victim(keep)
+        if victim is None:
             return False
-        await self.evict(victims[0].spec.name, reason="oom")
+        await self.evict(victim, reason="oom")
         return True
 
     async def evict(self, name: str, reason: str = "request") -> bool:
-        if name not in self._resident:
+        if name not in self._resident or name in self._evicting:
             return False
-        if self._before_evict is not None:
-            await self._before_evict(name)
-        resident = self._resident.pop(name, None)
-        if resident is None:
-            return False
-        await asyncio.get_running_loop().run_in_executor(self._executor, resident.runtime.close)
+        self._evicting[name] = gone = asyncio.Event()
+        try:
+            if self._before_evict is not None:
+                await self._before_evict(name)
+            resident = self._resident.pop(name, None)
+            if resident is None:
+                return False
+            await asyncio.get_running_loop().run_in_executor(self._executor, resident.runtime.close)
+        finally:
+            del self._evicting[name]
+            gone.set()
         self._metrics.resident_bytes.remove(name)
         self._metrics.evictions.labels(name, reason).inc()
         log.info("model evicted", extra={"model": name, "reason": reason, "bytes": resident.nbytes})
