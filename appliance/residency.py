@@ -133,9 +133,14 @@ class Residency:
         if resident is not None:
             resident.last_used = time.monotonic()
 
-    def check_fits(self, spec: ModelSpec) -> None:
+    async def check_fits(self, spec: ModelSpec) -> None:
         """Refuse (507) a model that could never fit, even with every unpinned model evicted."""
-        need = estimate_bytes(spec)
+        self._check_fits(spec, await self._estimate(spec))
+
+    async def _estimate(self, spec: ModelSpec) -> int:
+        return await asyncio.get_running_loop().run_in_executor(None, estimate_bytes, spec)  # a walk of its folder
+
+    def _check_fits(self, spec: ModelSpec, need: int) -> None:
         held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
         if need > self.budget_bytes - held:
             raise InsufficientMemory(
@@ -170,9 +175,9 @@ class Residency:
         return runtime
 
     async def _load(self, spec: ModelSpec) -> Runtime:
-        estimate = estimate_bytes(spec)
+        estimate = await self._estimate(spec)
         async with self._room_lock:
-            self.check_fits(spec)
+            self._check_fits(spec, estimate)
             await self._make_room(estimate, keep=spec.name)
             # Reserved until it lands, so a second load in flight makes room for this one too.
             self._reserved[spec.name] = estimate

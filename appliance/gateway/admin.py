@@ -9,7 +9,7 @@ Load and evict act on one box through its control subject, so any box's API can 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,7 @@ async def register(
     catalog: Catalog,
     store: CatalogStore,
     settings: Settings,
-    check_fits: Callable[[ModelSpec], None] | None,
+    check_fits: Callable[[ModelSpec], Awaitable[None]] | None,
 ) -> ModelSpec:
     """Judge a registration and put it in the fleet's catalog: `POST /v1/models` and the `register` verb."""
     name = registration.name
@@ -211,7 +211,7 @@ async def register(
         profile=registration.profile,
     )
     if check_fits is not None and spec.adapter_of is None:
-        await loop.run_in_executor(None, check_fits, spec)  # it sizes the folder's weight files
+        await check_fits(spec)
     await store.create(spec)  # refused (409) when a registration racing this one took the slug meanwhile
     return spec
 

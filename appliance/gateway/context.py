@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ class GatewayContext:
     # Heartbeat records of the live boxes.
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Raises 507 when a model could never fit this box; None on a gateway-only box.
-    check_fits: Callable[[ModelSpec], None] | None
+    check_fits: Callable[[ModelSpec], Awaitable[None]] | None
     ids: NUID = field(default_factory=NUID)  # request ids: unique across gateways (random prefix per NUID)
 
     @staticmethod
