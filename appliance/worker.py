@@ -388,16 +388,32 @@ async def load_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, 
 
 
 class Cancellations:
-    """Request ids whose clients went away, remembered for a while, fed by `fbx.cancel`."""
+    """Request ids whose clients went away, remembered for a while, fed by `fbx.cancel`.
 
-    def __init__(self) -> None:
-        self._until: dict[str, float] = {}
+    Every box hears every cancel in the fleet: ids expire in the order they came, from the front of
+    a queue, so a storm of cancels costs each one a constant amount of work.
+    """
+
+    def __init__(self, memory_s: float = _CANCEL_MEMORY_S, most: int = 100_000) -> None:
+        self._memory_s = memory_s
+        self._most = most
+        self._order: deque[tuple[float, str]] = deque()  # (expiry, id), oldest first
+        self._ids: set[str] = set()
 
     def add(self, request_id: str) -> None:
         now = time.monotonic()
-        if len(self._until) > 10_000:
-            self._until = {k: v for k, v in self._until.items() if v > now}
-        self._until[request_id] = now + _CANCEL_MEMORY_S
+        self._forget(now)
+        if request_id in self._ids:
+            return
+        if len(self._order) >= self._most:
+            self._ids.discard(self._order.popleft()[1])
+        self._order.append((now + self._memory_s, request_id))
+        self._ids.add(request_id)
 
     def contains(self, request_id: str) -> bool:
-        return self._until.get(request_id, 0.0) > time.monotonic()
+        self._forget(time.monotonic())
+        return request_id in self._ids
+
+    def _forget(self, now: float) -> None:
+        while self._order and self._order[0][0] <= now:
+            self._ids.discard(self._order.popleft()[1])

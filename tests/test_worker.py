@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from appliance import bus
 from appliance.catalog import Catalog
 from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.worker import Cancellations
 from tests.conftest import noop_model, url, wait_for
 
 NOOP_BODY = {"input": ["one two three"], "model": "noop"}
@@ -169,3 +170,13 @@ async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_serv
 
 async def _async(value: bool) -> bool:
     return value
+
+
+def test_cancelled_ids_are_forgotten_in_the_order_they_came_and_kept_bounded() -> None:
+    remembered = Cancellations(memory_s=600, most=3)
+    for request_id in ("a", "b", "c", "d"):
+        remembered.add(request_id)
+    assert [remembered.contains(i) for i in "abcd"] == [False, True, True, True]  # the oldest made room
+    expired = Cancellations(memory_s=0)
+    expired.add("gone")
+    assert not expired.contains("gone")
