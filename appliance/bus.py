@@ -79,6 +79,11 @@ def pull_inbox(box_id: str, slug: str, priority: str = INTERACTIVE) -> str:
     return f"_FBX.pull.{box_id}.{slug}.{priority}"
 
 
+def refuse_inbox(box_id: str, slug: str, priority: str = INTERACTIVE) -> str:
+    """Where a box pulls requests it answers with an error: a model that failed to load on it, and nowhere else."""
+    return f"{pull_inbox(box_id, slug, priority)}.refuse"
+
+
 def pull_request_subject(slug: str, priority: str = INTERACTIVE) -> str:
     return f"$JS.API.CONSUMER.MSG.NEXT.{REQUEST_STREAM}.{consumer_name(slug, priority)}"
 

@@ -22,7 +22,7 @@ from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, ServiceUnavailable, reason_of
 from appliance.puller import Puller
-from appliance.tasks import cancel_and_wait
+from appliance.tasks import Background, cancel_and_wait
 
 if TYPE_CHECKING:
     from appliance.app import Box
@@ -44,8 +44,9 @@ class Placement:
         self._box = box
         self._task: asyncio.Task[None] | None = None
         self._loading: set[str] = set()
-        self._loads: set[asyncio.Task[None]] = set()
+        self._loads = Background("placement")
         self._failed_until: dict[str, float] = {}  # a model that failed to load is retried later, not hammered
+        self.refusing: set[str] = set()  # models whose waiting requests this box answers with its load error
 
     @property
     def loading(self) -> set[str]:
@@ -55,7 +56,8 @@ class Placement:
         self._task = asyncio.create_task(self._run(), name="placement")
 
     async def stop(self) -> None:
-        await cancel_and_wait([self._task, *self._loads])
+        await cancel_and_wait([self._task])
+        await self._loads.cancel()
 
     async def _run(self) -> None:
         while True:
@@ -86,9 +88,7 @@ class Placement:
             self._loading.add(spec.name)
             if box.fleet is not None:
                 await box.fleet.beat()  # tell the fleet at once that this model is on its way here
-            task = asyncio.create_task(self._load(spec))
-            self._loads.add(task)
-            task.add_done_callback(self._loads.discard)
+            self._loads.spawn(self._load(spec))
 
     def _holders(self, name: str) -> list[str]:
         return self._box.fleet.holders(name, loading=True) if self._box.fleet else []
@@ -119,7 +119,7 @@ class Placement:
             error = load_failed(spec.name, self._box.box_id, exc)
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
             self._failed(spec.name)
-            self._loading.discard(spec.name)  # no longer on its way here; other boxes may try
+            self._loading.discard(spec.name)  # no longer on its way here (before the refusing): other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
                 await self._refuse(spec, error)
@@ -127,32 +127,36 @@ class Placement:
             self._loading.discard(spec.name)
 
     async def _refuse(self, spec: ModelSpec, error: FleetboxError) -> None:
-        """Answer the requests waiting for a model that failed to load, until the next load attempt."""
+        """Answer the requests waiting for a model that failed to load, until the next load attempt here
+        or until another box holds it (or is loading it): from then on that box answers them."""
         box = self._box
         assert box.nc is not None
 
         def answer(msg: Msg) -> None:
-            task = asyncio.create_task(self._answer(msg, error))
-            self._loads.add(task)
-            task.add_done_callback(self._loads.discard)
+            self._loads.spawn(self._answer(msg, error))
 
         # Both priorities: a batch-priority request would otherwise wait out its deadline for a 504.
         pullers = [
             Puller(
                 box.nc,
                 spec.slug,
-                bus.pull_inbox(box.box_id, spec.slug, priority) + ".refuse",
+                bus.refuse_inbox(box.box_id, spec.slug, priority),
                 lambda: 64,
                 answer,
                 priority=priority,
             )
             for priority in PRIORITIES
         ]
+        self.refusing.add(spec.name)
         try:
             for puller in pullers:
                 await puller.start()
-            await asyncio.sleep(_RETRY_AFTER_FAILURE_S)
+            for _ in range(round(_RETRY_AFTER_FAILURE_S / _PERIOD_S)):  # heartbeats say who holds it: polled
+                if set(self._holders(spec.name)) - {box.box_id}:  # its own heartbeat may still say "loading"
+                    break
+                await asyncio.sleep(_PERIOD_S)
         finally:
+            self.refusing.discard(spec.name)
             for puller in pullers:
                 await puller.stop()
 

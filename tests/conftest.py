@@ -7,6 +7,7 @@ serves the packaged all-MiniLM-L6-v2 so the tests that only need "a box" share o
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -96,11 +97,14 @@ def url(box: Box, path: str) -> str:
     return f"http://127.0.0.1:{box.http_port}{path}"
 
 
-async def wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Poll an async condition until it holds, bounded; no bare sleeps as synchronisation."""
+async def wait_for(
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition"
+) -> None:
+    """Poll a condition (plain or async) until it holds, bounded; no bare sleeps as synchronisation."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while asyncio.get_running_loop().time() < deadline:
-        if await condition():
+        held = condition()
+        if await held if inspect.isawaitable(held) else held:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -8,10 +8,6 @@ from appliance.control import call_box
 from tests.conftest import noop_model, wait_for
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def test_a_slow_load_does_not_hold_up_a_status_sent_to_the_same_box(start_box) -> None:
     box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)])
     assert box.nc is not None
@@ -21,7 +17,7 @@ async def test_a_slow_load_does_not_hold_up_a_status_sent_to_the_same_box(start_
     await room.acquire()
     try:
         load = asyncio.create_task(call_box(box.nc, box.box_id, "load", {"model": "cold"}, timeout_s=30))
-        await wait_for(lambda: _true(box.residency.is_loading("cold")), 10, "the load to wait for room")
+        await wait_for(lambda: box.residency.is_loading("cold"), 10, "the load to wait for room")
         status = await call_box(box.nc, box.box_id, "status", timeout_s=5)
         assert status["box"] == box.box_id
         assert not load.done()  # answered while the load is still in flight

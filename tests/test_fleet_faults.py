@@ -141,7 +141,7 @@ async def test_generation_overload_is_refused_at_once_too(start_box, http, gener
 async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model(cost_ms=400)], max_batch_size=1, max_wait_ms=0)
     busy = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "first"}))
-    await wait_for(lambda: _true(box.workers["noop"].held == 1), what="the first request to be held")
+    await wait_for(lambda: box.workers["noop"].held == 1, what="the first request to be held")
     gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "gone"}))
 
     async def queued_behind() -> bool:  # in the box or still in the stream: the box holds only what it has room for
@@ -152,8 +152,8 @@ async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http
     gone.cancel()  # the client disconnects while its request waits
     async with await busy as response:
         assert response.status == 200
-    await wait_for(lambda: _true(counter(box, "fbx_cancelled_requests") == 1), what="the cancellation")
-    await wait_for(lambda: _true(box.workers["noop"].held == 0), what="the box to let go of it")
+    await wait_for(lambda: counter(box, "fbx_cancelled_requests") == 1, what="the cancellation")
+    await wait_for(lambda: box.workers["noop"].held == 0, what="the box to let go of it")
     assert counter(box, "fbx_rows_computed") == 1
 
 
@@ -186,10 +186,6 @@ async def test_request_no_box_finishes_is_dead_lettered_and_answered(start_box, 
 
 async def _gt(value, than: int) -> bool:
     return (await value) > than
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_no_request_stream_is_a_503_with_retry_after(start_box, http) -> None:
@@ -241,7 +237,7 @@ async def test_a_stopping_gateway_still_answers_its_clients_with_the_other_boxes
                 return response.status
 
         calls = [asyncio.create_task(one(i)) for i in range(12)]  # ~1 s of work for two boxes
-        await wait_for(lambda: _true(leaving.dispatcher.waiting == 12), what="all twelve to be awaited")
+        await wait_for(lambda: leaving.dispatcher.waiting == 12, what="all twelve to be awaited")
         await leaving.stop()
         assert await asyncio.gather(*calls) == [200] * 12
     finally:
@@ -257,7 +253,7 @@ async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server
         asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"r{i}"}))
         for i in range(6)
     ]
-    await wait_for(lambda: _true(box.dispatcher.waiting == 6), what="all six to be awaited")
+    await wait_for(lambda: box.dispatcher.waiting == 6, what="all six to be awaited")
     await box.stop()
     statuses = []
     for call in calls:

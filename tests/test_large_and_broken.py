@@ -52,6 +52,29 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
 
 
+async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_box_holds_it(
+    start_box, http, encoder_dir
+) -> None:
+    """The small box's budget cannot hold the model: its load fails and it answers the waiting requests 503.
+    Once a bigger box has loaded it, those requests are the bigger box's to answer, not the small box's
+    to refuse for the rest of its 30 s back-off."""
+    gateway = await start_box(role="gateway", box_id="gateway", default_model=False, model_roots=[encoder_dir.parent])
+    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="1000")
+    async with http.post(url(gateway, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
+        assert response.status == 201
+    body = {"model": "enc", "input": "x"}
+    async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
+        assert response.status == 503 and "could not be loaded on box small" in await response.text()
+    assert small._placement.refusing == {"enc"}
+    await start_box(role="worker", box_id="big", default_model=False)
+    async with http.post(url(gateway, "/v1/models/enc/load"), json={"box": "big"}) as response:
+        assert response.status == 200
+    await wait_for(lambda: not small._placement.refusing, timeout_s=5, what="the small box to stop refusing")
+    for _ in range(10):
+        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
+            assert response.status == 200
+
+
 async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, http) -> None:
     worker = await start_box(role="worker", default_model=False, models=[noop_model()])
     async with http.get(url(worker, "/readyz")) as response:

@@ -56,7 +56,7 @@ async def test_without_durable_a_nats_restart_loses_the_queue_but_boxes_rebuild_
     await wait_for(answered, what="a request answered after the restart")
     async with http.post(url(gateway, "/v1/models/noop/pin")) as response:
         assert response.status == 200  # the catalog bucket is back, with the boxes' view in it
-    await wait_for(lambda: _true({"gateway", "worker"} <= {r["box"] for r in gateway.fleet.live_boxes()}),
+    await wait_for(lambda: {"gateway", "worker"} <= {r["box"] for r in gateway.fleet.live_boxes()},
                    what="both heartbeats")  # fmt: skip
     assert worker.nc is not None and worker.nc.is_connected
 
@@ -130,7 +130,7 @@ async def test_a_reply_no_gateway_takes_is_sent_again_instead_of_acked_and_lost(
             return (box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) or 0) == 1
 
         await wait_for(computed, what="the request to be computed")
-        await wait_for(lambda: _true("reply not taken by a gateway" in caplog.text), what="a second try")
+        await wait_for(lambda: "reply not taken by a gateway" in caplog.text, what="a second try")
         info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
         assert info.num_ack_pending == 1  # nobody took the answer, so it is not acked
 
@@ -167,10 +167,6 @@ async def test_retry_after_follows_how_fast_the_backlog_drains(start_box) -> Non
     assert {o.status for o in outcomes} == {200, 429}
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def test_a_box_waiting_for_nats_at_start_stops_on_sigterm(tmp_path) -> None:
     """No NATS answers yet: the box keeps trying, and SIGTERM still ends it at once (not only once it is up)."""
     config = tmp_path / "box.toml"
@@ -183,7 +179,7 @@ async def test_a_box_waiting_for_nats_at_start_stops_on_sigterm(tmp_path) -> Non
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        await wait_for(lambda: _true(b"nats error" in log_file.read_bytes()), what="the box to try NATS")
+        await wait_for(lambda: b"nats error" in log_file.read_bytes(), what="the box to try NATS")
         box.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(box.wait, 10) == 0
     finally:
@@ -219,7 +215,7 @@ async def test_with_nats_down_a_request_is_refused_at_once_and_never_computed_la
     """A gateway cut off from NATS answers 503 at once, and the request is not queued behind the client's back."""
     box = await start_box(default_model=False, models=[noop_model()])
     await nats_server.stop()
-    await wait_for(lambda: _true(box.nc is not None and not box.nc.is_connected), what="the box to notice")
+    await wait_for(lambda: box.nc is not None and not box.nc.is_connected, what="the box to notice")
     started = time.monotonic()
     async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
         assert response.status == 503
@@ -228,7 +224,7 @@ async def test_with_nats_down_a_request_is_refused_at_once_and_never_computed_la
     assert time.monotonic() - started < 1.0  # not after the 5 s publish timeout
     rows = box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) or 0
     await nats_server.start()
-    await wait_for(lambda: _true(box.nc.is_connected), what="the box to reconnect")
+    await wait_for(lambda: box.nc.is_connected, what="the box to reconnect")
 
     async def answered() -> bool:
         async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "y", "timeout": 2}) as r:

@@ -49,7 +49,7 @@ async def test_request_past_its_deadline_is_never_computed(start_box, http) -> N
     box = await start_box(default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1)
     slow = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 10}))
     await wait_for(
-        lambda: _async(
+        lambda: (
             box.workers["noop"].batcher.pending_rows == 0
             and counter(box, "fbx_rows_computed") == 0
             and box.workers["noop"].held == 1
@@ -60,7 +60,7 @@ async def test_request_past_its_deadline_is_never_computed(start_box, http) -> N
         assert response.status == 504
     async with await slow as response:
         assert response.status == 200
-    await wait_for(lambda: _async(counter(box, "fbx_expired_requests") == 1), what="the expired request dropped")
+    await wait_for(lambda: counter(box, "fbx_expired_requests") == 1, what="the expired request dropped")
     assert counter(box, "fbx_rows_computed") == 1  # only the slow one ran
 
 
@@ -88,7 +88,7 @@ async def test_a_request_whose_blob_is_gone_is_retried_then_dead_lettered_not_he
     reply = await asyncio.wait_for(replies.get(), 20)
     assert ReplyMeta.from_headers(reply.headers).status == 422
     assert b"dead_lettered" in reply.data
-    await wait_for(lambda: _async(box.workers["noop"].held == 0), what="the request let go")
+    await wait_for(lambda: box.workers["noop"].held == 0, what="the request let go")
     assert counter(box, "fbx_dead_lettered_requests") == 1
     await nc.close()
 
@@ -163,13 +163,9 @@ async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_serv
     await msg.ack()
     result = await asyncio.wait_for(call, 10)
     assert result.meta.box == "first"
-    await wait_for(lambda: _async(gateway.metrics.registry.get_sample_value("fbx_ignored_replies_total") == 1),
+    await wait_for(lambda: gateway.metrics.registry.get_sample_value("fbx_ignored_replies_total") == 1,
                    what="the second reply to be dropped")  # fmt: skip
     await nc.close()
-
-
-async def _async(value: bool) -> bool:
-    return value
 
 
 def test_cancelled_ids_are_forgotten_in_the_order_they_came_and_kept_bounded() -> None:
