@@ -16,7 +16,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 import orjson
@@ -41,7 +41,6 @@ from appliance.gateway.admin import register, registration_from
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
-from appliance.generation import GenerateWorker
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement, load_failed
@@ -51,6 +50,9 @@ from appliance.settings import Settings
 from appliance.tasks import Background
 from appliance.worker import Cancellations, ModelWorker
 from runtimes.base import Task
+
+if TYPE_CHECKING:
+    from appliance.generation import GenerateWorker
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +363,8 @@ class Box:
         assert self.nc is not None
         worker: ModelWorker | GenerateWorker
         if spec.task is Task.GENERATE:
+            from appliance.generation import GenerateWorker  # torch and transformers: only a box that generates
+
             worker = GenerateWorker(
                 self.box_id,
                 self.nc,
@@ -391,8 +395,13 @@ class Box:
                 self.cancelled,
                 local_reply=self._local_reply,
             )
-        self.workers[spec.name] = worker
-        await worker.start()
+        self.workers[spec.name] = worker  # before it starts: a caller meanwhile finds it rather than start another
+        try:
+            await worker.start()
+        except BaseException:
+            del self.workers[spec.name]  # not pulling: placement must be free to try again
+            await worker.drain()
+            raise
         if self.fleet is not None:
             await self.fleet.beat()
         return worker
