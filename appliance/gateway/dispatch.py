@@ -220,13 +220,15 @@ class Dispatcher:
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
         with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight=max(1, tokens)):
-            await self._publish(spec, body, meta)
             try:
-                reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                raise _deadline(timeout_s) from None
+                await self._publish(spec, body, meta)
+                try:
+                    reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise _deadline(timeout_s) from None
             except asyncio.CancelledError:
-                # The client went away: a box that has not started it drops it, and so does any box later.
+                # The client went away (maybe while the publish waited for its ack, as in a failover): a box
+                # that has not started it drops it, and so does any box later.
                 await asyncio.shield(self._cancel(meta.id))
                 raise
             if reply.meta.blob:
