@@ -212,8 +212,9 @@ class GenerateWorker:
             max_tokens = request.max_completion_tokens
         return SamplingParams(
             max_tokens=max_tokens or _DEFAULT_MAX_TOKENS,
-            temperature=request.temperature,
-            top_p=request.top_p,
+            # Not given: the model's generation_config.json value (as vLLM does), else 1.0.
+            temperature=self.runtime.defaults.temperature if request.temperature is None else request.temperature,
+            top_p=self.runtime.defaults.top_p if request.top_p is None else request.top_p,
             stop=request.stops(),
             seed=request.seed,
         )

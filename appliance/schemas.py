@@ -161,8 +161,8 @@ class StreamOptions(_NullIsDefault, kw_only=True):
 class _Sampling(_NullIsDefault, kw_only=True):
     model: str
     max_tokens: Positive | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = 1.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # None: the model's own default
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
     seed: Seed | None = None
     stream: bool | None = False

@@ -434,7 +434,7 @@ def _eos_ids(model: Any, tokenizer: TextTokenizer, folder: Path) -> frozenset[in
 
 
 def _default_params(folder: Path) -> SamplingParams:
-    """What a request that says nothing gets: the model's `generation_config.json` sampling values."""
+    """The sampling a request gets where it says nothing: the model's `generation_config.json` values, else 1.0."""
     config_file = folder / "generation_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return SamplingParams(

@@ -9,6 +9,7 @@ the way a worker does, and never acks, exactly what a box killed mid-answer leav
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import nats
 import orjson
@@ -126,3 +127,18 @@ async def test_a_draining_generator_finishes_its_answers_and_acks_them(start_box
         assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)
     info = await worker_box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_sampling_a_request_leaves_out_is_the_models_own(start_box, http, generator_dir, tmp_path) -> None:
+    """A model whose generation_config.json says temperature 0 answers greedily when the request names none,
+    as vLLM does."""
+    folder = tmp_path / "greedy-by-default"
+    shutil.copytree(generator_dir, folder)
+    config = orjson.loads((folder / "generation_config.json").read_bytes())
+    (folder / "generation_config.json").write_bytes(orjson.dumps(config | {"temperature": 0.0}))
+    model = ModelEntry(name="tiny-llama", path=folder, task="generate", pinned=True)
+    box = await start_box(default_model=False, models=[model])
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
+    for _ in range(2):
+        async with http.post(url(box, "/v1/completions"), json=body) as response:
+            assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)
