@@ -41,6 +41,7 @@ from appliance.gateway.admin import register, registration_from
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
+from appliance.logs import FailureStreak
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement, load_failed
@@ -535,16 +536,18 @@ class Box:
     async def _watch_stream(self) -> None:
         """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After."""
         assert self.js is not None
+        streak = FailureStreak(log, "reading the request stream's state")
         while True:
             try:
                 info = await self.js.stream_info(bus.REQUEST_STREAM)
                 self._stream_ok = True
+                streak.succeeded()
                 self.metrics.backlog.set(info.state.messages)
                 if self.dispatcher is not None:
                     self.dispatcher.backlog = info.state.messages
             except Exception as exc:
                 self._stream_ok = False
-                log.debug("stream info failed", extra={"error": repr(exc)})
+                streak.failed(exc)
             await asyncio.sleep(_MONITOR_PERIOD_S)
 
     # -- control ---------------------------------------------------------------------------------
@@ -680,4 +683,4 @@ async def _bounded(step: str, awaitable: Awaitable[Any], timeout_s: float = 0.0)
     except TimeoutError:
         log.warning(f"shutdown step {step!r} timed out; going on", extra={"step": step})
     except Exception as exc:
-        log.debug("shutdown step failed", extra={"step": step, "error": repr(exc)})
+        log.warning(f"shutdown step {step!r} failed; going on", extra={"step": step, "error": repr(exc)})

@@ -22,6 +22,7 @@ from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
+from appliance.logs import FailureStreak
 from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Fleet:
         self._js = js
         self.box_id = box_id
         self._snapshot = snapshot  # None: a reader only (the TUI), publishes nothing
+        self._heartbeats = FailureStreak(log, "publishing the heartbeat")
         self._period_s = period_s
         self._ttl_s = ttl_s
         self._replicas = replicas
@@ -89,7 +91,9 @@ class Fleet:
         try:
             await self._kv.put(self.box_id, orjson.dumps(record))
         except Exception as exc:
-            log.debug("heartbeat failed", extra={"error": repr(exc)})
+            self._heartbeats.failed(exc)
+        else:
+            self._heartbeats.succeeded()
 
     async def _beat_forever(self) -> None:
         while True:

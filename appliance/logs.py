@@ -45,3 +45,26 @@ def configure_logging(level: str) -> None:
     for noisy in ("aiohttp.access", "transformers", "httpx", "onnxscript", "torch.onnx"):  # ~170 lines an export
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
+
+
+class FailureStreak:
+    """A loop's repeated failure, logged once when it starts (WARNING) and once when it ends (INFO).
+
+    A loop that retries every quarter second would flood the log at WARNING, and hide that it is
+    failing at DEBUG; the repeats in between go to DEBUG.
+    """
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._log = logger
+        self._what = what
+        self._failures = 0
+
+    def failed(self, exc: BaseException) -> None:
+        self._failures += 1
+        level = logging.WARNING if self._failures == 1 else logging.DEBUG
+        self._log.log(level, f"{self._what} failed", extra={"error": repr(exc), "failures": self._failures})
+
+    def succeeded(self) -> None:
+        if self._failures:
+            self._log.info(f"{self._what} works again", extra={"failures": self._failures})
+            self._failures = 0

@@ -21,6 +21,7 @@ from appliance import bus
 from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, ServiceUnavailable, reason_of
+from appliance.logs import FailureStreak
 from appliance.puller import Puller
 from appliance.tasks import Background, cancel_and_wait
 
@@ -60,12 +61,15 @@ class Placement:
         await self._loads.cancel()
 
     async def _run(self) -> None:
+        passes = FailureStreak(log, "placement pass")
         while True:
             await asyncio.sleep(_PERIOD_S)
             try:
                 await self._consider_all()
             except Exception as exc:
-                log.debug("placement pass failed", extra={"error": repr(exc)})
+                passes.failed(exc)
+            else:
+                passes.succeeded()
 
     async def _consider_all(self) -> None:
         box = self._box

@@ -260,16 +260,6 @@ class Residency:
         finally:
             self._adapter_loads.pop(key, None)
 
-    async def evict_adapter(self, base: str, adapter: str) -> bool:
-        resident = self._resident.get(base)
-        if resident is None or adapter not in resident.adapters:
-            return False
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, resident.runtime.evict_adapter, adapter)  # type: ignore[attr-defined]
-        del resident.adapters[adapter]
-        self._metrics.evictions.labels(f"{base}:{adapter}", "request").inc()
-        return True
-
     async def evict_for_oom(self, keep: str) -> bool:
         """Free memory after an out-of-memory error: evict the LRU unpinned model other than `keep`.
 

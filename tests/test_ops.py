@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
 
 from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME
+from appliance.logs import FailureStreak
 from appliance.settings import ModelEntry
 from tests.conftest import box_settings, noop_model, url, wait_for
 from tests.test_large_and_broken import folder_that_fails_to_load
@@ -102,3 +104,20 @@ async def test_the_default_model_gates_readiness_even_when_its_load_failed(start
     async with http.get(url(box, "/readyz")) as response:
         assert response.status == 503
         assert DEFAULT_MODEL_NAME in (await response.json())["reason"]
+
+
+def test_a_failing_loop_is_logged_once_when_it_starts_and_once_when_it_ends(caplog) -> None:
+    logger = logging.getLogger("fleetbox.test.streak")
+    streak = FailureStreak(logger, "reading the thing")
+    with caplog.at_level(logging.DEBUG, logger=logger.name):
+        for _ in range(3):
+            streak.failed(RuntimeError("down"))
+        streak.succeeded()
+        streak.succeeded()
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert levels == [
+        ("WARNING", "reading the thing failed"),
+        ("DEBUG", "reading the thing failed"),
+        ("DEBUG", "reading the thing failed"),
+        ("INFO", "reading the thing works again"),
+    ]

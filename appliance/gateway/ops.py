@@ -1,4 +1,4 @@
-"""Operations routes: liveness, readiness, Prometheus metrics, the model list and the OpenAPI spec."""
+"""Operations routes: liveness, readiness, Prometheus metrics and the model list (OpenAPI: openapi.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from appliance.gateway.admin import model_record
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response
 
-_STARTED = int(time.time())
+_STARTED = int(time.time())  # every model's `created` in the list: when this box started (api.md)
 
 
 async def healthz(request: web.Request) -> web.Response:
