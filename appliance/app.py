@@ -2,7 +2,9 @@
 
 Start order follows the request path backwards (queue, catalog, workers, then the HTTP door), and
 stop order forwards: close the door, let workers finish what they started and hand back what they
-did not, stop answering, then close NATS. Every step is bounded so SIGTERM exits within 15 s.
+did not, stop answering, then close NATS. Every NATS-facing step is bounded, and `fleetbox serve`
+gives the whole stop `shutdown_grace_s` + 4 s (12 s by default), so SIGTERM exits within 15 s; an
+embedded nats-server whose stop was cut short still ends with the process (its parent-death signal).
 """
 
 from __future__ import annotations
