@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import socket
 import ssl
 import time
@@ -36,6 +35,7 @@ from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
+from appliance.devices import cpu_cores, device_name, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
 from appliance.errors import Conflict, FleetboxError, NotFound, ServiceUnavailable
 from appliance.fleet import Fleet
@@ -47,7 +47,7 @@ from appliance.logs import FailureStreak
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement, load_failed
-from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook, cpu_cores, hardware_slug
+from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
 from appliance.tasks import Background
@@ -63,22 +63,6 @@ _MONITOR_PERIOD_S = 1.0
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 _JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 _RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
-
-
-def resolve_device(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu ({os.cpu_count()} cores)"
 
 
 def _jetstream_not_ready(exc: Exception) -> bool:

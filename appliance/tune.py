@@ -23,7 +23,8 @@ import numpy as np
 from appliance import __version__
 from appliance.bus import model_slug
 from appliance.catalog import Batching
-from appliance.profiles import Profile, device_description, hardware_slug
+from appliance.devices import device_description, hardware_slug
+from appliance.profiles import Profile
 from appliance.tune_load import Load, Measurement, make_requests, measure
 from appliance.tune_quality import Quality, Reference
 from appliance.tune_search import Candidate, Engine, ExploringOver, Objective, Space, Trial, search

@@ -17,7 +17,8 @@ from pathlib import Path
 from types import FrameType
 
 from appliance.catalog import Batching, Catalog, configured_specs, default_batching
-from appliance.profiles import SHIPPED_PROFILES_DIR, cpu_cores, tunable
+from appliance.devices import cpu_cores
+from appliance.profiles import SHIPPED_PROFILES_DIR, tunable
 from appliance.settings import Settings
 from appliance.tune import TuneConfig, Tuner, TuneResult
 from appliance.tune_load import Load, read_sample
@@ -101,7 +102,7 @@ def run_tune(
         target = resolve_model(model, settings, name)
     except (ValueError, FileNotFoundError) as exc:
         return refuse(str(exc))
-    from appliance.app import resolve_device
+    from appliance.devices import resolve_device
 
     chosen_device = resolve_device(device or settings.device)
     load = default_load(chosen_device, objective, concurrency, window_s)

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 
 from appliance import __version__  # noqa: E402
 from appliance.catalog import DEFAULT_MODEL_NAME, default_batching, default_model_path  # noqa: E402
-from appliance.profiles import cpu_cores, device_description, hardware_slug  # noqa: E402
+from appliance.devices import cpu_cores, device_description, hardware_slug  # noqa: E402
 from appliance.settings import Settings  # noqa: E402
 from appliance.tune import DEFAULT_ENGINE, TuneConfig, Tuner, TuneResult  # noqa: E402
 from appliance.tune_cli import _quiet_libraries, default_load  # noqa: E402

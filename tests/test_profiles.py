@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from appliance.catalog import Batching, ModelSpec
-from appliance.profiles import Profile, ProfileBook, apply, choose, gpu_slug, hardware_slug, nearest_hardware
+from appliance.devices import gpu_slug, hardware_slug
+from appliance.profiles import Profile, ProfileBook, apply, choose, nearest_hardware
 from appliance.settings import ModelEntry
 from runtimes import RuntimeKind, Task
 from tests.conftest import url

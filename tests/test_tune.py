@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from appliance.catalog import Batching
 from appliance.cli import app
-from appliance.profiles import Profile, hardware_slug
+from appliance.devices import hardware_slug
+from appliance.profiles import Profile
 from appliance.tune import TuneConfig, Tuner
 from appliance.tune_load import Load, Measurement, make_requests, read_sample
 from appliance.tune_quality import Reference, spearman

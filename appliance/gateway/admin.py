@@ -19,10 +19,11 @@ from aiohttp import web
 from appliance.bus import model_slug
 from appliance.catalog import ADAPTER_SEPARATOR, Catalog, CatalogStore, ModelSpec, batching_of, default_batching
 from appliance.control import call_box
+from appliance.devices import HARDWARE_SLUG
 from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
-from appliance.profiles import HARDWARE_SLUG, PROFILE_AUTO, PROFILE_OFF
+from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
