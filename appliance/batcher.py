@@ -1,16 +1,16 @@
 """The local batcher of one model: packs tokenised rows from many requests into device batches.
 
-The batching rule: a batch is anchored on the oldest waiting row (so no row starves), then grown
-one row at a time toward whichever neighbour in length adds the least padding, while
-`rows × longest row` (padding counted) stays within `max_batch_tokens` and the row count within
-`max_batch_size`. Once the cost of a batch here is known (`BatchCost`), the batch is cut where
-rows per second peak along that growth: past some size, the padding a longer row brings to every
-row costs more than a batch's fixed cost saves (on a CPU, soon; on a GPU, rarely). At most
-`concurrent_batches` batches are on the device at a time (one by default), so rows arriving
-meanwhile gather for the next one; when the device is idle, a partial batch waits at most
-`max_wait_ms` for company (0 by default: an idle device starts at once). Rows whose request's
-deadline has passed are dropped before any compute is spent on them, the last look taken on the
-device thread itself.
+Which rows form a batch is the batching rule (`packing.next_batch`): a batch is anchored on the
+oldest waiting row (so no row starves), then grown one row at a time toward whichever neighbour in
+length adds the least padding, while `rows × longest row` (padding counted) stays within
+`max_batch_tokens` and the row count within `max_batch_size`. Once the cost of a batch here is
+known (`BatchCost`), the batch is cut where rows per second peak along that growth: past some size,
+the padding a longer row brings to every row costs more than a batch's fixed cost saves (on a CPU,
+soon; on a GPU, rarely). When a batch forms is decided here: at most `concurrent_batches` batches
+are on the device at a time (one by default), so rows arriving meanwhile gather for the next one;
+when the device is idle, a partial batch waits at most `max_wait_ms` for company (0 by default: an
+idle device starts at once). Rows whose request's deadline has passed are dropped before any
+compute is spent on them, the last look taken on the device thread itself.
 
 One task owns the pending list; others only call `submit`. Every batch run also teaches `BatchCost`
 what a batch costs here, so the box can tell how much more work it could answer in a given time
@@ -25,115 +25,23 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from appliance.batch_cost import BatchCost
 from appliance.catalog import Batching
-from appliance.envelope import BATCH, RequestMeta
+from appliance.envelope import BATCH
 from appliance.errors import deadline_passed
 from appliance.metrics import Metrics
+from appliance.packing import next_batch
 from appliance.tasks import cancel_and_wait
-from runtimes import Runtime, Tokenized
+from appliance.work import Job, WorkItem
+from runtimes import Runtime
 
 log = logging.getLogger(__name__)
 
 _NEARLY_FREE = 0.1  # of the time budget: a device with this little left of its batch takes the next one
 _LATE_S = 0.005  # a batch this far past its predicted end (or a quarter of it) is stalled, not just late
-
-
-class BatchCost:
-    """Seconds a batch takes on this device: a fixed cost plus a cost per padded token, fitted to the batches run.
-
-    Why a fit and not rows per second: much of a small batch's time is the fixed part (a launch, a
-    sync, the Python around the call), so a rate read off small batches undercounts what a full
-    batch does, and a box sized by it asks for little, runs small batches and reads a low rate
-    again. The fit is least squares with older batches weighing less (`_DECAY` per batch); a batch
-    far slower than predicted (a GC pause, a cold cache) counts as at most twice the prediction, so
-    one pause does not reshape the model, while a device that really slows down still shows within
-    a few batches.
-    """
-
-    _DECAY = 0.95
-    TRUST_AFTER = 5  # batches before outliers are clipped and the fit shapes batches
-
-    def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums: weight, tokens, seconds, ...
-        self.batches = 0
-        self.tokens_per_row: float | None = None  # padded tokens per row of recent batches (EWMA)
-
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
-        predicted = self.seconds(tokens)
-        if predicted is not None and self.batches >= self.TRUST_AFTER:
-            seconds = min(seconds, 2 * predicted)
-        d = self._DECAY
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + tokens * tokens
-        self._xy = d * self._xy + tokens * seconds
-        self.batches += 1
-        per_row = tokens / rows
-        self.tokens_per_row = per_row if self.tokens_per_row is None else 0.9 * self.tokens_per_row + 0.1 * per_row
-
-    def seconds(self, tokens: float) -> float | None:
-        """Predicted seconds for a batch of `tokens` padded tokens; None before any batch ran."""
-        if self._w == 0:
-            return None
-        fit = self.fit()
-        if fit is None:  # one batch size seen (or noise): cost in proportion to tokens
-            mean_x, mean_y = self._x / self._w, self._y / self._w
-            return mean_y / mean_x * tokens if mean_x > 0 else mean_y
-        fixed, slope = fit
-        return fixed + slope * tokens
-
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds a batch, seconds a padded token); None while the batches seen cannot tell them apart."""
-        if self._w == 0:
-            return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        spread = self._xx / self._w - mean_x * mean_x
-        if spread <= (0.05 * mean_x) ** 2:
-            return None
-        slope = (self._xy / self._w - mean_x * mean_y) / spread
-        fixed = mean_y - slope * mean_x
-        return None if slope < 0 or fixed < 0 else (fixed, slope)
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    """One request being served: its rows, its results as they come, and what to answer with."""
-
-    meta: RequestMeta
-    rows: list[Tokenized]
-    params: Any = None
-    handle: Any = None  # the NATS message, for the worker to reply and ack
-    results: list[np.ndarray | None] = field(default_factory=list)
-    remaining: int = 0
-    started_ms: float = 0.0  # unix ms when its first row entered a batch
-    compute_ms: float = 0.0
-    done: bool = False
-
-    def __post_init__(self) -> None:
-        self.results = [None] * len(self.rows)
-        self.remaining = len(self.rows)
-
-    @property
-    def expired(self) -> bool:
-        return time.time() * 1000 >= self.meta.deadline_ms
-
-
-@dataclass(slots=True, eq=False)
-class WorkItem:
-    job: Job
-    index: int
-    row: Tokenized
-    arrived: float  # loop time
-
-    @property
-    def length(self) -> int:
-        return self.row.length
 
 
 class Batcher:
@@ -352,43 +260,8 @@ class Batcher:
 
     def _take_batch(self) -> list[WorkItem]:
         self._drop_expired()
-        if not self._pending:
-            return []
-        # Interactive work first: the oldest interactive row anchors the batch when there is one.
-        anchor = next((item for item in self._pending if item.job.meta.priority != BATCH), self._pending[0])
-        # One adapter per batch: the anchor's (None is the base model).
-        same_adapter = [item for item in self._pending if item.job.meta.adapter == anchor.job.meta.adapter]
-        by_length = sorted(same_adapter, key=lambda item: item.length)
-        at = next(i for i, item in enumerate(by_length) if item is anchor)
-        lo, hi = at, at + 1  # the batch is by_length[lo:hi]
-        longest = anchor.length
-        budget, max_rows = self.batching.max_batch_tokens, self.batching.max_batch_size
         fit = self.cost.fit() if self.cost.batches >= BatchCost.TRUST_AFTER else None
-        best, best_rate = (lo, hi), (1 / (fit[0] + fit[1] * longest) if fit is not None else 0.0)
-        while hi - lo < max_rows:
-            rows = hi - lo + 1
-            # Grow toward the neighbour that adds the least padding: a shorter row is padded up to the
-            # longest; a longer row pads every row already in. Either must keep the batch in budget.
-            shorter = longest - by_length[lo - 1].length if lo > 0 and rows * longest <= budget else None
-            longer = None
-            if hi < len(by_length) and rows * by_length[hi].length <= budget:
-                longer = (by_length[hi].length - longest) * (hi - lo)
-            if shorter is None and longer is None:
-                break
-            if longer is None or (shorter is not None and shorter <= longer):
-                lo -= 1
-            else:
-                longest = by_length[hi].length
-                hi += 1
-            if fit is not None:
-                # Rows a second if the batch stopped here: past some size, the padding a longer row
-                # brings to every row costs more than one batch's fixed cost saves.
-                rate = (hi - lo) / (fit[0] + fit[1] * (hi - lo) * longest)
-                if rate >= best_rate:
-                    best, best_rate = (lo, hi), rate
-        if fit is not None:
-            lo, hi = best
-        batch = by_length[lo:hi]
+        batch = next_batch(self._pending, self.batching, fit)
         chosen = {id(item) for item in batch}
         self._pending = [item for item in self._pending if id(item) not in chosen]
         return batch

@@ -14,10 +14,10 @@ import msgspec
 import numpy as np
 import orjson
 
-from appliance.batcher import Job
 from appliance.envelope import ReplyMeta
 from appliance.errors import PayloadTooLarge, Unprocessable
 from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest, RerankRequest
+from appliance.work import Job
 from runtimes import InputTooLong, Runtime, Task, Tokenized
 from runtimes.tasks.embed import truncate_dimensions
 from runtimes.tasks.score import relevance_scores

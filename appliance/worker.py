@@ -29,7 +29,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.batcher import Batcher, Job
+from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import dead_letter
@@ -41,6 +41,7 @@ from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
+from appliance.work import Job
 from runtimes import Runtime, UnknownAdapter, UnsupportedModel
 
 log = logging.getLogger(__name__)

@@ -73,13 +73,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `appliance` is importable
 
 from appliance.app import Box  # noqa: E402
-from appliance.batcher import Batcher, Job  # noqa: E402
+from appliance.batcher import Batcher  # noqa: E402
 from appliance.catalog import Batching, ModelSpec  # noqa: E402
 from appliance.envelope import RequestMeta  # noqa: E402
 from appliance.errors import FleetboxError  # noqa: E402
 from appliance.metrics import Metrics  # noqa: E402
 from appliance.natsd import EmbeddedNats, free_port  # noqa: E402
 from appliance.settings import ModelEntry, Settings  # noqa: E402
+from appliance.work import Job  # noqa: E402
 from benchmarks.e2e_embed import git_describe, machine  # noqa: E402
 from runtimes import ModelSource, RuntimeKind, Task  # noqa: E402
 from runtimes.noop import CostModel, NoopRuntime  # noqa: E402

@@ -7,13 +7,16 @@ import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
-from appliance.batcher import Batcher, Job
+from appliance.batcher import Batcher
 from appliance.catalog import Batching
-from appliance.envelope import RequestMeta
+from appliance.envelope import BATCH, RequestMeta
 from appliance.metrics import Metrics
+from appliance.packing import next_batch
+from appliance.work import Job, WorkItem
 from runtimes import ModelSource, Task, Tokenized
 from runtimes.noop import NoopRuntime
 
@@ -137,6 +140,26 @@ async def test_batch_stops_growing_where_padding_costs_more_than_a_batch_saves()
     launch_bound = taught(fixed_s=0.05, per_token_s=0.000001)  # a GPU-like fixed cost: one batch is best
     launch_bound.submit(job(rows))
     assert sorted(item.length for item in launch_bound._take_batch()) == rows
+
+
+def waiting(*jobs: Job) -> list[WorkItem]:
+    """The rows of `jobs` as a batcher holds them, in arrival order."""
+    return [WorkItem(j, i, row, float(n)) for n, j in enumerate(jobs) for i, row in enumerate(j.rows)]
+
+
+def test_the_next_batch_is_anchored_on_the_oldest_interactive_row_and_holds_its_adapter_only() -> None:
+    bulk = job([4, 4])
+    bulk.meta = replace(bulk.meta, priority=BATCH)
+    interactive, other_adapter = job([4, 5], adapter="a"), job([4], adapter="b")
+    batch = next_batch(waiting(bulk, interactive, other_adapter), Batching(1000, 64, 0.0), None)
+    assert [item.job for item in batch] == [interactive, interactive]
+
+
+def test_the_next_batch_grows_toward_the_least_padding_within_the_token_budget() -> None:
+    pending = waiting(job([6, 50, 5, 7, 30]))
+    batch = next_batch(pending, Batching(max_batch_tokens=40, max_batch_size=64, max_wait_ms=0.0), None)
+    assert [item.length for item in batch] == [5, 6, 7]  # 4 rows of 30 would pass the 40-token budget
+    assert next_batch([], Batching(40, 64, 0.0), None) == []
 
 
 class BarrierRuntime(NoopRuntime):

@@ -1,0 +1,66 @@
+"""What a batch costs on this device: a fixed cost per batch plus a cost per padded token, fitted as batches run.
+
+The one idea: fit both parts, not a single rate. A rate read off small batches (mostly fixed cost)
+undercounts what a full batch does; the two-part fit lets the batcher cut a batch where rows per
+second peak and lets the box reckon the room it has in time (see `batcher.py`).
+"""
+
+from __future__ import annotations
+
+
+class BatchCost:
+    """Seconds a batch takes on this device: a fixed cost plus a cost per padded token, fitted to the batches run.
+
+    Why a fit and not rows per second: much of a small batch's time is the fixed part (a launch, a
+    sync, the Python around the call), so a rate read off small batches undercounts what a full
+    batch does, and a box sized by it asks for little, runs small batches and reads a low rate
+    again. The fit is least squares with older batches weighing less (`_DECAY` per batch); a batch
+    far slower than predicted (a GC pause, a cold cache) counts as at most twice the prediction, so
+    one pause does not reshape the model, while a device that really slows down still shows within
+    a few batches.
+    """
+
+    _DECAY = 0.95
+    TRUST_AFTER = 5  # batches before outliers are clipped and the fit shapes batches
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums: weight, tokens, seconds, ...
+        self.batches = 0
+        self.tokens_per_row: float | None = None  # padded tokens per row of recent batches (EWMA)
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        predicted = self.seconds(tokens)
+        if predicted is not None and self.batches >= self.TRUST_AFTER:
+            seconds = min(seconds, 2 * predicted)
+        d = self._DECAY
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * seconds
+        self.batches += 1
+        per_row = tokens / rows
+        self.tokens_per_row = per_row if self.tokens_per_row is None else 0.9 * self.tokens_per_row + 0.1 * per_row
+
+    def seconds(self, tokens: float) -> float | None:
+        """Predicted seconds for a batch of `tokens` padded tokens; None before any batch ran."""
+        if self._w == 0:
+            return None
+        fit = self.fit()
+        if fit is None:  # one batch size seen (or noise): cost in proportion to tokens
+            mean_x, mean_y = self._x / self._w, self._y / self._w
+            return mean_y / mean_x * tokens if mean_x > 0 else mean_y
+        fixed, slope = fit
+        return fixed + slope * tokens
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds a batch, seconds a padded token); None while the batches seen cannot tell them apart."""
+        if self._w == 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        spread = self._xx / self._w - mean_x * mean_x
+        if spread <= (0.05 * mean_x) ** 2:
+            return None
+        slope = (self._xy / self._w - mean_x * mean_y) / spread
+        fixed = mean_y - slope * mean_x
+        return None if slope < 0 or fixed < 0 else (fixed, slope)
