@@ -17,6 +17,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import nats
@@ -30,27 +31,27 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 from nats.nuid import NUID
 
-from appliance import __version__, bus
+from appliance import box_status, bus
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec, configured_specs
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
-from appliance.devices import cpu_cores, device_name, hardware_slug, resolve_device
+from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
-from appliance.errors import Conflict, FleetboxError, NotFound, ServiceUnavailable
+from appliance.errors import Conflict, ServiceUnavailable
 from appliance.fleet import Fleet
-from appliance.gateway.admin import register, registration_from
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.logs import FailureStreak
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
-from appliance.placement import Placement, load_failed
+from appliance.placement import Placement
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook
 from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
 from appliance.tasks import Background
+from appliance.verbs import control_verbs
 from appliance.worker import Cancellations, ModelWorker
 from runtimes.base import Task
 
@@ -111,12 +112,13 @@ class Box:
         self.fleet: Fleet | None = None
         self.dispatcher: Dispatcher | None = None
         self._control: ControlServer | None = None
-        self._placement: Placement | None = None
+        self.placement: Placement | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks = Background("box")
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
-        self._stream_ok = False
+        self.stream_ok = False
+        self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
         self.draining = False
         self.stop_requested = asyncio.Event()
         self.started_at = time.time()
@@ -149,12 +151,17 @@ class Box:
         for spec in self.catalog:
             if spec.adapter_of is None:
                 await self._when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
-        self._stream_ok = True
+        self.stream_ok = True
         self.fleet = Fleet(
-            self.js, self.box_id, self.heartbeat, period_s=s.heartbeat_s, ttl_s=s.heartbeat_ttl_s, replicas=s.replicas
+            self.js,
+            self.box_id,
+            partial(box_status.heartbeat, self),
+            period_s=s.heartbeat_s,
+            ttl_s=s.heartbeat_ttl_s,
+            replicas=s.replicas,
         )
         await self._when_jetstream_answers(self.fleet.start)
-        self._control = ControlServer(self.nc, self.box_id, self._control_handlers())
+        self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
         await self._control.start()
         await self.nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
         self._dead_letters = DeadLetterWatch(self.nc, self.js)
@@ -163,8 +170,8 @@ class Box:
             for spec in self.catalog:
                 if spec.pinned and spec.adapter_of is None:
                     await self._serve_pinned(spec)
-            self._placement = Placement(self)
-            self._placement.start()
+            self.placement = Placement(self)
+            self.placement.start()
         await self._start_http()  # a worker serves /healthz, /readyz and /metrics; a gateway serves the API too
         # Everything allocated so far (torch, models) lives for the process: keep it out of the cyclic
         # collector, whose full passes over it stalled the event loop for ~0.3-0.5 s.
@@ -302,8 +309,8 @@ class Box:
             metrics=self.metrics,
             nc=self.nc,
             box_id=self.box_id,
-            not_ready_reason=self.not_ready_reason,
-            model_state=self.model_state,
+            not_ready_reason=partial(box_status.not_ready_reason, self),
+            model_state=partial(box_status.model_state, self),
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
         )
@@ -430,95 +437,6 @@ class Box:
             if spec.pinned and self.settings.runs_models and not self.draining:
                 self._spawn(self.serve_model(spec))
 
-    # -- state for others ------------------------------------------------------------------------
-
-    def not_ready_reason(self) -> str | None:
-        if self.nc is None or not self.nc.is_connected:
-            return "not connected to NATS"
-        if not self._stream_ok:
-            return f"stream {bus.REQUEST_STREAM} is not available"
-        if self.draining:
-            return "draining"
-        if self.settings.runs_models:
-            for spec in self.catalog:
-                if spec.pinned and spec.adapter_of is None and not self.residency.is_resident(spec.name):
-                    # A pinned model whose load failed here would keep every box out of rotation until
-                    # someone unpins it: it stops counting (its record shows `load_error`). The packaged
-                    # default model always counts: a box is not ready without it.
-                    if spec.name != DEFAULT_MODEL_NAME and self.residency.load_error(spec.name) is not None:
-                        continue
-                    return f"pinned model {spec.name} is not resident yet"
-        return None
-
-    def model_state(self, name: str) -> dict[str, Any]:
-        """Where a model is resident in the fleet, from this box's own state and the heartbeats."""
-        boxes, nbytes, loading = [], None, False
-        for record in self.fleet.live_boxes() if self.fleet else []:
-            for model in record.get("models", []):
-                if model.get("name") == name:
-                    if model.get("state") == "loading":
-                        loading = True
-                    else:
-                        boxes.append(record["box"])
-                        nbytes = model.get("bytes")
-        resident = self.residency.get(name)
-        if resident is not None:
-            nbytes = resident.nbytes
-            if self.box_id not in boxes:
-                boxes.append(self.box_id)
-        if self.residency.is_loading(name):
-            loading = True
-        state = "resident" if boxes else "loading" if loading else "cold"
-        spec = self.catalog.get(name)
-        profile = None
-        if self.profiles is not None and spec is not None:
-            profile = self.profiles.describe(spec, has_adapters=bool(self.catalog.adapters_of(spec.name)))
-        return {
-            "state": state,
-            "boxes": sorted(boxes),
-            "bytes": nbytes,
-            "profile": profile,
-            "load_error": self.residency.load_error(name),
-        }
-
-    def heartbeat(self) -> dict[str, Any]:
-        models = [
-            {
-                "name": r.spec.name,
-                "bytes": r.nbytes,
-                "pinned": r.spec.name in self.residency.pinned,
-                "state": "resident",
-                "adapters": list(getattr(r.runtime, "adapters", ()) or ()),
-                **(self.workers[r.spec.name].stats() if r.spec.name in self.workers else {}),
-            }
-            for r in self.residency.residents()
-        ]
-        loading = self._placement.loading if self._placement is not None else set()
-        models += [
-            {"name": name, "bytes": None, "pinned": False, "state": "loading"}
-            for name in self.catalog.names()
-            if (self.residency.is_loading(name) or name in loading) and not self.residency.is_resident(name)
-        ]
-        return {
-            "host": socket.gethostname(),
-            "role": self.settings.role,
-            "version": __version__,
-            "started": self.started_at,
-            "uptime_s": round(time.time() - self.started_at, 1),
-            "draining": self.draining,
-            "http_port": self.http_port,
-            "devices": [
-                {
-                    "name": device_name(self.device) if self.settings.runs_models else "none",
-                    "device": self.device,
-                    "budget_bytes": self.residency.budget_bytes,
-                    "used_bytes": self.residency.used_bytes,
-                }
-            ],
-            "models": models,
-            "backlog": int(self.metrics.backlog._value.get()),
-        }
-
     async def _watch_stream(self) -> None:
         """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After."""
         assert self.js is not None
@@ -526,80 +444,18 @@ class Box:
         while True:
             try:
                 info = await self.js.stream_info(bus.REQUEST_STREAM)
-                self._stream_ok = True
+                self.stream_ok = True
                 streak.succeeded()
-                self.metrics.backlog.set(info.state.messages)
+                self.backlog = info.state.messages
+                self.metrics.backlog.set(self.backlog)
                 if self.dispatcher is not None:
                     self.dispatcher.backlog = info.state.messages
             except Exception as exc:
-                self._stream_ok = False
+                self.stream_ok = False
                 streak.failed(exc)
             await asyncio.sleep(_MONITOR_PERIOD_S)
 
     # -- control ---------------------------------------------------------------------------------
-
-    def _control_handlers(self) -> dict:
-        async def load(payload: dict[str, Any]) -> dict[str, Any]:
-            spec = self._model(payload)
-            if not self.settings.runs_models:
-                raise Conflict(f"box {self.box_id} is a gateway; it runs no models")
-            try:
-                await self.serve_model(spec)
-            except FleetboxError:
-                raise  # its own status: an adapter (409), a model too big for the budget (507)
-            except Exception as exc:
-                raise load_failed(spec.name, self.box_id, exc) from None
-            return {"model": spec.name, "state": "resident", "bytes": self.residency.get(spec.name).nbytes}
-
-        async def evict(payload: dict[str, Any]) -> dict[str, Any]:
-            spec = self._model(payload)
-            if spec.name in self.residency.pinned:
-                raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
-            return {"model": spec.name, "evicted": await self.evict_model(spec.name)}
-
-        async def pin(payload: dict[str, Any]) -> dict[str, Any]:
-            assert self.store is not None
-            spec = await self.store.set_pinned(self._model(payload), True)
-            return {"model": spec.name, "pinned": True}
-
-        async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
-            assert self.store is not None
-            spec = await self.store.set_pinned(self._model(payload), False)
-            return {"model": spec.name, "pinned": False}
-
-        async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
-            """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
-            assert self.store is not None
-            check_fits = self.residency.check_fits if self.settings.runs_models else None
-            spec = await register(registration_from(payload), self.catalog, self.store, self.settings, check_fits)
-            return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of}
-
-        async def drain(payload: dict[str, Any]) -> dict[str, Any]:
-            self.draining = True
-            self.stop_requested.set()
-            return {"draining": True}
-
-        async def status(payload: dict[str, Any]) -> dict[str, Any]:
-            return self.heartbeat()
-
-        return {
-            "load": load,
-            "evict": evict,
-            "pin": pin,
-            "unpin": unpin,
-            "register": register_verb,
-            "drain": drain,
-            "status": status,
-        }
-
-    def _model(self, payload: dict[str, Any]) -> ModelSpec:
-        name = payload.get("model")
-        if not isinstance(name, str) or not name:
-            raise NotFound('name a model: {"model": NAME}')
-        spec = self.catalog.get(name)
-        if spec is None:
-            raise NotFound(f"model {name!r} does not exist; available models: {', '.join(self.catalog.names())}")
-        return spec
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         return self._tasks.spawn(coro)
@@ -625,8 +481,8 @@ class Box:
         self.draining = True
         if self._site is not None:
             await self._site.stop()
-        if self._placement is not None:
-            await _bounded("placement", self._placement.stop())
+        if self.placement is not None:
+            await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())
         drains = asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
         # Meanwhile the gateway waits for what its clients still await: the work its own worker hands

@@ -14,6 +14,7 @@ import torch
 from nats.js.errors import KeyNotFoundError
 
 from appliance import bus
+from appliance.box_status import heartbeat
 from appliance.bus import model_slug
 from appliance.catalog import ModelSpec
 from appliance.errors import NotFound
@@ -381,7 +382,7 @@ async def test_load_and_evict_refusals_are_typed(start_box, http, tmp_path) -> N
 
 async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box) -> None:
     box = await start_box(default_model=False, models=[noop_model("a", pinned=False)])
-    ops = FleetOps(box.nc, lambda: [BoxState.from_heartbeat({"box": box.box_id, **box.heartbeat()})])
+    ops = FleetOps(box.nc, lambda: [BoxState.from_heartbeat({"box": box.box_id, **heartbeat(box)})])
     with pytest.raises(NotFound, match="'ghost' does not exist"):
         await ops.evict("ghost")
     with pytest.raises(NotFound, match="'a' is not resident on any live box"):

@@ -1,0 +1,110 @@
+"""What a box says about itself: whether it is ready, where a model is resident, and its heartbeat.
+
+Read by `/readyz`, the model routes and the fleet's heartbeats (`fbx_boxes`), which the TUI, the CLI
+and every other box's placement read in turn.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from appliance import __version__, bus
+from appliance.catalog import DEFAULT_MODEL_NAME
+from appliance.devices import device_name
+
+if TYPE_CHECKING:
+    from appliance.app import Box
+
+
+def not_ready_reason(box: Box) -> str | None:
+    """Why this box should not be sent traffic now (`/readyz`), or None when it is ready."""
+    if box.nc is None or not box.nc.is_connected:
+        return "not connected to NATS"
+    if not box.stream_ok:
+        return f"stream {bus.REQUEST_STREAM} is not available"
+    if box.draining:
+        return "draining"
+    if box.settings.runs_models:
+        for spec in box.catalog:
+            if spec.pinned and spec.adapter_of is None and not box.residency.is_resident(spec.name):
+                # A pinned model whose load failed here would keep every box out of rotation until
+                # someone unpins it: it stops counting (its record shows `load_error`). The packaged
+                # default model always counts: a box is not ready without it.
+                if spec.name != DEFAULT_MODEL_NAME and box.residency.load_error(spec.name) is not None:
+                    continue
+                return f"pinned model {spec.name} is not resident yet"
+    return None
+
+
+def model_state(box: Box, name: str) -> dict[str, Any]:
+    """Where a model is resident in the fleet, from this box's own state and the heartbeats."""
+    boxes, nbytes, loading = [], None, False
+    for record in box.fleet.live_boxes() if box.fleet else []:
+        for model in record.get("models", []):
+            if model.get("name") == name:
+                if model.get("state") == "loading":
+                    loading = True
+                else:
+                    boxes.append(record["box"])
+                    nbytes = model.get("bytes")
+    resident = box.residency.get(name)
+    if resident is not None:
+        nbytes = resident.nbytes
+        if box.box_id not in boxes:
+            boxes.append(box.box_id)
+    if box.residency.is_loading(name):
+        loading = True
+    state = "resident" if boxes else "loading" if loading else "cold"
+    spec = box.catalog.get(name)
+    profile = None
+    if box.profiles is not None and spec is not None:
+        profile = box.profiles.describe(spec, has_adapters=bool(box.catalog.adapters_of(spec.name)))
+    return {
+        "state": state,
+        "boxes": sorted(boxes),
+        "bytes": nbytes,
+        "profile": profile,
+        "load_error": box.residency.load_error(name),
+    }
+
+
+def heartbeat(box: Box) -> dict[str, Any]:
+    """This box's record in `fbx_boxes`: what it is, what it holds and how it is doing (also the `status` verb)."""
+    models = [
+        {
+            "name": r.spec.name,
+            "bytes": r.nbytes,
+            "pinned": r.spec.name in box.residency.pinned,
+            "state": "resident",
+            "adapters": list(getattr(r.runtime, "adapters", ()) or ()),
+            **(box.workers[r.spec.name].stats() if r.spec.name in box.workers else {}),
+        }
+        for r in box.residency.residents()
+    ]
+    loading = box.placement.loading if box.placement is not None else set()
+    models += [
+        {"name": name, "bytes": None, "pinned": False, "state": "loading"}
+        for name in box.catalog.names()
+        if (box.residency.is_loading(name) or name in loading) and not box.residency.is_resident(name)
+    ]
+    return {
+        "host": socket.gethostname(),
+        "role": box.settings.role,
+        "version": __version__,
+        "started": box.started_at,
+        "uptime_s": round(time.time() - box.started_at, 1),
+        "draining": box.draining,
+        "http_port": box.http_port,
+        "devices": [
+            {
+                "name": device_name(box.device) if box.settings.runs_models else "none",
+                "device": box.device,
+                "budget_bytes": box.residency.budget_bytes,
+                "used_bytes": box.residency.used_bytes,
+            }
+        ],
+        "models": models,
+        "backlog": box.backlog,
+    }

@@ -1,0 +1,86 @@
+"""The control verbs one box answers on `fbx.ctl.<box>.<verb>`: how the admin routes, the CLI and the TUI
+steer a box (appliance/control.py carries them over NATS).
+
+Each verb acts on this box alone (load and evict a model here, drain, report), or on the fleet's
+catalog through this box (pin, unpin, register), judged by the same rules as the HTTP routes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from appliance.box_status import heartbeat
+from appliance.control import Handler
+from appliance.errors import Conflict, FleetboxError, NotFound
+from appliance.gateway.admin import register, registration_from
+from appliance.placement import load_failed
+
+if TYPE_CHECKING:
+    from appliance.app import Box
+    from appliance.catalog import ModelSpec
+
+
+def control_verbs(box: Box) -> dict[str, Handler]:
+    async def load(payload: dict[str, Any]) -> dict[str, Any]:
+        spec = _model(box, payload)
+        if not box.settings.runs_models:
+            raise Conflict(f"box {box.box_id} is a gateway; it runs no models")
+        try:
+            await box.serve_model(spec)
+        except FleetboxError:
+            raise  # its own status: an adapter (409), a model too big for the budget (507)
+        except Exception as exc:
+            raise load_failed(spec.name, box.box_id, exc) from None
+        resident = box.residency.get(spec.name)
+        return {"model": spec.name, "state": "resident", "bytes": resident.nbytes if resident else None}
+
+    async def evict(payload: dict[str, Any]) -> dict[str, Any]:
+        spec = _model(box, payload)
+        if spec.name in box.residency.pinned:
+            raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
+        return {"model": spec.name, "evicted": await box.evict_model(spec.name)}
+
+    async def pin(payload: dict[str, Any]) -> dict[str, Any]:
+        assert box.store is not None
+        spec = await box.store.set_pinned(_model(box, payload), True)
+        return {"model": spec.name, "pinned": True}
+
+    async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
+        assert box.store is not None
+        spec = await box.store.set_pinned(_model(box, payload), False)
+        return {"model": spec.name, "pinned": False}
+
+    async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
+        assert box.store is not None
+        check_fits = box.residency.check_fits if box.settings.runs_models else None
+        spec = await register(registration_from(payload), box.catalog, box.store, box.settings, check_fits)
+        return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of}
+
+    async def drain(payload: dict[str, Any]) -> dict[str, Any]:
+        box.draining = True
+        box.stop_requested.set()
+        return {"draining": True}
+
+    async def status(payload: dict[str, Any]) -> dict[str, Any]:
+        return heartbeat(box)
+
+    return {
+        "load": load,
+        "evict": evict,
+        "pin": pin,
+        "unpin": unpin,
+        "register": register_verb,
+        "drain": drain,
+        "status": status,
+    }
+
+
+def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
+    name = payload.get("model")
+    if not isinstance(name, str) or not name:
+        raise NotFound('name a model: {"model": NAME}')
+    spec = box.catalog.get(name)
+    if spec is None:
+        raise NotFound(f"model {name!r} does not exist; available models: {', '.join(box.catalog.names())}")
+    return spec
