@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from appliance.box_status import heartbeat
 from appliance.control import Handler
 from appliance.errors import Conflict, FleetboxError, NotFound
-from appliance.gateway.admin import register, registration_from
 from appliance.placement import load_failed
+from appliance.registration import register, registration_from
 
 if TYPE_CHECKING:
     from appliance.app import Box

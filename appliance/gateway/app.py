@@ -19,12 +19,11 @@ from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
 from appliance.gateway.http import json_response
+from appliance.registration import MODEL_VERBS
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-_MODEL_VERBS = admin.MODEL_VERBS
 
 
 def _route_label(request: web.Request) -> str:
@@ -89,7 +88,7 @@ async def _unknown_model_verb(request: web.Request) -> web.Response:
     if GatewayContext.of(request).catalog.get(path) is not None:
         raise MethodNotAllowed("method not allowed; allowed: DELETE,GET,HEAD")
     raise NotFound(
-        f"no such route: POST /v1/models/{{name}}/VERB takes the verbs {', '.join(_MODEL_VERBS)}, "
+        f"no such route: POST /v1/models/{{name}}/VERB takes the verbs {', '.join(MODEL_VERBS)}, "
         f"not {request.match_info['verb']!r}",
         code="route_not_found",
     )
@@ -119,7 +118,7 @@ def build_app(context: GatewayContext) -> web.Application:
         routes.append(web.get("/v1/models", inference(ops.list_models)))
         routes.append(web.get("/v1/models/{name:.+}", inference(admin.get_model)))
         routes.append(web.post("/v1/models", admin_only(admin.register_model)))
-        for verb in _MODEL_VERBS:
+        for verb in MODEL_VERBS:
             routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
         # After the verbs: a model name may hold a `/`, so any other last segment would match GET's route.
         routes.append(web.post("/v1/models/{name:.+}/{verb}", admin_only(_unknown_model_verb)))  # no probing for names

@@ -1,0 +1,190 @@
+"""Registering a model: a folder judged before any request depends on it, then written to the catalog.
+
+The folder must resolve (symlinks included) inside a configured model root (403 otherwise), its
+task and adapter are detected from its files (422 when unsupported), and it must fit a box's
+memory budget (507). `POST /v1/models` and the `register` control verb (the TUI, the CLI) both
+come here, so a model is judged by one set of rules whichever way it is registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from appliance.bus import model_slug
+from appliance.catalog import ADAPTER_SEPARATOR, Catalog, CatalogStore, ModelSpec, batching_of, default_batching
+from appliance.devices import HARDWARE_SLUG
+from appliance.errors import Conflict, Forbidden, NotFound, Unprocessable
+from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
+from appliance.schemas import ModelRegistration
+from appliance.settings import Settings
+from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
+from runtimes.detect import check_adapter_folder, check_loadable, detect_task
+
+_registration = msgspec.json.Decoder(ModelRegistration)
+_SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
+MAX_ALIASES = 64
+MODEL_VERBS = ("pin", "unpin", "load", "evict")  # POST /v1/models/{name}/{verb}: no model may be named so
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what the catalog's JSON (orjson) writes
+
+
+def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
+    """The folder a registration names, only if it resolves inside a model root."""
+    if "\0" in raw:
+        raise Unprocessable(f"path {raw!r} has a NUL character; no folder is named so", code="path_not_found")
+    candidate = Path(raw)
+    if not candidate.is_absolute():
+        candidate = roots[0] / candidate
+    resolved = candidate.resolve()
+    for root in roots:
+        if resolved == root or resolved.is_relative_to(root):
+            return resolved
+    raise Forbidden(
+        f"path {raw!r} is outside the model roots ({', '.join(map(str, roots))}); "
+        "put the folder under a root, or add a root with --model-root / FBX_MODEL_ROOTS",
+        code="path_outside_model_roots",
+    )
+
+
+def _judge_folder(registration: ModelRegistration, roots: list[Path], model: bool) -> tuple[Path, Task | None]:
+    """The registration's folder and, for a model (not an adapter), its task: file reads, so off the event loop."""
+    folder = resolve_under_roots(registration.path, roots)
+    if not folder.is_dir():
+        raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
+    shipped = shipped_onnx(folder, registration.options)
+    if shipped is not None:  # a file the box will read, so inside a model root like the folder
+        resolve_under_roots(str(shipped), roots)
+    if model:
+        return folder, _task_for(registration, folder)
+    try:
+        check_adapter_folder(folder)
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="unsupported_adapter") from None
+    return folder, None
+
+
+def _task_for(registration: ModelRegistration, folder: Path) -> Task:
+    """The folder's task, once it is known the folder can load."""
+    try:
+        detected = detect_task(folder)
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="unsupported_model") from None
+    task = detected
+    if registration.task is not None:
+        asked = Task(registration.task)
+        if not (asked is detected or {asked, detected} <= _SEQUENCE_TASKS):
+            raise Unprocessable(f"the folder holds a {detected} model, not {asked}", code="wrong_task")
+        task = asked
+    try:
+        check_loadable(folder, task, RuntimeKind(registration.runtime), registration.options)
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="unsupported_model") from None
+    return task
+
+
+def _check_fields(registration: ModelRegistration) -> None:
+    """What the schema cannot say: aliases judged like names, integers the catalog's JSON can hold, a profile."""
+    aliases = registration.aliases
+    if len(aliases) > MAX_ALIASES:
+        raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
+    for i, alias in enumerate(aliases):  # each one's length and characters: the schema's `ModelName`
+        where = f"at `$.aliases[{i}]`"
+        if alias == registration.name:
+            raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
+        if alias in aliases[:i]:
+            raise Unprocessable(f"invalid request: alias {alias!r} is given twice - {where}")
+    numbers = {field: getattr(registration, field) for field in ("max_batch_tokens", "max_batch_size")}
+    numbers |= {f"options.{key}": value for key, value in registration.options.items()}
+    for field, value in numbers.items():
+        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            raise Unprocessable(f"invalid request: integer out of range (64 bits at most) - at `$.{field}`")
+    profile = registration.profile
+    if profile not in (PROFILE_AUTO, PROFILE_OFF) and not HARDWARE_SLUG.fullmatch(profile):
+        raise Unprocessable(
+            f"invalid request: profile {profile!r} is not auto, off or a hardware slug "
+            "(cpu-<cores>c, nvidia-<gpu>) - at `$.profile`"
+        )
+
+
+def registration_from(payload: dict[str, Any]) -> ModelRegistration:
+    """A registration that came as JSON already parsed (the `register` control verb), validated."""
+    try:
+        return msgspec.convert(payload, ModelRegistration)
+    except msgspec.ValidationError as exc:
+        raise Unprocessable(f"invalid request: {exc}") from None
+
+
+async def register(
+    registration: ModelRegistration,
+    catalog: Catalog,
+    store: CatalogStore,
+    settings: Settings,
+    check_fits: Callable[[ModelSpec], Awaitable[None]] | None,
+) -> ModelSpec:
+    """Judge a registration and put it in the fleet's catalog: `POST /v1/models` and the `register` verb."""
+    name = registration.name
+    try:
+        slug = model_slug(name)
+    except ValueError as exc:
+        raise Unprocessable(str(exc), code="invalid_name") from None
+    _check_fields(registration)
+    segments = name.split("/")
+    if segments[-1] in MODEL_VERBS or any(segment in ("", ".", "..") for segment in segments):
+        raise Unprocessable(
+            f"model name {name!r} would make its routes ambiguous: no empty, '.' or '..' segment between "
+            f"slashes, and no last segment that is a verb ({', '.join(MODEL_VERBS)})",
+            code="invalid_name",
+        )
+    for taken in (name, *registration.aliases):
+        if catalog.get(taken) is not None:
+            raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")
+    if catalog.by_slug(slug) is not None:
+        raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")
+    if "cache_dir" in registration.options:  # a folder every box would write to: each box's own config says it
+        raise Forbidden(
+            "options.cache_dir is set in a box's config file, not through the API "
+            "(exports are cached under each box's <state_dir>/onnx)",
+            code="path_outside_model_roots",
+        )
+    if registration.runtime == "torch" and registration.dtype == "int8":
+        raise Unprocessable("int8 needs the onnx runtime; torch runs float32, float16 or bfloat16", code="bad_dtype")
+    base = None
+    if registration.adapter_of is not None:
+        base = catalog.get(registration.adapter_of)  # a name or an alias; the spec keeps the base's name
+        if base is None or base.adapter_of is not None:
+            raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
+        if registration.pinned:
+            raise Unprocessable(f"an adapter is not pinned; pin its base model {base.name}")
+        if base.runtime is not RuntimeKind.TORCH:
+            raise Unprocessable(f"base model {base.name} runs on {base.runtime}; adapters need torch")
+        if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
+            raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
+    loop = asyncio.get_running_loop()
+    folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base is None)
+    if base is not None:
+        task, batching, adapter_of = base.task, base.batching, base.name
+    else:
+        assert detected is not None
+        task, batching, adapter_of = detected, batching_of(registration, default_batching(settings)), None
+    spec = ModelSpec(
+        name=name,
+        slug=slug,
+        task=task,
+        runtime=RuntimeKind(registration.runtime),
+        path=folder,
+        batching=batching,
+        aliases=tuple(registration.aliases),
+        pinned=registration.pinned,
+        dtype=registration.dtype,
+        options=dict(registration.options),
+        adapter_of=adapter_of,
+        profile=registration.profile,
+    )
+    if check_fits is not None and spec.adapter_of is None:
+        await check_fits(spec)
+    await store.create(spec)  # refused (409) when a registration racing this one took the slug meanwhile
+    return spec
