@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.gateway.dispatch import ModelQueue
+from appliance.gateway.admission import ModelQueue
 
 
 def busy(q: ModelQueue, start: float, seconds: float, per_s: int, weight: int = 1) -> float:

@@ -4,13 +4,9 @@ One `Dispatcher` per gateway owns the table of reply waiters: a request's future
 the first reply carrying its id; any later reply for the same id (a redelivery computed twice) is
 counted and dropped, so the client gets exactly one answer.
 
-It is also the gateway's admission control. A queue that only refuses when it is full lets every
-accepted request wait out its deadline under overload (a 504 after 30 s, not a 429 at once), so
-the gateway estimates how long a new request would wait, by Little's law over what it sees of
-each model's queue: the work it awaits for that model (weighed by cost) ÷ the rate it is answered.
-Past `max_queue_s` (or the request's own deadline) it answers 429 with the seconds until the
-estimate would be back under the bound. Every gateway sees its own share of a shared queue and of
-its answers, so the ratio holds without any gateway knowing the others.
+Before a request is published, the gateway's admission control (`Admission`, in `admission.py`)
+says whether it may wait at all: a 429 at once, rather than a 504 after its deadline, when it would
+wait too long to start. The dispatcher tells it of every request awaited and every answer.
 """
 
 from __future__ import annotations
@@ -18,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,23 +31,16 @@ from nats.nuid import NUID
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
-from appliance.envelope import BATCH, ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, TooManyRequests
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
+from appliance.gateway.admission import Admission, ModelQueue
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT_S = 5.0
-_RATE_SPAN_S = 0.5  # the answer rate is kept in spans at least this long (shorter busy spells are not load)
-_RATE_WINDOW_S = 2.0  # the spans that ended this recently give a model's current rate
 _FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
-_QUEUE_SETTLE_S = 0.5  # the oldest request must have waited this long before the estimate is trusted
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
-
-
-def _retry_s(seconds: float) -> int:
-    """A Retry-After: whole seconds, 1 to 60."""
-    return max(1, min(60, math.ceil(seconds)))
 
 
 def _deadline(timeout_s: float) -> GatewayTimeout:
@@ -69,66 +56,6 @@ class _StreamWaiter:
     box: str | None = None  # the box whose chunks are taken
     next_seq: int = 0  # the chunk expected next from it
     broken: bool = False  # a chunk went missing: the answer cannot be whole
-
-
-@dataclass(slots=True)
-class ModelQueue:
-    """What one gateway sees of one model's queue (one priority): work awaited, and how fast it is answered.
-
-    Work is weighed by what it costs the model: an encoder request by its tokens (one request of 250
-    long inputs must not count as one of a word), a generation as one (what delays its start is a
-    free decode slot). The rate is weight answered per second *while work waited*: over the spans
-    that ended in the last `_RATE_WINDOW_S` (or the last one, however old: answers seconds apart, as
-    large requests come, still give a rate) and the span still open. Idle time does not dilute it;
-    a stall does, so a queue that stops being answered stops admitting.
-    """
-
-    waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
-    weight: int = 0  # of the work waiting
-    spans: deque[tuple[float, float, int]] = field(default_factory=deque)  # (ended, seconds, weight answered)
-    _since: float = 0.0  # the open span began: work has waited throughout it
-    _done: int = 0  # weight answered in the open span
-
-    def add(self, request_id: str, now: float, weight: int) -> None:
-        if not self.waiting:
-            self._since, self._done = now, 0
-        self.waiting[request_id] = (now, weight)
-        self.weight += weight
-
-    def remove(self, request_id: str, now: float, *, answered: bool) -> None:
-        """The request is answered (a generation: started), or no longer awaited."""
-        entry = self.waiting.pop(request_id, None)
-        if entry is None:
-            return
-        self.weight -= entry[1]
-        if not answered:
-            return
-        self._done += entry[1]
-        if now - self._since >= _RATE_SPAN_S:
-            self.spans.append((now, now - self._since, self._done))
-            self._since, self._done = now, 0
-
-    def rate(self, now: float) -> float | None:
-        """Weight answered per second while work waited, lately; None before anything was answered."""
-        while len(self.spans) > 1 and self.spans[0][0] < now - _RATE_WINDOW_S:
-            self.spans.popleft()
-        done = self._done + sum(answered for _, _, answered in self.spans)
-        seconds = (now - self._since if self.waiting else 0.0) + sum(span for _, span, _ in self.spans)
-        return done / seconds if done and seconds > 0 else None
-
-    def wait_s(self, now: float) -> float | None:
-        """Expected wait of a request sent now (Little's law), or None while there is nothing to go by.
-
-        Not trusted until the oldest awaited request has waited a while: a burst the box clears in a
-        blink must not be refused on a rate measured when the work came a little at a time.
-        """
-        if not self.waiting:
-            return None
-        oldest = next(iter(self.waiting.values()))[0]
-        if now - oldest < _QUEUE_SETTLE_S:
-            return None
-        rate = self.rate(now)
-        return None if rate is None else self.weight / rate
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,21 +81,26 @@ class Dispatcher:
         self._nc = nc
         self._js = js
         self._metrics = metrics
-        self._max_waiting = max_waiting
-        self._max_queue_s = max_queue_s
         self._blobs = blobs
         self._waiters: dict[str, tuple[asyncio.Future[Reply], ModelQueue]] = {}
         self._none_awaited = asyncio.Event()  # set whenever no request is awaited (a stopping box waits for it)
         self._none_awaited.set()
-        self._queues: dict[tuple[str, str], ModelQueue] = {}
+        self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._streams: dict[str, _StreamWaiter] = {}
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
-        self._answered: deque[float] = deque(maxlen=4096)  # reply times, for the Retry-After estimate
-        self.backlog = 0  # kept fresh by the box's stream monitor
 
     async def start(self) -> None:
         await self._nc.subscribe(self._reply_subject, cb=self._on_reply)
+
+    @property
+    def backlog(self) -> int:
+        """Messages in the request stream, for the Retry-After estimate (kept fresh by the box's stream monitor)."""
+        return self._admission.backlog
+
+    @backlog.setter
+    def backlog(self, messages: int) -> None:
+        self._admission.backlog = messages
 
     @property
     def waiting(self) -> int:
@@ -246,10 +178,7 @@ class Dispatcher:
         request_id: str | None,
     ) -> tuple[ModelQueue, RequestMeta]:
         """Admit a request (or raise the 429) and give it its model's queue and its envelope."""
-        queue = self._queue(spec.name, priority)
-        self._admit(spec, queue, timeout_s, priority)
-        if self.waiting >= self._max_waiting:
-            raise self._overloaded(f"this gateway already waits on {self.waiting} requests")
+        queue = self._admission.admit(spec.name, priority, timeout_s, self.waiting)
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
         meta = RequestMeta(
@@ -279,28 +208,6 @@ class Dispatcher:
             table.pop(request_id, None)
             queue.remove(request_id, time.monotonic(), answered=False)
             self._settle()
-
-    def _queue(self, model: str, priority: str) -> ModelQueue:
-        queue = self._queues.get((model, priority))
-        if queue is None:  # not setdefault: that would build a ModelQueue on every request
-            queue = self._queues[(model, priority)] = ModelQueue()
-        return queue
-
-    def _admit(self, spec: ModelSpec, queue: ModelQueue, timeout_s: float, priority: str) -> None:
-        """429 when a new request would wait longer than the queue bound (or its own deadline) to start.
-
-        Batch-priority work is meant to wait behind interactive work, so only its deadline bounds it.
-        """
-        limit = timeout_s if priority == BATCH else min(self._max_queue_s, timeout_s)
-        wait_s = queue.wait_s(time.monotonic())
-        if wait_s is not None and wait_s > limit:
-            self._metrics.refused.labels(spec.name).inc()
-            retry = _retry_s(wait_s - limit)
-            raise TooManyRequests(
-                f"model {spec.name} is overloaded: a request sent now would wait about {wait_s:.0f}s "
-                f"to start, over the limit of {limit:g}s; retry in {retry}s",
-                retry_after_s=retry,
-            )
 
     async def stream(
         self,
@@ -367,7 +274,7 @@ class Dispatcher:
             )
         except APIError as exc:
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
-                raise self._overloaded("the request queue is full") from None
+                raise self._admission.overloaded("the request queue is full", self.waiting) from None
             log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
             raise ServiceUnavailable(
                 f"the request queue refused the request: {exc.description}", retry_after_s=_FAILOVER_RETRY_S
@@ -380,20 +287,9 @@ class Dispatcher:
                 "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
             ) from None
 
-    def _overloaded(self, why: str) -> TooManyRequests:
-        retry = self.retry_after_s()
-        return TooManyRequests(f"{why}; retry in {retry}s", retry_after_s=retry)
-
     def retry_after_s(self) -> int:
         """Seconds until the backlog would drain at the rate answers have been arriving lately."""
-        now = time.monotonic()
-        recent = [t for t in self._answered if now - t <= 10.0]
-        if not recent:
-            return 1
-        # Over the time the kept answers span (under 10 s when the gateway just started answering or the
-        # deque is full), and the backlog counts the requests this gateway waits for: not both.
-        rate = len(recent) / max(1.0, now - recent[0])
-        return _retry_s(max(self.backlog, self.waiting) / rate)
+        return self._admission.retry_after_s(self.waiting)
 
     @property
     def reply_subject(self) -> str:
@@ -437,7 +333,7 @@ class Dispatcher:
                 meta, body = replace(meta, status=lost.status, final=True), lost.to_json()
             stream.next_seq = meta.seq + 1
             if meta.final:
-                self._answered.append(time.monotonic())
+                self._admission.answered(time.monotonic())
             stream.queue.put_nowait(Reply(meta, body, restarted))
             return
         waiter = self._waiters.get(meta.id)
@@ -446,6 +342,6 @@ class Dispatcher:
             return
         future, queue = waiter
         now = time.monotonic()
-        self._answered.append(now)
+        self._admission.answered(now)
         queue.remove(meta.id, now, answered=True)
         future.set_result(Reply(meta, body))
