@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from nats.js import JetStreamContext
@@ -31,6 +31,9 @@ from appliance.settings import ModelEntry, Settings
 from appliance.tasks import cancel_and_wait
 from runtimes import ModelSource, RuntimeKind, Task
 from runtimes.detect import detect_task
+
+if TYPE_CHECKING:
+    from appliance.schemas import ModelRegistration
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +151,26 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
     else:
         task = detect_task(path)  # the same detection as registration through the API
+    return spec_of(entry, task=task, path=path, batching=batching_of(entry, defaults), adapter_of=entry.adapter_of)
+
+
+def spec_of(
+    entry: ModelEntry | ModelRegistration, *, task: Task, path: Path, batching: Batching, adapter_of: str | None
+) -> ModelSpec:
+    """The catalog's entry for a model described in the config file or registered through the API."""
     return ModelSpec(
         name=entry.name,
         slug=model_slug(entry.name),
         task=task,
-        runtime=runtime,
+        runtime=RuntimeKind(entry.runtime),
         path=path,
         aliases=tuple(entry.aliases),
         pinned=entry.pinned,
         dtype=entry.dtype,
         options=dict(entry.options),
-        adapter_of=entry.adapter_of,
+        adapter_of=adapter_of,
         profile=entry.profile,
-        batching=batching_of(entry, defaults),
+        batching=batching,
     )
 
 

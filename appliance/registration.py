@@ -16,7 +16,15 @@ from typing import Any
 import msgspec
 
 from appliance.bus import model_slug
-from appliance.catalog import ADAPTER_SEPARATOR, Catalog, CatalogStore, ModelSpec, batching_of, default_batching
+from appliance.catalog import (
+    ADAPTER_SEPARATOR,
+    Catalog,
+    CatalogStore,
+    ModelSpec,
+    batching_of,
+    default_batching,
+    spec_of,
+)
 from appliance.devices import HARDWARE_SLUG
 from appliance.errors import Conflict, Forbidden, NotFound, Unprocessable
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
@@ -170,20 +178,7 @@ async def register(
     else:
         assert detected is not None
         task, batching, adapter_of = detected, batching_of(registration, default_batching(settings)), None
-    spec = ModelSpec(
-        name=name,
-        slug=slug,
-        task=task,
-        runtime=RuntimeKind(registration.runtime),
-        path=folder,
-        batching=batching,
-        aliases=tuple(registration.aliases),
-        pinned=registration.pinned,
-        dtype=registration.dtype,
-        options=dict(registration.options),
-        adapter_of=adapter_of,
-        profile=registration.profile,
-    )
+    spec = spec_of(registration, task=task, path=folder, batching=batching, adapter_of=adapter_of)
     if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)
     await store.create(spec)  # refused (409) when a registration racing this one took the slug meanwhile
