@@ -19,6 +19,7 @@ from appliance.errors import PayloadTooLarge, Unprocessable
 from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest, RerankRequest
 from appliance.work import Job
 from runtimes import InputTooLong, Runtime, Task, Tokenized
+from runtimes.base import HeadedRuntime, PairRuntime
 from runtimes.tasks.embed import truncate_dimensions
 from runtimes.tasks.score import relevance_scores
 
@@ -85,8 +86,9 @@ class ScoreJobs(_EncoderJobs):
     schema = RerankRequest
 
     def tokenize(self, request: RerankRequest, runtime: Runtime) -> list[Tokenized]:
+        assert isinstance(runtime, PairRuntime)
         pairs = [(request.query, text) for text in request.texts()]
-        return runtime.tokenize_pairs(pairs, truncate=request.truncate)  # type: ignore[attr-defined]
+        return runtime.tokenize_pairs(pairs, truncate=request.truncate)
 
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: RerankRequest = job.params
@@ -100,7 +102,8 @@ class ClassifyJobs(_EncoderJobs):
 
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: ClassifyRequest = job.params
-        head = runtime.head  # type: ignore[attr-defined]
+        assert isinstance(runtime, HeadedRuntime)
+        head = runtime.head
         logits = np.stack([np.asarray(r, dtype=np.float32).reshape(-1) for r in job.results])
         predictions = head.predictions(logits, raw_scores=request.raw_scores, top_k=request.top_k)
         return orjson.dumps(predictions), len(predictions), 0
@@ -111,7 +114,8 @@ class ExtractJobs(_EncoderJobs):
 
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: ExtractRequest = job.params
-        head = runtime.head  # type: ignore[attr-defined]
+        assert isinstance(runtime, HeadedRuntime)
+        head = runtime.head
         texts = request.texts()
         entities = [
             head.entities(text, np.asarray(logits), row.offsets)

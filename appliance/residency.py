@@ -21,7 +21,8 @@ from appliance.catalog import ModelSpec
 from appliance.errors import InsufficientMemory, reason_of
 from appliance.metrics import Metrics
 from appliance.settings import memory_budget_bytes
-from runtimes import Runtime, RuntimeKind, load_runtime
+from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime
+from runtimes.base import AdapterHost
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,11 @@ class Residency:
         resident = self._resident.get(base)
         if resident is None:
             raise KeyError(base)
+        host = resident.runtime
+        if not isinstance(host, AdapterHost):
+            raise UnsupportedModel(
+                f"model {base} runs on the {resident.spec.runtime} runtime, which takes no LoRA adapters"
+            )
         now = time.monotonic()
         if adapter.name in resident.adapters:
             resident.adapters[adapter.name] = now
@@ -245,10 +251,10 @@ class Residency:
         try:
             while len(resident.adapters) >= self._max_adapters:
                 victim = min(resident.adapters, key=resident.adapters.__getitem__)
-                await loop.run_in_executor(self._executor, resident.runtime.evict_adapter, victim)  # type: ignore[attr-defined]
+                await loop.run_in_executor(self._executor, host.evict_adapter, victim)
                 del resident.adapters[victim]
                 self._metrics.evictions.labels(f"{base}:{victim}", "adapter_lru").inc()
-            await loop.run_in_executor(self._executor, resident.runtime.load_adapter, adapter.name, adapter.path)  # type: ignore[attr-defined]
+            await loop.run_in_executor(self._executor, host.load_adapter, adapter.name, adapter.path)
             resident.adapters[adapter.name] = time.monotonic()
             self._metrics.loads.labels(adapter.name).inc()
             log.info("adapter loaded", extra={"model": base, "adapter": adapter.name})

@@ -29,6 +29,7 @@ from appliance.catalog import Batching
 from appliance.envelope import RequestMeta
 from appliance.metrics import Metrics
 from runtimes import Runtime, Task, Tokenized
+from runtimes.base import PairRuntime
 
 # Plain text of the kinds an embedding service sees: queries, product copy, support mail, news,
 # code, numbers, other languages. Inputs are word windows cut from it at seeded lengths.
@@ -84,7 +85,8 @@ def inputs_for(task: Task, count: int, seed: int) -> list[Any]:
 def tokenize_for(runtime: Runtime, task: Task, inputs: list[Any]) -> list[Tokenized]:
     """Inputs as the model's own tokenizer makes rows of them: pairs for a reranker, texts otherwise."""
     if task is Task.SCORE:
-        return runtime.tokenize_pairs(inputs)  # type: ignore[attr-defined]
+        assert isinstance(runtime, PairRuntime)
+        return runtime.tokenize_pairs(inputs)
     return runtime.tokenize(inputs)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -136,6 +136,32 @@ class Runtime(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PairRuntime(Runtime, Protocol):
+    """A runtime whose rows are (query, document) pairs: a reranker."""
+
+    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]: ...
+
+
+@runtime_checkable
+class HeadedRuntime(Runtime, Protocol):
+    """A runtime whose outputs its task head reads (labels for classify, spans for extract)."""
+
+    head: Any
+
+
+@runtime_checkable
+class AdapterHost(Protocol):
+    """A runtime that carries LoRA adapters on its model (torch only)."""
+
+    @property
+    def adapters(self) -> tuple[str, ...]: ...
+
+    def load_adapter(self, name: str, path: Path) -> int: ...
+
+    def evict_adapter(self, name: str) -> None: ...
 
 
 def pad(batch: Sequence[Tokenized], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
