@@ -7,6 +7,7 @@ crash further down.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,8 +47,13 @@ class RequestMeta:
     sent_ms: int  # unix ms, when the gateway published it
     tokens: int = 0  # the gateway's cheap estimate
     adapter: str | None = None
-    priority: str = "interactive"
+    priority: str = INTERACTIVE
     blob: str | None = None
+
+    @property
+    def expired(self) -> bool:
+        """Its deadline has passed: nobody waits for its answer any more."""
+        return time.time() * 1000 >= self.deadline_ms
 
     def headers(self) -> dict[str, str]:
         headers = {

@@ -153,7 +153,7 @@ class GenerateWorker:
             return
         if meta.id in self._streams or meta.id in self._preparing:
             return
-        if time.time() * 1000 >= meta.deadline_ms:
+        if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._fail(meta, msg, deadline_passed(meta.id)))
             return

@@ -194,7 +194,7 @@ class ModelWorker:
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
         self._held[meta.id] = msg
-        if time.time() * 1000 >= meta.deadline_ms:
+        if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
             return
@@ -351,7 +351,7 @@ async def deliver_reply(
     deadline has passed nobody waits for the answer, so it counts as delivered.
     """
     while True:
-        if time.time() * 1000 >= meta.deadline_ms:
+        if meta.expired:
             await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
             return True
         try:
