@@ -8,6 +8,7 @@ the first chunk is an ordinary HTTP error; one after it is an SSE `error` event,
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -15,8 +16,9 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, error_from_reply
+from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable, error_from_reply
 from appliance.gateway.context import REQUEST_ID, GatewayContext
+from appliance.gateway.dispatch import Reply
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
@@ -118,7 +120,7 @@ def _usage(body: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _whole(chunks, shape: _Shape) -> web.Response:
+async def _whole(chunks: AsyncIterator[Reply], shape: _Shape) -> web.Response:
     parts: list[str] = []
     async for chunk in chunks:
         if chunk.restarted:
@@ -129,10 +131,12 @@ async def _whole(chunks, shape: _Shape) -> web.Response:
         parts.append(body.get("text", ""))
         if chunk.meta.final:
             return json_response(shape.whole("".join(parts), body.get("finish_reason"), _usage(body)))
-    raise Unprocessable("the generation ended without a final chunk")
+    raise InternalError("the generation ended without its final chunk")  # Dispatcher.stream ends on one, or raises
 
 
-async def _stream(request: web.Request, chunks, shape: _Shape, include_usage: bool) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape, include_usage: bool
+) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     first = True
     resume = _Resume()
