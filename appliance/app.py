@@ -13,9 +13,8 @@ import asyncio
 import gc
 import logging
 import socket
-import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -25,15 +24,13 @@ import orjson
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 from nats.nuid import NUID
 
 from appliance import box_status, bus
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec, configured_specs
+from appliance.connect import ensure_consumers, ensure_queue, tls_context, when_jetstream_answers
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
@@ -62,15 +59,7 @@ log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
-_JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 _RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
-
-
-def _jetstream_not_ready(exc: Exception) -> bool:
-    """No answer, no responders, or JetStream's own "not available yet" (no leader, too few peers)."""
-    if isinstance(exc, NatsTimeout | NoRespondersError | NoStreamResponseError | ServiceUnavailableError):
-        return True
-    return isinstance(exc, APIError) and exc.err_code in (10005, 10008, 10023)  # no peers, unavailable, resources
 
 
 def new_box_id() -> str:
@@ -136,7 +125,7 @@ class Box:
         await self._connect()
         assert self.js is not None and self.nc is not None
         s = self.settings
-        await self._when_jetstream_answers(self._ensure_streams)
+        await when_jetstream_answers(self._ensure_streams)
         self.blobs = Blobs(
             self.js,
             s.blob_threshold,
@@ -147,10 +136,10 @@ class Box:
         )
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
         self.store.on_change(self._on_catalog_change)
-        await self._when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
+        await when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
         for spec in self.catalog:
             if spec.adapter_of is None:
-                await self._when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
+                await when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
         self.stream_ok = True
         self.fleet = Fleet(
             self.js,
@@ -160,7 +149,7 @@ class Box:
             ttl_s=s.heartbeat_ttl_s,
             replicas=s.replicas,
         )
-        await self._when_jetstream_answers(self.fleet.start)
+        await when_jetstream_answers(self.fleet.start)
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
         await self._control.start()
         await self.nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
@@ -191,22 +180,6 @@ class Box:
                 raise
             log.error("pinned model failed to load; serving the others", extra={"model": spec.name, "error": repr(exc)})
 
-    async def _when_jetstream_answers(self, step: Callable[[], Awaitable[Any]]) -> None:
-        """Run an idempotent set-up step, again while JetStream cannot answer yet: boxes started with a
-        fresh NATS cluster meet it still electing its meta leader, or the leader of a stream another
-        box has just created. Bounded; any other error fails the start at once."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _JETSTREAM_SETTLE_S
-        while True:
-            try:
-                await step()
-                return
-            except Exception as exc:
-                if not _jetstream_not_ready(exc) or loop.time() >= deadline:
-                    raise
-                log.warning("JetStream is not ready yet; retrying", extra={"error": repr(exc)})
-                await asyncio.sleep(1.0)
-
     async def _connect(self) -> None:
         urls = self.settings.nats_urls
         if not urls:
@@ -217,15 +190,10 @@ class Box:
             )
             await self.natsd.start()
             urls = [self.natsd.url]
-        tls = None
-        if self.settings.tls_ca or self.settings.tls_cert:
-            tls = ssl.create_default_context(cafile=str(self.settings.tls_ca) if self.settings.tls_ca else None)
-            if self.settings.tls_cert:
-                tls.load_cert_chain(str(self.settings.tls_cert), str(self.settings.tls_key or self.settings.tls_cert))
         self.nc = await nats.connect(
             servers=urls,
             user_credentials=str(self.settings.creds) if self.settings.creds else None,
-            tls=tls,
+            tls=tls_context(self.settings),
             name=f"fleetbox-{self.box_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -251,16 +219,7 @@ class Box:
 
     async def _ensure_streams(self) -> None:
         assert self.js is not None
-        s = self.settings
-        await bus.ensure_request_stream(
-            self.js,
-            max_msgs=s.stream_max_msgs,
-            max_bytes=s.stream_max_bytes,
-            max_age_s=s.stream_max_age_s,
-            file_storage=s.durable,
-            replicas=s.replicas,
-        )
-        await bus.ensure_dead_letter_stream(self.js, file_storage=s.durable, replicas=s.replicas)
+        await ensure_queue(self.js, self.settings)
 
     async def _restore_after_reconnect(self) -> None:
         """A NATS server that restarted kept only what it stores in files: make again what it lost (the
@@ -283,10 +242,7 @@ class Box:
 
     async def _ensure_consumer(self, spec: ModelSpec) -> None:
         assert self.js is not None
-        s = self.settings
-        await bus.ensure_request_consumers(
-            self.js, spec.slug, ack_wait_s=s.ack_wait_s, max_deliver=s.max_deliver, max_ack_pending=s.max_ack_pending
-        )
+        await ensure_consumers(self.js, self.settings, spec.slug)
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None
