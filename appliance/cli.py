@@ -25,6 +25,7 @@ from appliance.tasks import cancel_and_wait
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: serve a fleet of small models.")
 log = logging.getLogger("appliance.cli")
 T = TypeVar("T")
+_LOCAL_NATS = "nats://127.0.0.1:4222"
 
 
 @app.command()
@@ -171,6 +172,15 @@ def _check_creds_option(creds: Path | None) -> Path | None:
     return creds
 
 
+def _check_nats_option(nats: str) -> str:
+    """The `--nats` option of the fleet commands: a list with no URL in it is a one-line usage error
+    (nats-py, given no server, would try none of them for ever)."""
+    if not any(url.strip() for url in nats.split(",")):
+        typer.echo(f"fleetbox: --nats: no NATS URL in {nats!r}; give one, e.g. {_LOCAL_NATS}", err=True)
+        raise typer.Exit(2)
+    return nats
+
+
 def _port_problem(host: str, port: int) -> str | None:
     """'port P on H is in use' when another process listens there (checked before a box starts,
     which binds its HTTP port only after loading its models); None when it is free or any port."""
@@ -228,13 +238,19 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
     for wait in waits:
         wait.cancel()
     try:
-        await asyncio.wait_for(box.stop(), settings.shutdown_grace_s + 4.0)
+        async with asyncio.timeout(settings.shutdown_grace_s + 4.0):  # not wait_for (see appliance/tasks.py)
+            await box.stop()
     except TimeoutError:
         log.error("shutdown took too long; exiting anyway")
     return 0
 
 
-FleetUrl = Annotated[str, typer.Option("--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated")]
+FleetUrl = Annotated[
+    str,
+    typer.Option(
+        "--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated", callback=_check_nats_option
+    ),
+]
 Creds = Annotated[
     Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file", callback=_check_creds_option)
 ]
@@ -242,7 +258,6 @@ models_app = typer.Typer(no_args_is_help=True, help="List and steer the fleet's 
 box_app = typer.Typer(no_args_is_help=True, help="Steer one box through NATS.")
 app.add_typer(models_app, name="models")
 app.add_typer(box_app, name="box")
-_LOCAL_NATS = "nats://127.0.0.1:4222"
 
 
 @app.command("tui")
@@ -254,7 +269,8 @@ def tui_command(
     """Watch and steer a fleet from the terminal, attached through NATS alone."""
     from tui.commands import run_tui
 
-    _fleet_command(run_tui(nats, creds, refresh))
+    code = _fleet_command(run_tui(nats, creds, refresh))
+    raise typer.Exit(code)  # non-zero when the app failed (it has printed the traceback)
 
 
 @models_app.command("list")

@@ -7,6 +7,7 @@ Keys are pressed through Textual's pilot; every effect is checked through the bo
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -27,9 +28,10 @@ from appliance import bus, cli
 from appliance.app import Box
 from appliance.natsd import EmbeddedNats, free_port
 from tests.conftest import box_settings, noop_model, url, wait_for
-from tui import commands
+from tui import commands, ops
 from tui.app import FleetboxApp
 from tui.dialogs import Choose, Confirm, RegisterForm
+from tui.model import model_rows
 from tui.source import NatsSource, connect, connect_problem
 
 FLEETBOX = str(Path(sys.executable).with_name("fleetbox"))
@@ -334,3 +336,117 @@ def test_models_list_never_cuts_a_name() -> None:
     commands.print_rows(rows, Console(file=terminal, width=60, force_terminal=True, color_system=None))
     firsts = [line.split()[0] for line in terminal.getvalue().splitlines() if line.strip()]
     assert "".join(firsts[firsts.index("model") + 1 :]) == name
+
+
+async def test_a_nats_outage_keeps_the_fleet_as_last_seen_and_an_action_fails_in_bounded_time(
+    start_box, nats_server, http, monkeypatch
+) -> None:
+    """While NATS is down nothing new is known: the box stays as last seen (marked unknown, not
+    dead), its model stays resident, an action fails within the bound and is never sent later,
+    and the outage and the reconnection are events."""
+    monkeypatch.setattr(ops, "REACH_TIMEOUT_S", 1.0)
+    box = await start_box(default_model=False, models=[noop_model("alpha")], heartbeat_s=0.3, heartbeat_ttl_s=2.0)
+    nc = await connect(nats_server.url)
+    source = NatsSource(nc, address=nats_server.url, own_connection=True, period_s=0.2)
+    await source.start()
+    app = FleetboxApp(source, refresh_s=0.2)
+    try:
+        async with app.run_test(size=(80, 24)) as pilot:
+
+            async def attached() -> bool:
+                return [b.box for b in app.view.boxes] == [box.box_id] and app.view.spec("alpha") is not None
+
+            await wait_for(attached, 10.0, "the box and alpha on screen")
+            await nats_server.stop()
+
+            async def down() -> bool:
+                return not app.view.connected
+
+            await wait_for(down, 10.0, "the TUI seeing NATS gone")
+            await asyncio.sleep(2.5)  # the heartbeats' TTL passes: a box judged now would be dead
+            view = app.view
+            assert [(b.box, b.status) for b in view.boxes] == [(box.box_id, "live")]
+            assert [(r.name, r.state) for r in model_rows(view)] == [("alpha", "resident")]
+            assert view.stale_since is not None
+            status = str(app.screen.query_one("#status", Static).visual)
+            assert "NATS" in status and "showing the fleet as of" in status
+            assert str(app.screen.query_one(DataTable).get_row(box.box_id)[0]).startswith("?")
+
+            await pilot.press("2", "p")  # unpin alpha, while NATS is down
+            started = time.monotonic()
+
+            async def refused() -> bool:
+                return any(
+                    e.kind == "error" and f"cannot reach NATS at {nats_server.url}" in e.text
+                    for e in app.events.newest_first()
+                )
+
+            await wait_for(refused, 5.0, "the unpin refused")
+            assert time.monotonic() - started < 4.0
+
+            await nats_server.start()
+
+            async def fresh() -> bool:
+                return app.view.stale_since is None and [b.status for b in app.view.boxes] == ["live"]
+
+            await wait_for(fresh, 30.0, "the fleet read again after NATS returned")
+            kinds = [e.kind for e in app.events.newest_first()]
+            assert "outage" in kinds and "reconnect" in kinds
+            assert (await model(http, box, "alpha"))["pinned"] is True  # the unpin never ran
+    finally:
+        await source.stop()
+
+
+def test_evict_from_a_named_box_says_when_it_is_a_gateway_or_does_not_hold_the_model() -> None:
+    """The heartbeats are built by hand and the box's answer is stubbed: this checks FleetOps's rule."""
+    from appliance.errors import Conflict, NotFound
+    from tui.model import BoxState
+
+    boxes = [
+        BoxState.from_heartbeat({"box": "gw", "role": "gateway", "ts": time.time()}),
+        BoxState.from_heartbeat({"box": "w", "role": "all", "ts": time.time()}),
+    ]
+    fleet_ops = ops.FleetOps(None, lambda: boxes)  # type: ignore[arg-type]
+    sent: list[str] = []
+
+    async def call(box: str, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+        sent.append(box)
+        return {"model": payload["model"], "evicted": False}
+
+    fleet_ops._call = call  # type: ignore[method-assign]
+
+    async def run() -> None:
+        with pytest.raises(Conflict, match="box gw is a gateway; it runs no models"):
+            await fleet_ops.evict("alpha", "gw")
+        with pytest.raises(NotFound, match="model alpha is not resident on box w"):
+            await fleet_ops.evict("alpha", "w")
+
+    asyncio.run(run())
+    assert sent == ["w"]  # the gateway is never asked
+
+
+def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
+    """`--nats ""` (or blanks, or bare commas) used to spin for ever; `FBX_NATS=` still means the default."""
+    for value in ("", " ", ","):
+        for args in (["models", "list"], ["tui"], ["box", "drain", "b"]):
+            result = CliRunner().invoke(cli.app, [*args, "--nats", value])
+            assert result.exit_code == 2, (args, value, result.output)
+            assert result.output.startswith("fleetbox: --nats: no NATS URL") and len(result.output.splitlines()) == 1
+    monkeypatch.setattr(commands, "ATTACH_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("FBX_NATS", "")
+    result = CliRunner().invoke(cli.app, ["models", "list"])
+    assert result.exit_code == 1 and "nats://127.0.0.1:4222" in result.output, result.output
+
+
+def test_the_tui_command_exits_non_zero_when_the_app_fails(monkeypatch) -> None:
+    """A source whose view raises stands for any bug in the app: the traceback is printed, the exit is 1."""
+    from tests.tui_fake import FakeSource
+
+    class Broken(FakeSource):
+        def view(self):  # type: ignore[override]
+            raise RuntimeError("a bug in the TUI")
+
+    monkeypatch.setattr(NatsSource, "dialing", classmethod(lambda cls, *a, **k: Broken()))
+    monkeypatch.setattr(FleetboxApp, "run_async", functools.partialmethod(FleetboxApp.run_async, headless=True))
+    result = CliRunner().invoke(cli.app, ["tui", "--nats", "nats://127.0.0.1:1"])
+    assert result.exit_code == 1, result.output

@@ -18,10 +18,11 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 
 from appliance.errors import FleetboxError
-from tui.dialogs import Confirm, KeysHelp
+from tui.dialogs import DIALOG_KEYS, Confirm, Dialog, KeysHelp
 from tui.events import Event, EventLog, Throughput
 from tui.model import FleetView
 from tui.screens import DataScreen, EventsScreen, FleetScreen, ModelsScreen, QueueScreen
+from tui.screens.base import TABLE_KEYS
 from tui.source import FleetSource
 
 SCREENS: dict[str, type[DataScreen]] = {
@@ -43,8 +44,9 @@ class FleetboxApp(App[None]):
         Binding("3", "switch_mode('queue')", "Queue"),
         Binding("4", "switch_mode('events')", "Events"),
         Binding("question_mark", "keys", "Keys", key_display="?"),
-        Binding("q", "quit", "Quit"),
+        Binding("q", "quit", "Quit"),  # and ctrl+q, Textual's own binding, which works in the dialogs too
     ]
+    _SCREEN_KEYS = ("switch_mode", "keys")  # not while a dialog waits for its answer
 
     def __init__(
         self,
@@ -84,32 +86,42 @@ class FleetboxApp(App[None]):
 
     def act(self, what: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Run one action in the background; its result or error becomes a notification and an event."""
-        self.run_worker(self._act(what, call), group="actions", exit_on_error=False)
+        self.run_worker(self.attempt(what, call), group="actions", exit_on_error=False)
 
-    async def _act(self, what: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    async def attempt(self, what: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> str | None:
+        """Run one action now, notify and log its result; returns why it failed, or None."""
         self.notify(f"{what}…", timeout=2)
         try:
             result = await call()
         except FleetboxError as exc:
             self._report(what, exc.message, error=True)
-            return
+            return exc.message
         except (NatsError, TimeoutError, OSError) as exc:
             self._report(what, repr(exc), error=True)
-            return
+            return repr(exc)
         self._report(what, describe(result), error=False)
         self.tick()
+        return None
 
     def _report(self, what: str, outcome: str, *, error: bool) -> None:
         text = f"{what}: {outcome}"
         self.notify(text, severity="error" if error else "information", timeout=8 if error else 4)
         self.events.add(Event(time.time(), "error" if error else "action", what, text))
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """While a dialog is open its keys are the ones that count (and the ones its footer shows)."""
+        if action in self._SCREEN_KEYS and isinstance(self.screen, Dialog):
+            return False
+        return True
+
     def action_keys(self) -> None:
         sections: list[tuple[str, list[tuple[str, str]]]] = [("anywhere", _keys(self.BINDINGS))]
+        sections.append(("tables", list(TABLE_KEYS)))
         for name, screen in SCREENS.items():
             keys = _keys(screen.__dict__.get("BINDINGS", []))  # its own keys, not Screen's focus keys
             if keys:
                 sections.append((name, keys))
+        sections.append(("dialogs", list(DIALOG_KEYS)))
         self.push_screen(KeysHelp(sections))
 
     async def action_quit(self) -> None:
@@ -125,10 +137,21 @@ class FleetboxApp(App[None]):
 
 
 def _keys(bindings: list[BindingType]) -> list[tuple[str, str]]:
-    keys = []
+    """(key, what it does) per binding; the mode keys 1 to 4 share one line, `q` names ctrl+q too."""
+    keys: list[tuple[str, str]] = []
+    modes: list[tuple[str, str]] = []
     for binding in bindings:
-        if isinstance(binding, Binding):
-            keys.append((binding.key_display or binding.key, binding.tooltip or binding.description))
+        if not isinstance(binding, Binding):
+            continue
+        key = binding.key_display or binding.key
+        if binding.action.startswith("switch_mode"):
+            modes.append((key, binding.description))
+            continue
+        if binding.action == "quit":
+            key = f"{key}, ctrl+q"
+        keys.append((key, binding.tooltip or binding.description))
+    if modes:
+        keys.insert(0, (" ".join(k for k, _ in modes), ", ".join(d for _, d in modes)))
     return keys
 
 

@@ -19,9 +19,10 @@ from rich.table import Table
 from tui import format as fmt
 from tui.app import FleetboxApp
 from tui.model import ModelRow, model_rows
+from tui.ops import REACH_TIMEOUT_S
 from tui.source import NatsSource, connect
 
-ATTACH_TIMEOUT_S = 10.0  # how long a one-shot command waits for NATS, then for the fleet's state
+ATTACH_TIMEOUT_S = REACH_TIMEOUT_S  # how long a one-shot command waits for NATS, then for the fleet's state
 
 
 @asynccontextmanager
@@ -42,14 +43,17 @@ async def attached(servers: str, creds: Path | None, timeout_s: float | None = N
         await source.stop()
 
 
-async def run_tui(servers: str, creds: Path | None, refresh_s: float) -> None:
-    """The TUI draws at once; while NATS cannot be reached its status line says why, and it retries."""
+async def run_tui(servers: str, creds: Path | None, refresh_s: float) -> int:
+    """The TUI draws at once; while NATS cannot be reached its status line says why, and it retries.
+    Returns the exit status: 1 when the app failed (Textual has printed why), else 0."""
     source = NatsSource.dialing(servers, creds, period_s=refresh_s)
     await source.start()
+    app = FleetboxApp(source, refresh_s=refresh_s)
     try:
-        await FleetboxApp(source, refresh_s=refresh_s).run_async()
+        await app.run_async()
     finally:
         await source.stop()
+    return app.return_code or 0
 
 
 async def act(servers: str, creds: Path | None, verb: str, **args: Any) -> dict[str, Any]:
@@ -64,7 +68,16 @@ async def list_models(servers: str, creds: Path | None) -> list[ModelRow]:
 
 
 def rows_as_json(rows: list[ModelRow]) -> list[dict[str, Any]]:
-    return [asdict(row) for row in rows]
+    """One object per model; a latency nothing measured (the table's `-`) is null, a rate always a float."""
+    return [
+        {
+            **asdict(row),
+            "rps": float(row.rps),
+            "p50_ms": row.p50_ms if row.p50_ms > 0 else None,
+            "p99_ms": row.p99_ms if row.p99_ms > 0 else None,
+        }
+        for row in rows
+    ]
 
 
 def print_rows(rows: list[ModelRow], console: Console | None = None) -> None:

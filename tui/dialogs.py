@@ -1,23 +1,26 @@
 """Modal dialogs: confirm a destructive action, choose a box or model, register a model, show the keys.
 
-Each dialog is keyboard-first (its keys are on its face) and returns its answer through
-`dismiss`, so the screen that opened it decides what to do with the answer.
+Each dialog is keyboard-first (its keys are on its face and in its own footer) and answers once,
+through `dismiss`, so the screen that opened it decides what to do with the answer. Once is the
+rule: keys typed quickly (Enter twice in one write) reach a dialog that is already closing, and a
+second dismiss would close the screen below it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Select, Static
+from textual.widgets import Button, Footer, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
 TASKS = ("embed", "score", "classify", "extract", "generate")
+T = TypeVar("T")
 
 _DIALOG_CSS = """
 {name} {{
@@ -59,7 +62,27 @@ _DIALOG_CSS = """
 """
 
 
-class Confirm(ModalScreen[bool]):
+class Dialog(ModalScreen[T]):
+    """A modal that answers once and shows its own keys in a footer (not those of the screen below)."""
+
+    _answered = False
+
+    def compose(self) -> ComposeResult:
+        yield from self.face()
+        yield Footer(show_command_palette=False, compact=True)
+
+    def face(self) -> ComposeResult:
+        raise NotImplementedError
+
+    def answer(self, value: T) -> None:
+        """Close the dialog with `value`; any later answer (a key typed twice) is ignored."""
+        if self._answered:
+            return
+        self._answered = True
+        self.dismiss(value)
+
+
+class Confirm(Dialog[bool]):
     """Ask before something that cannot be taken back (evict, drain, stop)."""
 
     DEFAULT_CSS = _DIALOG_CSS.format(name="Confirm")
@@ -73,7 +96,7 @@ class Confirm(ModalScreen[bool]):
         self._question = question
         self._yes = yes
 
-    def compose(self) -> ComposeResult:
+    def face(self) -> ComposeResult:
         with Vertical():
             yield Label(self._question, classes="title")
             with Horizontal():
@@ -84,13 +107,13 @@ class Confirm(ModalScreen[bool]):
         self.query_one("#no", Button).focus()  # Enter alone must not do the destructive thing
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "yes")
+        self.answer(event.button.id == "yes")
 
     def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes)
+        self.answer(yes)
 
 
-class Choose(ModalScreen[str | None]):
+class Choose(Dialog[str | None]):
     """Pick one of a few options (a box to load on, a model to evict) with the arrows and Enter."""
 
     DEFAULT_CSS = _DIALOG_CSS.format(name="Choose") + "Choose OptionList { height: auto; max-height: 14; }"
@@ -101,33 +124,42 @@ class Choose(ModalScreen[str | None]):
         self._title = title
         self._options = options
 
-    def compose(self) -> ComposeResult:
+    def face(self) -> ComposeResult:
         with Vertical():
             yield Label(self._title, classes="title")
             yield OptionList(*(Option(label, id=value) for value, label in self._options))
             yield Label("[dim]↑↓ choose · Enter select · Esc cancel[/]")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(event.option.id)
+        self.answer(event.option.id)
 
     def action_cancel(self) -> None:
-        self.dismiss(None)
+        self.answer(None)
 
 
-class RegisterForm(ModalScreen[dict | None]):
-    """The body of `POST /v1/models`: name, folder, task (detected when left on auto), adapter of."""
+Register = Callable[[dict[str, Any]], Awaitable[str | None]]  # a registration -> why it was refused, or None
 
-    DEFAULT_CSS = _DIALOG_CSS.format(name="RegisterForm")
+
+class RegisterForm(Dialog[dict | None]):
+    """The body of `POST /v1/models`: name, folder, task (detected when left on auto), adapter of.
+
+    The form sends the registration itself and closes only when a box accepts it: a refusal (a
+    folder outside the model roots, a name taken) is shown in the form, with everything typed kept.
+    """
+
+    DEFAULT_CSS = _DIALOG_CSS.format(name="RegisterForm") + "RegisterForm #problem { width: 100%; }"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+s", "submit", "Register"),
     ]
 
-    def __init__(self, bases: Sequence[str]) -> None:
+    def __init__(self, bases: Sequence[str], register: Register) -> None:
         super().__init__()
         self._bases = bases
+        self._register = register
+        self._sending = False
 
-    def compose(self) -> ComposeResult:
+    def face(self) -> ComposeResult:
         with Vertical():
             yield Label("Register a model (a folder under a model root of the box)", classes="title")
             with Horizontal(classes="field"):
@@ -157,10 +189,12 @@ class RegisterForm(ModalScreen[dict | None]):
         self.action_submit()
 
     def action_submit(self) -> None:
+        if self._sending:  # one registration at a time: ctrl+s twice sends it once
+            return
         name = self.query_one("#name", Input).value.strip()
         path = self.query_one("#path", Input).value.strip()
         if not name or not path:
-            self.query_one("#problem", Label).update("[b]a name and a path are needed[/]")
+            self._say("[b]a name and a path are needed[/]")
             self.query_one("#name" if not name else "#path", Input).focus()
             return
         registration: dict[str, str] = {"name": name, "path": path}
@@ -170,23 +204,40 @@ class RegisterForm(ModalScreen[dict | None]):
             registration["task"] = task
         if isinstance(base, str):
             registration["adapter_of"] = base
-        self.dismiss(registration)
+        self._sending = True
+        self._say(f"[dim]registering {name}…[/]")
+        self.run_worker(self._send(registration), group="register", exit_on_error=False)
+
+    async def _send(self, registration: dict[str, str]) -> None:
+        try:
+            refused = await self._register(registration)
+        finally:
+            self._sending = False
+        if refused is None:
+            self.answer(registration)
+        elif not self._answered:  # not cancelled meanwhile
+            self._say(f"[b]refused:[/] {refused}")
+
+    def _say(self, markup: str) -> None:
+        self.query_one("#problem", Label).update(markup)
 
     def action_cancel(self) -> None:
-        self.dismiss(None)
+        self.answer(None)
 
 
-class KeysHelp(ModalScreen[None]):
-    """Every key of every screen, read from the bindings themselves so it never goes stale."""
+class KeysHelp(Dialog[None]):
+    """Every key: the screens' read from their bindings (so they never go stale), the tables' and the dialogs'."""
 
-    DEFAULT_CSS = _DIALOG_CSS.format(name="KeysHelp")
+    DEFAULT_CSS = (
+        _DIALOG_CSS.format(name="KeysHelp") + "KeysHelp > Vertical { width: 78; } KeysHelp .title { margin: 0; }"
+    )
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "close", "Close")]
 
     def __init__(self, sections: Sequence[tuple[str, Sequence[tuple[str, str]]]]) -> None:
         super().__init__()
         self._sections = sections
 
-    def compose(self) -> ComposeResult:
+    def face(self) -> ComposeResult:
         table = Table(box=None, show_header=False, padding=(0, 1), expand=False)
         table.add_column(style="bold")
         table.add_column(style="reverse")
@@ -197,7 +248,16 @@ class KeysHelp(ModalScreen[None]):
         with Vertical():
             yield Label("Keys", classes="title")
             yield Static(table)
-            yield Label("[dim]↑↓ move · Tab next field · Esc closes[/]")
 
     def action_close(self) -> None:
-        self.dismiss(None)
+        self.answer(None)
+
+
+# The dialogs' keys, for the help: their bindings, and the keys their widgets answer themselves.
+DIALOG_KEYS = (
+    ("y / n", "yes / no, in a confirmation"),
+    ("Enter", "choose the option, or press the focused button"),
+    ("Tab", "next field or button (shift+Tab: back)"),
+    ("ctrl+s", "register, in the register form"),
+    ("Esc", "cancel, close"),
+)

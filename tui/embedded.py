@@ -84,6 +84,7 @@ class EmbeddedTui:
             return
         self._app.exit()
         try:
-            await asyncio.wait_for(self._closed.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on Python 3.11 it can swallow a cancel
+                await self._closed.wait()
         except TimeoutError:
             log.warning("the TUI did not close in time")

@@ -3,7 +3,8 @@
 Boxes publish state, not events; so an event is a difference between two successive views: a box
 id that appears (joined) or whose status changes (draining, late, dead, left), a model that
 appears on a box (loaded) or leaves it (evicted), a catalog entry added, removed, pinned or
-unpinned, an error count that grows. Operator actions and their failures are added directly.
+unpinned, an error count that grows. Losing NATS and getting it back are events too (the views
+then say `connected`). Operator actions and their failures are added directly.
 The log keeps the newest `limit` events; nothing else writes to it. `Throughput` keeps the
 last `samples` req/s readings of every model, one per view, for the sparkline.
 """
@@ -14,7 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tui.format import human_bytes
+from tui.format import age, count, human_bytes
 from tui.model import BoxState, FleetView, model_rows
 
 _STATUS_EVENTS = {
@@ -30,6 +31,7 @@ _STATUS_EVENTS = {
 class Event:
     at: float
     kind: str  # attach join leave dead late back drain load loading evict register remove pin unpin error action
+    # outage reconnect
     subject: str  # the box or model it concerns
     text: str
 
@@ -38,6 +40,8 @@ class EventLog:
     def __init__(self, limit: int = 500) -> None:
         self._events: deque[Event] = deque(maxlen=limit)
         self._last: FleetView | None = None
+        self._connected_once = False
+        self._down_since: float | None = None  # when NATS was lost, while it is
         self.version = 0  # grows with every event, so a screen re-renders only when it changed
 
     def add(self, event: Event) -> None:
@@ -53,16 +57,33 @@ class EventLog:
     def observe(self, view: FleetView) -> None:
         """Record what changed since the previous view."""
         before, self._last = self._last, view
+        self._observe_connection(view)
         if not view.connected or view.waiting_for:
             return
         if before is None or not before.connected or before.waiting_for:
             self.add(
                 Event(view.taken_at, "attach", view.address,
-                      f"attached to {view.address}: {len(view.boxes)} boxes, {len(view.catalog)} models")
+                      f"attached to {view.address}: {count(len(view.boxes), 'box')}, "
+                      f"{count(len(view.catalog), 'model')}")
             )  # fmt: skip
             return
         for event in _differences(before, view):
             self.add(event)
+
+    def _observe_connection(self, view: FleetView) -> None:
+        if not view.connected:
+            if self._connected_once and self._down_since is None:
+                self._down_since = view.taken_at
+                self.add(Event(view.taken_at, "outage", view.address,
+                               f"lost the connection to NATS at {view.address}; retrying, and showing the fleet "
+                               "as last seen meanwhile"))  # fmt: skip
+            return
+        self._connected_once = True
+        if self._down_since is not None:
+            down_for = age(view.taken_at - self._down_since)
+            self._down_since = None
+            self.add(Event(view.taken_at, "reconnect", view.address,
+                           f"reconnected to NATS at {view.address} after {down_for}"))  # fmt: skip
 
 
 def _differences(before: FleetView, after: FleetView) -> Iterator[Event]:

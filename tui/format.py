@@ -93,3 +93,10 @@ def ms(value: float) -> str:
 def clock(at: float) -> str:
     """Local wall-clock time of an event, HH:MM:SS."""
     return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def count(n: int, noun: str) -> str:
+    """'1 box', '3 boxes', '0 models': a count with its noun in the right number."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "x", "ch", "sh")) else f"{n} {noun}s"

@@ -168,6 +168,9 @@ class FleetView:
     connected: bool = True
     waiting_for: str | None = None  # e.g. "no fleet at this address yet"
     problem: str | None = None  # while not connected: why the last attempt failed ("connection refused")
+    # While NATS is out of reach (or being read again after it): the boxes and models are as they were
+    # last seen at this instant, not judged now (a box is not dead because its heartbeats cannot arrive).
+    stale_since: float | None = None
 
     def box(self, box_id: str) -> BoxState | None:
         return next((b for b in self.boxes if b.box == box_id), None)
@@ -240,7 +243,7 @@ def model_rows(view: FleetView) -> list[ModelRow]:
                 boxes=tuple(sorted(b.box for b, _ in resident)),
                 nbytes=next((m.nbytes for _, m in measured if m.nbytes), None),
                 backlog=backlog.get(spec.slug, 0),
-                rps=round(sum(m.rps for _, m in measured), 2),
+                rps=round(sum((m.rps for _, m in measured), 0.0), 2),
                 p50_ms=max((m.p50_ms for _, m in measured), default=0.0),
                 p99_ms=max((m.p99_ms for _, m in measured), default=0.0),
                 errors=sum(m.errors for _, m in measured) + dead.get(spec.slug, 0),

@@ -6,10 +6,16 @@ same typed errors. Which box answers is chosen here from the heartbeats: catalog
 register) go to any live box, preferring one on this host for registration (the folder is judged
 on the box that answers); `load` goes to the live worker with the most free memory unless a box
 is named; `evict` without a box evicts from every box holding the model.
+
+A verb is sent only while NATS is connected: nats-py would hold a request published during an
+outage and send it on reconnecting, so an action taken then would run, unannounced, long after
+its operator was told nothing. While NATS is down an action waits for it at most
+`REACH_TIMEOUT_S` (the bound of the CLI's connect), then fails with the CLI's words.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,15 +23,30 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from appliance.control import call_box
-from appliance.errors import NotFound, ServiceUnavailable
+from appliance.errors import Conflict, NotFound, ServiceUnavailable
 from tui.model import BoxState
+
+REACH_TIMEOUT_S = 10.0  # how long an action waits for NATS to come back before it gives up
+_CONNECTED_POLL_S = 0.1
 
 
 class FleetOps:
-    def __init__(self, nc: NATS, boxes: Callable[[], Sequence[BoxState]], timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        boxes: Callable[[], Sequence[BoxState]],
+        timeout_s: float = 120.0,
+        *,
+        address: str = "",
+        why_unreachable: Callable[[], str | None] = lambda: None,
+        reach_timeout_s: float | None = None,
+    ) -> None:
         self._nc = nc
         self._boxes = boxes  # the live view of the fleet, from heartbeats
         self._timeout_s = timeout_s
+        self._address = address
+        self._why_unreachable = why_unreachable  # the last connection problem, while NATS is down
+        self._reach_timeout_s = reach_timeout_s or REACH_TIMEOUT_S
 
     async def pin(self, model: str) -> dict[str, Any]:
         return await self._call(self._any_box(), "pin", {"model": model})
@@ -37,8 +58,13 @@ class FleetOps:
         return await self._call(box or self.roomiest_box(), "load", {"model": model})
 
     async def evict(self, model: str, box: str | None = None) -> dict[str, Any]:
-        """Evict from `box`, or from every live box that holds the model; says where it was evicted."""
-        targets = [box] if box else self.holders(model)
+        """Evict from `box`, or from every live box that holds the model; says where it was evicted.
+
+        A box named is refused as `load` refuses it when it runs no models, and it is an error when
+        it does not hold the model (evicting from every box is done when none still holds it)."""
+        if box:
+            return await self._evict_from(model, box)
+        targets = self.holders(model)
         # With no holder in the heartbeats, one box is asked all the same: it answers 404 for a model
         # that does not exist, and evicts one that became resident since its last heartbeat.
         probing = not targets
@@ -50,6 +76,15 @@ class FleetOps:
         if probing and not evicted:
             raise NotFound(f"model {model!r} is not resident on any live box", code="model_not_resident")
         return {"model": model, "evicted_from": evicted}
+
+    async def _evict_from(self, model: str, box: str) -> dict[str, Any]:
+        known = next((b for b in self._boxes() if b.box == box), None)
+        if known is not None and not known.runs_models:
+            raise Conflict(f"box {box} is a {known.role}; it runs no models")
+        result = await self._call(box, "evict", {"model": model})
+        if not result.get("evicted"):
+            raise NotFound(f"model {model} is not resident on box {box}", code="model_not_resident")
+        return {"model": model, "evicted_from": [box]}
 
     async def drain(self, box: str) -> dict[str, Any]:
         return await self._call(box, "drain", {})
@@ -90,4 +125,18 @@ class FleetOps:
         return (local or live)[0].box
 
     async def _call(self, box: str, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+        await self._connected()
         return await call_box(self._nc, box, verb, payload, timeout_s=self._timeout_s)
+
+    async def _connected(self) -> None:
+        """Return once NATS is connected; raise after `reach_timeout_s` without it (nothing is sent)."""
+        if self._nc.is_connected:
+            return
+        try:
+            async with asyncio.timeout(self._reach_timeout_s):
+                # Polled: the reconnect callback belongs to whoever made the connection (the box, embedded).
+                while not self._nc.is_connected:  # noqa: ASYNC110
+                    await asyncio.sleep(_CONNECTED_POLL_S)
+        except TimeoutError:
+            why = self._why_unreachable() or f"no connection within {self._reach_timeout_s:g} s"
+            raise ServiceUnavailable(f"cannot reach NATS at {self._address}: {why}") from None

@@ -8,7 +8,10 @@ it instead of shaping it. Heartbeats arrive by watch; `view()` only assembles wh
 memory, so building a view costs no round trip and never waits.
 
 A box that stops heartbeating is kept in the view for a while, marked `dead` (its records aged
-out) or `left` (its record was deleted by a clean stop), so an operator sees that it went.
+out) or `left` (its record was deleted by a clean stop), so an operator sees that it went. But
+while NATS itself is out of reach (and until the fleet is read again after it returns) no
+heartbeat can arrive: then the view keeps the boxes and the catalog as last seen, unjudged, and
+says since when (`FleetView.stale_since`), rather than calling every box dead.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ async def dial(
     each reason so that the screen can show it. nats-py itself would retry a first connect for
     ever in silence.
     """
+    urls = [url.strip() for url in servers.split(",") if url.strip()]
+    if not urls:  # nats-py would loop for ever over an empty server list
+        raise NatsUnreachable(servers, "no NATS URL given")
     problems: list[str] = []  # the last one only
 
     async def failed(exc: Exception) -> None:  # nats-py prints errors itself otherwise
@@ -109,7 +115,7 @@ async def dial(
         return None
 
     connecting = nc.connect(
-        servers=[url.strip() for url in servers.split(",") if url.strip()],
+        servers=urls,
         user_credentials=str(creds) if creds else None,
         name="fleetbox-tui",
         max_reconnect_attempts=-1,
@@ -178,7 +184,10 @@ class NatsSource:
         self._follow_task: asyncio.Task[None] | None = None
         self._dial_to: tuple[str, Path | None] | None = None  # connect in start(), for `dialing`
         self._problem: str | None = None  # why the connection is down, while it is
-        self.ops = FleetOps(nc, self._current_boxes)
+        self._reason: str | None = None  # the same, without "retrying…"
+        self._reconnects_read = nc.stats["reconnects"]  # the fleet was read after this many reconnects
+        self._fresh_at: float | None = None  # when the view was last judged from a connected, attached fleet
+        self.ops = FleetOps(nc, self._current_boxes, address=address, why_unreachable=lambda: self._reason)
 
     @classmethod
     def dialing(cls, servers: str, creds: Path | None = None, *, period_s: float = 1.0) -> NatsSource:
@@ -206,11 +215,13 @@ class NatsSource:
         await self._attach()
 
     def _connect_failed(self, problem: str) -> None:
+        self._reason = problem
         self._problem = f"{problem}; retrying…"
 
     async def attached(self, timeout_s: float) -> None:
         """Wait until the heartbeats and the catalog are read (for the CLI); raises TimeoutError."""
-        await asyncio.wait_for(self._attached.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._attached.wait()
         if self._queue is None:
             self._queue = await self._read_queue()
 
@@ -218,8 +229,15 @@ class NatsSource:
     def waiting_for(self) -> str | None:
         return self._waiting_for
 
+    def _stale(self) -> bool:
+        """Whether heartbeats cannot be arriving: NATS is down, or the fleet is not (yet again) read."""
+        return not self._nc.is_connected or self._fleet is None or self._nc.stats["reconnects"] != self._reconnects_read
+
     def view(self) -> FleetView:
         now = self._clock()
+        stale = self._stale()
+        if not stale:
+            self._fresh_at = now
         return FleetView(
             address=self.address,
             taken_at=now,
@@ -229,13 +247,14 @@ class NatsSource:
             connected=self._nc.is_connected,
             waiting_for=self._waiting_for,
             problem=None if self._nc.is_connected else self._problem,
+            stale_since=self._fresh_at if stale else None,
         )
 
     def _current_boxes(self) -> Sequence[BoxState]:
         return self._boxes(self._clock())
 
     def _boxes(self, now: float) -> list[BoxState]:
-        if self._fleet is None:  # not (re)attached yet: what was known stands, unjudged
+        if self._stale():  # NATS down, or not (re)attached yet: what was known stands, unjudged
             return sorted(self._known.values(), key=lambda b: b.box)
         late_after_s = max(2.5, self._ttl_s / 2)
         seen: dict[str, BoxState] = {}
@@ -259,16 +278,45 @@ class NatsSource:
         return sorted(seen.values(), key=lambda b: b.box)
 
     async def _attach(self) -> None:
+        """Read the fleet, again after any read that fails (a timeout, NATS going away meanwhile)."""
+        while True:
+            try:
+                await self._attach_once()
+                return
+            except _READ_ERRORS as exc:
+                self._waiting_for = f"cannot read the fleet: {exc!r}; retrying…"
+                await self._drop_readers()
+            await asyncio.sleep(1.0)
+
+    async def _attach_once(self) -> None:
         """Watch the heartbeats once their bucket exists, then the catalog once its bucket does."""
         boxes = await self._bucket(bus.BOXES_BUCKET, f"no fleet at {self.address} yet: no box has started there")
-        self._ttl_s = float((await boxes.status()).ttl or self._ttl_s)
-        self._fleet = Fleet(self._js, "tui", None, period_s=self._period_s, ttl_s=self._ttl_s)
-        await self._fleet.start()
-        await self._bucket(bus.MODELS_BUCKET, f"the fleet has no catalog (bucket {bus.MODELS_BUCKET}) yet")
-        self._store = CatalogStore(self._js, self._catalog)
-        await self._store.open([])  # no configured models: a reader adds nothing to the catalog
+        ttl_s = float((await boxes.status()).ttl or self._ttl_s)
+        fleet = Fleet(self._js, "tui", None, period_s=self._period_s, ttl_s=ttl_s)
+        try:
+            await fleet.start()
+            await self._bucket(bus.MODELS_BUCKET, f"the fleet has no catalog (bucket {bus.MODELS_BUCKET}) yet")
+            catalog = Catalog()  # a fresh one: no model removed meanwhile stays listed
+            store = CatalogStore(self._js, catalog)
+            try:
+                await store.open([])  # no configured models: a reader adds nothing to the catalog
+            except BaseException:
+                await store.close()
+                raise
+        except BaseException:
+            await fleet.stop()
+            raise
+        # Shown only now, all at once: until then the last known fleet stands (see `_stale`).
+        self._ttl_s, self._fleet, self._catalog, self._store = ttl_s, fleet, catalog, store
         self._waiting_for = None
         self._attached.set()
+
+    async def _drop_readers(self) -> None:
+        fleet, store, self._fleet, self._store = self._fleet, self._store, None, None
+        if fleet is not None:
+            await fleet.stop()
+        if store is not None:
+            await store.close()
 
     async def _bucket(self, name: str, missing: str) -> KeyValue:
         """The bucket `name`, once it exists; meanwhile the status line says what is missing."""
@@ -287,11 +335,9 @@ class NatsSource:
         A NATS server that restarted may have lost the buckets (memory storage) and with them
         this reader's watches; the boxes recreate them, and attaching again waits until they do.
         """
-        reconnects = self._nc.stats["reconnects"]
         while True:
             if self._nc.is_connected:
-                if self._nc.stats["reconnects"] != reconnects:
-                    reconnects = self._nc.stats["reconnects"]
+                if self._nc.stats["reconnects"] != self._reconnects_read:
                     await self._reattach()
                 self._queue = await self._read_queue()
             await asyncio.sleep(self._period_s)
@@ -300,12 +346,8 @@ class NatsSource:
         await cancel_and_wait([self._attach_task])
         self._attached.clear()
         self._waiting_for = "reconnected to NATS; reading the fleet again…"
-        fleet, store, self._fleet, self._store = self._fleet, self._store, None, None
-        if fleet is not None:
-            await fleet.stop()
-        if store is not None:
-            await store.close()
-        self._catalog = Catalog()  # the new store fills a fresh catalog: no stale models stay listed
+        await self._drop_readers()
+        self._reconnects_read = self._nc.stats["reconnects"]  # stays stale until attached: _fleet is None
         self._attach_task = asyncio.create_task(self._attach(), name="tui-attach")
 
     async def _read_queue(self) -> QueueState:
@@ -352,7 +394,8 @@ class NatsSource:
             await self._store.close()
         if self._own:
             try:
-                await asyncio.wait_for(self._nc.close(), 3.0)
+                async with asyncio.timeout(3.0):  # not wait_for: on Python 3.11 it can swallow a cancel
+                    await self._nc.close()
             except TimeoutError:
                 log.debug("closing the TUI's NATS connection timed out")
 
