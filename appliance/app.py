@@ -33,6 +33,7 @@ from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSp
 from appliance.connect import ensure_consumers, ensure_queue, tls_context, when_jetstream_answers
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
+from appliance.delivery import Cancellations
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
 from appliance.errors import Conflict, ServiceUnavailable
@@ -49,7 +50,7 @@ from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
 from appliance.tasks import Background
 from appliance.verbs import control_verbs
-from appliance.worker import Cancellations, ModelWorker
+from appliance.worker import ModelWorker
 from runtimes.base import Task
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
+from appliance.delivery import LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -40,7 +41,7 @@ from appliance.residency import Residency
 from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
-from appliance.worker import LocalReply, deliver_reply, keep_alive, load_adapter
+from appliance.worker import load_adapter
 from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
 

@@ -20,8 +20,8 @@ from nats.aio.client import Client as NATS
 
 from appliance import bus
 from appliance.catalog import Catalog
+from appliance.delivery import Cancellations
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.worker import Cancellations
 from tests.conftest import noop_model, url, wait_for
 
 NOOP_BODY = {"input": ["one two three"], "model": "noop"}

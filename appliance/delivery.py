@@ -1,0 +1,97 @@
+"""What a worker owes each request it takes: its answer delivered until the gateway confirms it, the
+request kept in progress while it is worked on, and the cancels of requests whose clients went away.
+
+A reply is acked only once delivered: a worker that acks first and whose reply is lost loses the
+request, so delivery is a NATS request its gateway answers, sent again while no gateway listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from appliance.envelope import ReplyMeta, RequestMeta
+
+log = logging.getLogger(__name__)
+
+_CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any request deadline)
+_CONFIRM_TIMEOUT_S = 5.0  # how long a gateway may take to confirm it has a reply
+_RESEND_S = 0.25  # pause before sending a reply again that no gateway took
+
+LocalReply = Callable[[str, ReplyMeta, bytes], bool]
+"""Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
+
+
+async def deliver_reply(
+    nc: NATS, meta: RequestMeta, body: bytes, headers: dict[str, str], give_up: Callable[[], bool]
+) -> bool:
+    """Send a reply until its gateway confirms it; False if `give_up()` says stop first.
+
+    No responders means no gateway listens on the reply subject right now (it is reconnecting):
+    a plain publish would vanish, and the ack after it would lose the request. Once the request's
+    deadline has passed nobody waits for the answer, so it counts as delivered.
+    """
+    while True:
+        if meta.expired:
+            await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
+            return True
+        try:
+            await nc.request(meta.reply, body, timeout=_CONFIRM_TIMEOUT_S, headers=headers)
+            return True
+        except (NoRespondersError, NatsTimeout):
+            if give_up():
+                return False
+            log.info("reply not taken by a gateway; sending it again", extra={"request_id": meta.id})
+            await asyncio.sleep(_RESEND_S)
+
+
+async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
+    """Tell JetStream that held requests are still being worked on, so slow work is not redelivered."""
+    period = max(0.5, ack_wait_s / 3)
+    while True:
+        await asyncio.sleep(period)
+        for msg in held():
+            try:
+                await msg.in_progress()
+            except Exception as exc:
+                log.debug("in-progress ack failed", extra={"error": repr(exc)})
+
+
+class Cancellations:
+    """Request ids whose clients went away, remembered for a while, fed by `fbx.cancel`.
+
+    Every box hears every cancel in the fleet: ids expire in the order they came, from the front of
+    a queue, so a storm of cancels costs each one a constant amount of work.
+    """
+
+    def __init__(self, memory_s: float = _CANCEL_MEMORY_S, most: int = 100_000) -> None:
+        self._memory_s = memory_s
+        self._most = most
+        self._order: deque[tuple[float, str]] = deque()  # (expiry, id), oldest first
+        self._ids: set[str] = set()
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._forget(now)
+        if request_id in self._ids:
+            return
+        if len(self._order) >= self._most:
+            self._ids.discard(self._order.popleft()[1])
+        self._order.append((now + self._memory_s, request_id))
+        self._ids.add(request_id)
+
+    def contains(self, request_id: str) -> bool:
+        self._forget(time.monotonic())
+        return request_id in self._ids
+
+    def _forget(self, now: float) -> None:
+        while self._order and self._order[0][0] <= now:
+            self._ids.discard(self._order.popleft()[1])
