@@ -327,6 +327,7 @@ class Box:
                 self.residency,
                 self.catalog,
                 self.blobs,
+                self.cancelled,
                 local_reply=self._local_reply,
             )
         else:

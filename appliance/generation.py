@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import LocalReply, deliver_reply, keep_alive
+from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -83,9 +83,11 @@ class GenerateWorker:
         residency: Residency,
         catalog: Catalog,
         blobs: Blobs,
+        cancelled: Cancellations,
         local_reply: LocalReply | None = None,
     ) -> None:
         self.box_id = box_id
+        self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
         self._local_reply = local_reply
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
         self.spec = spec
@@ -139,6 +141,7 @@ class GenerateWorker:
         self.runtime.cancel(request_id)
         stream = self._forget(request_id)
         assert stream is not None
+        self._metrics.cancelled.labels(self.spec.name).inc()
         self._spawn(stream.msg.ack())
         self.puller.poke()
         return True
@@ -153,6 +156,10 @@ class GenerateWorker:
             self._spawn(msg.term())
             return
         if meta.id in self._streams or meta.id in self._preparing:
+            return
+        if self._cancelled.contains(meta.id):  # its client went away while it waited in the queue
+            self._metrics.cancelled.labels(self.spec.name).inc()
+            self._spawn(msg.ack())
             return
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
@@ -189,6 +196,8 @@ class GenerateWorker:
         self._streams[meta.id] = Stream(meta, msg)
         self._idle.clear()
         self._wake.set()
+        if self._cancelled.contains(meta.id):  # cancelled while it was being prepared
+            self.cancel(meta.id)
 
     def _prompt(self, request: ChatRequest | CompletionRequest) -> Any:
         try:

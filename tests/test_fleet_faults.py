@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 import nats
 import orjson
@@ -263,3 +264,36 @@ async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server
                 assert "is stopping" in (await response.json())["error"]["message"]
                 assert response.headers["Retry-After"] == "1"
     assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+
+
+async def test_queued_generation_of_a_gone_client_is_never_generated(start_box, http, generator_dir) -> None:
+    """As for the encoder routes: with generations queued behind a busy decode batch, one whose client goes
+    away before a box pulls it is dropped unstarted by the box that pulls it later."""
+    model = ModelEntry(
+        name="tiny-llama", path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1}
+    )
+    box = await start_box(default_model=False, models=[model])
+
+    def body(prompt: str) -> dict:
+        return {"model": "tiny-llama", "prompt": prompt, "max_tokens": 200, "temperature": 0}
+
+    busy = [asyncio.create_task(http.post(url(box, "/v1/completions"), json=body(f"busy {i}"))) for i in range(8)]
+
+    async def pending() -> int:
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
+        return int(info.num_pending or 0)
+
+    await wait_for(lambda: _at_least(pending(), 3), what="generations waiting in the queue")
+    gone = asyncio.create_task(http.post(url(box, "/v1/completions"), json=body("gone")))
+    await wait_for(lambda: box.dispatcher.waiting == 9, what="the last one to be queued")
+    gone.cancel()  # its client disconnects while it waits behind the others
+    tokens = 0
+    for task in busy:
+        async with await task as response:
+            tokens += (await response.json())["usage"]["completion_tokens"]
+    await wait_for(lambda: counter(box, "fbx_cancelled_requests", model="tiny-llama") == 1, what="the cancellation")
+    assert counter(box, "fbx_rows_computed", model="tiny-llama") == tokens  # not one token for the gone client
+
+
+async def _at_least(count: Awaitable[int], least: int) -> bool:
+    return await count >= least
