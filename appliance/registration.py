@@ -85,7 +85,7 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
     if registration.task is not None:
         asked = Task(registration.task)
         if not (asked is detected or {asked, detected} <= _SEQUENCE_TASKS):
-            raise Unprocessable(f"the folder holds a {detected} model, not {asked}", code="wrong_task")
+            raise Unprocessable(f"the folder holds a model for {detected}, not {asked}", code="wrong_task")
         task = asked
     try:
         check_loadable(folder, task, RuntimeKind(registration.runtime), registration.options)

@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from appliance.batcher import Batcher, Job
+from appliance.batcher import Batcher
 from appliance.catalog import Batching
 from appliance.envelope import RequestMeta
 from appliance.metrics import Metrics
+from appliance.work import Job
 from runtimes import Runtime, Task, Tokenized
 from runtimes.base import PairRuntime
 

@@ -36,6 +36,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def evict(payload: dict[str, Any]) -> dict[str, Any]:
         spec = _model(box, payload)
+        if not box.settings.runs_models:
+            raise Conflict(f"box {box.box_id} is a gateway; it runs no models")
         if spec.name in box.residency.pinned:
             raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
         return {"model": spec.name, "evicted": await box.evict_model(spec.name)}

@@ -389,3 +389,19 @@ async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box) -> No
         await ops.evict("a")
     await box.serve_model(box.catalog.get("a"))  # resident, though no heartbeat has said so yet
     assert await ops.evict("a") == {"model": "a", "evicted_from": [box.box_id]}
+
+
+async def test_evict_from_a_named_box_that_does_not_hold_it_or_runs_no_models_says_so(start_box, http) -> None:
+    """As `fleetbox models evict --box` says it: not a 200 with `evicted_from: []`."""
+    worker = await start_box(box_id="holder", default_model=False, models=[noop_model("a", pinned=False)])
+    gateway = await start_box(
+        role="gateway", box_id="door", default_model=False, models=[noop_model("a", pinned=False)]
+    )
+    status, body = await call(http, worker, "POST", "/v1/models/a/evict", {"box": "holder"})
+    assert (status, body["error"]["code"]) == (404, "model_not_resident")
+    status, body = await call(http, worker, "POST", "/v1/models/a/evict", {"box": "door"})
+    assert status == 409 and "gateway" in body["error"]["message"]
+    status, body = await call(http, gateway, "POST", "/v1/models/a/load", {"box": "holder"})
+    assert status == 200
+    status, body = await call(http, gateway, "POST", "/v1/models/a/evict", {"box": "holder"})
+    assert status == 200 and body["evicted_from"] == ["holder"]

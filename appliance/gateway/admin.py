@@ -114,6 +114,8 @@ async def evict_model(request: web.Request) -> web.Response:
         result = await call_box(ctx.nc, target, "evict", {"model": spec.name})
         if result.get("evicted"):
             evicted.append(target)
+    if box is not None and not evicted:  # as `fleetbox models evict --box` says it
+        raise NotFound(f"model {spec.name} is not resident on box {box}", code="model_not_resident")
     return json_response({"id": spec.name, "evicted_from": evicted})
 
 
