@@ -343,8 +343,12 @@ class GenerateWorker:
         self._stopping = True
         await self.puller.stop()
         await self.bulk_puller.stop()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + grace_s
+        # Requests being admitted join the decode batch (and are answered here) rather than handed back.
+        await self._tasks.wait(grace_s)
         try:
-            async with asyncio.timeout(grace_s):
+            async with asyncio.timeout(max(0.0, until - loop.time())):
                 await self._idle.wait()
         except TimeoutError:
             log.warning("generation still active at drain; handing it back", extra={"model": self.spec.name})
@@ -353,7 +357,7 @@ class GenerateWorker:
         # (a cut-off final answer is never acked, and another box would generate it all over again).
         await self._tasks.wait(min(grace_s, _SETTLE_S))
         if self._streams:
-            await asyncio.get_running_loop().run_in_executor(self._device, self.runtime.clear)
+            await loop.run_in_executor(self._device, self.runtime.clear)
             for stream in self._streams.values():
                 await stream.msg.nak()
             self._streams.clear()

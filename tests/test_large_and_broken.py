@@ -65,11 +65,11 @@ async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_
     body = {"model": "enc", "input": "x"}
     async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
         assert response.status == 503 and "could not be loaded on box small" in await response.text()
-    assert small._placement.refusing == {"enc"}
+    assert small.placement.refusing == {"enc"}
     await start_box(role="worker", box_id="big", default_model=False)
     async with http.post(url(gateway, "/v1/models/enc/load"), json={"box": "big"}) as response:
         assert response.status == 200
-    await wait_for(lambda: not small._placement.refusing, timeout_s=5, what="the small box to stop refusing")
+    await wait_for(lambda: not small.placement.refusing, timeout_s=5, what="the small box to stop refusing")
     for _ in range(10):
         async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
             assert response.status == 200

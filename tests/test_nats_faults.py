@@ -114,7 +114,7 @@ async def test_a_poison_request_is_dead_lettered_while_the_others_flow(tmp_path)
 
 async def test_a_reply_no_gateway_takes_is_sent_again_instead_of_acked_and_lost(start_box, nats_server, caplog) -> None:
     """A gateway that is reconnecting has no subscription: the worker keeps the request until one takes it."""
-    caplog.set_level(logging.INFO, logger="appliance.worker")
+    caplog.set_level(logging.INFO, logger="appliance.delivery")
     box = await start_box(default_model=False, models=[noop_model()])
     nc = await nats.connect(nats_server.url)
     try:
