@@ -1,5 +1,7 @@
 """Joining NATS and making what a box needs there: TLS, the request queue and a model's consumers.
 
+The client TLS and the `NatsAuth` value are shared with the TUI and the CLI, which join the same way.
+
 Every step is idempotent (create if missing, never reset), so any box may run it at any time: at
 start, or after a reconnect to a server that lost what it kept in memory. A fresh NATS cluster may
 still be electing its leaders when the first boxes start: `when_jetstream_answers` waits that out.
@@ -9,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nats.errors import NoRespondersError
@@ -26,14 +31,73 @@ log = logging.getLogger(__name__)
 _JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 
 
-def tls_context(settings: Settings) -> ssl.SSLContext | None:
-    """The client TLS of `--tls-ca/--tls-cert/--tls-key`, or None (a `tls://` URL then uses the system's CAs)."""
-    if not (settings.tls_ca or settings.tls_cert):
+@dataclass(slots=True, frozen=True)
+class NatsAuth:
+    """How a client proves itself to NATS: a credentials file (user JWT and nkey seed) and client TLS,
+    either or both absent (a `tls://` URL without a context then trusts the system's CAs)."""
+
+    creds: Path | None = None
+    tls: ssl.SSLContext | None = None
+
+
+NO_AUTH = NatsAuth()  # a local NATS that asks for nothing
+
+
+class BadTlsFiles(ValueError):
+    """A TLS file that cannot be used; the message is one line naming the option and the file."""
+
+
+def client_tls(ca: Path | None, cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The client TLS of `--tls-ca/--tls-cert/--tls-key`, or None when neither a CA nor a certificate is given.
+
+    Raises `BadTlsFiles` for a file that is missing, unreadable or not what its option says: the
+    ssl module alone names none of them ("PEM lib"), and would prompt on the terminal for an
+    encrypted key's passphrase. Without `key` the key is read from the certificate's file.
+    """
+    if key is not None and cert is None:
+        raise BadTlsFiles(f"tls-key: {key} is given without its certificate (--tls-cert)")
+    if ca is None and cert is None:
         return None
-    context = ssl.create_default_context(cafile=str(settings.tls_ca) if settings.tls_ca else None)
-    if settings.tls_cert:
-        context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key or settings.tls_cert))
+    if ca is not None:
+        _pem("tls-ca", ca, "CERTIFICATE")
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except ssl.SSLError as exc:
+        raise BadTlsFiles(f"tls-ca: {ca} holds a broken certificate ({exc.reason or exc})") from None
+    if cert is not None:
+        _pem("tls-cert", cert, "CERTIFICATE")
+        _pem("tls-key", key or cert, "PRIVATE KEY")
+        try:
+            context.load_cert_chain(cert, key, password=_refuse_passphrase(key or cert))
+        except ssl.SSLError as exc:
+            if exc.reason == "KEY_VALUES_MISMATCH":
+                raise BadTlsFiles(f"tls-key: {key or cert} is not the key of the certificate {cert}") from None
+            raise BadTlsFiles(f"tls-cert: {cert} with key {key or cert}: {exc.reason or exc}") from None
     return context
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """A box's client TLS, from its settings (see `client_tls`)."""
+    return client_tls(settings.tls_ca, settings.tls_cert, settings.tls_key)
+
+
+def _pem(option: str, path: Path, kind: str) -> None:
+    """Refuse a file that is missing, unreadable or holds no PEM `kind` block (`CERTIFICATE`, `PRIVATE KEY`)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")  # a CA bundle's comments may be in any script
+    except FileNotFoundError:
+        raise BadTlsFiles(f"{option}: {path} does not exist") from None
+    except OSError as exc:
+        raise BadTlsFiles(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+    if not re.search(rf"-----BEGIN [A-Z ]*{kind}-----", text):
+        raise BadTlsFiles(f"{option}: {path} holds no PEM {kind.lower()}")
+
+
+def _refuse_passphrase(key: Path) -> Callable[[], str]:
+    def refuse() -> str:
+        raise BadTlsFiles(f"tls-key: {key} is encrypted; give it without a passphrase")
+
+    return refuse
 
 
 async def ensure_queue(js: JetStreamContext, settings: Settings) -> None:

@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 
 from appliance import bus, cli
 from appliance.app import Box
+from appliance.connect import NatsAuth
 from appliance.natsd import EmbeddedNats, free_port
 from tests.conftest import box_settings, noop_model, url, wait_for
 from tui import commands, ops
@@ -306,7 +307,7 @@ async def test_a_credentials_file_is_read_with_nkeys(nats_server, tmp_path) -> N
         f"-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QifQ.e30.c2ln\n------END NATS USER JWT------\n\n"
         f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
     )
-    nc = await connect(nats_server.url, creds)
+    nc = await connect(nats_server.url, NatsAuth(creds=creds))
     assert nc.is_connected
     await nc.close()
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from appliance.connect import NatsAuth
 from tui import format as fmt
 from tui.app import FleetboxApp
 from tui.model import ModelRow, model_rows
@@ -26,11 +26,11 @@ ATTACH_TIMEOUT_S = REACH_TIMEOUT_S  # how long a one-shot command waits for NATS
 
 
 @asynccontextmanager
-async def attached(servers: str, creds: Path | None, timeout_s: float | None = None) -> AsyncIterator[NatsSource]:
+async def attached(servers: str, auth: NatsAuth, timeout_s: float | None = None) -> AsyncIterator[NatsSource]:
     """A source that has read the heartbeats, the catalog and the queue once; raises TimeoutError,
     or `NatsUnreachable` when NATS itself does not answer within `timeout_s`."""
     timeout_s = timeout_s or ATTACH_TIMEOUT_S
-    nc = await connect(servers, creds, give_up_after_s=timeout_s)
+    nc = await connect(servers, auth, give_up_after_s=timeout_s)
     source = NatsSource(nc, address=servers, own_connection=True)
     await source.start()
     try:
@@ -43,10 +43,10 @@ async def attached(servers: str, creds: Path | None, timeout_s: float | None = N
         await source.stop()
 
 
-async def run_tui(servers: str, creds: Path | None, refresh_s: float) -> int:
+async def run_tui(servers: str, auth: NatsAuth, refresh_s: float) -> int:
     """The TUI draws at once; while NATS cannot be reached its status line says why, and it retries.
     Returns the exit status: 1 when the app failed (Textual has printed why), else 0."""
-    source = NatsSource.dialing(servers, creds, period_s=refresh_s)
+    source = NatsSource.dialing(servers, auth, period_s=refresh_s)
     await source.start()
     app = FleetboxApp(source, refresh_s=refresh_s)
     try:
@@ -56,14 +56,14 @@ async def run_tui(servers: str, creds: Path | None, refresh_s: float) -> int:
     return app.return_code or 0
 
 
-async def act(servers: str, creds: Path | None, verb: str, **args: Any) -> dict[str, Any]:
+async def act(servers: str, auth: NatsAuth, verb: str, **args: Any) -> dict[str, Any]:
     """One action (`pin`, `unpin`, `load`, `evict`, `drain`, `register`) with `FleetOps`, its reply."""
-    async with attached(servers, creds) as source:
+    async with attached(servers, auth) as source:
         return await getattr(source.ops, verb)(**args)
 
 
-async def list_models(servers: str, creds: Path | None) -> list[ModelRow]:
-    async with attached(servers, creds) as source:
+async def list_models(servers: str, auth: NatsAuth) -> list[ModelRow]:
+    async with attached(servers, auth) as source:
         return model_rows(source.view())
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 
 from appliance import bus
 from appliance.catalog import Catalog, CatalogStore
+from appliance.connect import NO_AUTH, NatsAuth
 from appliance.fleet import Fleet
 from appliance.tasks import cancel_and_wait
 from tui.model import BoxState, ConsumerState, FleetView, QueueState, StreamState
@@ -81,6 +82,12 @@ def connect_problem(exc: BaseException) -> str:
         return f"host not found ({exc.strerror})"
     if isinstance(exc, TimeoutError):
         return "no answer"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the server's certificate is not trusted ({exc.verify_message}); give its CA with --tls-ca"
+    if isinstance(exc, ssl.SSLError) and exc.reason == "TLSV13_ALERT_CERTIFICATE_REQUIRED":
+        return "TLS: the server asks for a client certificate; give one with --tls-cert and --tls-key"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {(exc.reason or str(exc)).replace('_', ' ').lower()}"  # "TLS: certificate unknown"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror[0].lower() + exc.strerror[1:]
     return str(exc) or type(exc).__name__
@@ -89,7 +96,7 @@ def connect_problem(exc: BaseException) -> str:
 async def dial(
     nc: NATS,
     servers: str,
-    creds: Path | None = None,
+    auth: NatsAuth = NO_AUTH,
     *,
     give_up_after_s: float | None = 10.0,
     on_problem: Callable[[str], None] | None = None,
@@ -116,7 +123,8 @@ async def dial(
 
     connecting = nc.connect(
         servers=urls,
-        user_credentials=str(creds) if creds else None,
+        user_credentials=str(auth.creds) if auth.creds else None,
+        tls=auth.tls,
         name="fleetbox-tui",
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -140,10 +148,10 @@ async def dial(
         raise NatsUnreachable(servers, connect_problem(exc)) from None
 
 
-async def connect(servers: str, creds: Path | None = None, *, give_up_after_s: float | None = 10.0) -> NATS:
+async def connect(servers: str, auth: NatsAuth = NO_AUTH, *, give_up_after_s: float | None = 10.0) -> NATS:
     """A connected client (see `dial`); raises `NatsUnreachable` after `give_up_after_s`."""
     nc = NATS()
-    await dial(nc, servers, creds, give_up_after_s=give_up_after_s)
+    await dial(nc, servers, auth, give_up_after_s=give_up_after_s)
     return nc
 
 
@@ -182,7 +190,7 @@ class NatsSource:
         self._attached = asyncio.Event()
         self._attach_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
-        self._dial_to: tuple[str, Path | None] | None = None  # connect in start(), for `dialing`
+        self._dial_to: tuple[str, NatsAuth] | None = None  # connect in start(), for `dialing`
         self._problem: str | None = None  # why the connection is down, while it is
         self._reason: str | None = None  # the same, without "retrying…"
         self._reconnects_read = nc.stats["reconnects"]  # the fleet was read after this many reconnects
@@ -190,11 +198,11 @@ class NatsSource:
         self.ops = FleetOps(nc, self._current_boxes, address=address, why_unreachable=lambda: self._reason)
 
     @classmethod
-    def dialing(cls, servers: str, creds: Path | None = None, *, period_s: float = 1.0) -> NatsSource:
+    def dialing(cls, servers: str, auth: NatsAuth = NO_AUTH, *, period_s: float = 1.0) -> NatsSource:
         """A source that makes its own connection in `start()` and retries it for ever, its view
         saying why it cannot connect meanwhile (the TUI draws at once, not after a connect)."""
         source = cls(NATS(), address=servers, own_connection=True, period_s=period_s)
-        source._dial_to = (servers, creds)
+        source._dial_to = (servers, auth)
         source._waiting_for = f"connecting to NATS at {servers}…"
         return source
 
@@ -204,9 +212,9 @@ class NatsSource:
 
     async def _connect_and_attach(self) -> None:
         if self._dial_to is not None:
-            servers, creds = self._dial_to
+            servers, auth = self._dial_to
             try:
-                await dial(self._nc, servers, creds, give_up_after_s=None, on_problem=self._connect_failed)
+                await dial(self._nc, servers, auth, give_up_after_s=None, on_problem=self._connect_failed)
             except NatsUnreachable as exc:  # nothing to retry: a URL or credentials nats-py cannot use
                 self._problem = f"{exc.reason} (not retrying)"
                 return
