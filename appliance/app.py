@@ -29,7 +29,8 @@ from nats.nuid import NUID
 
 from appliance import box_status, bus
 from appliance.blobs import Blobs
-from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec, configured_specs
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec
+from appliance.configured import configured_specs
 from appliance.connect import ensure_consumers, ensure_queue, tls_context, when_jetstream_answers
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch

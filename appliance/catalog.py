@@ -30,7 +30,6 @@ from appliance.errors import Conflict, NotFound
 from appliance.settings import ModelEntry, Settings
 from appliance.tasks import cancel_and_wait
 from runtimes import ModelSource, RuntimeKind, Task
-from runtimes.detect import detect_task
 
 if TYPE_CHECKING:
     from appliance.schemas import ModelRegistration
@@ -137,23 +136,6 @@ def batching_of(given: BatchingGiven, defaults: Batching) -> Batching:
     )
 
 
-def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
-    runtime = RuntimeKind(entry.runtime)
-    path = entry.path
-    if path is None:
-        if runtime is not RuntimeKind.NOOP:
-            raise ValueError(f"model {entry.name!r} needs a path")
-        path = Path(".")
-    defaults = default_batching(settings)
-    if entry.task is not None:
-        task = Task(entry.task)
-    elif runtime is RuntimeKind.NOOP or entry.adapter_of is not None:
-        task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
-    else:
-        task = detect_task(path)  # the same detection as registration through the API
-    return spec_of(entry, task=task, path=path, batching=batching_of(entry, defaults), adapter_of=entry.adapter_of)
-
-
 def spec_of(
     entry: ModelEntry | ModelRegistration, *, task: Task, path: Path, batching: Batching, adapter_of: str | None
 ) -> ModelSpec:
@@ -174,31 +156,6 @@ def spec_of(
     )
 
 
-def configured_specs(settings: Settings) -> list[ModelSpec]:
-    """The models of the config file, with the packaged default model first unless turned off."""
-    entries = list(settings.models)
-    if settings.default_model and not any(e.name == DEFAULT_MODEL_NAME for e in entries):
-        entries.insert(
-            0,
-            ModelEntry(
-                name=DEFAULT_MODEL_NAME,
-                path=default_model_path(),
-                task="embed",
-                aliases=[DEFAULT_MODEL_ALIAS],
-                pinned=True,
-            ),
-        )
-    # An adapter's base may be named by an alias, as through the API; the catalog keeps the base's name.
-    names = {alias: entry.name for entry in entries for alias in entry.aliases}
-    entries = [
-        entry.model_copy(update={"adapter_of": names[entry.adapter_of]}) if entry.adapter_of in names else entry
-        for entry in entries
-    ]
-    specs = [spec_from_entry(entry, settings) for entry in entries]
-    tasks = {spec.name: spec.task for spec in specs}  # an adapter serves its base's task, as through the API
-    return [replace(spec, task=tasks[spec.adapter_of]) if spec.adapter_of in tasks else spec for spec in specs]
-
-
 @dataclass(slots=True, frozen=True)
 class Resolved:
     """What a request's `model` (and `adapter`) name: the model whose queue serves it, and the adapter."""
@@ -215,10 +172,6 @@ class Catalog:
         self._by_alias: dict[str, str] = {}
         for spec in specs or []:
             self.add(spec)
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Catalog:
-        return cls(configured_specs(settings))
 
     def add(self, spec: ModelSpec) -> None:
         self.remove(spec.name)

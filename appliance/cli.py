@@ -71,7 +71,7 @@ def serve(
     if tui and not sys.stdout.isatty():
         typer.echo("fleetbox: --tui needs a terminal", err=True)
         raise typer.Exit(2)
-    from appliance.catalog import configured_specs
+    from appliance.configured import configured_specs
 
     try:
         settings = load_settings(

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
-from appliance.catalog import Batching, Catalog, configured_specs, default_batching
+from appliance.catalog import Batching, Catalog, default_batching
+from appliance.configured import configured_specs
 from appliance.devices import cpu_cores
 from appliance.profiles import SHIPPED_PROFILES_DIR, tunable
 from appliance.settings import Settings

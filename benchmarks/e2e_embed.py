@@ -169,7 +169,8 @@ class RawModel:
     """
 
     def __init__(self, device: str, threads: int | None, engine: str, cache_dir: Path) -> None:
-        from appliance.catalog import DEFAULT_MODEL_NAME, configured_specs
+        from appliance.catalog import DEFAULT_MODEL_NAME
+        from appliance.configured import configured_specs
         from appliance.devices import cpu_cores, hardware_slug
         from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook
         from appliance.settings import Settings

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from appliance.catalog import spec_from_entry
+from appliance.configured import spec_from_entry
 from appliance.metrics import Metrics
 from appliance.residency import Residency
 from appliance.settings import Settings

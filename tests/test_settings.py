@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from appliance import cli
 from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
+from appliance.configured import configured_specs
 from appliance.settings import ModelEntry, Settings, load_settings, memory_budget_bytes
 
 
@@ -30,7 +31,7 @@ def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
 def test_models_from_toml_join_the_default_model(tmp_path) -> None:
     config = tmp_path / "box.toml"
     config.write_text('[[models]]\nname = "fast"\nruntime = "noop"\nmax_batch_size = 8\n')
-    catalog = Catalog.from_settings(load_settings(config))
+    catalog = Catalog(configured_specs(load_settings(config)))
     assert catalog.resolve("fast").spec.batching.max_batch_size == 8
     assert catalog.resolve("all-minilm-l6-v2").spec.name == DEFAULT_MODEL_NAME
     assert catalog.resolve(DEFAULT_MODEL_NAME).spec.pinned
@@ -43,7 +44,7 @@ def test_an_adapter_entry_may_name_its_base_by_an_alias_and_serves_its_task(tmp_
         '[[models]]\nname = "base"\nruntime = "noop"\naliases = ["b"]\ntask = "classify"\n'
         '[[models]]\nname = "base:tuned"\nruntime = "noop"\nadapter_of = "b"\n'
     )
-    catalog = Catalog.from_settings(load_settings(config, default_model=False))
+    catalog = Catalog(configured_specs(load_settings(config, default_model=False)))
     assert catalog.get("base:tuned").adapter_of == "base"
     assert catalog.get("base:tuned").task.value == "classify"
     assert [spec.name for spec in catalog.adapters_of("base")] == ["base:tuned"]

@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 
 from appliance import bus
 from appliance.catalog import Catalog
+from appliance.configured import configured_specs
 from appliance.delivery import Cancellations
 from appliance.envelope import ReplyMeta, RequestMeta
 from tests.conftest import noop_model, url, wait_for
@@ -146,7 +147,7 @@ async def test_killed_worker_request_is_redelivered_and_answered_once(start_box,
 
 async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_server) -> None:
     gateway = await start_box(role="gateway", default_model=False, models=[noop_model()])
-    spec = Catalog.from_settings(gateway.settings).resolve("noop").spec
+    spec = Catalog(configured_specs(gateway.settings)).resolve("noop").spec
     call = asyncio.create_task(
         gateway.dispatcher.call(
             spec=spec, task="embed", body=b'{"input": "x", "model": "noop"}', timeout_s=10, tokens=1

@@ -1,0 +1,66 @@
+"""The models a box's config file declares, and the packaged default model, as catalog entries.
+
+Read before a box starts (a bad `[[models]]` entry is a settings error, exit 2) and offered to the
+fleet's catalog at start, where an entry already registered wins. Each folder's task is detected as
+a registration through the API detects it, and an adapter serves its base's task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from appliance.catalog import (
+    DEFAULT_MODEL_ALIAS,
+    DEFAULT_MODEL_NAME,
+    ModelSpec,
+    batching_of,
+    default_batching,
+    default_model_path,
+    spec_of,
+)
+from appliance.settings import ModelEntry, Settings
+from runtimes import RuntimeKind, Task
+from runtimes.detect import detect_task
+
+
+def configured_specs(settings: Settings) -> list[ModelSpec]:
+    """The models of the config file, with the packaged default model first unless turned off."""
+    entries = list(settings.models)
+    if settings.default_model and not any(e.name == DEFAULT_MODEL_NAME for e in entries):
+        entries.insert(
+            0,
+            ModelEntry(
+                name=DEFAULT_MODEL_NAME,
+                path=default_model_path(),
+                task="embed",
+                aliases=[DEFAULT_MODEL_ALIAS],
+                pinned=True,
+            ),
+        )
+    # An adapter's base may be named by an alias, as through the API; the catalog keeps the base's name.
+    names = {alias: entry.name for entry in entries for alias in entry.aliases}
+    entries = [
+        entry.model_copy(update={"adapter_of": names[entry.adapter_of]}) if entry.adapter_of in names else entry
+        for entry in entries
+    ]
+    specs = [spec_from_entry(entry, settings) for entry in entries]
+    tasks = {spec.name: spec.task for spec in specs}  # an adapter serves its base's task, as through the API
+    return [replace(spec, task=tasks[spec.adapter_of]) if spec.adapter_of in tasks else spec for spec in specs]
+
+
+def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
+    runtime = RuntimeKind(entry.runtime)
+    path = entry.path
+    if path is None:
+        if runtime is not RuntimeKind.NOOP:
+            raise ValueError(f"model {entry.name!r} needs a path")
+        path = Path(".")
+    defaults = default_batching(settings)
+    if entry.task is not None:
+        task = Task(entry.task)
+    elif runtime is RuntimeKind.NOOP or entry.adapter_of is not None:
+        task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
+    else:
+        task = detect_task(path)  # the same detection as registration through the API
+    return spec_of(entry, task=task, path=path, batching=batching_of(entry, defaults), adapter_of=entry.adapter_of)
