@@ -1,0 +1,246 @@
+"""The fleet commands: `fleetbox tui`, `fleetbox models ...` and `fleetbox box ...`, which reach a fleet
+through its NATS alone (as the TUI does), with the same `--nats`, `--creds` and `--tls-*` options.
+
+A refusal or an unreachable fleet is one line on stderr and exit status 1; a bad option (a
+credentials or TLS file that cannot be used, a `--nats` with no URL) is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import orjson
+import typer
+
+if TYPE_CHECKING:
+    from appliance.connect import NatsAuth
+
+T = TypeVar("T")
+LOCAL_NATS = "nats://127.0.0.1:4222"
+
+
+def creds_problem(path: Path) -> str | None:
+    """Why `path` is not a usable NATS credentials file (a user JWT and its nkey seed), or None.
+
+    Checked before connecting: nats-py reads the file only while it connects, and retries a
+    missing or broken one with every attempt instead of saying what is wrong.
+    """
+    import re
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return f"creds: {path} does not exist"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"creds: cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+    jwt = re.search(r"-{3,}BEGIN NATS USER JWT-{3,}\s*\n\s*(\S+)", text)
+    seed = re.search(r"-{3,}BEGIN USER NKEY SEED-{3,}\s*\n\s*(\S+)", text)
+    if jwt is None or seed is None:
+        return f"creds: {path} is not a NATS credentials file (it needs a user JWT and a user nkey seed)"
+    import nkeys
+
+    try:
+        nkeys.from_seed(bytearray(seed.group(1).encode()))
+    except (nkeys.NkeysError, ValueError):
+        return f"creds: {path}: the user nkey seed is not valid"
+    return None
+
+
+def _check_creds_option(creds: Path | None) -> Path | None:
+    """The `--creds` option of the fleet commands: a bad file is a one-line usage error."""
+    problem = creds_problem(creds) if creds is not None else None
+    if problem:
+        typer.echo(f"fleetbox: {problem}", err=True)
+        raise typer.Exit(2)
+    return creds
+
+
+def tls_problem(ca: Path | None, cert: Path | None, key: Path | None) -> str | None:
+    """Why the TLS files cannot make a client context (missing, unreadable, a key not the certificate's), or None."""
+    from appliance.connect import BadTlsFiles, client_tls
+
+    try:
+        client_tls(ca, cert, key)
+    except BadTlsFiles as exc:
+        return str(exc)
+    return None
+
+
+def _nats_auth(creds: Path | None, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None) -> NatsAuth:
+    """How the fleet commands join NATS; a bad TLS file is a one-line usage error, as a bad `--creds` is."""
+    from appliance.connect import BadTlsFiles, NatsAuth, client_tls
+
+    try:
+        return NatsAuth(creds, client_tls(tls_ca, tls_cert, tls_key))
+    except BadTlsFiles as exc:
+        typer.echo(f"fleetbox: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _check_nats_option(nats: str) -> str:
+    """The `--nats` option of the fleet commands: a list with no URL in it is a one-line usage error
+    (nats-py, given no server, would try none of them for ever)."""
+    if not any(url.strip() for url in nats.split(",")):
+        typer.echo(f"fleetbox: --nats: no NATS URL in {nats!r}; give one, e.g. {LOCAL_NATS}", err=True)
+        raise typer.Exit(2)
+    return nats
+
+
+FleetUrl = Annotated[
+    str,
+    typer.Option(
+        "--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated", callback=_check_nats_option
+    ),
+]
+Creds = Annotated[
+    Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file", callback=_check_creds_option)
+]
+TlsCa = Annotated[Path | None, typer.Option(envvar="FBX_TLS_CA", help="CA bundle for NATS TLS")]
+TlsCert = Annotated[Path | None, typer.Option(envvar="FBX_TLS_CERT", help="client certificate for NATS TLS")]
+TlsKey = Annotated[Path | None, typer.Option(envvar="FBX_TLS_KEY", help="client key for NATS TLS")]
+models_app = typer.Typer(no_args_is_help=True, help="List and steer the fleet's models through NATS (as the TUI does).")
+box_app = typer.Typer(no_args_is_help=True, help="Steer one box through NATS.")
+
+
+@dataclass(slots=True, frozen=True)
+class FleetAccess:
+    """Where a fleet command finds the fleet's NATS, and how it authenticates there."""
+
+    nats: str
+    auth: NatsAuth
+
+
+def _fleet_options(
+    nats: FleetUrl = LOCAL_NATS,
+    creds: Creds = None,
+    tls_ca: TlsCa = None,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+) -> FleetAccess:
+    """The options every fleet command takes, declared once."""
+    return FleetAccess(nats, _nats_auth(creds, tls_ca, tls_cert, tls_key))
+
+
+def _reaches_the_fleet(command: Callable[..., None]) -> Callable[..., None]:
+    """`command(…, fleet: FleetAccess)` as a typer command: its own options, then `_fleet_options`'s,
+    which it receives as the one `fleet` value."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "fleet"]
+    shared = inspect.signature(_fleet_options, eval_str=True).parameters
+    parameters = [*own, *shared.values()]  # typer reads each option's Annotated metadata off these
+
+    @functools.wraps(command)
+    def with_fleet_options(**given: Any) -> None:
+        fleet = _fleet_options(**{name: given.pop(name) for name in shared})
+        command(**given, fleet=fleet)
+
+    with_fleet_options.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    with_fleet_options.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+    return with_fleet_options
+
+
+@_reaches_the_fleet
+def tui_command(
+    fleet: FleetAccess,
+    refresh: Annotated[float, typer.Option(min=0.2, help="seconds between screen refreshes (at least 0.2)")] = 1.0,
+) -> None:
+    """Watch and steer a fleet from the terminal, attached through NATS alone."""
+    from tui.commands import run_tui
+
+    code = _fleet_command(run_tui(fleet.nats, fleet.auth, refresh))
+    raise typer.Exit(code)  # non-zero when the app failed (it has printed the traceback)
+
+
+@models_app.command("list")
+@_reaches_the_fleet
+def models_list(
+    fleet: FleetAccess,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Every catalog model: task, state, where resident, pinned, backlog, throughput, latency."""
+    from tui.commands import list_models, print_rows, rows_as_json
+
+    rows = _fleet_command(list_models(fleet.nats, fleet.auth))
+    if json_out:
+        typer.echo(orjson.dumps(rows_as_json(rows), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print_rows(rows)
+
+
+@models_app.command("pin")
+@_reaches_the_fleet
+def models_pin(model: str, fleet: FleetAccess) -> None:
+    """Pin a model: every box keeps it loaded."""
+    _print_action(fleet, "pin", model=model)
+
+
+@models_app.command("unpin")
+@_reaches_the_fleet
+def models_unpin(model: str, fleet: FleetAccess) -> None:
+    """Unpin a model: it may be evicted when memory is needed."""
+    _print_action(fleet, "unpin", model=model)
+
+
+@models_app.command("load")
+@_reaches_the_fleet
+def models_load(
+    model: str,
+    fleet: FleetAccess,
+    box: Annotated[str | None, typer.Option(help="the box; default: the live worker with most free memory")] = None,
+) -> None:
+    """Load a model on a box."""
+    _print_action(fleet, "load", model=model, box=box)
+
+
+@models_app.command("evict")
+@_reaches_the_fleet
+def models_evict(
+    model: str,
+    fleet: FleetAccess,
+    box: Annotated[str | None, typer.Option(help="the box; default: every box holding it")] = None,
+) -> None:
+    """Evict a model from a box, or from every box."""
+    _print_action(fleet, "evict", model=model, box=box)
+
+
+@box_app.command("drain")
+@_reaches_the_fleet
+def box_drain(box: str, fleet: FleetAccess) -> None:
+    """Drain a box: it stops pulling, finishes its batches, then exits."""
+    _print_action(fleet, "drain", box=box)
+
+
+def _print_action(fleet: FleetAccess, verb: str, **args: Any) -> None:
+    from tui.commands import act
+
+    reply = _fleet_command(act(fleet.nats, fleet.auth, verb, **args))
+    typer.echo(orjson.dumps(reply, option=orjson.OPT_INDENT_2).decode())
+
+
+def _fleet_command(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one NATS-side command; a refusal or an unreachable fleet is a message and exit status 1."""
+    from nats.errors import Error as NatsError
+
+    from appliance.errors import FleetboxError
+
+    logging.getLogger("asyncio").addFilter(_not_ssl_eof_noise)  # once: the same filter is not added twice
+    try:
+        return asyncio.run(coro)
+    except FleetboxError as exc:
+        typer.echo(f"fleetbox: {exc.message}", err=True)
+    except (NatsError, TimeoutError, OSError) as exc:
+        typer.echo(f"fleetbox: {exc or type(exc).__name__}", err=True)
+    raise typer.Exit(1)
+
+
+def _not_ssl_eof_noise(record: logging.LogRecord) -> bool:
+    """Drop asyncio's warning on every close of a TLS connection to NATS: nats-py reads through asyncio
+    streams, whose protocol answers an EOF in a way the ssl transport ignores (harmless). The fleet
+    commands configure no logging, so it would reach the terminal as a stray line on stderr."""
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
