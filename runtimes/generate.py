@@ -28,7 +28,6 @@ every layer (sliding windows, linear attention) are refused, since the batch cac
 from __future__ import annotations
 
 import inspect
-import json
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
+from runtimes.causal_lm import check_full_attention, default_params, eos_ids
 from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
 from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
@@ -92,7 +92,7 @@ class GenerateRuntime:
             torch.set_num_threads(source.threads)
         self.device = torch.device(source.device)
         model = load_torch_model(source.path, Task.GENERATE, _DTYPES[source.dtype]).to(self.device)
-        _check_full_attention(model.config, source.path)
+        check_full_attention(model.config, source.path)
         self.model = model
         self._vocab = model.get_input_embeddings().num_embeddings
         self._adapters = LoraAdapters(model)
@@ -100,8 +100,8 @@ class GenerateRuntime:
         context = model_max_length(source.path)
         # A prompt leaves room for at least one new token; over-long prompts lose their beginning.
         self.tokenizer = TextTokenizer(source.path, max_length=context - 1, keep="end")
-        self._eos = _eos_ids(model, self.tokenizer, source.path)
-        self.defaults = _default_params(source.path)
+        self._eos = eos_ids(model, self.tokenizer, source.path)
+        self.defaults = default_params(source.path)
         accepted = set(inspect.signature(model.forward).parameters)
         self._cache_kwarg = "cache" if "cache" in accepted else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in accepted
@@ -404,40 +404,3 @@ class GenerateRuntime:
         self._adapters.close()
         del self.model
         release(self.device)
-
-
-def _check_full_attention(config: Any, folder: Path) -> None:
-    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise UnsupportedModel(
-            f"{folder}: layers of type {', '.join(other)} are not supported for generation yet "
-            "(the batch cache assumes full attention on every layer)"
-        )
-
-
-def _eos_ids(model: Any, tokenizer: TextTokenizer, folder: Path) -> frozenset[int]:
-    """The ids that end a completion: the generation config's, else the tokenizer's EOS token."""
-    value = getattr(model.generation_config, "eos_token_id", None)
-    if value is None:
-        value = getattr(model.config, "eos_token_id", None)
-    ids = {value} if isinstance(value, int) else set(value or ())
-    if not ids:
-        config_file = folder / "tokenizer_config.json"
-        token = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
-        if isinstance(token, dict):
-            token = token.get("content")
-        found = tokenizer.token_id(token) if isinstance(token, str) else None
-        if found is not None:
-            ids.add(found)
-    return frozenset(ids)
-
-
-def _default_params(folder: Path) -> SamplingParams:
-    """The sampling a request gets where it says nothing: the model's `generation_config.json` values, else 1.0."""
-    config_file = folder / "generation_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return SamplingParams(
-        temperature=float(config.get("temperature", 1.0)),
-        top_p=float(config.get("top_p", 1.0)),
-    )

@@ -1,0 +1,51 @@
+"""What a causal LM's folder says about generating with it: the tokens that end a completion, the
+sampling a request gets by default, and whether its attention suits the shared batch cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from runtimes.base import UnsupportedModel
+from runtimes.tasks.generate import SamplingParams
+from runtimes.tokenizer import TextTokenizer
+
+
+def check_full_attention(config: Any, folder: Path) -> None:
+    """Refuse a model whose layers are not all full attention (sliding windows, linear attention)."""
+    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise UnsupportedModel(
+            f"{folder}: layers of type {', '.join(other)} are not supported for generation yet "
+            "(the batch cache assumes full attention on every layer)"
+        )
+
+
+def eos_ids(model: Any, tokenizer: TextTokenizer, folder: Path) -> frozenset[int]:
+    """The ids that end a completion: the generation config's, else the tokenizer's EOS token."""
+    value = getattr(model.generation_config, "eos_token_id", None)
+    if value is None:
+        value = getattr(model.config, "eos_token_id", None)
+    ids = {value} if isinstance(value, int) else set(value or ())
+    if not ids:
+        config_file = folder / "tokenizer_config.json"
+        token = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+        if isinstance(token, dict):
+            token = token.get("content")
+        found = tokenizer.token_id(token) if isinstance(token, str) else None
+        if found is not None:
+            ids.add(found)
+    return frozenset(ids)
+
+
+def default_params(folder: Path) -> SamplingParams:
+    """The sampling a request gets where it says nothing: the model's `generation_config.json` values, else 1.0."""
+    config_file = folder / "generation_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return SamplingParams(
+        temperature=float(config.get("temperature", 1.0)),
+        top_p=float(config.get("top_p", 1.0)),
+    )
