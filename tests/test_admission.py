@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from appliance.gateway.admission import ModelQueue
 
 
@@ -23,7 +25,7 @@ def test_wait_is_the_work_awaited_over_the_rate_it_is_answered() -> None:
     now = busy(q, 10.0, 2.0, per_s=100, weight=10)  # 1,000 tokens a second
     for i in range(30):
         q.add(f"r{i}", now, 100)
-    assert q.wait_s(now) == 3000 / 1000  # "head" has waited since 10.0: the estimate is trusted
+    assert q.wait_s(now) == pytest.approx(3000 / 1000)  # "head" has waited since 10.0: the estimate is trusted
 
 
 def test_a_large_request_weighs_its_tokens_not_one() -> None:
@@ -84,3 +86,19 @@ def test_short_busy_spells_are_not_taken_for_the_models_rate() -> None:
     assert not q.spans
     q.add("next", 2.0, 10)
     assert q.wait_s(3.0) is None
+
+
+def test_a_model_busy_again_after_an_idle_gap_is_not_judged_by_its_old_pace_nor_its_reload() -> None:
+    """Idle for an hour, then reloading for 20 s (evicted, or its box gone): the old spans are forgotten,
+    so the reload is not read as a stall and nothing is refused; once answers flow again, the rate is
+    timed from the first of them, not from the start of the reload."""
+    q = ModelQueue()
+    end = busy(q, 0.0, 2.0, per_s=100, weight=50)
+    q.remove("head", end, answered=False)
+    start = end + 3600.0
+    for i in range(200):  # 10 requests a second arrive while the model reloads
+        q.add(f"r{i}", start + i * 0.1, 50)
+    assert q.wait_s(start + 19.9) is None  # nothing answered yet in this spell: deadlines bound it
+    for i in range(100):  # then the model answers 100 a second
+        q.remove(f"r{i}", start + 20.0 + i * 0.01, answered=True)
+    assert q.wait_s(start + 21.0) == pytest.approx(100 * 50 / 5000, rel=0.05)

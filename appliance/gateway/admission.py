@@ -36,21 +36,25 @@ class ModelQueue:
 
     Work is weighed by what it costs the model: an encoder request by its tokens (one request of 250
     long inputs must not count as one of a word), a generation as one (what delays its start is a
-    free decode slot). The rate is weight answered per second *while work waited*: over the spans
-    that ended in the last `_RATE_WINDOW_S` (or the last one, however old: answers seconds apart, as
-    large requests come, still give a rate) and the span still open. Idle time does not dilute it;
-    a stall does, so a queue that stops being answered stops admitting.
+    free decode slot). The rate is weight answered per second *while work waited*, timed from the
+    first answer of a busy spell (the wait before it, a cold load say, says nothing of the model's
+    pace): over the spans that ended in the last `_RATE_WINDOW_S`, or the last one when answers come
+    seconds apart (large requests), and the span still open. Idle time does not dilute it; a stall
+    does, so a queue that stops being answered stops admitting. A spell that starts after an idle
+    gap forgets the old spans: the model may be elsewhere now, or reloading.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
     weight: int = 0  # of the work waiting
     spans: deque[tuple[float, float, int]] = field(default_factory=deque)  # (ended, seconds, weight answered)
-    _since: float = 0.0  # the open span began: work has waited throughout it
+    _since: float | None = None  # the open span began (None: nothing answered yet in this busy spell)
     _done: int = 0  # weight answered in the open span
 
     def add(self, request_id: str, now: float, weight: int) -> None:
         if not self.waiting:
-            self._since, self._done = now, 0
+            self._since, self._done = None, 0
+            if self.spans and self.spans[-1][0] < now - _RATE_WINDOW_S:
+                self.spans.clear()
         self.waiting[request_id] = (now, weight)
         self.weight += weight
 
@@ -62,6 +66,9 @@ class ModelQueue:
         self.weight -= entry[1]
         if not answered:
             return
+        if self._since is None:  # the spell's first answer starts the clock
+            self._since = now
+            return
         self._done += entry[1]
         if now - self._since >= _RATE_SPAN_S:
             self.spans.append((now, now - self._since, self._done))
@@ -72,7 +79,8 @@ class ModelQueue:
         while len(self.spans) > 1 and self.spans[0][0] < now - _RATE_WINDOW_S:
             self.spans.popleft()
         done = self._done + sum(answered for _, _, answered in self.spans)
-        seconds = (now - self._since if self.waiting else 0.0) + sum(span for _, span, _ in self.spans)
+        open_s = now - self._since if self.waiting and self._since is not None else 0.0
+        seconds = open_s + sum(span for _, span, _ in self.spans)
         return done / seconds if done and seconds > 0 else None
 
     def wait_s(self, now: float) -> float | None:
