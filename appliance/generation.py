@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
 _DEFAULT_MAX_TOKENS = 256
-_SETTLE_S = 5.0  # at most this long, at drain, for final answers to be confirmed and acked
+_SETTLE_S = 2.0  # past the grace, at most this long for final answers to be confirmed and acked (the box allows 3)
 
 
 @dataclass(slots=True)
@@ -338,31 +338,38 @@ class GenerateWorker:
     # -- stop ------------------------------------------------------------------------------------
 
     async def drain(self) -> None:
-        """Stop pulling; let active requests finish within the grace, hand the rest back."""
+        """Stop pulling; let active requests finish within the grace, hand the rest back.
+
+        Bounded by the grace and `_SETTLE_S` after it, inside the box's own bound for a worker's drain;
+        whatever is cut short, what is still held is handed back (nak) and the keep-alive stopped.
+        """
         grace_s = self._settings.shutdown_grace_s
         self._stopping = True
-        await self.puller.stop()
-        await self.bulk_puller.stop()
         loop = asyncio.get_running_loop()
         until = loop.time() + grace_s
-        # Requests being admitted join the decode batch (and are answered here) rather than handed back.
-        await self._tasks.wait(grace_s)
         try:
-            async with asyncio.timeout(max(0.0, until - loop.time())):
-                await self._idle.wait()
-        except TimeoutError:
-            log.warning("generation still active at drain; handing it back", extra={"model": self.spec.name})
-        await cancel_and_wait([self._stepper])
-        # Last chunks being confirmed then acked, requests being admitted: let them end, not cut them off
-        # (a cut-off final answer is never acked, and another box would generate it all over again).
-        await self._tasks.wait(min(grace_s, _SETTLE_S))
-        if self._streams:
-            await loop.run_in_executor(self._device, self.runtime.clear)
-            for stream in self._streams.values():
-                await stream.msg.nak()
-            self._streams.clear()
-        await self._tasks.cancel()
-        await cancel_and_wait([self._ticker])
+            await self.puller.stop()
+            await self.bulk_puller.stop()
+            # Requests being admitted join the decode batch (and are answered here) rather than handed back.
+            await self._tasks.wait(grace_s)
+            try:
+                async with asyncio.timeout(max(0.0, until - loop.time())):
+                    await self._idle.wait()
+            except TimeoutError:
+                log.warning("generation still active at drain; handing it back", extra={"model": self.spec.name})
+            await cancel_and_wait([self._stepper])
+            # Last chunks being confirmed then acked: let them end, not cut them off (a cut-off final
+            # answer is never acked, and another box would generate it all over again).
+            await self._tasks.wait(max(0.0, until + _SETTLE_S - loop.time()))
+        finally:
+            await cancel_and_wait([self._stepper])
+            if self._streams:
+                await loop.run_in_executor(self._device, self.runtime.clear)
+                for stream in self._streams.values():
+                    await stream.msg.nak()
+                self._streams.clear()
+            await self._tasks.cancel()
+            await cancel_and_wait([self._ticker])
 
     def _forget(self, request_id: str) -> Stream | None:
         stream = self._streams.pop(request_id, None)

@@ -263,8 +263,14 @@ class GenerateRuntime:
             batch, logits = self._prefill([r.prompt for r in joining], [r.adapter for r in joining])
             tokens = choose_tokens(logits, [r.params for r in joining], [r.generator for r in joining])
         except Exception as exc:
+            # Kept without its traceback, whose frames hold the failed attempt's tensors: the retries
+            # below (out of memory, say) must not run with that memory still taken.
+            failure = exc.with_traceback(None)
+        else:
+            failure = None
+        if failure is not None:
             if len(joining) == 1:
-                return [StepOutput(joining[0].request_id, -1, "", finished=True, error=exc)]
+                return [StepOutput(joining[0].request_id, -1, "", finished=True, error=failure)]
             half = len(joining) // 2
             return self._join(joining[:half]) + self._join(joining[half:])
         self._batch = batch if self._batch is None else self._batch.merge(batch)
