@@ -279,7 +279,12 @@ class Residency:
         return True
 
     async def evict(self, name: str, reason: str = "request") -> bool:
-        if name not in self._resident or name in self._evicting:
+        """Unload a model (its worker drained first); True once it is gone, also when another eviction took it."""
+        ongoing = self._evicting.get(name)
+        if ongoing is not None:
+            await ongoing.wait()
+            return name not in self._resident
+        if name not in self._resident:
             return False
         self._evicting[name] = gone = asyncio.Event()
         try:

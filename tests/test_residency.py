@@ -74,3 +74,16 @@ async def test_out_of_memory_does_not_evict_a_model_whose_eviction_waits_for_it(
     assert not await residency.evict_for_oom(keep="a")  # b is on its way out already: not evicted twice
     drains.done["b"].set()
     assert await eviction and residency.get("b") is None
+
+
+async def test_an_evict_asked_during_an_eviction_waits_for_it_and_says_the_model_is_gone(
+    residency: Residency, drains: Drains
+) -> None:
+    """Not False (a 404 "not resident" for a model still resident while its worker drains)."""
+    await residency.ensure_loaded(SPECS["a"])
+    first = await started_eviction(residency, drains, "a")
+    second = asyncio.create_task(residency.evict("a"))
+    await asyncio.sleep(0)
+    assert not second.done()
+    drains.done["a"].set()
+    assert await first and await second and residency.get("a") is None
