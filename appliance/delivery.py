@@ -30,6 +30,12 @@ LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
 
 
+def retry_delay_s(msg: Msg) -> float:
+    """How long a request that could not be handled waits before its next delivery: 0.1 s, doubling, at most 2 s."""
+    deliveries = msg.metadata.num_delivered or 1
+    return min(2.0, 0.1 * 2 ** (deliveries - 1))
+
+
 async def deliver_reply(
     nc: NATS, meta: RequestMeta, body: bytes, headers: dict[str, str], give_up: Callable[[], bool]
 ) -> bool:

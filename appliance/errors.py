@@ -98,6 +98,11 @@ def reason_of(exc: BaseException) -> str:
     return exc.message if isinstance(exc, FleetboxError) else repr(exc)
 
 
+def not_resident(model: str, box: str) -> NotFound:
+    """An evict from a named box that does not hold the model (the HTTP route and the CLI alike)."""
+    return NotFound(f"model {model} is not resident on box {box}", code="model_not_resident")
+
+
 def deadline_passed(request_id: str) -> GatewayTimeout:
     return GatewayTimeout(f"request {request_id} passed its deadline while queued; it was not computed")
 

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
+from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive, retry_delay_s
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -188,8 +188,7 @@ class GenerateWorker:
             log.error(
                 "generation not admitted", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)}
             )
-            deliveries = msg.metadata.num_delivered or 1
-            await msg.nak(delay=min(2.0, 0.1 * 2 ** (deliveries - 1)))
+            await msg.nak(delay=retry_delay_s(msg))
             return
         finally:
             self._preparing.discard(meta.id)

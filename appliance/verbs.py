@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 def control_verbs(box: Box) -> dict[str, Handler]:
     async def load(payload: dict[str, Any]) -> dict[str, Any]:
         spec = _model(box, payload)
-        if not box.settings.runs_models:
-            raise Conflict(f"box {box.box_id} is a gateway; it runs no models")
+        _runs_models(box)
         try:
             await box.serve_model(spec)
         except FleetboxError:
@@ -36,8 +35,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def evict(payload: dict[str, Any]) -> dict[str, Any]:
         spec = _model(box, payload)
-        if not box.settings.runs_models:
-            raise Conflict(f"box {box.box_id} is a gateway; it runs no models")
+        _runs_models(box)
         if spec.name in box.residency.pinned:
             raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
         return {"model": spec.name, "evicted": await box.evict_model(spec.name)}
@@ -86,3 +84,9 @@ def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
     if spec is None:
         raise NotFound(f"model {name!r} does not exist; available models: {', '.join(box.catalog.names())}")
     return spec
+
+
+def _runs_models(box: Box) -> None:
+    """A verb that acts on this box's models (load, evict) is refused by a box in the gateway role."""
+    if not box.settings.runs_models:
+        raise Conflict(f"box {box.box_id} is a gateway; it runs no models")

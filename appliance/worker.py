@@ -31,7 +31,7 @@ from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import dead_letter
-from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
+from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive, retry_delay_s
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
@@ -286,7 +286,7 @@ class ModelWorker:
         deliveries = msg.metadata.num_delivered or 1
         try:
             if deliveries < self._settings.max_deliver:
-                await msg.nak(delay=min(2.0, 0.1 * 2 ** (deliveries - 1)))
+                await msg.nak(delay=retry_delay_s(msg))
                 return
             reason, body = repr(error), msg.data
             if meta.blob:

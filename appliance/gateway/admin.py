@@ -13,7 +13,7 @@ from aiohttp import web
 
 from appliance.catalog import ModelSpec
 from appliance.control import call_box
-from appliance.errors import Conflict, NotFound, ServiceUnavailable
+from appliance.errors import Conflict, NotFound, ServiceUnavailable, not_resident
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.registration import register
@@ -115,7 +115,7 @@ async def evict_model(request: web.Request) -> web.Response:
         if result.get("evicted"):
             evicted.append(target)
     if box is not None and not evicted:  # as `fleetbox models evict --box` says it
-        raise NotFound(f"model {spec.name} is not resident on box {box}", code="model_not_resident")
+        raise not_resident(spec.name, box)
     return json_response({"id": spec.name, "evicted_from": evicted})
 
 
