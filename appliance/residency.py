@@ -211,8 +211,17 @@ class Residency:
         return runtime
 
     async def _make_room(self, need: int, keep: str) -> None:
-        """Evict LRU unpinned models until `need` more bytes fit in the budget."""
+        """Evict LRU unpinned models until `need` more bytes fit in the budget.
+
+        Models already on their way out (an evict asked meanwhile) still count until closed; when their
+        leaving is enough, wait for it rather than evict one more model.
+        """
         while self.used_bytes + need > self.budget_bytes:
+            leaving = {name: gone for name, gone in self._evicting.items() if name in self._resident}
+            freed = sum(self._resident[name].nbytes for name in leaving)
+            if leaving and self.used_bytes - freed + need <= self.budget_bytes:
+                await asyncio.gather(*(gone.wait() for gone in leaving.values()))
+                continue
             victim = self._victim(keep)
             if victim is None:
                 return  # check_fits guaranteed the pinned set leaves room; measured bytes may exceed estimates

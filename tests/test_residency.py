@@ -87,3 +87,23 @@ async def test_an_evict_asked_during_an_eviction_waits_for_it_and_says_the_model
     assert not second.done()
     drains.done["a"].set()
     assert await first and await second and residency.get("a") is None
+
+
+async def test_a_load_waits_for_an_eviction_under_way_rather_than_evict_one_more_model(drains: Drains) -> None:
+    """a is being evicted (asked by an operator) when c needs room: a's leaving is room enough, so b stays."""
+    specs = {name: spec_from_entry(noop_model(name, pinned=False, bytes=4000), Settings()) for name in "abc"}
+    with ThreadPoolExecutor(1) as executor:
+        residency = Residency("cpu", None, 10_000, Metrics(), executor, before_evict=drains)
+        await residency.ensure_loaded(specs["a"])
+        await residency.ensure_loaded(specs["b"])
+        eviction = await started_eviction(residency, drains, "a")
+        loading = asyncio.create_task(residency.ensure_loaded(specs["c"]))
+        await asyncio.sleep(0.05)
+        assert not loading.done()  # it waits for a to be gone
+        assert not drains.started["b"].is_set()
+        drains.done["a"].set()
+        async with asyncio.timeout(10):
+            assert await eviction
+            await loading
+        assert {r.spec.name for r in residency.residents()} == {"b", "c"}
+        assert not drains.started["b"].is_set()
