@@ -31,9 +31,10 @@ from appliance.natsd import EmbeddedNats, free_port
 from tests.conftest import box_settings, noop_model, url, wait_for
 from tui import commands, ops
 from tui.app import FleetboxApp
+from tui.dial import connect, connect_problem
 from tui.dialogs import Choose, Confirm, RegisterForm
 from tui.model import model_rows
-from tui.source import NatsSource, connect, connect_problem
+from tui.source import NatsSource
 
 FLEETBOX = str(Path(sys.executable).with_name("fleetbox"))
 

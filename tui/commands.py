@@ -18,9 +18,10 @@ from rich.table import Table
 from appliance.connect import NatsAuth
 from tui import format as fmt
 from tui.app import FleetboxApp
+from tui.dial import connect
 from tui.model import ModelRow, model_rows
 from tui.ops import REACH_TIMEOUT_S
-from tui.source import NatsSource, connect
+from tui.source import NatsSource
 
 ATTACH_TIMEOUT_S = REACH_TIMEOUT_S  # how long a one-shot command waits for NATS, then for the fleet's state
 
@@ -28,7 +29,7 @@ ATTACH_TIMEOUT_S = REACH_TIMEOUT_S  # how long a one-shot command waits for NATS
 @asynccontextmanager
 async def attached(servers: str, auth: NatsAuth, timeout_s: float | None = None) -> AsyncIterator[NatsSource]:
     """A source that has read the heartbeats, the catalog and the queue once; raises TimeoutError,
-    or `NatsUnreachable` when NATS itself does not answer within `timeout_s`."""
+    or `tui.dial.NatsUnreachable` when NATS itself does not answer within `timeout_s`."""
     timeout_s = timeout_s or ATTACH_TIMEOUT_S
     nc = await connect(servers, auth, give_up_after_s=timeout_s)
     source = NatsSource(nc, address=servers, own_connection=True)
