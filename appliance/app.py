@@ -17,27 +17,24 @@ import time
 from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats
-import orjson
 from aiohttp import web
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.nuid import NUID
 
 from appliance import box_status, bus
 from appliance.blobs import Blobs
-from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, CatalogStore, ModelSpec
+from appliance.catalog import Catalog, CatalogStore, ModelSpec
 from appliance.configured import configured_specs
 from appliance.connect import ensure_consumers, ensure_queue, tls_context, when_jetstream_answers
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
-from appliance.delivery import Cancellations
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
-from appliance.errors import Conflict, ServiceUnavailable
+from appliance.errors import ServiceUnavailable
 from appliance.fleet import Fleet
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
@@ -51,11 +48,7 @@ from appliance.residency import Residency, parse_budget
 from appliance.settings import Settings
 from appliance.tasks import Background
 from appliance.verbs import control_verbs
-from appliance.worker import ModelWorker
-from runtimes.base import Task
-
-if TYPE_CHECKING:
-    from appliance.generation import GenerateWorker
+from appliance.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +80,23 @@ class Box:
             budget,
             self.metrics,
             self._cpu_executor,
-            before_evict=self._stop_worker,
+            before_evict=lambda name: self.workers.stop(name),  # made below: the workers need the residency
             onnx_cache=settings.state_dir / "onnx",  # a box exports each model once
         )
         roots = [p for p in (settings.profiles_dir, SHIPPED_PROFILES_DIR) if p is not None]
         self.profiles = ProfileBook(hardware_slug(self.device), roots, cpu_cores()) if settings.runs_models else None
-        self.workers: dict[str, ModelWorker | GenerateWorker] = {}
-        self.cancelled = Cancellations()
+        self.workers = Workers(
+            self.box_id,
+            settings,
+            self.metrics,
+            self.catalog,
+            self.residency,
+            self.profiles,
+            self._device_executor,
+            self._cpu_executor,
+            local_reply=self._local_reply,
+            announce=self._beat,
+        )
         self._dead_letters: DeadLetterWatch | None = None
         self.natsd: EmbeddedNats | None = None
         self.nc: NATS | None = None
@@ -136,6 +139,7 @@ class Box:
             file_storage=s.durable,
             replicas=s.replicas,
         )
+        self.workers.attach(self.nc, self.js, self.blobs)
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
         self.store.on_change(self._on_catalog_change)
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
@@ -154,13 +158,11 @@ class Box:
         await when_jetstream_answers(self.fleet.start)
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
         await self._control.start()
-        await self.nc.subscribe(bus.cancel_subject(), cb=self._on_cancel)
+        await self.nc.subscribe(bus.cancel_subject(), cb=self.workers.on_cancel)
         self._dead_letters = DeadLetterWatch(self.nc, self.js)
         await self._dead_letters.start()
         if s.runs_models:
-            for spec in self.catalog:
-                if spec.pinned and spec.adapter_of is None:
-                    await self._serve_pinned(spec)
+            await self.workers.serve_pinned()
             self.placement = Placement(self)
             self.placement.start()
         await self._start_http()  # a worker serves /healthz, /readyz and /metrics; a gateway serves the API too
@@ -170,17 +172,6 @@ class Box:
         self._spawn(self._watch_stream())
         await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
-
-    async def _serve_pinned(self, spec: ModelSpec) -> None:
-        """Load a pinned model at start. One that fails (a corrupt folder pinned through the API, say)
-        must not keep every new box of the fleet from starting: it is logged and shown as `load_error`,
-        and the box serves the rest. Without the packaged default model a box cannot be ready at all."""
-        try:
-            await self.serve_model(spec)
-        except Exception as exc:
-            if spec.name == DEFAULT_MODEL_NAME:
-                raise
-            log.error("pinned model failed to load; serving the others", extra={"model": spec.name, "error": repr(exc)})
 
     async def _connect(self) -> None:
         urls = self.settings.nats_urls
@@ -293,99 +284,16 @@ class Box:
 
     # -- models on this box ----------------------------------------------------------------------
 
-    async def serve_model(self, spec: ModelSpec) -> ModelWorker | GenerateWorker:
-        """Load a model (once) and start pulling its requests."""
-        if spec.adapter_of is not None:
-            raise Conflict(f"{spec.name} is an adapter; load its base model {spec.adapter_of}")
-        if spec.pinned:
-            self.residency.pinned.add(spec.name)
-        worker = self.workers.get(spec.name)
-        if worker is not None:
-            self.residency.touch(spec.name)
-            return worker
-        if self.profiles is not None:  # this hardware's tuned settings (appliance/profiles.py)
-            has_adapters = bool(self.catalog.adapters_of(spec.name))
-            spec = await asyncio.get_running_loop().run_in_executor(
-                self._cpu_executor, self.profiles.apply, spec, has_adapters
-            )
-        runtime = await self.residency.ensure_loaded(spec)
-        worker = self.workers.get(spec.name)  # another caller may have started it while we loaded
-        if worker is not None:
-            return worker
-        assert self.nc is not None
-        worker: ModelWorker | GenerateWorker
-        if spec.task is Task.GENERATE:
-            from appliance.generation import GenerateWorker  # torch and transformers: only a box that generates
-
-            worker = GenerateWorker(
-                self.box_id,
-                self.nc,
-                spec,
-                runtime,  # type: ignore[arg-type]
-                self.settings,
-                self.metrics,
-                self._device_executor,
-                self.residency,
-                self.catalog,
-                self.blobs,
-                self.cancelled,
-                local_reply=self._local_reply,
-            )
-        else:
-            worker = ModelWorker(
-                self.box_id,
-                self.nc,
-                spec,
-                runtime,
-                self.settings,
-                self.metrics,
-                self._device_executor,
-                self._cpu_executor,
-                self.residency,
-                self.catalog,
-                self.blobs,
-                self.js,
-                self.cancelled,
-                local_reply=self._local_reply,
-            )
-        self.workers[spec.name] = worker  # before it starts: a caller meanwhile finds it rather than start another
-        try:
-            await worker.start()
-        except BaseException:
-            del self.workers[spec.name]  # not pulling: placement must be free to try again
-            await worker.drain()
-            raise
+    async def _beat(self) -> None:
+        """Tell the fleet now, not at its next period, what this box holds (a model came or went)."""
         if self.fleet is not None:
             await self.fleet.beat()
-        return worker
-
-    async def _stop_worker(self, name: str) -> None:
-        """Before an eviction: stop pulling, finish what is in flight, hand the rest back."""
-        worker = self.workers.pop(name, None)
-        if worker is not None:
-            await worker.drain()
-
-    async def evict_model(self, name: str) -> bool:
-        evicted = await self.residency.evict(name)
-        if self.fleet is not None:
-            await self.fleet.beat()
-        return evicted
-
-    async def _on_cancel(self, msg: Msg) -> None:
-        """A gateway's client went away: forget its request wherever it waits on this box."""
-        try:
-            request_id = str(orjson.loads(msg.data)["id"])
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return
-        self.cancelled.add(request_id)
-        for worker in self.workers.values():
-            worker.cancel(request_id)
 
     def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
         if spec is None:
             self.residency.pinned.discard(name)
             if self.residency.is_resident(name):
-                self._spawn(self.evict_model(name))
+                self._spawn(self.workers.evict(name))
             return
         if spec.pinned:
             self.residency.pinned.add(name)
@@ -394,7 +302,7 @@ class Box:
         if spec.adapter_of is None:
             self._spawn(self._ensure_consumer(spec))
             if spec.pinned and self.settings.runs_models and not self.draining:
-                self._spawn(self.serve_model(spec))
+                self._spawn(self.workers.serve(spec))
 
     async def _watch_stream(self) -> None:
         """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After."""
@@ -443,7 +351,7 @@ class Box:
         if self.placement is not None:
             await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())
-        drains = asyncio.gather(*(w.drain() for w in self.workers.values()), return_exceptions=True)
+        drains = self.workers.drain_all()
         # Meanwhile the gateway waits for what its clients still await: the work its own worker hands
         # back is computed by other boxes and answered here. What is left after the grace gets a 503.
         grace = self.settings.shutdown_grace_s

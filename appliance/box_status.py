@@ -79,7 +79,7 @@ def heartbeat(box: Box) -> dict[str, Any]:
             "pinned": r.spec.name in box.residency.pinned,
             "state": "resident",
             "adapters": list(getattr(r.runtime, "adapters", ()) or ()),
-            **(box.workers[r.spec.name].stats() if r.spec.name in box.workers else {}),
+            **box.workers.stats(r.spec.name),
         }
         for r in box.residency.residents()
     ]

@@ -118,7 +118,7 @@ class Placement:
 
     async def _load(self, spec) -> None:
         try:
-            await self._box.serve_model(spec)
+            await self._box.workers.serve(spec)
         except Exception as exc:
             error = load_failed(spec.name, self._box.box_id, exc)
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})

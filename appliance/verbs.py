@@ -25,7 +25,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         spec = _model(box, payload)
         _runs_models(box)
         try:
-            await box.serve_model(spec)
+            await box.workers.serve(spec)
         except FleetboxError:
             raise  # its own status: an adapter (409), a model too big for the budget (507)
         except Exception as exc:
@@ -38,7 +38,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         _runs_models(box)
         if spec.name in box.residency.pinned:
             raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
-        return {"model": spec.name, "evicted": await box.evict_model(spec.name)}
+        return {"model": spec.name, "evicted": await box.workers.evict(spec.name)}
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None

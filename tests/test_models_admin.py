@@ -387,7 +387,7 @@ async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box) -> No
         await ops.evict("ghost")
     with pytest.raises(NotFound, match="'a' is not resident on any live box"):
         await ops.evict("a")
-    await box.serve_model(box.catalog.get("a"))  # resident, though no heartbeat has said so yet
+    await box.workers.serve(box.catalog.get("a"))  # resident, though no heartbeat has said so yet
     assert await ops.evict("a") == {"model": "a", "evicted_from": [box.box_id]}
 
 

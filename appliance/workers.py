@@ -1,0 +1,213 @@
+"""The workers of one box: one `ModelWorker` (or `GenerateWorker`) per model resident here, by name.
+
+The one idea: the table holds a model's worker exactly while it may pull. The entry is made before
+the worker starts, so a second caller finds it rather than starting another, and is taken out before
+anything lets the model go (a start that failed, the eviction that frees it, the box stopping), so
+nothing finds a worker whose runtime is gone. Everything else asks through methods: placement and the
+heartbeat whether a model has a worker and how it is doing, `fbx.cancel` which requests to forget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, ValuesView
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from appliance.blobs import Blobs
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
+from appliance.delivery import Cancellations, LocalReply
+from appliance.errors import Conflict
+from appliance.metrics import Metrics
+from appliance.profiles import ProfileBook
+from appliance.residency import Residency
+from appliance.settings import Settings
+from appliance.worker import ModelWorker
+from runtimes import Runtime
+from runtimes.base import Task
+
+if TYPE_CHECKING:
+    from appliance.generation import GenerateWorker
+
+    Worker: TypeAlias = ModelWorker | GenerateWorker
+
+log = logging.getLogger(__name__)
+
+
+class Workers:
+    """The box's worker table: serve a model (load it once, start its worker), stop one before its
+    eviction, fan a cancel out to all, drain them all as the box stops."""
+
+    def __init__(
+        self,
+        box_id: str,
+        settings: Settings,
+        metrics: Metrics,
+        catalog: Catalog,
+        residency: Residency,
+        profiles: ProfileBook | None,
+        device_executor: Executor,
+        cpu_executor: Executor,
+        local_reply: LocalReply,
+        announce: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._box_id = box_id
+        self._settings = settings
+        self._metrics = metrics
+        self._catalog = catalog
+        self._residency = residency
+        self._profiles = profiles
+        self._device_executor = device_executor
+        self._cpu_executor = cpu_executor
+        self._local_reply = local_reply
+        self._announce = announce  # tells the fleet at once (a heartbeat) that a model came or went
+        self._table: dict[str, Worker] = {}
+        self._cancelled = Cancellations()
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._blobs: Blobs | None = None
+
+    def attach(self, nc: NATS, js: JetStreamContext, blobs: Blobs) -> None:
+        """The box's connection, once it has one: every worker pulls and answers through it."""
+        self._nc, self._js, self._blobs = nc, js, blobs
+
+    # -- asked by others -------------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __getitem__(self, name: str) -> Worker:
+        return self._table[name]
+
+    def get(self, name: str) -> Worker | None:
+        return self._table.get(name)
+
+    def values(self) -> ValuesView[Worker]:
+        return self._table.values()
+
+    def stats(self, name: str) -> dict[str, float]:
+        """How a model's worker is doing, for the heartbeat; nothing for a model without one."""
+        worker = self._table.get(name)
+        return worker.stats() if worker is not None else {}
+
+    # -- serve and stop --------------------------------------------------------------------------
+
+    async def serve_pinned(self) -> None:
+        """Load the pinned models at start. One that fails (a corrupt folder pinned through the API, say)
+        must not keep every new box of the fleet from starting: it is logged and shown as `load_error`,
+        and the box serves the rest. Without the packaged default model a box cannot be ready at all."""
+        for spec in self._catalog:
+            if not spec.pinned or spec.adapter_of is not None:
+                continue
+            try:
+                await self.serve(spec)
+            except Exception as exc:
+                if spec.name == DEFAULT_MODEL_NAME:
+                    raise
+                log.error(
+                    "pinned model failed to load; serving the others", extra={"model": spec.name, "error": repr(exc)}
+                )
+
+    async def serve(self, spec: ModelSpec) -> Worker:
+        """Load a model (once) and start pulling its requests."""
+        if spec.adapter_of is not None:
+            raise Conflict(f"{spec.name} is an adapter; load its base model {spec.adapter_of}")
+        if spec.pinned:
+            self._residency.pinned.add(spec.name)
+        worker = self._table.get(spec.name)
+        if worker is not None:
+            self._residency.touch(spec.name)
+            return worker
+        if self._profiles is not None:  # this hardware's tuned settings (appliance/profiles.py)
+            has_adapters = bool(self._catalog.adapters_of(spec.name))
+            spec = await asyncio.get_running_loop().run_in_executor(
+                self._cpu_executor, self._profiles.apply, spec, has_adapters
+            )
+        runtime = await self._residency.ensure_loaded(spec)
+        worker = self._table.get(spec.name)  # another caller may have started it while we loaded
+        if worker is not None:
+            return worker
+        worker = self._new_worker(spec, runtime)
+        self._table[spec.name] = worker  # before it starts: a caller meanwhile finds it rather than start another
+        try:
+            await worker.start()
+        except BaseException:
+            del self._table[spec.name]  # not pulling: placement must be free to try again
+            await worker.drain()
+            raise
+        await self._announce()
+        return worker
+
+    def _new_worker(self, spec: ModelSpec, runtime: Runtime) -> Worker:
+        assert self._nc is not None
+        if spec.task is Task.GENERATE:
+            from appliance.generation import GenerateWorker  # torch and transformers: only a box that generates
+
+            return GenerateWorker(
+                self._box_id,
+                self._nc,
+                spec,
+                runtime,  # type: ignore[arg-type]
+                self._settings,
+                self._metrics,
+                self._device_executor,
+                self._residency,
+                self._catalog,
+                self._blobs,
+                self._cancelled,
+                local_reply=self._local_reply,
+            )
+        return ModelWorker(
+            self._box_id,
+            self._nc,
+            spec,
+            runtime,
+            self._settings,
+            self._metrics,
+            self._device_executor,
+            self._cpu_executor,
+            self._residency,
+            self._catalog,
+            self._blobs,
+            self._js,
+            self._cancelled,
+            local_reply=self._local_reply,
+        )
+
+    async def evict(self, name: str) -> bool:
+        """Let a model go from this box (its worker stopped first, by `stop`) and tell the fleet."""
+        evicted = await self._residency.evict(name)
+        await self._announce()
+        return evicted
+
+    async def stop(self, name: str) -> None:
+        """Before an eviction: stop pulling, finish what is in flight, hand the rest back."""
+        worker = self._table.pop(name, None)
+        if worker is not None:
+            await worker.drain()
+
+    def drain_all(self) -> asyncio.Future[list[Any]]:
+        """The box stopping: every worker drains at once; one that fails does not stop the others."""
+        return asyncio.gather(*(w.drain() for w in self._table.values()), return_exceptions=True)
+
+    def clear(self) -> None:
+        """After the box's drain: whatever did not finish in time is no longer this box's to find."""
+        self._table.clear()
+
+    # -- cancels ---------------------------------------------------------------------------------
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """A gateway's client went away (`fbx.cancel`): forget its request wherever it waits on this box."""
+        try:
+            request_id = str(orjson.loads(msg.data)["id"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return
+        self._cancelled.add(request_id)
+        for worker in self._table.values():
+            worker.cancel(request_id)
