@@ -1,10 +1,11 @@
 """Requests that failed on every delivery: kept in stream FBX_DLQ with the reason, answered with an error.
 
 Two roads lead here. A worker whose model raises on a request naks it for another try, and on
-the last allowed delivery dead-letters it itself. A request that kills the box holding it (so no
-worker lives to decide) makes JetStream publish a max-deliveries advisory; one box of the fleet
-(a queue group) takes the advisory, moves the message to FBX_DLQ, answers the client and removes
-it from the queue, so the other requests flow on and the client is not left waiting.
+the last allowed delivery dead-letters it itself (`DeadLetters`, for the encoder and the generation
+workers alike). A request that kills the box holding it (so no worker lives to decide) makes
+JetStream publish a max-deliveries advisory; one box of the fleet (a queue group) takes the
+advisory, moves the message to FBX_DLQ, answers the client and removes it from the queue, so the
+other requests flow on and the client is not left waiting.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from prometheus_client import Counter
 
 from appliance import bus
+from appliance.blobs import Blobs
+from appliance.delivery import retry_delay_s
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import Unprocessable
 
@@ -55,6 +59,34 @@ async def dead_letter(
     reply = ReplyMeta(id=meta.id, status=error.status, box="")
     await nc.publish(meta.reply, error.to_json(), headers=reply.headers())
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
+
+
+class DeadLetters:
+    """What a worker does with a request its model raised on: another try, or FBX_DLQ after `max_deliver`."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, blobs: Blobs, max_deliver: int, dead_lettered: Counter) -> None:
+        self._nc = nc
+        self._js = js
+        self._blobs = blobs
+        self._max_deliver = max_deliver
+        self._dead_lettered = dead_lettered  # the worker's model's count of them
+
+    async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+        """Nak it for another try after a back-off (maybe on another box), or on its `max_deliver`-th
+        delivery keep it in FBX_DLQ with why, answer its client and ack it. Either way it is settled."""
+        deliveries = msg.metadata.num_delivered or 1
+        if deliveries < self._max_deliver:
+            await msg.nak(delay=retry_delay_s(msg))
+            return
+        reason, body = repr(error), msg.data
+        if meta.blob:
+            try:
+                body = await self._blobs.get(meta.blob)
+            except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
+                reason += f"; its body (blob {meta.blob}) could not be read: {exc!r}"
+        await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
+        self._dead_lettered.inc()
+        await msg.ack()
 
 
 class DeadLetterWatch:

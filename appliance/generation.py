@@ -5,6 +5,9 @@ request is active; a request pulled from the queue joins at the next step bounda
 text goes to the request's gateway at once as a numbered chunk. The last chunk carries the usage
 and is followed by the ack, so a box that dies mid-answer leaves the request for redelivery.
 Requests past their deadline, or cancelled by their gateway, are dropped at the next boundary.
+A request the model fails on before any of its answer has left the box (its prefill, or a decode
+step that failed for the whole batch) is tried again and, past `max_deliver`, dead-lettered, as the
+encoder worker does; one that has already streamed chunks ends with an error chunk instead.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import msgspec
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive, retry_delay_s
+from appliance.deadletter import DeadLetters
+from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -85,6 +90,7 @@ class GenerateWorker:
         blobs: Blobs,
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
+        js: JetStreamContext | None = None,
     ) -> None:
         self.box_id = box_id
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
@@ -99,6 +105,8 @@ class GenerateWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
+        js = js if js is not None else nc.jetstream()
+        self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
         self._idle.set()
@@ -184,11 +192,11 @@ class GenerateWorker:
             return
         except Exception as exc:
             # Not the client's doing (its body's blob not read, a NATS hiccup): tried again, maybe elsewhere,
-            # and past max_deliver dead-lettered by JetStream's advisory, instead of waiting out ack_wait.
+            # and past max_deliver dead-lettered with why, instead of waiting out ack_wait.
             log.error(
                 "generation not admitted", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)}
             )
-            await msg.nak(delay=retry_delay_s(msg))
+            await self._retry_or_dead_letter(meta, msg, exc)
             return
         finally:
             self._preparing.discard(meta.id)
@@ -243,11 +251,12 @@ class GenerateWorker:
                 outputs = await loop.run_in_executor(self._device, self.runtime.step)
             except Exception as exc:
                 log.error("decode step failed", extra={"model": self.spec.name, "error": repr(exc)})
+                # Every request the runtime held is dropped: those decoding, those joining in this step,
+                # and those still waiting to join (which never ran). Each is owed a retry or an error.
                 for request_id in await loop.run_in_executor(self._device, self.runtime.clear):
                     stream = self._forget(request_id)
                     if stream is not None:
-                        error = InternalError(f"generation failed: {exc!r}")
-                        self._spawn(self._fail(stream.meta, stream.msg, error, seq=stream.seq))
+                        self._failed(stream, exc)
                 continue
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
@@ -281,8 +290,7 @@ class GenerateWorker:
                 extra={"model": self.spec.name, "request_id": output.request_id, "error": repr(output.error)},
             )
             self._forget(output.request_id)
-            error = InternalError(f"generation failed: {output.error!r}")
-            self._spawn(self._fail(stream.meta, stream.msg, error, seq=stream.seq))
+            self._failed(stream, output.error)
             return
         stream.tokens += 1
         if stream.tokens == 1 and stream.meta.sent_ms:  # its first step: queued until that step started
@@ -308,6 +316,28 @@ class GenerateWorker:
         self._forget(output.request_id)
         # The last chunk is confirmed before the ack (off the stepper: all generations step together).
         self._spawn(self._settle(stream.meta, stream.msg, reply, orjson.dumps(body)))
+
+    def _failed(self, stream: Stream, error: Exception) -> None:
+        """The model failed on a request this worker has let go of (it is no longer in `_streams`).
+
+        Nothing of its answer has left the box yet: it is tried again (maybe elsewhere) or dead-lettered,
+        as the encoder worker does. Once chunks have been sent it is not: its client already has part of
+        the answer, and a start over generates it again from the first token. The gateway can stitch
+        that onto what was sent only when it comes out the same (greedy or seeded); a sampled answer
+        would be text from two generations, mixed. So it ends with a 500 error chunk, numbered after
+        those sent.
+        """
+        if stream.seq == 0:
+            self._spawn(self._retry_or_dead_letter(stream.meta, stream.msg, error))
+            return
+        failed = InternalError(f"generation failed: {error!r}")
+        self._spawn(self._fail(stream.meta, stream.msg, failed, seq=stream.seq))
+
+    async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+        try:
+            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
+        finally:
+            self.puller.poke()
 
     async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, seq=seq, final=True)

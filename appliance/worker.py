@@ -30,8 +30,8 @@ from appliance import bus
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.deadletter import dead_letter
-from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive, retry_delay_s
+from appliance.deadletter import DeadLetters
+from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
@@ -70,7 +70,6 @@ class ModelWorker:
     ) -> None:
         self.box_id = box_id
         self.spec = spec
-        self._js = js
         self._cancelled = cancelled
         self._local_reply = local_reply
         self.runtime = runtime
@@ -81,6 +80,7 @@ class ModelWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
+        self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
         self._started = time.time()
         self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
@@ -283,20 +283,8 @@ class ModelWorker:
 
     async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
         """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
-        deliveries = msg.metadata.num_delivered or 1
         try:
-            if deliveries < self._settings.max_deliver:
-                await msg.nak(delay=retry_delay_s(msg))
-                return
-            reason, body = repr(error), msg.data
-            if meta.blob:
-                try:
-                    body = await self._blobs.get(meta.blob)
-                except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
-                    reason += f"; its body (blob {meta.blob}) could not be read: {exc!r}"
-            await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
-            self._metrics.dead_lettered.labels(self.spec.name).inc()
-            await msg.ack()
+            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
             self._held.pop(meta.id, None)
             self.puller.poke()

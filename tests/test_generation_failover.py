@@ -23,16 +23,16 @@ PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
 
 
-def greedy_text(folder) -> str:
-    """What the tiny generator answers to PROMPT with greedy decoding, straight from transformers."""
+def greedy_text(folder, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
+    """What the tiny generator answers to `prompt` with greedy decoding, straight from transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = tokenizer(PROMPT)["input_ids"]
+    ids = tokenizer(prompt)["input_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids) :].tolist()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return tokenizer.decode(out[: out.index(eos)] if eos in out else out)
 

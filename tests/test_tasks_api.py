@@ -312,8 +312,10 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
     assert worker.held == 0 and worker._room() == 2 * worker.runtime.decode_batch == 64
 
 
-async def test_a_generation_whose_prefill_fails_is_answered_alone(task_box, http, monkeypatch) -> None:
-    """Fault injected into the box's real runtime: the prefill of one prompt raises (as out of memory would)."""
+async def test_a_generation_whose_prefill_fails_is_dead_lettered_alone(task_box, http, monkeypatch) -> None:
+    """Fault injected into the box's real runtime: the prefill of one prompt raises (as out of memory would).
+
+    It fails on every delivery, so it is dead-lettered; the others are answered as they would be alone."""
     prompts = ["Request one says", "Poison pill", "Request two says"]
     bodies = [{"model": "tiny-llama", "prompt": p, "max_tokens": 8, "temperature": 0} for p in prompts]
     alone = [await post(http, task_box, "/v1/completions", bodies[i]) for i in (0, 2)]  # loads the model too
@@ -328,8 +330,8 @@ async def test_a_generation_whose_prefill_fails_is_answered_alone(task_box, http
 
     monkeypatch.setattr(runtime, "_prefill", failing_prefill)
     results = await asyncio.gather(*(post(http, task_box, "/v1/completions", b) for b in bodies))
-    assert [status for status, _ in results] == [200, 500, 200]
-    assert "generation failed" in results[1][1]["error"]["message"]
+    assert [status for status, _ in results] == [200, 422, 200]
+    assert results[1][1]["error"]["code"] == "dead_lettered" and "injected" in results[1][1]["error"]["message"]
     for (_, body), (_, reference) in zip(results[::2], alone, strict=True):
         assert body["choices"][0]["text"] == reference["choices"][0]["text"]
 

@@ -1,0 +1,204 @@
+"""A generation the model fails on: retried before any of its answer has left the box, dead-lettered
+after `max_deliver` deliveries, and ended with an error chunk once part of it was streamed.
+
+The queue, the boxes and the tiny random-weight generator are real; only the model's failure is
+faked, by wrapping the loaded runtime's own `_prefill` or `_decode` in the box's process (a real
+model fails this way on, say, an out-of-memory on one long prompt). A threading.Event in the wrapper
+holds the device thread at one step until the test has put the other requests in place, so which
+requests share that step is fixed, not left to timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import nats
+import orjson
+import torch
+
+from appliance import bus
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.settings import ModelEntry
+from runtimes.generate import GenerateRuntime
+from tests.conftest import url, wait_for
+from tests.test_generation_failover import MAX_TOKENS, PROMPT, greedy_text
+
+MODEL = "tiny-llama"
+POISON = "Alice"
+OTHER = "Paris is the capital of France, and Berlin is"
+_BOUND_S = 20.0  # the most the device thread is held at a step waiting for the test
+
+
+async def generating_box(start_box, generator_dir, **settings):
+    model = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
+    box = await start_box(default_model=False, models=[model], **settings)
+    return box, box.workers[MODEL]
+
+
+def fail_prefill_of(runtime: GenerateRuntime, prompt: str, times: int | None = None) -> list[int]:
+    """The runtime's prefill raises for any batch holding `prompt` (its first `times` times, or always).
+
+    Returns the list each failure is recorded in (the size of the batch it struck), for the test to read.
+    """
+    poison = torch.as_tensor(runtime.tokenize([prompt])[0].ids)
+    prefill, failures = runtime._prefill, []
+
+    def failing_prefill(prompts, adapters, **kwargs):
+        holds = any(len(p) == len(poison) and torch.equal(p.cpu(), poison) for p in prompts)
+        if holds and (times is None or len(failures) < times):
+            failures.append(len(prompts))
+            raise RuntimeError("out of memory (injected)")
+        return prefill(prompts, adapters, **kwargs)
+
+    runtime._prefill = failing_prefill
+    return failures
+
+
+def completion(prompt: str, **fields) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+
+
+async def answer_text(http, box, prompt: str) -> tuple[int, dict]:
+    async with http.post(url(box, "/v1/completions"), json=completion(prompt)) as response:
+        return response.status, await response.json()
+
+
+async def settled(box, worker) -> None:
+    """Nothing left held by the worker, unacked in the consumer or waiting in the queue."""
+
+    async def empty() -> bool:
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(MODEL))
+        return worker.held == 0 and info.num_ack_pending == 0 and info.num_pending == 0
+
+    await wait_for(empty, what="every request settled")
+
+
+def dead_lettered(box) -> float:
+    return box.metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": MODEL}) or 0.0
+
+
+async def test_a_poison_prompt_is_dead_lettered_while_its_decode_batch_is_answered(
+    start_box, http, generator_dir
+) -> None:
+    """Healthy decodes while the poison's prefill fails beside a healthy request joining with it: the split
+    isolates the poison, which is retried, then kept in FBX_DLQ and answered 422 on its third delivery."""
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=3)
+    failures = fail_prefill_of(worker.runtime, POISON)
+    first_prefill, rest_queued = threading.Event(), threading.Event()
+    prefill = worker.runtime._prefill
+
+    def held_prefill(prompts, adapters, **kwargs):
+        first_prefill.set()
+        assert rest_queued.wait(_BOUND_S), "the test did not queue the other requests"
+        return prefill(prompts, adapters, **kwargs)
+
+    worker.runtime._prefill = held_prefill
+    decoding = asyncio.create_task(answer_text(http, box, PROMPT))
+    await wait_for(first_prefill.is_set, what="the first request's prefill")
+    joining = asyncio.create_task(answer_text(http, box, OTHER))
+    poison = asyncio.create_task(answer_text(http, box, POISON))
+    await wait_for(lambda: len(worker._streams) == 3, what="the other two requests to wait for the next step")
+    rest_queued.set()  # next step: the first decodes, the other two are prefilled together and split
+
+    async with asyncio.timeout(30):
+        (status_a, body_a), (status_b, body_b), (status_p, body_p) = await asyncio.gather(decoding, joining, poison)
+    assert (status_a, status_b) == (200, 200), (body_a, body_b)
+    assert body_a["choices"][0]["text"] == greedy_text(generator_dir)
+    assert body_b["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
+    assert status_p == 422
+    error = body_p["error"]
+    assert error["code"] == "dead_lettered"
+    assert "3 deliveries" in error["message"] and "FBX_DLQ" in error["message"] and "injected" in error["message"]
+    assert failures == [2, 1, 1, 1]  # beside the joining request, then split down to the poison alone; 3 deliveries
+
+    dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(bus.model_slug(MODEL)))
+    assert "out of memory (injected)" in dead.headers["Fbx-Dead-Reason"]
+    assert dead.headers["Fbx-Deliveries"] == "3"
+    assert orjson.loads(dead.data)["prompt"] == POISON
+    await settled(box, worker)
+    assert dead_lettered(box) == 1
+
+
+async def test_a_prefill_that_fails_once_is_retried_and_answered(start_box, http, generator_dir) -> None:
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=3)
+    failures = fail_prefill_of(worker.runtime, OTHER, times=1)
+    async with asyncio.timeout(30):
+        status, body = await answer_text(http, box, OTHER)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
+    assert failures == [1]
+    await settled(box, worker)
+    assert dead_lettered(box) == 0
+    assert (await box.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 0
+
+
+async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_retries_the_unstarted(
+    start_box, http, generator_dir
+) -> None:
+    """The decode step fails once, while one request has streamed chunks and another waits to join.
+
+    The streamed one cannot start over (its client has part of the text): an error event, then [DONE],
+    not a hang. The one with nothing sent is retried and answered whole.
+    """
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=3)
+    runtime = worker.runtime
+    decode, streamed, second_queued, failed = runtime._decode, threading.Event(), threading.Event(), []
+
+    def failing_decode():
+        if not failed and any(stream.seq > 0 for stream in list(worker._streams.values())):
+            streamed.set()
+            assert second_queued.wait(_BOUND_S), "the test did not queue the second request"
+            failed.append(1)
+            raise RuntimeError("decode step failed (injected)")
+        return decode()
+
+    runtime._decode = failing_decode
+
+    async def stream_events() -> list:
+        body = completion(PROMPT, stream=True)
+        async with http.post(url(box, "/v1/completions"), json=body) as response:
+            assert response.status == 200
+            raw = await response.text()
+        return [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
+
+    first = asyncio.create_task(stream_events())
+    await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
+    second = asyncio.create_task(answer_text(http, box, OTHER))
+    await wait_for(lambda: len(worker._streams) == 2, what="the second request to wait for the next step")
+    second_queued.set()
+
+    async with asyncio.timeout(30):
+        events, (status, body) = await asyncio.gather(first, second)
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(event) for event in events[:-1]]
+    assert chunks[0]["choices"][0]["text"]  # part of the answer had reached the client
+    assert chunks[-1]["error"]["code"] == "internal_error" and "injected" in chunks[-1]["error"]["message"]
+    assert status == 200, body
+    assert body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
+    assert failed == [1]
+    await settled(box, worker)
+
+
+async def test_a_generation_whose_body_is_gone_is_dead_lettered_with_why(start_box, nats_server, generator_dir) -> None:
+    """Its offloaded body cannot be read on any delivery: the worker itself dead-letters it and says why
+    (JetStream's advisory would say only that no box finished it)."""
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=2)
+    nc = await nats.connect(nats_server.url)
+    try:
+        replies: asyncio.Queue = asyncio.Queue()
+        await nc.subscribe("test.replies", cb=replies.put)
+        now = int(time.time() * 1000)
+        meta = RequestMeta(id="gone-1", task="generate", model=MODEL, reply="test.replies", deadline_ms=now + 30_000,
+                           sent_ms=now, blob="gone-1.never-put")  # fmt: skip
+        await nc.jetstream().publish(bus.request_subject(bus.model_slug(MODEL)), b"", headers=meta.headers())
+        reply = await asyncio.wait_for(replies.get(), 20)
+        assert ReplyMeta.from_headers(reply.headers).status == 422
+        assert orjson.loads(reply.data)["error"]["code"] == "dead_lettered"
+        dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(bus.model_slug(MODEL)))
+        assert "gone-1.never-put" in dead.headers["Fbx-Dead-Reason"]
+        await settled(box, worker)
+        assert dead_lettered(box) == 1
+    finally:
+        await nc.close()
