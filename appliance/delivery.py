@@ -65,6 +65,8 @@ async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
     while True:
         await asyncio.sleep(period)
         for msg in held():
+            if msg.is_acked:  # nak'd (or acked) since it was listed: an in-progress would hold back its redelivery
+                continue
             try:
                 await msg.in_progress()
             except Exception as exc:
