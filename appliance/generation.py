@@ -88,9 +88,9 @@ class GenerateWorker:
         residency: Residency,
         catalog: Catalog,
         blobs: Blobs,
+        js: JetStreamContext,
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
-        js: JetStreamContext | None = None,
     ) -> None:
         self.box_id = box_id
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
@@ -105,7 +105,6 @@ class GenerateWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
-        js = js if js is not None else nc.jetstream()
         self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain

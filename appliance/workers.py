@@ -160,6 +160,7 @@ class Workers:
                 self._residency,
                 self._catalog,
                 self._blobs,
+                self._js,
                 self._cancelled,
                 local_reply=self._local_reply,
             )
