@@ -7,6 +7,7 @@ queue or a consumer's position.
 
 from __future__ import annotations
 
+import base64
 import logging
 import re
 
@@ -15,11 +16,13 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DiscardPolicy,
+    KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
 
 from appliance.envelope import BATCH, INTERACTIVE, PRIORITIES
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 REQUEST_STREAM = "FBX_REQ"
 DEAD_LETTER_STREAM = "FBX_DLQ"
 MODELS_BUCKET = "fbx_models"
+NAMES_BUCKET = "fbx_names"
 BOXES_BUCKET = "fbx_boxes"
 BLOBS_BUCKET = "fbx_blobs"
 
@@ -40,6 +44,12 @@ def model_slug(name: str) -> str:
     if not slug:
         raise ValueError(f"model name {name!r} has no usable characters")
     return slug
+
+
+def name_key(name: str) -> str:
+    """A model name or alias as its key in NAMES_BUCKET: its UTF-8 bytes in unpadded base64url, since a
+    name may hold any printable character and keeps its case (the catalog compares names exactly)."""
+    return base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
 
 
 def request_subject(slug: str, priority: str = INTERACTIVE) -> str:
@@ -90,6 +100,14 @@ def pull_request_subject(slug: str, priority: str = INTERACTIVE) -> str:
 
 def control_subject(box_id: str, verb: str) -> str:
     return f"fbx.ctl.{box_id}.{verb}"
+
+
+async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """A KV bucket, created as `config` says if it is missing; an existing one is left exactly as it is."""
+    try:
+        return await js.key_value(config.bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(config)
 
 
 async def ensure_request_stream(

@@ -5,7 +5,9 @@ adapter is a model of its own whose `adapter_of` names its base; clients ask for
 `base:adapter` (or with an `adapter` field), and it runs on the base's queue and batcher.
 
 `Catalog` is the in-memory view every lookup uses; `CatalogStore` keeps it equal to the KV bucket
-`fbx_models`, so a model registered on any box is servable by every box, with no restart.
+`fbx_models`, so a model registered on any box is servable by every box, with no restart. A
+registration also claims its name and aliases (`appliance/names.py`), so two racing for one name are
+not both written.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from appliance import bus
 from appliance.bus import model_slug
 from appliance.errors import Conflict, NotFound
+from appliance.names import NameClaims
 from appliance.settings import ModelEntry, Settings
 from appliance.tasks import cancel_and_wait
 from runtimes import ModelSource, RuntimeKind, Task
@@ -255,6 +258,7 @@ class CatalogStore:
         self._replicas = replicas
         self._file_storage = file_storage
         self._kv: KeyValue | None = None
+        self._names = NameClaims(js, replicas=replicas)
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
@@ -264,17 +268,16 @@ class CatalogStore:
         self._listeners.append(listener)
 
     async def open(self, configured: list[ModelSpec]) -> None:
-        try:
-            self._kv = await self._js.key_value(bus.MODELS_BUCKET)
-        except BucketNotFoundError:
-            self._kv = await self._js.create_key_value(
-                KeyValueConfig(
-                    bucket=bus.MODELS_BUCKET,
-                    history=1,
-                    replicas=self._replicas,
-                    storage=StorageType.FILE if self._file_storage else StorageType.MEMORY,
-                )
-            )
+        self._kv = await bus.ensure_bucket(
+            self._js,
+            KeyValueConfig(
+                bucket=bus.MODELS_BUCKET,
+                history=1,
+                replicas=self._replicas,
+                storage=StorageType.FILE if self._file_storage else StorageType.MEMORY,
+            ),
+        )
+        await self._names.open()
         for spec in configured:
             try:
                 await self._kv.create(spec.slug, spec.to_json())
@@ -332,16 +335,21 @@ class CatalogStore:
         self._added(spec)
 
     async def create(self, spec: ModelSpec) -> None:
-        """Add a model whose slug no model holds yet, fleet-wide: of two registrations racing for one
-        slug (one name twice, or `Foo` and `foo`) on any boxes, the second is refused, never written over the first."""
+        """Add a model whose slug, name and aliases no model holds yet, fleet-wide: of two registrations
+        racing for one slug (one name twice, or `Foo` and `foo`) or one name or alias (A and B both with
+        alias `x`, or B named `x`) on any boxes, the second is refused, never written over the first."""
         assert self._kv is not None
+        claims = await self._names.claim(spec.name, spec.aliases)
         try:
             await self._kv.create(spec.slug, spec.to_json())
-        except KeyWrongLastSequenceError:
-            raise Conflict(
-                f"a model with slug {spec.slug!r} exists already (registered meanwhile); delete it first",
-                code="model_exists",
-            ) from None
+        except BaseException as exc:
+            await self._names.give_back(claims)
+            if isinstance(exc, KeyWrongLastSequenceError):
+                raise Conflict(
+                    f"a model with slug {spec.slug!r} exists already (registered meanwhile); delete it first",
+                    code="model_exists",
+                ) from None
+            raise
         self._added(spec)
 
     async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
@@ -377,6 +385,7 @@ class CatalogStore:
         await self._kv.delete(spec.slug)
         if self.catalog.remove(spec.name) is not None:
             self._notify(spec.name, None)
+        await self._names.release(spec.name, spec.aliases)  # after the model is gone: no name free before
 
     async def close(self) -> None:
         await cancel_and_wait([self._task])

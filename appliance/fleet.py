@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
@@ -146,9 +146,6 @@ class Fleet:
 
 
 async def open_boxes_bucket(js: JetStreamContext, ttl_s: float, replicas: int = 1) -> KeyValue:
-    try:
-        return await js.key_value(bus.BOXES_BUCKET)
-    except BucketNotFoundError:
-        return await js.create_key_value(
-            KeyValueConfig(bucket=bus.BOXES_BUCKET, history=1, ttl=ttl_s, replicas=replicas, storage=StorageType.MEMORY)
-        )
+    return await bus.ensure_bucket(
+        js, KeyValueConfig(bucket=bus.BOXES_BUCKET, history=1, ttl=ttl_s, replicas=replicas, storage=StorageType.MEMORY)
+    )

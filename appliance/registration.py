@@ -181,5 +181,5 @@ async def register(
     spec = spec_of(registration, task=task, path=folder, batching=batching, adapter_of=adapter_of)
     if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)
-    await store.create(spec)  # refused (409) when a registration racing this one took the slug meanwhile
+    await store.create(spec)  # refused (409) when a registration racing this one took the slug, name or an alias
     return spec

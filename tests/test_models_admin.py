@@ -222,6 +222,7 @@ async def test_concurrent_registrations_of_one_slug_give_one_201_and_one_409(
     second = await start_box(box_id="second", default_model=False, model_roots=roots)
     assert first.js is not None
     models = await first.js.key_value(bus.MODELS_BUCKET)
+    names = await first.js.key_value(bus.NAMES_BUCKET)
     # One name twice, two names with one slug, and one name on two boxes whose catalogs lag each other.
     for (box_a, name_a), (box_b, name_b) in (
         ((first, "dup"), (first, "dup")),
@@ -244,6 +245,55 @@ async def test_concurrent_registrations_of_one_slug_give_one_201_and_one_409(
         assert (stored.name, stored.batching.max_batch_size) == (winner["name"], winner["max_batch_size"])
         for box in (box_a, box_b):
             await wait_for(partial(_holds, box, stored), what="both boxes to hold the winner")
+        if name_a != name_b:  # the loser had claimed its own name before the slug refused it: given back
+            with pytest.raises(KeyNotFoundError):
+                await names.get(bus.name_key(bodies[statuses.index(409)]["name"]))
+
+
+async def test_concurrent_registrations_of_one_alias_give_one_201_and_one_409_until_the_holder_is_deleted(
+    start_box, http, encoder_dir, tmp_path_factory
+) -> None:
+    """Names and aliases are one namespace no slug covers: two models taking alias `x` at once on two
+    boxes (or one the name `y`, the other the alias `y`), each box checking a catalog the other's write
+    has not reached, were both written; each name is now claimed once in `fbx_names`."""
+    roots = [tmp_path_factory.getbasetemp()]
+    first = await start_box(box_id="first", default_model=False, model_roots=roots)
+    second = await start_box(box_id="second", default_model=False, model_roots=roots)
+    assert first.js is not None
+    names = await first.js.key_value(bus.NAMES_BUCKET)
+    path = str(encoder_dir)
+    winners = {}
+    for taken, bodies in (
+        ("x", [{"name": "a", "aliases": ["x"]}, {"name": "b", "aliases": ["x", "b2"]}]),
+        ("y", [{"name": "y"}, {"name": "c", "aliases": ["y"]}]),
+    ):
+        results = await asyncio.gather(
+            call(http, first, "POST", "/v1/models", {**bodies[0], "path": path}),
+            call(http, second, "POST", "/v1/models", {**bodies[1], "path": path}),
+        )
+        statuses = [status for status, _ in results]
+        assert sorted(statuses) == [201, 409], results
+        refusal = results[statuses.index(409)][1]["error"]
+        assert refusal["code"] == "model_exists" and repr(taken) in refusal["message"], refusal
+        winner, loser = bodies[statuses.index(201)], bodies[statuses.index(409)]
+        winners[taken] = winner["name"]
+        for box in (first, second):
+            await wait_for(partial(_knows, box, winner["name"]), what="both boxes to know the winner")
+            assert loser["name"] not in box.catalog.names()  # (`y` may name the winner, by its alias)
+        for name in {loser["name"], *loser.get("aliases", ())} - {taken}:  # what the loser claimed is free again
+            with pytest.raises(KeyNotFoundError):
+                await names.get(bus.name_key(name))
+    # The catalog compares names exactly, and so do the claims: `X` is not `x`.
+    assert (await call(http, first, "POST", "/v1/models", {"name": "d", "aliases": ["X"], "path": path}))[0] == 201
+    # Deleting the holder frees its alias at once (its claim is given back), from any box.
+    assert (await call(http, first, "DELETE", f"/v1/models/{winners['x']}"))[0] == 200
+    await wait_for(lambda: second.catalog.get("x") is None, what="the second box to see the delete")
+    status, record = await call(http, second, "POST", "/v1/models", {"name": "e", "aliases": ["x"], "path": path})
+    assert status == 201, record
+
+
+async def _knows(box, name: str) -> bool:
+    return box.catalog.get(name) is not None
 
 
 async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_back(start_box) -> None:
