@@ -8,20 +8,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from runtimes.base import UnsupportedModel
+from runtimes.attention import refuse_other_layers
 from runtimes.tasks.generate import SamplingParams
 from runtimes.tokenizer import TextTokenizer
 
 
 def check_full_attention(config: Any, folder: Path) -> None:
-    """Refuse a model whose layers are not all full attention (sliding windows, linear attention)."""
-    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise UnsupportedModel(
-            f"{folder}: layers of type {', '.join(other)} are not supported for generation yet "
-            "(the batch cache assumes full attention on every layer)"
-        )
+    """Refuse a model whose layers are not all full attention (sliding windows, linear attention).
+
+    The registration judges config.json by the same rule (`runtimes.attention.layer_types_in`): a change
+    here is a change there."""
+    refuse_other_layers(getattr(config.get_text_config(decoder=True), "layer_types", None) or (), folder)
 
 
 def eos_ids(model: Any, tokenizer: TextTokenizer, folder: Path) -> frozenset[int]:

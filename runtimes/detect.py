@@ -9,8 +9,9 @@ fast tokenizer (`tokenizer.json`) is required for all of them. Anything else is 
 with a message that lists what is supported.
 
 `check_loadable` then refuses what a load would certainly refuse, where that is cheap to see (no
-weights file, a tokenizer that does not load, generation on ONNX), so a registration fails at once
-rather than every request after it.
+weights file, a tokenizer that does not load, generation on ONNX, a generator with a layer that is
+not full attention: runtimes/attention.py), so a registration fails at once rather than every
+request after it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.tasks.classify import labels_from_config
 from runtimes.tasks.score import check_one_logit
@@ -132,6 +134,8 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
     if task is Task.SCORE:
         check_one_logit(folder, labels_from_config(_json_object(folder / "config.json")))
+    if task is Task.GENERATE:  # only where config.json alone tells; the load judges the rest
+        refuse_other_layers(layer_types_in(_json_object(folder / "config.json")) or (), folder)
     shipped = shipped_onnx(folder, options) if runtime is RuntimeKind.ONNX else None
     if shipped is not None:
         if not shipped.is_file():

@@ -102,24 +102,29 @@ def generator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama with a byte-level BPE tokenizer and a ChatML chat template."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("generator")
+    return save_generator(tmp_path_factory.mktemp("generator"), LlamaConfig, LlamaForCausalLM)
+
+
+def save_generator(folder: Path, config_class: type, model_class: type, **overrides: object) -> Path:
+    """A 2-layer causal LM of one transformers family (the generator's tokenizer, sizes and seed), saved to `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
     bpe = save_chatml_tokenizer(folder, GENERATOR_CORPUS, 256)
     torch.manual_seed(4)
-    config = LlamaConfig(
-        vocab_size=bpe.get_vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        eos_token_id=bpe.token_to_id("<|im_end|>"),
-        pad_token_id=bpe.token_to_id("<|endoftext|>"),
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    values: dict[str, object] = {
+        "vocab_size": bpe.get_vocab_size(),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.2,
+        "eos_token_id": bpe.token_to_id("<|im_end|>"),
+        "pad_token_id": bpe.token_to_id("<|endoftext|>"),
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    model_class(config_class(**(values | overrides))).save_pretrained(folder)
     return folder
 
 

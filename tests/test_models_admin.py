@@ -19,6 +19,7 @@ from appliance.bus import model_slug
 from appliance.catalog import ModelSpec
 from appliance.errors import NotFound
 from tests.conftest import noop_model, url, wait_for
+from tests.models import save_generator
 from tests.test_large_and_broken import folder_that_fails_to_load
 from tui.model import BoxState
 from tui.ops import FleetOps
@@ -294,6 +295,33 @@ async def test_concurrent_registrations_of_one_alias_give_one_201_and_one_409_un
 
 async def _knows(box, name: str) -> bool:
     return box.catalog.get(name) is not None
+
+
+async def test_a_generator_whose_sliding_window_its_load_refuses_is_refused_at_registration(
+    start_box, http, tmp_path
+) -> None:
+    """Qwen2 with `use_sliding_window` windows the layers from `max_window_layers` on, which the batch
+    cache cannot hold: registered (201), it failed to load and every request got 503. Now it is a 422.
+    Mistral's `sliding_window` is no layer type its transformers config lists, so its load accepts it,
+    and so does the registration (the window here is past the context)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    windowed = save_generator(
+        tmp_path / "windowed", Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, max_window_layers=1
+    )
+    config = json.loads((windowed / "config.json").read_text())
+    del config["layer_types"]  # as a Hub config.json has it: the layer types derived by the config class
+    (windowed / "config.json").write_text(json.dumps(config))
+    save_generator(tmp_path / "mistral", MistralConfig, MistralForCausalLM, sliding_window=4096)
+    box = await start_box(default_model=False, model_roots=[tmp_path])
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "windowed", "path": "windowed"})
+    assert (status, body["error"]["code"]) == (422, "unsupported_model"), body
+    assert "layers of type sliding_attention are not supported" in body["error"]["message"], body
+    assert box.catalog.get("windowed") is None
+    assert (await call(http, box, "POST", "/v1/models", {"name": "mistral", "path": "mistral"}))[0] == 201
+    completion = {"model": "mistral", "prompt": "the box", "max_tokens": 3}
+    status, body = await call(http, box, "POST", "/v1/completions", completion)
+    assert status == 200 and body["choices"][0]["text"] is not None, body
 
 
 async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_back(start_box) -> None:
