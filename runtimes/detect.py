@@ -23,6 +23,7 @@ from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
+from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
 from runtimes.tasks.score import check_one_logit
 
@@ -66,7 +67,7 @@ def detect_task(folder: Path) -> Task:
     if task is None:
         named = ", ".join(architectures) or f"model type {model_type or 'unknown'}"
         raise UnsupportedModel(f"{folder}: {named} is not supported; fleetbox serves {SUPPORTED}")
-    if not _implemented(model_type, task):
+    if not implemented(model_type, task):
         raise UnsupportedModel(
             f"{folder}: model type {model_type!r} is not implemented in transformers (fleetbox never runs a "
             f"model folder's own code); fleetbox serves {SUPPORTED}"
@@ -94,22 +95,7 @@ def _task_from(
 
 
 def _is_text_encoder(model_type: str) -> bool:
-    from transformers.models.auto import modeling_auto
-
-    return model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-
-def _implemented(model_type: str, task: Task) -> bool:
-    from transformers.models.auto import modeling_auto
-
-    table = {
-        Task.EMBED: modeling_auto.MODEL_MAPPING_NAMES,
-        Task.SCORE: modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-        Task.CLASSIFY: modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-        Task.EXTRACT: modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
-        Task.GENERATE: modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    }[task]
-    return model_type in table
+    return model_type in model_types("MODEL_FOR_MASKED_LM_MAPPING_NAMES")
 
 
 def check_adapter_folder(folder: Path) -> None:

