@@ -140,7 +140,7 @@ class Box:
             replicas=s.replicas,
         )
         self.workers.attach(self.nc, self.js, self.blobs)
-        self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable)
+        self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable, registers=True)
         self.store.on_change(self._on_catalog_change)
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
         for spec in self.catalog:

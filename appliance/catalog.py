@@ -251,14 +251,21 @@ class CatalogStore:
     """
 
     def __init__(
-        self, js: JetStreamContext, catalog: Catalog, *, replicas: int = 1, file_storage: bool = False
+        self,
+        js: JetStreamContext,
+        catalog: Catalog,
+        *,
+        replicas: int = 1,
+        file_storage: bool = False,
+        registers: bool = False,
     ) -> None:
         self._js = js
         self.catalog = catalog
         self._replicas = replicas
         self._file_storage = file_storage
         self._kv: KeyValue | None = None
-        self._names = NameClaims(js, replicas=replicas)
+        # Only a box registers and deletes models; a reader (the TUI) must not create the claims' bucket.
+        self._names = NameClaims(js, replicas=replicas) if registers else None
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
@@ -277,7 +284,8 @@ class CatalogStore:
                 storage=StorageType.FILE if self._file_storage else StorageType.MEMORY,
             ),
         )
-        await self._names.open()
+        if self._names is not None:
+            await self._names.open()
         for spec in configured:
             try:
                 await self._kv.create(spec.slug, spec.to_json())
@@ -338,18 +346,18 @@ class CatalogStore:
         """Add a model whose slug, name and aliases no model holds yet, fleet-wide: of two registrations
         racing for one slug (one name twice, or `Foo` and `foo`) or one name or alias (A and B both with
         alias `x`, or B named `x`) on any boxes, the second is refused, never written over the first."""
-        assert self._kv is not None
+        assert self._kv is not None and self._names is not None
         claims = await self._names.claim(spec.name, spec.aliases)
         try:
             await self._kv.create(spec.slug, spec.to_json())
-        except BaseException as exc:
+        except KeyWrongLastSequenceError:
             await self._names.give_back(claims)
-            if isinstance(exc, KeyWrongLastSequenceError):
-                raise Conflict(
-                    f"a model with slug {spec.slug!r} exists already (registered meanwhile); delete it first",
-                    code="model_exists",
-                ) from None
-            raise
+            raise Conflict(
+                f"a model with slug {spec.slug!r} exists already (registered meanwhile); delete it first",
+                code="model_exists",
+            ) from None
+        # Any other failure (a timeout, a cancel) may come after the server stored the model: its claims
+        # are kept, to lapse with their TTL, rather than freed under a model that may exist.
         self._added(spec)
 
     async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
@@ -382,10 +390,14 @@ class CatalogStore:
 
     async def delete(self, spec: ModelSpec) -> None:
         assert self._kv is not None
+        if self._names is not None:
+            # Before the model goes: once it is gone a new registration may claim its names, and a claim
+            # holds only the model's name, so a release after would free the newcomer's. Meanwhile every
+            # box's catalog still refuses the names.
+            await self._names.release(spec.name, spec.aliases)
         await self._kv.delete(spec.slug)
         if self.catalog.remove(spec.name) is not None:
             self._notify(spec.name, None)
-        await self._names.release(spec.name, spec.aliases)  # after the model is gone: no name free before
 
     async def close(self) -> None:
         await cancel_and_wait([self._task])

@@ -6,14 +6,18 @@ both) that no slug covers: two registrations may both claim the alias `x`, or on
 other the alias `x`, at one moment on two boxes, each checking a catalog the other's write has not yet
 reached. So before its catalog write a registration claims its name and each alias in KV bucket
 `fbx_names` (key: `bus.name_key(name)`, exact, as the catalog compares names; value: the registering
-model's name) with `kv.create`, in one order (sorted) on every box: of two registrations wanting one
-name, exactly one gets it, and the other is refused 409 having given back what it had claimed.
+model's name) with `kv.create`, in one order (sorted) on every box: of two registrations of different
+models wanting one name, exactly one gets it, and the other is refused 409 having given back what it
+had claimed.
 
 A claim only has to last until every box's catalog shows its model (a watch: milliseconds). From then
 on each box's own catalog refuses the name, as it always did. So claims lapse with the bucket's TTL
 (`CLAIM_TTL_S`), and one that a registration cut short leaves behind (its box died between claim and
-catalog write) frees itself. A registration refused after claiming, and a model's deletion, give their
-claims back at once, so the name is free again without waiting for the TTL.
+catalog write) frees itself. A registration refused for its slug, and a model's deletion (just before
+the model goes), give their claims back at once, so the name is free again without waiting for the
+TTL. A registration that failed otherwise keeps them (its model may have landed), and its retry takes
+them over: a claim held by the same model name is that model's own, and two registrations of one name
+are settled by the slug.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from appliance import bus
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 # (a box cut off from NATS that long re-reads the whole catalog when it is back); short enough that a
 # claim left by a box that died mid-registration does not keep its names for long.
 CLAIM_TTL_S = 300.0
+_TRIES = 3  # a claim whose holder keeps changing under it: refused after this many looks
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write finds a newer revision
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,24 +76,44 @@ class NameClaims:
         made: list[Claim] = []
         try:
             for name in sorted({owner, *aliases}):  # one order everywhere: no two registrations each hold half
-                try:
-                    revision = await self._kv.create(bus.name_key(name), owner.encode())
-                except KeyWrongLastSequenceError:
-                    raise Conflict(await self._taken(owner, name), code="model_exists") from None
-                made.append(Claim(name, revision))
+                made.append(await self._claim_one(owner, name))
         except BaseException:
             await self.give_back(made)
             raise
         return made
 
-    async def _taken(self, owner: str, name: str) -> str:
-        """The refusal of `owner`'s claim on `name`, naming the model that holds it when it can still be read."""
+    async def _claim_one(self, owner: str, name: str) -> Claim:
+        """One name for `owner`. Held by a registration of the same model name, it is taken over: two
+        registrations of one name are settled by the slug's own `kv.create`, and a registration retried
+        after a timeout finds its first try's claims still held (kept, since its model may have landed)."""
         assert self._kv is not None
+        key = bus.name_key(name)
+        for _ in range(_TRIES):
+            try:
+                return Claim(name, await self._kv.create(key, owner.encode()))
+            except KeyNotFoundError:
+                continue  # the claim in the way lapsed between create's two steps: free now, try again
+            except KeyWrongLastSequenceError:
+                pass
+            try:
+                held = await self._kv.get(key)
+            except KeyNotFoundError:
+                continue  # given back or lapsed since
+            if held.value is None or held.value.decode() != owner or held.revision is None:
+                raise Conflict(self._taken(owner, name, held.value), code="model_exists")
+            try:
+                return Claim(name, await self._kv.update(key, owner.encode(), last=held.revision))
+            except KeyWrongLastSequenceError:
+                continue  # changed meanwhile: look again
+        raise Conflict(
+            f"the name {name!r} keeps changing hands (registrations racing for it); register again",
+            code="model_exists",
+        )
+
+    @staticmethod
+    def _taken(owner: str, name: str, holder: bytes | None) -> str:
+        """The refusal of `owner`'s claim on `name`, naming the model that holds it."""
         what = "model name" if name == owner else "alias"
-        try:
-            holder = (await self._kv.get(bus.name_key(name))).value
-        except NatsError:  # given back since, or not readable now: the refusal stands all the same
-            holder = None
         if not holder:
             return f"{what} {name!r} was being taken by another registration meanwhile; register again"
         holder_name = holder.decode()
@@ -100,8 +126,12 @@ class NameClaims:
         for claim in claims:
             try:
                 await self._kv.delete(bus.name_key(claim.name), last=claim.revision)
+            except BadRequestError as exc:
+                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                    log.warning("name claim not given back; it lapses", extra={"claim": claim.name, "error": repr(exc)})
+                # else: lapsed already, or taken over by another registration of the same model name
             except NatsError as exc:
-                log.warning("name claim not given back; it lapses", extra={"name": claim.name, "error": repr(exc)})
+                log.warning("name claim not given back; it lapses", extra={"claim": claim.name, "error": repr(exc)})
 
     async def release(self, owner: str, aliases: Iterable[str]) -> None:
         """A deleted model's names, free at once: each claim still held by `owner` is given back."""
@@ -113,7 +143,7 @@ class NameClaims:
             except KeyNotFoundError:
                 continue  # lapsed, or never claimed (a model from a config file, or from before claims)
             except NatsError as exc:
-                log.warning("name claim not read; it lapses", extra={"name": name, "error": repr(exc)})
+                log.warning("name claim not read; it lapses", extra={"claim": name, "error": repr(exc)})
                 continue
             if entry.value is not None and entry.value.decode() == owner and entry.revision is not None:
                 held.append(Claim(name, entry.revision))
