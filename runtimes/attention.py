@@ -26,6 +26,7 @@ from runtimes.base import UnsupportedModel
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 # Config classes that rewrite (halve, cut, rename) a `layer_types` list they are given: only they can say.
+_MOST_LAYERS = 10_000  # a layer count past this is judged by the load, not listed out here
 _REWRITTEN = frozenset({"cwm", "deepseek_v4", "dory", "dots3_note", "glm5_next", "qwen4_exp", "qwen4_exp_text"})
 
 
@@ -43,29 +44,35 @@ def layer_types_in(config: Mapping[str, Any]) -> list[str] | None:
     """The layer types transformers' config for this config.json would list, or None where JSON alone cannot tell."""
     if any(isinstance(config.get(key), dict) for key in ("decoder", "generator")):
         return None  # an encoder-decoder's decoder: its own class decides
-    if config.get("model_type") in _REWRITTEN:
+    if _named(config) in _REWRITTEN:
         return None
     text = config.get("text_config")
     if isinstance(text, dict):
         config = text
-    model_type = config.get("model_type")
+    model_type = _named(config)
     if model_type in _REWRITTEN:
         return None
     listed = config.get("layer_types")
     if listed is not None:
         return listed if isinstance(listed, list) and all(isinstance(kind, str) for kind in listed) else None
-    family = _DERIVED.get(model_type) if isinstance(model_type, str) else None
+    family = _DERIVED.get(model_type) if model_type is not None else None
     if family is None:
         return None
     layers, rule = family
     count = config.get("num_hidden_layers", layers)
-    if not _is_int(count):
-        return None
+    if not _is_int(count) or not 0 <= count <= _MOST_LAYERS:
+        return None  # not a count any such model has: the load judges it
     try:
         sliding = rule(config)
     except _CannotTell:
         return None
     return [SLIDING if sliding(i) else FULL for i in range(count)]
+
+
+def _named(config: Mapping[str, Any]) -> str | None:
+    """The config's `model_type` when it is a string (a client's JSON may hold anything there)."""
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) else None
 
 
 class _CannotTell(Exception):

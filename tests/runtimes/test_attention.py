@@ -101,3 +101,21 @@ def test_no_causal_lm_config_transformers_ships_is_refused_at_registration_where
             if loaded is not None and _registration_refuses(config) and not loaded:
                 wrong.append(f"{model_type} ({name})")
     assert not wrong, f"refused at registration, accepted by the load: {', '.join(wrong)}"
+
+
+@pytest.mark.parametrize(
+    ("config", "listed"),
+    [
+        ({"model_type": ["llama"]}, None),
+        ({"model_type": {"name": "qwen2"}, "layer_types": ["sliding_attention"]}, ["sliding_attention"]),
+        ({"model_type": "gemma2", "text_config": {"model_type": ["llama"]}}, None),
+        ({"model_type": "qwen2", "text_config": {"model_type": {"x": 1}, "num_hidden_layers": 2}}, None),
+        ({"model_type": "gemma2", "num_hidden_layers": 10**9}, None),
+        ({"model_type": "gemma2", "num_hidden_layers": -3}, None),
+    ],
+)
+def test_a_config_json_of_the_wrong_shape_is_left_to_the_load_not_an_error(
+    config: dict[str, Any], listed: list[str] | None
+) -> None:
+    """A client's config.json may hold anything: registration must not raise (a 500) or list a billion layers."""
+    assert layer_types_in(config) == listed
