@@ -250,9 +250,9 @@ class GenerateWorker:
                 outputs = await loop.run_in_executor(self._device, self.runtime.step)
             except Exception as exc:
                 log.error("decode step failed", extra={"model": self.spec.name, "error": repr(exc)})
-                # Every request the runtime held is dropped: those decoding, those joining in this step,
-                # and those still waiting to join (which never ran). Each is owed a retry or an error.
-                for request_id in await loop.run_in_executor(self._device, self.runtime.clear):
+                # The requests decoding are dropped, each owed a retry or an error; those waiting to join
+                # never ran, so they stay in the runtime and join at the next step, no delivery spent.
+                for request_id in await loop.run_in_executor(self._device, self.runtime.drop_decoding):
                     stream = self._forget(request_id)
                     if stream is not None:
                         self._failed(stream, exc)

@@ -16,7 +16,8 @@ called from any thread):
         for out in runtime.step():                           # StepOutput per active request
             stream(out.request_id, out.text_delta)           # out.usage is set on the last one
     runtime.cancel(request_id)                               # client gone: dropped at the next step
-    runtime.clear()                                          # after a failed step: ids owed an error
+    runtime.drop_decoding()                                  # after a failed step: ids owed a retry or an error
+    runtime.clear()                                          # drop everything (a drain): ids owed an answer
                                                              # (out.error: that request alone failed)
 
 Greedy decoding (temperature 0) gives the tokens `model.generate(do_sample=False)` gives for the
@@ -221,6 +222,19 @@ class GenerateRuntime:
         """Requests in the decode batch now (not counting those waiting to join)."""
         return len(self._rows)
 
+    def drop_decoding(self) -> list[str]:
+        """Drop the requests in the decode batch (after a failed decode step, whose cache is suspect);
+        returns their ids. Those waiting to join never ran and stay, to join at the next step.
+
+        Call it from the stepping thread, between steps: the caller owes each id a retry or an error.
+        """
+        dropped = [r.request_id for r in self._rows]
+        self._rows, self._batch = [], None
+        with self._inbox_lock:
+            self._ids -= set(dropped)
+            self._cancelled -= set(dropped)
+        return dropped
+
     def clear(self) -> list[str]:
         """Drop every request, waiting or decoding (after a failed step, say); returns their ids.
 
@@ -245,7 +259,11 @@ class GenerateRuntime:
             joining = self._take_inbox()
             outputs: list[StepOutput] = []
             if self._rows:
-                outputs += self._choose(self._rows, self._decode())
+                try:
+                    outputs += self._choose(self._rows, self._decode())
+                except BaseException:
+                    self._return_to_inbox(joining)  # they never ran: they join at a later step
+                    raise
             if joining:
                 outputs += self._join(joining)
             self._drop({o.request_id for o in outputs if o.finished or o.error is not None})
@@ -276,6 +294,10 @@ class GenerateRuntime:
         self._batch = batch if self._batch is None else self._batch.merge(batch)
         self._rows += joining
         return self._emit(joining, tokens)
+
+    def _return_to_inbox(self, joining: list[_Request]) -> None:
+        with self._inbox_lock:
+            self._pending.extendleft(reversed(joining))  # in their order, ahead of later arrivals
 
     def _take_inbox(self) -> list[_Request]:
         """Apply cancellations, then take as many waiting requests as the batch has room for."""

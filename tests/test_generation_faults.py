@@ -134,13 +134,14 @@ async def test_a_prefill_that_fails_once_is_retried_and_answered(start_box, http
     assert (await box.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 0
 
 
-async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_retries_the_unstarted(
+async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_answers_the_one_waiting(
     start_box, http, generator_dir
 ) -> None:
     """The decode step fails once, while one request has streamed chunks and another waits to join.
 
     The streamed one cannot start over (its client has part of the text): an error event, then [DONE],
-    not a hang. The one with nothing sent is retried and answered whole.
+    not a hang. The one waiting to join never ran: it joins at the next step and is answered whole,
+    without spending a delivery.
     """
     box, worker = await generating_box(start_box, generator_dir, max_deliver=3)
     runtime = worker.runtime
@@ -179,6 +180,8 @@ async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_ret
     assert body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
     assert failed == [1]
     await settled(box, worker)
+    info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(MODEL))
+    assert info.num_redelivered == 0
 
 
 async def test_a_generation_whose_body_is_gone_is_dead_lettered_with_why(start_box, nats_server, generator_dir) -> None:

@@ -212,6 +212,30 @@ def test_run_returns_next_token_logits_for_each_prompt(generator, reference) -> 
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
+def test_a_failed_decode_step_drops_the_decoding_and_keeps_those_waiting_to_join(generator, reference) -> None:
+    """A request waiting to join never ran: after the decode step fails it joins at the next step, whole."""
+    prompt = prompt_ids(generator, PROMPTS[0])
+    generator.add("a", prompt, GREEDY)
+    generator.step()
+    generator.add("b", prompt, GREEDY)
+    decode = generator._decode
+
+    def failing() -> torch.Tensor:
+        raise RuntimeError("decode step failed (injected)")
+
+    generator._decode = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            generator.step()
+    finally:
+        generator._decode = decode  # type: ignore[method-assign]
+    assert generator.drop_decoding() == ["a"]
+    assert generator.has_work and generator.active == 0
+    outputs = drive(generator, {})
+    assert [o.token_id for o in outputs["b"]] == greedy_reference(reference, prompt, 12)
+    assert "a" not in outputs
+
+
 def test_clear_drops_every_request_and_the_runtime_serves_on(generator, reference) -> None:
     prompt = prompt_ids(generator, PROMPTS[0])
     generator.add("a", prompt, GREEDY)
