@@ -168,6 +168,8 @@ class GenerateWorker:
             self._metrics.cancelled.labels(self.spec.name).inc()
             self._spawn(msg.ack())
             return
+        if msg.metadata.num_delivered > 1:
+            self._metrics.redelivered.labels(self.spec.name).inc()
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._fail(meta, msg, deadline_passed(meta.id)))
