@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 
 from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
 from runtimes.causal_lm import check_full_attention, default_params, eos_ids
+from runtimes.inbox import Inbox
 from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
 from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
@@ -110,10 +110,7 @@ class GenerateRuntime:
         self._max_prefill_tokens = int(source.options.get("max_prefill_tokens", 8192))
         self._chat: Any = None  # transformers tokenizer, loaded on first chat request
         self._chat_lock = threading.Lock()
-        self._inbox_lock = threading.Lock()
-        self._pending: deque[_Request] = deque()
-        self._cancelled: set[str] = set()
-        self._ids: set[str] = set()  # every request id pending or active
+        self._inbox: Inbox[_Request] = Inbox()
         self._step_lock = threading.Lock()
         self._rows: list[_Request] = []  # owned by the stepping thread, with `_batch`
         self._batch: CacheBatch | None = None
@@ -195,22 +192,15 @@ class GenerateRuntime:
             stream=TextStream(self.tokenizer.decode, ids.tolist(), params.stop),
             generator=generator,
         )
-        with self._inbox_lock:
-            if request_id in self._ids:
-                raise ValueError(f"request {request_id!r} is already generating")
-            self._ids.add(request_id)
-            self._pending.append(request)
+        self._inbox.add(request)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request at the next step boundary; it gets no further output."""
-        with self._inbox_lock:
-            if request_id in self._ids:
-                self._cancelled.add(request_id)
+        self._inbox.cancel(request_id)
 
     @property
     def has_work(self) -> bool:
-        with self._inbox_lock:
-            return bool(self._ids)
+        return self._inbox.has_work
 
     @property
     def decode_batch(self) -> int:
@@ -230,9 +220,7 @@ class GenerateRuntime:
         """
         dropped = [r.request_id for r in self._rows]
         self._rows, self._batch = [], None
-        with self._inbox_lock:
-            self._ids -= set(dropped)
-            self._cancelled -= set(dropped)
+        self._inbox.forget(dropped)
         return dropped
 
     def clear(self) -> list[str]:
@@ -240,13 +228,8 @@ class GenerateRuntime:
 
         Call it from the stepping thread, between steps: the caller owes each id an error reply.
         """
-        with self._inbox_lock:
-            dropped = sorted(self._ids)
-            self._pending.clear()
-            self._cancelled.clear()
-            self._ids.clear()
         self._rows, self._batch = [], None
-        return dropped
+        return self._inbox.clear()
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -262,7 +245,7 @@ class GenerateRuntime:
                 try:
                     outputs += self._choose(self._rows, self._decode())
                 except BaseException:
-                    self._return_to_inbox(joining)  # they never ran: they join at a later step
+                    self._inbox.put_back(joining)  # they never ran: they join at a later step
                     raise
             if joining:
                 outputs += self._join(joining)
@@ -295,24 +278,10 @@ class GenerateRuntime:
         self._rows += joining
         return self._emit(joining, tokens)
 
-    def _return_to_inbox(self, joining: list[_Request]) -> None:
-        with self._inbox_lock:
-            self._pending.extendleft(reversed(joining))  # in their order, ahead of later arrivals
-
     def _take_inbox(self) -> list[_Request]:
         """Apply cancellations, then take as many waiting requests as the batch has room for."""
-        with self._inbox_lock:
-            cancelled, self._cancelled = self._cancelled, set()
-            self._pending = deque(r for r in self._pending if r.request_id not in cancelled)
-            self._ids -= cancelled
-            joining: list[_Request] = []
-            tokens = 0
-            while self._pending and len(self._rows) + len(joining) < self._max_rows:
-                size = self._pending[0].prompt.numel()
-                if joining and tokens + size > self._max_prefill_tokens:
-                    break
-                joining.append(self._pending.popleft())
-                tokens += size
+        room = self._max_rows - len(self._rows)
+        joining, cancelled = self._inbox.take(room, self._max_prefill_tokens, lambda r: r.prompt.numel())
         self._drop(cancelled, forget=False)
         return joining
 
@@ -324,8 +293,7 @@ class GenerateRuntime:
             self._rows = [self._rows[i] for i in keep]
             self._batch = self._batch.keep(keep) if keep and self._batch is not None else None
         if forget:
-            with self._inbox_lock:
-                self._ids -= request_ids
+            self._inbox.forget(request_ids)
 
     def _decode(self) -> torch.Tensor:
         assert self._batch is not None
@@ -417,9 +385,7 @@ class GenerateRuntime:
 
     def evict_adapter(self, name: str) -> None:
         """Refused while a request uses the adapter: let it finish or cancel it first."""
-        with self._inbox_lock:
-            busy = any(r.adapter == name for r in (*self._pending, *self._rows))
-        if busy:
+        if any(r.adapter == name for r in (*self._inbox.waiting(), *self._rows)):
             raise ValueError(f"LoRA adapter {name!r} is in use by a generating request")
         self._adapters.evict(name)
 
