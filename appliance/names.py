@@ -17,7 +17,8 @@ catalog write) frees itself. A registration refused for its slug, and a model's 
 the model goes), give their claims back at once, so the name is free again without waiting for the
 TTL. A registration that failed otherwise keeps them (its model may have landed), and its retry takes
 them over: a claim held by the same model name is that model's own, and two registrations of one name
-are settled by the slug.
+are settled by the slug. A claim taken over is never given back by the taker: the registration it was
+taken from may be the one that lands.
 """
 
 from __future__ import annotations
@@ -47,10 +48,15 @@ _WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write 
 
 @dataclass(slots=True, frozen=True)
 class Claim:
-    """A name this registration took, at the revision it wrote: given back only if still its own."""
+    """A name this registration took, at the revision it wrote: given back only if still its own.
+
+    One it took over (held under the same model name) may be a landed model's: never given back by
+    the taker, whatever becomes of it; it lapses, or the model's deletion releases it.
+    """
 
     name: str
     revision: int
+    taken_over: bool = False
 
 
 class NameClaims:
@@ -102,7 +108,7 @@ class NameClaims:
             if held.value is None or held.value.decode() != owner or held.revision is None:
                 raise Conflict(self._taken(owner, name, held.value), code="model_exists")
             try:
-                return Claim(name, await self._kv.update(key, owner.encode(), last=held.revision))
+                return Claim(name, await self._kv.update(key, owner.encode(), last=held.revision), taken_over=True)
             except KeyWrongLastSequenceError:
                 continue  # changed meanwhile: look again
         raise Conflict(
@@ -121,9 +127,11 @@ class NameClaims:
         return f"{what} {name!r} is taken by model {holder_name!r} as {held_as} (registered meanwhile); delete it first"
 
     async def give_back(self, claims: Iterable[Claim]) -> None:
-        """Free names this registration took, each only if nobody else holds it since (the TTL frees the rest)."""
+        """Free names this registration made, each only if nobody else holds it since (the TTL frees the rest)."""
         assert self._kv is not None
         for claim in claims:
+            if claim.taken_over:
+                continue
             try:
                 await self._kv.delete(bus.name_key(claim.name), last=claim.revision)
             except BadRequestError as exc:

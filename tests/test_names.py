@@ -80,6 +80,43 @@ async def test_a_retried_registration_takes_over_its_own_claims_and_others_are_s
     await claims.give_back(first)  # stale revisions: given back by nobody, the retry's claims stand
     kv = await nc.jetstream().key_value(bus.NAMES_BUCKET)
     assert (await kv.get(bus.name_key("x"))).value == b"a"
-    await claims.give_back(again)
+    await claims.give_back(again)  # taken over: the first try's model may have landed, so they stand
+    assert (await kv.get(bus.name_key("x"))).value == b"a"
+    await claims.release("a", ["x"])  # its deletion frees them
     with pytest.raises(KeyNotFoundError):
         await kv.get(bus.name_key("x"))
+
+
+async def stores(nats_server: EmbeddedNats, count: int) -> list[tuple[NATS, CatalogStore]]:
+    """`count` boxes' catalog stores on one fleet, each with its own connection."""
+    made = []
+    for _ in range(count):
+        client = await nats.connect(nats_server.url)
+        store = CatalogStore(client.jetstream(), Catalog(), registers=True)
+        await store.open([])
+        made.append((client, store))
+    return made
+
+
+@pytest.mark.parametrize("second_aliases", [("x",), ("y",)])
+async def test_a_duplicate_registration_refused_leaves_the_winners_claims(
+    nats_server: EmbeddedNats, second_aliases: tuple[str, ...]
+) -> None:
+    """Box 1 registers a (alias x); box 2, its catalog not showing a yet, registers a again (a client's
+    retry elsewhere) and is refused: for the slug, or for alias y held by c. It took a's claims over on
+    the way and must not give them back, or box 3 (its check passed before a landed) could register b
+    with alias x, or d with alias a: two models answering to one name."""
+    (nc1, first), (nc2, second), (nc3, third) = await stores(nats_server, 3)
+    try:
+        await first.create(spec("c", "y"))
+        await first.create(spec("a", "x"))
+        with pytest.raises(Conflict):
+            await second.create(spec("a", *second_aliases))
+        with pytest.raises(Conflict, match="alias 'x' is taken by model 'a'"):
+            await third.create(spec("b", "x"))
+        with pytest.raises(Conflict, match="alias 'a' is taken by model 'a'"):
+            await third.create(spec("d", "a"))
+    finally:
+        for client, store in ((nc1, first), (nc2, second), (nc3, third)):
+            await store.close()
+            await client.close()
