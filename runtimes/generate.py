@@ -213,20 +213,18 @@ class GenerateRuntime:
         return len(self._rows)
 
     def drop_decoding(self) -> list[str]:
-        """Drop the requests in the decode batch (after a failed decode step, whose cache is suspect);
-        returns their ids. Those waiting to join never ran and stay, to join at the next step.
+        """After a failed step: drop every request but those waiting to join (the decode batch, whose
+        cache is suspect); returns their ids. Those waiting never ran: they join at the next step.
 
         Call it from the stepping thread, between steps: the caller owes each id a retry or an error.
         """
-        dropped = [r.request_id for r in self._rows]
         self._rows, self._batch = [], None
-        self._inbox.forget(dropped)
-        return dropped
+        return self._inbox.forget_running()
 
     def clear(self) -> list[str]:
-        """Drop every request, waiting or decoding (after a failed step, say); returns their ids.
+        """Drop every request, waiting or decoding (a drain); returns their ids.
 
-        Call it from the stepping thread, between steps: the caller owes each id an error reply.
+        Call it from the stepping thread, between steps: the caller owes each id an answer.
         """
         self._rows, self._batch = [], None
         return self._inbox.clear()
@@ -238,19 +236,23 @@ class GenerateRuntime:
         """Advance every active request by one token and admit waiting ones; one output per request."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("step() is already running: one thread drives a generate runtime")
+        joining: list[_Request] = []
         try:
-            joining = self._take_inbox()
+            room = self._max_rows - len(self._rows)
+            joining, cancelled = self._inbox.take(room, self._max_prefill_tokens, lambda r: r.prompt.numel())
+            self._drop(cancelled, forget=False)
             outputs: list[StepOutput] = []
             if self._rows:
-                try:
-                    outputs += self._choose(self._rows, self._decode())
-                except BaseException:
-                    self._inbox.put_back(joining)  # they never ran: they join at a later step
-                    raise
+                outputs += self._choose(self._rows, self._decode())
             if joining:
                 outputs += self._join(joining)
             self._drop({o.request_id for o in outputs if o.finished or o.error is not None})
             return outputs
+        except BaseException:
+            # Taken for this step but not in the decode batch when it failed: they join at a later one.
+            running = {r.request_id for r in self._rows}
+            self._inbox.put_back([r for r in joining if r.request_id not in running])
+            raise
         finally:
             self._step_lock.release()
 
@@ -277,13 +279,6 @@ class GenerateRuntime:
         self._batch = batch if self._batch is None else self._batch.merge(batch)
         self._rows += joining
         return self._emit(joining, tokens)
-
-    def _take_inbox(self) -> list[_Request]:
-        """Apply cancellations, then take as many waiting requests as the batch has room for."""
-        room = self._max_rows - len(self._rows)
-        joining, cancelled = self._inbox.take(room, self._max_prefill_tokens, lambda r: r.prompt.numel())
-        self._drop(cancelled, forget=False)
-        return joining
 
     def _drop(self, request_ids: set[str], *, forget: bool = True) -> None:
         if not request_ids:

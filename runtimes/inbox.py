@@ -83,6 +83,15 @@ class Inbox(Generic[R]):
             self._ids -= ids
             self._cancelled -= ids
 
+    def forget_running(self) -> list[str]:
+        """Forget every request not waiting to join (those in the decode batch, after a failed step);
+        their ids, sorted."""
+        with self._lock:
+            running = self._ids - {r.request_id for r in self._pending}
+            self._ids -= running
+            self._cancelled -= running
+        return sorted(running)
+
     def clear(self) -> list[str]:
         """Drop every request, waiting or decoding; their ids, sorted."""
         with self._lock:

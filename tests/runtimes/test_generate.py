@@ -236,6 +236,29 @@ def test_a_failed_decode_step_drops_the_decoding_and_keeps_those_waiting_to_join
     assert "a" not in outputs
 
 
+def test_a_step_failing_as_a_request_joins_leaves_it_to_join_the_next_step(generator, reference, monkeypatch) -> None:
+    """The merge of a joining request's cache into the decode batch fails (out of memory, say): the
+    request is not in the batch, so it must wait to join again, not be held with nothing to step."""
+    from runtimes.kv_batch import CacheBatch
+
+    prompt = prompt_ids(generator, PROMPTS[0])
+    generator.add("a", prompt, GREEDY)
+    generator.step()
+    generator.add("b", prompt, GREEDY)
+    merge = CacheBatch.merge
+
+    def failing(self: CacheBatch, other: CacheBatch) -> CacheBatch:
+        monkeypatch.setattr(CacheBatch, "merge", merge)
+        raise RuntimeError("merge failed (injected)")
+
+    monkeypatch.setattr(CacheBatch, "merge", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        generator.step()
+    assert generator.drop_decoding() == ["a"]
+    outputs = drive(generator, {})
+    assert [o.token_id for o in outputs["b"]] == greedy_reference(reference, prompt, 12)
+
+
 def test_clear_drops_every_request_and_the_runtime_serves_on(generator, reference) -> None:
     prompt = prompt_ids(generator, PROMPTS[0])
     generator.add("a", prompt, GREEDY)

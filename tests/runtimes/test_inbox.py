@@ -58,3 +58,23 @@ def test_an_id_is_taken_once_until_it_is_forgotten() -> None:
         inbox.add(Waiting("a", 1))
     assert inbox.clear() == ["a"] and not inbox.has_work
     inbox.add(Waiting("a", 1))
+
+
+def test_forgetting_a_request_forgets_its_cancel_too() -> None:
+    """A cancel that came as its request finished must not drop a later request of the same id."""
+    inbox = inbox_of(Waiting("a", 1))
+    inbox.take(5, 100, size)
+    inbox.cancel("a")
+    inbox.forget(["a"])
+    inbox.add(Waiting("a", 1))
+    assert inbox.take(5, 100, size) == ([Waiting("a", 1)], set())
+
+
+def test_after_a_failed_step_every_request_not_waiting_is_forgotten() -> None:
+    """Those decoding, and any taken and not put back: none may stay live with nothing to step it."""
+    inbox = inbox_of(Waiting("a", 1), Waiting("b", 1), Waiting("c", 1))
+    inbox.take(2, 100, size)  # a and b join the batch
+    inbox.cancel("b")
+    assert inbox.forget_running() == ["a", "b"]
+    assert [r.request_id for r in inbox.waiting()] == ["c"]
+    assert inbox.take(5, 100, size) == ([Waiting("c", 1)], set())
