@@ -25,8 +25,8 @@ from runtimes.base import UnsupportedModel
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-# Config classes that rewrite (halve, cut, rename) a `layer_types` list they are given: only they can say.
 _MOST_LAYERS = 10_000  # a layer count past this is judged by the load, not listed out here
+# Config classes that rewrite (halve, cut, rename) a `layer_types` list they are given: only they can say.
 _REWRITTEN = frozenset({"cwm", "deepseek_v4", "dory", "dots3_note", "glm5_next", "qwen4_exp", "qwen4_exp_text"})
 
 

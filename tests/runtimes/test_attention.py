@@ -110,7 +110,7 @@ def test_no_causal_lm_config_transformers_ships_is_refused_at_registration_where
         ({"model_type": {"name": "qwen2"}, "layer_types": ["sliding_attention"]}, ["sliding_attention"]),
         ({"model_type": "gemma2", "text_config": {"model_type": ["llama"]}}, None),
         ({"model_type": "qwen2", "text_config": {"model_type": {"x": 1}, "num_hidden_layers": 2}}, None),
-        ({"model_type": "gemma2", "num_hidden_layers": 10**9}, None),
+        ({"model_type": "gemma2", "num_hidden_layers": 10_001}, None),
         ({"model_type": "gemma2", "num_hidden_layers": -3}, None),
     ],
 )
