@@ -252,8 +252,8 @@ class GenerateWorker:
                 outputs = await loop.run_in_executor(self._device, self.runtime.step)
             except Exception as exc:
                 log.error("decode step failed", extra={"model": self.spec.name, "error": repr(exc)})
-                # The requests decoding are dropped, each owed a retry or an error; those waiting to join
-                # never ran, so they stay in the runtime and join at the next step, no delivery spent.
+                # The requests that ran in it (decoding, or joining) are dropped, each owed a retry or an
+                # error; those waiting to join never ran: they join at the next step, no delivery spent.
                 for request_id in await loop.run_in_executor(self._device, self.runtime.drop_decoding):
                     stream = self._forget(request_id)
                     if stream is not None:
@@ -264,7 +264,18 @@ class GenerateWorker:
             self._metrics.batch_size.labels(self.spec.name).observe(len(outputs))
             self._metrics.rows_computed.labels(self.spec.name).inc(len(outputs))
             for output in outputs:
-                await self._send(output, elapsed_ms)
+                try:
+                    await self._send(output, elapsed_ms)
+                except Exception as exc:  # a chunk not sent (the outbound buffer full in a reconnect, say)
+                    self._not_sent(output.request_id, exc)
+
+    def _not_sent(self, request_id: str, error: Exception) -> None:
+        """A chunk that could not be sent fails its request alone; the stepping goes on for the others."""
+        log.warning("chunk not sent", extra={"model": self.spec.name, "request_id": request_id, "error": repr(error)})
+        self.runtime.cancel(request_id)
+        stream = self._forget(request_id)
+        if stream is not None:
+            self._failed(stream, error)
 
     def _drop_expired(self) -> None:
         now_ms = time.time() * 1000
@@ -310,10 +321,11 @@ class GenerateWorker:
         reply = ReplyMeta(
             id=output.request_id, status=200, box=self.box_id, compute_ms=step_ms, seq=stream.seq, final=output.finished
         )
-        stream.seq += 1
         if not output.finished:
             await self._reply(stream.meta, reply, orjson.dumps(body))
+            stream.seq += 1  # counted once sent: a chunk whose send raised never left the box
             return
+        stream.seq += 1
         self._forget(output.request_id)
         # The last chunk is confirmed before the ack (off the stepper: all generations step together).
         self._spawn(self._settle(stream.meta, stream.msg, reply, orjson.dumps(body)))

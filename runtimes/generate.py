@@ -249,9 +249,10 @@ class GenerateRuntime:
             self._drop({o.request_id for o in outputs if o.finished or o.error is not None})
             return outputs
         except BaseException:
-            # Taken for this step but not in the decode batch when it failed: they join at a later one.
+            # Taken for this step but never run (not prefilled) when it failed: they join at a later one.
+            # One that ran (joined, or finished on its first token) is the caller's, like the batch's.
             running = {r.request_id for r in self._rows}
-            self._inbox.put_back([r for r in joining if r.request_id not in running])
+            self._inbox.put_back([r for r in joining if not r.generated and r.request_id not in running])
             raise
         finally:
             self._step_lock.release()
@@ -259,11 +260,15 @@ class GenerateRuntime:
     def _join(self, joining: list[_Request]) -> list[StepOutput]:
         """Prefill requests into the decode batch; a failing prefill is split until the culprit is alone.
 
-        The decode batch is untouched until a prefill succeeds, so one request that cannot be
-        prefilled (out of memory with a long prompt, say) fails alone, not every request decoding.
+        The decode batch is untouched until a prefill and its merge succeed, so one request that cannot
+        be prefilled (out of memory with a long prompt, say) fails alone, not every request decoding.
         """
         try:
             batch, logits = self._prefill([r.prompt for r in joining], [r.adapter for r in joining])
+            # The merge copies the whole cache, widened to the longest row: as likely to run out of
+            # memory as the prefill, and failing the same way. Before sampling, so that a seeded
+            # request retried in a split draws what it would have drawn.
+            merged = batch if self._batch is None else self._batch.merge(batch)
             tokens = choose_tokens(logits, [r.params for r in joining], [r.generator for r in joining])
         except Exception as exc:
             # Kept without its traceback, whose frames hold the failed attempt's tensors: the retries
@@ -276,7 +281,7 @@ class GenerateRuntime:
                 return [StepOutput(joining[0].request_id, -1, "", finished=True, error=failure)]
             half = len(joining) // 2
             return self._join(joining[:half]) + self._join(joining[half:])
-        self._batch = batch if self._batch is None else self._batch.merge(batch)
+        self._batch = merged
         self._rows += joining
         return self._emit(joining, tokens)
 
@@ -285,8 +290,9 @@ class GenerateRuntime:
             return
         keep = [i for i, r in enumerate(self._rows) if r.request_id not in request_ids]
         if len(keep) != len(self._rows):
-            self._rows = [self._rows[i] for i in keep]
+            # The cache first: its copy may fail (out of memory), and then the rows must still match it.
             self._batch = self._batch.keep(keep) if keep and self._batch is not None else None
+            self._rows = [self._rows[i] for i in keep]
         if forget:
             self._inbox.forget(request_ids)
 

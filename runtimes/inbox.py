@@ -1,9 +1,9 @@
 """The requests waiting to join a generate runtime's decode batch, and the cancels waiting to apply.
 
 The one idea: every thread may add or cancel, only the stepping thread takes, and all of it happens
-under one lock here, so the stepping thread owns the decode batch outright and sees each request
-exactly once: taken at a step boundary (in arrival order, as many as the batch has room for), or
-cancelled before it joins, or put back when its step failed before it ran.
+under one lock here, so the stepping thread owns the decode batch outright. A request is taken at a
+step boundary (in arrival order, as many as the batch has room for), or cancelled before it joins;
+one taken for a step that failed before it ran is put back, to be taken again.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ class Inbox(Generic[R]):
             self._cancelled -= ids
 
     def forget_running(self) -> list[str]:
-        """Forget every request not waiting to join (those in the decode batch, after a failed step);
-        their ids, sorted."""
+        """Forget every request not waiting to join (after a failed step: the decode batch, and any
+        request that ran in it); their ids, sorted."""
         with self._lock:
             running = self._ids - {r.request_id for r in self._pending}
             self._ids -= running

@@ -236,14 +236,14 @@ def test_a_failed_decode_step_drops_the_decoding_and_keeps_those_waiting_to_join
     assert "a" not in outputs
 
 
-def test_a_step_failing_as_a_request_joins_leaves_it_to_join_the_next_step(generator, reference, monkeypatch) -> None:
-    """The merge of a joining request's cache into the decode batch fails (out of memory, say): the
-    request is not in the batch, so it must wait to join again, not be held with nothing to step."""
+def test_a_cache_merge_that_fails_fails_its_joiner_alone(generator, reference, monkeypatch) -> None:
+    """Merging a joiner's cache into the decode batch copies the whole cache (out of memory, say): like a
+    failed prefill, only the joiner fails; the request decoding goes on, token for token."""
     from runtimes.kv_batch import CacheBatch
 
     prompt = prompt_ids(generator, PROMPTS[0])
     generator.add("a", prompt, GREEDY)
-    generator.step()
+    first = generator.step()
     generator.add("b", prompt, GREEDY)
     merge = CacheBatch.merge
 
@@ -252,11 +252,35 @@ def test_a_step_failing_as_a_request_joins_leaves_it_to_join_the_next_step(gener
         raise RuntimeError("merge failed (injected)")
 
     monkeypatch.setattr(CacheBatch, "merge", failing)
+    second = generator.step()
+    failed = [o for o in second if o.request_id == "b"]
+    assert len(failed) == 1 and failed[0].finished and "injected" in repr(failed[0].error)
+    assert generator.active == 1
+    outputs = drive(generator, {})
+    tokens = [o.token_id for o in (*first, *(o for o in second if o.request_id == "a"), *outputs["a"])]
+    assert tokens == greedy_reference(reference, prompt, 12)
+
+
+def test_a_joiner_that_ran_is_not_put_back_when_its_step_fails_later(generator, monkeypatch) -> None:
+    """b joins and finishes on its first token; dropping it from the cache then fails (out of memory,
+    say). It ran: the caller owes it a retry, like the batch; put back, it would be stepped again."""
+    from runtimes.kv_batch import CacheBatch
+
+    prompt = prompt_ids(generator, PROMPTS[0])
+    generator.add("c", prompt, GREEDY)
+    generator.step()
+    generator.add("b", prompt, SamplingParams(max_tokens=1, temperature=0))
+    keep = CacheBatch.keep
+
+    def failing(self: CacheBatch, rows: list[int]) -> CacheBatch:
+        monkeypatch.setattr(CacheBatch, "keep", keep)
+        raise RuntimeError("keep failed (injected)")
+
+    monkeypatch.setattr(CacheBatch, "keep", failing)
     with pytest.raises(RuntimeError, match="injected"):
         generator.step()
-    assert generator.drop_decoding() == ["a"]
-    outputs = drive(generator, {})
-    assert [o.token_id for o in outputs["b"]] == greedy_reference(reference, prompt, 12)
+    assert generator.drop_decoding() == ["b", "c"]
+    assert not generator.has_work
 
 
 def test_clear_drops_every_request_and_the_runtime_serves_on(generator, reference) -> None:
