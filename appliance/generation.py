@@ -121,10 +121,26 @@ class GenerateWorker:
 
     async def start(self) -> None:
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
+        self._stepper.add_done_callback(self._stepper_ended)
         in_progress = keep_alive(lambda: [s.msg for s in self._streams.values()], self._settings.ack_wait_s)
         self._ticker = asyncio.create_task(in_progress, name=f"in-progress:{self.spec.slug}")
         await self.puller.start()
         await self.bulk_puller.start()
+
+    def _stepper_ended(self, task: asyncio.Task[None]) -> None:
+        """The stepping task died (a bug): stop keeping its requests and stop pulling, so JetStream
+        hands what this box holds to another box after `ack_wait`, instead of it being held for ever."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error(
+            "generation stopped stepping; its requests go back to the queue",
+            extra={"model": self.spec.name},
+            exc_info=task.exception(),
+        )
+        if self._ticker is not None:
+            self._ticker.cancel()
+        self._spawn(self.puller.stop())
+        self._spawn(self.bulk_puller.stop())
 
     @property
     def held(self) -> int:

@@ -232,3 +232,22 @@ async def test_a_chunk_that_cannot_be_sent_fails_its_request_alone_and_stepping_
     assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
     assert calls[:2] == [0, 0]  # the first chunk, then the retry's first chunk
     await settled(box, worker)
+
+
+async def test_a_worker_whose_stepping_dies_lets_its_requests_go_to_another_box(start_box, http, generator_dir) -> None:
+    """A bug ends the stepping task (faked: `_drop_expired` raises once a request is held). The worker
+    must stop keeping that request in progress and stop pulling, so JetStream hands it to a box that
+    can answer after `ack_wait`, instead of the box holding it until its deadline."""
+    first, worker = await generating_box(start_box, generator_dir, ack_wait_s=1.0)
+
+    def broken() -> None:
+        if worker._streams:
+            raise RuntimeError("stepping bug (injected)")
+
+    worker._drop_expired = broken
+    asking = asyncio.create_task(answer_text(http, first, OTHER))
+    await wait_for(lambda: worker._stepper.done(), what="the stepping task to die")
+    await generating_box(start_box, generator_dir, ack_wait_s=1.0)  # a second box that can answer
+    async with asyncio.timeout(30):
+        status, body = await asking
+    assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
