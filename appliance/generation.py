@@ -20,7 +20,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -36,25 +35,21 @@ from appliance.errors import (
     FleetboxError,
     GatewayTimeout,
     InternalError,
-    PayloadTooLarge,
     Unprocessable,
     deadline_passed,
 )
+from appliance.generation_request import decode_generation, prompt_ids, sampling_params
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
-from appliance.schemas import ChatRequest, CompletionRequest
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
 from appliance.worker import load_adapter
-from runtimes import InputTooLong, UnknownAdapter, UnsupportedModel
-from runtimes.generate import GenerateRuntime, SamplingParams, StepOutput
+from runtimes import UnknownAdapter
+from runtimes.generate import GenerateRuntime, StepOutput
 
 log = logging.getLogger(__name__)
 
-_chat = msgspec.json.Decoder(ChatRequest)
-_completion = msgspec.json.Decoder(CompletionRequest)
-_DEFAULT_MAX_TOKENS = 256
 _SETTLE_S = 2.0  # past the grace, at most this long for final answers to be confirmed and acked (the box allows 3)
 
 
@@ -64,15 +59,6 @@ class Stream:
     msg: Msg
     seq: int = 0
     tokens: int = 0
-
-
-def decode_generation(body: bytes) -> ChatRequest | CompletionRequest:
-    """Chat when the body has `messages`, a completion otherwise; one schema error either way."""
-    decoder = _chat if b'"messages"' in body else _completion
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise Unprocessable(f"invalid generation request: {exc}") from None
 
 
 class GenerateWorker:
@@ -199,8 +185,8 @@ class GenerateWorker:
             adapter = None
             if meta.adapter is not None:
                 adapter = await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
-            prompt = await asyncio.get_running_loop().run_in_executor(None, self._prompt, request)
-            self.runtime.add(meta.id, prompt, self._sampling(request), adapter=adapter)
+            prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
+            self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)
         except FleetboxError as exc:
             await self._fail(meta, msg, exc)
             return
@@ -222,36 +208,6 @@ class GenerateWorker:
         self._wake.set()
         if self._cancelled.contains(meta.id):  # cancelled while it was being prepared
             self.cancel(meta.id)
-
-    def _prompt(self, request: ChatRequest | CompletionRequest) -> Any:
-        try:
-            if isinstance(request, ChatRequest):
-                messages = [
-                    {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in request.messages
-                ]
-                return self.runtime.apply_chat_template(messages, truncate=request.truncate)
-            return self.runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
-        except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
-            chat = isinstance(request, ChatRequest)
-            what = "the conversation, rendered with the model's chat template," if chat else "the prompt"
-            message = str(InputTooLong(exc.index, exc.max_length, what=what))
-            raise PayloadTooLarge(message, code="input_too_long") from None
-        except UnsupportedModel as exc:
-            raise Unprocessable(str(exc), code="no_chat_template") from None
-
-    def _sampling(self, request: ChatRequest | CompletionRequest) -> SamplingParams:
-        max_tokens = request.max_tokens
-        if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
-            max_tokens = request.max_completion_tokens
-        return SamplingParams(
-            max_tokens=max_tokens or _DEFAULT_MAX_TOKENS,
-            # Not given: the model's generation_config.json value (as vLLM does), else 1.0.
-            temperature=self.runtime.defaults.temperature if request.temperature is None else request.temperature,
-            top_p=self.runtime.defaults.top_p if request.top_p is None else request.top_p,
-            stop=request.stops(),
-            seed=request.seed,
-        )
 
     # -- decoding --------------------------------------------------------------------------------
 

@@ -1,0 +1,64 @@
+"""What a generation request asks of the runtime: its prompt as token ids, and its sampling parameters.
+
+A request is a chat (it has `messages`) or a completion, decoded with one schema error either way;
+a prompt that does not fit the model is a 413 named as the client knows it (the conversation or the
+prompt, not "input 0"), and what a request leaves out of its sampling is the model's own default
+from generation_config.json, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from appliance.errors import PayloadTooLarge, Unprocessable
+from appliance.schemas import ChatRequest, CompletionRequest
+from runtimes import InputTooLong, UnsupportedModel
+from runtimes.generate import GenerateRuntime, SamplingParams
+
+_chat = msgspec.json.Decoder(ChatRequest)
+_completion = msgspec.json.Decoder(CompletionRequest)
+_DEFAULT_MAX_TOKENS = 256
+
+
+def decode_generation(body: bytes) -> ChatRequest | CompletionRequest:
+    """Chat when the body has `messages`, a completion otherwise; one schema error either way."""
+    decoder = _chat if b'"messages"' in body else _completion
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise Unprocessable(f"invalid generation request: {exc}") from None
+
+
+def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionRequest) -> Any:
+    """The prompt's token ids: the chat rendered with the model's template, or the completion's text."""
+    try:
+        if isinstance(request, ChatRequest):
+            messages = [
+                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages
+            ]
+            return runtime.apply_chat_template(messages, truncate=request.truncate)
+        return runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
+    except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
+        chat = isinstance(request, ChatRequest)
+        what = "the conversation, rendered with the model's chat template," if chat else "the prompt"
+        message = str(InputTooLong(exc.index, exc.max_length, what=what))
+        raise PayloadTooLarge(message, code="input_too_long") from None
+    except UnsupportedModel as exc:
+        raise Unprocessable(str(exc), code="no_chat_template") from None
+
+
+def sampling_params(runtime: GenerateRuntime, request: ChatRequest | CompletionRequest) -> SamplingParams:
+    """What the request asks of the sampler; what it leaves out, the model's own defaults."""
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    return SamplingParams(
+        max_tokens=max_tokens or _DEFAULT_MAX_TOKENS,
+        # Not given: the model's generation_config.json value (as vLLM does), else 1.0.
+        temperature=runtime.defaults.temperature if request.temperature is None else request.temperature,
+        top_p=runtime.defaults.top_p if request.top_p is None else request.top_p,
+        stop=request.stops(),
+        seed=request.seed,
+    )
