@@ -22,6 +22,7 @@ from typing import Any
 import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.nuid import NUID
 
@@ -145,7 +146,10 @@ class Box:
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
         for spec in self.catalog:
             if spec.adapter_of is None:
-                await when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
+                try:
+                    await when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
+                except NatsError as exc:  # one model's queue refused (a consumer limit, say): not the box's end
+                    log.error("model's queue not made", extra={"model": spec.name, "error": str(exc)})
         self.stream_ok = True
         self.fleet = Fleet(
             self.js,
@@ -237,6 +241,24 @@ class Box:
         assert self.js is not None
         await ensure_consumers(self.js, self.settings, spec.slug)
 
+    async def open_queue(self, spec: ModelSpec) -> None:
+        """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""
+        assert self.js is not None
+        try:
+            await self._ensure_consumer(spec)
+        except NatsError:
+            await bus.delete_request_consumers(self.js, spec.slug)  # the one of the two that was made
+            raise
+
+    async def _retire_queue(self, spec: ModelSpec) -> None:
+        """A deleted model's consumers go; if the same slug was registered again meanwhile (on any box),
+        its consumers are made again, since this deletion may have removed the ones it had just made."""
+        assert self.js is not None
+        await bus.delete_request_consumers(self.js, spec.slug)
+        again = self.catalog.by_slug(spec.slug)
+        if again is not None and again.adapter_of is None:
+            await self._ensure_consumer(again)
+
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None
         if self.settings.serves_http:
@@ -262,6 +284,8 @@ class Box:
             model_state=partial(box_status.model_state, self),
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
+            open_queue=self.open_queue,
+            retire_queue=self._retire_queue,
         )
         app = build_app(context)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.

@@ -156,6 +156,16 @@ async def ensure_request_consumers(
         )
 
 
+async def delete_request_consumers(js: JetStreamContext, slug: str) -> None:
+    """Remove a deleted model's two consumers (one already gone is fine): left behind, every model ever
+    registered would keep two, and nats-server (2.15 on) refuses a stream's 1001st consumer."""
+    for priority in PRIORITIES:
+        try:
+            await js.delete_consumer(REQUEST_STREAM, consumer_name(slug, priority))
+        except NotFoundError:
+            pass
+
+
 async def _ensure_consumer(
     js: JetStreamContext, slug: str, priority: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
 ) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nats.errors import Error as NatsError
 
 from appliance.bus import model_slug
 from appliance.catalog import (
@@ -132,6 +133,7 @@ async def register(
     store: CatalogStore,
     settings: Settings,
     check_fits: Callable[[ModelSpec], Awaitable[None]] | None,
+    open_queue: Callable[[ModelSpec], Awaitable[None]] | None = None,
 ) -> ModelSpec:
     """Judge a registration and put it in the fleet's catalog: `POST /v1/models` and the `register` verb."""
     name = registration.name
@@ -182,4 +184,14 @@ async def register(
     if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)
     await store.create(spec)  # refused (409) when a registration racing this one took the slug, name or an alias
+    if open_queue is not None and spec.adapter_of is None:
+        try:
+            await open_queue(spec)
+        except NatsError as exc:  # the request stream holds no more consumers, say: a model nothing would serve
+            await store.delete(spec)
+            raise Conflict(
+                f"model {name!r} was not registered: its queue could not be made ({exc}); "
+                "delete models the fleet no longer serves",
+                code="queue_refused",
+            ) from None
     return spec

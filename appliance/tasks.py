@@ -52,7 +52,9 @@ class Background:
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("background step failed", extra={"owner": self._owner, "error": repr(task.exception())})
+            exc = task.exception()
+            # str as well as the type: a NATS error's repr is "BadRequestError()", its str says what and why.
+            log.warning("background step failed", extra={"owner": self._owner, "error": f"{exc!r}: {exc}"})
 
     async def wait(self, timeout_s: float | None = None) -> None:
         """Until every task (also those started meanwhile) has ended, or `timeout_s`."""

@@ -54,7 +54,9 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
         assert box.store is not None
         check_fits = box.residency.check_fits if box.settings.runs_models else None
-        spec = await register(registration_from(payload), box.catalog, box.store, box.settings, check_fits)
+        spec = await register(
+            registration_from(payload), box.catalog, box.store, box.settings, check_fits, box.open_queue
+        )
         return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of}
 
     async def drain(payload: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -483,3 +484,67 @@ async def test_evict_from_a_named_box_that_does_not_hold_it_or_runs_no_models_sa
     assert status == 200
     status, body = await call(http, gateway, "POST", "/v1/models/a/evict", {"box": "holder"})
     assert status == 200 and body["evicted_from"] == ["holder"]
+
+
+async def consumers_of(box, slug: str) -> list[str]:
+    """Which of the model's two consumers exist on the request stream."""
+    made = []
+    for priority in ("interactive", "batch"):
+        try:
+            await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(slug, priority))
+        except Exception:  # NotFoundError
+            continue
+        made.append(priority)
+    return made
+
+
+async def test_deleting_a_model_removes_its_queue_consumers(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    """Left behind, registration churn piled consumers up until nats-server (2.15: 1,000 a stream) refused
+    new ones: new models were never served and new boxes could not start."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    for round_ in range(2):  # deleted and registered again: its queue comes back
+        status, record = await call(http, box, "POST", "/v1/models", {"name": "churn", "path": str(encoder_dir)})
+        assert status == 201, record
+        await wait_for(lambda: consumers_of(box, model_slug("churn")), what=f"round {round_}: the model's queue")
+        status, body = await call(http, box, "DELETE", "/v1/models/churn")
+        assert status == 200, body
+        assert await consumers_of(box, model_slug("churn")) == []
+
+
+async def test_a_box_starts_even_if_one_models_queue_cannot_be_made(
+    start_box, http, encoder_dir, tmp_path_factory
+) -> None:
+    """The stream refuses the consumers of one catalogued model (its consumer limit, here set to what exists):
+    a box joining the fleet logs it and starts, serving the rest; it used to fail to start."""
+    roots = [tmp_path_factory.getbasetemp()]
+    first = await start_box(default_model=False, model_roots=roots, models=[noop_model("kept")])
+    status, record = await call(http, first, "POST", "/v1/models", {"name": "refused", "path": str(encoder_dir)})
+    assert status == 201, record
+    await wait_for(lambda: consumers_of(first, model_slug("refused")), what="the registered model's queue")
+    for priority in ("interactive", "batch"):  # as if the limit had been met before they were made
+        await first.js.delete_consumer(bus.REQUEST_STREAM, bus.consumer_name(model_slug("refused"), priority))
+    stream = await first.js.stream_info(bus.REQUEST_STREAM)
+    existing = stream.state.consumer_count
+    await first.js.update_stream(replace(stream.config, max_consumers=existing))
+    second = await start_box(default_model=False, model_roots=roots, models=[noop_model("kept")])
+    status, body = await call(http, second, "POST", "/v1/embeddings", {"model": "kept", "input": "still served"})
+    assert status == 200, body
+
+
+async def test_a_registration_whose_queue_is_refused_is_a_409_and_leaves_nothing(
+    start_box, http, encoder_dir, tmp_path_factory
+) -> None:
+    """At the stream's consumer limit a model's queue cannot be made: it used to be registered (201) and
+    then never served (504s). Now a 409 naming why, and no model, claim or consumer left behind."""
+    roots = [tmp_path_factory.getbasetemp()]
+    box = await start_box(default_model=False, model_roots=roots, models=[noop_model("kept")])
+    stream = await box.js.stream_info(bus.REQUEST_STREAM)
+    await box.js.update_stream(replace(stream.config, max_consumers=stream.state.consumer_count + 1))
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "one-too-many", "path": str(encoder_dir)})
+    assert status == 409 and body["error"]["code"] == "queue_refused", body
+    assert "maximum consumers limit reached" in body["error"]["message"]
+    assert (await call(http, box, "GET", "/v1/models/one-too-many"))[0] == 404
+    assert await consumers_of(box, model_slug("one-too-many")) == []
+    await box.js.update_stream(replace(stream.config, max_consumers=stream.state.consumer_count + 2))
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "one-too-many", "path": str(encoder_dir)})
+    assert status == 201, body

@@ -41,7 +41,7 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
 async def register_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     registration = decode(await read_body(request, ctx.settings), _registration)
-    spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, ctx.check_fits)
+    spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, ctx.check_fits, ctx.open_queue)
     return json_response(model_record(ctx, spec), status=201)
 
 
@@ -71,6 +71,7 @@ async def delete_model(request: web.Request) -> web.Response:
             code="model_has_adapters",
         )
     await ctx.store.delete(spec)
+    await ctx.retire_queue(spec)
     return json_response({"id": spec.name, "object": "model", "deleted": True})
 
 

@@ -33,6 +33,9 @@ class GatewayContext:
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Raises 507 when a model could never fit this box; None on a gateway-only box.
     check_fits: Callable[[ModelSpec], Awaitable[None]] | None
+    # A registered model's queue consumers made (raises the server's refusal); after its deletion, removed.
+    open_queue: Callable[[ModelSpec], Awaitable[None]]
+    retire_queue: Callable[[ModelSpec], Awaitable[None]]
     ids: NUID = field(default_factory=NUID)  # request ids: unique across gateways (random prefix per NUID)
 
     @staticmethod
