@@ -24,13 +24,21 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.errors import BadRequestError
 from nats.nuid import NUID
 
 from appliance import box_status, bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, CatalogStore, ModelSpec
 from appliance.configured import configured_specs
-from appliance.connect import ensure_consumers, ensure_queue, tls_context, when_jetstream_answers
+from appliance.connect import (
+    ensure_consumers,
+    ensure_queue,
+    open_model_queue,
+    retire_model_queue,
+    tls_context,
+    when_jetstream_answers,
+)
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
@@ -229,7 +237,10 @@ class Box:
                     await self.store.reopen()
                 for spec in self.catalog:
                     if spec.adapter_of is None:
-                        await self._ensure_consumer(spec)
+                        try:
+                            await self._ensure_consumer(spec)
+                        except BadRequestError as exc:  # refused for good (a consumer limit): restore the rest
+                            log.error("model's queue not made", extra={"model": spec.name, "error": str(exc)})
                 if self.fleet is not None:
                     await self.fleet.reopen()
                 return
@@ -244,20 +255,11 @@ class Box:
     async def open_queue(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""
         assert self.js is not None
-        try:
-            await self._ensure_consumer(spec)
-        except NatsError:
-            await bus.delete_request_consumers(self.js, spec.slug)  # the one of the two that was made
-            raise
+        await open_model_queue(self.js, self.settings, spec.slug)
 
     async def _retire_queue(self, spec: ModelSpec) -> None:
-        """A deleted model's consumers go; if the same slug was registered again meanwhile (on any box),
-        its consumers are made again, since this deletion may have removed the ones it had just made."""
         assert self.js is not None
-        await bus.delete_request_consumers(self.js, spec.slug)
-        again = self.catalog.by_slug(spec.slug)
-        if again is not None and again.adapter_of is None:
-            await self._ensure_consumer(again)
+        await retire_model_queue(self.js, self.settings, self.catalog, spec.slug)
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None

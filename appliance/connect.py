@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from appliance import bus
+from appliance.catalog import Catalog
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,25 @@ async def ensure_consumers(js: JetStreamContext, settings: Settings, slug: str) 
         max_deliver=settings.max_deliver,
         max_ack_pending=settings.max_ack_pending,
     )
+
+
+async def open_model_queue(js: JetStreamContext, settings: Settings, slug: str) -> None:
+    """A model's two consumers, both or neither: one the server refused (its consumer limit, say) leaves
+    the other removed, and the refusal raised."""
+    try:
+        await ensure_consumers(js, settings, slug)
+    except NatsError:
+        await bus.delete_request_consumers(js, slug)
+        raise
+
+
+async def retire_model_queue(js: JetStreamContext, settings: Settings, catalog: Catalog, slug: str) -> None:
+    """A deleted model's consumers removed; made again if its slug was registered again meanwhile (on any
+    box), since this removal may have taken the ones that registration had just made."""
+    await bus.delete_request_consumers(js, slug)
+    again = catalog.by_slug(slug)
+    if again is not None and again.adapter_of is None:
+        await ensure_consumers(js, settings, slug)
 
 
 async def when_jetstream_answers(step: Callable[[], Awaitable[Any]]) -> None:
