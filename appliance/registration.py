@@ -150,8 +150,13 @@ async def register(
             code="invalid_name",
         )
     for taken in (name, *registration.aliases):
-        if catalog.get(taken) is not None:
-            raise Conflict(f"a model named {taken!r} exists already; delete it first", code="model_exists")
+        holder = catalog.get(taken)
+        if holder is not None:
+            held_as = "its name" if holder.name == taken else "an alias"
+            raise Conflict(
+                f"{taken!r} is taken: model {holder.name!r} has it as {held_as}; delete that model first",
+                code="model_exists",
+            )
     if catalog.by_slug(slug) is not None:
         raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")
     if "cache_dir" in registration.options:  # a folder every box would write to: each box's own config says it

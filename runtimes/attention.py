@@ -54,7 +54,10 @@ def layer_types_in(config: Mapping[str, Any]) -> list[str] | None:
         return None
     listed = config.get("layer_types")
     if listed is not None:
-        return listed if isinstance(listed, list) and all(isinstance(kind, str) for kind in listed) else None
+        if isinstance(listed, list) and all(isinstance(kind, str) for kind in listed):
+            return listed
+        # transformers' config classes refuse it too: the load would fail on every request
+        raise UnsupportedModel(f"config.json: layer_types must be a list of layer type names, not {listed!r:.60}")
     family = _DERIVED.get(model_type) if model_type is not None else None
     if family is None:
         return None

@@ -42,6 +42,15 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# Generous bounds on the sizes config.json gives (the largest open models: ~130 layers, width 16k,
+# vocabularies of 260k): past them the file is wrong, and building what it says would exhaust the box.
+_MOST = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 65_536,
+    "intermediate_size": 262_144,
+    "num_attention_heads": 1024,
+    "vocab_size": 4_194_304,
+}
 
 
 def detect_task(folder: Path) -> Task:
@@ -63,6 +72,7 @@ def detect_task(folder: Path) -> Task:
     model_type = config.get("model_type") or ""
     if not isinstance(model_type, str):
         raise UnsupportedModel(f"{config_file}: model_type must be a string, not {json.dumps(model_type)}")
+    _check_sizes(config, config_file)
     task = _task_from(architectures, model_type, config, sentence_transformers=(folder / "modules.json").is_file())
     if task is None:
         named = ", ".join(architectures) or f"model type {model_type or 'unknown'}"
@@ -110,6 +120,22 @@ def check_adapter_folder(folder: Path) -> None:
         raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
 
 
+def _check_sizes(config: Mapping[str, Any], config_file: Path) -> None:
+    """Refuse sizes no model has: transformers would build the model they describe before reading a weight
+    (a billion layers of a tiny model is a box's memory gone, and a load that never ends)."""
+    for where in (config, config.get("text_config")):
+        if not isinstance(where, Mapping):
+            continue
+        for key, most in _MOST.items():
+            value = where.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
+                raise UnsupportedModel(
+                    f"{config_file}: {key} is {json.dumps(value)[:40]}; a whole number from 1 to {most} is expected"
+                )
+
+
 def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapping[str, Any]) -> None:
     """Raise `UnsupportedModel` for a folder (detected as `task`) that `runtimes.load_runtime` would refuse.
 
@@ -142,6 +168,8 @@ def _json_object(path: Path) -> dict[str, Any]:
         value = json.loads(path.read_text())
     except ValueError as exc:  # malformed JSON or bytes that are not UTF-8
         raise UnsupportedModel(f"{path.name} in {path.parent} is not valid JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the parser goes
+        raise UnsupportedModel(f"{path.name} in {path.parent} is nested too deeply to read") from None
     if not isinstance(value, dict):
         raise UnsupportedModel(f"{path.name} in {path.parent} must hold a JSON object, not {json.dumps(value)[:60]}")
     return value

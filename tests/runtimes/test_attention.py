@@ -119,3 +119,10 @@ def test_a_config_json_of_the_wrong_shape_is_left_to_the_load_not_an_error(
 ) -> None:
     """A client's config.json may hold anything: registration must not raise (a 500) or list a billion layers."""
     assert layer_types_in(config) == listed
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention", 3], "full_attention", {"0": "full_attention"}])
+def test_layer_types_that_are_not_a_list_of_names_are_refused_at_registration(layer_types: Any) -> None:
+    """transformers' config class refuses them as well: registered, the model would fail on every request."""
+    with pytest.raises(UnsupportedModel, match="layer_types must be a list"):
+        layer_types_in({"model_type": "llama", "layer_types": layer_types})

