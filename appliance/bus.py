@@ -34,6 +34,9 @@ MODELS_BUCKET = "fbx_models"
 NAMES_BUCKET = "fbx_names"
 BOXES_BUCKET = "fbx_boxes"
 BLOBS_BUCKET = "fbx_blobs"
+# Two consumers per model (interactive, batch): room for 4,096 models. Said explicitly, since nats-server
+# 2.15 otherwise limits a stream to 1,000 consumers (500 models).
+MAX_REQUEST_CONSUMERS = 8192
 
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9_-]+")
 
@@ -136,6 +139,7 @@ async def ensure_request_stream(
         storage=StorageType.FILE if file_storage else StorageType.MEMORY,
         num_replicas=replicas,
         duplicate_window=120.0,
+        max_consumers=MAX_REQUEST_CONSUMERS,
     )
     try:
         await js.add_stream(config)

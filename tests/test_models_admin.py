@@ -548,3 +548,10 @@ async def test_a_registration_whose_queue_is_refused_is_a_409_and_leaves_nothing
     await box.js.update_stream(replace(stream.config, max_consumers=stream.state.consumer_count + 2))
     status, body = await call(http, box, "POST", "/v1/models", {"name": "one-too-many", "path": str(encoder_dir)})
     assert status == 201, body
+
+
+async def test_the_request_stream_has_room_for_thousands_of_models(start_box) -> None:
+    """nats-server 2.15 limits a stream to 1,000 consumers unless it says otherwise: 500 models, two each."""
+    box = await start_box(default_model=False, models=[noop_model("kept")])
+    stream = await box.js.stream_info(bus.REQUEST_STREAM)
+    assert stream.config.max_consumers == bus.MAX_REQUEST_CONSUMERS >= 2 * 4096
