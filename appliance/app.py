@@ -35,7 +35,7 @@ from appliance.connect import (
     ensure_consumers,
     ensure_queue,
     open_model_queue,
-    retire_model_queue,
+    settle_model_queue,
     tls_context,
     when_jetstream_answers,
 )
@@ -257,9 +257,9 @@ class Box:
         assert self.js is not None
         await open_model_queue(self.js, self.settings, spec.slug)
 
-    async def _retire_queue(self, spec: ModelSpec) -> None:
+    async def _settle_queue(self, spec: ModelSpec) -> None:
         assert self.js is not None
-        await retire_model_queue(self.js, self.settings, self.catalog, spec.slug)
+        await settle_model_queue(self.js, self.settings, self.catalog, spec.slug)
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None
@@ -287,7 +287,7 @@ class Box:
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
             open_queue=self.open_queue,
-            retire_queue=self._retire_queue,
+            retire_queue=self._settle_queue,
         )
         app = build_app(context)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
@@ -326,7 +326,7 @@ class Box:
         else:
             self.residency.pinned.discard(name)
         if spec.adapter_of is None:
-            self._spawn(self._ensure_consumer(spec))
+            self._spawn(self._settle_queue(spec))
             if spec.pinned and self.settings.runs_models and not self.draining:
                 self._spawn(self.workers.serve(spec))
 

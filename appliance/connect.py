@@ -30,6 +30,8 @@ from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 
+_SETTLE_LOOKS = 3  # a catalog still changing under a model's queue after this many: the next change settles it
+
 _JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 
 
@@ -136,13 +138,21 @@ async def open_model_queue(js: JetStreamContext, settings: Settings, slug: str) 
         raise
 
 
-async def retire_model_queue(js: JetStreamContext, settings: Settings, catalog: Catalog, slug: str) -> None:
-    """A deleted model's consumers removed; made again if its slug was registered again meanwhile (on any
-    box), since this removal may have taken the ones that registration had just made."""
-    await bus.delete_request_consumers(js, slug)
-    again = catalog.by_slug(slug)
-    if again is not None and again.adapter_of is None:
-        await ensure_consumers(js, settings, slug)
+async def settle_model_queue(js: JetStreamContext, settings: Settings, catalog: Catalog, slug: str) -> None:
+    """Make a model's two consumers match the catalog: both while it holds the model, neither once it does
+    not. Looked at again after acting, since a registration or a deletion of the same slug (on any box) may
+    have changed the catalog meanwhile: a deletion must not take the consumers a re-registration just made,
+    nor a registration that failed leave one behind; the last look decides."""
+    for _ in range(_SETTLE_LOOKS):
+        spec = catalog.by_slug(slug)
+        wanted = spec is not None and spec.adapter_of is None
+        if wanted:
+            await open_model_queue(js, settings, slug)
+        else:
+            await bus.delete_request_consumers(js, slug)
+        spec = catalog.by_slug(slug)
+        if wanted == (spec is not None and spec.adapter_of is None):
+            return
 
 
 async def when_jetstream_answers(step: Callable[[], Awaitable[Any]]) -> None:
