@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import logging
 import re
+from dataclasses import replace
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -21,7 +22,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from appliance.envelope import BATCH, INTERACTIVE, PRIORITIES
@@ -122,12 +123,15 @@ async def ensure_request_stream(
     file_storage: bool = False,
     replicas: int = 1,
 ) -> None:
-    """Create FBX_REQ if it is missing; an existing stream is left exactly as it is."""
+    """Create FBX_REQ if it is missing; an existing stream is left as it is, but for its consumer limit when
+    the server's default holds it (see `_raise_consumer_limit`)."""
     try:
-        await js.stream_info(REQUEST_STREAM)
-        return
+        info = await js.stream_info(REQUEST_STREAM)
     except NotFoundError:
         pass
+    else:
+        await _raise_consumer_limit(js, info.config)
+        return
     config = StreamConfig(
         name=REQUEST_STREAM,
         subjects=request_subjects(),
@@ -148,6 +152,23 @@ async def ensure_request_stream(
         # Another box created it between our look and our create: that is the same stream.
         if exc.err_code != 10058:  # stream name already in use
             raise
+
+
+async def _raise_consumer_limit(js: JetStreamContext, config: StreamConfig) -> None:
+    """A stream an older fleetbox made has no consumer limit of its own, so nats-server's default (1,000 from
+    2.15 on: 500 models) holds it; raise it to what a new stream gets. A limit an operator set is theirs to
+    keep. A server that refuses the update (a user without the permission, say) leaves the old limit, logged."""
+    if config.max_consumers not in (None, -1):
+        return
+    try:
+        await js.update_stream(replace(config, max_consumers=MAX_REQUEST_CONSUMERS))
+    except APIError as exc:
+        log.warning(
+            "could not raise the request stream's consumer limit",
+            extra={"stream": REQUEST_STREAM, "error": exc.description or repr(exc)},
+        )
+        return
+    log.info("stream's consumer limit raised", extra={"stream": REQUEST_STREAM, "max_consumers": MAX_REQUEST_CONSUMERS})
 
 
 async def ensure_request_consumers(

@@ -9,9 +9,11 @@ import shutil
 from dataclasses import replace
 from functools import partial
 
+import nats
 import numpy as np
 import pytest
 import torch
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError
 
 from appliance import bus
@@ -555,3 +557,29 @@ async def test_the_request_stream_has_room_for_thousands_of_models(start_box) ->
     box = await start_box(default_model=False, models=[noop_model("kept")])
     stream = await box.js.stream_info(bus.REQUEST_STREAM)
     assert stream.config.max_consumers == bus.MAX_REQUEST_CONSUMERS >= 2 * 4096
+
+
+async def test_a_box_raises_the_consumer_limit_of_a_stream_an_older_fleetbox_made(nats_server, start_box) -> None:
+    """A request stream made without a consumer limit of its own (as before be85af8) holds nats-server's
+    default of 1,000 consumers, 500 models: a box starting on it raises it; a limit an operator set is kept."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(
+            StreamConfig(
+                name=bus.REQUEST_STREAM,
+                subjects=bus.request_subjects(),
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.MEMORY,
+            )
+        )
+        assert (await js.stream_info(bus.REQUEST_STREAM)).config.max_consumers in (None, -1)
+        box = await start_box(default_model=False, models=[noop_model("kept")])
+        stream = await js.stream_info(bus.REQUEST_STREAM)
+        assert stream.config.max_consumers == bus.MAX_REQUEST_CONSUMERS
+        assert stream.config.retention == RetentionPolicy.WORK_QUEUE  # the rest of the stream as it was
+        await box.js.update_stream(replace(stream.config, max_consumers=600))
+        await start_box(default_model=False, models=[noop_model("kept")])
+        assert (await js.stream_info(bus.REQUEST_STREAM)).config.max_consumers == 600
+    finally:
+        await nc.close()
