@@ -269,6 +269,9 @@ class CatalogStore:
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
+        # The bucket's revision this box last applied per key: the watch may bring a change late, after this
+        # box wrote (or looked up) a newer one, and a late word must not undo the newer.
+        self._revisions: dict[str, int] = {}
 
     def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:
         """Call `listener(name, spec)` after every change; spec is None for a removal."""
@@ -308,6 +311,7 @@ class CatalogStore:
             known: list[ModelSpec] = []
         except BucketNotFoundError:
             known = list(self.catalog)
+            self._revisions.clear()  # a bucket made again counts its revisions from 1
         await self.open(known)
 
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
@@ -316,6 +320,10 @@ class CatalogStore:
                 self._apply(entry)
 
     def _apply(self, entry: KeyValue.Entry) -> None:
+        if entry.revision is not None:
+            if entry.revision <= self._revisions.get(entry.key, 0):
+                return  # this box has applied the same change or a newer one already
+            self._revisions[entry.key] = entry.revision
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             spec = self.catalog.by_slug(entry.key)
             if spec is not None:
@@ -327,6 +335,10 @@ class CatalogStore:
         except (orjson.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
             log.warning("bad catalog entry ignored", extra={"key": entry.key, "error": repr(exc)})
             return
+        replaced = self.catalog.by_slug(entry.key)
+        if replaced is not None and replaced.name != spec.name:  # its deletion came late, or never came here
+            self.catalog.remove(replaced.name)
+            self._notify(replaced.name, None)
         self.catalog.add(spec)
         self._notify(spec.name, spec)
 
@@ -339,8 +351,7 @@ class CatalogStore:
 
     async def put(self, spec: ModelSpec) -> None:
         assert self._kv is not None
-        await self._kv.put(spec.slug, spec.to_json())
-        self._added(spec)
+        self._added(spec, await self._kv.put(spec.slug, spec.to_json()))
 
     async def create(self, spec: ModelSpec) -> None:
         """Add a model whose slug, name and aliases no model holds yet, fleet-wide: of two registrations
@@ -349,7 +360,7 @@ class CatalogStore:
         assert self._kv is not None and self._names is not None
         claims = await self._names.claim(spec.name, spec.aliases)
         try:
-            await self._kv.create(spec.slug, spec.to_json())
+            revision = await self._kv.create(spec.slug, spec.to_json())
         except KeyWrongLastSequenceError:
             await self._names.give_back(claims)
             raise Conflict(
@@ -358,7 +369,7 @@ class CatalogStore:
             ) from None
         # Any other failure (a timeout, a cancel) may come after the server stored the model: its claims
         # are kept, to lapse with their TTL, rather than freed under a model that may exist.
-        self._added(spec)
+        self._added(spec, revision)
 
     async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
         """Pin or unpin the model as the bucket holds it now, only if nobody changed it meanwhile: a pin
@@ -377,16 +388,32 @@ class CatalogStore:
                 raise gone
             updated = replace(current, pinned=pinned)
             try:
-                await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
+                revision = await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
             except KeyWrongLastSequenceError:
                 continue  # changed since it was read: read it again (it may be gone now)
-            self._added(updated)
+            self._added(updated, revision)
             return updated
         raise Conflict(f"model {spec.name} keeps changing (on other boxes?); pin or unpin it again")
 
-    def _added(self, spec: ModelSpec) -> None:
+    def _added(self, spec: ModelSpec, revision: int) -> None:
+        self._revisions[spec.slug] = max(revision, self._revisions.get(spec.slug, 0))
         self.catalog.add(spec)  # visible (and acted on) here at once; the watch confirms it
         self._notify(spec.name, spec)
+
+    async def still_holds(self, spec: ModelSpec) -> bool:
+        """Whether the fleet's catalog still holds `spec`, looked up in the bucket now. A box hears of a change
+        made on another box through its watch, milliseconds late: a registration refused because this box still
+        sees a name taken looks again first (a DELETE on one box, then the same name registered on another, was
+        refused 409 in about 1 try in 400). What the lookup finds is applied here at once."""
+        assert self._kv is not None
+        try:
+            entry: KeyValue.Entry | None = await self._kv.get(spec.slug)
+        except KeyNotFoundError as exc:  # a deleted key's error carries the deletion, with its revision
+            entry = exc.entry
+        if entry is not None:
+            self._apply(entry)
+        current = self.catalog.by_slug(spec.slug)
+        return entry is not None and current is not None and current.name == spec.name
 
     async def delete(self, spec: ModelSpec) -> None:
         assert self._kv is not None

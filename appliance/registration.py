@@ -151,13 +151,14 @@ async def register(
         )
     for taken in (name, *registration.aliases):
         holder = catalog.get(taken)
-        if holder is not None:
+        if holder is not None and await store.still_holds(holder):
             held_as = "its name" if holder.name == taken else "an alias"
             raise Conflict(
                 f"{taken!r} is taken: model {holder.name!r} has it as {held_as}; delete that model first",
                 code="model_exists",
             )
-    if catalog.by_slug(slug) is not None:
+    holder = catalog.by_slug(slug)
+    if holder is not None and await store.still_holds(holder):
         raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")
     if "cache_dir" in registration.options:  # a folder every box would write to: each box's own config says it
         raise Forbidden(

@@ -583,3 +583,39 @@ async def test_a_box_raises_the_consumer_limit_of_a_stream_an_older_fleetbox_mad
         assert (await js.stream_info(bus.REQUEST_STREAM)).config.max_consumers == 600
     finally:
         await nc.close()
+
+
+async def test_a_name_deleted_on_one_box_is_free_on_another_before_its_watch_hears_of_it(
+    start_box, http, encoder_dir, tmp_path_factory
+) -> None:
+    """A box learns a deletion made on another box through its catalog watch, milliseconds late; a
+    registration of the freed name or alias there was refused 409 meanwhile (1 try in 400). It now looks
+    in the bucket before refusing, and the watch's late word of the deletion (held back here) must not
+    then take away the model just registered under the name."""
+    roots = [tmp_path_factory.getbasetemp()]
+    path = str(encoder_dir)
+    first = await start_box(box_id="first", default_model=False, model_roots=roots)
+    second = await start_box(box_id="second", default_model=False, model_roots=roots)
+    for body in ({"name": "m1", "aliases": ["m1-alias"]}, {"name": "m2"}):
+        assert (await call(http, first, "POST", "/v1/models", {**body, "path": path}))[0] == 201
+        await wait_for(partial(_knows, second, body["name"]), what="the second box to see the registration")
+    store = second.store
+    assert store is not None and store._task is not None and store._watcher is not None
+    store._task.cancel()  # the second box's watch falls behind: what it would bring waits in its queue
+    await asyncio.gather(store._task, return_exceptions=True)
+    for name in ("m1", "m2"):
+        assert (await call(http, first, "DELETE", f"/v1/models/{name}"))[0] == 200
+    assert second.catalog.get("m1-alias") is not None and second.catalog.get("m2") is not None  # stale
+    for body in ({"name": "n1", "aliases": ["m1-alias"]}, {"name": "m2", "max_batch_size": 5}):
+        status, record = await call(http, second, "POST", "/v1/models", {**body, "path": path})
+        assert status == 201, record
+    removed: list[str] = []
+    store.on_change(lambda name, spec: removed.append(name) if spec is None else None)
+    store._task = asyncio.create_task(store._follow(store._watcher))  # the late words arrive now
+    await wait_for(lambda: _knows(first, "m2"), what="the first box to see the new m2")
+    await asyncio.sleep(0.2)
+    assert removed == [], removed
+    assert second.catalog.get("m2").batching.max_batch_size == 5 and second.catalog.get("m1-alias").name == "n1"
+    assert second.catalog.get("m1") is None
+    status, answer = await call(http, second, "POST", "/v1/embeddings", {"model": "m2", "input": "still here"})
+    assert status == 200, answer
