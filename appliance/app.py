@@ -29,7 +29,8 @@ from nats.nuid import NUID
 
 from appliance import box_status, bus
 from appliance.blobs import Blobs
-from appliance.catalog import Catalog, CatalogStore, ModelSpec
+from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
 from appliance.connect import (
     ensure_consumers,

@@ -20,12 +20,12 @@ from appliance.bus import model_slug
 from appliance.catalog import (
     ADAPTER_SEPARATOR,
     Catalog,
-    CatalogStore,
     ModelSpec,
     batching_of,
     default_batching,
     spec_of,
 )
+from appliance.catalog_store import CatalogStore
 from appliance.devices import HARDWARE_SLUG
 from appliance.errors import Conflict, Forbidden, NotFound, Unprocessable
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF

@@ -11,7 +11,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from appliance import bus
-from appliance.catalog import Catalog, CatalogStore, ModelSpec
+from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog_store import CatalogStore
 from appliance.configured import spec_from_entry
 from appliance.errors import Conflict
 from appliance.names import NameClaims

@@ -30,7 +30,8 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from appliance import bus
-from appliance.catalog import Catalog, CatalogStore
+from appliance.catalog import Catalog
+from appliance.catalog_store import CatalogStore
 from appliance.connect import NO_AUTH, NatsAuth
 from appliance.fleet import Fleet
 from appliance.tasks import cancel_and_wait

@@ -10,7 +10,8 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.nuid import NUID
 
-from appliance.catalog import Catalog, CatalogStore, ModelSpec
+from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog_store import CatalogStore
 from appliance.gateway.dispatch import Dispatcher
 from appliance.metrics import Metrics
 from appliance.settings import Settings
