@@ -30,13 +30,12 @@ from appliance.devices import HARDWARE_SLUG
 from appliance.errors import Conflict, Forbidden, NotFound, Unprocessable
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
-from appliance.settings import Settings
+from appliance.settings import MAX_ALIASES, Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.detect import check_adapter_folder, check_loadable, detect_task
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
-MAX_ALIASES = 64
 MODEL_VERBS = ("pin", "unpin", "load", "evict")  # POST /v1/models/{name}/{verb}: no model may be named so
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what the catalog's JSON (orjson) writes
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from appliance.settings import MAX_WAIT_MS, MODEL_NAME_MAX, MODEL_NAME_PATTERN
+from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, MODEL_NAME_MAX, MODEL_NAME_PATTERN
 
 Timeout = Annotated[float, msgspec.Meta(gt=0, description="seconds before the request's deadline")]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -124,7 +124,7 @@ class ModelRegistration(msgspec.Struct, kw_only=True):
     max_batch_tokens: Positive | None = None
     max_batch_size: Positive | None = None
     max_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_MS)] | None = None
-    concurrent_batches: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    concurrent_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONCURRENT_BATCHES)] | None = None
     # Which tuning profile applies: "auto", "off", or a hardware slug such as "cpu-16c" (docs/tuning.md).
     profile: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] = "auto"
     # Runtime knobs, e.g. {"max_batch_size": 16} for a generator, {"onnx_file": "..."} for a shipped ONNX.

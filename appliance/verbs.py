@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.box_status import heartbeat
 from appliance.control import Handler
-from appliance.errors import Conflict, FleetboxError, NotFound
+from appliance.errors import Conflict, FleetboxError, NotFound, Unprocessable
 from appliance.placement import load_failed
 from appliance.registration import register, registration_from
 
@@ -81,10 +81,13 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
     name = payload.get("model")
     if not isinstance(name, str) or not name:
-        raise NotFound('name a model: {"model": NAME}')
+        raise Unprocessable('name a model: {"model": NAME}')
     spec = box.catalog.get(name)
     if spec is None:
-        raise NotFound(f"model {name!r} does not exist; available models: {', '.join(box.catalog.names())}")
+        raise NotFound(
+            f"model {name!r} does not exist; available models: {', '.join(box.catalog.names())}",
+            code="model_not_found",
+        )
     return spec
 
 

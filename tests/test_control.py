@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from appliance.control import call_box
+from appliance.errors import NotFound, Unprocessable
 from tests.conftest import noop_model, wait_for
 
 
@@ -25,3 +28,14 @@ async def test_a_slow_load_does_not_hold_up_a_status_sent_to_the_same_box(start_
         room.release()
     loaded = await asyncio.wait_for(load, 10)
     assert loaded["state"] == "resident" and box.residency.is_resident("cold")
+
+
+async def test_a_verb_naming_no_model_or_an_unknown_one_says_which_in_its_code(start_box) -> None:
+    """The TUI and the CLI show the code: an unknown model was a bare `not_found`, a missing name a 404."""
+    box = await start_box(default_model=False, models=[noop_model("kept")])
+    assert box.nc is not None
+    with pytest.raises(NotFound) as unknown:
+        await call_box(box.nc, box.box_id, "load", {"model": "ghost"}, timeout_s=5)
+    assert unknown.value.code == "model_not_found" and "kept" in str(unknown.value)
+    with pytest.raises(Unprocessable, match="name a model"):
+        await call_box(box.nc, box.box_id, "evict", {}, timeout_s=5)

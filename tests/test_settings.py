@@ -59,6 +59,25 @@ def test_concurrent_batches_must_be_positive() -> None:
             Settings(concurrent_batches=bad)
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"dtype": "fp16"}, "dtype"),  # a typo loaded as a KeyError in the torch backend, a load_error at best
+        ({"dtype": "int8"}, "int8 needs runtime"),  # torch cannot run it
+        ({"concurrent_batches": 65}, "concurrent_batches"),
+        ({"profile": "cpu-16"}, "not auto, off or a hardware slug"),
+        ({"aliases": [f"a{i}" for i in range(65)]}, "aliases"),
+        ({"aliases": ["bad\nalias"]}, "aliases"),
+    ],
+)
+def test_a_models_entry_is_judged_as_the_api_judges_a_registration(fields: dict, named: str, tmp_path) -> None:
+    """`[[models]]` fields took any string or number: a typo registered, then failed at load (or never)."""
+    with pytest.raises(pydantic.ValidationError, match=named):
+        ModelEntry(name="m", path=tmp_path, **fields)
+    good = {"dtype": "int8", "runtime": "onnx", "profile": "nvidia-l4", "concurrent_batches": 64}
+    assert ModelEntry(name="m", path=tmp_path, **good).profile == "nvidia-l4"
+
+
 def test_memory_budget_forms() -> None:
     total = 1000
     assert memory_budget_bytes("6GB", total) == memory_budget_bytes("6G", total) == 6 * 10**9
