@@ -22,9 +22,7 @@ from typing import Any
 import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError
 from nats.nuid import NUID
 
 from appliance import box_status, bus
@@ -33,9 +31,10 @@ from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
 from appliance.connect import (
-    ensure_consumers,
     ensure_queue,
+    open_catalogued_queues,
     open_model_queue,
+    restore_after_reconnect,
     settle_model_queue,
     tls_context,
     when_jetstream_answers,
@@ -64,7 +63,6 @@ log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
-_RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
 
 
 def new_box_id() -> str:
@@ -153,12 +151,7 @@ class Box:
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable, registers=True)
         self.store.on_change(self._on_catalog_change)
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
-        for spec in self.catalog:
-            if spec.adapter_of is None:
-                try:
-                    await when_jetstream_answers(lambda spec=spec: self._ensure_consumer(spec))
-                except NatsError as exc:  # one model's queue refused (a consumer limit, say): not the box's end
-                    log.error("model's queue not made", extra={"model": spec.name, "error": str(exc)})
+        await open_catalogued_queues(self.js, s, self.catalog, when_jetstream_answers)
         self.stream_ok = True
         self.fleet = Fleet(
             self.js,
@@ -220,38 +213,13 @@ class Box:
 
     async def _on_reconnect(self) -> None:
         log.info("nats reconnected")
-        if self._restoring is None or self._restoring.done():
-            self._restoring = self._spawn(self._restore_after_reconnect())
+        if self.js is not None and (self._restoring is None or self._restoring.done()):
+            restore = restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
+            self._restoring = self._spawn(restore)
 
     async def _ensure_streams(self) -> None:
         assert self.js is not None
         await ensure_queue(self.js, self.settings)
-
-    async def _restore_after_reconnect(self) -> None:
-        """A NATS server that restarted kept only what it stores in files: make again what it lost (the
-        heartbeats bucket always; without --durable the queue, its consumers and the catalog too).
-        Retried for a while, as a cluster may still be electing stream leaders."""
-        for _ in range(_RESTORE_ATTEMPTS):
-            try:
-                await self._ensure_streams()
-                if self.store is not None:
-                    await self.store.reopen()
-                for spec in self.catalog:
-                    if spec.adapter_of is None:
-                        try:
-                            await self._ensure_consumer(spec)
-                        except BadRequestError as exc:  # refused for good (a consumer limit): restore the rest
-                            log.error("model's queue not made", extra={"model": spec.name, "error": str(exc)})
-                if self.fleet is not None:
-                    await self.fleet.reopen()
-                return
-            except Exception as exc:
-                log.warning("restoring streams after a reconnect failed; retrying", extra={"error": repr(exc)})
-                await asyncio.sleep(1.0)
-
-    async def _ensure_consumer(self, spec: ModelSpec) -> None:
-        assert self.js is not None
-        await ensure_consumers(self.js, self.settings, spec.slug)
 
     async def open_queue(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""

@@ -15,6 +15,7 @@ import re
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 
 from appliance import bus
 from appliance.catalog import Catalog
+from appliance.catalog_store import CatalogStore
+from appliance.fleet import Fleet
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 _SETTLE_LOOKS = 3  # a catalog still changing under a model's queue after this many: the next change settles it
 
 _JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
+_RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,6 +140,45 @@ async def open_model_queue(js: JetStreamContext, settings: Settings, slug: str) 
     except NatsError:
         await bus.delete_request_consumers(js, slug)
         raise
+
+
+async def open_catalogued_queues(
+    js: JetStreamContext,
+    settings: Settings,
+    catalog: Catalog,
+    attempt: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]] | None = None,
+) -> None:
+    """Every catalogued model's two consumers (an adapter runs on its base's), each step run through `attempt`
+    (`when_jetstream_answers` at start). A queue the server refuses for good (its consumer limit, say) is
+    logged and the rest are made: one model's queue is not worth a box that fails to start or to restore."""
+    for spec in list(catalog):
+        if spec.adapter_of is not None:
+            continue
+        step = partial(ensure_consumers, js, settings, spec.slug)
+        try:
+            await (attempt(step) if attempt is not None else step())
+        except APIError as exc:
+            log.error("model's queue not made", extra={"model": spec.name, "error": exc.description or repr(exc)})
+
+
+async def restore_after_reconnect(
+    js: JetStreamContext, settings: Settings, catalog: Catalog, store: CatalogStore | None, fleet: Fleet | None
+) -> None:
+    """A NATS server that restarted kept only what it stores in files: make again what it lost (the
+    heartbeats bucket always; without --durable the queue, its consumers and the catalog too).
+    Retried for a while, as a cluster may still be electing stream leaders."""
+    for _ in range(_RESTORE_ATTEMPTS):
+        try:
+            await ensure_queue(js, settings)
+            if store is not None:
+                await store.reopen()
+            await open_catalogued_queues(js, settings, catalog)
+            if fleet is not None:
+                await fleet.reopen()
+            return
+        except Exception as exc:
+            log.warning("restoring streams after a reconnect failed; retrying", extra={"error": repr(exc)})
+            await asyncio.sleep(1.0)
 
 
 async def settle_model_queue(js: JetStreamContext, settings: Settings, catalog: Catalog, slug: str) -> None:
