@@ -10,8 +10,9 @@ with a message that lists what is supported.
 
 `check_loadable` then refuses what a load would certainly refuse, where that is cheap to see (no
 weights file, a tokenizer that does not load, generation on ONNX, a generator with a layer that is
-not full attention: runtimes/attention.py), so a registration fails at once rather than every
-request after it.
+not full attention: runtimes/attention.py), and last what transformers' own config class refuses
+(runtimes/config_check.py, the load's own call: 1 ms on a box that runs models, 0.8 s in a child
+process on a gateway), so a registration fails at once rather than every request after it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
+from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
 from runtimes.tasks.score import check_one_logit
@@ -139,7 +141,8 @@ def _check_sizes(config: Mapping[str, Any], config_file: Path) -> None:
 def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapping[str, Any]) -> None:
     """Raise `UnsupportedModel` for a folder (detected as `task`) that `runtimes.load_runtime` would refuse.
 
-    Reads the tokenizer whole, so call it off the event loop.
+    Reads the tokenizer whole and may wait on a child process for up to `JUDGE_TIMEOUT_S`, so call it off the
+    event loop.
     """
     folder = Path(folder)
     if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
@@ -160,6 +163,11 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as exc:  # the Rust library raises a bare Exception with the parser's message
         raise UnsupportedModel(f"{folder}/tokenizer.json cannot be loaded: {exc}") from None
+    # Only a load through transformers reads the config with its class: a shipped graph or no-op does not.
+    if runtime is RuntimeKind.TORCH or (runtime is RuntimeKind.ONNX and shipped is None):
+        layer_types = judge_config(folder)
+        if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them
+            refuse_other_layers(layer_types or (), folder)
 
 
 def _json_object(path: Path) -> dict[str, Any]:

