@@ -12,6 +12,7 @@ import logging
 import re
 from dataclasses import replace
 
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -162,10 +163,11 @@ async def _raise_consumer_limit(js: JetStreamContext, config: StreamConfig) -> N
         return
     try:
         await js.update_stream(replace(config, max_consumers=MAX_REQUEST_CONSUMERS))
-    except APIError as exc:
+    except NatsError as exc:  # a refusal, or no answer at all (a user denied the update subject gets none)
+        error = exc.description if isinstance(exc, APIError) else None
         log.warning(
             "could not raise the request stream's consumer limit",
-            extra={"stream": REQUEST_STREAM, "error": exc.description or repr(exc)},
+            extra={"stream": REQUEST_STREAM, "error": error or repr(exc)},
         )
         return
     log.info("stream's consumer limit raised", extra={"stream": REQUEST_STREAM, "max_consumers": MAX_REQUEST_CONSUMERS})

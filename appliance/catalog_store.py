@@ -14,6 +14,7 @@ from contextlib import suppress
 from dataclasses import replace
 
 import orjson
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -82,11 +83,17 @@ class CatalogStore:
             except KeyWrongLastSequenceError:
                 pass  # already registered (by another box, or before a restart): the bucket wins
         self._watcher = watcher = await self._kv.watchall()
-        # The watcher replays every current key, then a None marker: the catalog is complete after it.
+        # The watcher replays every current key, then a None marker: the catalog is complete after it, and a
+        # model the bucket no longer has (a bucket another box made again after a NATS restart) is forgotten.
+        replayed = set()
         async for entry in watcher:
             if entry is None:
                 break
+            replayed.add(entry.key)
             self._apply(entry)
+        for spec in list(self.catalog):
+            if spec.slug not in replayed and self.catalog.remove(spec.name) is not None:
+                self._notify(spec.name, None)
         self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
 
     async def reopen(self) -> None:
@@ -98,7 +105,9 @@ class CatalogStore:
             known: list[ModelSpec] = []
         except BucketNotFoundError:
             known = list(self.catalog)
-            self._revisions.clear()  # a bucket made again counts its revisions from 1
+        # The bucket may have been made again (here, or by another box first), counting revisions from 1: the
+        # replay brings every key's revision afresh, and each model is acted on again (its queue settled).
+        self._revisions.clear()
         await self.open(known)
 
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
@@ -183,22 +192,37 @@ class CatalogStore:
         raise Conflict(f"model {spec.name} keeps changing (on other boxes?); pin or unpin it again")
 
     def _added(self, spec: ModelSpec, revision: int) -> None:
-        self._revisions[spec.slug] = max(revision, self._revisions.get(spec.slug, 0))
+        """This box's own write, at `revision`: acted on here at once, unless the watch brought a newer change
+        of the key meanwhile (another box deleted the model just after this box pinned it, say)."""
+        if revision < self._revisions.get(spec.slug, 0):
+            return
+        self._revisions[spec.slug] = revision
         self.catalog.add(spec)  # visible (and acted on) here at once; the watch confirms it
         self._notify(spec.name, spec)
+
+    async def _look_again(self, slug: str) -> KeyValue.Entry | None:
+        """What the bucket holds under `slug` now (a deletion included, with its revision), applied here at once;
+        None when the key never was. Raises NATS errors."""
+        assert self._kv is not None
+        try:
+            entry: KeyValue.Entry | None = await self._kv.get(slug)
+        except KeyNotFoundError as exc:  # a deleted key's error carries the deletion, with its revision
+            entry = exc.entry
+        if entry is not None:
+            self._apply(entry)
+        return entry
 
     async def still_holds(self, spec: ModelSpec) -> bool:
         """Whether the fleet's catalog still holds `spec`, looked up in the bucket now. A box hears of a change
         made on another box through its watch, milliseconds late: a registration refused because this box still
         sees a name taken looks again first (a DELETE on one box, then the same name registered on another, was
-        refused 409 in about 1 try in 400). What the lookup finds is applied here at once."""
-        assert self._kv is not None
+        refused 409 in about 1 try in 400). What the lookup finds is applied here at once; a lookup that fails
+        (NATS away) leaves the name held, as this box's catalog says."""
         try:
-            entry: KeyValue.Entry | None = await self._kv.get(spec.slug)
-        except KeyNotFoundError as exc:  # a deleted key's error carries the deletion, with its revision
-            entry = exc.entry
-        if entry is not None:
-            self._apply(entry)
+            entry = await self._look_again(spec.slug)
+        except NatsError as exc:
+            log.warning("catalog lookup failed; the name counts as taken", extra={"error": repr(exc)})
+            return True
         current = self.catalog.by_slug(spec.slug)
         return entry is not None and current is not None and current.name == spec.name
 
@@ -209,8 +233,14 @@ class CatalogStore:
             # holds only the model's name, so a release after would free the newcomer's. Meanwhile every
             # box's catalog still refuses the names.
             await self._names.release(spec.name, spec.aliases)
+        known = self._revisions.get(spec.slug, 0)
         await self._kv.delete(spec.slug)
-        if self.catalog.remove(spec.name) is not None:
+        # The deletion as the bucket has it, with its revision, so that a re-registration made since on another
+        # box (and heard already) is not taken away here. Heard nothing newer (NATS away, a lagging replica):
+        # the model this box deleted goes, as this box knows it.
+        with suppress(NatsError):
+            await self._look_again(spec.slug)
+        if self._revisions.get(spec.slug, 0) == known and self.catalog.remove(spec.name) is not None:
             self._notify(spec.name, None)
 
     async def close(self) -> None:

@@ -150,7 +150,8 @@ async def open_catalogued_queues(
 ) -> None:
     """Every catalogued model's two consumers (an adapter runs on its base's), each step run through `attempt`
     (`when_jetstream_answers` at start). A queue the server refuses for good (its consumer limit, say) is
-    logged and the rest are made: one model's queue is not worth a box that fails to start or to restore."""
+    logged and the rest are made: one model's queue is not worth a box that fails to start or to restore. JetStream
+    not answering yet (no leader) is raised, for the caller's retry."""
     for spec in list(catalog):
         if spec.adapter_of is not None:
             continue
@@ -158,6 +159,8 @@ async def open_catalogued_queues(
         try:
             await (attempt(step) if attempt is not None else step())
         except APIError as exc:
+            if _jetstream_not_ready(exc):  # not a refusal: JetStream cannot answer yet, so the whole step is retried
+                raise
             log.error("model's queue not made", extra={"model": spec.name, "error": exc.description or repr(exc)})
 
 

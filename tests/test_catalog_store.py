@@ -1,0 +1,182 @@
+"""The catalog's KV mirror on several boxes at once: a box's own writes, the watch's late word of other
+boxes' writes, and a bucket made again after a NATS restart must leave every box's catalog equal to the
+bucket. Two `CatalogStore`s on one real nats-server stand for two boxes; a write is held at the moment
+another box acts, by wrapping the store's KV call (the call itself is the real one)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import nats
+import pytest
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+from appliance import bus
+from appliance.app import Box
+from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog_store import CatalogStore
+from appliance.configured import spec_from_entry
+from appliance.connect import restore_after_reconnect
+from appliance.natsd import EmbeddedNats, free_port
+from appliance.settings import Settings
+from tests.conftest import box_settings, noop_model, url, wait_for
+
+
+def spec(name: str, *aliases: str) -> ModelSpec:
+    return replace(spec_from_entry(noop_model(name, pinned=False), Settings()), aliases=aliases)
+
+
+@pytest.fixture
+async def two_stores(nats_server: EmbeddedNats) -> AsyncIterator[tuple[CatalogStore, CatalogStore]]:
+    clients = [await nats.connect(nats_server.url) for _ in range(2)]
+    stores = [CatalogStore(client.jetstream(), Catalog(), registers=True) for client in clients]
+    for store in stores:
+        await store.open([])
+    yield stores[0], stores[1]
+    for store in stores:
+        await store.close()
+    for client in clients:
+        await client.close()
+
+
+async def test_a_bucket_another_box_made_again_is_followed_from_its_first_revision(nats_server, two_stores) -> None:
+    """The server lost its memory: box b reconnects first and makes the bucket again (revisions from 1), then
+    box a finds it there. a used to keep its old, higher revisions and ignore b's later changes."""
+    a, b = two_stores
+    await a.create(spec("m0"))
+    for i in range(10):  # m0's revision well above what the new bucket will count to
+        await a.set_pinned(a.catalog.get("m0"), i % 2 == 0)
+    await wait_for(lambda: b.catalog.get("m0") is not None, what="b to see m0")
+    await a.close()
+    await b.close()
+    client = await nats.connect(nats_server.url)
+    await client.jetstream().delete_key_value(bus.MODELS_BUCKET)  # as a restarted in-memory server
+    await client.close()
+    await b.reopen()  # missing: made again from b's view
+    await a.reopen()  # there: followed afresh
+    await b.delete(b.catalog.get("m0"))
+    await b.create(spec("m1"))
+    await wait_for(lambda: a.catalog.get("m1") is not None, what="a to see m1")
+    assert a.catalog.get("m0") is None
+
+
+async def test_a_model_missing_from_a_bucket_made_again_is_forgotten(nats_server, two_stores) -> None:
+    """A bucket made again by another box holds that box's view only: a model it never knew is not served."""
+    a, b = two_stores
+    await b.close()  # b hears nothing of what follows
+    await a.create(spec("only-a"))
+    await a.close()
+    client = await nats.connect(nats_server.url)
+    await client.jetstream().delete_key_value(bus.MODELS_BUCKET)
+    await client.close()
+    await b.reopen()
+    await a.reopen()
+    assert a.catalog.get("only-a") is None and a.catalog.names() == b.catalog.names()
+
+
+async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_back(two_stores) -> None:
+    a, b = two_stores
+    await a.create(spec("p"))
+    await wait_for(lambda: b.catalog.get("p") is not None, what="b to see p")
+    update = a._kv.update
+
+    async def update_then_deleted_elsewhere(key, value, last=None, **kwargs):
+        revision = await update(key, value, last=last, **kwargs)
+        await b.delete(b.catalog.get("p"))  # another box deletes p right after the pin
+        await wait_for(lambda: a.catalog.get("p") is None, what="a's watch to bring the delete")
+        return revision
+
+    a._kv.update = update_then_deleted_elsewhere
+    await a.set_pinned(a.catalog.get("p"), True)
+    assert a.catalog.get("p") is None
+
+
+async def test_a_delete_does_not_take_away_a_registration_made_since_on_another_box(two_stores) -> None:
+    a, b = two_stores
+    await a.create(spec("d"))
+    await wait_for(lambda: b.catalog.get("d") is not None, what="b to see d")
+    delete = a._kv.delete
+
+    async def delete_then_registered_elsewhere(key, *args, **kwargs):
+        done = await delete(key, *args, **kwargs)
+        await b.create(spec("d", "dee"))  # registered again at once on another box
+        await wait_for(lambda: getattr(a.catalog.get("d"), "aliases", None) == ("dee",), what="a to see the new d")
+        return done
+
+    a._kv.delete = delete_then_registered_elsewhere
+    await a.delete(a.catalog.get("d"))
+    assert a.catalog.get("d") is not None and a.catalog.get("d").aliases == ("dee",)
+
+
+async def test_a_registration_whose_second_look_at_a_name_fails_is_a_409_as_before(start_box, http) -> None:
+    """The bucket lookup before a 409 (a name this box sees taken) fails with NATS away: not a 500."""
+    box = await start_box(default_model=False, models=[noop_model("kept")])
+
+    async def no_answer(*args, **kwargs):
+        raise NatsTimeout
+
+    box.store._kv.get = no_answer
+    async with http.post(url(box, "/v1/models"), json={"name": "kept", "path": "x"}) as response:
+        status, body = response.status, await response.json()
+    assert (status, body["error"]["code"]) == (409, "model_exists"), body
+
+
+async def test_a_restore_retries_a_queue_jetstream_could_not_make_yet(nats_server, monkeypatch) -> None:
+    """After a reconnect a stream may have no leader yet (10008): that is retried, not taken for a refusal."""
+    client = await nats.connect(nats_server.url)
+    js = client.jetstream()
+    calls = 0
+    ensure = bus.ensure_request_consumers
+
+    async def no_leader_once(js, slug, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ServiceUnavailableError(
+                code=503, err_code=10008, description="JetStream system temporarily unavailable"
+            )
+        await ensure(js, slug, **kwargs)
+
+    monkeypatch.setattr(bus, "ensure_request_consumers", no_leader_once)
+    try:
+        await restore_after_reconnect(js, box_settings(nats_server.url), Catalog([spec("m")]), None, None)
+        await js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("m"))  # raises NotFoundError if not made
+    except NotFoundError:
+        pytest.fail(f"the restore returned without m's queue (tries: {calls})")
+    finally:
+        await client.close()
+
+
+async def test_a_box_whose_nats_user_may_not_raise_the_consumer_limit_still_starts(tmp_path: Path) -> None:
+    """A user denied the stream-update subject gets no answer at all (a timeout), on a stream an older fleetbox
+    made: the box logs it and starts; it used to fail its start after a minute of retries."""
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        "authorization { users = [\n"
+        "  {user: admin, password: a}\n"
+        '  {user: box, password: b, permissions: {publish: {allow: ">", deny: ["$JS.API.STREAM.UPDATE.>"]}, '
+        'subscribe: {allow: ">"}}}\n'
+        "] }\n"
+    )
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=free_port(), extra_args=("-c", str(conf)))
+    await server.start()
+    admin = await nats.connect(f"nats://admin:a@127.0.0.1:{server.port}")
+    box = Box(box_settings(f"nats://box:b@127.0.0.1:{server.port}", default_model=False, models=[noop_model("k")]))
+    try:
+        stream = StreamConfig(
+            name=bus.REQUEST_STREAM,
+            subjects=bus.request_subjects(),
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.MEMORY,
+        )
+        await admin.jetstream().add_stream(stream)
+        await box.start()
+        assert box.stream_ok
+    finally:
+        await box.stop()
+        await admin.close()
+        await server.stop()
