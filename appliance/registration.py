@@ -27,11 +27,12 @@ from appliance.catalog import (
 )
 from appliance.catalog_store import CatalogStore
 from appliance.devices import HARDWARE_SLUG
-from appliance.errors import Conflict, Forbidden, NotFound, Unprocessable
+from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
+from runtimes.config_check import ConfigNotJudged
 from runtimes.detect import check_adapter_folder, check_loadable, detect_task
 
 _registration = msgspec.json.Decoder(ModelRegistration)
@@ -89,6 +90,8 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
         task = asked
     try:
         check_loadable(folder, task, RuntimeKind(registration.runtime), registration.options)
+    except ConfigNotJudged as exc:  # this box could not judge it (a child process that timed out): not the folder
+        raise ServiceUnavailable(str(exc), retry_after_s=1) from None
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_model") from None
     return task

@@ -17,8 +17,8 @@ verdicts are the same: the config's dtype is the one field torch changes, and th
 its own, as this does; over 14,872 configs (every text family transformers ships, with fields of the
 wrong type) the refusals were the same word for word, and tests/runtimes/test_config_check.py holds
 the two against each other. A child with no verdict within `JUDGE_TIMEOUT_S` (35 times its cost) is
-killed and the registration refused saying so: a 201 would promise requests to a model whose load may
-hang or fail, while a refused registration costs the client one retry. In this process there is no
+killed and the registration refused saying so (503, `ConfigNotJudged`): a 201 would promise requests to a
+model whose load may hang or fail, while a refused registration costs the client one retry. In this process there is no
 timeout (a thread cannot be killed): it is the very work this box's load would do.
 """
 
@@ -33,12 +33,17 @@ from pathlib import Path
 
 from runtimes.base import UnsupportedModel
 
-__all__ = ["JUDGE_TIMEOUT_S", "judge_config"]
+__all__ = ["JUDGE_TIMEOUT_S", "ConfigNotJudged", "judge_config"]
 
 JUDGE_TIMEOUT_S = 30.0
 _MOST_CHARS = 300  # of transformers' refusal: it quotes the value, which may be any size
 # The dtype the load passes (the runtime's, as a torch dtype); any real one makes the same verdict.
 _LOAD_DTYPE = "float32"
+
+
+class ConfigNotJudged(UnsupportedModel):
+    """The judging child gave no verdict (it timed out, did not start, or died): nothing is known of the folder,
+    so the registration is refused for now (a 503, not the client's fault) rather than let through or blamed."""
 
 
 def judge_config(folder: Path, *, timeout_s: float = JUDGE_TIMEOUT_S) -> list[str] | None:
@@ -88,17 +93,17 @@ def _judged_apart(folders: list[Path], timeout_s: float) -> dict[str, dict]:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     except subprocess.TimeoutExpired:  # `run` has killed the child
-        raise UnsupportedModel(
+        raise ConfigNotJudged(
             f"config.json could not be judged by transformers within {timeout_s:g} s; try the registration again"
         ) from None
     except OSError as exc:
-        raise UnsupportedModel(f"config.json could not be judged: the judging process did not start ({exc})") from None
+        raise ConfigNotJudged(f"config.json could not be judged: the judging process did not start ({exc})") from None
     try:
         verdicts = json.loads(done.stdout)
         return {str(folder): dict(verdicts[str(folder)]) for folder in folders}
     except (ValueError, KeyError, TypeError):
         said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise UnsupportedModel(f"config.json could not be judged by transformers: {said[:_MOST_CHARS]}") from None
+        raise ConfigNotJudged(f"config.json could not be judged by transformers: {said[:_MOST_CHARS]}") from None
 
 
 def main(folders: list[str]) -> None:

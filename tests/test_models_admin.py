@@ -16,11 +16,13 @@ import torch
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError
 
-from appliance import bus
+from appliance import bus, registration
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
 from appliance.catalog import ModelSpec
-from appliance.errors import NotFound
+from appliance.errors import NotFound, ServiceUnavailable
+from appliance.schemas import ModelRegistration
+from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
 from tests.models import save_generator
 from tests.test_large_and_broken import folder_that_fails_to_load
@@ -619,3 +621,16 @@ async def test_a_name_deleted_on_one_box_is_free_on_another_before_its_watch_hea
     assert second.catalog.get("m1") is None
     status, answer = await call(http, second, "POST", "/v1/embeddings", {"model": "m2", "input": "still here"})
     assert status == 200, answer
+
+
+def test_a_config_this_box_could_not_judge_is_a_503_not_the_folders_fault(monkeypatch, encoder_dir) -> None:
+    """A gateway judges config.json in a child process; one that gives no verdict in time says nothing of the
+    folder: 503 (send it again), where it was a 422 as if the folder were bad."""
+
+    def not_judged(*args, **kwargs):
+        raise ConfigNotJudged("config.json could not be judged by transformers within 30 s; try the registration again")
+
+    monkeypatch.setattr(registration, "check_loadable", not_judged)
+    with pytest.raises(ServiceUnavailable, match="within 30 s") as refused:
+        registration._task_for(ModelRegistration(name="m", path=str(encoder_dir)), encoder_dir)
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"

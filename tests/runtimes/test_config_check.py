@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoConfig
 
 from runtimes.base import UnsupportedModel
-from runtimes.config_check import _judged, _judged_apart, judge_config
+from runtimes.config_check import ConfigNotJudged, _judged, _judged_apart, judge_config
 from runtimes.implemented import model_types
 from tests.runtimes.test_detect import qwen2_dir, with_config
 
@@ -68,7 +68,7 @@ def test_a_child_process_without_torch_judges_as_this_process_does(
 
 
 def test_a_judgement_that_takes_too_long_is_killed_and_refused_saying_so(qwen2_dir: Path) -> None:
-    with pytest.raises(UnsupportedModel, match=r"could not be judged by transformers within 0\.01 s; try"):
+    with pytest.raises(ConfigNotJudged, match=r"could not be judged by transformers within 0\.01 s; try"):
         _judged_apart([qwen2_dir], timeout_s=0.01)
 
 
