@@ -91,7 +91,7 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
     try:
         check_loadable(folder, task, RuntimeKind(registration.runtime), registration.options)
     except ConfigNotJudged as exc:  # this box could not judge it (a child process that timed out): not the folder
-        raise ServiceUnavailable(str(exc), retry_after_s=1) from None
+        raise ServiceUnavailable(str(exc), retry_after_s=10) from None
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_model") from None
     return task

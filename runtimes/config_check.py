@@ -9,17 +9,17 @@ says the decoder's layer types as the load's `check_full_attention` reads them.
 
 The one idea is where the call runs. transformers' config module imports torch when torch is installed
 (`modeling_rope_utils`), and a gateway-only box must never take torch in for a registration. So it runs
-in this process when torch is here already (a box that runs models: ~1 ms a folder; 1.3 s the first
-time, importing transformers, which the box's first load does anyway), else in a short-lived child that
-hides torch (`sys.modules["torch"] = None`, and transformers reads configs without it): 0.8 s and 67 MB
-a registration, where a child importing torch takes 2.1 s and 250 MB (22 s from a cold disk). The
-verdicts are the same: the config's dtype is the one field torch changes, and the load overrides it with
-its own, as this does; over 14,872 configs (every text family transformers ships, with fields of the
-wrong type) the refusals were the same word for word, and tests/runtimes/test_config_check.py holds
-the two against each other. A child with no verdict within `JUDGE_TIMEOUT_S` (35 times its cost) is
-killed and the registration refused saying so (503, `ConfigNotJudged`): a 201 would promise requests to a
-model whose load may hang or fail, while a refused registration costs the client one retry. In this process there is no
-timeout (a thread cannot be killed): it is the very work this box's load would do.
+in this process once a load has imported torch and transformers' auto classes (a box that has loaded a
+model: ~1 ms a folder), else in a short-lived child that hides torch (`sys.modules["torch"] = None`, and
+transformers reads configs without it): 0.8 s and 67 MB a registration, where a child importing torch
+takes 2.1 s and 250 MB (22 s from a cold disk). The verdicts are the same: the config's dtype is the one
+field torch changes, and the load overrides it with its own, as this does; over 14,872 configs (every
+text family transformers ships, with fields of the wrong type) the refusals were the same word for
+word, and tests/runtimes/test_config_check.py holds the two against each other. A child with no verdict
+within `JUDGE_TIMEOUT_S` (35 times its cost) is killed and the registration refused saying so (503,
+`ConfigNotJudged`): a 201 would promise requests to a model whose load may hang or fail, while a refused
+registration costs the client one retry. In this process there is no timeout (a thread cannot be
+killed): it is the very work this box's load would do.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def judge_config(folder: Path, *, timeout_s: float = JUDGE_TIMEOUT_S) -> list[st
     Otherwise the decoder's layer types the config lists (None where it lists none).
     """
     folder = Path(folder).resolve()
-    if "torch" in sys.modules:
+    if _imported_whole("torch") and _imported_whole("transformers.models.auto.modeling_auto"):
         verdict = _judged(folder)
     else:
         verdict = _judged_apart([folder], timeout_s)[str(folder)]
@@ -60,6 +60,14 @@ def judge_config(folder: Path, *, timeout_s: float = JUDGE_TIMEOUT_S) -> list[st
     if refusal is not None:
         raise UnsupportedModel(f"{folder}/config.json does not load in transformers: {refusal}")
     return verdict.get("layer_types")
+
+
+def _imported_whole(module: str) -> bool:
+    """Whether `module` has been imported to its end. transformers' first import is not safe from two threads
+    at once (its lazy module: a load on the device thread then found no `AutoModel`, or this no `AutoConfig`),
+    so this process judges only once a load has imported its auto classes; until then the child does."""
+    imported = sys.modules.get(module)
+    return imported is not None and not getattr(getattr(imported, "__spec__", None), "_initializing", False)
 
 
 def _judged(folder: Path) -> dict:
@@ -89,9 +97,13 @@ def _judged_apart(folders: list[Path], timeout_s: float) -> dict[str, dict]:
     """The verdicts of a child process that hides torch; `UnsupportedModel` when it gives none in time."""
     package_root = str(Path(__file__).resolve().parents[1])  # the child imports this very `runtimes`
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "runtimes.config_check", *map(str, folders)]
+    # -P and the package's own folder as the working directory: never a `runtimes` found in the box's working
+    # directory, and no failure where that directory was deleted under a running box.
+    command = [sys.executable, "-P", "-m", "runtimes.config_check", *map(str, folders)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=package_root, check=False
+        )
     except subprocess.TimeoutExpired:  # `run` has killed the child
         raise ConfigNotJudged(
             f"config.json could not be judged by transformers within {timeout_s:g} s; try the registration again"

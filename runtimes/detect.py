@@ -53,6 +53,7 @@ _MOST = {
     "num_attention_heads": 1024,
     "vocab_size": 4_194_304,
 }
+_MOST_LABELS = 262_144  # a classifier's labels: transformers makes a name for each while it reads the config
 
 
 def detect_task(folder: Path) -> Task:
@@ -136,6 +137,11 @@ def _check_sizes(config: Mapping[str, Any], config_file: Path) -> None:
                 raise UnsupportedModel(
                     f"{config_file}: {key} is {json.dumps(value)[:40]}; a whole number from 1 to {most} is expected"
                 )
+    labels = config.get("num_labels")
+    if (isinstance(labels, int) and labels > _MOST_LABELS) or len(config.get("id2label") or ()) > _MOST_LABELS:
+        raise UnsupportedModel(
+            f"{config_file}: more than {_MOST_LABELS} labels; no classifier fleetbox serves has so many"
+        )
 
 
 def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapping[str, Any]) -> None:

