@@ -16,9 +16,10 @@ from contextlib import suppress
 from typing import Any
 
 import orjson
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
@@ -106,13 +107,30 @@ class Fleet:
                 self._apply(entry)
 
     async def claim(self, what: str) -> bool:
-        """Be the one box to do `what` (load a cold model, say) for the next TTL; False if another box is."""
+        """Be the one box to do `what` (load a cold model, say) for the next TTL; False if another box is.
+        A claim this box holds already is its own again: a model it evicted (or that was deleted and registered
+        again) and loads anew did wait out its own earlier claim, up to a TTL (5 s) before a 0.05 s load."""
         assert self._kv is not None
+        key = f"{_CLAIM}{what}"
         try:
-            await self._kv.create(f"{_CLAIM}{what}", self.box_id.encode())
+            await self._kv.create(key, self.box_id.encode())
         except KeyWrongLastSequenceError:
-            return False
+            try:
+                held = await self._kv.get(key)
+            except KeyNotFoundError:  # lapsed or given back since: free, but taken on the next pass
+                return False
+            return held.value == self.box_id.encode()
         return True
+
+    async def release(self, what: str) -> None:
+        """Give back this box's claim on `what` once it is done (a load finished, or failed): the heartbeat says
+        the rest, and another box need not wait out the TTL to load the model again after an eviction here."""
+        assert self._kv is not None
+        key = f"{_CLAIM}{what}"
+        with suppress(NatsError):
+            held = await self._kv.get(key)
+            if held.value == self.box_id.encode():
+                await self._kv.delete(key, last=held.revision)
 
     def _apply(self, entry: KeyValue.Entry) -> None:
         if entry.key.startswith(_CLAIM):

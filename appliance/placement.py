@@ -35,6 +35,10 @@ _JITTER_S = 0.3
 _RETRY_AFTER_FAILURE_S = 30.0
 
 
+def _load_claim(spec: ModelSpec) -> str:
+    return f"load.{spec.slug}"
+
+
 def load_failed(model: str, box_id: str, exc: BaseException) -> ServiceUnavailable:
     """The 503 for a model whose load failed on this box, as a waiting request or an admin `load` sees it."""
     return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason_of(exc)}")
@@ -86,13 +90,13 @@ class Placement:
             await asyncio.sleep(random.uniform(0, _JITTER_S))
             if not self._should_load(spec.name, waiting):
                 continue
-            holders = self._holders(spec.name)
-            if not holders and box.fleet is not None and not await box.fleet.claim(f"load.{spec.slug}"):
+            claimed = not self._holders(spec.name) and box.fleet is not None
+            if claimed and not await box.fleet.claim(_load_claim(spec)):
                 continue  # another box claimed the first load of this model
             self._loading.add(spec.name)
             if box.fleet is not None:
                 await box.fleet.beat()  # tell the fleet at once that this model is on its way here
-            self._loads.spawn(self._load(spec))
+            self._loads.spawn(self._load(spec, claimed))
 
     def _holders(self, name: str) -> list[str]:
         return self._box.fleet.holders(name, loading=True) if self._box.fleet else []
@@ -116,9 +120,9 @@ class Placement:
                 waiting += int(info.num_ack_pending or 0)
         return waiting
 
-    async def _load(self, spec) -> None:
+    async def _load(self, spec: ModelSpec, claimed: bool) -> None:
         try:
-            await self._box.workers.serve(spec)
+            await self._serve(spec, claimed)
         except Exception as exc:
             error = load_failed(spec.name, self._box.box_id, exc)
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
@@ -129,6 +133,15 @@ class Placement:
                 await self._refuse(spec, error)
         finally:
             self._loading.discard(spec.name)
+
+    async def _serve(self, spec: ModelSpec, claimed: bool) -> None:
+        """Load the model and start its worker; a first-load claim is given back either way (the heartbeat
+        has said where it is by then)."""
+        try:
+            await self._box.workers.serve(spec)
+        finally:
+            if claimed and self._box.fleet is not None:
+                await self._box.fleet.release(_load_claim(spec))
 
     async def _refuse(self, spec: ModelSpec, error: FleetboxError) -> None:
         """Answer the requests waiting for a model that failed to load, until the next load attempt here

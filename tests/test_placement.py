@@ -1,0 +1,44 @@
+"""Which box loads a cold model: the first load is claimed fleet-wide, and the claim must not outlive the
+load it was for (a reload after an eviction, or after a delete and a new registration, waited it out)."""
+
+from __future__ import annotations
+
+from appliance import bus
+from appliance.bus import model_slug
+from tests.conftest import noop_model, url, wait_for
+
+
+async def _embed(http, box, model: str, timeout_s: float) -> int:
+    body = {"model": model, "input": "wake up", "timeout": timeout_s}
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        return response.status
+
+
+async def test_a_model_evicted_here_loads_again_without_waiting_out_its_first_load_claim(start_box, http) -> None:
+    """The claim lives as long as a heartbeat (here 60 s, as a slow fleet might set it): the box that held it
+    reloaded only once it lapsed, so a request with a 20 s deadline after an eviction was a 504."""
+    box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)], heartbeat_ttl_s=60.0)
+    assert await _embed(http, box, "cold", 20.0) == 200
+    boxes = await box.js.key_value(bus.BOXES_BUCKET)
+    claim = f"claim.load.{model_slug('cold')}"
+
+    async def claim_given_back() -> bool:
+        return claim not in await boxes.keys()
+
+    await wait_for(claim_given_back, what="the first-load claim given back once the model is resident")
+    async with http.post(url(box, "/v1/models/cold/evict")) as response:
+        assert response.status == 200
+    assert await _embed(http, box, "cold", 20.0) == 200
+
+
+async def test_a_claim_this_box_holds_is_its_own_and_another_boxs_is_not(start_box) -> None:
+    first = await start_box(default_model=False, models=[noop_model("kept")])
+    second = await start_box(default_model=False, models=[noop_model("kept")])
+    assert first.fleet is not None and second.fleet is not None
+    assert await first.fleet.claim("load.x")
+    assert await first.fleet.claim("load.x")  # its own still
+    assert not await second.fleet.claim("load.x")
+    await second.fleet.release("load.x")  # not its to give back
+    assert not await second.fleet.claim("load.x")
+    await first.fleet.release("load.x")
+    assert await second.fleet.claim("load.x")
