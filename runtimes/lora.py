@@ -7,11 +7,15 @@ they are, shared by every adapter; an adapter costs only its own A/B matrices (a
 `modules_to_save` copy, such as a classifier head trained with it).
 
 peft wraps the base model in place the first time an adapter is loaded (`PeftModel.from_pretrained`)
-and later ones are added with `load_adapter`; eviction is `delete_adapter`, and evicting the last one
-takes the wrapper off again (`unload`), leaving the plain base model. Because loading, evicting
-and peft's per-call forward hooks all touch the shared modules, every forward goes through
-`LoraAdapters.__call__`, which holds one lock: calls on one model are serialised, as they are on one
-device anyway.
+and later ones are added with `load_adapter`; eviction is `delete_adapter`. peft swaps modules in
+place, and a load that fails half way (an adapter trained for another head, say) leaves them swapped,
+so the base's own module tree is remembered before the first adapter: a failed first load, and the
+eviction of the last adapter, put that tree back, which gives the base model exactly as it was loaded
+(its own classifier head, not a `modules_to_save` copy). A failed later load deletes what it added.
+
+Because loading, evicting and peft's per-call forward hooks all touch the shared modules, every
+forward goes through `LoraAdapters.__call__`, which holds one lock: calls on one model are
+serialised, as they are on one device anyway.
 
 How the serving side uses it (every torch runtime exposes the same three methods):
 
@@ -46,6 +50,7 @@ class LoraAdapters:
     def __init__(self, model: torch.nn.Module) -> None:
         self._base = model
         self._peft: Any = None  # a peft.PeftModel once the first adapter is loaded
+        self._tree: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # the base's modules before peft
         self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -54,6 +59,7 @@ class LoraAdapters:
         with self._lock:
             del self._base
             self._peft = None
+            self._tree = []
             self._bytes.clear()
 
     @property
@@ -73,13 +79,21 @@ class LoraAdapters:
         with self._lock:
             if name in self._bytes:
                 return self._bytes[name]
+            first = self._peft is None
+            if first:
+                self._tree = _module_tree(self._base)
             try:
-                if self._peft is None:
+                if first:
                     self._peft = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, is_trainable=False)
                 else:
                     self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
             except (RuntimeError, ValueError, KeyError) as error:
-                # peft raises these for an adapter trained on another base (shape or module mismatch).
+                # peft raises these for an adapter trained on another base (shape or module mismatch), with
+                # its layers already injected and partly loaded: take them out again.
+                if first:
+                    self._unwrap()
+                else:
+                    self._drop_partial(name)
                 raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
@@ -93,10 +107,22 @@ class LoraAdapters:
             self._peft.delete_adapter(name)
             del self._bytes[name]
             if not self._bytes:
-                # peft cannot add an adapter to a wrapper left with none, so take the wrapper off: with
-                # no adapter left, `unload` hands back the base model exactly as it was loaded.
-                self._base = self._peft.unload()
-                self._peft = None
+                self._unwrap()  # peft cannot add an adapter to a wrapper left with none
+
+    def _unwrap(self) -> None:
+        """Put the base's own modules back where peft swapped in its wrappers, and forget the wrapper."""
+        for parent, attribute, child in self._tree:
+            if getattr(parent, attribute) is not child:
+                setattr(parent, attribute, child)
+        if "peft_config" in vars(self._base):
+            del self._base.peft_config  # set on the base by peft's tuner
+        self._tree = []
+        self._peft = None
+
+    def _drop_partial(self, name: str) -> None:
+        """Delete what a failed load of `name` injected next to the adapters already resident."""
+        if name in self._peft.peft_config:
+            self._peft.delete_adapter(name)
 
     def check(self, names: Sequence[str | None]) -> None:
         """Raise `UnknownAdapter` for the first name that is not resident."""
@@ -114,6 +140,11 @@ class LoraAdapters:
             rows = adapters if adapters is not None else [None] * _batch_size(inputs)
             names = [BASE if name is None else name for name in rows]
             return self._peft(**inputs, adapter_names=names)
+
+
+def _module_tree(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """Every (parent, attribute, child) of `model`: what peft's in-place wrapping replaces."""
+    return [(parent, attribute, child) for parent in model.modules() for attribute, child in parent.named_children()]
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:

@@ -118,6 +118,63 @@ def test_folders_that_are_not_a_fitting_lora_are_refused(
     runtime.close()
 
 
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+def _assert_same_model(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    now = model.state_dict()
+    assert set(now) == set(weights)  # no peft layer left behind, under any name
+    for key, value in weights.items():
+        assert torch.equal(now[key], value), key
+
+
+def test_an_adapter_for_another_head_leaves_the_base_exactly_as_it_was(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path]
+) -> None:
+    """peft injects its layers in place before the weights fail to load: a 3-label classifier's LoRA on a
+    1-label cross-encoder, as its first adapter, left the base answering with the half-loaded LoRA."""
+    runtime = load_runtime(ModelSource(model_dirs[Task.SCORE], Task.SCORE))
+    model = runtime.backend.model  # type: ignore[attr-defined]
+    batch = _batch(Task.SCORE, runtime)
+    before, weights = runtime.run(batch), _weights(model)
+    with pytest.raises(UnsupportedModel, match="does not fit"):
+        runtime.load_adapter("other-head", adapter_dirs[Task.CLASSIFY])
+    assert runtime.adapters == ()
+    np.testing.assert_array_equal(runtime.run(batch), before)
+    _assert_same_model(model, weights)
+
+    # The same next to an adapter already resident: the base and that adapter are untouched.
+    runtime.load_adapter("tuned", adapter_dirs[Task.SCORE])
+    tuned = runtime.run(batch, adapter="tuned")
+    with pytest.raises(UnsupportedModel, match="does not fit"):
+        runtime.load_adapter("other-head", adapter_dirs[Task.CLASSIFY])
+    assert runtime.adapters == ("tuned",)
+    np.testing.assert_array_equal(runtime.run(batch), before)
+    np.testing.assert_array_equal(runtime.run(batch, adapter="tuned"), tuned)
+    runtime.evict_adapter("tuned")
+    _assert_same_model(model, weights)
+    runtime.close()
+
+
+def test_evicting_the_last_adapter_gives_back_the_base_and_its_own_head(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    from tests.models import make_adapter
+
+    runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    model = runtime.backend.model  # type: ignore[attr-defined]
+    batch = runtime.tokenize(TEXTS)
+    before, weights = runtime.run(batch), _weights(model)
+    runtime.load_adapter("first", adapter_dirs[Task.CLASSIFY])  # each carries a trained copy of the head
+    runtime.load_adapter("second", make_adapter(Task.CLASSIFY, model_dirs[Task.CLASSIFY], tmp_path, seed=77))
+    runtime.evict_adapter("first")
+    runtime.evict_adapter("second")
+    np.testing.assert_array_equal(runtime.run(batch), before)
+    _assert_same_model(model, weights)
+    runtime.close()
+
+
 @pytest.fixture(scope="module")
 def generator_with_adapters(
     model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], second_generator_adapter_dir: Path
