@@ -8,6 +8,7 @@ Requests past their deadline, or cancelled by their gateway, are dropped at the 
 A request the model fails on before any of its answer has left the box (its prefill, or a decode
 step that failed for the whole batch) is tried again and, past `max_deliver`, dead-lettered, as the
 encoder worker does; one that has already streamed chunks ends with an error chunk instead.
+A model deleted from the catalog has nobody to hand its requests back to: they are answered 404 at once.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import logging
 import time
 from collections.abc import Coroutine
 from concurrent.futures import Executor
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
@@ -30,11 +33,12 @@ from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
     GatewayTimeout,
     InternalError,
+    NotFound,
     Unprocessable,
     deadline_passed,
 )
@@ -82,6 +86,7 @@ class GenerateWorker:
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
         self._local_reply = local_reply
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
+        self._retired = False  # the model was deleted: whatever still arrives is answered 404
         self.spec = spec
         self.runtime = runtime
         self._nc = nc
@@ -91,6 +96,7 @@ class GenerateWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
+        self._js = js
         self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
@@ -170,6 +176,9 @@ class GenerateWorker:
             self._metrics.cancelled.labels(self.spec.name).inc()
             self._spawn(msg.ack())
             return
+        if self._retired:
+            self._spawn(self._fail(meta, msg, self._deleted_error("queued")))
+            return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
         if meta.expired:
@@ -186,6 +195,8 @@ class GenerateWorker:
             if meta.adapter is not None:
                 adapter = await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
             prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
+            if self._retired:
+                raise self._deleted_error("queued")
             self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)
         except FleetboxError as exc:
             await self._fail(meta, msg, exc)
@@ -356,7 +367,11 @@ class GenerateWorker:
 
         Bounded by the grace and `_SETTLE_S` after it, inside the box's own bound for a worker's drain;
         whatever is cut short, what is still held is handed back (nak) and the keep-alive stopped.
+        A model the catalog no longer holds is not drained but retired (`_retire`).
         """
+        if self._deleted():
+            await self._retire()
+            return
         grace_s = self._settings.shutdown_grace_s
         self._stopping = True
         loop = asyncio.get_running_loop()
@@ -384,6 +399,49 @@ class GenerateWorker:
                 self._streams.clear()
             await self._tasks.cancel()
             await cancel_and_wait([self._ticker])
+
+    def _deleted(self) -> bool:
+        """The catalog no longer holds this model: deleted, or its name registered again on another folder."""
+        current = self._catalog.get(self.spec.name)
+        return current is None or current.path != self.spec.path
+
+    def _deleted_error(self, doing: str) -> NotFound:
+        return NotFound(f"model {self.spec.name!r} was deleted while this request was {doing}", code="model_not_found")
+
+    async def _retire(self) -> None:
+        """The model was deleted: answer every request held here 404 at once, and empty its queue.
+
+        Handed back, a request would wait with no consumer until its deadline, or be answered by
+        whatever model is registered under the name next, which is not the model the client asked for.
+        """
+        self._stopping = self._retired = True
+        try:
+            await self.puller.stop()
+            await self.bulk_puller.stop()
+            await cancel_and_wait([self._stepper])
+            await asyncio.get_running_loop().run_in_executor(self._device, self.runtime.clear)
+            for request_id in list(self._streams):
+                stream = self._forget(request_id)
+                assert stream is not None
+                self._spawn(self._fail(stream.meta, stream.msg, self._deleted_error("generating"), seq=stream.seq))
+            # Requests being admitted see `_retired` and are answered the same way.
+            await self._tasks.wait(self._settings.shutdown_grace_s + _SETTLE_S)
+            await self._purge_queue()
+        finally:
+            await self._tasks.cancel()
+            await cancel_and_wait([self._ticker])
+
+    async def _purge_queue(self) -> None:
+        """Drop what still waits for the deleted model. Its consumers are deleted with it, and a work queue
+        keeps a message no consumer acked (an ack made after the deletion counts for nothing) until
+        `stream_max_age_s`; a registration of the name made meanwhile would take them up. Not once the
+        catalog holds the slug again: what waits then is the new model's."""
+        if self._catalog.by_slug(self.spec.slug) is not None:
+            return
+        for priority in PRIORITIES:
+            subject = bus.request_subject(self.spec.slug, priority)
+            with suppress(NatsError):  # NATS away: they expire with the stream's max age
+                await self._js.purge_stream(bus.REQUEST_STREAM, subject=subject)
 
     def _forget(self, request_id: str) -> Stream | None:
         stream = self._streams.pop(request_id, None)

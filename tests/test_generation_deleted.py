@@ -1,0 +1,109 @@
+"""A generator deleted while it generates: its requests are answered 404 at once and leave the queue.
+
+Handed back (as a drain does for a model that stays in the catalog) they would wait with no consumer
+until their deadline, or be generated again by whatever model is registered under the name next.
+The queue, the box and the tiny generator are real; a threading.Event in a wrapper of the runtime's
+own `_decode` holds the device thread at the first decode step until the model is deleted, so the
+requests are mid-generation then, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+
+import orjson
+
+from appliance import bus
+from appliance.settings import ModelEntry
+from tests.conftest import url, wait_for
+
+MODEL = "tiny-llama"
+_BOUND_S = 20.0  # the most the device thread is held waiting for the test
+
+
+def hold_decoding(runtime) -> tuple[threading.Event, threading.Event]:
+    """(entered, release): the first decode step waits for `release` once it has set `entered`."""
+    decode, entered, release = runtime._decode, threading.Event(), threading.Event()
+
+    def held_decode():
+        entered.set()
+        release.wait(_BOUND_S)
+        return decode()
+
+    runtime._decode = held_decode
+    return entered, release
+
+
+async def streamed_error(http, box, body: dict) -> tuple[int, dict | None]:
+    """The stream's status and its error event, if any (after which it must end with [DONE])."""
+    async with http.post(url(box, "/v1/completions"), json=body | {"stream": True}) as response:
+        events = [line[6:] async for line in response.content if line.startswith(b"data: ")]
+    assert events[-1].strip() == b"[DONE]"
+    errors = [orjson.loads(e)["error"] for e in events[:-1] if b'"error"' in e]
+    return response.status, errors[0] if errors else None
+
+
+async def whole(http, box, body: dict) -> tuple[int, dict]:
+    async with http.post(url(box, "/v1/completions"), json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_requests_of_a_generator_deleted_mid_generation_are_answered_404_and_leave_the_queue(
+    start_box, http, generator_dir
+) -> None:
+    model = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
+    box = await start_box(default_model=False, models=[model])
+    worker = box.workers[MODEL]
+    entered, release = hold_decoding(worker.runtime)
+    body = {"model": MODEL, "prompt": "Alice", "max_tokens": 200, "temperature": 0, "timeout": 30}
+    streamed = asyncio.create_task(streamed_error(http, box, body))
+    await wait_for(entered.is_set, what="the stream to be decoding")
+    answered = asyncio.create_task(whole(http, box, body))
+    await wait_for(lambda: len(worker._streams) == 2, what="the second request to wait for the next step")
+
+    async with http.delete(url(box, f"/v1/models/{MODEL}")) as response:
+        assert response.status == 200
+    await wait_for(lambda: MODEL not in box.workers, what="the worker to stop")
+    release.set()
+
+    async with asyncio.timeout(30):
+        (stream_status, stream_error), (status, answer) = await asyncio.gather(streamed, answered)
+    assert stream_status == 200  # the stream had begun: its error is an event
+    assert stream_error is not None and stream_error["code"] == "model_not_found", stream_error
+    assert "was deleted while this request was generating" in stream_error["message"]
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+
+    async def queue_empty() -> bool:
+        info = await box.js.stream_info(bus.REQUEST_STREAM, subjects_filter=bus.request_subject(bus.model_slug(MODEL)))
+        return info.state.messages == 0
+
+    await wait_for(queue_empty, what="nothing of the deleted model left in the queue")
+    await wait_for(lambda: not box.residency.is_resident(MODEL), what="the deleted model to be unloaded")
+
+
+async def test_requests_of_a_deleted_generator_are_not_generated_by_the_model_registered_next_under_its_name(
+    start_box, http, generator_dir, tmp_path
+) -> None:
+    other = shutil.copytree(generator_dir, tmp_path / "other")
+    model = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
+    box = await start_box(default_model=False, models=[model], model_roots=[generator_dir.parent, tmp_path])
+    worker = box.workers[MODEL]
+    entered, release = hold_decoding(worker.runtime)
+    body = {"model": MODEL, "prompt": "Alice", "max_tokens": 200, "temperature": 0, "timeout": 30}
+    old = asyncio.create_task(whole(http, box, body))
+    await wait_for(entered.is_set, what="the request to be decoding")
+
+    async with http.delete(url(box, f"/v1/models/{MODEL}")) as response:
+        assert response.status == 200
+    registration = {"name": MODEL, "path": str(other), "task": "generate"}
+    async with http.post(url(box, "/v1/models"), json=registration) as response:
+        assert response.status == 201, await response.text()
+    release.set()
+
+    async with asyncio.timeout(30):
+        status, answer = await old
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+    status, answer = await whole(http, box, body | {"max_tokens": 4})
+    assert status == 200, answer  # the new model's own queue was left alone
