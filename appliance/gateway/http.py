@@ -102,6 +102,7 @@ def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
 
 
 def _decode_error(body: bytes, exc: msgspec.DecodeError) -> str:
+    """What is wrong with the JSON, without msgspec's own "JSON is malformed: " (the message says it already)."""
     # A `\ud800` escape near the end makes the decoder look past the end of the body for its pair and
     # call the body truncated; a body padded with whitespace (still the same JSON) names the real fault.
     if str(exc) == "Input data was truncated":
@@ -109,10 +110,10 @@ def _decode_error(body: bytes, exc: msgspec.DecodeError) -> str:
             msgspec.json.decode(body + b" " * 12)
         except msgspec.DecodeError as padded:
             if "surrogate" in str(padded):
-                return str(padded).removeprefix("JSON is malformed: ")
+                exc = padded
         except (msgspec.ValidationError, RecursionError):
             pass
-    return str(exc)
+    return str(exc).removeprefix("JSON is malformed: ")
 
 
 def request_timeout(request: web.Request, field: float | None, settings: Settings) -> float:
