@@ -2,8 +2,9 @@
 
 A request is a chat (it has `messages`) or a completion, decoded with one schema error either way;
 a prompt that does not fit the model is a 413 named as the client knows it (the conversation or the
-prompt, not "input 0"), and what a request leaves out of its sampling is the model's own default
-from generation_config.json, as vLLM does.
+prompt, not "input 0"); a conversation the model's chat template refuses is a 400 at once, not a
+model failure retried and dead-lettered; and what a request leaves out of its sampling is the model's
+own default from generation_config.json, as vLLM does.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from appliance.errors import PayloadTooLarge, Unprocessable
+from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes import InputTooLong, UnsupportedModel
-from runtimes.generate import GenerateRuntime, SamplingParams
+from runtimes.generate import ChatTemplateError, GenerateRuntime, SamplingParams
 
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
@@ -47,6 +48,14 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
         raise PayloadTooLarge(message, code="input_too_long") from None
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="no_chat_template") from None
+    except ChatTemplateError as exc:  # answered at once: a retry renders the same conversation the same way
+        if exc.broken:
+            raise Unprocessable(
+                f"the model's chat template cannot be used: {exc}", code="invalid_chat_template"
+            ) from None
+        raise BadRequest(
+            f"the model's chat template refused the conversation: {exc}", code="chat_template_error"
+        ) from None
 
 
 def sampling_params(runtime: GenerateRuntime, request: ChatRequest | CompletionRequest) -> SamplingParams:

@@ -10,7 +10,8 @@ with a message that lists what is supported.
 
 `check_loadable` then refuses what a load would certainly refuse, where that is cheap to see (no
 weights file, a tokenizer that does not load, generation on ONNX, a generator with a layer that is
-not full attention: runtimes/attention.py), and last what transformers' own config class refuses
+not full attention: runtimes/attention.py, or a chat template that does not compile:
+runtimes/chat_template.py), and last what transformers' own config class refuses
 (runtimes/config_check.py, the load's own call: 1 ms on a box that runs models, 0.8 s in a child
 process on a gateway), so a registration fails at once rather than every request after it.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
+from runtimes.chat_template import check_chat_template
 from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
@@ -157,6 +159,7 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         check_one_logit(folder, labels_from_config(_json_object(folder / "config.json")))
     if task is Task.GENERATE:  # only where config.json alone tells; the load judges the rest
         refuse_other_layers(layer_types_in(_json_object(folder / "config.json")) or (), folder)
+        check_chat_template(folder)
     shipped = shipped_onnx(folder, options) if runtime is RuntimeKind.ONNX else None
     if shipped is not None:
         if not shipped.is_file():

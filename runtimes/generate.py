@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import torch
 
@@ -47,7 +48,19 @@ from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
 from runtimes.tokenizer import TextTokenizer, model_max_length
 from runtimes.torch_backend import _DTYPES, load_torch_model, release
 
-__all__ = ["GenerateRuntime", "SamplingParams", "StepOutput", "Usage"]
+__all__ = ["ChatTemplateError", "GenerateRuntime", "SamplingParams", "StepOutput", "Usage"]
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template raised while rendering a conversation; rendering it again raises again.
+
+    `broken`: the template itself does not compile (the model's fault). Otherwise it refused this conversation
+    (`raise_exception("Conversation roles must alternate ...")`, a field it needs missing): the client's to fix.
+    """
+
+    def __init__(self, message: str, *, broken: bool) -> None:
+        super().__init__(message)
+        self.broken = broken
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,7 +148,10 @@ class GenerateRuntime:
         if "sanitize_control_tokens" in inspect.signature(chat.apply_chat_template).parameters:
             kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
         with self._chat_lock:
-            rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
+            try:
+                rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
         if isinstance(rendered, str):  # a transformers without control-token sanitising
             return self.tokenizer.tokenize([rendered], truncate=truncate, add_special_tokens=False)[0].ids
         limit = self.tokenizer.max_length
