@@ -63,11 +63,20 @@ def sampling_params(runtime: GenerateRuntime, request: ChatRequest | CompletionR
     max_tokens = request.max_tokens
     if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         max_tokens = request.max_completion_tokens
+    defaults = runtime.defaults
     return SamplingParams(
         max_tokens=max_tokens or _DEFAULT_MAX_TOKENS,
-        # Not given: the model's generation_config.json value (as vLLM does), else 1.0.
-        temperature=runtime.defaults.temperature if request.temperature is None else request.temperature,
-        top_p=runtime.defaults.top_p if request.top_p is None else request.top_p,
+        # Not given: the model's generation_config.json value (as vLLM does), else none.
+        temperature=defaults.temperature if request.temperature is None else request.temperature,
+        top_p=defaults.top_p if request.top_p is None else request.top_p,
+        top_k=defaults.top_k if request.top_k is None else max(0, request.top_k),
+        min_p=defaults.min_p if request.min_p is None else request.min_p,
+        repetition_penalty=defaults.repetition_penalty
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias=request.token_bias(),
         stop=request.stops(),
         seed=request.seed,
     )

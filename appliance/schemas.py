@@ -158,11 +158,22 @@ class StreamOptions(_NullIsDefault, kw_only=True):
     include_usage: bool | None = False
 
 
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+# OpenAI's bias range; a key is a token id as a string ("50256").
+LogitBias = dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,9}$")], Annotated[float, msgspec.Meta(ge=-100, le=100)]]
+
+
 class _Sampling(_NullIsDefault, kw_only=True):
     model: str
     max_tokens: Positive | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # None: the model's own default
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # vLLM's: -1 or 0 is every token
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=10)] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: LogitBias | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=4)] | None = None
     seed: Seed | None = None
     stream: bool | None = False
@@ -172,20 +183,51 @@ class _Sampling(_NullIsDefault, kw_only=True):
     truncate: bool | None = False
     adapter: str | None = None
     timeout: Timeout | None = None
+    # OpenAI fields fleetbox does not implement: accepted at their "off" value only (`refused`).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items())
+
+    def refused(self) -> list[str]:
+        """The fields asking for what fleetbox does not do (tools, structured output, logprobs, ...): a 422 each,
+        since answering without them would change what the answer means. Their "off" values pass: the openai
+        SDK and other clients send them."""
+        asked = {
+            "tools": bool(self.tools),
+            "functions": bool(self.functions),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "function_call": self.function_call not in (None, "none", "auto"),
+            "response_format": (self.response_format or {}).get("type", "text") != "text",
+        }
+        return [name for name, on in asked.items() if on]
+
 
 class CompletionRequest(_Sampling, kw_only=True):
     """OpenAI `POST /v1/completions` (one prompt, one choice)."""
 
     prompt: NonEmptyText | Annotated[list[NonEmptyText], msgspec.Meta(min_length=1, max_length=1)]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def refused(self) -> list[str]:
+        asked = {"logprobs": self.logprobs is not None, "echo": bool(self.echo), "suffix": bool(self.suffix)}
+        asked["best_of"] = self.best_of not in (None, 1)
+        return super().refused() + [name for name, on in asked.items() if on]
 
 
 class ChatRequest(_Sampling, kw_only=True):
@@ -193,3 +235,9 @@ class ChatRequest(_Sampling, kw_only=True):
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Positive | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+    def refused(self) -> list[str]:
+        asked = {"logprobs": bool(self.logprobs), "top_logprobs": bool(self.top_logprobs)}
+        return super().refused() + [name for name, on in asked.items() if on]

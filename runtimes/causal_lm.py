@@ -39,10 +39,14 @@ def eos_ids(model: Any, tokenizer: TextTokenizer, folder: Path) -> frozenset[int
 
 
 def default_params(folder: Path) -> SamplingParams:
-    """The sampling a request gets where it says nothing: the model's `generation_config.json` values, else 1.0."""
+    """The sampling a request gets where it says nothing: the model's `generation_config.json` values (temperature,
+    top_p, top_k, min_p, repetition_penalty, as vLLM takes them), else none."""
     config_file = folder / "generation_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return SamplingParams(
         temperature=float(config.get("temperature", 1.0)),
         top_p=float(config.get("top_p", 1.0)),
+        top_k=max(0, int(config.get("top_k") or 0)),
+        min_p=float(config.get("min_p") or 0.0),
+        repetition_penalty=float(config.get("repetition_penalty") or 1.0),
     )

@@ -196,6 +196,11 @@ class GenerateRuntime:
                 f"(it embeds {self._vocab}): its tokenizer does not match it; leave that text out"
             )
         self._adapters.check([adapter])
+        unknown = [t for t, _ in params.logit_bias if not 0 <= t < self._vocab]
+        if unknown:
+            raise ValueError(
+                f"logit_bias names token {unknown[0]}, which the model does not have (it has {self._vocab})"
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -285,7 +290,7 @@ class GenerateRuntime:
             # memory as the prefill, and failing the same way. Before sampling, so that a seeded
             # request retried in a split draws what it would have drawn.
             merged = batch if self._batch is None else self._batch.merge(batch)
-            tokens = choose_tokens(logits, [r.params for r in joining], [r.generator for r in joining])
+            tokens = self._choose_for(joining, logits)
         except Exception as exc:
             # Kept without its traceback, whose frames hold the failed attempt's tensors: the retries
             # below (out of memory, say) must not run with that memory still taken.
@@ -344,9 +349,12 @@ class GenerateRuntime:
         return output.logits[:, -1, :].float()
 
     def _choose(self, requests: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
-        return self._emit(
-            requests, choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests])
-        )
+        return self._emit(requests, self._choose_for(requests, logits))
+
+    @staticmethod
+    def _choose_for(requests: list[_Request], logits: torch.Tensor) -> list[int]:
+        seen = [(r.prompt, r.generated) for r in requests]
+        return choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests], seen)
 
     def _emit(self, requests: list[_Request], tokens: list[int]) -> list[StepOutput]:
         """Append each request's new token and say what text it adds (and whether it ends the request)."""

@@ -38,6 +38,13 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     ctx = GatewayContext.of(request)
     body = await read_body(request, ctx.settings)
     parsed = decode(body, _decoders[schema])
+    refused = parsed.refused()
+    if refused:
+        raise Unprocessable(
+            f"{', '.join(refused)}: not supported by this server (fleetbox generates plain text, one choice, without "
+            "tools, structured output or log probabilities); leave them out",
+            code="unsupported_parameter",
+        )
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not Task.GENERATE:
         raise Unprocessable(

@@ -23,13 +23,26 @@ _GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway; belo
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """How one request decodes. `temperature == 0` (or under 1e-5) is greedy; `seed` makes sampling reproducible."""
+    """How one request decodes. `temperature == 0` (or under 1e-5) is greedy; `seed` makes sampling reproducible.
+
+    The penalties and `logit_bias` change the logits before the choice, greedy or not (as in vLLM):
+    `repetition_penalty` (HF/CTRL style: a seen token's positive logit divided by it, a negative one
+    multiplied) over the prompt and the completion, `presence_penalty` and `frequency_penalty` (OpenAI's:
+    subtracted once, and per occurrence) over the completion. `top_k` (0: all) and `min_p` (0: none)
+    narrow a draw, before `top_p`.
+    """
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,18 +51,39 @@ class SamplingParams:
             raise ValueError("temperature must be 0 (greedy) or more")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be 0 (every token) or more")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be more than 0")
         # Accept any sequence (a JSON list, say) but keep a hashable, immutable value.
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether the logits change before the choice (penalties, a bias)."""
+        penalised = self.repetition_penalty != 1 or self.presence_penalty or self.frequency_penalty
+        return bool(penalised or self.logit_bias)
 
 
 def choose_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    seen: Sequence[tuple[torch.Tensor, Sequence[int]]] | None = None,
 ) -> list[int]:
     """The next token of each row of (rows, vocab) logits, read back from the device once per step.
 
     Greedy rows take the argmax together; a sampling row draws with its own generator, so a seeded
-    request gets the same draws whatever else is in the batch.
+    request gets the same draws whatever else is in the batch. `seen`: each row's (prompt ids,
+    completion so far), for the penalties of the rows that ask for them.
     """
+    for row, row_params in enumerate(params):
+        if row_params.reshapes:
+            prompt, completion = seen[row] if seen is not None else (logits.new_empty(0, dtype=torch.long), ())
+            logits[row] = reshaped(logits[row], row_params, prompt, completion)
     picks = torch.argmax(logits, dim=-1)
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if row_params.temperature > _GREEDY_BELOW:
@@ -62,11 +96,35 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return choose_tokens(logits.unsqueeze(0), [params], [generator])[0]
 
 
+def reshaped(
+    logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, completion: Sequence[int]
+) -> torch.Tensor:
+    """One row's (vocab,) logits with the request's bias and penalties applied."""
+    scores = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=scores.device)
+        scores[ids] += torch.tensor([b for _, b in params.logit_bias], device=scores.device)
+    done = torch.tensor(list(completion), dtype=torch.long, device=scores.device)
+    if params.repetition_penalty != 1:
+        ids = torch.unique(torch.cat([prompt.to(scores.device, torch.long), done]))
+        picked = scores[ids]
+        scores[ids] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if done.numel() and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(done, minlength=scores.numel())[: scores.numel()].to(scores.dtype)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     # Shifted so the best is 0 first: a tiny temperature then drives the rest to -inf (an argmax), not to
     # inf - inf = nan, which failed the decode step of every request in the batch.
     scores = logits.float()
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax((scores - scores.max()) / params.temperature, dim=-1)
+    if params.min_p > 0:  # tokens less likely than min_p times the most likely one are dropped
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         # Drop the tokens whose predecessors already cover top_p; the most likely one always stays.

@@ -1,0 +1,89 @@
+"""OpenAI's generation parameters: each is honoured, or refused with a 422 naming it; none is silently ignored.
+
+What fleetbox does not do (tools, structured output, log probabilities, echo, suffix, best_of > 1) would change
+what the answer means if left out, so asking for it is refused; its "off" value (what the openai SDK and
+other clients send) passes. The box, the queue and the tiny generator are real.
+"""
+
+from __future__ import annotations
+
+import pytest
+from openai import AsyncOpenAI
+
+from appliance.settings import ModelEntry
+from tests.conftest import url
+
+MODEL = "tiny-llama"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 4}
+
+
+@pytest.fixture
+async def box(start_box, generator_dir):
+    model = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
+    return await start_box(default_model=False, models=[model])
+
+
+async def post(http, box, route: str, body: dict) -> tuple[int, dict]:
+    async with http.post(url(box, route), json=body) as response:
+        return response.status, await response.json()
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "named"),
+    [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs, top_logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": "."}, "suffix"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+    ],
+)
+async def test_a_parameter_fleetbox_does_not_implement_is_refused_by_name(box, http, route, fields, named) -> None:
+    status, body = await post(http, box, route, (CHAT if "chat" in route else COMPLETION) | fields)
+    assert status == 422, body
+    assert body["error"]["code"] == "unsupported_parameter"
+    assert body["error"]["message"].startswith(named), body
+
+
+async def test_the_openai_sdk_sending_every_default_is_answered(box) -> None:
+    client = AsyncOpenAI(base_url=url(box, "/v1"), api_key="unused", max_retries=0)
+    chat = await client.chat.completions.create(
+        **CHAT,
+        logprobs=False,
+        presence_penalty=0,
+        frequency_penalty=0,
+        n=1,
+        tool_choice="none",
+        response_format={"type": "text"},
+        logit_bias={},
+        user="someone",
+        temperature=0,
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    completion = await client.completions.create(**COMPLETION, echo=False, best_of=1, logprobs=None, temperature=0)
+    assert completion.choices[0].text is not None
+    await client.close()
+
+
+async def test_logit_bias_and_penalties_change_the_answer(box, http) -> None:
+    token = box.workers[MODEL].runtime.tokenize(["a"])[0].ids[-1]
+    greedy = COMPLETION | {"temperature": 0, "max_tokens": 6}
+    status, body = await post(http, box, "/v1/completions", greedy | {"logit_bias": {str(token): 100}})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == "a" * 6
+    status, plain = await post(http, box, "/v1/completions", greedy | {"logit_bias": {str(token): -100}})
+    assert status == 200 and "a" not in plain["choices"][0]["text"], plain
+    # Made likeliest by a bias, then divided by the repetition penalty once it has been used: not twice in a row.
+    once = greedy | {"logit_bias": {str(token): 8}, "repetition_penalty": 10}
+    status, body = await post(http, box, "/v1/completions", once)
+    text = body["choices"][0]["text"]
+    assert status == 200 and text.startswith("a") and not text.startswith("aa"), body
+
+
+async def test_a_logit_bias_for_a_token_the_model_does_not_have_is_a_422(box, http) -> None:
+    status, body = await post(http, box, "/v1/completions", COMPLETION | {"logit_bias": {"999999": 1}})
+    assert status == 422 and "999999" in body["error"]["message"], body
