@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
 from appliance.delivery import Cancellations, LocalReply
-from appliance.errors import Conflict
+from appliance.errors import Conflict, NotFound
 from appliance.metrics import Metrics
 from appliance.profiles import ProfileBook
 from appliance.residency import Residency
@@ -130,6 +130,14 @@ class Workers:
                 self._cpu_executor, self._profiles.apply, spec, has_adapters
             )
         runtime = await self._residency.ensure_loaded(spec)
+        current = self._catalog.get(spec.name)
+        resident = self._residency.get(spec.name)
+        if resident is None or resident.runtime is not runtime:  # evicted since (by a delete, say)
+            if current is None:
+                raise _deleted(spec.name)
+            return await self.serve(current)  # never a worker on a runtime being closed
+        if current is None or not _same_source(current, resident.spec):
+            return await self._undo_load(spec.name, current)
         worker = self._table.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
             return worker
@@ -143,6 +151,18 @@ class Workers:
             raise
         await self._announce()
         return worker
+
+    async def _undo_load(self, name: str, current: ModelSpec | None) -> Worker:
+        """The model was deleted (or registered again on another folder) while it loaded: the catalog's
+        watch found nothing resident to evict then, so the load is undone here, or it would be served
+        for ever (and under its name, if registered again)."""
+        log.info("model left the catalog while it loaded; unloading it", extra={"model": name})
+        self._residency.pinned.discard(name)
+        await self._residency.evict(name, reason="request")
+        await self._announce()
+        if current is None:
+            raise _deleted(name)
+        return await self.serve(current)
 
     def _new_worker(self, spec: ModelSpec, runtime: Runtime) -> Worker:
         assert self._nc is not None
@@ -212,3 +232,13 @@ class Workers:
         self._cancelled.add(request_id)
         for worker in self._table.values():
             worker.cancel(request_id)
+
+
+def _same_source(registered: ModelSpec, loaded: ModelSpec) -> bool:
+    """Whether a loaded model is the registration the catalog holds (a profile may have changed its runtime,
+    dtype and options: not its folder or task)."""
+    return (registered.path, registered.task) == (loaded.path, loaded.task)
+
+
+def _deleted(name: str) -> NotFound:
+    return NotFound(f"model {name!r} was deleted while it loaded", code="model_not_found")

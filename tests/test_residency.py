@@ -1,19 +1,25 @@
 """The residency table's eviction rules, without a box: no-op models (which claim a set size) on a
-real executor; the hook that drains a model's worker is played by an event the test releases."""
+real executor; the hook that drains a model's worker is played by an event the test releases. The last
+tests run a box, for a model deleted while its load is in flight there."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+import torch
 
 from appliance.configured import spec_from_entry
 from appliance.metrics import Metrics
 from appliance.residency import Residency
 from appliance.settings import Settings
-from tests.conftest import noop_model
+from tests.conftest import noop_model, url, wait_for
 
 SPECS = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in ("a", "b")}
 
@@ -107,3 +113,70 @@ async def test_a_load_waits_for_an_eviction_under_way_rather_than_evict_one_more
             await loading
         assert {r.spec.name for r in residency.residents()} == {"b", "c"}
         assert not drains.started["b"].is_set()
+
+
+@contextmanager
+def loads_held(box) -> Iterator[None]:
+    """Keep the box's load threads (its CPU executor) busy: a load asked meanwhile stays in flight."""
+    release = threading.Event()
+    executor = box._cpu_executor
+    blockers = [executor.submit(release.wait) for _ in range(executor._max_workers)]
+    try:
+        yield
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result()
+
+
+async def call(http, box, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    async with http.request(method, url(box, path), json=body) as response:
+        return response.status, await response.json()
+
+
+def model_loads(box, name: str) -> float:
+    return box.metrics.registry.get_sample_value("fbx_model_loads_total", {"model": name}) or 0
+
+
+async def test_a_model_deleted_while_it_loads_is_unloaded_once_loaded(start_box, http, cross_encoder_dir) -> None:
+    """The catalog's watch found nothing resident to evict, and the load then finished: resident for ever,
+    with no API call able to unload it (each answered 404)."""
+    box = await start_box(default_model=False, model_roots=[cross_encoder_dir.parent.parent])
+    with loads_held(box):
+        registration = {"name": "rr", "path": str(cross_encoder_dir), "pinned": True}
+        assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+        assert (await call(http, box, "DELETE", "/v1/models/rr"))[0] == 200
+    await wait_for(lambda: model_loads(box, "rr") == 1, what="the load in flight to finish")
+    await wait_for(lambda: not box.residency.is_resident("rr"), what="the deleted model to be unloaded")
+    assert "rr" not in box.residency.pinned and "rr" not in box.workers
+    assert box.metrics.registry.get_sample_value("fbx_resident_model_bytes", {"model": "rr"}) is None
+
+
+async def test_a_name_registered_again_while_its_old_folder_loads_serves_the_new_folder(
+    start_box, http, cross_encoder_dir, tmp_path_factory
+) -> None:
+    """The new registration's load joined the old one in flight and served the old folder's weights."""
+    from transformers import BertForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+    from tests.models import _bert_config
+
+    torch.manual_seed(5)
+    other = tmp_path_factory.mktemp("cross-encoder-2")
+    BertForSequenceClassification(_bert_config(num_labels=1)).save_pretrained(other)
+    copy_bert_tokenizer(other)
+    box = await start_box(default_model=False, model_roots=[Path(cross_encoder_dir).parent.parent])
+    rerank = {"query": "capital of France", "documents": ["Paris is the capital.", "Berlin is in Germany."]}
+    assert (await call(http, box, "POST", "/v1/models", {"name": "ref", "path": str(other)}))[0] == 201
+    _, expected = await call(http, box, "POST", "/v1/rerank", {"model": "ref", **rerank})
+
+    with loads_held(box):
+        for folder in (cross_encoder_dir, other):
+            registration = {"name": "rr", "path": str(folder), "pinned": True}
+            assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+            if folder == cross_encoder_dir:
+                assert (await call(http, box, "DELETE", "/v1/models/rr"))[0] == 200
+    await wait_for(lambda: "rr" in box.workers, what="rr to be served")
+    assert box.residency.get("rr").spec.path == other
+    status, answer = await call(http, box, "POST", "/v1/rerank", {"model": "rr", **rerank})
+    assert status == 200 and answer["results"] == expected["results"], (answer, expected)
