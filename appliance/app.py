@@ -287,9 +287,12 @@ class Box:
     def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
         if spec is None:
             self.residency.pinned.discard(name)
+            self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it
             if self.residency.is_resident(name):
                 self._spawn(self.workers.evict(name))
             return
+        if spec.adapter_of is not None:
+            self.residency.retire_adapter(name, keep=spec)  # registered again on another folder
         if spec.pinned:
             self.residency.pinned.add(name)
         else:

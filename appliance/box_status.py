@@ -78,7 +78,7 @@ def heartbeat(box: Box) -> dict[str, Any]:
             "bytes": r.nbytes,
             "pinned": r.spec.name in box.residency.pinned,
             "state": "resident",
-            "adapters": list(getattr(r.runtime, "adapters", ()) or ()),
+            "adapters": box.residency.adapter_names(r.spec.name),
             **box.workers.stats(r.spec.name),
         }
         for r in box.residency.residents()

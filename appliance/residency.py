@@ -14,9 +14,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from appliance.adapters import AdapterHold, BaseAdapters
 from appliance.catalog import ModelSpec
 from appliance.errors import InsufficientMemory, reason_of
 from appliance.metrics import Metrics
@@ -72,7 +73,7 @@ class Resident:
     runtime: Runtime
     loaded_at: float
     last_used: float
-    adapters: dict[str, float] = field(default_factory=dict)  # adapter name -> last use
+    adapters: BaseAdapters | None = None  # its LoRA adapters, once one was asked for
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +105,6 @@ class Residency:
         self._reserved: dict[str, int] = {}  # estimated bytes of models being loaded
         self._max_adapters = max_adapters
         self._onnx_cache = onnx_cache
-        self._adapter_loads: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._load_errors: dict[str, str] = {}  # model -> why its last load on this box failed
         self.pinned: set[str] = set()
 
@@ -236,44 +236,39 @@ class Residency:
         ]
         return min(candidates, key=lambda r: r.last_used).spec.name if candidates else None
 
-    async def ensure_adapter(self, base: str, adapter: ModelSpec) -> None:
-        """Load a LoRA adapter onto its resident base (single flight); evict the base's LRU adapter past the cap."""
+    async def ensure_adapter(self, base: str, adapter: ModelSpec) -> str:
+        """Load a LoRA adapter's registration onto its resident base (once); its name in the runtime."""
+        return (await self._adapters(base).acquire(adapter, hold=False)).key
+
+    async def hold_adapter(self, base: str, adapter: ModelSpec) -> AdapterHold:
+        """As `ensure_adapter`, and kept loaded until the hold is released (appliance/adapters.py)."""
+        table = self._adapters(base)
+        return AdapterHold(table, await table.acquire(adapter, hold=True))
+
+    def retire_adapter(self, name: str, keep: ModelSpec | None = None) -> None:
+        """Adapter `name` was deleted (or `keep` is its registration now): unload the old one wherever it is."""
+        for resident in self._resident.values():
+            if resident.adapters is not None:
+                resident.adapters.retire(name, keep)
+
+    def adapter_names(self, base: str) -> list[str]:
+        """The adapters loaded and servable on a resident base."""
+        resident = self._resident.get(base)
+        return resident.adapters.names() if resident is not None and resident.adapters is not None else []
+
+    def _adapters(self, base: str) -> BaseAdapters:
         resident = self._resident.get(base)
         if resident is None:
             raise KeyError(base)
-        host = resident.runtime
-        if not isinstance(host, AdapterHost):
-            raise UnsupportedModel(
-                f"model {base} runs on the {resident.spec.runtime} runtime, which takes no LoRA adapters"
-            )
-        now = time.monotonic()
-        if adapter.name in resident.adapters:
-            resident.adapters[adapter.name] = now
-            return
-        key = (base, adapter.name)
-        pending = self._adapter_loads.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._adapter_loads[key] = future
-        loop = asyncio.get_running_loop()
-        try:
-            while len(resident.adapters) >= self._max_adapters:
-                victim = min(resident.adapters, key=resident.adapters.__getitem__)
-                await loop.run_in_executor(self._executor, host.evict_adapter, victim)
-                del resident.adapters[victim]
-                self._metrics.evictions.labels(f"{base}:{victim}", "adapter_lru").inc()
-            await loop.run_in_executor(self._executor, host.load_adapter, adapter.name, adapter.path)
-            resident.adapters[adapter.name] = time.monotonic()
-            self._metrics.loads.labels(adapter.name).inc()
-            log.info("adapter loaded", extra={"model": base, "adapter": adapter.name})
-            future.set_result(None)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()
-            raise
-        finally:
-            self._adapter_loads.pop(key, None)
+        if resident.adapters is None:
+            host = resident.runtime
+            if not isinstance(host, AdapterHost):
+                raise UnsupportedModel(
+                    f"model {base} runs on the {resident.spec.runtime} runtime, which takes no LoRA adapters"
+                )
+            resident.adapters = BaseAdapters(base, host, self._max_adapters, self._executor, self._metrics)
+        resident.last_used = time.monotonic()
+        return resident.adapters
 
     async def evict_for_oom(self, keep: str) -> bool:
         """Free memory after an out-of-memory error: evict the LRU unpinned model other than `keep`.
@@ -302,6 +297,8 @@ class Residency:
             resident = self._resident.pop(name, None)
             if resident is None:
                 return False
+            if resident.adapters is not None:
+                resident.adapters.close()
             await asyncio.get_running_loop().run_in_executor(self._executor, resident.runtime.close)
         finally:
             del self._evicting[name]

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from appliance import bus
+from appliance.adapters import AdapterHold
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
@@ -84,6 +85,7 @@ class ModelWorker:
         self._started = time.time()
         self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
+        self._holds: dict[str, AdapterHold] = {}  # request id -> the adapter kept loaded for it
         self._tasks = Background(f"worker:{spec.slug}")
         self.batcher = Batcher(
             spec.name,
@@ -124,7 +126,7 @@ class ModelWorker:
         await cancel_and_wait([self._ticker])
         await self._tasks.wait()
         for job in await self.batcher.drain():
-            self._held.pop(job.meta.id, None)
+            self._let_go(job.meta.id)
             await job.handle.nak()
         await self._tasks.wait()
 
@@ -166,7 +168,7 @@ class ModelWorker:
         held = self._held.get(request_id)
         if isinstance(held, Job) and not held.done:
             held.done = True  # the batcher, and the device thread's last look, skip done jobs
-            self._held.pop(request_id, None)
+            self._let_go(request_id)
             self._metrics.cancelled.labels(self.spec.name).inc()
             self._spawn(held.handle.ack())
             self.puller.poke()
@@ -210,7 +212,9 @@ class ModelWorker:
         try:
             body = await self._blobs.get(meta.blob) if meta.blob else msg.data
             if meta.adapter is not None:
-                await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
+                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter)
+                self._holds[meta.id] = hold
+                meta = replace(meta, adapter=hold.key)  # the batch runs it under its name in the runtime
         except Exception as exc:
             await self._not_prepared(meta, msg, exc)
             return
@@ -248,7 +252,7 @@ class ModelWorker:
     def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
-            self._held.pop(meta.id, None)
+            self._let_go(meta.id)
             self._spawn(msg.ack())
             return
         job = Job(meta=meta, rows=rows, params=params, handle=msg)
@@ -286,7 +290,7 @@ class ModelWorker:
         try:
             await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
-            self._held.pop(meta.id, None)
+            self._let_go(meta.id)
             self.puller.poke()
 
     async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
@@ -309,7 +313,7 @@ class ModelWorker:
                 await self._blobs.delete(meta.blob)
             self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:
-            self._held.pop(meta.id, None)
+            self._let_go(meta.id)
             self.puller.poke()
 
     async def _keep_alive(self) -> None:
@@ -318,17 +322,37 @@ class ModelWorker:
             self._settings.ack_wait_s,
         )
 
+    def _let_go(self, request_id: str) -> None:
+        """The request is no longer this box's: forget it, and let its adapter be unloaded again."""
+        self._held.pop(request_id, None)
+        hold = self._holds.pop(request_id, None)
+        if hold is not None:
+            hold.release()
+
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks.spawn(coro)
 
 
 async def load_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> str:
     """Make a request's LoRA adapter resident on its base model; the adapter's name for the runtime."""
+    adapter = _adapter_spec(catalog, base, name)
+    try:
+        return await residency.ensure_adapter(base.name, adapter)
+    except (UnsupportedModel, UnknownAdapter) as exc:
+        raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
+
+
+async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> AdapterHold:
+    """As `load_adapter`, held loaded for the request until it is answered (appliance/adapters.py)."""
+    adapter = _adapter_spec(catalog, base, name)
+    try:
+        return await residency.hold_adapter(base.name, adapter)
+    except (UnsupportedModel, UnknownAdapter) as exc:
+        raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
+
+
+def _adapter_spec(catalog: Catalog, base: ModelSpec, name: str) -> ModelSpec:
     adapter = catalog.get(name)
     if adapter is None or adapter.adapter_of != base.name:
         raise NotFound(f"model {base.name} has no adapter {name!r}", code="adapter_not_found")
-    try:
-        await residency.ensure_adapter(base.name, adapter)
-    except (UnsupportedModel, UnknownAdapter) as exc:
-        raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
-    return adapter.name
+    return adapter

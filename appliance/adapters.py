@@ -1,0 +1,172 @@
+"""The LoRA adapters loaded on one resident base model: which are loaded, which requests hold, which to unload.
+
+The eviction rule: past `max_adapters`, the least recently used adapter no request holds is unloaded to
+make room; when every loaded adapter is held, the newcomer loads anyway (the cap counts idle adapters
+only), so a valid request never fails because other requests keep their adapters busy, and an adapter
+is never unloaded under a request that will run with it.
+
+An adapter is known by its registration, name and folder: a name deleted from the catalog, or
+registered again on another folder, retires the loaded one, which is unloaded once nothing holds it.
+A registration loaded while an older one of its name is still held loads beside it, under another
+runtime name (`name#2`): the name the runtime knows is the one `acquire` hands back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from appliance.catalog import ModelSpec
+from appliance.metrics import Metrics
+from runtimes import UnknownAdapter
+from runtimes.base import AdapterHost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class LoadedAdapter:
+    spec: ModelSpec  # the registration it was loaded from
+    key: str  # its name in the runtime
+    last_used: float
+    holders: int = 0
+    retired: bool = False  # deleted or registered again elsewhere: unloaded once nothing holds it
+
+
+class AdapterHold:
+    """A request's claim on a loaded adapter: not unloaded until released (once) or its base goes."""
+
+    __slots__ = ("_adapters", "_entry")
+
+    def __init__(self, adapters: BaseAdapters, entry: LoadedAdapter) -> None:
+        self._adapters: BaseAdapters | None = adapters
+        self._entry = entry
+
+    @property
+    def key(self) -> str:
+        return self._entry.key
+
+    def release(self) -> None:
+        if self._adapters is not None:
+            self._adapters.release(self._entry)
+            self._adapters = None
+
+
+class BaseAdapters:
+    """The adapter table of one resident base; loads and unloads on it run one at a time."""
+
+    def __init__(self, base: str, host: AdapterHost, max_adapters: int, executor: Executor, metrics: Metrics) -> None:
+        self._base = base
+        self._host = host
+        self._max = max_adapters
+        self._executor = executor
+        self._metrics = metrics
+        self._entries: dict[str, LoadedAdapter] = {}  # runtime key -> entry
+        self._lock = asyncio.Lock()
+        self._keys = itertools.count(2)
+        self._sweeps: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def names(self) -> list[str]:
+        """The registrations loaded here and servable (for the heartbeat)."""
+        return sorted({e.spec.name for e in self._entries.values() if not e.retired})
+
+    async def acquire(self, spec: ModelSpec, hold: bool) -> LoadedAdapter:
+        """The loaded entry for this registration (loaded now if need be); with `hold`, held until released."""
+        entry = self._current(spec)
+        if entry is None:
+            async with self._lock:
+                entry = self._current(spec) or await self._load(spec)
+                self._use(entry, hold)  # under the lock: no eviction can come between
+                return entry
+        self._use(entry, hold)
+        return entry
+
+    def _use(self, entry: LoadedAdapter, hold: bool) -> None:
+        entry.last_used = time.monotonic()
+        if hold:
+            entry.holders += 1
+
+    def release(self, entry: LoadedAdapter) -> None:
+        entry.holders -= 1
+        if entry.retired and entry.holders == 0:
+            self._sweep_soon()
+
+    def retire(self, name: str, keep: ModelSpec | None = None) -> None:
+        """Adapter `name` left the catalog (or `keep` is its registration now): unload what else was loaded."""
+        for entry in self._entries.values():
+            if entry.spec.name == name and (keep is None or not _same_registration(entry.spec, keep)):
+                entry.retired = True
+        self._sweep_soon()
+
+    def close(self) -> None:
+        """The base is going: its runtime takes its adapters with it, so nothing more is unloaded here."""
+        self._closed = True
+        for sweep in self._sweeps:
+            sweep.cancel()
+
+    def _current(self, spec: ModelSpec) -> LoadedAdapter | None:
+        for entry in self._entries.values():
+            if not entry.retired and _same_registration(entry.spec, spec):
+                return entry
+        return None
+
+    async def _load(self, spec: ModelSpec) -> LoadedAdapter:
+        await self._make_room()
+        key = spec.name if spec.name not in self._entries else f"{spec.name}#{next(self._keys)}"
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._host.load_adapter, key, spec.path)
+        entry = LoadedAdapter(spec, key, last_used=time.monotonic())
+        self._entries[key] = entry
+        self._metrics.loads.labels(spec.name).inc()
+        log.info("adapter loaded", extra={"model": self._base, "adapter": spec.name})
+        return entry
+
+    async def _make_room(self) -> None:
+        """Unload retired adapters nothing holds, then idle ones, least recently used first, down to the cap."""
+        for entry in [e for e in self._entries.values() if e.retired and e.holders == 0]:
+            await self._unload(entry, "request")
+        busy: set[str] = set()  # held by a generating request, as only the runtime knows
+        while len(self._entries) >= self._max:
+            idle = [e for e in self._entries.values() if e.holders == 0 and e.key not in busy]
+            if not idle:
+                return  # every one is in use: the newcomer loads past the cap
+            victim = min(idle, key=lambda e: (not e.retired, e.last_used))
+            if not await self._unload(victim, "adapter_lru"):
+                busy.add(victim.key)
+
+    async def _unload(self, entry: LoadedAdapter, reason: str) -> bool:
+        """Unload one adapter (under the lock); False when the runtime refuses because a request runs with it."""
+        del self._entries[entry.key]  # before the wait: no request may find it while it goes
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._host.evict_adapter, entry.key)
+        except ValueError:
+            self._entries[entry.key] = entry
+            return False
+        except UnknownAdapter:
+            pass  # gone with a closed runtime
+        self._metrics.evictions.labels(entry.spec.name, reason).inc()
+        log.info("adapter unloaded", extra={"model": self._base, "adapter": entry.spec.name, "reason": reason})
+        return True
+
+    def _sweep_soon(self) -> None:
+        if self._closed:
+            return
+        sweep = asyncio.get_running_loop().create_task(self._sweep(), name=f"adapters:{self._base}")
+        self._sweeps.add(sweep)
+        sweep.add_done_callback(self._sweeps.discard)
+
+    async def _sweep(self) -> None:
+        async with self._lock:
+            if self._closed:
+                return
+            for entry in [e for e in self._entries.values() if e.retired and e.holders == 0]:
+                await self._unload(entry, "request")
+
+
+def _same_registration(loaded: ModelSpec, wanted: ModelSpec) -> bool:
+    return loaded.name == wanted.name and loaded.path == wanted.path

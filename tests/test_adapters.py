@@ -1,0 +1,117 @@
+"""LoRA adapters on a serving box: deleted and registered again, more in use than the cap. A real box on
+a real NATS, a random-weight classifier and peft adapters made for it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from runtimes import Task
+from tests.conftest import url, wait_for
+from tests.models import make_adapter
+
+TEXTS = ["a fine film, all in all", "what a waste of an evening"]
+
+
+@pytest.fixture(scope="module")
+def classifier_adapters(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return [
+        make_adapter(Task.CLASSIFY, classifier_dir, tmp_path_factory.mktemp(f"cls-lora-{i}"), seed=40 + i)
+        for i in range(3)
+    ]
+
+
+async def call(http, box, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    async with http.request(method, url(box, path), json=body) as response:
+        return response.status, await response.json()
+
+
+async def classify(http, box, model: str) -> tuple[int, dict]:
+    return await call(http, box, "POST", "/v1/classify", {"model": model, "input": TEXTS})
+
+
+async def classifier_box(start_box, http, classifier_dir: Path, **batching: int):
+    box = await start_box(default_model=False, model_roots=[classifier_dir.parent.parent])
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir), **batching})
+    assert status == 201, body
+    return box
+
+
+async def register_adapter(http, box, name: str, folder: Path) -> None:
+    status, body = await call(http, box, "POST", "/v1/models", {"name": name, "path": str(folder), "adapter_of": "cls"})
+    assert status == 201, body
+
+
+def loaded_adapters(box) -> tuple[str, ...]:
+    resident = box.residency.get("cls")
+    return resident.runtime.adapters if resident is not None else ()
+
+
+async def test_a_deleted_adapter_is_unloaded_and_its_name_registered_again_serves_the_new_folder(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """The delete left the adapter loaded (holding one of the base's slots), and a registration of the
+    same name on another folder was served the old adapter's weights for as long as the base stayed."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    first, second = classifier_adapters[:2]
+    await register_adapter(http, box, "cls:b", second)
+    _, expected_second = await classify(http, box, "cls:b")
+    await register_adapter(http, box, "cls:a", first)
+    status, with_first = await classify(http, box, "cls:a")
+    assert status == 200 and with_first["data"] != expected_second["data"]
+
+    assert (await call(http, box, "DELETE", "/v1/models/cls:a"))[0] == 200
+    await wait_for(lambda: "cls:a" not in loaded_adapters(box), what="the deleted adapter to be unloaded")
+    assert loaded_adapters(box) == ("cls:b",)
+    await register_adapter(http, box, "cls:a", second)
+    status, again = await classify(http, box, "cls:a")
+    assert status == 200, again
+    assert again["data"] == expected_second["data"]
+
+
+async def test_adapters_in_use_are_not_evicted_for_another(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """With the cap reached, a newcomer evicted the least recently used adapter while its request waited
+    in the batcher: that request failed 422 bad_adapter, naming the evicted adapter."""
+    box = await classifier_box(start_box, http, classifier_dir, max_wait_ms=1000, max_batch_size=64)
+    box.residency._max_adapters = 1  # the cap (8) reached with two adapters
+    first, second = classifier_adapters[:2]
+    await register_adapter(http, box, "cls:a", first)
+    await register_adapter(http, box, "cls:b", second)
+    _, alone_a = await classify(http, box, "cls:a")
+    _, alone_b = await classify(http, box, "cls:b")
+
+    waiting = asyncio.create_task(classify(http, box, "cls:a"))  # its batch waits up to 1 s for company
+    await wait_for(lambda: box.workers["cls"].batcher.pending_interactive > 0, what="cls:a's rows in the batcher")
+    status_b, with_b = await classify(http, box, "cls:b")
+    status_a, with_a = await waiting
+    assert (status_a, status_b) == (200, 200), (with_a, with_b)
+    assert with_a["data"] == alone_a["data"] and with_b["data"] == alone_b["data"]
+    # Not even a batch failed and was tried again (a redelivery) on the way.
+    assert not box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": "cls"})
+
+
+async def test_many_adapters_asked_at_once_each_answer(start_box, http, classifier_dir, classifier_adapters) -> None:
+    """Two loads past the cap at once chose the same victim: the second failed 422 bad_adapter, naming it."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    box.residency._max_adapters = 1
+    names = [f"cls:{i}" for i in range(len(classifier_adapters))]
+    for name, folder in zip(names, classifier_adapters, strict=True):
+        await register_adapter(http, box, name, folder)
+    alone = {name: (await classify(http, box, name))[1]["data"] for name in names}
+    for _ in range(3):
+        answers = await asyncio.gather(*(classify(http, box, name) for name in names))
+        assert [status for status, _ in answers] == [200] * len(names), answers
+        assert [body["data"] for _, body in answers] == [alone[name] for name in names]
+    assert not box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": "cls"})
+    evicted = {
+        sample.labels["model"]
+        for metric in box.metrics.registry.collect()
+        if metric.name == "fbx_model_evictions"
+        for sample in metric.samples
+        if sample.name == "fbx_model_evictions_total"
+    }
+    assert evicted and evicted <= set(names)  # labelled with the adapter's name, not "cls:cls:0"
