@@ -40,6 +40,9 @@ def not_ready_reason(box: Box) -> str | None:
 
 def model_state(box: Box, name: str) -> dict[str, Any]:
     """Where a model is resident in the fleet, from this box's own state and the heartbeats."""
+    spec = box.catalog.get(name)
+    if spec is not None and spec.adapter_of is not None:
+        return _adapter_state(box, name, spec.adapter_of)
     boxes, nbytes, loading = [], None, False
     for record in box.fleet.live_boxes() if box.fleet else []:
         for model in record.get("models", []):
@@ -57,7 +60,6 @@ def model_state(box: Box, name: str) -> dict[str, Any]:
     if box.residency.is_loading(name):
         loading = True
     state = "resident" if boxes else "loading" if loading else "cold"
-    spec = box.catalog.get(name)
     profile = None
     if box.profiles is not None and spec is not None:
         profile = box.profiles.describe(spec, has_adapters=bool(box.catalog.adapters_of(spec.name)))
@@ -68,6 +70,20 @@ def model_state(box: Box, name: str) -> dict[str, Any]:
         "profile": profile,
         "load_error": box.residency.load_error(name),
     }
+
+
+def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
+    """An adapter is resident on the boxes whose heartbeat lists it loaded on its base."""
+    boxes = {
+        record["box"]
+        for record in (box.fleet.live_boxes() if box.fleet else [])
+        for model in record.get("models", [])
+        if model.get("name") == base and name in (model.get("adapters") or ())
+    }
+    if name in box.residency.adapter_names(base):
+        boxes.add(box.box_id)
+    state = "resident" if boxes else "cold"
+    return {"state": state, "boxes": sorted(boxes), "bytes": None, "profile": None, "load_error": None}
 
 
 def heartbeat(box: Box) -> dict[str, Any]:

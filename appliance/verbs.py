@@ -35,6 +35,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def evict(payload: dict[str, Any]) -> dict[str, Any]:
         spec = _model(box, payload)
+        refuse_adapter(spec, "evict")
         _runs_models(box)
         if spec.name in box.residency.pinned:
             raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
@@ -47,7 +48,9 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec = await box.store.set_pinned(_model(box, payload), False)
+        spec = _model(box, payload)
+        refuse_adapter(spec, "unpin")
+        spec = await box.store.set_pinned(spec, False)
         return {"model": spec.name, "pinned": False}
 
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +92,12 @@ def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
             code="model_not_found",
         )
     return spec
+
+
+def refuse_adapter(spec: ModelSpec, verb: str) -> None:
+    """An adapter is loaded, evicted and pinned with its base (its own are refused, 409, as load and pin are)."""
+    if spec.adapter_of is not None:
+        raise Conflict(f"{spec.name} is an adapter; {verb} its base model {spec.adapter_of}")
 
 
 def _runs_models(box: Box) -> None:

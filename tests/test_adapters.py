@@ -1,5 +1,5 @@
-"""LoRA adapters on a serving box: deleted and registered again, more in use than the cap. A real box on
-a real NATS, a random-weight classifier and peft adapters made for it."""
+"""LoRA adapters on a serving box: deleted and registered again, more in use than the cap, what the API
+says about them. A real box on a real NATS, a random-weight classifier and peft adapters made for it."""
 
 from __future__ import annotations
 
@@ -115,3 +115,25 @@ async def test_many_adapters_asked_at_once_each_answer(start_box, http, classifi
         if sample.name == "fbx_model_evictions_total"
     }
     assert evicted and evicted <= set(names)  # labelled with the adapter's name, not "cls:cls:0"
+
+
+async def test_an_adapter_says_where_it_is_loaded_and_refuses_evict_and_unpin(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    box = await classifier_box(start_box, http, classifier_dir)
+    box.residency._max_adapters = 1
+    await register_adapter(http, box, "cls:a", classifier_adapters[0])
+    await register_adapter(http, box, "cls:b", classifier_adapters[1])
+    _, record = await call(http, box, "GET", "/v1/models/cls:a")
+    assert record["state"] == "cold" and record["boxes"] == []
+    assert (await classify(http, box, "cls:a"))[0] == 200
+    _, record = await call(http, box, "GET", "/v1/models/cls:a")
+    assert record["state"] == "resident" and record["boxes"] == [box.box_id], record
+    for verb in ("evict", "unpin"):
+        status, body = await call(http, box, "POST", f"/v1/models/cls:a/{verb}")
+        assert status == 409 and body["error"]["code"] == "conflict", (verb, body)
+        assert "cls:a" in loaded_adapters(box)
+
+    assert (await classify(http, box, "cls:b"))[0] == 200  # past the cap: cls:a makes room
+    _, record = await call(http, box, "GET", "/v1/models/cls:a")
+    assert record["state"] == "cold" and record["boxes"] == []

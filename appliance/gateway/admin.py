@@ -18,6 +18,7 @@ from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.registration import register
 from appliance.schemas import BoxTarget, ModelRegistration
+from appliance.verbs import refuse_adapter
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _target = msgspec.json.Decoder(BoxTarget)
@@ -85,7 +86,10 @@ async def unpin_model(request: web.Request) -> web.Response:
 
 async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = await ctx.store.set_pinned(_spec(ctx, request), pinned)
+    spec = _spec(ctx, request)
+    if not pinned:
+        refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
+    spec = await ctx.store.set_pinned(spec, pinned)
     return json_response(model_record(ctx, spec))
 
 
@@ -108,6 +112,7 @@ async def load_model(request: web.Request) -> web.Response:
 async def evict_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = _spec(ctx, request)
+    refuse_adapter(spec, "evict")
     box = await _target_box(request)
     boxes = [box] if box is not None else ctx.model_state(spec.name)["boxes"]
     evicted = []
