@@ -5,6 +5,7 @@ another box acts, by wrapping the store's KV call (the call itself is the real o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -180,3 +181,23 @@ async def test_a_box_whose_nats_user_may_not_raise_the_consumer_limit_still_star
         await box.stop()
         await admin.close()
         await server.stop()
+
+
+async def test_requests_waiting_for_a_model_deleted_meanwhile_are_answered_404_at_once(start_box, http) -> None:
+    """A gateway with no box to run the model: its requests wait in the queue. Deleting the model empties its
+    queue, and they were then answered only by their deadline (a 504 after a minute here)."""
+    box = await start_box(role="gateway", default_model=False, models=[noop_model("gone", pinned=False)])
+    assert box.dispatcher is not None
+
+    async def embed(body: dict) -> tuple[int, dict]:
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status, await response.json()
+
+    waiting = [asyncio.create_task(embed({"model": "gone", "input": f"text {i}", "timeout": 60.0})) for i in range(3)]
+    await wait_for(lambda: box.dispatcher.waiting == 3, what="the requests to wait at the gateway")
+    async with http.delete(url(box, "/v1/models/gone")) as response:
+        assert response.status == 200
+    answers = await asyncio.wait_for(asyncio.gather(*waiting), 20.0)
+    for status, body in answers:
+        assert (status, body["error"]["code"]) == (404, "model_not_found"), body
+        assert "was deleted while this request waited" in body["error"]["message"]

@@ -128,6 +128,11 @@ class Admission:
         """A request was answered (a stream: its last chunk) at monotonic time `now`."""
         self._answered.append(now)
 
+    def forget(self, model: str) -> list[ModelQueue]:
+        """A deleted model's queues, taken out of the reckoning (their requests are answered by the caller)."""
+        keys = [key for key in self._queues if key[0] == model]
+        return [self._queues.pop(key) for key in keys]
+
     def _queue(self, model: str, priority: str) -> ModelQueue:
         queue = self._queues.get((model, priority))
         if queue is None:  # not setdefault: that would build a ModelQueue on every request

@@ -13,11 +13,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from appliance.catalog import ModelSpec
 from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
 from appliance.gateway import admin, encoders, generation, openapi, ops
 from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
+from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.http import json_response
 from appliance.registration import MODEL_VERBS
 
@@ -99,6 +101,18 @@ def _error_response(error: FleetboxError) -> web.Response:
     return response
 
 
+def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelSpec | None], None]:
+    """A catalog listener: a model deleted (here or on another box) has its awaited requests answered 404 at
+    once, rather than at their deadline: its queue is emptied and no box would answer them."""
+
+    def on_change(name: str, spec: ModelSpec | None) -> None:
+        if spec is None:
+            deleted = NotFound(f"model {name!r} was deleted while this request waited for it", code="model_not_found")
+            dispatcher.abandon_model(name, deleted)
+
+    return on_change
+
+
 def build_app(context: GatewayContext) -> web.Application:
     # auto_decompress off: read_body decodes a compressed body itself, so a bad one is a 4xx in the error shape.
     app = web.Application(
@@ -115,6 +129,7 @@ def build_app(context: GatewayContext) -> web.Application:
         web.get("/openapi.json", openapi.document),
     ]
     if context.dispatcher is not None:  # a gateway: the API; a worker-only box serves operations only
+        context.store.on_change(_answers_for_deleted_models(context.dispatcher))
         routes.append(web.get("/v1/models", inference(ops.list_models)))
         routes.append(web.get("/v1/models/{name:.+}", inference(admin.get_model)))
         routes.append(web.post("/v1/models", admin_only(admin.register_model)))

@@ -135,6 +135,20 @@ class Dispatcher:
             stream.queue.put_nowait(Reply(reply, error.to_json()))
             await self._cancel(request_id)
 
+    def abandon_model(self, model: str, error: FleetboxError) -> None:
+        """Answer at once, with `error`, every request awaited for a model just deleted from the catalog and not
+        yet answering: the deletion empties its queue, and no box would answer them before their deadline.
+        A stream whose answer has begun is ended by the box generating it."""
+        for queue in self._admission.forget(model):
+            for request_id in list(queue.waiting):
+                waiter = self._waiters.get(request_id)
+                if waiter is not None and not waiter[0].done():
+                    waiter[0].set_exception(error)
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    reply = ReplyMeta(id=request_id, status=error.status, box=self.box_id)
+                    stream.queue.put_nowait(Reply(reply, error.to_json()))
+
     async def call(
         self,
         *,
