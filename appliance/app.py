@@ -293,6 +293,8 @@ class Box:
             return
         if spec.adapter_of is not None:
             self.residency.retire_adapter(name, keep=spec)  # registered again on another folder
+            if self.settings.runs_models and not self.draining:
+                self._spawn(self.workers.reload_for_adapters(spec.adapter_of))  # a base a profile put on ONNX
         if spec.pinned:
             self.residency.pinned.add(name)
         else:

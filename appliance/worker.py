@@ -34,7 +34,7 @@ from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
+from appliance.errors import FleetboxError, NotFound, ServiceUnavailable, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -42,7 +42,7 @@ from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
 from appliance.work import Job
-from runtimes import Runtime, UnknownAdapter, UnsupportedModel
+from runtimes import Runtime, RuntimeKind, UnknownAdapter, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
@@ -355,4 +355,12 @@ def _adapter_spec(catalog: Catalog, base: ModelSpec, name: str) -> ModelSpec:
     adapter = catalog.get(name)
     if adapter is None or adapter.adapter_of != base.name:
         raise NotFound(f"model {base.name} has no adapter {name!r}", code="adapter_not_found")
+    registered = catalog.get(base.name)
+    if base.runtime is not RuntimeKind.TORCH and registered is not None and registered.runtime is RuntimeKind.TORCH:
+        # A profile put the base on ONNX before it had adapters: the box loads it again on torch (Workers).
+        raise ServiceUnavailable(
+            f"model {base.name} runs on {base.runtime} here and is being loaded again on torch for its LoRA "
+            "adapters; try again in a moment",
+            retry_after_s=1,
+        )
     return adapter

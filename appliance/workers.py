@@ -29,7 +29,7 @@ from appliance.profiles import ProfileBook
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.worker import ModelWorker
-from runtimes import Runtime
+from runtimes import Runtime, RuntimeKind
 from runtimes.base import Task
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class Workers:
             if current is None:
                 raise _deleted(spec.name)
             return await self.serve(current)  # never a worker on a runtime being closed
-        if current is None or not _same_source(current, resident.spec):
+        if current is None or not _same_source(current, resident.spec) or self._needs_torch(current, resident.spec):
             return await self._undo_load(spec.name, current)
         worker = self._table.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
@@ -155,14 +155,34 @@ class Workers:
     async def _undo_load(self, name: str, current: ModelSpec | None) -> Worker:
         """The model was deleted (or registered again on another folder) while it loaded: the catalog's
         watch found nothing resident to evict then, so the load is undone here, or it would be served
-        for ever (and under its name, if registered again)."""
-        log.info("model left the catalog while it loaded; unloading it", extra={"model": name})
+        for ever (and under its name, if registered again). Also a load on ONNX that its first adapter,
+        registered meanwhile, cannot use: loaded again, on torch."""
+        log.info("model loaded is not the catalog's now; unloading it", extra={"model": name})
         self._residency.pinned.discard(name)
         await self._residency.evict(name, reason="request")
         await self._announce()
         if current is None:
             raise _deleted(name)
         return await self.serve(current)
+
+    async def reload_for_adapters(self, base: str) -> None:
+        """A base that a profile runs on ONNX here is loaded again on torch once it has an adapter (adapters
+        need torch; a load chooses torch for a model with adapters, this one was loaded before them)."""
+        resident, current = self._residency.get(base), self._catalog.get(base)
+        if resident is None or current is None or not self._needs_torch(current, resident.spec):
+            return
+        log.info("loading model again on torch for its LoRA adapters", extra={"model": base})
+        await self._residency.evict(base, reason="request")
+        await self._announce()
+        await self.serve(current)
+
+    def _needs_torch(self, registered: ModelSpec, loaded: ModelSpec) -> bool:
+        """Loaded on another runtime by a profile, while the catalog now holds adapters for it."""
+        return (
+            loaded.runtime is not RuntimeKind.TORCH
+            and registered.runtime is RuntimeKind.TORCH
+            and bool(self._catalog.adapters_of(registered.name))
+        )
 
     def _new_worker(self, spec: ModelSpec, runtime: Runtime) -> Worker:
         assert self._nc is not None

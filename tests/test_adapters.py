@@ -137,3 +137,36 @@ async def test_an_adapter_says_where_it_is_loaded_and_refuses_evict_and_unpin(
     assert (await classify(http, box, "cls:b"))[0] == 200  # past the cap: cls:a makes room
     _, record = await call(http, box, "GET", "/v1/models/cls:a")
     assert record["state"] == "cold" and record["boxes"] == []
+
+
+async def test_an_adapter_of_a_base_a_profile_runs_on_onnx_is_served_on_torch(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path
+) -> None:
+    """The base, loaded on ONNX by its profile before it had adapters, stayed there: 201 for the adapter,
+    then 422 "LoRA adapters need the torch runtime" at every use until the base was evicted by hand."""
+    from appliance.devices import hardware_slug
+    from appliance.profiles import Profile
+    from runtimes import RuntimeKind
+
+    hardware = hardware_slug("cpu")
+    Profile(
+        model="enc", hardware=hardware, runtime="onnx", dtype="float32",
+        max_batch_tokens=4096, max_batch_size=32, max_wait_ms=0.0, threads=1,
+    ).write(tmp_path / "profiles" / "enc" / f"{hardware}.toml")  # fmt: skip
+    roots = [encoder_dir.parent.parent]
+    box = await start_box(default_model=False, model_roots=roots, profiles_dir=tmp_path / "profiles")
+    assert (await call(http, box, "POST", "/v1/models", {"name": "enc", "path": str(encoder_dir)}))[0] == 201
+    status, base = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": TEXTS})
+    assert status == 200 and box.residency.get("enc").spec.runtime is RuntimeKind.ONNX
+
+    registration = {"name": "enc:tuned", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "enc"}
+    assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+
+    def on_torch() -> bool:
+        resident = box.residency.get("enc")
+        return resident is not None and resident.spec.runtime is RuntimeKind.TORCH and "enc" in box.workers
+
+    await wait_for(on_torch, what="the base to be loaded again on torch")
+    status, tuned = await call(http, box, "POST", "/v1/embeddings", {"model": "enc:tuned", "input": TEXTS})
+    assert status == 200, tuned
+    assert tuned["data"] != base["data"]
