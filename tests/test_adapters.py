@@ -170,3 +170,19 @@ async def test_an_adapter_of_a_base_a_profile_runs_on_onnx_is_served_on_torch(
     status, tuned = await call(http, box, "POST", "/v1/embeddings", {"model": "enc:tuned", "input": TEXTS})
     assert status == 200, tuned
     assert tuned["data"] != base["data"]
+
+
+async def test_a_deleted_adapter_is_unloaded_on_every_box_that_holds_it(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    first = await classifier_box(start_box, http, classifier_dir)
+    second = await start_box(default_model=False, model_roots=[classifier_dir.parent.parent])
+    await register_adapter(http, first, "cls:a", classifier_adapters[0])
+    for box in (first, second):  # loaded on each (a request would land on either)
+        await wait_for(lambda box=box: box.catalog.get("cls:a") is not None, what="the catalog to reach the box")
+        await box.workers.serve(box.catalog.get("cls"))
+        await box.residency.ensure_adapter("cls", box.catalog.get("cls:a"))
+        assert loaded_adapters(box) == ("cls:a",)
+    assert (await call(http, first, "DELETE", "/v1/models/cls:a"))[0] == 200
+    for box in (first, second):
+        await wait_for(lambda box=box: loaded_adapters(box) == (), what=f"cls:a to leave {box.box_id}")
