@@ -48,7 +48,7 @@ from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
-from appliance.worker import load_adapter
+from appliance.worker import hold_adapter
 from runtimes import UnknownAdapter
 from runtimes.generate import GenerateRuntime, StepOutput
 
@@ -191,13 +191,19 @@ class GenerateWorker:
     async def _admit(self, meta: RequestMeta, msg: Msg) -> None:
         try:
             request = decode_generation(await self._blobs.get(meta.blob) if meta.blob else msg.data)
-            adapter = None
+            # Held until the runtime has the request: from then on it keeps the adapter loaded itself.
+            hold = None
             if meta.adapter is not None:
-                adapter = await load_adapter(self._catalog, self._residency, self.spec, meta.adapter)
-            prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
-            if self._retired:
-                raise self._deleted_error("queued")
-            self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)
+                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter)
+            try:
+                prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
+                if self._retired:
+                    raise self._deleted_error("queued")
+                adapter = hold.key if hold is not None else None
+                self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)
+            finally:
+                if hold is not None:
+                    hold.release()
         except FleetboxError as exc:
             await self._fail(meta, msg, exc)
             return

@@ -236,12 +236,9 @@ class Residency:
         ]
         return min(candidates, key=lambda r: r.last_used).spec.name if candidates else None
 
-    async def ensure_adapter(self, base: str, adapter: ModelSpec) -> str:
-        """Load a LoRA adapter's registration onto its resident base (once); its name in the runtime."""
-        return (await self._adapters(base).acquire(adapter, hold=False)).key
-
     async def hold_adapter(self, base: str, adapter: ModelSpec) -> AdapterHold:
-        """As `ensure_adapter`, and kept loaded until the hold is released (appliance/adapters.py)."""
+        """A LoRA adapter's registration loaded onto its resident base (once), and kept loaded until the hold is
+        released (appliance/adapters.py); `hold.key` is its name in the runtime."""
         table = self._adapters(base)
         return AdapterHold(table, await table.acquire(adapter, hold=True))
 

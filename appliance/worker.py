@@ -333,17 +333,9 @@ class ModelWorker:
         self._tasks.spawn(coro)
 
 
-async def load_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> str:
-    """Make a request's LoRA adapter resident on its base model; the adapter's name for the runtime."""
-    adapter = _adapter_spec(catalog, base, name)
-    try:
-        return await residency.ensure_adapter(base.name, adapter)
-    except (UnsupportedModel, UnknownAdapter) as exc:
-        raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
-
-
 async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> AdapterHold:
-    """As `load_adapter`, held loaded for the request until it is answered (appliance/adapters.py)."""
+    """A request's LoRA adapter made resident on its base model and held there for the request until it is
+    released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime."""
     adapter = _adapter_spec(catalog, base, name)
     try:
         return await residency.hold_adapter(base.name, adapter)

@@ -125,6 +125,9 @@ class GenerateRuntime:
         self._chat_lock = threading.Lock()
         self._inbox: Inbox[_Request] = Inbox()
         self._step_lock = threading.Lock()
+        # A step (taking requests, then running them) and an adapter's unload exclude each other: an adapter
+        # found unused, then unloaded while a step ran a request it had just taken, failed that whole step.
+        self._adapter_lock = threading.Lock()
         self._rows: list[_Request] = []  # owned by the stepping thread, with `_batch`
         self._batch: CacheBatch | None = None
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -257,6 +260,7 @@ class GenerateRuntime:
         """Advance every active request by one token and admit waiting ones; one output per request."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("step() is already running: one thread drives a generate runtime")
+        self._adapter_lock.acquire()
         joining: list[_Request] = []
         try:
             room = self._max_rows - len(self._rows)
@@ -276,6 +280,7 @@ class GenerateRuntime:
             self._inbox.put_back([r for r in joining if not r.generated and r.request_id not in running])
             raise
         finally:
+            self._adapter_lock.release()
             self._step_lock.release()
 
     def _join(self, joining: list[_Request]) -> list[StepOutput]:
@@ -410,9 +415,10 @@ class GenerateRuntime:
 
     def evict_adapter(self, name: str) -> None:
         """Refused while a request uses the adapter: let it finish or cancel it first."""
-        if any(r.adapter == name for r in (*self._inbox.waiting(), *self._rows)):
-            raise ValueError(f"LoRA adapter {name!r} is in use by a generating request")
-        self._adapters.evict(name)
+        with self._adapter_lock:
+            if any(r.adapter == name for r in (*self._inbox.waiting(), *self._rows)):
+                raise ValueError(f"LoRA adapter {name!r} is in use by a generating request")
+            self._adapters.evict(name)
 
     @property
     def adapters(self) -> tuple[str, ...]:

@@ -181,7 +181,7 @@ async def test_a_deleted_adapter_is_unloaded_on_every_box_that_holds_it(
     for box in (first, second):  # loaded on each (a request would land on either)
         await wait_for(lambda box=box: box.catalog.get("cls:a") is not None, what="the catalog to reach the box")
         await box.workers.serve(box.catalog.get("cls"))
-        await box.residency.ensure_adapter("cls", box.catalog.get("cls:a"))
+        (await box.residency.hold_adapter("cls", box.catalog.get("cls:a"))).release()
         assert loaded_adapters(box) == ("cls:a",)
     assert (await call(http, first, "DELETE", "/v1/models/cls:a"))[0] == 200
     for box in (first, second):
