@@ -31,6 +31,7 @@ from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
 from appliance.connect import (
+    delete_model,
     ensure_queue,
     open_catalogued_queues,
     open_model_queue,
@@ -230,6 +231,10 @@ class Box:
         assert self.js is not None
         await settle_model_queue(self.js, self.settings, self.catalog, spec.slug)
 
+    async def _delete_model(self, spec: ModelSpec) -> None:
+        assert self.js is not None and self.store is not None
+        await delete_model(self.js, self.settings, self.catalog, self.store, spec)
+
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None
         if self.settings.serves_http:
@@ -256,7 +261,7 @@ class Box:
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
             open_queue=self.open_queue,
-            retire_queue=self._settle_queue,
+            delete_model=self._delete_model,
         )
         app = build_app(context)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.

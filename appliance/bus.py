@@ -193,6 +193,19 @@ async def delete_request_consumers(js: JetStreamContext, slug: str) -> None:
             pass
 
 
+async def next_request_sequence(js: JetStreamContext) -> int:
+    """The sequence the request stream gives its next message: every message below it was sent before now."""
+    return int((await js.stream_info(REQUEST_STREAM)).state.last_seq) + 1
+
+
+async def purge_requests(js: JetStreamContext, slug: str, *, sent_before: int) -> None:
+    """Drop a deleted model's requests still in the stream (both priorities), those sent before `sent_before`
+    only: its consumers are gone, and a work queue keeps a message nobody acked until its max age, where a
+    registration of the same slug would take it up. What was sent after is a new registration's."""
+    for priority in PRIORITIES:
+        await js.purge_stream(REQUEST_STREAM, seq=sent_before, subject=request_subject(slug, priority))
+
+
 async def _ensure_consumer(
     js: JetStreamContext, slug: str, priority: str, *, ack_wait_s: float, max_deliver: int, max_ack_pending: int
 ) -> None:

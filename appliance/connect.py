@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from appliance import bus
-from appliance.catalog import Catalog
+from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.fleet import Fleet
 from appliance.settings import Settings
@@ -199,6 +199,28 @@ async def settle_model_queue(js: JetStreamContext, settings: Settings, catalog: 
         spec = catalog.by_slug(slug)
         if wanted == (spec is not None and spec.adapter_of is None):
             return
+
+
+async def delete_model(
+    js: JetStreamContext, settings: Settings, catalog: Catalog, store: CatalogStore, spec: ModelSpec
+) -> None:
+    """Take a model out of the fleet: out of the catalog (every gateway then answers what it awaits for it 404),
+    its consumers removed, and what waits in its queue dropped, up to the moment of the deletion, so nothing of
+    it sits in the stream or is taken up by a model registered under its slug next."""
+    try:
+        sent_before: int | None = await bus.next_request_sequence(js)
+    except NatsError as exc:
+        log.warning("request stream not read before a deletion", extra={"model": spec.name, "error": repr(exc)})
+        sent_before = None
+    await store.delete(spec)
+    if spec.adapter_of is not None:
+        return  # an adapter runs on its base's queue
+    await settle_model_queue(js, settings, catalog, spec.slug)
+    if sent_before is not None and catalog.by_slug(spec.slug) is None:
+        try:
+            await bus.purge_requests(js, spec.slug, sent_before=sent_before)
+        except NatsError as exc:  # they expire with the stream's max age
+            log.warning("deleted model's requests not purged", extra={"model": spec.name, "error": repr(exc)})
 
 
 async def when_jetstream_answers(step: Callable[[], Awaitable[Any]]) -> None:

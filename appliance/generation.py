@@ -18,14 +18,12 @@ import logging
 import time
 from collections.abc import Coroutine
 from concurrent.futures import Executor
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
@@ -33,7 +31,7 @@ from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
-from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
+from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
     GatewayTimeout,
@@ -96,7 +94,6 @@ class GenerateWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
-        self._js = js
         self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
@@ -415,7 +412,8 @@ class GenerateWorker:
         return NotFound(f"model {self.spec.name!r} was deleted while this request was {doing}", code="model_not_found")
 
     async def _retire(self) -> None:
-        """The model was deleted: answer every request held here 404 at once, and empty its queue.
+        """The model was deleted: answer every request held here 404 at once (the deletion drops what is left
+        of them in the stream: connect.delete_model).
 
         Handed back, a request would wait with no consumer until its deadline, or be answered by
         whatever model is registered under the name next, which is not the model the client asked for.
@@ -432,22 +430,9 @@ class GenerateWorker:
                 self._spawn(self._fail(stream.meta, stream.msg, self._deleted_error("generating"), seq=stream.seq))
             # Requests being admitted see `_retired` and are answered the same way.
             await self._tasks.wait(self._settings.shutdown_grace_s + _SETTLE_S)
-            await self._purge_queue()
         finally:
             await self._tasks.cancel()
             await cancel_and_wait([self._ticker])
-
-    async def _purge_queue(self) -> None:
-        """Drop what still waits for the deleted model. Its consumers are deleted with it, and a work queue
-        keeps a message no consumer acked (an ack made after the deletion counts for nothing) until
-        `stream_max_age_s`; a registration of the name made meanwhile would take them up. Not once the
-        catalog holds the slug again: what waits then is the new model's."""
-        if self._catalog.by_slug(self.spec.slug) is not None:
-            return
-        for priority in PRIORITIES:
-            subject = bus.request_subject(self.spec.slug, priority)
-            with suppress(NatsError):  # NATS away: they expire with the stream's max age
-                await self._js.purge_stream(bus.REQUEST_STREAM, subject=subject)
 
     def _forget(self, request_id: str) -> Stream | None:
         stream = self._streams.pop(request_id, None)

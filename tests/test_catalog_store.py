@@ -201,3 +201,6 @@ async def test_requests_waiting_for_a_model_deleted_meanwhile_are_answered_404_a
     for status, body in answers:
         assert (status, body["error"]["code"]) == (404, "model_not_found"), body
         assert "was deleted while this request waited" in body["error"]["message"]
+    # Nor are they left in the stream, where no consumer would ever take them (a registration of the name next
+    # would): the deletion drops what was sent to the model before it.
+    assert (await box.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0

@@ -71,8 +71,7 @@ async def delete_model(request: web.Request) -> web.Response:
             f"model {spec.name} has adapters ({', '.join(a.name for a in adapters)}); delete them first",
             code="model_has_adapters",
         )
-    await ctx.store.delete(spec)
-    await ctx.retire_queue(spec)
+    await ctx.delete_model(spec)
     return json_response({"id": spec.name, "object": "model", "deleted": True})
 
 

@@ -34,9 +34,10 @@ class GatewayContext:
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Raises 507 when a model could never fit this box; None on a gateway-only box.
     check_fits: Callable[[ModelSpec], Awaitable[None]] | None
-    # A registered model's queue consumers made (raises the server's refusal); after its deletion, removed.
+    # A registered model's queue consumers made (raises the server's refusal).
     open_queue: Callable[[ModelSpec], Awaitable[None]]
-    retire_queue: Callable[[ModelSpec], Awaitable[None]]
+    # A model out of the catalog, its consumers removed and its queued requests dropped.
+    delete_model: Callable[[ModelSpec], Awaitable[None]]
     ids: NUID = field(default_factory=NUID)  # request ids: unique across gateways (random prefix per NUID)
 
     @staticmethod
