@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from appliance import bus
 from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable, reason_of
+from appliance.errors import FleetboxError, NotFound, ServiceUnavailable, reason_of
 from appliance.logs import FailureStreak
 from appliance.puller import Puller
 from appliance.tasks import Background, cancel_and_wait
@@ -123,6 +123,8 @@ class Placement:
     async def _load(self, spec: ModelSpec, claimed: bool) -> None:
         try:
             await self._serve(spec, claimed)
+        except NotFound as exc:  # deleted (or registered again elsewhere) while it loaded: nothing failed
+            log.info("model deleted while it loaded", extra={"model": spec.name, "error": exc.message})
         except Exception as exc:
             error = load_failed(spec.name, self._box.box_id, exc)
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
