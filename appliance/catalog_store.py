@@ -83,17 +83,13 @@ class CatalogStore:
             except KeyWrongLastSequenceError:
                 pass  # already registered (by another box, or before a restart): the bucket wins
         self._watcher = watcher = await self._kv.watchall()
-        # The watcher replays every current key, then a None marker: the catalog is complete after it, and a
-        # model the bucket no longer has (a bucket another box made again after a NATS restart) is forgotten.
-        replayed = set()
+        # The watcher replays every current key, then a None marker: the catalog is complete after it. A model
+        # missing from the replay is not forgotten: a bucket another box is making again after a NATS restart
+        # may be replayed before that box has written it back, and a removal here is a deletion to listeners.
         async for entry in watcher:
             if entry is None:
                 break
-            replayed.add(entry.key)
             self._apply(entry)
-        for spec in list(self.catalog):
-            if spec.slug not in replayed and self.catalog.remove(spec.name) is not None:
-                self._notify(spec.name, None)
         self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
 
     async def reopen(self) -> None:

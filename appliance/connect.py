@@ -216,7 +216,7 @@ async def delete_model(
     if spec.adapter_of is not None:
         return  # an adapter runs on its base's queue
     await settle_model_queue(js, settings, catalog, spec.slug)
-    if sent_before is not None and catalog.by_slug(spec.slug) is None:
+    if sent_before is not None:  # bounded: what a registration of the slug made since is sent is kept
         try:
             await bus.purge_requests(js, spec.slug, sent_before=sent_before)
         except NatsError as exc:  # they expire with the stream's max age

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 _PUBLISH_TIMEOUT_S = 5.0
 _FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
+_DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
 
 
 def _deadline(timeout_s: float) -> GatewayTimeout:
@@ -52,6 +53,7 @@ def _deadline(timeout_s: float) -> GatewayTimeout:
 
 @dataclass(slots=True)
 class _StreamWaiter:
+    model: str
     queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
     box: str | None = None  # the box whose chunks are taken
     next_seq: int = 0  # the chunk expected next from it
@@ -87,6 +89,7 @@ class Dispatcher:
         self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._streams: dict[str, _StreamWaiter] = {}
+        self._cancels: set[asyncio.Task[None]] = set()  # cancels sent for requests answered without their box
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
 
@@ -136,18 +139,33 @@ class Dispatcher:
             await self._cancel(request_id)
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:
-        """Answer at once, with `error`, every request awaited for a model just deleted from the catalog and not
-        yet answering: the deletion empties its queue, and no box would answer them before their deadline.
-        A stream whose answer has begun is ended by the box generating it."""
-        for queue in self._admission.forget(model):
-            for request_id in list(queue.waiting):
-                waiter = self._waiters.get(request_id)
-                if waiter is not None and not waiter[0].done():
-                    waiter[0].set_exception(error)
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    reply = ReplyMeta(id=request_id, status=error.status, box=self.box_id)
-                    stream.queue.put_nowait(Reply(reply, error.to_json()))
+        """A model was just deleted from the catalog: what this gateway awaits for it and is not answered within
+        `_DELETED_GRACE_S` (a batch running when it was deleted is) gets `error`, and its boxes a cancel. The
+        deletion dropped its queue, so no box would answer the rest before their deadline."""
+        calls = [request_id for queue in self._admission.forget(model) for request_id in queue.waiting]
+        streams = {request_id: s.next_seq for request_id, s in self._streams.items() if s.model == model}
+        if calls or streams:
+            asyncio.get_running_loop().call_later(_DELETED_GRACE_S, self._answer_deleted, calls, streams, error)
+
+    def _answer_deleted(self, calls: list[str], streams: dict[str, int], error: FleetboxError) -> None:
+        """The end of `abandon_model`'s grace: calls still awaited, and streams no chunk reached since, answered."""
+        for request_id in calls:
+            waiter = self._waiters.get(request_id)
+            if waiter is not None and not waiter[0].done():
+                waiter[0].set_exception(error)
+                self._cancel_soon(request_id)
+        for request_id, next_seq in streams.items():
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.next_seq == next_seq:
+                stream.queue.put_nowait(
+                    Reply(ReplyMeta(id=request_id, status=error.status, box=self.box_id), error.to_json())
+                )
+                self._cancel_soon(request_id)
+
+    def _cancel_soon(self, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def call(
         self,
@@ -248,7 +266,7 @@ class Dispatcher:
         queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        waiter = _StreamWaiter()
+        waiter = _StreamWaiter(spec.name)
         finished = False
         try:
             with self._awaiting(self._streams, meta.id, waiter, queue, weight=1):
