@@ -54,7 +54,7 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
                 f"the model's chat template cannot be used: {exc}", code="invalid_chat_template"
             ) from None
         raise BadRequest(
-            f"the model's chat template refused the conversation: {exc}", code="chat_template_error"
+            f"the model's chat template failed on this conversation: {exc}", code="chat_template_error"
         ) from None
 
 

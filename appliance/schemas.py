@@ -160,7 +160,10 @@ class StreamOptions(_NullIsDefault, kw_only=True):
 
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 # OpenAI's bias range; a key is a token id as a string ("50256").
-LogitBias = dict[Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,9}$")], Annotated[float, msgspec.Meta(ge=-100, le=100)]]
+# Token ids as OpenAI writes them: no leading zeros, so no two keys name one token.
+LogitBias = dict[
+    Annotated[str, msgspec.Meta(pattern=r"^(0|[1-9][0-9]{0,8})$")], Annotated[float, msgspec.Meta(ge=-100, le=100)]
+]
 
 
 class _Sampling(_NullIsDefault, kw_only=True):

@@ -155,6 +155,10 @@ class GenerateRuntime:
                 rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
             except jinja2.TemplateError as exc:
                 raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+                # Python's own errors inside the template (`message['content'] + 1` on a list content): as
+                # certain on every delivery as a raise_exception, so answered at once too.
+                raise ChatTemplateError(f"{type(exc).__name__}: {exc}", broken=False) from None
         if isinstance(rendered, str):  # a transformers without control-token sanitising
             return self.tokenizer.tokenize([rendered], truncate=truncate, add_special_tokens=False)[0].ids
         limit = self.tokenizer.max_length

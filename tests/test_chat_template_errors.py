@@ -18,6 +18,9 @@ STRICT = (
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endfor %}"
 )
 UNCLOSED = "{% for message in messages %}{{ message['content'] }"
+# A Python error inside the template for this conversation (a number added to a string): raised as TypeError,
+# which took the retry-then-dead-letter path of a model failure.
+ADDS = "{% for message in messages %}{{ message['content'] + loop.index }}{% endfor %}"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
 
 
@@ -70,3 +73,14 @@ async def test_a_generator_whose_chat_template_does_not_compile_is_refused_at_re
     assert status == 422 and body["error"]["code"] == "unsupported_model", body
     assert "chat_template.jinja does not compile" in body["error"]["message"]
     assert "line 1" in body["error"]["message"]
+
+
+async def test_a_python_error_inside_the_template_is_a_400_at_once(start_box, http, generator_dir, tmp_path) -> None:
+    adds = with_template(generator_dir, tmp_path / "adds", ADDS)
+    box = await start_box(
+        default_model=False, models=[ModelEntry(name="adds", path=adds, task="generate", pinned=True)], max_deliver=3
+    )
+    status, body = await chat(http, box, "adds")
+    assert (status, body["error"]["code"]) == (400, "chat_template_error"), body
+    assert "TypeError" in body["error"]["message"]
+    assert counted(box, "fbx_redelivered_requests_total", "adds") == 0

@@ -87,3 +87,10 @@ async def test_logit_bias_and_penalties_change_the_answer(box, http) -> None:
 async def test_a_logit_bias_for_a_token_the_model_does_not_have_is_a_422(box, http) -> None:
     status, body = await post(http, box, "/v1/completions", COMPLETION | {"logit_bias": {"999999": 1}})
     assert status == 422 and "999999" in body["error"]["message"], body
+
+
+async def test_a_logit_bias_key_with_leading_zeros_is_a_422(box, http) -> None:
+    """ "01" and "1" both named token 1, and only one of their biases applied."""
+    status, body = await post(http, box, "/v1/completions", COMPLETION | {"logit_bias": {"01": 5, "1": -5}})
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+    assert "logit_bias" in body["error"]["message"]
