@@ -74,7 +74,7 @@ class LoraAdapters:
         if name == BASE:
             raise UnsupportedModel(f"{BASE!r} is reserved for the base model; pick another adapter name")
         check_adapter_folder(path)
-        from peft import PeftModel
+        from peft import LoraConfig, PeftModel
 
         with self._lock:
             if name in self._bytes:
@@ -82,18 +82,25 @@ class LoraAdapters:
             first = self._peft is None
             if first:
                 self._tree = _module_tree(self._base)
+            config: Any = None
             try:
+                # The weights come from the file: an initialisation that rewrites the base in place (PiSSA, OLoRA,
+                # CorDA...) would change it for every other request, so the adapter is created as plain LoRA.
+                config = LoraConfig.from_pretrained(str(path))
+                config.init_lora_weights = True
+                config.inference_mode = True
                 if first:
-                    self._peft = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, is_trainable=False)
+                    self._peft = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, config=config)
                 else:
+                    self._peft.add_adapter(name, config)  # load_adapter then reads only the weights into it
                     self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
-            except (RuntimeError, ValueError, KeyError) as error:
-                # peft raises these for an adapter trained on another base (shape or module mismatch), with
-                # its layers already injected and partly loaded: take them out again.
+            except Exception as error:
+                # An adapter trained on another base, a cut-short weights file, a config peft cannot build from:
+                # peft's layers may be injected and partly loaded already. Take them out again.
                 if first:
                     self._unwrap()
                 else:
-                    self._drop_partial(name)
+                    self._drop_partial(name, config)
                 raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
@@ -119,10 +126,13 @@ class LoraAdapters:
         self._tree = []
         self._peft = None
 
-    def _drop_partial(self, name: str) -> None:
+    def _drop_partial(self, name: str, config: Any) -> None:
         """Delete what a failed load of `name` injected next to the adapters already resident."""
-        if name in self._peft.peft_config:
-            self._peft.delete_adapter(name)
+        if name not in self._peft.peft_config:
+            if config is None:
+                return  # failed before anything was injected
+            self._peft.peft_config[name] = config  # peft drops it when injection fails half way, layers and all kept
+        self._peft.delete_adapter(name)
 
     def check(self, names: Sequence[str | None]) -> None:
         """Raise `UnknownAdapter` for the first name that is not resident."""

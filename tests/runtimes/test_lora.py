@@ -267,3 +267,93 @@ def test_an_adapter_is_not_unloaded_under_a_step_that_took_a_request_using_it(
                 unload.result(timeout=20)
     finally:
         runtime.close()
+
+
+ALL_TASKS = [*ENCODER_TASKS, Task.GENERATE]
+
+
+def _model(runtime) -> torch.nn.Module:
+    return runtime.model if isinstance(runtime, GenerateRuntime) else runtime.backend.model
+
+
+def _answers(task: Task, runtime, adapter: str | None = None) -> np.ndarray:
+    """The runtime's answer to a fixed input: encoder outputs, or a generation's greedy tokens."""
+    if task is Task.GENERATE:
+        greedy = SamplingParams(max_tokens=6, temperature=0)
+        joins = {0: [("r", prompt_ids(runtime, "The quick brown fox"), greedy, adapter)]}
+        return np.array([o.token_id for o in drive(runtime, joins)["r"]])
+    return runtime.run(_batch(task, runtime), adapter=adapter)
+
+
+def _edited_copy(adapter: Path, folder: Path, **config: object) -> Path:
+    """The adapter copied to `folder`, its adapter_config.json with `config` set."""
+    import json
+    import shutil
+
+    shutil.copytree(adapter, folder)
+    config_file = folder / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    return folder
+
+
+def _cut_short(adapter: Path, folder: Path, **config: object) -> Path:
+    copy = _edited_copy(adapter, folder, **config)
+    weights = copy / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return copy
+
+
+@pytest.mark.parametrize("task", [Task.SCORE, Task.CLASSIFY, Task.GENERATE], ids=str)
+def test_a_broken_adapter_is_refused_and_leaves_the_base_exactly_as_it_was(
+    task: Task, model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """Only RuntimeError/ValueError/KeyError were cleaned up: a cut-short weights file (SafetensorError) or a config
+    peft cannot build from (TypeError) left peft's layers in the base, which then answered with random LoRA weights
+    (init_lora_weights false), and the raw error was retried by the worker instead of answered 422 bad_adapter."""
+    runtime = load_runtime(ModelSource(model_dirs[task], task))
+    model = _model(runtime)
+    before, weights = _answers(task, runtime), _weights(model)
+    broken = [
+        _cut_short(adapter_dirs[task], tmp_path / "cut", init_lora_weights=False),
+        _edited_copy(adapter_dirs[task], tmp_path / "alpha", lora_alpha="eight"),
+        _edited_copy(adapter_dirs[task], tmp_path / "rank", r=None),
+    ]
+    for folder in broken:  # as the first adapter, twice (a retry), then next to a good one
+        for _ in range(2):
+            with pytest.raises(UnsupportedModel, match="does not fit"):
+                runtime.load_adapter("bad", folder)
+            assert runtime.adapters == ()
+            _assert_same_model(model, weights)
+    runtime.load_adapter("good", adapter_dirs[task])
+    good = _answers(task, runtime, "good")
+    for folder in broken:
+        with pytest.raises(UnsupportedModel, match="does not fit"):
+            runtime.load_adapter("bad", folder)
+        assert runtime.adapters == ("good",)
+    np.testing.assert_array_equal(_answers(task, runtime), before)
+    np.testing.assert_array_equal(_answers(task, runtime, "good"), good)
+    runtime.evict_adapter("good")
+    _assert_same_model(model, weights)
+    np.testing.assert_array_equal(_answers(task, runtime), before)
+    runtime.close()
+
+
+@pytest.mark.parametrize("task", ALL_TASKS, ids=str)
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_saved_with_a_base_rewriting_init_leaves_the_base_alone(
+    task: Task, init: str, model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """peft initialises PiSSA/OLoRA adapters by rewriting the base weights in place, at load too: every other
+    request on the base (and every other adapter) answered with the changed weights, even after the evict."""
+    runtime = load_runtime(ModelSource(model_dirs[task], task))
+    model = _model(runtime)
+    before, weights = _answers(task, runtime), _weights(model)
+    runtime.load_adapter("plain", adapter_dirs[task])
+    plain = _answers(task, runtime, "plain")
+    runtime.load_adapter("rewriting", _edited_copy(adapter_dirs[task], tmp_path / init, init_lora_weights=init))
+    np.testing.assert_allclose(_answers(task, runtime), before, atol=1e-6)
+    np.testing.assert_allclose(_answers(task, runtime, "rewriting"), plain, atol=1e-6)  # the same weights
+    runtime.evict_adapter("plain")
+    runtime.evict_adapter("rewriting")
+    _assert_same_model(model, weights)
+    runtime.close()
