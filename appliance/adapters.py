@@ -27,6 +27,9 @@ from runtimes.base import AdapterHost
 
 log = logging.getLogger(__name__)
 
+RETRY_FIRST_S = 0.25  # a retired adapter the runtime refused to unload (a generation runs with it) is tried again
+RETRY_MOST_S = 5.0  # ... after this long, doubling up to this: a generation ends nothing tells this table
+
 
 @dataclass(slots=True, eq=False)
 class LoadedAdapter:
@@ -69,6 +72,8 @@ class BaseAdapters:
         self._lock = asyncio.Lock()
         self._keys = itertools.count(2)
         self._sweeps: set[asyncio.Task[None]] = set()
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_s = RETRY_FIRST_S
         self._closed = False
 
     def names(self) -> list[str]:
@@ -108,6 +113,8 @@ class BaseAdapters:
         self._closed = True
         for sweep in self._sweeps:
             sweep.cancel()
+        if self._retry is not None:
+            self._retry.cancel()
 
     def _current(self, spec: ModelSpec) -> LoadedAdapter | None:
         for entry in self._entries.values():
@@ -146,6 +153,8 @@ class BaseAdapters:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._host.evict_adapter, entry.key)
         except ValueError:
             self._entries[entry.key] = entry
+            if entry.retired:
+                self._retry_later()
             return False
         except UnknownAdapter:
             pass  # gone with a closed runtime
@@ -160,12 +169,24 @@ class BaseAdapters:
         self._sweeps.add(sweep)
         sweep.add_done_callback(self._sweeps.discard)
 
+    def _retry_later(self) -> None:
+        """Sweep again later: nothing else would once the generation holding a retired adapter ends."""
+        if self._closed or self._retry is not None:
+            return
+        self._retry = asyncio.get_running_loop().call_later(self._retry_s, self._retried)
+        self._retry_s = min(2 * self._retry_s, RETRY_MOST_S)
+
+    def _retried(self) -> None:
+        self._retry = None
+        self._sweep_soon()
+
     async def _sweep(self) -> None:
         async with self._lock:
             if self._closed:
                 return
-            for entry in [e for e in self._entries.values() if e.retired and e.holders == 0]:
-                await self._unload(entry, "request")
+            retired = [e for e in self._entries.values() if e.retired and e.holders == 0]
+            if all([await self._unload(entry, "request") for entry in retired]):
+                self._retry_s = RETRY_FIRST_S
 
 
 def _same_registration(loaded: ModelSpec, wanted: ModelSpec) -> bool:

@@ -1,0 +1,72 @@
+"""The adapter table of one base (appliance/adapters.py) on a real runtime: retirements that come while a
+generation runs with the adapter, while it loads or while it is being unloaded."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.adapters import BaseAdapters
+from appliance.catalog import Batching, ModelSpec
+from appliance.metrics import Metrics
+from runtimes import ModelSource, RuntimeKind, Task, load_runtime
+from runtimes.generate import GenerateRuntime, SamplingParams
+from tests.conftest import wait_for
+
+
+def adapter_spec(name: str, folder: Path, task: Task) -> ModelSpec:
+    return ModelSpec(
+        name=name, slug=name, task=task, runtime=RuntimeKind.TORCH, path=folder,
+        batching=Batching(512, 8, 1), adapter_of="base",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(1) as threads:  # one thread, as a box's: a job queued behind a blocker waits for it
+        yield threads
+
+
+@pytest.fixture
+def generator(model_dirs: dict[Task, Path]) -> Iterator[GenerateRuntime]:
+    runtime = load_runtime(ModelSource(model_dirs[Task.GENERATE], Task.GENERATE))
+    yield runtime
+    runtime.close()
+
+
+def generate_with(runtime: GenerateRuntime, key: str) -> None:
+    runtime.add("r", np.array([5, 6, 7]), SamplingParams(max_tokens=3, temperature=0), adapter=key)
+
+
+def finish(runtime: GenerateRuntime) -> None:
+    while runtime.has_work:
+        runtime.step()
+
+
+def blocked(executor: ThreadPoolExecutor) -> threading.Event:
+    """Hold the executor's one thread until the event is set: what is queued behind waits for it."""
+    go_on = threading.Event()
+    executor.submit(go_on.wait, 20)
+    return go_on
+
+
+async def test_a_deleted_adapter_a_generation_runs_with_is_unloaded_when_the_generation_ends(
+    generator: GenerateRuntime, adapter_dirs: dict[Task, Path], executor: ThreadPoolExecutor
+) -> None:
+    """The runtime refuses the unload while the generation runs; nothing swept again once it ended (the
+    generation's hold was released when the runtime took the request), so the adapter stayed loaded."""
+    table = BaseAdapters("base", generator, 8, executor, Metrics())
+    entry = await table.acquire(adapter_spec("a", adapter_dirs[Task.GENERATE], Task.GENERATE), hold=True)
+    generate_with(generator, entry.key)
+    table.release(entry)
+    table.retire("a")
+    await wait_for(lambda: entry.key in generator.adapters and not table._sweeps, what="the refused unload")
+    assert table.names() == []
+    finish(generator)
+    await wait_for(lambda: generator.adapters == (), what="the deleted adapter to be unloaded")
+    table.close()
