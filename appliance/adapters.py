@@ -69,6 +69,7 @@ class BaseAdapters:
         self._executor = executor
         self._metrics = metrics
         self._entries: dict[str, LoadedAdapter] = {}  # runtime key -> entry
+        self._in_flight: set[LoadedAdapter] = set()  # loading, or out of `_entries` while being unloaded
         self._lock = asyncio.Lock()
         self._keys = itertools.count(2)
         self._sweeps: set[asyncio.Task[None]] = set()
@@ -103,7 +104,7 @@ class BaseAdapters:
 
     def retire(self, name: str, keep: ModelSpec | None = None) -> None:
         """Adapter `name` left the catalog (or `keep` is its registration now): unload what else was loaded."""
-        for entry in self._entries.values():
+        for entry in [*self._entries.values(), *self._in_flight]:  # in flight too: marked for when it is back
             if entry.spec.name == name and (keep is None or not _same_registration(entry.spec, keep)):
                 entry.retired = True
         self._sweep_soon()
@@ -125,10 +126,15 @@ class BaseAdapters:
     async def _load(self, spec: ModelSpec) -> LoadedAdapter:
         await self._make_room()
         key = spec.name if spec.name not in self._entries else f"{spec.name}#{next(self._keys)}"
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._host.load_adapter, key, spec.path)
         entry = LoadedAdapter(spec, key, last_used=time.monotonic())
+        self._in_flight.add(entry)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._host.load_adapter, key, spec.path)
+        finally:
+            self._in_flight.discard(entry)
         self._entries[key] = entry
+        if entry.retired:  # deleted while it loaded: the request that asked has it, then it goes
+            self._sweep_soon()
         self._metrics.loads.labels(spec.name).inc()
         log.info("adapter loaded", extra={"model": self._base, "adapter": spec.name})
         return entry
@@ -149,6 +155,7 @@ class BaseAdapters:
     async def _unload(self, entry: LoadedAdapter, reason: str) -> bool:
         """Unload one adapter (under the lock); False when the runtime refuses because a request runs with it."""
         del self._entries[entry.key]  # before the wait: no request may find it while it goes
+        self._in_flight.add(entry)
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._host.evict_adapter, entry.key)
         except ValueError:
@@ -158,6 +165,8 @@ class BaseAdapters:
             return False
         except UnknownAdapter:
             pass  # gone with a closed runtime
+        finally:
+            self._in_flight.discard(entry)
         self._metrics.evictions.labels(entry.spec.name, reason).inc()
         log.info("adapter unloaded", extra={"model": self._base, "adapter": entry.spec.name, "reason": reason})
         return True

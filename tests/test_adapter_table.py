@@ -3,6 +3,7 @@ generation runs with the adapter, while it loads or while it is being unloaded."
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -69,4 +70,46 @@ async def test_a_deleted_adapter_a_generation_runs_with_is_unloaded_when_the_gen
     assert table.names() == []
     finish(generator)
     await wait_for(lambda: generator.adapters == (), what="the deleted adapter to be unloaded")
+    table.close()
+
+
+async def test_an_adapter_deleted_while_it_loads_is_unloaded_once_its_request_is_done(
+    generator: GenerateRuntime, adapter_dirs: dict[Task, Path], executor: ThreadPoolExecutor
+) -> None:
+    """retire() marked only the loaded entries: one loading then was added unmarked, and stayed loaded."""
+    table = BaseAdapters("base", generator, 8, executor, Metrics())
+    go_on = blocked(executor)
+    acquiring = asyncio.create_task(table.acquire(adapter_spec("a", adapter_dirs[Task.GENERATE], Task.GENERATE), True))
+    await asyncio.sleep(0)  # the acquire runs up to its load, queued behind the blocker
+    table.retire("a")
+    go_on.set()
+    entry = await acquiring
+    assert entry.key in generator.adapters  # the request that asked before the deletion runs with it
+    table.release(entry)
+    await wait_for(lambda: generator.adapters == (), what="the deleted adapter to be unloaded")
+    assert table.names() == []
+    table.close()
+
+
+async def test_an_adapter_deleted_while_its_refused_unload_runs_is_retired(
+    generator: GenerateRuntime,
+    adapter_dirs: dict[Task, Path],
+    second_generator_adapter_dir: Path,
+    executor: ThreadPoolExecutor,
+) -> None:
+    """An unload takes the entry out of the table while it waits; the runtime refused it (a generation runs with
+    the adapter) and put it back unmarked: the deleted adapter stayed servable and loaded."""
+    table = BaseAdapters("base", generator, 1, executor, Metrics())
+    first = await table.acquire(adapter_spec("a", adapter_dirs[Task.GENERATE], Task.GENERATE), hold=False)
+    generate_with(generator, first.key)
+    go_on = blocked(executor)
+    other = adapter_spec("b", second_generator_adapter_dir, Task.GENERATE)
+    loading = asyncio.create_task(table.acquire(other, hold=False))  # past the cap: unloads "a" first
+    await asyncio.sleep(0)  # the unload of "a" is queued behind the blocker
+    table.retire("a")
+    go_on.set()
+    await loading
+    assert table.names() == ["b"]
+    finish(generator)
+    await wait_for(lambda: first.key not in generator.adapters, what="the deleted adapter to be unloaded")
     table.close()
