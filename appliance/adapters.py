@@ -7,8 +7,9 @@ is never unloaded under a request that will run with it.
 
 An adapter is known by its registration, name and folder: a name deleted from the catalog, or
 registered again on another folder, retires the loaded one, which is unloaded once nothing holds it.
-A registration loaded while an older one of its name is still held loads beside it, under another
-runtime name (`name#2`): the name the runtime knows is the one `acquire` hands back.
+A registration loaded while an older one of its name is still held loads beside it. The runtime knows each
+load by a key of its own (`fbx-adapter-N`, never reused on a base), not by the adapter's name: `name#2` was
+also a name another adapter may have, whose weights it was then served. `acquire` hands the key back.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ RETRY_MOST_S = 5.0  # ... after this long, doubling up to this: a generation end
 @dataclass(slots=True, eq=False)
 class LoadedAdapter:
     spec: ModelSpec  # the registration it was loaded from
-    key: str  # its name in the runtime
+    key: str  # its name in the runtime, unique to this load
     last_used: float
     holders: int = 0
     retired: bool = False  # deleted or registered again elsewhere: unloaded once nothing holds it
@@ -71,7 +72,7 @@ class BaseAdapters:
         self._entries: dict[str, LoadedAdapter] = {}  # runtime key -> entry
         self._in_flight: set[LoadedAdapter] = set()  # loading, or out of `_entries` while being unloaded
         self._lock = asyncio.Lock()
-        self._keys = itertools.count(2)
+        self._keys = itertools.count(1)
         self._sweeps: set[asyncio.Task[None]] = set()
         self._retry: asyncio.TimerHandle | None = None
         self._retry_s = RETRY_FIRST_S
@@ -125,7 +126,7 @@ class BaseAdapters:
 
     async def _load(self, spec: ModelSpec) -> LoadedAdapter:
         await self._make_room()
-        key = spec.name if spec.name not in self._entries else f"{spec.name}#{next(self._keys)}"
+        key = self._new_key()
         entry = LoadedAdapter(spec, key, last_used=time.monotonic())
         self._in_flight.add(entry)
         try:
@@ -138,6 +139,11 @@ class BaseAdapters:
         self._metrics.loads.labels(spec.name).inc()
         log.info("adapter loaded", extra={"model": self._base, "adapter": spec.name})
         return entry
+
+    def _new_key(self) -> str:
+        """A runtime name no load on this base had: not the adapter's name, which another load may still use."""
+        taken = {*self._entries, *(e.key for e in self._in_flight), *self._host.adapters}
+        return next(key for key in (f"fbx-adapter-{n}" for n in self._keys) if key not in taken)
 
     async def _make_room(self) -> None:
         """Unload retired adapters nothing holds, then idle ones, least recently used first, down to the cap."""

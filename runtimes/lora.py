@@ -52,6 +52,7 @@ class LoraAdapters:
         self._peft: Any = None  # a peft.PeftModel once the first adapter is loaded
         self._tree: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # the base's modules before peft
         self._bytes: dict[str, int] = {}
+        self._paths: dict[str, Path] = {}  # the folder each adapter was loaded from
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -61,6 +62,7 @@ class LoraAdapters:
             self._peft = None
             self._tree = []
             self._bytes.clear()
+            self._paths.clear()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -70,7 +72,9 @@ class LoraAdapters:
         return self._bytes[name]
 
     def load(self, name: str, path: Path) -> int:
-        """Load the adapter in `path` as `name` (a no-op if resident); returns the bytes it added."""
+        """Load the adapter in `path` as `name` (a no-op if resident from there); returns the bytes it added.
+
+        A name resident from another folder is refused: serving the old weights for the new folder is wrong."""
         if name == BASE:
             raise UnsupportedModel(f"{BASE!r} is reserved for the base model; pick another adapter name")
         check_adapter_folder(path)
@@ -78,6 +82,8 @@ class LoraAdapters:
 
         with self._lock:
             if name in self._bytes:
+                if self._paths[name] != Path(path):
+                    raise ValueError(f"LoRA adapter {name!r} is loaded from {self._paths[name]}, not {path}")
                 return self._bytes[name]
             first = self._peft is None
             if first:
@@ -104,6 +110,7 @@ class LoraAdapters:
                 raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
+            self._paths[name] = Path(path)
             return self._bytes[name]
 
     def evict(self, name: str) -> None:
@@ -113,6 +120,7 @@ class LoraAdapters:
                 raise UnknownAdapter(name)
             self._peft.delete_adapter(name)
             del self._bytes[name]
+            del self._paths[name]
             if not self._bytes:
                 self._unwrap()  # peft cannot add an adapter to a wrapper left with none
 

@@ -113,3 +113,25 @@ async def test_an_adapter_deleted_while_its_refused_unload_runs_is_retired(
     finish(generator)
     await wait_for(lambda: first.key not in generator.adapters, what="the deleted adapter to be unloaded")
     table.close()
+
+
+async def test_each_load_has_a_runtime_key_no_adapter_name_can_take(
+    model_dirs: dict[Task, Path], classifier_dir: Path, tmp_path: Path, executor: ThreadPoolExecutor
+) -> None:
+    """A registration loaded beside a held older one ran under `name#2`, which names may contain: with an adapter
+    really named so loaded, the new registration was served that adapter's weights."""
+    from tests.models import make_adapter
+
+    runtime = load_runtime(ModelSource(classifier_dir, Task.CLASSIFY))
+    batch = runtime.tokenize(["a fine film, all in all"])
+    folders = [make_adapter(Task.CLASSIFY, classifier_dir, tmp_path / str(seed), seed=seed) for seed in (51, 52, 53)]
+    table = BaseAdapters("base", runtime, 8, executor, Metrics())
+    named_like_it = await table.acquire(adapter_spec("base:a#2", folders[0], Task.CLASSIFY), hold=True)
+    old = await table.acquire(adapter_spec("base:a", folders[1], Task.CLASSIFY), hold=True)
+    table.retire("base:a", keep=adapter_spec("base:a", folders[2], Task.CLASSIFY))  # registered again elsewhere
+    new = await table.acquire(adapter_spec("base:a", folders[2], Task.CLASSIFY), hold=True)
+    assert len({named_like_it.key, old.key, new.key}) == 3
+    runtime.load_adapter("reference", folders[2])
+    np.testing.assert_array_equal(runtime.run(batch, adapter=new.key), runtime.run(batch, adapter="reference"))
+    table.close()
+    runtime.close()

@@ -45,8 +45,14 @@ async def register_adapter(http, box, name: str, folder: Path) -> None:
 
 
 def loaded_adapters(box) -> tuple[str, ...]:
+    """The names of the adapters the runtime has loaded (it knows them by keys of their own)."""
     resident = box.residency.get("cls")
-    return resident.runtime.adapters if resident is not None else ()
+    if resident is None:
+        return ()
+    table = resident.adapters
+    entries = [*table._entries.values(), *table._in_flight] if table is not None else []  # in flight: unloading
+    names = {entry.key: entry.spec.name for entry in entries}
+    return tuple(names.get(key, key) for key in resident.runtime.adapters)
 
 
 async def test_a_deleted_adapter_is_unloaded_and_its_name_registered_again_serves_the_new_folder(

@@ -357,3 +357,21 @@ def test_an_adapter_saved_with_a_base_rewriting_init_leaves_the_base_alone(
     runtime.evict_adapter("rewriting")
     _assert_same_model(model, weights)
     runtime.close()
+
+
+def test_a_name_resident_from_another_folder_is_refused(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A name already loaded was a no-op whatever the folder: the new folder was served the old weights."""
+    from tests.models import make_adapter
+
+    runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    batch = runtime.tokenize(TEXTS)
+    added = runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY])
+    tuned = runtime.run(batch, adapter="tuned")
+    other = make_adapter(Task.CLASSIFY, model_dirs[Task.CLASSIFY], tmp_path, seed=78)
+    with pytest.raises(ValueError, match="is loaded from"):
+        runtime.load_adapter("tuned", other)
+    assert runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY]) == added  # the same folder: a no-op
+    np.testing.assert_array_equal(runtime.run(batch, adapter="tuned"), tuned)
+    runtime.close()
