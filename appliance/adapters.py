@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from appliance.catalog import ModelSpec
 from appliance.metrics import Metrics
 from runtimes import UnknownAdapter
-from runtimes.base import AdapterHost
+from runtimes.base import AdapterHost, AdapterInUse
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class BaseAdapters:
         self._metrics = metrics
         self._entries: dict[str, LoadedAdapter] = {}  # runtime key -> entry
         self._in_flight: set[LoadedAdapter] = set()  # loading, or out of `_entries` while being unloaded
+        # Per adapter name: how many times it was retired, and the registration the last retirement kept. A load
+        # that waited for the lock while its adapter was deleted is marked retired by it too.
+        self._retirements: dict[str, tuple[int, ModelSpec | None]] = {}
         self._lock = asyncio.Lock()
         self._keys = itertools.count(1)
         self._sweeps: set[asyncio.Task[None]] = set()
@@ -86,8 +89,9 @@ class BaseAdapters:
         """The loaded entry for this registration (loaded now if need be); with `hold`, held until released."""
         entry = self._current(spec)
         if entry is None:
+            seen = self._retirements.get(spec.name, (0, None))[0]
             async with self._lock:
-                entry = self._current(spec) or await self._load(spec)
+                entry = self._current(spec) or await self._load(spec, seen)
                 self._use(entry, hold)  # under the lock: no eviction can come between
                 return entry
         self._use(entry, hold)
@@ -105,6 +109,8 @@ class BaseAdapters:
 
     def retire(self, name: str, keep: ModelSpec | None = None) -> None:
         """Adapter `name` left the catalog (or `keep` is its registration now): unload what else was loaded."""
+        count = self._retirements.get(name, (0, None))[0]
+        self._retirements[name] = (count + 1, keep)
         for entry in [*self._entries.values(), *self._in_flight]:  # in flight too: marked for when it is back
             if entry.spec.name == name and (keep is None or not _same_registration(entry.spec, keep)):
                 entry.retired = True
@@ -124,10 +130,14 @@ class BaseAdapters:
                 return entry
         return None
 
-    async def _load(self, spec: ModelSpec) -> LoadedAdapter:
+    async def _load(self, spec: ModelSpec, seen: int) -> LoadedAdapter:
+        """Load a registration; `seen`: its name's retirements when the request asked (before the lock)."""
         await self._make_room()
         key = self._new_key()
         entry = LoadedAdapter(spec, key, last_used=time.monotonic())
+        count, keep = self._retirements.get(spec.name, (0, None))
+        if count != seen and (keep is None or not _same_registration(spec, keep)):
+            entry.retired = True  # deleted while this request waited for another load: it has it, then it goes
         self._in_flight.add(entry)
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._host.load_adapter, key, spec.path)
@@ -164,13 +174,18 @@ class BaseAdapters:
         self._in_flight.add(entry)
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._host.evict_adapter, entry.key)
-        except ValueError:
+        except AdapterInUse:
             self._entries[entry.key] = entry
             if entry.retired:
                 self._retry_later()
             return False
         except UnknownAdapter:
             pass  # gone with a closed runtime
+        except Exception as exc:  # not a refusal to wait out: the runtime holds it no more, as far as it can tell
+            log.warning(
+                "adapter unload failed; forgotten",
+                extra={"model": self._base, "adapter": entry.spec.name, "error": repr(exc)},
+            )
         finally:
             self._in_flight.discard(entry)
         self._metrics.evictions.labels(entry.spec.name, reason).inc()

@@ -51,6 +51,10 @@ class UnsupportedModel(ValueError):
     """A model folder fleetbox cannot serve (architecture, missing files, or an adapter that does not fit)."""
 
 
+class AdapterInUse(ValueError):
+    """An adapter's unload refused while a request runs with it (a generation): try again once it ends."""
+
+
 class UnknownAdapter(LookupError):
     """A request named a LoRA adapter that is not loaded on this runtime."""
 

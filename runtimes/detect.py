@@ -118,11 +118,37 @@ def check_adapter_folder(folder: Path) -> None:
     config_file = Path(folder) / "adapter_config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{folder} has no adapter_config.json; a LoRA adapter saved by peft is expected")
-    peft_type = _json_object(config_file).get("peft_type")
+    config = _json_object(config_file)
+    peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise UnsupportedModel(f"{folder} is a {peft_type} adapter; only LoRA adapters are supported")
     if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
         raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
+    _refuse_shared_changes(config, folder)
+
+
+# Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense
+# against that rewritten base, which every other request shares (peft can convert such an adapter to plain LoRA).
+_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
+
+
+def _refuse_shared_changes(config: Mapping[str, Any], folder: Path) -> None:
+    """Refuse an adapter that would change what every request on its base shares, or that peft cannot apply per
+    row of a batch: judged from adapter_config.json, at registration and again before a load."""
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_REWRITING_INITS):
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} was trained against a base its {init!r} initialisation rewrote; convert it to "
+            "a plain LoRA with peft (save_pretrained with path_initial_model_for_weight_conversion)"
+        )
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} trains biases (bias={bias!r}): they are the base's own, shared by every "
+            "request; only bias='none' adapters are served"
+        )
+    if config.get("use_dora"):
+        raise UnsupportedModel(f"LoRA adapter {folder} is a DoRA adapter, which peft cannot apply per row of a batch")
 
 
 def _check_sizes(config: Mapping[str, Any], config_file: Path) -> None:

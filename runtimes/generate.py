@@ -39,7 +39,7 @@ import jinja2
 import numpy as np
 import torch
 
-from runtimes.base import InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
+from runtimes.base import AdapterInUse, InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
 from runtimes.causal_lm import check_full_attention, default_params, eos_ids
 from runtimes.inbox import Inbox
 from runtimes.kv_batch import CacheBatch
@@ -421,7 +421,7 @@ class GenerateRuntime:
         """Refused while a request uses the adapter: let it finish or cancel it first."""
         with self._adapter_lock:
             if any(r.adapter == name for r in (*self._inbox.waiting(), *self._rows)):
-                raise ValueError(f"LoRA adapter {name!r} is in use by a generating request")
+                raise AdapterInUse(f"LoRA adapter {name!r} is in use by a generating request")
             self._adapters.evict(name)
 
     @property

@@ -90,9 +90,8 @@ class LoraAdapters:
                 self._tree = _module_tree(self._base)
             config: Any = None
             try:
-                # The weights come from the file: an initialisation that rewrites the base in place (PiSSA, OLoRA,
-                # CorDA...) would change it for every other request, so the adapter is created as plain LoRA.
-                config = LoraConfig.from_pretrained(str(path))
+                config = LoraConfig.from_pretrained(str(path))  # judged by check_adapter_folder above
+                # The weights come from the file: created as a plain LoRA, so no initialisation ever touches the base.
                 config.init_lora_weights = True
                 config.inference_mode = True
                 if first:
@@ -100,13 +99,16 @@ class LoraAdapters:
                 else:
                     self._peft.add_adapter(name, config)  # load_adapter then reads only the weights into it
                     self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
+                _refuse_unmixable(self._peft, name, path)
             except Exception as error:
-                # An adapter trained on another base, a cut-short weights file, a config peft cannot build from:
-                # peft's layers may be injected and partly loaded already. Take them out again.
+                # An adapter trained on another base, a cut-short weights file, a config peft cannot build from,
+                # one that cannot be served per row: peft's layers may be injected and partly loaded already.
                 if first:
                     self._unwrap()
                 else:
                     self._drop_partial(name, config)
+                if isinstance(error, UnsupportedModel):
+                    raise
                 raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
@@ -163,6 +165,25 @@ class LoraAdapters:
 def _module_tree(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """Every (parent, attribute, child) of `model`: what peft's in-place wrapping replaces."""
     return [(parent, attribute, child) for parent in model.modules() for attribute, child in parent.named_children()]
+
+
+# What peft can switch per row of one batch (`adapter_names`); a `modules_to_save` copy of anything else fails.
+_MIXABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _refuse_unmixable(model: torch.nn.Module, name: str, path: Path) -> None:
+    """Refuse a `modules_to_save` copy of a module peft cannot switch per row (a LayerNorm, a head made of
+    several layers): every call on the base, whichever adapter its rows use, would fail."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for module_name, module in model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper) and name in module.modules_to_save:
+            if not isinstance(module.original_module, _MIXABLE):
+                kind = type(module.original_module).__name__
+                raise UnsupportedModel(
+                    f"LoRA adapter {path} saves its own copy of {module_name} ({kind}), which peft cannot switch "
+                    "per row of a batch; only Linear, Embedding and Conv modules may be in modules_to_save"
+                )
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:

@@ -135,3 +135,31 @@ async def test_each_load_has_a_runtime_key_no_adapter_name_can_take(
     np.testing.assert_array_equal(runtime.run(batch, adapter=new.key), runtime.run(batch, adapter="reference"))
     table.close()
     runtime.close()
+
+
+@pytest.mark.parametrize("ahead", ["the same adapter", "another adapter"])
+async def test_an_adapter_deleted_while_a_request_waits_for_another_load_is_not_loaded_for_good(
+    generator: GenerateRuntime,
+    adapter_dirs: dict[Task, Path],
+    second_generator_adapter_dir: Path,
+    ahead: str,
+    executor: ThreadPoolExecutor,
+) -> None:
+    """A request waiting for the table's lock behind a load (of its own adapter, or another) while its adapter
+    was deleted found no live entry once it had the lock, and loaded the deleted adapter again, unmarked: it
+    stayed loaded, and listed, until an LRU eviction."""
+    table = BaseAdapters("base", generator, 8, executor, Metrics())
+    wanted = adapter_spec("a", adapter_dirs[Task.GENERATE], Task.GENERATE)
+    first = wanted if ahead == "the same adapter" else adapter_spec("b", second_generator_adapter_dir, Task.GENERATE)
+    go_on = blocked(executor)
+    loading = asyncio.create_task(table.acquire(first, True))
+    await asyncio.sleep(0)  # the first load is queued behind the blocker, holding the table's lock
+    waiting = asyncio.create_task(table.acquire(wanted, True))
+    await asyncio.sleep(0)  # the second request waits for the lock
+    table.retire("a")
+    go_on.set()
+    for entry in (await loading, await waiting):
+        table.release(entry)
+    await wait_for(lambda: "a" not in table.names(), what="the deleted adapter to leave the table")
+    await wait_for(lambda: len(generator.adapters) == (0 if ahead == "the same adapter" else 1), what="unloads")
+    table.close()

@@ -4,6 +4,8 @@ says about them. A real box on a real NATS, a random-weight classifier and peft 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,20 @@ async def test_a_deleted_adapter_is_unloaded_on_every_box_that_holds_it(
     assert (await call(http, first, "DELETE", "/v1/models/cls:a"))[0] == 200
     for box in (first, second):
         await wait_for(lambda box=box: loaded_adapters(box) == (), what=f"cls:a to leave {box.box_id}")
+
+
+@pytest.mark.parametrize(
+    "change", [{"init_lora_weights": "pissa"}, {"bias": "all"}, {"use_dora": True}], ids=["pissa", "bias", "dora"]
+)
+async def test_an_adapter_that_would_change_its_shared_base_is_refused_at_registration(
+    start_box, http, classifier_dir, classifier_adapters, tmp_path, change: dict
+) -> None:
+    """Judged from adapter_config.json (the load judges it again): it was a 201, then wrong answers or failures."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    folder = classifier_dir.parent / f"edited-{tmp_path.name}"
+    shutil.copytree(classifier_adapters[0], folder)
+    config = json.loads((folder / "adapter_config.json").read_text()) | change
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    body = {"name": "cls:edited", "path": str(folder), "adapter_of": "cls"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), answer

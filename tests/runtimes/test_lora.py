@@ -339,23 +339,44 @@ def test_a_broken_adapter_is_refused_and_leaves_the_base_exactly_as_it_was(
 
 
 @pytest.mark.parametrize("task", ALL_TASKS, ids=str)
-@pytest.mark.parametrize("init", ["pissa", "olora"])
-def test_an_adapter_saved_with_a_base_rewriting_init_leaves_the_base_alone(
-    task: Task, init: str, model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"init_lora_weights": "pissa"}, "convert it to a plain LoRA"),
+        ({"init_lora_weights": "olora"}, "convert it to a plain LoRA"),
+        ({"bias": "lora_only"}, "trains biases"),
+        ({"use_dora": True}, "DoRA"),
+    ],
+    ids=["pissa", "olora", "bias", "dora"],
+)
+def test_an_adapter_that_would_change_the_shared_base_or_cannot_run_per_row_is_refused(
+    task: Task,
+    change: dict,
+    refusal: str,
+    model_dirs: dict[Task, Path],
+    adapter_dirs: dict[Task, Path],
+    tmp_path: Path,
 ) -> None:
-    """peft initialises PiSSA/OLoRA adapters by rewriting the base weights in place, at load too: every other
-    request on the base (and every other adapter) answered with the changed weights, even after the evict."""
+    """PiSSA/OLoRA adapters were trained against a base their initialisation rewrote (run against the real
+    base they answer wrongly; initialised at load they rewrote it for every request); trained biases are the
+    base's own; DoRA adapters and a modules_to_save copy of a LayerNorm load, then fail every call that mixes
+    rows (the base's too, test below). Each was accepted; now refused, the base and a resident adapter as they
+    were."""
     runtime = load_runtime(ModelSource(model_dirs[task], task))
     model = _model(runtime)
     before, weights = _answers(task, runtime), _weights(model)
     runtime.load_adapter("plain", adapter_dirs[task])
     plain = _answers(task, runtime, "plain")
-    runtime.load_adapter("rewriting", _edited_copy(adapter_dirs[task], tmp_path / init, init_lora_weights=init))
-    np.testing.assert_allclose(_answers(task, runtime), before, atol=1e-6)
-    np.testing.assert_allclose(_answers(task, runtime, "rewriting"), plain, atol=1e-6)  # the same weights
+    with pytest.raises(UnsupportedModel, match=refusal):
+        runtime.load_adapter("refused", _edited_copy(adapter_dirs[task], tmp_path / "refused", **change))
+    assert runtime.adapters == ("plain",)
+    np.testing.assert_array_equal(_answers(task, runtime), before)
+    np.testing.assert_array_equal(_answers(task, runtime, "plain"), plain)
     runtime.evict_adapter("plain")
-    runtime.evict_adapter("rewriting")
+    with pytest.raises(UnsupportedModel, match=refusal):  # as the first adapter too
+        runtime.load_adapter("refused", tmp_path / "refused")
     _assert_same_model(model, weights)
+    np.testing.assert_array_equal(_answers(task, runtime), before)
     runtime.close()
 
 
@@ -374,4 +395,25 @@ def test_a_name_resident_from_another_folder_is_refused(
         runtime.load_adapter("tuned", other)
     assert runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY]) == added  # the same folder: a no-op
     np.testing.assert_array_equal(runtime.run(batch, adapter="tuned"), tuned)
+    runtime.close()
+
+
+def test_an_adapter_with_its_own_copy_of_a_layer_norm_is_refused(model_dirs: dict[Task, Path], tmp_path: Path) -> None:
+    """peft cannot switch a LayerNorm copy per row: once loaded, every call on the base failed (TypeError), the
+    base's own rows and other adapters' too."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    task = Task.CLASSIFY
+    torch.manual_seed(3)
+    config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"])
+    config.modules_to_save = ["classifier", "LayerNorm"]
+    saved = get_peft_model(AutoModelForSequenceClassification.from_pretrained(model_dirs[task]), config)
+    saved.save_pretrained(tmp_path / "norm-copy")
+    runtime = load_runtime(ModelSource(model_dirs[task], task))
+    before = _answers(task, runtime)
+    with pytest.raises(UnsupportedModel, match=r"LayerNorm.*cannot switch per row"):
+        runtime.load_adapter("norm-copy", tmp_path / "norm-copy")
+    assert runtime.adapters == ()
+    np.testing.assert_array_equal(_answers(task, runtime), before)
     runtime.close()
