@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
+from typing import Any
 
 import orjson
 from nats.errors import Error as NatsError
@@ -60,6 +61,7 @@ class CatalogStore:
         # The bucket's revision this box last applied per key: the watch may bring a change late, after this
         # box wrote (or looked up) a newer one, and a late word must not undo the newer.
         self._revisions: dict[str, int] = {}
+        self._bucket_made: Any = None  # when the bucket this box follows was made: another one is a remade bucket
 
     def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:
         """Call `listener(name, spec)` after every change; spec is None for a removal."""
@@ -75,6 +77,7 @@ class CatalogStore:
                 storage=StorageType.FILE if self._file_storage else StorageType.MEMORY,
             ),
         )
+        self._bucket_made = await self._made()
         if self._names is not None:
             await self._names.open()
         for spec in configured:
@@ -98,13 +101,23 @@ class CatalogStore:
         await self.close()
         try:
             await self._js.key_value(bus.MODELS_BUCKET)
-            known: list[ModelSpec] = []
+            # Made again since this box opened it (another box reconnected first to a server that lost it): it
+            # holds only that box's view, so this box writes its own back too, as if it had found none.
+            remade = self._bucket_made is not None and await self._made() != self._bucket_made
+            known: list[ModelSpec] = list(self.catalog) if remade else []
         except BucketNotFoundError:
             known = list(self.catalog)
         # The bucket may have been made again (here, or by another box first), counting revisions from 1: the
         # replay brings every key's revision afresh, and each model is acted on again (its queue settled).
         self._revisions.clear()
         await self.open(known)
+
+    async def _made(self) -> Any:
+        """When the catalog bucket's stream was made (None when that cannot be read)."""
+        try:
+            return (await self._js.stream_info(f"KV_{bus.MODELS_BUCKET}")).created
+        except NatsError:
+            return None
 
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:

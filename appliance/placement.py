@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from appliance import bus
 from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, NotFound, ServiceUnavailable, reason_of
+from appliance.errors import FleetboxError, InsufficientMemory, NotFound, ServiceUnavailable, reason_of
 from appliance.logs import FailureStreak
 from appliance.puller import Puller
 from appliance.tasks import Background, cancel_and_wait
@@ -85,7 +85,7 @@ class Placement:
             if self._failed_until.get(spec.name, 0.0) > asyncio.get_running_loop().time():
                 continue
             waiting = await self._waiting(spec.slug, self._holders(spec.name))
-            if waiting == 0 or not self._should_load(spec.name, waiting):
+            if waiting == 0 or not self._should_load(spec.name, waiting) or not await self._could_fit(spec):
                 continue
             await asyncio.sleep(random.uniform(0, _JITTER_S))
             if not self._should_load(spec.name, waiting):
@@ -97,6 +97,27 @@ class Placement:
             if box.fleet is not None:
                 await box.fleet.beat()  # tell the fleet at once that this model is on its way here
             self._loads.spawn(self._load(spec, claimed))
+
+    async def _could_fit(self, spec: ModelSpec) -> bool:
+        """Whether this box should try to load the model: not one it could never hold while a box with a larger
+        budget is live (it claimed the load, failed at once, and the fleet refused the model's requests for the
+        30 s back-off while that box had room)."""
+        try:
+            await self._box.residency.check_fits(spec)
+        except InsufficientMemory:
+            return not self._a_larger_box_is_live()  # with none, this box tries, fails and says why (its 503)
+        return True
+
+    def _a_larger_box_is_live(self) -> bool:
+        """Another live box that runs models, not draining, with a larger memory budget (from the heartbeats)."""
+        box = self._box
+        mine = box.residency.budget_bytes
+        for record in box.fleet.live_boxes() if box.fleet is not None else []:
+            if record.get("box") == box.box_id or record.get("draining") or record.get("role") not in ("all", "worker"):
+                continue
+            if any((device.get("budget_bytes") or 0) > mine for device in record.get("devices", [])):
+                return True
+        return False
 
     def _holders(self, name: str) -> list[str]:
         return self._box.fleet.holders(name, loading=True) if self._box.fleet else []

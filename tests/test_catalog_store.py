@@ -65,6 +65,26 @@ async def test_a_bucket_another_box_made_again_is_followed_from_its_first_revisi
     assert a.catalog.get("m0") is None
 
 
+async def test_a_catalog_another_box_made_again_first_gets_this_boxs_models_back(nats_server, two_stores) -> None:
+    """The box hosting a non-durable NATS restarts and makes the catalog bucket again, empty, before the other box
+    reconnects: that box found a bucket and wrote nothing back, so the two boxes disagreed on the models for good."""
+    a, b = two_stores
+    await a.create(spec("kept", "kept-alias"))
+    await wait_for(lambda: b.catalog.get("kept") is not None, what="b to see the model")
+    await a.close()
+    await b.close()
+    client = await nats.connect(nats_server.url)
+    try:
+        await client.jetstream().delete_key_value(bus.MODELS_BUCKET)  # the server lost its memory
+        restarted = CatalogStore(client.jetstream(), Catalog(), registers=True)
+        await restarted.open([])  # the restarted box, first: an empty bucket
+        await b.reopen()
+        await wait_for(lambda: restarted.catalog.get("kept-alias") is not None, what="b's model back in the bucket")
+        await restarted.close()
+    finally:
+        await client.close()
+
+
 async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_back(two_stores) -> None:
     a, b = two_stores
     await a.create(spec("p"))

@@ -42,3 +42,26 @@ async def test_a_claim_this_box_holds_is_its_own_and_another_boxs_is_not(start_b
     assert not await second.fleet.claim("load.x")
     await first.fleet.release("load.x")
     assert await second.fleet.claim("load.x")
+
+
+async def test_a_box_that_could_never_hold_a_model_leaves_its_load_to_a_larger_box(
+    start_box, http, encoder_dir
+) -> None:
+    """A small box claimed the cold load of a model its budget could never hold, failed at once, and the fleet
+    answered the model's requests 503 for the 30 s back-off while a larger box had room."""
+    roots = [encoder_dir.parent.parent]
+    large = await start_box(box_id="large", default_model=False, model_roots=roots)
+    small = await start_box(box_id="small", default_model=False, model_roots=roots, memory_budget="1KB")
+    async with http.post(url(large, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
+        assert response.status == 201
+    await wait_for(lambda: small.catalog.get("enc") is not None, what="the small box to see the model")
+    await wait_for(lambda: "large" in [r["box"] for r in small.fleet.live_boxes()], what="the large box's heartbeat")
+    spec = small.catalog.get("enc")
+    assert small.placement is not None and large.placement is not None
+    assert not await small.placement._could_fit(spec)
+    assert await large.placement._could_fit(spec)
+    large.draining = True  # going away: the small box is left alone, tries, and its failure says why
+    await large.fleet.beat()
+    await wait_for(lambda: any(r.get("draining") for r in small.fleet.live_boxes()), what="the large box draining")
+    assert await small.placement._could_fit(spec)
+    large.draining = False
