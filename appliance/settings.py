@@ -170,6 +170,29 @@ class Settings(BaseSettings):
             return json.loads(value)
         return [part.strip() for part in value.split(",") if part.strip()]
 
+    @field_validator("models")
+    @classmethod
+    def _models_distinct(cls, models: list[ModelEntry]) -> list[ModelEntry]:
+        """Names and aliases are one namespace, and slugs name queues: as `POST /v1/models` refuses a collision
+        (409), so does the config file (one entry silently shadowed another, and outlived its deletion)."""
+        from appliance.bus import model_slug
+
+        taken: dict[str, str] = {}  # name or alias -> the model that has it
+        slugs: dict[str, str] = {}
+        for entry in models:
+            for name in (entry.name, *entry.aliases):
+                if name in taken:
+                    raise ValueError(
+                        f"{name!r} is given twice, to models {taken[name]!r} and {entry.name!r} (names and aliases "
+                        "are one namespace)"
+                    )
+                taken[name] = entry.name
+            slug = model_slug(entry.name)
+            if slug in slugs:
+                raise ValueError(f"models {slugs[slug]!r} and {entry.name!r} have one slug, {slug!r}")
+            slugs[slug] = entry.name
+        return models
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _level_upper(cls, value: object) -> object:

@@ -170,3 +170,18 @@ def test_model_roots_from_the_environment_as_a_list_or_comma_separated(monkeypat
     assert [str(p) for p in load_settings(None).model_roots] == ["/srv/a", "/srv/b"]
     monkeypatch.setenv("FBX_MODEL_ROOTS", '["/srv/c"]')
     assert [str(p) for p in load_settings(None).model_roots] == ["/srv/c"]
+
+
+@pytest.mark.parametrize(
+    ("models", "named"),
+    [
+        ([{"name": "a", "aliases": ["c"]}, {"name": "c"}], "'c' is given twice, to models 'a' and 'c'"),
+        ([{"name": "a"}, {"name": "a"}], "'a' is given twice"),
+        ([{"name": "Same"}, {"name": "same"}], "have one slug, 'same'"),
+    ],
+)
+def test_models_in_the_config_file_may_not_share_a_name_alias_or_slug(models: list[dict], named: str) -> None:
+    """The API refuses these (409); the config file took them, one entry shadowing another (a model named `c`
+    beside another's alias `c` answered for `c` after `c` was deleted)."""
+    with pytest.raises(pydantic.ValidationError, match=named):
+        Settings(models=[{"runtime": "noop", **model} for model in models])
