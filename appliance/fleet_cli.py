@@ -87,9 +87,17 @@ def _nats_auth(creds: Path | None, tls_ca: Path | None, tls_cert: Path | None, t
 def _check_nats_option(nats: str) -> str:
     """The `--nats` option of the fleet commands: a list with no URL in it is a one-line usage error
     (nats-py, given no server, would try none of them for ever)."""
-    if not any(url.strip() for url in nats.split(",")):
+    from appliance.settings import nats_url_problem
+
+    urls = [url.strip() for url in nats.split(",") if url.strip()]
+    if not urls:
         typer.echo(f"fleetbox: --nats: no NATS URL in {nats!r}; give one, e.g. {LOCAL_NATS}", err=True)
         raise typer.Exit(2)
+    for url in urls:
+        problem = nats_url_problem(url)
+        if problem:
+            typer.echo(f"fleetbox: --nats: {problem}", err=True)
+            raise typer.Exit(2)
     return nats
 
 

@@ -37,6 +37,28 @@ MAX_WAIT_MS = 1000.0  # a batch's wait for company past a second only ever delay
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def nats_url_problem(url: str) -> str | None:
+    """Why one `--nats` URL cannot name a NATS server (a scheme nats-py does not speak, no host, a port out of
+    range), or None: said in one line before connecting, where nats-py fails with a traceback or "host not found"."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    if parts.scheme not in NATS_SCHEMES:
+        return f"{url!r} is not a NATS URL: its scheme is {parts.scheme!r}, not one of {', '.join(NATS_SCHEMES)}"
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if not parts.hostname:
+        return f"{url!r} names no host"
+    if port is not None and not 1 <= port <= 65535:
+        return f"{url!r} has a port outside 1 to 65535"
+    return None
+
+
 def memory_budget_bytes(raw: str, total: int) -> int:
     """A memory budget in bytes: `"6GB"` or `"6G"` (decimal), `"512MiB"` or `"512Mi"` (binary), `"123456"`
     (bytes), or a plain number up to 1 (`"0.5"`) as a share of `total`."""
@@ -192,6 +214,15 @@ class Settings(BaseSettings):
                 raise ValueError(f"models {slugs[slug]!r} and {entry.name!r} have one slug, {slug!r}")
             slugs[slug] = entry.name
         return models
+
+    @field_validator("nats")
+    @classmethod
+    def _nats_urls(cls, value: str | None) -> str | None:
+        for url in (value or "").split(","):
+            problem = nats_url_problem(url.strip()) if url.strip() else None
+            if problem:
+                raise ValueError(problem)
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -112,6 +112,8 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         ([], {"FBX_MODELS": '[{"name": "x"}]'}),  # a model needs a folder
         ([], {"FBX_MODELS": '[{"name": "x", "path": "/nonexistent/folder"}]'}),
         ([], {"FBX_MODELS": '[{"name": "x", "runtime": "tensorrt"}]'}),
+        (["--nats", "nats://127.0.0.1:99999"], {}),  # nats-py failed the start with "invalid connect url option"
+        (["--nats", "http://127.0.0.1:4222"], {}),
         (["--box-id", "a.b"], {}),  # a box id is one NATS subject token
         (["--box-id", "a b.c"], {}),
         (["--device", "cuda:64"], {}),  # more CUDA devices than any machine here has

@@ -432,6 +432,14 @@ def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
             result = CliRunner().invoke(cli.app, [*args, "--nats", value])
             assert result.exit_code == 2, (args, value, result.output)
             assert result.output.startswith("fleetbox: --nats: no NATS URL") and len(result.output.splitlines()) == 1
+    bad = {
+        "nats://127.0.0.1:99999": "has a port outside 1 to 65535",  # was a 60-line traceback (AssertionError)
+        "nats://127.0.0.1:-1": "has a port outside 1 to 65535",
+        "http://127.0.0.1:4222": "is not a NATS URL",  # was "host not found"
+    }
+    for value, said in bad.items():
+        result = CliRunner().invoke(cli.app, ["models", "list", "--nats", value])
+        assert result.exit_code == 2 and said in result.output and len(result.output.splitlines()) == 1, result.output
     monkeypatch.setattr(commands, "ATTACH_TIMEOUT_S", 1.0)
     monkeypatch.setenv("FBX_NATS", "")
     result = CliRunner().invoke(cli.app, ["models", "list"])
