@@ -12,9 +12,11 @@ subscription, so a handler awaited in the callback would make a minutes-long `lo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 import orjson
@@ -76,6 +78,14 @@ class ControlServer:
             status = 200
         except FleetboxError as exc:
             result, status = exc.body(), exc.status
+        except asyncio.CancelledError:  # the box is stopping: say so, rather than let the caller wait out its 120 s
+            if msg.reply:
+                stopping = ServiceUnavailable(
+                    f"box {self._box_id} stopped before it finished {verb}; send it again", retry_after_s=1
+                )
+                with suppress(Exception):
+                    await self._nc.publish(msg.reply, orjson.dumps(stopping.body()), headers={STATUS: "503"})
+            raise
         except Exception as exc:
             log.exception("control verb failed", extra={"verb": verb})
             error = InternalError(f"{verb} failed: {exc!r}")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import nats
 import pytest
 
+from appliance.app import Box
 from appliance.control import call_box
-from appliance.errors import NotFound, Unprocessable
-from tests.conftest import noop_model, wait_for
+from appliance.errors import NotFound, ServiceUnavailable, Unprocessable
+from tests.conftest import box_settings, noop_model, wait_for
 
 
 async def test_a_slow_load_does_not_hold_up_a_status_sent_to_the_same_box(start_box) -> None:
@@ -39,3 +41,25 @@ async def test_a_verb_naming_no_model_or_an_unknown_one_says_which_in_its_code(s
     assert unknown.value.code == "model_not_found" and "kept" in str(unknown.value)
     with pytest.raises(Unprocessable, match="name a model"):
         await call_box(box.nc, box.box_id, "evict", {}, timeout_s=5)
+
+
+async def test_a_verb_cut_short_by_the_box_stopping_is_answered_503(nats_server) -> None:
+    """A `load` running when its box stopped got no answer: the caller waited out the whole 120 s control timeout,
+    then heard the box "did not answer", though it had exited within seconds."""
+    box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model("cold", pinned=False)]))
+    await box.start()
+    room = box.residency._room_lock
+    await room.acquire()  # the load waits for room in the box's memory for as long as the test holds it
+    try:
+        assert box.nc is not None
+        client = await nats.connect(nats_server.url)
+        try:
+            load = asyncio.create_task(call_box(client, box.box_id, "load", {"model": "cold"}, timeout_s=60))
+            await wait_for(lambda: box.residency.is_loading("cold"), 10, "the load to wait for room")
+            await box.stop()
+            with pytest.raises(ServiceUnavailable, match="stopped before it finished load"):
+                await asyncio.wait_for(load, 20)
+        finally:
+            await client.close()
+    finally:
+        room.release()
