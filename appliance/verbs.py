@@ -24,6 +24,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def load(payload: dict[str, Any]) -> dict[str, Any]:
         spec = _model(box, payload)
         _runs_models(box)
+        if box.draining:  # a box going away takes no new model: it would pull for it as it drains
+            raise Conflict(f"box {box.box_id} is draining; load {spec.name} on another box")
         try:
             await box.workers.serve(spec)
         except FleetboxError:

@@ -9,7 +9,7 @@ import pytest
 
 from appliance.app import Box
 from appliance.control import call_box
-from appliance.errors import NotFound, ServiceUnavailable, Unprocessable
+from appliance.errors import Conflict, NotFound, ServiceUnavailable, Unprocessable
 from tests.conftest import box_settings, noop_model, wait_for
 
 
@@ -63,3 +63,17 @@ async def test_a_verb_cut_short_by_the_box_stopping_is_answered_503(nats_server)
             await client.close()
     finally:
         room.release()
+
+
+async def test_a_draining_box_takes_no_new_model(start_box) -> None:
+    """It loaded the model and started pulling for it as it drained (architecture.md: a draining box takes no
+    new loads)."""
+    box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)])
+    assert box.nc is not None
+    box.draining = True
+    try:
+        with pytest.raises(Conflict, match="is draining"):
+            await call_box(box.nc, box.box_id, "load", {"model": "cold"}, timeout_s=5)
+        assert not box.residency.is_resident("cold")
+    finally:
+        box.draining = False
