@@ -66,8 +66,13 @@ def memory_budget_bytes(raw: str, total: int) -> int:
     if not match:
         raise ValueError(f"memory budget {raw!r} is not a size like 6GB, 512MiB or a share like 0.5")
     number, unit = float(match.group(1)), match.group(2) or ""
-    if not unit and not match.group(3) and number <= 1.0:
-        return int(total * number)
+    if number == 0:
+        raise ValueError(f"memory budget {raw!r} holds no model; give a size like 6GB or a share like 0.5")
+    if not unit and not match.group(3):
+        if number <= 1.0:
+            return int(total * number)
+        if not number.is_integer():  # 1.5 read as 1.5 bytes: meant as a share, or a size without its unit
+            raise ValueError(f"memory budget {raw!r} is neither a share (up to 1) nor a whole number of bytes")
     return int(number * _SIZE_UNITS[unit])
 
 

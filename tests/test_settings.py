@@ -87,6 +87,10 @@ def test_memory_budget_forms() -> None:
     for bad in ("6X", "", "GB", "1.2.3", "-1", "6GiBs"):
         with pytest.raises(ValueError, match="not a size"):
             memory_budget_bytes(bad, total)
+    # A budget of nothing, and 1.5 (read as 1.5 bytes while 1 means all of the memory), were taken.
+    for bad, said in (("0", "holds no model"), ("0GB", "holds no model"), ("1.5", "neither a share")):
+        with pytest.raises(ValueError, match=said):
+            memory_budget_bytes(bad, total)
 
 
 def test_bad_log_level_or_budget_is_a_settings_error() -> None:
