@@ -134,8 +134,7 @@ class Dispatcher:
                 future.set_exception(error)
             await self._cancel(request_id)
         for request_id, stream in list(self._streams.items()):
-            reply = ReplyMeta(id=request_id, status=error.status, box=self.box_id)
-            stream.queue.put_nowait(Reply(reply, error.to_json()))
+            stream.queue.put_nowait(self._error_reply(request_id, error))
             await self._cancel(request_id)
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:
@@ -157,10 +156,12 @@ class Dispatcher:
         for request_id, next_seq in streams.items():
             stream = self._streams.get(request_id)
             if stream is not None and stream.next_seq == next_seq:
-                stream.queue.put_nowait(
-                    Reply(ReplyMeta(id=request_id, status=error.status, box=self.box_id), error.to_json())
-                )
+                stream.queue.put_nowait(self._error_reply(request_id, error))
                 self._cancel_soon(request_id)
+
+    def _error_reply(self, request_id: str, error: FleetboxError) -> Reply:
+        """A final reply this gateway makes up for a stream its box will not answer."""
+        return Reply(ReplyMeta(id=request_id, status=error.status, box=self.box_id), error.to_json())
 
     def _cancel_soon(self, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._cancel(request_id))
