@@ -55,7 +55,10 @@ def serve(
         int | None, typer.Option(help="bodies above this many bytes go to the object store [FBX_BLOB_THRESHOLD]")
     ] = None,
     memory_budget: Annotated[
-        str | None, typer.Option(help="model memory budget: 6GB, 512MiB or a share like 0.5 [FBX_MEMORY_BUDGET]")
+        str | None,
+        typer.Option(
+            help="model memory budget: a size with its unit (6GB, 512MiB) or a share up to 1 (0.5) [FBX_MEMORY_BUDGET]"
+        ),
     ] = None,
     tui: Annotated[bool, typer.Option("--tui", help="show the fleet TUI while serving; logs go to a file")] = False,
 ) -> None:

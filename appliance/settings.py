@@ -59,20 +59,23 @@ def nats_url_problem(url: str) -> str | None:
     return None
 
 
+_BUDGET_FORMS = "a share of the memory up to 1 such as 0.5, or a size with its unit such as 8GiB, 512MiB or 1000B"
+
+
 def memory_budget_bytes(raw: str, total: int) -> int:
-    """A memory budget in bytes: `"6GB"` or `"6G"` (decimal), `"512MiB"` or `"512Mi"` (binary), `"123456"`
-    (bytes), or a plain number up to 1 (`"0.5"`) as a share of `total`."""
+    """A memory budget in bytes. A plain number is a share of `total`, in (0, 1] (`"0.5"`, `"1"`); a size carries
+    its unit: `"6GB"` or `"6G"` (decimal), `"512MiB"` or `"512Mi"` (binary), `"1000B"` (bytes). A plain number
+    over 1 is refused: `2` read as 2 bytes while `1` means all of the memory, where the operator meant 2 GiB."""
     match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmg]i?)?(b?)", raw.strip().lower())
     if not match:
-        raise ValueError(f"memory budget {raw!r} is not a size like 6GB, 512MiB or a share like 0.5")
+        raise ValueError(f"memory budget {raw!r} is not {_BUDGET_FORMS}")
     number, unit = float(match.group(1)), match.group(2) or ""
     if number == 0:
-        raise ValueError(f"memory budget {raw!r} holds no model; give a size like 6GB or a share like 0.5")
+        raise ValueError(f"memory budget {raw!r} holds no model; give {_BUDGET_FORMS}")
     if not unit and not match.group(3):
-        if number <= 1.0:
-            return int(total * number)
-        if not number.is_integer():  # 1.5 read as 1.5 bytes: meant as a share, or a size without its unit
-            raise ValueError(f"memory budget {raw!r} is neither a share (up to 1) nor a whole number of bytes")
+        if number > 1.0:
+            raise ValueError(f"memory budget {raw!r} is a plain number over 1; give {_BUDGET_FORMS}")
+        return int(total * number)
     return int(number * _SIZE_UNITS[unit])
 
 
@@ -170,7 +173,8 @@ class Settings(BaseSettings):
     models: list[ModelEntry] = Field(default_factory=list)
     # empty: <state_dir>/models; FBX_MODEL_ROOTS is a JSON list or comma-separated folders
     model_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    memory_budget: str | None = None  # bytes ("6GB", "512MiB", "0.5" = share of memory); None: 90% GPU, 50% RAM
+    # a share of the memory ("0.5") or a size with its unit ("6GB", "512MiB", "1000B"); None: 90% GPU, 50% RAM
+    memory_budget: str | None = None
     # a box loads a model another box holds once this many requests wait for it
     cold_backlog: int = Field(default=32, ge=1)
 
@@ -233,6 +237,12 @@ class Settings(BaseSettings):
     @classmethod
     def _level_upper(cls, value: object) -> object:
         return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _budget_number_as_text(cls, value: object) -> object:
+        """`memory_budget = 0.5` in the TOML file is a number, judged as the text `"0.5"` is."""
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
     @field_validator("memory_budget")
     @classmethod

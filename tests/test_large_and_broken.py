@@ -59,7 +59,7 @@ async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_
     Once a bigger box has loaded it, those requests are the bigger box's to answer, not the small box's
     to refuse for the rest of its 30 s back-off."""
     gateway = await start_box(role="gateway", box_id="gateway", default_model=False, model_roots=[encoder_dir.parent])
-    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="1000")
+    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="1000B")
     async with http.post(url(gateway, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
         assert response.status == 201
     body = {"model": "enc", "input": "x"}

@@ -103,7 +103,7 @@ async def test_registration_errors(start_box, http, encoder_dir, classifier_dir,
 
 
 async def test_model_larger_than_the_budget_is_507(start_box, http, encoder_dir, tmp_path_factory) -> None:
-    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()], memory_budget="1000")
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()], memory_budget="1000B")
     status, body = await call(http, box, "POST", "/v1/models", {"name": "big", "path": str(encoder_dir)})
     assert status == 507 and body["error"]["code"] == "insufficient_memory"
 
@@ -155,7 +155,7 @@ async def test_concurrent_requests_for_a_cold_model_cause_one_load(start_box, ht
 
 async def test_eviction_is_least_recently_used_and_spares_pinned_models(start_box, http) -> None:
     models = [noop_model(name, pinned=name == "p", bytes=300) for name in ("p", "a", "b", "c")]
-    box = await start_box(default_model=False, models=models, memory_budget="1000")  # room for three
+    box = await start_box(default_model=False, models=models, memory_budget="1000B")  # room for three
     for name in ("a", "b"):
         assert (await call(http, box, "POST", f"/v1/models/{name}/load"))[0] == 200
     assert (await call(http, box, "POST", "/v1/embeddings", {"model": "a", "input": "touch a"}))[0] == 200

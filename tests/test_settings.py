@@ -82,15 +82,53 @@ def test_memory_budget_forms() -> None:
     total = 1000
     assert memory_budget_bytes("6GB", total) == memory_budget_bytes("6G", total) == 6 * 10**9
     assert memory_budget_bytes("512MiB", total) == memory_budget_bytes("512mi", total) == 512 * 2**20
-    assert memory_budget_bytes("123456", total) == 123456  # bytes
+    assert memory_budget_bytes("123456B", total) == memory_budget_bytes("123456 b", total) == 123456  # bytes
     assert memory_budget_bytes("0.5", total) == 500  # a share of the device's memory
+    assert memory_budget_bytes("1", total) == memory_budget_bytes("1.0", total) == 1000
     for bad in ("6X", "", "GB", "1.2.3", "-1", "6GiBs"):
-        with pytest.raises(ValueError, match="not a size"):
+        with pytest.raises(ValueError, match="is not a share of the memory"):
             memory_budget_bytes(bad, total)
     # A budget of nothing, and 1.5 (read as 1.5 bytes while 1 means all of the memory), were taken.
-    for bad, said in (("0", "holds no model"), ("0GB", "holds no model"), ("1.5", "neither a share")):
+    for bad, said in (("0", "holds no model"), ("0GB", "holds no model"), ("1.5", "plain number over 1")):
         with pytest.raises(ValueError, match=said):
             memory_budget_bytes(bad, total)
+
+
+@pytest.mark.parametrize("bad", ["2", "16", "123456", "1.5"])
+def test_a_plain_number_over_1_is_no_budget_it_needs_a_unit(bad: str) -> None:
+    """`2` was read as 2 bytes while `1` means all of the memory: a size without its unit (2 GiB meant), refused
+    with the forms that are taken, as is a share over 1."""
+    with pytest.raises(ValueError, match=r"plain number over 1; give a share .* such as 0.5, or a size with its unit"):
+        memory_budget_bytes(bad, 1000)
+
+
+@pytest.mark.parametrize("where", ["flag", "env", "toml"])
+def test_serve_refuses_a_budget_of_2_from_flag_env_or_config_file(where: str, tmp_path, monkeypatch) -> None:
+    args = ["serve", "--state-dir", str(tmp_path)]
+    if where == "flag":
+        args += ["--memory-budget", "2"]
+    elif where == "env":
+        monkeypatch.setenv("FBX_MEMORY_BUDGET", "2")
+    else:
+        (tmp_path / "box.toml").write_text("memory_budget = 2\n")
+        args += ["--config", str(tmp_path / "box.toml")]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines() == [
+        "fleetbox: bad settings: memory_budget: memory budget '2' is a plain number over 1; give a share of the "
+        "memory up to 1 such as 0.5, or a size with its unit such as 8GiB, 512MiB or 1000B"
+    ]
+
+
+def test_a_budget_in_the_config_file_may_be_a_toml_number_or_text(tmp_path) -> None:
+    """`memory_budget = 0.5` (a TOML float) was refused as 'Input should be a valid string'."""
+    for line, budget in (
+        ("memory_budget = 0.5", "0.5"),
+        ("memory_budget = 1", "1"),
+        ('memory_budget = "8GiB"', "8GiB"),
+    ):
+        (tmp_path / "box.toml").write_text(line + "\n")
+        assert load_settings(tmp_path / "box.toml").memory_budget == budget
 
 
 def test_bad_log_level_or_budget_is_a_settings_error() -> None:
