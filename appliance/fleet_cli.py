@@ -1,8 +1,9 @@
 """The fleet commands: `fleetbox tui`, `fleetbox models ...` and `fleetbox box ...`, which reach a fleet
 through its NATS alone (as the TUI does), with the same `--nats`, `--creds` and `--tls-*` options.
 
-A refusal or an unreachable fleet is one line on stderr and exit status 1; a bad option (a
-credentials or TLS file that cannot be used, a `--nats` with no URL) is one line and exit 2.
+A refusal or an unreachable fleet is one line on stderr and exit status 1; a bad option or argument (a
+credentials or TLS file that cannot be used, a `--nats` with no URL, an empty model name, a box id no box
+can have) is one line and exit 2, before any box is asked.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +103,36 @@ def _check_nats_option(nats: str) -> str:
     return nats
 
 
+def _check_model_argument(model: str) -> str:
+    """A verb's MODEL: empty, blank, or a name no model can have (a control character, too long) is a usage
+    error; sent on, `models load ""` was asked of a box, which answered as if for a model it did not know."""
+    from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
+
+    problem = None
+    if not model.strip():
+        problem = "names no model; give a model's name or alias, as `fleetbox models list` shows them"
+    elif len(model) > MODEL_NAME_MAX:
+        problem = f"is longer than {MODEL_NAME_MAX} characters, which no model's name is"
+    elif not re.fullmatch(MODEL_NAME_PATTERN, model):
+        problem = "has a control character, which no model's name has"
+    if problem:
+        typer.echo(f"fleetbox: MODEL {model!r} {problem}", err=True)
+        raise typer.Exit(2)
+    return model
+
+
+def _check_box_id(box: str | None) -> str | None:
+    """A box id given as an argument or `--box`: one no box can have (empty, a `.`) is a usage error, where
+    `--box ""` was taken as no box given."""
+    from appliance.settings import BOX_ID_PATTERN
+
+    if box is not None and not re.fullmatch(BOX_ID_PATTERN, box):
+        typer.echo(f"fleetbox: box id {box!r} is not 1 to 64 letters, digits, '-' or '_'", err=True)
+        raise typer.Exit(2)
+    return box
+
+
+Model = Annotated[str, typer.Argument(help="a model's name or alias", callback=_check_model_argument)]
 FleetUrl = Annotated[
     str,
     typer.Option(
@@ -183,14 +215,14 @@ def models_list(
 
 @models_app.command("pin")
 @_reaches_the_fleet
-def models_pin(model: str, fleet: FleetAccess) -> None:
+def models_pin(model: Model, fleet: FleetAccess) -> None:
     """Pin a model: every box keeps it loaded."""
     _print_action(fleet, "pin", model=model)
 
 
 @models_app.command("unpin")
 @_reaches_the_fleet
-def models_unpin(model: str, fleet: FleetAccess) -> None:
+def models_unpin(model: Model, fleet: FleetAccess) -> None:
     """Unpin a model: it may be evicted when memory is needed."""
     _print_action(fleet, "unpin", model=model)
 
@@ -198,9 +230,12 @@ def models_unpin(model: str, fleet: FleetAccess) -> None:
 @models_app.command("load")
 @_reaches_the_fleet
 def models_load(
-    model: str,
+    model: Model,
     fleet: FleetAccess,
-    box: Annotated[str | None, typer.Option(help="the box; default: the live worker with most free memory")] = None,
+    box: Annotated[
+        str | None,
+        typer.Option(help="the box; default: the live worker with most free memory", callback=_check_box_id),
+    ] = None,
 ) -> None:
     """Load a model on a box."""
     _print_action(fleet, "load", model=model, box=box)
@@ -209,9 +244,11 @@ def models_load(
 @models_app.command("evict")
 @_reaches_the_fleet
 def models_evict(
-    model: str,
+    model: Model,
     fleet: FleetAccess,
-    box: Annotated[str | None, typer.Option(help="the box; default: every box holding it")] = None,
+    box: Annotated[
+        str | None, typer.Option(help="the box; default: every box holding it", callback=_check_box_id)
+    ] = None,
 ) -> None:
     """Evict a model from a box, or from every box."""
     _print_action(fleet, "evict", model=model, box=box)
@@ -219,7 +256,9 @@ def models_evict(
 
 @box_app.command("drain")
 @_reaches_the_fleet
-def box_drain(box: str, fleet: FleetAccess) -> None:
+def box_drain(
+    box: Annotated[str, typer.Argument(help="the box's id", callback=_check_box_id)], fleet: FleetAccess
+) -> None:
     """Drain a box: it stops pulling, finishes its batches, then exits."""
     _print_action(fleet, "drain", box=box)
 

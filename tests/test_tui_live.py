@@ -446,6 +446,36 @@ def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
     assert result.exit_code == 1 and "nats://127.0.0.1:4222" in result.output, result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["models", "load", ""], "fleetbox: MODEL '' names no model; give a model's name or alias"),
+        (["models", "load", "  "], "fleetbox: MODEL '  ' names no model"),
+        (["models", "pin", ""], "fleetbox: MODEL '' names no model"),
+        (["models", "unpin", "\t"], "fleetbox: MODEL '\\t' names no model"),
+        (["models", "evict", " "], "fleetbox: MODEL ' ' names no model"),
+        (["models", "load", "a\x01b"], "has a control character"),
+        (["models", "load", "m" * 201], "is longer than 200 characters"),
+        (["models", "load", "m", "--box", ""], "fleetbox: box id '' is not 1 to 64 letters"),
+        (["models", "evict", "m", "--box", "a.b"], "fleetbox: box id 'a.b' is not 1 to 64 letters"),
+        (["box", "drain", " "], "fleetbox: box id ' ' is not 1 to 64 letters"),
+    ],
+)
+def test_an_empty_model_name_or_bad_box_id_is_a_usage_error_before_any_box_is_asked(
+    args: list[str], said: str, monkeypatch
+) -> None:
+    """`models load ""` was sent to the fleet (exit 1 with a box's answer, or a NATS error when none was up);
+    `--box ""` was taken as no box given. Nothing is attached: a NATS that would be dialled fails the test."""
+
+    def no_dialling(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("a usage error dialled NATS")
+
+    monkeypatch.setattr(commands, "act", no_dialling)
+    result = CliRunner().invoke(cli.app, [*args, "--nats", "nats://127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and len(result.output.splitlines()) == 1, result.output
+
+
 def test_the_tui_command_exits_non_zero_when_the_app_fails(monkeypatch) -> None:
     """A source whose view raises stands for any bug in the app: the traceback is printed, the exit is 1."""
     from tests.tui_fake import FakeSource
