@@ -2,13 +2,11 @@
 
 The rule: one stepping task per model drives `runtime.step()` on the device thread while any
 request is active; a request pulled from the queue joins at the next step boundary, and each step's
-text goes to the request's gateway at once as a numbered chunk. The last chunk carries the usage
-and is followed by the ack, so a box that dies mid-answer leaves the request for redelivery.
-Requests past their deadline, or cancelled by their gateway, are dropped at the next boundary.
-A request the model fails on before any of its answer has left the box (its prefill, or a decode
-step that failed for the whole batch) is tried again and, past `max_deliver`, dead-lettered, as the
-encoder worker does; one that has already streamed chunks ends with an error chunk instead.
-A model deleted from the catalog has nobody to hand its requests back to: they are answered 404 at once.
+text goes to the request's gateway at once as a numbered chunk (`generation_replies.py`: the last
+chunk is confirmed before the ack; a request the model fails on, its prefill or a decode step that
+failed for the whole batch, is retried or ends with an error chunk). Requests past their deadline,
+or cancelled by their gateway, are dropped at the next boundary. A model deleted from the catalog
+has nobody to hand its requests back to: they are answered 404 at once.
 """
 
 from __future__ import annotations
@@ -18,10 +16,8 @@ import logging
 import time
 from collections.abc import Coroutine
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -30,16 +26,16 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.delivery import Cancellations, LocalReply, keep_alive
+from appliance.envelope import RequestMeta
 from appliance.errors import (
     FleetboxError,
     GatewayTimeout,
-    InternalError,
     NotFound,
     Unprocessable,
     deadline_passed,
 )
+from appliance.generation_replies import GenerationReplies, Stream
 from appliance.generation_request import decode_generation, prompt_ids, sampling_params
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -53,14 +49,6 @@ from runtimes.generate import GenerateRuntime, StepOutput
 log = logging.getLogger(__name__)
 
 _SETTLE_S = 2.0  # past the grace, at most this long for final answers to be confirmed and acked (the box allows 3)
-
-
-@dataclass(slots=True)
-class Stream:
-    meta: RequestMeta
-    msg: Msg
-    seq: int = 0
-    tokens: int = 0
 
 
 class GenerateWorker:
@@ -82,7 +70,6 @@ class GenerateWorker:
     ) -> None:
         self.box_id = box_id
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
-        self._local_reply = local_reply
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
         self._retired = False  # the model was deleted: whatever still arrives is answered 404
         self.spec = spec
@@ -94,7 +81,6 @@ class GenerateWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
-        self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
         self._idle.set()
@@ -107,6 +93,17 @@ class GenerateWorker:
         self._capacity = 2 * runtime.decode_batch
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
         self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
+        dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
+        self._replies = GenerationReplies(
+            box_id,
+            nc,
+            blobs,
+            dead_letters,
+            local_reply=local_reply,
+            stopping=lambda: self._stopping,
+            spawn=self._spawn,
+            poke=self.puller.poke,
+        )
 
     async def start(self) -> None:
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
@@ -174,13 +171,13 @@ class GenerateWorker:
             self._spawn(msg.ack())
             return
         if self._retired:
-            self._spawn(self._fail(meta, msg, self._deleted_error("queued")))
+            self._spawn(self._replies.fail(meta, msg, self._deleted_error("queued")))
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
-            self._spawn(self._fail(meta, msg, deadline_passed(meta.id)))
+            self._spawn(self._replies.fail(meta, msg, deadline_passed(meta.id)))
             return
         self._preparing.add(meta.id)
         self._spawn(self._admit(meta, msg))
@@ -202,10 +199,10 @@ class GenerateWorker:
                 if hold is not None:
                     hold.release()
         except FleetboxError as exc:
-            await self._fail(meta, msg, exc)
+            await self._replies.fail(meta, msg, exc)
             return
         except (ValueError, UnknownAdapter) as exc:
-            await self._fail(meta, msg, Unprocessable(str(exc)))
+            await self._replies.fail(meta, msg, Unprocessable(str(exc)))
             return
         except Exception as exc:
             # Not the client's doing (its body's blob not read, a NATS hiccup): tried again, maybe elsewhere,
@@ -213,7 +210,7 @@ class GenerateWorker:
             log.error(
                 "generation not admitted", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)}
             )
-            await self._retry_or_dead_letter(meta, msg, exc)
+            await self._replies.retry_or_dead_letter(meta, msg, exc)
             return
         finally:
             self._preparing.discard(meta.id)
@@ -243,7 +240,7 @@ class GenerateWorker:
                 for request_id in await loop.run_in_executor(self._device, self.runtime.drop_decoding):
                     stream = self._forget(request_id)
                     if stream is not None:
-                        self._failed(stream, exc)
+                        self._replies.failed(stream, exc)
                 continue
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
@@ -261,7 +258,7 @@ class GenerateWorker:
         self.runtime.cancel(request_id)
         stream = self._forget(request_id)
         if stream is not None:
-            self._failed(stream, error)
+            self._replies.failed(stream, error)
 
     def _drop_expired(self) -> None:
         now_ms = time.time() * 1000
@@ -276,7 +273,7 @@ class GenerateWorker:
                         f"request {request_id} reached its deadline after {stream.tokens} generated tokens; "
                         "raise its `timeout`, or ask for fewer tokens"
                     )
-                self._spawn(self._fail(stream.meta, stream.msg, error, seq=stream.seq))
+                self._spawn(self._replies.fail(stream.meta, stream.msg, error, seq=stream.seq))
 
     async def _send(self, output: StepOutput, step_ms: float) -> None:
         stream = self._streams.get(output.request_id)
@@ -288,7 +285,7 @@ class GenerateWorker:
                 extra={"model": self.spec.name, "request_id": output.request_id, "error": repr(output.error)},
             )
             self._forget(output.request_id)
-            self._failed(stream, output.error)
+            self._replies.failed(stream, output.error)
             return
         stream.tokens += 1
         if stream.tokens == 1 and stream.meta.sent_ms:  # its first step: queued until that step started
@@ -296,72 +293,9 @@ class GenerateWorker:
             self._metrics.queue_ms.labels(self.spec.name).observe(max(0.0, started_ms - stream.meta.sent_ms))
         if not output.text_delta and not output.finished:
             return  # nothing stable to show yet (a half-made character, a possible stop string)
-        body: dict[str, Any] = {"text": output.text_delta}
         if output.finished:
-            body["finish_reason"] = output.finish_reason
-            if output.usage is not None:
-                body["usage"] = {
-                    "prompt_tokens": output.usage.prompt_tokens,
-                    "completion_tokens": output.usage.completion_tokens,
-                }
-        reply = ReplyMeta(
-            id=output.request_id, status=200, box=self.box_id, compute_ms=step_ms, seq=stream.seq, final=output.finished
-        )
-        if not output.finished:
-            await self._reply(stream.meta, reply, orjson.dumps(body))
-            stream.seq += 1  # counted once sent: a chunk whose send raised never left the box
-            return
-        stream.seq += 1
-        self._forget(output.request_id)
-        # The last chunk is confirmed before the ack (off the stepper: all generations step together).
-        self._spawn(self._settle(stream.meta, stream.msg, reply, orjson.dumps(body)))
-
-    def _failed(self, stream: Stream, error: Exception) -> None:
-        """The model failed on a request this worker has let go of (it is no longer in `_streams`).
-
-        Nothing of its answer has left the box yet: it is tried again (maybe elsewhere) or dead-lettered,
-        as the encoder worker does. Once chunks have been sent it is not: its client already has part of
-        the answer, and a start over generates it again from the first token. The gateway can stitch
-        that onto what was sent only when it comes out the same (greedy or seeded); a sampled answer
-        would be text from two generations, mixed. So it ends with a 500 error chunk, numbered after
-        those sent.
-        """
-        if stream.seq == 0:
-            self._spawn(self._retry_or_dead_letter(stream.meta, stream.msg, error))
-            return
-        failed = InternalError(f"generation failed: {error!r}")
-        self._spawn(self._fail(stream.meta, stream.msg, failed, seq=stream.seq))
-
-    async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
-        try:
-            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
-        finally:
-            self.puller.poke()
-
-    async def _fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
-        reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, seq=seq, final=True)
-        await self._settle(meta, msg, reply, error.to_json())
-
-    async def _settle(self, meta: RequestMeta, msg: Msg, reply: ReplyMeta, body: bytes) -> None:
-        """The last chunk or an error: confirmed by its gateway, then the request acked and its blob deleted."""
-        try:
-            if not await self._reply(meta, reply, body, confirmed=True):
-                await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
-                return
-            await msg.ack()
-            if meta.blob:
-                await self._blobs.delete(meta.blob)
-        finally:
-            self.puller.poke()
-
-    async def _reply(self, meta: RequestMeta, reply: ReplyMeta, body: bytes, *, confirmed: bool = False) -> bool:
-        """Send one chunk; a confirmed one is sent until its gateway has it (False: this box is stopping first)."""
-        if self._local_reply is not None and self._local_reply(meta.reply, reply, body):
-            return True
-        if confirmed:
-            return await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._stopping)
-        await self._nc.publish(meta.reply, body, headers=reply.headers())
-        return True
+            self._forget(output.request_id)
+        await self._replies.send(stream, output, step_ms)
 
     # -- stop ------------------------------------------------------------------------------------
 
@@ -427,7 +361,8 @@ class GenerateWorker:
             for request_id in list(self._streams):
                 stream = self._forget(request_id)
                 assert stream is not None
-                self._spawn(self._fail(stream.meta, stream.msg, self._deleted_error("generating"), seq=stream.seq))
+                deleted = self._deleted_error("generating")
+                self._spawn(self._replies.fail(stream.meta, stream.msg, deleted, seq=stream.seq))
             # Requests being admitted see `_retired` and are answered the same way.
             await self._tasks.wait(self._settings.shutdown_grace_s + _SETTLE_S)
         finally:

@@ -3,7 +3,8 @@
 The one idea is the step: `step()` advances every active request by one token in one forward pass
 over the shared, left-padded KV cache (`runtimes/kv_batch.py`), then prefills the requests that
 arrived since, and merges their caches into the batch. A request never waits for another to
-finish, and a long one never holds the others back for more than one step.
+finish, and a long one never holds the others back for more than one step. What one request makes
+of its tokens (text, stop, usage) is `runtimes/decoding.py`; chat prompts are `runtimes/chat_prompt.py`.
 
 How the serving side drives it (one runner thread per model calls `step`; `add` and `cancel` may be
 called from any thread):
@@ -31,16 +32,16 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import numpy as np
 import torch
 
-from runtimes.base import AdapterInUse, InputTooLong, ModelInfo, ModelSource, Task, Tokenized, UnsupportedModel
+from runtimes.base import AdapterInUse, InputTooLong, ModelInfo, ModelSource, Task, Tokenized
 from runtimes.causal_lm import check_full_attention, default_params, eos_ids
+from runtimes.chat_prompt import ChatPrompts, ChatTemplateError
+from runtimes.decoding import Decoding, StepOutput, Usage
 from runtimes.inbox import Inbox
 from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
@@ -49,53 +50,6 @@ from runtimes.tokenizer import TextTokenizer, model_max_length
 from runtimes.torch_backend import _DTYPES, load_torch_model, release
 
 __all__ = ["ChatTemplateError", "GenerateRuntime", "SamplingParams", "StepOutput", "Usage"]
-
-
-class ChatTemplateError(ValueError):
-    """The model's chat template raised while rendering a conversation; rendering it again raises again.
-
-    `broken`: the template itself does not compile (the model's fault). Otherwise it refused this conversation
-    (`raise_exception("Conversation roles must alternate ...")`, a field it needs missing): the client's to fix.
-    """
-
-    def __init__(self, message: str, *, broken: bool) -> None:
-        super().__init__(message)
-        self.broken = broken
-
-
-@dataclass(slots=True, frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(slots=True, frozen=True)
-class StepOutput:
-    """One new token of one request. `finish_reason` is "stop" (EOS or a stop string) or "length"."""
-
-    request_id: str
-    token_id: int
-    text_delta: str
-    finished: bool = False
-    finish_reason: str | None = None
-    usage: Usage | None = None  # on the last output of a request only
-    error: Exception | None = None  # this request alone failed (its prefill): it is dropped, and owed an error
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt: torch.Tensor
-    params: SamplingParams
-    adapter: str | None
-    max_new: int
-    stream: TextStream
-    generator: torch.Generator | None
-    generated: list[int] = field(default_factory=list)
 
 
 class GenerateRuntime:
@@ -110,7 +64,6 @@ class GenerateRuntime:
         self.model = model
         self._vocab = model.get_input_embeddings().num_embeddings
         self._adapters = LoraAdapters(model)
-        self._folder = source.path
         context = model_max_length(source.path)
         # A prompt leaves room for at least one new token; over-long prompts lose their beginning.
         self.tokenizer = TextTokenizer(source.path, max_length=context - 1, keep="end")
@@ -121,14 +74,13 @@ class GenerateRuntime:
         self._keep_last_logits = "logits_to_keep" in accepted
         self._max_rows = int(source.options.get("max_batch_size", 32))
         self._max_prefill_tokens = int(source.options.get("max_prefill_tokens", 8192))
-        self._chat: Any = None  # transformers tokenizer, loaded on first chat request
-        self._chat_lock = threading.Lock()
-        self._inbox: Inbox[_Request] = Inbox()
+        self._chat = ChatPrompts(source.path, self.tokenizer)
+        self._inbox: Inbox[Decoding] = Inbox()
         self._step_lock = threading.Lock()
         # A step (taking requests, then running them) and an adapter's unload exclude each other: an adapter
         # found unused, then unloaded while a step ran a request it had just taken, failed that whole step.
         self._adapter_lock = threading.Lock()
-        self._rows: list[_Request] = []  # owned by the stepping thread, with `_batch`
+        self._rows: list[Decoding] = []  # owned by the stepping thread, with `_batch`
         self._batch: CacheBatch | None = None
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         peak, self.kv_bytes_per_token = self._warm_up()
@@ -141,41 +93,8 @@ class GenerateRuntime:
         return self.tokenizer.tokenize(texts, truncate=truncate)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool = False) -> np.ndarray:
-        """Prompt ids for a chat, rendered with the model's own template and a generation prompt.
-
-        Control tokens typed inside a message (`<|im_end|>`, say) stay plain text, so a user cannot
-        close their turn and speak as the system.
-        """
-        chat = self._chat_tokenizer()
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
-        if "sanitize_control_tokens" in inspect.signature(chat.apply_chat_template).parameters:
-            kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
-        with self._chat_lock:
-            try:
-                rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
-            except jinja2.TemplateError as exc:
-                raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
-            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-                # Python's own errors inside the template (`message['content'] + 1` on a list content): as
-                # certain on every delivery as a raise_exception, so answered at once too.
-                raise ChatTemplateError(f"{type(exc).__name__}: {exc}", broken=False) from None
-        if isinstance(rendered, str):  # a transformers without control-token sanitising
-            return self.tokenizer.tokenize([rendered], truncate=truncate, add_special_tokens=False)[0].ids
-        limit = self.tokenizer.max_length
-        if len(rendered) > limit and not truncate:
-            raise InputTooLong(0, limit)
-        return np.asarray(rendered[-limit:], dtype=np.int64)
-
-    def _chat_tokenizer(self) -> Any:
-        with self._chat_lock:
-            if self._chat is None:
-                from transformers import AutoTokenizer
-
-                chat = AutoTokenizer.from_pretrained(str(self._folder), local_files_only=True, trust_remote_code=False)
-                if not chat.chat_template:
-                    raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
-                self._chat = chat
-            return self._chat
+        """Prompt ids for a chat, rendered with the model's own template (`runtimes/chat_prompt.py`)."""
+        return self._chat.render(messages, truncate=truncate)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -211,7 +130,7 @@ class GenerateRuntime:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        request = _Request(
+        request = Decoding(
             request_id=request_id,
             prompt=prompt,
             params=params,
@@ -265,7 +184,7 @@ class GenerateRuntime:
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("step() is already running: one thread drives a generate runtime")
         self._adapter_lock.acquire()
-        joining: list[_Request] = []
+        joining: list[Decoding] = []
         try:
             room = self._max_rows - len(self._rows)
             joining, cancelled = self._inbox.take(room, self._max_prefill_tokens, lambda r: r.prompt.numel())
@@ -287,7 +206,7 @@ class GenerateRuntime:
             self._adapter_lock.release()
             self._step_lock.release()
 
-    def _join(self, joining: list[_Request]) -> list[StepOutput]:
+    def _join(self, joining: list[Decoding]) -> list[StepOutput]:
         """Prefill requests into the decode batch; a failing prefill is split until the culprit is alone.
 
         The decode batch is untouched until a prefill and its merge succeed, so one request that cannot
@@ -357,33 +276,16 @@ class GenerateRuntime:
         output = self._adapters(adapters, **inputs)
         return output.logits[:, -1, :].float()
 
-    def _choose(self, requests: list[_Request], logits: torch.Tensor) -> list[StepOutput]:
+    def _choose(self, requests: list[Decoding], logits: torch.Tensor) -> list[StepOutput]:
         return self._emit(requests, self._choose_for(requests, logits))
 
     @staticmethod
-    def _choose_for(requests: list[_Request], logits: torch.Tensor) -> list[int]:
+    def _choose_for(requests: list[Decoding], logits: torch.Tensor) -> list[int]:
         seen = [(r.prompt, r.generated) for r in requests]
         return choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests], seen)
 
-    def _emit(self, requests: list[_Request], tokens: list[int]) -> list[StepOutput]:
-        """Append each request's new token and say what text it adds (and whether it ends the request)."""
-        outputs = []
-        for request, token in zip(requests, tokens, strict=True):
-            request.generated.append(token)
-            if token in self._eos:
-                delta, _ = request.stream.finish()
-                reason: str | None = "stop"
-            else:
-                delta, stopped = request.stream.push(token)
-                reason = "stop" if stopped else None
-                if reason is None and len(request.generated) >= request.max_new:
-                    reason = "length"
-                    delta += request.stream.finish()[0]
-            usage = None
-            if reason is not None:
-                usage = Usage(prompt_tokens=int(request.prompt.numel()), completion_tokens=len(request.generated))
-            outputs.append(StepOutput(request.request_id, token, delta, reason is not None, reason, usage))
-        return outputs
+    def _emit(self, requests: list[Decoding], tokens: list[int]) -> list[StepOutput]:
+        return [request.emit(token, self._eos) for request, token in zip(requests, tokens, strict=True)]
 
     # -- whole batches, without generating -------------------------------------------------------
 

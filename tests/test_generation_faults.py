@@ -210,12 +210,12 @@ async def test_a_chunk_that_cannot_be_sent_fails_its_request_alone_and_stepping_
     start_box, http, generator_dir
 ) -> None:
     """The first chunk's send raises (nats-py's outbound buffer full during a reconnect, say; faked by
-    wrapping the worker's own `_reply`): nothing of that answer left the box, so it is retried and
+    wrapping the worker's own `_replies.reply`): nothing of that answer left the box, so it is retried and
     answered whole, instead of held for ever with the stepping stopped; the next request is answered."""
     from nats.errors import OutboundBufferLimitError
 
     box, worker = await generating_box(start_box, generator_dir)
-    reply, calls = worker._reply, []
+    reply, calls = worker._replies.reply, []
 
     async def flaky(meta, reply_meta, body, *, confirmed=False):
         calls.append(reply_meta.seq)
@@ -223,7 +223,7 @@ async def test_a_chunk_that_cannot_be_sent_fails_its_request_alone_and_stepping_
             raise OutboundBufferLimitError()
         return await reply(meta, reply_meta, body, confirmed=confirmed)
 
-    worker._reply = flaky
+    worker._replies.reply = flaky
     async with asyncio.timeout(30):
         status, body = await answer_text(http, box, PROMPT)
         assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir, PROMPT), body

@@ -1,0 +1,133 @@
+"""How a generation's answer leaves the box: chunk by chunk, the last one confirmed before the ack.
+
+The one rule: a request is acked only once its last chunk (or its error) is confirmed by its gateway,
+so a box that dies mid-answer leaves it for redelivery. A request the model failed on is tried again
+(maybe elsewhere) and, past `max_deliver`, dead-lettered, while none of its answer has left the box;
+once chunks have been sent, it ends with an error chunk numbered after them instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from appliance.blobs import Blobs
+from appliance.deadletter import DeadLetters
+from appliance.delivery import LocalReply, deliver_reply
+from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import FleetboxError, InternalError
+from runtimes.generate import StepOutput
+
+
+@dataclass(slots=True)
+class Stream:
+    """A request in the decode batch: the chunks sent to its gateway so far, and the tokens made."""
+
+    meta: RequestMeta
+    msg: Msg
+    seq: int = 0
+    tokens: int = 0
+
+
+class GenerationReplies:
+    """The replies of one generative model's worker on this box."""
+
+    def __init__(
+        self,
+        box_id: str,
+        nc: NATS,
+        blobs: Blobs,
+        dead_letters: DeadLetters,
+        *,
+        local_reply: LocalReply | None,
+        stopping: Callable[[], bool],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        poke: Callable[[], None],
+    ) -> None:
+        self._box_id = box_id
+        self._nc = nc
+        self._blobs = blobs
+        self._dead_letters = dead_letters
+        self._local_reply = local_reply
+        self._stopping = stopping  # draining: a reply no gateway takes is handed back instead of retried
+        self._spawn = spawn  # the worker's background tasks, waited for at its drain
+        self._poke = poke  # a request answered or handed back: the worker has room again
+
+    async def send(self, stream: Stream, output: StepOutput, step_ms: float) -> None:
+        """One chunk of text; the last one (with the usage) is confirmed then acked off the caller's path."""
+        body: dict[str, Any] = {"text": output.text_delta}
+        if output.finished:
+            body["finish_reason"] = output.finish_reason
+            if output.usage is not None:
+                body["usage"] = {
+                    "prompt_tokens": output.usage.prompt_tokens,
+                    "completion_tokens": output.usage.completion_tokens,
+                }
+        reply = ReplyMeta(
+            id=output.request_id,
+            status=200,
+            box=self._box_id,
+            compute_ms=step_ms,
+            seq=stream.seq,
+            final=output.finished,
+        )
+        if not output.finished:
+            await self.reply(stream.meta, reply, orjson.dumps(body))
+            stream.seq += 1  # counted once sent: a chunk whose send raised never left the box
+            return
+        stream.seq += 1
+        # The last chunk is confirmed before the ack (off the stepper: all generations step together).
+        self._spawn(self.settle(stream.meta, stream.msg, reply, orjson.dumps(body)))
+
+    def failed(self, stream: Stream, error: Exception) -> None:
+        """The model failed on a request its worker has let go of (it is no longer in the decode batch).
+
+        Nothing of its answer has left the box yet: it is tried again (maybe elsewhere) or dead-lettered,
+        as the encoder worker does. Once chunks have been sent it is not: its client already has part of
+        the answer, and a start over generates it again from the first token. The gateway can stitch
+        that onto what was sent only when it comes out the same (greedy or seeded); a sampled answer
+        would be text from two generations, mixed. So it ends with a 500 error chunk, numbered after
+        those sent.
+        """
+        if stream.seq == 0:
+            self._spawn(self.retry_or_dead_letter(stream.meta, stream.msg, error))
+            return
+        failed = InternalError(f"generation failed: {error!r}")
+        self._spawn(self.fail(stream.meta, stream.msg, failed, seq=stream.seq))
+
+    async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+        try:
+            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
+        finally:
+            self._poke()
+
+    async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
+        """An error as the request's last chunk, numbered `seq` (after the chunks already sent)."""
+        reply = ReplyMeta(id=meta.id, status=error.status, box=self._box_id, seq=seq, final=True)
+        await self.settle(meta, msg, reply, error.to_json())
+
+    async def settle(self, meta: RequestMeta, msg: Msg, reply: ReplyMeta, body: bytes) -> None:
+        """The last chunk or an error: confirmed by its gateway, then the request acked and its blob deleted."""
+        try:
+            if not await self.reply(meta, reply, body, confirmed=True):
+                await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+                return
+            await msg.ack()
+            if meta.blob:
+                await self._blobs.delete(meta.blob)
+        finally:
+            self._poke()
+
+    async def reply(self, meta: RequestMeta, reply: ReplyMeta, body: bytes, *, confirmed: bool = False) -> bool:
+        """Send one chunk; a confirmed one is sent until its gateway has it (False: this box is stopping first)."""
+        if self._local_reply is not None and self._local_reply(meta.reply, reply, body):
+            return True
+        if confirmed:
+            return await deliver_reply(self._nc, meta, body, reply.headers(), self._stopping)
+        await self._nc.publish(meta.reply, body, headers=reply.headers())
+        return True

@@ -1,0 +1,77 @@
+"""A generator's chat prompts: a conversation rendered into prompt ids with the model's own template.
+
+The one idea: the template is transformers' to run (its tokenizer, loaded on the first chat request),
+with control tokens typed inside a message (`<|im_end|>`, say) kept as plain text where transformers
+can, so a user cannot close their turn and speak as the system. A template that raises is a `ChatTemplateError`,
+the model's fault or the conversation's, told apart so the caller answers each as it should.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import numpy as np
+
+from runtimes.base import InputTooLong, UnsupportedModel
+from runtimes.tokenizer import TextTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template raised while rendering a conversation; rendering it again raises again.
+
+    `broken`: the template itself does not compile (the model's fault). Otherwise it refused this conversation
+    (`raise_exception("Conversation roles must alternate ...")`, a field it needs missing): the client's to fix.
+    """
+
+    def __init__(self, message: str, *, broken: bool) -> None:
+        super().__init__(message)
+        self.broken = broken
+
+
+class ChatPrompts:
+    """Renders conversations for one model folder; thread-safe."""
+
+    def __init__(self, folder: Path, tokenizer: TextTokenizer) -> None:
+        self._folder = folder
+        self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
+        self._chat: Any = None  # transformers tokenizer, loaded on first chat request
+        self._lock = threading.Lock()
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool = False) -> np.ndarray:
+        """Prompt ids for a chat, with a generation prompt; past the tokenizer's `max_length`, `InputTooLong`
+        unless `truncate` (which keeps the end)."""
+        chat = self._chat_tokenizer()
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+        if "sanitize_control_tokens" in inspect.signature(chat.apply_chat_template).parameters:
+            kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
+        with self._lock:
+            try:
+                rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+                # Python's own errors inside the template (`message['content'] + 1` on a list content): as
+                # certain on every delivery as a raise_exception, so answered at once too.
+                raise ChatTemplateError(f"{type(exc).__name__}: {exc}", broken=False) from None
+        if isinstance(rendered, str):  # a transformers without control-token sanitising
+            return self._tokenizer.tokenize([rendered], truncate=truncate, add_special_tokens=False)[0].ids
+        limit = self._tokenizer.max_length
+        if len(rendered) > limit and not truncate:
+            raise InputTooLong(0, limit)
+        return np.asarray(rendered[-limit:], dtype=np.int64)
+
+    def _chat_tokenizer(self) -> Any:
+        with self._lock:
+            if self._chat is None:
+                from transformers import AutoTokenizer
+
+                chat = AutoTokenizer.from_pretrained(str(self._folder), local_files_only=True, trust_remote_code=False)
+                if not chat.chat_template:
+                    raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
+                self._chat = chat
+            return self._chat

@@ -1,0 +1,67 @@
+"""One request's decoding in a generate runtime: what it asked for, the tokens it has made, and what each adds.
+
+The one idea: a request decides alone when it ends. Each new token is appended, its text released
+through the request's `TextStream`, and the request finishes on an end-of-sequence token, a stop
+string or its `max_new` tokens; the `StepOutput` says which, with the usage on the last one. The
+decode batch (`runtimes/generate.py`) only chooses the tokens and drops the requests that finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtimes.tasks.generate import SamplingParams, TextStream
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """One new token of one request. `finish_reason` is "stop" (EOS or a stop string) or "length"."""
+
+    request_id: str
+    token_id: int
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None  # on the last output of a request only
+    error: Exception | None = None  # this request alone failed (its prefill): it is dropped, and owed an error
+
+
+@dataclass(slots=True)
+class Decoding:
+    request_id: str
+    prompt: torch.Tensor
+    params: SamplingParams
+    adapter: str | None
+    max_new: int
+    stream: TextStream
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+
+    def emit(self, token: int, eos: frozenset[int]) -> StepOutput:
+        """Append the new token and say what text it adds (and whether it ends the request)."""
+        self.generated.append(token)
+        if token in eos:
+            delta, _ = self.stream.finish()
+            reason: str | None = "stop"
+        else:
+            delta, stopped = self.stream.push(token)
+            reason = "stop" if stopped else None
+            if reason is None and len(self.generated) >= self.max_new:
+                reason = "length"
+                delta += self.stream.finish()[0]
+        usage = None
+        if reason is not None:
+            usage = Usage(prompt_tokens=int(self.prompt.numel()), completion_tokens=len(self.generated))
+        return StepOutput(self.request_id, token, delta, reason is not None, reason, usage)
