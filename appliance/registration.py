@@ -59,18 +59,21 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
     )
 
 
-def _judge_folder(registration: ModelRegistration, roots: list[Path], model: bool) -> tuple[Path, Task | None]:
-    """The registration's folder and, for a model (not an adapter), its task: file reads, so off the event loop."""
+def _judge_folder(
+    registration: ModelRegistration, roots: list[Path], base_task: Task | None
+) -> tuple[Path, Task | None]:
+    """The registration's folder and, for a model (`base_task` None; an adapter's base's task otherwise), its
+    task: file reads, so off the event loop."""
     folder = resolve_under_roots(registration.path, roots)
     if not folder.is_dir():
         raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
     shipped = shipped_onnx(folder, registration.options)
     if shipped is not None:  # a file the box will read, so inside a model root like the folder
         resolve_under_roots(str(shipped), roots)
-    if model:
+    if base_task is None:
         return folder, _task_for(registration, folder)
     try:
-        check_adapter_folder(folder)
+        check_adapter_folder(folder, base_task=base_task, mixed_rows=base_task is Task.GENERATE)
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_adapter") from None
     return folder, None
@@ -182,7 +185,8 @@ async def register(
         if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
             raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
     loop = asyncio.get_running_loop()
-    folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base is None)
+    base_task = None if base is None else base.task
+    folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base_task)
     if base is not None:
         task, batching, adapter_of = base.task, base.batching, base.name
     else:

@@ -113,8 +113,11 @@ def _is_text_encoder(model_type: str) -> bool:
     return model_type in model_types("MODEL_FOR_MASKED_LM_MAPPING_NAMES")
 
 
-def check_adapter_folder(folder: Path) -> None:
-    """Raise `UnsupportedModel` unless `folder` holds a LoRA adapter saved by peft (read without torch)."""
+def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_rows: bool = True) -> None:
+    """Raise `UnsupportedModel` unless `folder` holds a LoRA adapter saved by peft (read without torch).
+
+    `base_task`: the base model's task, when known; an adapter peft saved for another kind of model is refused.
+    `mixed_rows`: whether the base's calls mix adapters per row (a generator's do: see runtimes/lora.py)."""
     config_file = Path(folder) / "adapter_config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{folder} has no adapter_config.json; a LoRA adapter saved by peft is expected")
@@ -125,6 +128,27 @@ def check_adapter_folder(folder: Path) -> None:
     if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
         raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
     _refuse_shared_changes(config, folder)
+    if mixed_rows and config.get("use_dora"):
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} is a DoRA adapter, which peft cannot apply per row of a generation batch"
+        )
+    task_type = config.get("task_type")
+    task_type = None if task_type is None else str(task_type).upper()
+    if base_task is not None and task_type is not None and task_type not in _ADAPTER_TASK_TYPES[base_task]:
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} was saved for a {task_type} model (peft task_type), not for a base that "
+            f"does {base_task}; expected task_type {' or '.join(_ADAPTER_TASK_TYPES[base_task])}"
+        )
+
+
+# peft's `task_type` of an adapter (its PeftModel class: which head it wraps) that fits a base of each task.
+_ADAPTER_TASK_TYPES: dict[Task, tuple[str, ...]] = {
+    Task.EMBED: ("FEATURE_EXTRACTION",),
+    Task.SCORE: ("SEQ_CLS",),
+    Task.CLASSIFY: ("SEQ_CLS",),
+    Task.EXTRACT: ("TOKEN_CLS",),
+    Task.GENERATE: ("CAUSAL_LM",),
+}
 
 
 # Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense
@@ -133,8 +157,8 @@ _REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
 
 
 def _refuse_shared_changes(config: Mapping[str, Any], folder: Path) -> None:
-    """Refuse an adapter that would change what every request on its base shares, or that peft cannot apply per
-    row of a batch: judged from adapter_config.json, at registration and again before a load."""
+    """Refuse an adapter that would change what every request on its base shares: judged from
+    adapter_config.json, at registration and again before a load."""
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_REWRITING_INITS):
         raise UnsupportedModel(
@@ -147,8 +171,6 @@ def _refuse_shared_changes(config: Mapping[str, Any], folder: Path) -> None:
             f"LoRA adapter {folder} trains biases (bias={bias!r}): they are the base's own, shared by every "
             "request; only bias='none' adapters are served"
         )
-    if config.get("use_dora"):
-        raise UnsupportedModel(f"LoRA adapter {folder} is a DoRA adapter, which peft cannot apply per row of a batch")
 
 
 def _check_sizes(config: Mapping[str, Any], config_file: Path) -> None:

@@ -1,10 +1,19 @@
 """LoRA adapters resident on one base model, applied per row without merging the weights.
 
-The one idea: rows choose their adapter at call time through peft's mixed-batch `adapter_names`
-(`"__base__"` for none), so nothing is switched between batches and one batch may mix adapters and
-the base model (a decode batch of requests for different adapters, say). The base weights stay as
-they are, shared by every adapter; an adapter costs only its own A/B matrices (and any
+The one idea: the base weights stay as they are, shared by every adapter, and each call says which
+adapter each row uses. A call whose rows all use one adapter (every encoder batch: a request and its
+batch name one adapter) switches the model to it with peft's `set_adapter` (the base: adapter layers
+disabled), which runs any adapter peft can load, DoRA and a copied multi-layer head included. A call
+that mixes adapters (a decode batch of requests for different adapters) goes through peft's
+mixed-batch `adapter_names` (`"__base__"` for none), which can switch only LoRA layers and copies of
+Linear, Embedding and Conv modules per row: a runtime whose calls mix (`mixed_rows`, the generator)
+refuses adapters it could not mix. An adapter costs only its own A/B matrices (and any
 `modules_to_save` copy, such as a classifier head trained with it).
+
+peft's mixed batch looks up every row's adapter in each `modules_to_save` wrapper, and fails
+(KeyError) for an adapter that saved no copy of that module while another resident adapter did; each
+such wrapper gets the base's own module under the missing adapter's name (an alias, no new weights)
+between peft's own changes, so those rows run the base module, as they would alone.
 
 peft wraps the base model in place the first time an adapter is loaded (`PeftModel.from_pretrained`)
 and later ones are added with `load_adapter`; eviction is `delete_adapter`. peft swaps modules in
@@ -20,7 +29,7 @@ serialised, as they are on one device anyway.
 How the serving side uses it (every torch runtime exposes the same three methods):
 
     nbytes = runtime.load_adapter("support-bot", Path(".../adapters/support-bot"))
-    runtime.run(batch, adapter="support-bot")      # encoder tasks: the whole batch
+    runtime.run(batch, adapter="support-bot")      # encoder tasks: the whole batch, one adapter
     runtime.add(request_id, prompt, params, adapter="support-bot")   # generate: per request
     runtime.evict_adapter("support-bot")
     runtime.adapters                                # names resident now
@@ -42,17 +51,24 @@ from runtimes.base import UnknownAdapter, UnsupportedModel
 from runtimes.detect import check_adapter_folder
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+_MIXING = object()  # `_serving` after a load, an eviction or a mixed call: adapter layers on, any adapter active
 
 
 class LoraAdapters:
-    """The adapters on one base model, and the only way to call that model once any were loaded."""
+    """The adapters on one base model, and the only way to call that model once any were loaded.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    `mixed_rows`: whether one call may give its rows different adapters (a generator's decode batch); then
+    only adapters peft can apply per row are loaded."""
+
+    def __init__(self, model: torch.nn.Module, *, mixed_rows: bool = True) -> None:
         self._base = model
+        self._mixed_rows = mixed_rows
         self._peft: Any = None  # a peft.PeftModel once the first adapter is loaded
         self._tree: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # the base's modules before peft
         self._bytes: dict[str, int] = {}
         self._paths: dict[str, Path] = {}  # the folder each adapter was loaded from
+        self._aliases: list[tuple[Any, str]] = []  # (modules_to_save wrapper, adapter name) given the base module
+        self._serving: object = _MIXING  # what a call without adapter_names runs: an adapter's name or None (base)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -61,6 +77,7 @@ class LoraAdapters:
             del self._base
             self._peft = None
             self._tree = []
+            self._aliases = []
             self._bytes.clear()
             self._paths.clear()
 
@@ -77,7 +94,7 @@ class LoraAdapters:
         A name resident from another folder is refused: serving the old weights for the new folder is wrong."""
         if name == BASE:
             raise UnsupportedModel(f"{BASE!r} is reserved for the base model; pick another adapter name")
-        check_adapter_folder(path)
+        check_adapter_folder(path, mixed_rows=self._mixed_rows)
         from peft import LoraConfig, PeftModel
 
         with self._lock:
@@ -88,6 +105,8 @@ class LoraAdapters:
             first = self._peft is None
             if first:
                 self._tree = _module_tree(self._base)
+            self._drop_aliases()  # peft's own bookkeeping must not meet them
+            self._serving = _MIXING
             config: Any = None
             try:
                 config = LoraConfig.from_pretrained(str(path))  # judged by check_adapter_folder above
@@ -99,7 +118,8 @@ class LoraAdapters:
                 else:
                     self._peft.add_adapter(name, config)  # load_adapter then reads only the weights into it
                     self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
-                _refuse_unmixable(self._peft, name, path)
+                if self._mixed_rows:
+                    _refuse_unmixable(self._peft, name, path)
             except Exception as error:
                 # An adapter trained on another base, a cut-short weights file, a config peft cannot build from,
                 # one that cannot be served per row: peft's layers may be injected and partly loaded already.
@@ -107,12 +127,14 @@ class LoraAdapters:
                     self._unwrap()
                 else:
                     self._drop_partial(name, config)
+                    self._alias_gaps()
                 if isinstance(error, UnsupportedModel):
                     raise
                 raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
             self._paths[name] = Path(path)
+            self._alias_gaps()
             return self._bytes[name]
 
     def evict(self, name: str) -> None:
@@ -120,11 +142,15 @@ class LoraAdapters:
         with self._lock:
             if name not in self._bytes:
                 raise UnknownAdapter(name)
+            self._drop_aliases()
+            self._serving = _MIXING
             self._peft.delete_adapter(name)
             del self._bytes[name]
             del self._paths[name]
             if not self._bytes:
                 self._unwrap()  # peft cannot add an adapter to a wrapper left with none
+            else:
+                self._alias_gaps()
 
     def _unwrap(self) -> None:
         """Put the base's own modules back where peft swapped in its wrappers, and forget the wrapper."""
@@ -134,7 +160,26 @@ class LoraAdapters:
         if "peft_config" in vars(self._base):
             del self._base.peft_config  # set on the base by peft's tuner
         self._tree = []
+        self._aliases = []
         self._peft = None
+        self._serving = _MIXING
+
+    def _alias_gaps(self) -> None:
+        """Give each `modules_to_save` wrapper the base's own module under every resident adapter it has no copy
+        of, so a mixed batch finds one for each row's adapter (peft's would raise KeyError)."""
+        from peft.utils.other import ModulesToSaveWrapper
+
+        for module in self._peft.modules():
+            if isinstance(module, ModulesToSaveWrapper):
+                for name in self._bytes:
+                    if name not in module.modules_to_save:
+                        module.modules_to_save[name] = module.original_module
+                        self._aliases.append((module, name))
+
+    def _drop_aliases(self) -> None:
+        for module, name in self._aliases:
+            del module.modules_to_save[name]
+        self._aliases = []
 
     def _drop_partial(self, name: str, config: Any) -> None:
         """Delete what a failed load of `name` injected next to the adapters already resident."""
@@ -157,9 +202,28 @@ class LoraAdapters:
                 self.check(adapters)
             if self._peft is None:
                 return self._base(**inputs)
-            rows = adapters if adapters is not None else [None] * _batch_size(inputs)
-            names = [BASE if name is None else name for name in rows]
-            return self._peft(**inputs, adapter_names=names)
+            used = set(adapters) if adapters is not None else {None}
+            if len(used) <= 1:
+                self._serve(used.pop() if used else None)
+                return self._peft(**inputs)
+            if not self._mixed_rows:
+                raise ValueError("this model's calls run one adapter each; the rows name several")
+            self._serve(_MIXING)
+            return self._peft(**inputs, adapter_names=[BASE if name is None else name for name in adapters or ()])
+
+    def _serve(self, adapter: object) -> None:
+        """Switch what the model runs: one adapter's name, None for the base, `_MIXING` for a per-row call."""
+        if adapter == self._serving:
+            return
+        tuner = self._peft.base_model
+        if adapter is None:
+            tuner.disable_adapter_layers()
+        else:
+            if self._serving is None:
+                tuner.enable_adapter_layers()
+            if adapter is not _MIXING:
+                self._peft.set_adapter(adapter, inference_mode=True)
+        self._serving = adapter
 
 
 def _module_tree(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
@@ -193,10 +257,3 @@ def _adapter_bytes(model: torch.nn.Module, name: str) -> int:
         for key, param in model.named_parameters()
         if marker in key or key.endswith(f".{name}")
     )
-
-
-def _batch_size(inputs: dict[str, Any]) -> int:
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor):
-            return int(value.shape[0])
-    raise ValueError("no tensor input to take the batch size from")

@@ -38,7 +38,7 @@ class TorchBackend:
         self.dtype = _DTYPES[source.dtype]
         self.task = source.task
         self.model = load_torch_model(source.path, source.task, self.dtype).to(self.device)
-        self.adapters = LoraAdapters(self.model)
+        self.adapters = LoraAdapters(self.model, mixed_rows=False)  # an encoder batch runs one adapter
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for b in self.model.buffers()
         )

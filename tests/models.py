@@ -138,17 +138,23 @@ ADAPTER_KINDS = {
 }
 
 
-def make_adapter(task: Task, base_dir: Path, folder: Path, seed: int) -> Path:
-    """A LoRA for the model in `base_dir`, saved by peft; SEQ_CLS/TOKEN_CLS ones carry their own head copy."""
+def make_adapter(task: Task, base_dir: Path, folder: Path, seed: int, **lora: object) -> Path:
+    """A LoRA for the model in `base_dir`, saved by peft, with `lora` set on its LoraConfig (`use_dora`,
+    `modules_to_save`, `task_type`...); SEQ_CLS/TOKEN_CLS ones carry their own head copy."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     auto_class, task_type, targets = ADAPTER_KINDS[task]
     base = getattr(transformers, auto_class).from_pretrained(base_dir)
     torch.manual_seed(seed)
-    config = LoraConfig(task_type=task_type, r=4, lora_alpha=8, target_modules=targets)
+    config = LoraConfig(**({"task_type": task_type, "r": 4, "lora_alpha": 8, "target_modules": targets} | lora))
     peft_model = get_peft_model(base, config)
     _perturb_lora(peft_model, seed)
+    if config.use_dora:  # DoRA's magnitudes start at the base's column norms: make them matter too
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    param.mul_(1.5)
     peft_model.save_pretrained(folder)
     return folder
 

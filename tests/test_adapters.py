@@ -197,12 +197,15 @@ async def test_a_deleted_adapter_is_unloaded_on_every_box_that_holds_it(
 
 
 @pytest.mark.parametrize(
-    "change", [{"init_lora_weights": "pissa"}, {"bias": "all"}, {"use_dora": True}], ids=["pissa", "bias", "dora"]
+    "change",
+    [{"init_lora_weights": "pissa"}, {"bias": "all"}, {"task_type": "CAUSAL_LM"}, {"task_type": "TOKEN_CLS"}],
+    ids=["pissa", "bias", "generator-adapter", "extractor-adapter"],
 )
-async def test_an_adapter_that_would_change_its_shared_base_is_refused_at_registration(
+async def test_an_adapter_that_would_change_its_shared_base_or_is_for_another_task_is_refused_at_registration(
     start_box, http, classifier_dir, classifier_adapters, tmp_path, change: dict
 ) -> None:
-    """Judged from adapter_config.json (the load judges it again): it was a 201, then wrong answers or failures."""
+    """Judged from adapter_config.json (the load judges it again): it was a 201, then wrong answers or failures;
+    an adapter peft saved for another kind of model (its task_type) was a 201 too."""
     box = await classifier_box(start_box, http, classifier_dir)
     folder = classifier_dir.parent / f"edited-{tmp_path.name}"
     shutil.copytree(classifier_adapters[0], folder)
@@ -211,3 +214,20 @@ async def test_an_adapter_that_would_change_its_shared_base_is_refused_at_regist
     body = {"name": "cls:edited", "path": str(folder), "adapter_of": "cls"}
     status, answer = await call(http, box, "POST", "/v1/models", body)
     assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), answer
+
+
+async def test_a_dora_adapter_of_a_classifier_is_registered_and_served(
+    start_box, http, classifier_dir, classifier_adapters, tmp_path
+) -> None:
+    """DoRA was refused for every base (peft cannot apply it per row); an encoder's batch runs one adapter, so a
+    classifier's DoRA adapter is served (its answers checked against peft in tests/runtimes/test_lora.py)."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    folder = make_adapter(
+        Task.CLASSIFY, classifier_dir, classifier_dir.parent / f"dora-{tmp_path.name}", 7, use_dora=True
+    )
+    await register_adapter(http, box, "cls:dora", folder)
+    status, base = await classify(http, box, "cls")
+    assert status == 200, base
+    status, tuned = await classify(http, box, "cls:dora")
+    assert status == 200, tuned
+    assert tuned["data"] != base["data"]

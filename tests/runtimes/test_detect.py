@@ -254,3 +254,32 @@ async def test_a_config_its_class_refuses_is_a_422_at_registration_naming_the_fi
     for name, folder in {"qwen2": qwen2_dir, "olmo3": olmo3}.items():
         async with http.post(url(box, "/v1/models"), json={"name": name, "path": str(folder)}) as response:
             assert response.status == 201, await response.text()
+
+
+def test_dora_is_refused_only_where_rows_mix_and_an_adapter_for_another_task_where_the_base_is_known(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A generator's decode batch mixes adapters per row, which peft cannot do for DoRA; an encoder's batch runs
+    one adapter, so DoRA was refused there for nothing. An adapter peft saved for another kind of model (its
+    task_type) was accepted, then loaded as a no-op or failed."""
+    dora = tmp_path / "dora"
+    shutil.copytree(adapter_dirs[Task.CLASSIFY], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    check_adapter_folder(dora, base_task=Task.CLASSIFY, mixed_rows=False)
+    with pytest.raises(UnsupportedModel, match="DoRA"):
+        check_adapter_folder(dora)  # a runtime whose rows mix
+    for task, folder in adapter_dirs.items():
+        check_adapter_folder(folder, base_task=task, mixed_rows=task is Task.GENERATE)
+        for other in set(Task) - {task}:
+            if {task, other} <= {Task.SCORE, Task.CLASSIFY}:
+                check_adapter_folder(folder, base_task=other, mixed_rows=False)  # both are sequence classifiers
+                continue
+            with pytest.raises(UnsupportedModel, match="task_type"):
+                check_adapter_folder(folder, base_task=other, mixed_rows=other is Task.GENERATE)
+    untyped = tmp_path / "untyped"
+    shutil.copytree(adapter_dirs[Task.EMBED], untyped)
+    config = json.loads((untyped / "adapter_config.json").read_text())
+    (untyped / "adapter_config.json").write_text(json.dumps(config | {"task_type": None}))
+    for task in Task:
+        check_adapter_folder(untyped, base_task=task)  # peft's plain PeftModel: no head to mismatch

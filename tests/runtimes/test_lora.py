@@ -17,6 +17,7 @@ import torch
 from runtimes import ModelSource, Task, load_runtime
 from runtimes.base import UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams
+from tests.models import make_adapter
 
 from .helpers import drive, greedy_reference, prompt_ids
 
@@ -163,8 +164,6 @@ def test_an_adapter_for_another_head_leaves_the_base_exactly_as_it_was(
 def test_evicting_the_last_adapter_gives_back_the_base_and_its_own_head(
     model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
 ) -> None:
-    from tests.models import make_adapter
-
     runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
     model = runtime.backend.model  # type: ignore[attr-defined]
     batch = runtime.tokenize(TEXTS)
@@ -338,16 +337,23 @@ def test_a_broken_adapter_is_refused_and_leaves_the_base_exactly_as_it_was(
     runtime.close()
 
 
-@pytest.mark.parametrize("task", ALL_TASKS, ids=str)
+_SHARED_CHANGES = {
+    "pissa": ({"init_lora_weights": "pissa"}, "convert it to a plain LoRA"),
+    "olora": ({"init_lora_weights": "olora"}, "convert it to a plain LoRA"),
+    "bias": ({"bias": "lora_only"}, "trains biases"),
+}
+
+
 @pytest.mark.parametrize(
-    ("change", "refusal"),
+    ("task", "change", "refusal"),
     [
-        ({"init_lora_weights": "pissa"}, "convert it to a plain LoRA"),
-        ({"init_lora_weights": "olora"}, "convert it to a plain LoRA"),
-        ({"bias": "lora_only"}, "trains biases"),
-        ({"use_dora": True}, "DoRA"),
+        *[
+            pytest.param(task, *case, id=f"{kind}-{task}")
+            for kind, case in _SHARED_CHANGES.items()
+            for task in ALL_TASKS
+        ],
+        pytest.param(Task.GENERATE, {"use_dora": True}, "DoRA", id="dora-generate"),  # encoders serve DoRA: below
     ],
-    ids=["pissa", "olora", "bias", "dora"],
 )
 def test_an_adapter_that_would_change_the_shared_base_or_cannot_run_per_row_is_refused(
     task: Task,
@@ -384,8 +390,6 @@ def test_a_name_resident_from_another_folder_is_refused(
     model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
 ) -> None:
     """A name already loaded was a no-op whatever the folder: the new folder was served the old weights."""
-    from tests.models import make_adapter
-
     runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
     batch = runtime.tokenize(TEXTS)
     added = runtime.load_adapter("tuned", adapter_dirs[Task.CLASSIFY])
@@ -398,22 +402,132 @@ def test_a_name_resident_from_another_folder_is_refused(
     runtime.close()
 
 
-def test_an_adapter_with_its_own_copy_of_a_layer_norm_is_refused(model_dirs: dict[Task, Path], tmp_path: Path) -> None:
-    """peft cannot switch a LayerNorm copy per row: once loaded, every call on the base failed (TypeError), the
-    base's own rows and other adapters' too."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification
-
-    task = Task.CLASSIFY
-    torch.manual_seed(3)
-    config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"])
-    config.modules_to_save = ["classifier", "LayerNorm"]
-    saved = get_peft_model(AutoModelForSequenceClassification.from_pretrained(model_dirs[task]), config)
-    saved.save_pretrained(tmp_path / "norm-copy")
+def test_a_generator_adapter_with_its_own_copy_of_a_norm_is_refused(
+    model_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A generator's decode batch mixes adapters per row, and peft cannot switch a norm's copy per row: once
+    loaded, every call that mixed rows failed (TypeError), the base's own rows and other adapters' too."""
+    task = Task.GENERATE
+    folder = make_adapter(task, model_dirs[task], tmp_path / "norm-copy", seed=3, modules_to_save=["norm"])
     runtime = load_runtime(ModelSource(model_dirs[task], task))
     before = _answers(task, runtime)
-    with pytest.raises(UnsupportedModel, match=r"LayerNorm.*cannot switch per row"):
-        runtime.load_adapter("norm-copy", tmp_path / "norm-copy")
+    with pytest.raises(UnsupportedModel, match=r"norm.*cannot switch per row"):
+        runtime.load_adapter("norm-copy", folder)
     assert runtime.adapters == ()
     np.testing.assert_array_equal(_answers(task, runtime), before)
+    runtime.close()
+
+
+@pytest.mark.parametrize("task", ENCODER_TASKS, ids=str)
+def test_encoder_adapters_peft_cannot_mix_per_row_are_served_each_matching_peft(
+    task: Task, model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """An encoder batch runs one adapter, so it needs no per-row switching: a DoRA adapter and one with its own
+    copy of every LayerNorm were refused (or failed every call) and are now served, each as peft answers it,
+    next to a plain adapter and the base."""
+    base_dir = model_dirs[task]
+    dora = make_adapter(task, base_dir, tmp_path / "dora", seed=21, use_dora=True)
+    norms = make_adapter(task, base_dir, tmp_path / "norms", seed=22, modules_to_save=["LayerNorm"])
+    runtime = load_runtime(ModelSource(base_dir, task))
+    batch = _batch(task, runtime)
+    before = runtime.run(batch)
+    runtime.load_adapter("plain", adapter_dirs[task])
+    runtime.load_adapter("dora", dora)
+    runtime.load_adapter("norms", norms)
+    for name, folder in [("dora", dora), ("plain", adapter_dirs[task]), ("norms", norms), ("dora", dora)]:
+        reference = _reference_rows(task, _peft_reference(task, base_dir, folder), runtime, batch)
+        answer = runtime.run(batch, adapter=name)
+        np.testing.assert_allclose(answer, reference, atol=1e-5, err_msg=name)
+        assert not np.allclose(answer, before, atol=1e-3), name
+        np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)  # the base between adapters
+    runtime.close()
+
+
+def test_a_classifier_adapter_without_a_head_copy_next_to_one_with_it(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """An adapter that keeps the base's head (no peft task_type: no modules_to_save) loaded before one that
+    saved its own head: every call for the first raised KeyError in peft's per-row head switch."""
+    task = Task.CLASSIFY
+    base_dir = model_dirs[task]
+    bare = make_adapter(task, base_dir, tmp_path / "bare", seed=31, task_type=None)
+    runtime = load_runtime(ModelSource(base_dir, task))
+    batch = _batch(task, runtime)
+    before = runtime.run(batch)
+    runtime.load_adapter("bare", bare)
+    runtime.load_adapter("headed", adapter_dirs[task])
+    for name, folder in [("bare", bare), ("headed", adapter_dirs[task]), ("bare", bare)]:
+        reference = _reference_rows(task, _peft_reference(task, base_dir, folder), runtime, batch)
+        np.testing.assert_allclose(runtime.run(batch, adapter=name), reference, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)
+    runtime.close()
+
+
+def test_one_decode_batch_mixes_an_adapter_with_its_own_lm_head_and_one_without(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A generator adapter that saved its own lm_head (as adapters trained with new tokens do) next to one that
+    did not: a decode batch mixing them raised KeyError in peft's per-row head switch, failing every row."""
+    from transformers import AutoModelForCausalLM
+
+    task = Task.GENERATE
+    base_dir = model_dirs[task]
+    headed = make_adapter(task, base_dir, tmp_path / "headed", seed=41, modules_to_save=["lm_head"])
+    runtime = load_runtime(ModelSource(base_dir, task))
+    try:
+        runtime.load_adapter("plain", adapter_dirs[task])
+        runtime.load_adapter("headed", headed)
+        prompt = prompt_ids(runtime, "The quick brown fox")
+        greedy = SamplingParams(max_tokens=8, temperature=0)
+        joins = {
+            0: [("base", prompt, greedy), ("plain", prompt, greedy, "plain"), ("headed", prompt, greedy, "headed")]
+        }
+        outputs = drive(runtime, joins)
+        assert [o.error for outs in outputs.values() for o in outs if o.error is not None] == []
+        tokens = {name: [o.token_id for o in outs] for name, outs in outputs.items()}
+        base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        assert tokens["base"] == greedy_reference(base, prompt, 8)
+        assert tokens["plain"] == greedy_reference(_peft_reference(task, base_dir, adapter_dirs[task]), prompt, 8)
+        assert tokens["headed"] == greedy_reference(_peft_reference(task, base_dir, headed), prompt, 8)
+        assert tokens["headed"] != tokens["plain"]
+        runtime.evict_adapter("plain")  # peft's own deletion with the base's head standing in for "plain"
+        joins = {0: [("base", prompt, greedy), ("headed", prompt, greedy, "headed")]}
+        again = {name: [o.token_id for o in outs] for name, outs in drive(runtime, joins).items()}
+        assert again == {"base": tokens["base"], "headed": tokens["headed"]}
+    finally:
+        runtime.close()
+
+
+def test_a_roberta_classifier_adapter_with_its_own_head_is_served(tmp_path: Path) -> None:
+    """RoBERTa-family classifiers have a two-layer head (RobertaClassificationHead), which peft's SEQ_CLS adapters
+    copy by default: such adapters, the common case, were refused (peft cannot switch that head per row)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+    from tests.models import CLASS_LABELS, _perturb_lora
+
+    torch.manual_seed(5)
+    config = RobertaConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=130, pad_token_id=0, initializer_range=0.2, num_labels=len(CLASS_LABELS),
+        id2label=dict(enumerate(CLASS_LABELS)), label2id={label: i for i, label in enumerate(CLASS_LABELS)},
+    )  # fmt: skip
+    base_dir = tmp_path / "roberta"
+    RobertaForSequenceClassification(config).save_pretrained(base_dir)
+    copy_bert_tokenizer(base_dir)  # the pad id (0) the config names
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"])
+    tuned = get_peft_model(RobertaForSequenceClassification.from_pretrained(base_dir), lora)
+    _perturb_lora(tuned, 51)
+    tuned.save_pretrained(tmp_path / "adapter")
+
+    runtime = load_runtime(ModelSource(base_dir, Task.CLASSIFY))
+    batch = _batch(Task.CLASSIFY, runtime)
+    before = runtime.run(batch)
+    runtime.load_adapter("tuned", tmp_path / "adapter")
+    reference = _peft_reference(Task.CLASSIFY, base_dir, tmp_path / "adapter")
+    answer = runtime.run(batch, adapter="tuned")
+    np.testing.assert_allclose(answer, _reference_rows(Task.CLASSIFY, reference, runtime, batch), atol=1e-5)
+    assert not np.allclose(answer, before, atol=1e-3)
+    np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)
     runtime.close()
