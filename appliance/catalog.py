@@ -71,6 +71,11 @@ class ModelSpec:
             options=self.options,
         )
 
+    def same_source(self, loaded: ModelSpec) -> bool:
+        """Whether a loaded model is this registration's (a profile may have changed its runtime, dtype and
+        options: not its folder or task)."""
+        return (self.path, self.task) == (loaded.path, loaded.task)
+
     def to_json(self) -> bytes:
         record = asdict(self)
         record["path"] = str(self.path)

@@ -340,7 +340,7 @@ class GenerateWorker:
     def _deleted(self) -> bool:
         """The catalog no longer holds this model: deleted, or its name registered again on another folder."""
         current = self._catalog.get(self.spec.name)
-        return current is None or current.path != self.spec.path
+        return current is None or not current.same_source(self.spec)
 
     def _deleted_error(self, doing: str) -> NotFound:
         return NotFound(f"model {self.spec.name!r} was deleted while this request was {doing}", code="model_not_found")

@@ -136,7 +136,7 @@ class Workers:
             if current is None:
                 raise _deleted(spec.name)
             return await self.serve(current)  # never a worker on a runtime being closed
-        if current is None or not _same_source(current, resident.spec) or self._needs_torch(current, resident.spec):
+        if current is None or not current.same_source(resident.spec) or self._needs_torch(current, resident.spec):
             return await self._undo_load(spec.name, current)
         worker = self._table.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
@@ -252,12 +252,6 @@ class Workers:
         self._cancelled.add(request_id)
         for worker in self._table.values():
             worker.cancel(request_id)
-
-
-def _same_source(registered: ModelSpec, loaded: ModelSpec) -> bool:
-    """Whether a loaded model is the registration the catalog holds (a profile may have changed its runtime,
-    dtype and options: not its folder or task)."""
-    return (registered.path, registered.task) == (loaded.path, loaded.task)
 
 
 def _deleted(name: str) -> NotFound:
