@@ -189,17 +189,28 @@ class Catalog:
     def by_slug(self, slug: str) -> ModelSpec | None:
         return next((spec for spec in self._by_name.values() if spec.slug == slug), None)
 
+    def unknown(self, name: str) -> NotFound:
+        """The answer for a `model` no model or adapter is registered under (404), naming those that are."""
+        return NotFound(
+            f"model {name!r} does not exist; available models: {', '.join(self.names()) or 'none'}",
+            code="model_not_found",
+        )
+
     def resolve(self, name: str, adapter: str | None = None) -> Resolved:
-        """A request's model (`base`, `base:adapter`, or an adapter's own name) to its base and adapter."""
-        if adapter is None and ADAPTER_SEPARATOR in name and self.get(name) is None:
+        """A request's model (`base`, `base:adapter`, or an adapter's own name) to its base and adapter.
+
+        `base:adapter` with no such adapter registered is an unknown model, as any name nothing is registered
+        under (an adapter is a model of its own, and a deleted one is gone like a deleted model); only the
+        `adapter` field, naming an adapter of a model that exists, is told the model has no such adapter."""
+        requested, whole = name, adapter is None and ADAPTER_SEPARATOR in name and self.get(name) is None
+        if whole:
             name, adapter = name.rsplit(ADAPTER_SEPARATOR, 1)
         spec = self.get(name)
         if spec is None:
-            raise NotFound(
-                f"model {name!r} does not exist; available models: {', '.join(self.names()) or 'none'}",
-                code="model_not_found",
-            )
+            raise self.unknown(requested)
         if spec.adapter_of is not None:  # the adapter was named directly
+            if whole:
+                raise self.unknown(requested)
             if adapter is not None:
                 raise NotFound(f"{name!r} is an adapter; it has no adapter {adapter!r}", code="adapter_not_found")
             base = self.get(spec.adapter_of)
@@ -209,6 +220,8 @@ class Catalog:
         if adapter is None:
             return Resolved(spec)
         adapter_spec = self._adapter(spec, adapter)
+        if adapter_spec is None and whole:
+            raise self.unknown(requested)
         if adapter_spec is None:
             known = ", ".join(a.name for a in self.adapters_of(spec.name)) or "none"
             raise NotFound(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.box_status import heartbeat
 from appliance.control import Handler
-from appliance.errors import Conflict, FleetboxError, NotFound, Unprocessable
+from appliance.errors import Conflict, FleetboxError, Unprocessable
 from appliance.placement import load_failed
 from appliance.registration import register, registration_from
 
@@ -89,10 +89,7 @@ def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
         raise Unprocessable('name a model: {"model": NAME}')
     spec = box.catalog.get(name)
     if spec is None:
-        raise NotFound(
-            f"model {name!r} does not exist; available models: {', '.join(box.catalog.names())}",
-            code="model_not_found",
-        )
+        raise box.catalog.unknown(name)
     return spec
 
 

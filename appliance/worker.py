@@ -34,7 +34,7 @@ from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, NotFound, ServiceUnavailable, Unprocessable, deadline_passed
+from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -345,8 +345,8 @@ async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, 
 
 def _adapter_spec(catalog: Catalog, base: ModelSpec, name: str) -> ModelSpec:
     adapter = catalog.get(name)
-    if adapter is None or adapter.adapter_of != base.name:
-        raise NotFound(f"model {base.name} has no adapter {name!r}", code="adapter_not_found")
+    if adapter is None or adapter.adapter_of != base.name:  # deleted since the gateway sent the request its way
+        raise catalog.unknown(name)
     registered = catalog.get(base.name)
     if base.runtime is not RuntimeKind.TORCH and registered is not None and registered.runtime is RuntimeKind.TORCH:
         # A profile put the base on ONNX before it had adapters: the box loads it again on torch (Workers).

@@ -19,9 +19,10 @@ from nats.js.errors import KeyNotFoundError
 from appliance import bus, registration
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
-from appliance.catalog import ModelSpec
+from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.errors import NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
+from appliance.worker import hold_adapter
 from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
 from tests.models import save_generator
@@ -422,6 +423,47 @@ async def test_registration_judges_aliases_integers_and_the_profile(start_box, h
     ok = {"aliases": ["n1", "n2"], "profile": "nvidia-h100", "options": {"x": 2**63 - 1}}
     status, record = await call(http, box, "POST", "/v1/models", {"name": "new", "path": str(encoder_dir), **ok})
     assert status == 201 and record["aliases"] == ["n1", "n2"], record
+
+
+async def test_a_deleted_or_unknown_adapter_named_base_colon_adapter_is_an_unknown_model(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path_factory
+) -> None:
+    """After `DELETE /v1/models/rr:a2`, a request for `rr:a2` was answered "model 'rr' has no adapter 'a2'"
+    (adapter_not_found): an adapter is a model of its own, so a name nothing is registered under is an unknown
+    model, 404 model_not_found naming the models that exist, deleted or never registered, base or not."""
+    from runtimes import Task
+
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "rr", "path": str(encoder_dir)}))[0] == 201
+    for adapter in ("rr:a1", "rr:a2"):
+        registration = {"name": adapter, "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "rr"}
+        assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "rr:a2", "input": "x"}))[0] == 200
+    assert (await call(http, box, "DELETE", "/v1/models/rr:a2"))[0] == 200
+    for name in ("rr:a2", "rr:never", "gone:a2", "rr:a1:x"):
+        status, body = await call(http, box, "POST", "/v1/embeddings", {"model": name, "input": "x"})
+        assert (status, body["error"]["code"]) == (404, "model_not_found"), (name, body)
+        assert body["error"]["message"] == f"model {name!r} does not exist; available models: rr, rr:a1"
+    # The `adapter` field names an adapter of a model that exists: that model is told to have no such adapter.
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "rr", "adapter": "a2", "input": "x"})
+    assert (status, body["error"]["code"]) == (404, "adapter_not_found"), body
+    assert body["error"]["message"] == "model 'rr' has no adapter 'a2'; its adapters: rr:a1"
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "rr:a1", "input": "x"}))[0] == 200
+
+
+async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_for_an_unknown_model(
+    encoder_dir, adapter_dirs
+) -> None:
+    """The worker's own look-up, for a request the gateway sent before the deletion reached the box: it said
+    "model rr has no adapter 'rr:a2'"; it answers as the gateway would now. No residency is reached."""
+    from runtimes import RuntimeKind, Task
+
+    batching = Batching(max_batch_tokens=512, max_batch_size=8, max_wait_ms=0.0)
+    base = ModelSpec("rr", "rr", Task.EMBED, RuntimeKind.TORCH, encoder_dir, batching)
+    kept = replace(base, name="rr:a1", slug="rr-a1", path=adapter_dirs[Task.EMBED], adapter_of="rr")
+    with pytest.raises(NotFound, match=r"^model 'rr:a2' does not exist; available models: rr, rr:a1$") as caught:
+        await hold_adapter(Catalog([base, kept]), None, base, "rr:a2")  # type: ignore[arg-type]
+    assert caught.value.code == "model_not_found"
 
 
 async def test_an_adapter_registered_on_an_alias_belongs_to_the_base(

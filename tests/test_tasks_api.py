@@ -107,7 +107,7 @@ async def test_rerank_raw_scores_are_the_logits(task_box, http) -> None:
         ({"model": "ranker", "query": "", "documents": DOCS}, 422, "invalid_input"),
         ({"model": "ranker", "query": "q", "documents": ["a", ""]}, 422, "empty_input"),
         ({"model": "ranker", "query": "q", "documents": DOCS, "adapter": "nope"}, 404, "adapter_not_found"),
-        ({"model": "ranker:nope", "query": "q", "documents": DOCS}, 404, "adapter_not_found"),
+        ({"model": "ranker:nope", "query": "q", "documents": DOCS}, 404, "model_not_found"),
         ({"model": "sentiment", "query": "q", "documents": DOCS}, 422, "wrong_task"),
         ({"model": "nothing", "query": "q", "documents": DOCS}, 404, "model_not_found"),
     ],

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from appliance.catalog import ModelSpec
 from appliance.control import call_box
-from appliance.errors import Conflict, NotFound, ServiceUnavailable, not_resident
+from appliance.errors import Conflict, ServiceUnavailable, not_resident
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.registration import register
@@ -50,10 +50,7 @@ def _spec(ctx: GatewayContext, request: web.Request) -> ModelSpec:
     name = request.match_info["name"]
     spec = ctx.catalog.get(name)
     if spec is None:
-        raise NotFound(
-            f"model {name!r} does not exist; available models: {', '.join(ctx.catalog.names())}",
-            code="model_not_found",
-        )
+        raise ctx.catalog.unknown(name)
     return spec
 
 
