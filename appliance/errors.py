@@ -76,6 +76,10 @@ class TooManyRequests(FleetboxError):
 class InsufficientMemory(FleetboxError):
     status, type, code = 507, "server_error", "insufficient_memory"
 
+    def __init__(self, message: str, *, code: str | None = None, need_bytes: int = 0) -> None:
+        super().__init__(message, code=code)
+        self.need_bytes = need_bytes  # what the model needs, when the box that refused it knows
+
 
 class InternalError(FleetboxError):
     status, type, code = 500, "server_error", "internal_error"

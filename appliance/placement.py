@@ -44,6 +44,23 @@ def load_failed(model: str, box_id: str, exc: BaseException) -> ServiceUnavailab
     return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason_of(exc)}")
 
 
+def fits_no_box(model: str, need_bytes: int, largest: tuple[str, int]) -> InsufficientMemory:
+    """The 507 for a model larger than every live box's memory budget: no box will load it until a larger one
+    joins, where a 503 (try again soon) would have the client retry a load that fails the same way."""
+    box_id, budget = largest
+    return InsufficientMemory(
+        f"model {model} needs about {_size(need_bytes)}, more than any box in the fleet can hold: the largest "
+        f"memory budget is {_size(budget)} (box {box_id})",
+        need_bytes=need_bytes,
+    )
+
+
+def _size(nbytes: int) -> str:
+    if nbytes < 2**20:
+        return f"{nbytes} bytes"
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:.1f} GiB"
+
+
 class Placement:
     def __init__(self, box: Box) -> None:
         self._box = box
@@ -110,14 +127,30 @@ class Placement:
 
     def _a_larger_box_is_live(self) -> bool:
         """Another live box that runs models, not draining, with a larger memory budget (from the heartbeats)."""
+        return self._largest_budget()[0] != self._box.box_id
+
+    def _largest_budget(self) -> tuple[str, int]:
+        """The box, this one or another live box that runs models and is not draining, with the largest memory
+        budget (from the heartbeats), and that budget; this box's on a tie."""
         box = self._box
-        mine = box.residency.budget_bytes
+        largest = (box.box_id, box.residency.budget_bytes)
         for record in box.fleet.live_boxes() if box.fleet is not None else []:
             if record.get("box") == box.box_id or record.get("draining") or record.get("role") not in ("all", "worker"):
                 continue
-            if any((device.get("budget_bytes") or 0) > mine for device in record.get("devices", [])):
-                return True
-        return False
+            budget = max((device.get("budget_bytes") or 0 for device in record.get("devices", [])), default=0)
+            if budget > largest[1]:
+                largest = (str(record.get("box")), budget)
+        return largest
+
+    def _load_error(self, spec: ModelSpec, exc: Exception) -> FleetboxError:
+        """What the requests waiting for a model this box failed to load are told: 507 when the model is larger
+        than every live box's budget (no retry helps until a larger box joins), else the 503 of a failed load
+        (a corrupt folder, a box short of memory for its pinned models, a larger box that joined meanwhile)."""
+        if isinstance(exc, InsufficientMemory) and exc.need_bytes:
+            largest = self._largest_budget()
+            if exc.need_bytes > largest[1]:
+                return fits_no_box(spec.name, exc.need_bytes, largest)
+        return load_failed(spec.name, self._box.box_id, exc)
 
     def _holders(self, name: str) -> list[str]:
         return self._box.fleet.holders(name, loading=True) if self._box.fleet else []
@@ -147,7 +180,7 @@ class Placement:
         except NotFound as exc:  # deleted (or registered again elsewhere) while it loaded: nothing failed
             log.info("model deleted while it loaded", extra={"model": spec.name, "error": exc.message})
         except Exception as exc:
-            error = load_failed(spec.name, self._box.box_id, exc)
+            error = self._load_error(spec, exc)
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
             self._failed(spec.name)
             self._loading.discard(spec.name)  # no longer on its way here (before the refusing): other boxes may try

@@ -146,7 +146,8 @@ class Residency:
         if need > self.budget_bytes - held:
             raise InsufficientMemory(
                 f"model {spec.name} needs about {need / 2**20:.0f} MiB; this box's budget is "
-                f"{self.budget_bytes / 2**20:.0f} MiB with {held / 2**20:.0f} MiB pinned"
+                f"{self.budget_bytes / 2**20:.0f} MiB with {held / 2**20:.0f} MiB pinned",
+                need_bytes=need,
             )
 
     async def ensure_loaded(self, spec: ModelSpec) -> Runtime:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.residency import estimate_bytes
 from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
 
@@ -55,16 +56,16 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
 async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_box_holds_it(
     start_box, http, encoder_dir
 ) -> None:
-    """The small box's budget cannot hold the model: its load fails and it answers the waiting requests 503.
-    Once a bigger box has loaded it, those requests are the bigger box's to answer, not the small box's
-    to refuse for the rest of its 30 s back-off."""
+    """The small box's budget cannot hold the model, nor can any other: its load fails and it answers the waiting
+    requests 507. Once a bigger box has loaded it, those requests are the bigger box's to answer, not the small
+    box's to refuse for the rest of its 30 s back-off."""
     gateway = await start_box(role="gateway", box_id="gateway", default_model=False, model_roots=[encoder_dir.parent])
     small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="1000B")
     async with http.post(url(gateway, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
         assert response.status == 201
     body = {"model": "enc", "input": "x"}
     async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
-        assert response.status == 503 and "could not be loaded on box small" in await response.text()
+        assert response.status == 507 and "the largest memory budget is 1000 bytes (box small)" in await response.text()
     assert small.placement.refusing == {"enc"}
     await start_box(role="worker", box_id="big", default_model=False)
     async with http.post(url(gateway, "/v1/models/enc/load"), json={"box": "big"}) as response:
@@ -73,6 +74,30 @@ async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_
     for _ in range(10):
         async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
             assert response.status == 200
+
+
+async def test_a_model_larger_than_every_live_box_is_507_naming_its_size_and_the_largest_budget(
+    start_box, http, encoder_dir
+) -> None:
+    """It was a 503 ("could not be loaded on box small": try again soon) from the box that tried, though no box
+    could ever hold it: a retry fails the same way until a larger box joins. Both priorities are told."""
+    gateway = await start_box(role="gateway", box_id="gateway", default_model=False, model_roots=[encoder_dir.parent])
+    tiny = await start_box(role="worker", box_id="tiny", default_model=False, memory_budget="1000B")
+    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="2KiB")
+    await wait_for(lambda: "tiny" in [r["box"] for r in small.fleet.live_boxes()], what="the tiny box's heartbeat")
+    await wait_for(lambda: "small" in [r["box"] for r in tiny.fleet.live_boxes()], what="the small box's heartbeat")
+    async with http.post(url(gateway, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
+        assert response.status == 201
+    need = estimate_bytes(small.catalog.get("enc"))
+    for headers in ({}, {"Fbx-Priority": "batch"}):
+        async with http.post(url(gateway, "/v1/embeddings"), json={"model": "enc", "input": "x"}, headers=headers) as r:
+            assert r.status == 507, await r.text()
+            error = (await r.json())["error"]
+        assert error["code"] == "insufficient_memory"
+        assert error["message"] == (
+            f"model enc needs about {need / 2**20:.0f} MiB, more than any box in the fleet can hold: the largest "
+            "memory budget is 2048 bytes (box small)"
+        )
 
 
 async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, http) -> None:

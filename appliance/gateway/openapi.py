@@ -46,7 +46,7 @@ _ERROR = {
         }
     },
 }
-_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 415, 422, 429, 503, 504)
+_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 415, 422, 429, 503, 504, 507)
 _ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 422, 503, 507)
 _NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 
