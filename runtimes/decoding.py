@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtimes.tasks.generate import SamplingParams, TextStream
+from runtimes.tasks.penalties import Penalties
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,10 +49,13 @@ class Decoding:
     stream: TextStream
     generator: torch.Generator | None
     generated: list[int] = field(default_factory=list)
+    penalties: Penalties | None = None  # kept across steps, for a request whose params reshape its logits
 
     def emit(self, token: int, eos: frozenset[int]) -> StepOutput:
         """Append the new token and say what text it adds (and whether it ends the request)."""
         self.generated.append(token)
+        if self.penalties is not None:
+            self.penalties.add(token)
         if token in eos:
             delta, _ = self.stream.finish()
             reason: str | None = "stop"

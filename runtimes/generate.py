@@ -46,6 +46,7 @@ from runtimes.inbox import Inbox
 from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
 from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
+from runtimes.tasks.penalties import Penalties
 from runtimes.tokenizer import TextTokenizer, model_max_length
 from runtimes.torch_backend import _DTYPES, load_torch_model, release
 
@@ -138,6 +139,7 @@ class GenerateRuntime:
             max_new=min(params.max_tokens, room),
             stream=TextStream(self.tokenizer.decode, ids.tolist(), params.stop),
             generator=generator,
+            penalties=Penalties(params, torch.from_numpy(ids)) if params.reshapes else None,  # host ids: no device sync
         )
         self._inbox.add(request)
 
@@ -281,7 +283,7 @@ class GenerateRuntime:
 
     @staticmethod
     def _choose_for(requests: list[Decoding], logits: torch.Tensor) -> list[int]:
-        seen = [(r.prompt, r.generated) for r in requests]
+        seen = [r.penalties for r in requests]
         return choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests], seen)
 
     def _emit(self, requests: list[Decoding], tokens: list[int]) -> list[StepOutput]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtimes.tasks.penalties import Penalties
+
 # Prompt tokens decoded in front of the first generated one, so its leading space survives.
 _CONTEXT_TOKENS = 5
 
@@ -25,7 +27,8 @@ _GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway; belo
 class SamplingParams:
     """How one request decodes. `temperature == 0` (or under 1e-5) is greedy; `seed` makes sampling reproducible.
 
-    The penalties and `logit_bias` change the logits before the choice, greedy or not (as in vLLM):
+    The penalties and `logit_bias` change the logits before the choice, greedy or not (as in vLLM;
+    `runtimes/tasks/penalties.py`):
     `repetition_penalty` (HF/CTRL style: a seen token's positive logit divided by it, a negative one
     multiplied) over the prompt and the completion, `presence_penalty` and `frequency_penalty` (OpenAI's:
     subtracted once, and per occurrence) over the completion. `top_k` (0: all) and `min_p` (0: none)
@@ -68,22 +71,25 @@ class SamplingParams:
         return bool(penalised or self.logit_bias)
 
 
+Seen = Penalties | tuple[torch.Tensor, Sequence[int]]
+"""What a row's penalties read: kept across steps (`Penalties`), or (prompt ids, completion so far) to count afresh."""
+
+
 def choose_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    seen: Sequence[tuple[torch.Tensor, Sequence[int]]] | None = None,
+    seen: Sequence[Seen | None] | None = None,
 ) -> list[int]:
     """The next token of each row of (rows, vocab) logits, read back from the device once per step.
 
     Greedy rows take the argmax together; a sampling row draws with its own generator, so a seeded
-    request gets the same draws whatever else is in the batch. `seen`: each row's (prompt ids,
-    completion so far), for the penalties of the rows that ask for them.
+    request gets the same draws whatever else is in the batch. `seen`: what each row's penalties read,
+    for the rows that ask for them.
     """
     for row, row_params in enumerate(params):
         if row_params.reshapes:
-            prompt, completion = seen[row] if seen is not None else (logits.new_empty(0, dtype=torch.long), ())
-            logits[row] = reshaped(logits[row], row_params, prompt, completion)
+            logits[row] = _penalties(row_params, seen[row] if seen is not None else None).apply(logits[row])
     picks = torch.argmax(logits, dim=-1)
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if row_params.temperature > _GREEDY_BELOW:
@@ -96,23 +102,11 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return choose_tokens(logits.unsqueeze(0), [params], [generator])[0]
 
 
-def reshaped(
-    logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, completion: Sequence[int]
-) -> torch.Tensor:
-    """One row's (vocab,) logits with the request's bias and penalties applied."""
-    scores = logits.float().clone()
-    if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], device=scores.device)
-        scores[ids] += torch.tensor([b for _, b in params.logit_bias], device=scores.device)
-    done = torch.tensor(list(completion), dtype=torch.long, device=scores.device)
-    if params.repetition_penalty != 1:
-        ids = torch.unique(torch.cat([prompt.to(scores.device, torch.long), done]))
-        picked = scores[ids]
-        scores[ids] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if done.numel() and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(done, minlength=scores.numel())[: scores.numel()].to(scores.dtype)
-        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype)
-    return scores
+def _penalties(params: SamplingParams, seen: Seen | None) -> Penalties:
+    if isinstance(seen, Penalties):
+        return seen
+    prompt, completion = seen if seen is not None else (torch.empty(0, dtype=torch.long), ())
+    return Penalties.of(params, prompt, completion)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

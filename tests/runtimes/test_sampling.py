@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from runtimes.tasks.generate import SamplingParams, choose_tokens
+from runtimes.tasks.penalties import Penalties
 
 NO_PROMPT = torch.empty(0, dtype=torch.long)
 
@@ -45,3 +46,51 @@ def test_top_k_and_min_p_keep_only_the_likeliest_tokens_in_a_draw() -> None:
         for s in range(60)
     }
     assert drawn == {0, 1}
+
+
+def from_scratch(logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, completion: list[int]):
+    """The shaping computed from the whole prompt and completion (the sampler's own, before it kept counts)."""
+    scores = logits.float().clone()
+    if params.logit_bias:
+        scores[torch.tensor([t for t, _ in params.logit_bias])] += torch.tensor([b for _, b in params.logit_bias])
+    done = torch.tensor(completion, dtype=torch.long)
+    if params.repetition_penalty != 1:
+        ids = torch.unique(torch.cat([prompt, done]))
+        picked = scores[ids]
+        scores[ids] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if done.numel() and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(done, minlength=scores.numel()).to(scores.dtype)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
+
+
+def test_penalties_kept_across_a_long_completion_equal_the_from_scratch_computation() -> None:
+    """A request's penalties keep its token counts as it goes (one token a step); over 2,000 steps the shaped
+    logits stay bit for bit those computed afresh from the whole prompt and completion, tokens repeating often."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 300
+    params = SamplingParams(
+        temperature=0,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.25,
+        logit_bias=((7, 2.0), (9, -1.5)),
+    )
+    prompt = torch.randint(0, vocab, (40,), generator=generator)
+    kept, completion = Penalties(params, prompt), []
+    for _ in range(2000):
+        logits = torch.randn(vocab, generator=generator) * 4
+        assert torch.equal(kept.apply(logits), from_scratch(logits, params, prompt, completion))
+        token = int(torch.randint(0, vocab, (), generator=generator))
+        kept.add(token)
+        completion.append(token)
+    alone = (
+        {"repetition_penalty": 0.8},
+        {"presence_penalty": -0.5},
+        {"frequency_penalty": 0.5},
+        {"logit_bias": ((3, 1),)},
+    )
+    for shaping in alone:  # each alone, for a completion known whole
+        params = SamplingParams(temperature=0, **shaping)
+        shaped = Penalties.of(params, prompt, completion).apply(logits)
+        assert torch.equal(shaped, from_scratch(logits, params, prompt, completion)), shaping
