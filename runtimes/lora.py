@@ -105,8 +105,7 @@ class LoraAdapters:
             first = self._peft is None
             if first:
                 self._tree = _module_tree(self._base)
-            self._drop_aliases()  # peft's own bookkeeping must not meet them
-            self._serving = _MIXING
+            self._before_change()
             config: Any = None
             try:
                 config = LoraConfig.from_pretrained(str(path))  # judged by check_adapter_folder above
@@ -142,8 +141,7 @@ class LoraAdapters:
         with self._lock:
             if name not in self._bytes:
                 raise UnknownAdapter(name)
-            self._drop_aliases()
-            self._serving = _MIXING
+            self._before_change()
             self._peft.delete_adapter(name)
             del self._bytes[name]
             del self._paths[name]
@@ -163,6 +161,13 @@ class LoraAdapters:
         self._aliases = []
         self._peft = None
         self._serving = _MIXING
+
+    def _before_change(self) -> None:
+        """Before peft adds or deletes an adapter: its own bookkeeping must not meet the aliases, and every adapter
+        layer on (layers a base-only call turned off would stay off while newly injected ones run)."""
+        self._drop_aliases()
+        if self._peft is not None:
+            self._serve(_MIXING)  # after the change peft may have made another adapter active: still "mixing"
 
     def _alias_gaps(self) -> None:
         """Give each `modules_to_save` wrapper the base's own module under every resident adapter it has no copy

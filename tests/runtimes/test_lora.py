@@ -432,6 +432,7 @@ def test_encoder_adapters_peft_cannot_mix_per_row_are_served_each_matching_peft(
     batch = _batch(task, runtime)
     before = runtime.run(batch)
     runtime.load_adapter("plain", adapter_dirs[task])
+    np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)  # a base call turns the adapter layers off
     runtime.load_adapter("dora", dora)
     runtime.load_adapter("norms", norms)
     for name, folder in [("dora", dora), ("plain", adapter_dirs[task]), ("norms", norms), ("dora", dora)]:
@@ -476,9 +477,10 @@ def test_one_decode_batch_mixes_an_adapter_with_its_own_lm_head_and_one_without(
     runtime = load_runtime(ModelSource(base_dir, task))
     try:
         runtime.load_adapter("plain", adapter_dirs[task])
-        runtime.load_adapter("headed", headed)
         prompt = prompt_ids(runtime, "The quick brown fox")
         greedy = SamplingParams(max_tokens=8, temperature=0)
+        drive(runtime, {0: [("base-only", prompt, greedy)]})  # a base call turns the adapter layers off
+        runtime.load_adapter("headed", headed)
         joins = {
             0: [("base", prompt, greedy), ("plain", prompt, greedy, "plain"), ("headed", prompt, greedy, "headed")]
         }
