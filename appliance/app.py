@@ -306,6 +306,8 @@ class Box:
             self.residency.pinned.discard(name)
         if spec.adapter_of is None:
             self._spawn(self._settle_queue(spec))
+            if spec.name in self.workers:  # its batching may have changed (a PATCH): taken live, no reload
+                self._spawn(self.workers.retune(spec))
             if spec.pinned and self.settings.runs_models and not self.draining:
                 self._spawn(self.workers.serve(spec))
 

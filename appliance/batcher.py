@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
@@ -191,6 +192,12 @@ class Batcher:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"batcher:{self.model}")
 
+    def retune(self, batching: Batching) -> None:
+        """New knobs from the next batch on (a PATCH of the model), without a reload: rows waiting are packed by
+        them and a wait for company is measured by them. The batch slots stay: they are this batcher's threads."""
+        self.batching = replace(batching, concurrent_batches=self.batching.concurrent_batches)
+        self._wake.set()
+
     async def drain(self) -> list[Job]:
         """Stop forming batches, finish those in flight; return the jobs never started."""
         self._closing = True
@@ -234,12 +241,12 @@ class Batcher:
         A batch formed ahead of busy device threads waits for a full batch or a free thread, however
         long: rows arriving meanwhile join it instead of the one after.
         """
-        limit = self._pending[0].arrived + self.batching.max_wait_ms / 1000
-        if self.batching.max_wait_ms > 0:  # never wait for company so long that a waiting row misses its deadline
-            soonest = min(self._pending, key=lambda item: item.job.meta.deadline_ms)
-            compute_s = self.cost.seconds(soonest.length) or 0.0
-            limit = min(limit, loop.time() + (soonest.job.meta.deadline_ms - time.time() * 1000) / 1000 - compute_s)
+        batching = self.batching
+        limit = self._company_limit(loop)
         while not self._full() and (loop.time() < limit or self._threads_busy()):
+            if self.batching is not batching:  # retuned meanwhile: a shorter wait ends sooner
+                batching, limit = self.batching, self._company_limit(loop)
+                continue
             self._wake.clear()
             if self._threads_busy():
                 await self._wake.wait()  # a row arriving or a batch ending wakes it
@@ -249,6 +256,15 @@ class Batcher:
                     await self._wake.wait()
             except TimeoutError:
                 break
+
+    def _company_limit(self, loop: asyncio.AbstractEventLoop) -> float:
+        """When (loop time) a partial batch stops waiting for company."""
+        limit = self._pending[0].arrived + self.batching.max_wait_ms / 1000
+        if self.batching.max_wait_ms > 0:  # never wait for company so long that a waiting row misses its deadline
+            soonest = min(self._pending, key=lambda item: item.job.meta.deadline_ms)
+            compute_s = self.cost.seconds(soonest.length) or 0.0
+            limit = min(limit, loop.time() + (soonest.job.meta.deadline_ms - time.time() * 1000) / 1000 - compute_s)
+        return limit
 
     def _threads_busy(self) -> bool:
         return len(self._formed) >= self._slots_total

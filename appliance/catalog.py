@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,6 +98,26 @@ class ModelSpec:
             adapter_of=record.get("adapter_of"),
             profile=record.get("profile") or "auto",
             threads=record.get("threads"),
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class ModelChange:
+    """A change to a model's catalog entry that leaves what is loaded alone (`PATCH /v1/models/{name}`, a pin).
+
+    None (or a knob left out of `batching`) keeps the entry's own: the change is applied to the entry as the
+    bucket holds it at the write (`CatalogStore.update`), not as the box that judged it last saw it."""
+
+    aliases: tuple[str, ...] | None = None
+    pinned: bool | None = None
+    batching: dict[str, int | float] = field(default_factory=dict)  # `Batching` knobs to set
+
+    def apply(self, spec: ModelSpec) -> ModelSpec:
+        return replace(
+            spec,
+            aliases=spec.aliases if self.aliases is None else self.aliases,
+            pinned=spec.pinned if self.pinned is None else self.pinned,
+            batching=replace(spec.batching, **self.batching),
         )
 
 

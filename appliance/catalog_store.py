@@ -11,7 +11,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -22,14 +21,14 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
-from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog import Catalog, ModelChange, ModelSpec
 from appliance.errors import Conflict, NotFound
 from appliance.names import NameClaims
 from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-_UPDATE_TRIES = 3  # a pin reads the model and writes it back; this many times when others write in between
+_UPDATE_TRIES = 3  # a change reads the model and writes it back; this many times when others write in between
 
 
 class CatalogStore:
@@ -176,11 +175,32 @@ class CatalogStore:
         # are kept, to lapse with their TTL, rather than freed under a model that may exist.
         self._added(spec, revision)
 
-    async def set_pinned(self, spec: ModelSpec, pinned: bool) -> ModelSpec:
-        """Pin or unpin the model as the bucket holds it now, only if nobody changed it meanwhile: a pin
-        racing a delete made on another box must not bring the model back."""
-        if pinned and spec.adapter_of is not None:
+    async def update(self, spec: ModelSpec, change: ModelChange) -> ModelSpec:
+        """Apply `change` to the model as the bucket holds it now, only if nobody changed it meanwhile (a pin, a
+        PATCH): a change racing a delete made on another box must not bring the model back (404), and one racing
+        another change is made again over it, up to `_UPDATE_TRIES` times (then 409).
+
+        New aliases are claimed first (`appliance/names.py`), so a registration racing for one on another box
+        gets it or this change does, never both; aliases the change drops are freed once it is written."""
+        if change.pinned and spec.adapter_of is not None:
             raise Conflict(f"{spec.name} is an adapter; pin its base model {spec.adapter_of}")
+        assert self._kv is not None
+        added = [a for a in change.aliases or () if a not in spec.aliases]
+        claims = await self._names.claim(spec.name, added) if self._names is not None and added else []
+        try:
+            current, updated, revision = await self._write_over(spec, change)
+        except (NotFound, Conflict):  # surely not written; any other failure may come after the write: claims kept
+            if self._names is not None:
+                await self._names.give_back(claims)
+            raise
+        self._added(updated, revision)
+        dropped = set(current.aliases) - set(updated.aliases)
+        if self._names is not None and dropped:
+            await self._names.release(spec.name, dropped)
+        return updated
+
+    async def _write_over(self, spec: ModelSpec, change: ModelChange) -> tuple[ModelSpec, ModelSpec, int]:
+        """The entry read, the changed entry written over it (compare-and-set), and its revision."""
         assert self._kv is not None
         gone = NotFound(f"model {spec.name!r} does not exist (deleted meanwhile)", code="model_not_found")
         for _ in range(_UPDATE_TRIES):
@@ -191,14 +211,12 @@ class CatalogStore:
             current = ModelSpec.from_json(entry.value) if entry.value else None
             if current is None or current.name != spec.name:
                 raise gone
-            updated = replace(current, pinned=pinned)
+            updated = change.apply(current)
             try:
-                revision = await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
+                return current, updated, await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
             except KeyWrongLastSequenceError:
                 continue  # changed since it was read: read it again (it may be gone now)
-            self._added(updated, revision)
-            return updated
-        raise Conflict(f"model {spec.name} keeps changing (on other boxes?); pin or unpin it again")
+        raise Conflict(f"model {spec.name} keeps changing (on other boxes?); send the change again")
 
     def _added(self, spec: ModelSpec, revision: int) -> None:
         """This box's own write, at `revision`: acted on here at once, unless the watch brought a newer change
@@ -241,7 +259,7 @@ class CatalogStore:
             # Before the model goes: once it is gone a new registration may claim its names, and a claim
             # holds only the model's name, so a release after would free the newcomer's. Meanwhile every
             # box's catalog still refuses the names.
-            await self._names.release(spec.name, spec.aliases)
+            await self._names.release(spec.name, (spec.name, *spec.aliases))
         known = self._revisions.get(spec.slug, 0)
         await self._kv.delete(spec.slug)
         # The deletion as the bucket has it, with its revision, so that a re-registration made since on another

@@ -227,6 +227,33 @@ def models_unpin(model: Model, fleet: FleetAccess) -> None:
     _print_action(fleet, "unpin", model=model)
 
 
+@models_app.command("update")
+@_reaches_the_fleet
+def models_update(
+    model: Model,
+    fleet: FleetAccess,
+    alias: Annotated[
+        list[str] | None, typer.Option("--alias", help="an alias; repeat it: the list replaces the model's aliases")
+    ] = None,
+    no_aliases: Annotated[bool, typer.Option("--no-aliases", help="drop every alias")] = False,
+    pin: Annotated[bool | None, typer.Option("--pin/--unpin", help="pin the model, or unpin it")] = None,
+    max_batch_tokens: Annotated[int | None, typer.Option(min=1, help="rows x longest row in one batch")] = None,
+    max_batch_size: Annotated[int | None, typer.Option(min=1, help="rows in one batch")] = None,
+    max_wait_ms: Annotated[float | None, typer.Option(min=0, help="how long a partial batch waits for company")] = None,
+) -> None:
+    """Change a model in place, as PATCH /v1/models/NAME: its aliases, pin or batching knobs (no reload)."""
+    if alias and no_aliases:
+        typer.echo("fleetbox: give --alias or --no-aliases, not both", err=True)
+        raise typer.Exit(2)
+    change: dict[str, Any] = {"aliases": [] if no_aliases else alias, "pinned": pin}
+    change |= {"max_batch_tokens": max_batch_tokens, "max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms}
+    change = {field: value for field, value in change.items() if value is not None}
+    if not change:
+        typer.echo("fleetbox: nothing to change; give --alias, --no-aliases, --pin, --unpin or --max-*", err=True)
+        raise typer.Exit(2)
+    _print_action(fleet, "update", model=model, change=change)
+
+
 @models_app.command("load")
 @_reaches_the_fleet
 def models_load(

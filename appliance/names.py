@@ -141,11 +141,12 @@ class NameClaims:
             except NatsError as exc:
                 log.warning("name claim not given back; it lapses", extra={"claim": claim.name, "error": repr(exc)})
 
-    async def release(self, owner: str, aliases: Iterable[str]) -> None:
-        """A deleted model's names, free at once: each claim still held by `owner` is given back."""
+    async def release(self, owner: str, names: Iterable[str]) -> None:
+        """Names `owner` no longer holds (a deleted model's name and aliases, aliases a change dropped), free at
+        once: each claim still held by `owner` is given back."""
         assert self._kv is not None
         held = []
-        for name in {owner, *aliases}:
+        for name in set(names):
             try:
                 entry = await self._kv.get(bus.name_key(name))
             except KeyNotFoundError:

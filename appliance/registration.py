@@ -102,26 +102,49 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
 
 def _check_fields(registration: ModelRegistration) -> None:
     """What the schema cannot say: aliases judged like names, integers the catalog's JSON can hold, a profile."""
-    aliases = registration.aliases
-    if len(aliases) > MAX_ALIASES:
-        raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
-    for i, alias in enumerate(aliases):  # each one's length and characters: the schema's `ModelName`
-        where = f"at `$.aliases[{i}]`"
-        if alias == registration.name:
-            raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
-        if alias in aliases[:i]:
-            raise Unprocessable(f"invalid request: alias {alias!r} is given twice - {where}")
+    check_aliases(registration.name, registration.aliases)
     numbers = {field: getattr(registration, field) for field in ("max_batch_tokens", "max_batch_size")}
     numbers |= {f"options.{key}": value for key, value in registration.options.items()}
-    for field, value in numbers.items():
-        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
-            raise Unprocessable(f"invalid request: integer out of range (64 bits at most) - at `$.{field}`")
+    check_integers(numbers)
     profile = registration.profile
     if profile not in (PROFILE_AUTO, PROFILE_OFF) and not HARDWARE_SLUG.fullmatch(profile):
         raise Unprocessable(
             f"invalid request: profile {profile!r} is not auto, off or a hardware slug "
             "(cpu-<cores>c, nvidia-<gpu>) - at `$.profile`"
         )
+
+
+def check_aliases(name: str, aliases: list[str]) -> None:
+    """A model's aliases, beyond each one's length and characters (the schema's `ModelName`): how many, not its
+    own name, none twice (a registration's, and the new list of `PATCH /v1/models/{name}`)."""
+    if len(aliases) > MAX_ALIASES:
+        raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
+    for i, alias in enumerate(aliases):
+        where = f"at `$.aliases[{i}]`"
+        if alias == name:
+            raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
+        if alias in aliases[:i]:
+            raise Unprocessable(f"invalid request: alias {alias!r} is given twice - {where}")
+
+
+def check_integers(numbers: dict[str, Any]) -> None:
+    """Integers the catalog's JSON (orjson: 64 bits) can hold, by their field's path."""
+    for field, value in numbers.items():
+        if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+            raise Unprocessable(f"invalid request: integer out of range (64 bits at most) - at `$.{field}`")
+
+
+async def refuse_taken(names: tuple[str, ...], catalog: Catalog, store: CatalogStore, owner: str | None = None) -> None:
+    """409 for the first of `names` another model holds as its name or an alias (looked up in the bucket again,
+    so a model just deleted on another box does not count); `owner`'s own names do not count."""
+    for taken in names:
+        holder = catalog.get(taken)
+        if holder is not None and holder.name != owner and await store.still_holds(holder):
+            held_as = "its name" if holder.name == taken else "an alias"
+            raise Conflict(
+                f"{taken!r} is taken: model {holder.name!r} has it as {held_as}; delete that model first",
+                code="model_exists",
+            )
 
 
 def registration_from(payload: dict[str, Any]) -> ModelRegistration:
@@ -154,14 +177,7 @@ async def register(
             f"slashes, and no last segment that is a verb ({', '.join(MODEL_VERBS)})",
             code="invalid_name",
         )
-    for taken in (name, *registration.aliases):
-        holder = catalog.get(taken)
-        if holder is not None and await store.still_holds(holder):
-            held_as = "its name" if holder.name == taken else "an alias"
-            raise Conflict(
-                f"{taken!r} is taken: model {holder.name!r} has it as {held_as}; delete that model first",
-                code="model_exists",
-            )
+    await refuse_taken((name, *registration.aliases), catalog, store)
     holder = catalog.by_slug(slug)
     if holder is not None and await store.still_holds(holder):
         raise Conflict(f"model name {name!r} collides with an existing model's slug {slug!r}", code="model_exists")

@@ -108,6 +108,7 @@ class ExtractRequest(_NullIsDefault, kw_only=True):
 
 # A model's name or alias, as a [[models]] entry's name is judged.
 ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)]
+WaitMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
 
 
 class ModelRegistration(msgspec.Struct, kw_only=True):
@@ -123,12 +124,23 @@ class ModelRegistration(msgspec.Struct, kw_only=True):
     dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32"
     max_batch_tokens: Positive | None = None
     max_batch_size: Positive | None = None
-    max_wait_ms: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_MS)] | None = None
+    max_wait_ms: WaitMs | None = None
     concurrent_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONCURRENT_BATCHES)] | None = None
     # Which tuning profile applies: "auto", "off", or a hardware slug such as "cpu-16c" (docs/tuning.md).
     profile: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$")] = "auto"
     # Runtime knobs, e.g. {"max_batch_size": 16} for a generator, {"onnx_file": "..."} for a shipped ONNX.
     options: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+
+
+class ModelUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`PATCH /v1/models/{name}`: what may change in a registered model without loading it again. A field left
+    out (or null) is kept; `aliases` is the whole new list. Judged by appliance/model_update.py."""
+
+    aliases: list[ModelName] | None = None
+    pinned: bool | None = None
+    max_batch_tokens: Positive | None = None
+    max_batch_size: Positive | None = None
+    max_wait_ms: WaitMs | None = None
 
 
 class BoxTarget(msgspec.Struct, kw_only=True):

@@ -2,16 +2,19 @@
 steer a box (appliance/control.py carries them over NATS).
 
 Each verb acts on this box alone (load and evict a model here, drain, report), or on the fleet's
-catalog through this box (pin, unpin, register), judged by the same rules as the HTTP routes.
+catalog through this box (pin, unpin, update, register), judged by the same rules as the HTTP routes.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from appliance.box_status import heartbeat
+from appliance.catalog import ModelChange
 from appliance.control import Handler
 from appliance.errors import Conflict, FleetboxError, Unprocessable
+from appliance.model_update import change_model, update_from
 from appliance.placement import load_failed
 from appliance.registration import register, registration_from
 
@@ -45,15 +48,26 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec = await box.store.set_pinned(_model(box, payload), True)
+        spec = await box.store.update(_model(box, payload), ModelChange(pinned=True))
         return {"model": spec.name, "pinned": True}
 
     async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
         spec = _model(box, payload)
         refuse_adapter(spec, "unpin")
-        spec = await box.store.set_pinned(spec, False)
+        spec = await box.store.update(spec, ModelChange(pinned=False))
         return {"model": spec.name, "pinned": False}
+
+    async def update(payload: dict[str, Any]) -> dict[str, Any]:
+        """`PATCH /v1/models/{name}` over NATS (the CLI): `{"model": NAME, "change": {...}}`, judged on this box."""
+        assert box.store is not None
+        spec = await change_model(_model(box, payload), update_from(payload.get("change")), box.catalog, box.store)
+        return {
+            "model": spec.name,
+            "aliases": list(spec.aliases),
+            "pinned": spec.pinned,
+            "batching": asdict(spec.batching),
+        }
 
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
@@ -77,6 +91,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         "evict": evict,
         "pin": pin,
         "unpin": unpin,
+        "update": update,
         "register": register_verb,
         "drain": drain,
         "status": status,

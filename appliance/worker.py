@@ -30,7 +30,7 @@ from appliance import bus
 from appliance.adapters import AdapterHold
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
-from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
@@ -117,6 +117,12 @@ class ModelWorker:
         await self.bulk_puller.start()
         self._ticker = asyncio.create_task(self._keep_alive(), name=f"in-progress:{self.spec.slug}")
         log.info("worker pulling", extra={"model": self.spec.name, "box": self.box_id})
+
+    def retune(self, batching: Batching) -> None:
+        """The model's batching knobs changed in the catalog: its batcher (and the bulk pull) use them from now."""
+        self.batcher.retune(batching)
+        self.spec = replace(self.spec, batching=self.batcher.batching)
+        self.puller.poke()  # its room may have changed
 
     async def drain(self) -> None:
         """Stop pulling, finish the batches in flight, hand unstarted requests back for redelivery."""

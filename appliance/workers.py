@@ -124,11 +124,8 @@ class Workers:
         if worker is not None:
             self._residency.touch(spec.name)
             return worker
-        if self._profiles is not None:  # this hardware's tuned settings (appliance/profiles.py)
-            has_adapters = bool(self._catalog.adapters_of(spec.name))
-            spec = await asyncio.get_running_loop().run_in_executor(
-                self._cpu_executor, self._profiles.apply, spec, has_adapters
-            )
+        registered = spec
+        spec = await self._profiled(spec)
         runtime = await self._residency.ensure_loaded(spec)
         current = self._catalog.get(spec.name)
         resident = self._residency.get(spec.name)
@@ -150,7 +147,28 @@ class Workers:
             await worker.drain()
             raise
         await self._announce()
+        if current.batching != registered.batching:  # changed while it loaded, when no worker was here to retune
+            await self.retune(current)
         return worker
+
+    async def _profiled(self, spec: ModelSpec) -> ModelSpec:
+        """The spec with this hardware's tuned settings (appliance/profiles.py): a profile's batching wins."""
+        if self._profiles is None:
+            return spec
+        has_adapters = bool(self._catalog.adapters_of(spec.name))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._cpu_executor, self._profiles.apply, spec, has_adapters)
+
+    async def retune(self, spec: ModelSpec) -> None:
+        """The catalog's entry for a model changed (a PATCH of its batching, say): its worker here takes the
+        batching a load would give it now (this box's profile applied to the new entry), without a reload.
+        A generator's decode batch is set at its load (the catalog refuses it batching knobs)."""
+        if not isinstance(self._table.get(spec.name), ModelWorker):
+            return
+        batching = (await self._profiled(spec)).batching
+        worker = self._table.get(spec.name)  # looked up again: it may have gone while the profile was read
+        if isinstance(worker, ModelWorker) and worker.spec.same_source(spec):
+            worker.retune(batching)
 
     async def _undo_load(self, name: str, current: ModelSpec | None) -> Worker:
         """The model was deleted (or registered again on another folder) while it loaded: the catalog's

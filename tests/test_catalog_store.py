@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from appliance import bus
 from appliance.app import Box
-from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog import Catalog, ModelChange, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import spec_from_entry
 from appliance.connect import restore_after_reconnect
@@ -50,7 +50,7 @@ async def test_a_bucket_another_box_made_again_is_followed_from_its_first_revisi
     a, b = two_stores
     await a.create(spec("m0"))
     for i in range(10):  # m0's revision well above what the new bucket will count to
-        await a.set_pinned(a.catalog.get("m0"), i % 2 == 0)
+        await a.update(a.catalog.get("m0"), ModelChange(pinned=i % 2 == 0))
     await wait_for(lambda: b.catalog.get("m0") is not None, what="b to see m0")
     await a.close()
     await b.close()
@@ -98,7 +98,7 @@ async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_bac
         return revision
 
     a._kv.update = update_then_deleted_elsewhere
-    await a.set_pinned(a.catalog.get("p"), True)
+    await a.update(a.catalog.get("p"), ModelChange(pinned=True))
     assert a.catalog.get("p") is None
 
 

@@ -19,7 +19,7 @@ from nats.js.errors import KeyNotFoundError
 from appliance import bus, registration
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
-from appliance.catalog import Batching, Catalog, ModelSpec
+from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
 from appliance.errors import NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
 from appliance.worker import hold_adapter
@@ -337,7 +337,7 @@ async def test_a_pin_racing_a_delete_on_another_box_does_not_bring_the_model_bac
     models = await box.js.key_value(bus.MODELS_BUCKET)
     await models.delete(spec.slug)  # another box deletes it; this box pins what it still knows of
     with pytest.raises(NotFound, match="deleted meanwhile"):
-        await box.store.set_pinned(spec, True)
+        await box.store.update(spec, ModelChange(pinned=True))
     with pytest.raises(KeyNotFoundError):
         await models.get(spec.slug)
 

@@ -1,9 +1,9 @@
-"""Steering a fleet: pin, unpin, load, evict, drain, register, shared by the TUI and the CLI.
+"""Steering a fleet: pin, unpin, update, load, evict, drain, register, shared by the TUI and the CLI.
 
 Every action is a control verb sent to one box with `appliance.control.call_box`, so the TUI, the
 `fleetbox models …` commands and the admin HTTP routes run the same code on the box and get the
 same typed errors. Which box answers is chosen here from the heartbeats: catalog-wide verbs (pin,
-register) go to any live box, preferring one on this host for registration (the folder is judged
+update, register) go to any live box, preferring one on this host for registration (the folder is judged
 on the box that answers); `load` goes to the live worker with the most free memory unless a box
 is named; `evict` without a box evicts from every box holding the model.
 
@@ -53,6 +53,10 @@ class FleetOps:
 
     async def unpin(self, model: str) -> dict[str, Any]:
         return await self._call(self._any_box(), "unpin", {"model": model})
+
+    async def update(self, model: str, change: dict[str, Any]) -> dict[str, Any]:
+        """Change a model in place (the body of `PATCH /v1/models/{name}`): aliases, pin, batching knobs."""
+        return await self._call(self._any_box(), "update", {"model": model, "change": change})
 
     async def load(self, model: str, box: str | None = None) -> dict[str, Any]:
         return await self._call(box or self.roomiest_box(), "load", {"model": model})

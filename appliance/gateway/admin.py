@@ -1,4 +1,4 @@
-"""The admin API: register, delete, pin, unpin, load and evict models, fleet-wide.
+"""The admin API: register, change, delete, pin, unpin, load and evict models, fleet-wide.
 
 Registration judges the folder by the rules of appliance/registration.py. Load and evict act on one
 box through its control subject, so any box's API can steer any box.
@@ -6,22 +6,25 @@ box through its control subject, so any box's API can steer any box.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from appliance.catalog import ModelSpec
+from appliance.catalog import ModelChange, ModelSpec
 from appliance.control import call_box
 from appliance.errors import Conflict, ServiceUnavailable, not_resident
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
+from appliance.model_update import change_model, update_from
 from appliance.registration import register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.verbs import refuse_adapter
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _target = msgspec.json.Decoder(BoxTarget)
+_json_object = msgspec.json.Decoder(dict[str, Any])  # a change's fields are judged by `update_from`
 
 
 def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
@@ -33,6 +36,7 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
         "runtime": spec.runtime.value,
         "aliases": list(spec.aliases),
         "pinned": spec.pinned,
+        "batching": asdict(spec.batching),
         "adapter_of": spec.adapter_of,
         "adapters": [a.name for a in ctx.catalog.adapters_of(spec.name)],
         **ctx.model_state(spec.name),
@@ -57,6 +61,15 @@ def _spec(ctx: GatewayContext, request: web.Request) -> ModelSpec:
 async def get_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     return json_response(model_record(ctx, _spec(ctx, request)))
+
+
+async def update_model(request: web.Request) -> web.Response:
+    """`PATCH /v1/models/{name}`: aliases, the pin, batching knobs, changed in place (appliance/model_update.py)."""
+    ctx = GatewayContext.of(request)
+    spec = _spec(ctx, request)
+    update = update_from(decode(await read_body(request, ctx.settings), _json_object))
+    spec = await change_model(spec, update, ctx.catalog, ctx.store)
+    return json_response(model_record(ctx, spec))
 
 
 async def delete_model(request: web.Request) -> web.Response:
@@ -85,7 +98,7 @@ async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     spec = _spec(ctx, request)
     if not pinned:
         refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
-    spec = await ctx.store.set_pinned(spec, pinned)
+    spec = await ctx.store.update(spec, ModelChange(pinned=pinned))
     return json_response(model_record(ctx, spec))
 
 

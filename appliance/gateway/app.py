@@ -88,7 +88,7 @@ async def _unknown_model_verb(request: web.Request) -> web.Response:
     """`POST /v1/models/{name}/{verb}` for a verb there is none of (a model's own path takes no POST)."""
     path = f"{request.match_info['name']}/{request.match_info['verb']}"
     if GatewayContext.of(request).catalog.get(path) is not None:
-        raise MethodNotAllowed("method not allowed; allowed: DELETE,GET,HEAD")
+        raise MethodNotAllowed("method not allowed; allowed: DELETE,GET,HEAD,PATCH")
     raise NotFound(
         f"no such route: POST /v1/models/{{name}}/VERB takes the verbs {', '.join(MODEL_VERBS)}, "
         f"not {request.match_info['verb']!r}",
@@ -138,6 +138,7 @@ def build_app(context: GatewayContext) -> web.Application:
         # After the verbs: a model name may hold a `/`, so any other last segment would match GET's route.
         routes.append(web.post("/v1/models/{name:.+}/{verb}", admin_only(_unknown_model_verb)))  # no probing for names
         routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
+        routes.append(web.patch("/v1/models/{name:.+}", admin_only(admin.update_model)))
         routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
             routes.append(web.post(path, inference(encoders.rerank)))

@@ -22,6 +22,7 @@ from appliance.schemas import (
     EmbeddingRequest,
     ExtractRequest,
     ModelRegistration,
+    ModelUpdate,
     RerankRequest,
 )
 
@@ -33,6 +34,7 @@ _SCHEMAS = (
     CompletionRequest,
     ChatRequest,
     ModelRegistration,
+    ModelUpdate,
     BoxTarget,
 )
 _ERROR = {
@@ -104,6 +106,10 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         "/v1/models/{name}": {
             "get": {**_operation("One model", None, (401, 403, 404)), "parameters": _NAME},
             "delete": {**_operation("Remove a model from the catalog", None, _ADMIN_ERRORS), "parameters": _NAME},
+            "patch": {
+                **_operation("Change a model's aliases, pin or batching in place", "ModelUpdate", _ADMIN_ERRORS),
+                "parameters": _NAME,
+            },
         },
     }
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):

@@ -1,0 +1,244 @@
+"""`PATCH /v1/models/{name}` (and `fleetbox models update`): aliases, the pin and batching knobs changed in place,
+on real boxes sharing one real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from nats.js.errors import KeyNotFoundError
+from typer.testing import CliRunner
+
+from appliance import bus, cli
+from appliance.catalog import Batching
+from appliance.devices import hardware_slug
+from appliance.errors import NotFound
+from appliance.model_update import NEEDS_REGISTRATION, change_model
+from appliance.profiles import Profile
+from appliance.schemas import ModelUpdate
+from appliance.settings import ModelEntry
+from tests.conftest import noop_model, url, wait_for
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+async def call(http, box, method: str, path: str, body: object = None, headers=None) -> tuple[int, dict]:
+    async with http.request(method, url(box, path), json=body, headers=headers) as response:
+        return response.status, await response.json()
+
+
+def noop(name: str, *, pinned: bool = True, aliases: list[str] | None = None, task: str | None = None) -> ModelEntry:
+    """A model on the no-op runtime, with aliases or a task (`noop_model` takes runtime options)."""
+    return ModelEntry(name=name, runtime="noop", pinned=pinned, aliases=aliases or [], task=task)
+
+
+def batches(box, model: str) -> tuple[float, float]:
+    """(batches run, rows run) for a model on this box, from its metrics."""
+    get = box.metrics.registry.get_sample_value
+    labels = {"model": model}
+    return get("fbx_batch_size_count", labels) or 0.0, get("fbx_batch_size_sum", labels) or 0.0
+
+
+async def test_batching_changed_on_a_resident_model_is_used_at_once_without_a_reload(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("m")])
+    runtime = box.residency.get("m").runtime
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "m", "input": ["a", "b", "c", "d"]}))[0] == 200
+    assert batches(box, "m") == (1.0, 4.0)  # one batch of four rows
+    status, record = await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 1, "max_wait_ms": 2.5})
+    assert status == 200, record
+    assert (record["batching"]["max_batch_size"], record["batching"]["max_wait_ms"]) == (1, 2.5)
+    assert record["batching"]["max_batch_tokens"] == box.settings.max_batch_tokens  # kept
+    await wait_for(lambda: box.workers["m"].batcher.batching.max_batch_size == 1, what="the batcher retuned")
+    assert box.workers["m"].batcher.batching.max_wait_ms == 2.5
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "m", "input": ["a", "b", "c", "d"]}))[0] == 200
+    assert batches(box, "m") == (5.0, 8.0)  # then four batches of one row
+    assert box.residency.get("m").runtime is runtime  # the same load
+    assert box.metrics.registry.get_sample_value("fbx_model_loads_total", {"model": "m"}) == 1
+
+
+async def test_a_second_box_sees_the_change_and_retunes_its_own_batcher(start_box, http) -> None:
+    a = await start_box(default_model=False, models=[noop("m", aliases=["old"])])
+    b = await start_box(default_model=False, models=[noop("m", aliases=["old"])])
+    assert "m" in b.workers
+    status, _ = await call(http, a, "PATCH", "/v1/models/m", {"aliases": ["new"], "max_batch_tokens": 99})
+    assert status == 200
+    await wait_for(lambda: b.catalog.get("new") is not None and b.catalog.get("old") is None, what="b's catalog")
+    await wait_for(lambda: b.workers["m"].batcher.batching.max_batch_tokens == 99, what="b's batcher retuned")
+    assert b.workers["m"].spec.batching.max_batch_tokens == 99
+
+
+async def test_aliases_are_replaced_and_judged_as_a_registration_judges_them(start_box, http) -> None:
+    box = await start_box(
+        default_model=False,
+        models=[noop("m", aliases=["old"]), noop("other", pinned=False, aliases=["taken"])],
+    )
+    status, record = await call(http, box, "PATCH", "/v1/models/m", {"aliases": ["new", "newer"]})
+    assert (status, record["aliases"]) == (200, ["new", "newer"]), record
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "old", "input": "x"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    assert (await call(http, box, "POST", "/v1/embeddings", {"model": "new", "input": "x"}))[0] == 200
+    assert (await call(http, box, "GET", "/v1/models/newer"))[1]["id"] == "m"
+    refused = [
+        (["taken"], 409, "model_exists", "'taken' is taken: model 'other' has it as an alias"),
+        (["other"], 409, "model_exists", "model 'other' has it as its name"),
+        (["m"], 422, "invalid_input", "is the model's own name"),
+        (["x", "x"], 422, "invalid_input", "given twice"),
+        ([""], 422, "invalid_input", "$.aliases[0]"),
+        ([f"a{i}" for i in range(65)], 422, "invalid_input", "at most 64 aliases"),
+    ]
+    for aliases, status, code, words in refused:
+        got, body = await call(http, box, "PATCH", "/v1/models/m", {"aliases": aliases})
+        assert (got, body["error"]["code"]) == (status, code), (aliases, body)
+        assert words in body["error"]["message"], (aliases, body)
+    assert box.catalog.get("m").aliases == ("new", "newer")  # nothing refused was written
+    status, record = await call(http, box, "PATCH", "/v1/models/other", {"aliases": ["old"]})  # freed by m
+    assert (status, record["aliases"]) == (200, ["old"]), record
+    status, record = await call(http, box, "PATCH", "/v1/models/newer", {"aliases": []})  # by an alias, to none
+    assert (status, record["id"], record["aliases"]) == (200, "m", []), record
+
+
+async def test_pinned_is_set_and_cleared(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("m", pinned=False)])
+    status, record = await call(http, box, "PATCH", "/v1/models/m", {"pinned": True})
+    assert (status, record["pinned"]) == (200, True), record
+    await wait_for(lambda: box.residency.is_resident("m") and "m" in box.residency.pinned, what="m pinned here")
+    status, record = await call(http, box, "PATCH", "/v1/models/m", {"pinned": False})
+    assert (status, record["pinned"]) == (200, False), record
+    assert "m" not in box.residency.pinned
+
+
+async def test_what_changes_what_is_loaded_is_refused_by_name(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("m", pinned=False)])
+    values = {"name": "n", "path": "/x", "task": "embed", "runtime": "onnx", "dtype": "float16", "options": {},
+              "profile": "off", "adapter_of": "base", "concurrent_batches": 2}  # fmt: skip
+    assert set(values) == set(NEEDS_REGISTRATION)
+    for field, value in values.items():
+        status, body = await call(http, box, "PATCH", "/v1/models/m", {field: value, "max_batch_size": 2})
+        assert (status, body["error"]["code"]) == (422, "needs_registration"), (field, body)
+        assert body["error"]["message"].startswith(f"{field} cannot change in place"), body
+        assert "DELETE" in body["error"]["message"] and "POST" in body["error"]["message"], body
+    status, body = await call(http, box, "PATCH", "/v1/models/m", {"path": "/x", "dtype": "float16"})
+    assert body["error"]["message"].startswith("path, dtype cannot change in place: they change what is loaded")
+    bad = [
+        ({}, 422, "nothing_to_change", "nothing to change"),
+        ({"aliases": None}, 422, "nothing_to_change", "nothing to change"),
+        ({"bogus": 1}, 422, "invalid_input", "unknown field `bogus`"),
+        ([], 422, "invalid_input", "Expected `object`"),
+        ({"max_batch_size": 0}, 422, "invalid_input", "$.max_batch_size"),
+        ({"max_batch_tokens": 2**64}, 422, "invalid_input", "$.max_batch_tokens"),
+        ({"max_wait_ms": 5000}, 422, "invalid_input", "$.max_wait_ms"),
+        ({"pinned": "yes"}, 422, "invalid_input", "$.pinned"),
+    ]
+    for body, status, code, words in bad:
+        got, answer = await call(http, box, "PATCH", "/v1/models/m", body)
+        assert (got, answer["error"]["code"]) == (status, code), (body, answer)
+        assert words in answer["error"]["message"], (body, answer)
+    async with http.patch(
+        url(box, "/v1/models/m"), data=b"{not json", headers={"Content-Type": "application/json"}
+    ) as r:
+        assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+    assert box.catalog.get("m").batching.max_batch_size == box.settings.max_batch_size  # nothing written
+
+
+async def test_an_unknown_model_is_404(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model("m", pinned=False)])
+    status, body = await call(http, box, "PATCH", "/v1/models/ghost", {"max_batch_size": 2})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    assert "available models: m" in body["error"]["message"]
+
+
+async def test_a_change_racing_a_delete_on_another_box_does_not_bring_the_model_back(start_box) -> None:
+    box = await start_box(default_model=False, models=[noop_model("m", pinned=False)])
+    spec = box.catalog.get("m")
+    models = await box.js.key_value(bus.MODELS_BUCKET)
+    await models.delete(spec.slug)  # another box deletes it; this box changes what it still knows of
+    update = ModelUpdate(aliases=["fresh"], max_batch_size=2)
+    with pytest.raises(NotFound, match="deleted meanwhile"):
+        await change_model(spec, update, box.catalog, box.store)
+    with pytest.raises(KeyNotFoundError):
+        await models.get(spec.slug)
+    names = await box.js.key_value(bus.NAMES_BUCKET)
+    with pytest.raises(KeyNotFoundError):  # the alias it claimed is given back
+        await names.get(bus.name_key("fresh"))
+
+
+async def test_an_adapter_changes_its_aliases_only_and_a_generator_no_batching(start_box, http) -> None:
+    models = [
+        noop_model("m", pinned=False),
+        ModelEntry(name="m:lora", runtime="noop", adapter_of="m"),
+        noop("g", pinned=False, task="generate"),
+    ]
+    box = await start_box(default_model=False, models=models)
+    status, record = await call(http, box, "PATCH", "/v1/models/m:lora", {"aliases": ["lora"]})
+    assert (status, record["aliases"], record["adapter_of"]) == (200, ["lora"], "m"), record
+    status, body = await call(http, box, "PATCH", "/v1/models/m:lora", {"max_batch_size": 2})
+    assert (status, body["error"]["code"]) == (422, "needs_registration"), body
+    assert "runs in its base model's batches; change max_batch_size on m" in body["error"]["message"]
+    for pinned in (True, False):  # as the pin and unpin routes answer
+        status, body = await call(http, box, "PATCH", "/v1/models/m:lora", {"pinned": pinned})
+        assert status == 409 and "pin or unpin its base model m" in body["error"]["message"], body
+    status, body = await call(http, box, "PATCH", "/v1/models/g", {"max_wait_ms": 2})
+    assert (status, body["error"]["code"]) == (422, "needs_registration"), body
+    assert "its decode batch is set when it loads" in body["error"]["message"]
+    assert (await call(http, box, "PATCH", "/v1/models/g", {"aliases": ["gen"], "pinned": False}))[0] == 200
+
+
+async def test_a_profiled_models_batching_stays_its_profiles(start_box, http, encoder_dir, tmp_path) -> None:
+    """The box applies its profile to the changed entry, as a load does: a profile's batching wins, unless the
+    model is registered with `profile: "off"`."""
+    hardware = hardware_slug("cpu")
+    Profile(
+        model="tiny", hardware=hardware, runtime="torch", dtype="float32",
+        max_batch_tokens=777, max_batch_size=7, max_wait_ms=0.5, threads=1,
+    ).write(tmp_path / "profiles" / "tiny" / f"{hardware}.toml")  # fmt: skip
+    entries = [
+        ModelEntry(name="tiny", path=encoder_dir, task="embed", pinned=True),
+        ModelEntry(name="tiny-untuned", path=encoder_dir, task="embed", pinned=True, profile="off"),
+    ]
+    box = await start_box(default_model=False, models=entries, profiles_dir=tmp_path / "profiles")
+    for name in ("tiny", "tiny-untuned"):
+        status, record = await call(http, box, "PATCH", f"/v1/models/{name}", {"max_batch_size": 3})
+        assert (status, record["batching"]["max_batch_size"]) == (200, 3), record
+    await wait_for(lambda: box.workers["tiny-untuned"].batcher.batching.max_batch_size == 3, what="retuned")
+    assert box.workers["tiny"].batcher.batching == Batching(777, 7, 0.5)
+    assert (await call(http, box, "GET", "/v1/models/tiny"))[1]["profile"]["max_batch_size"] == 7
+    assert (await call(http, box, "GET", "/v1/models/tiny-untuned"))[1]["profile"]["max_batch_size"] == 3
+
+
+async def test_the_route_is_admin_only_and_in_the_openapi_document(start_box, http) -> None:
+    box = await start_box(
+        default_model=False, models=[noop_model("m", pinned=False)], admin_keys="admin-secret", api_keys="user"
+    )
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 2}))[0] == 401
+    user = {"Authorization": "Bearer user"}
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 2}, user))[0] == 403
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 2}, ADMIN))[0] == 200
+    _, document = await call(http, box, "GET", "/openapi.json")
+    patch = document["paths"]["/v1/models/{name}"]["patch"]
+    assert patch["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ModelUpdate")
+    assert set(document["components"]["schemas"]["ModelUpdate"]["properties"]) == {
+        "aliases", "pinned", "max_batch_tokens", "max_batch_size", "max_wait_ms"
+    }  # fmt: skip
+
+
+async def test_the_cli_updates_a_model_through_a_box(start_box) -> None:
+    """The CLI runs its own event loop, so CliRunner runs in a thread here."""
+    box = await start_box(default_model=False, models=[noop("m", aliases=["old"])])
+
+    def update(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(cli.app, ["models", "update", "m", *args, "--nats", box.nats_url])
+        return result.exit_code, result.output
+
+    code, output = await asyncio.to_thread(update, "--alias", "a1", "--alias", "a2", "--max-batch-size", "2")
+    assert code == 0, output
+    reply = json.loads(output)
+    assert (reply["aliases"], reply["batching"]["max_batch_size"]) == (["a1", "a2"], 2), reply
+    assert box.catalog.get("m").aliases == ("a1", "a2")
+    await wait_for(lambda: box.workers["m"].batcher.batching.max_batch_size == 2, what="retuned through the CLI")
+    code, output = await asyncio.to_thread(update, "--no-aliases", "--unpin")
+    assert code == 0 and json.loads(output)["aliases"] == [] and json.loads(output)["pinned"] is False, output
+    code, output = await asyncio.to_thread(update)
+    assert code == 2 and "nothing to change" in output, output
+    code, output = await asyncio.to_thread(update, "--max-wait-ms", "5000")
+    assert code == 1 and "$.max_wait_ms" in output, output
