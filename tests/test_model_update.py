@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from nats.js.errors import KeyNotFoundError
 from typer.testing import CliRunner
 
 from appliance import bus, cli
+from appliance.batcher import Batcher
 from appliance.catalog import Batching
 from appliance.devices import hardware_slug
 from appliance.errors import NotFound
+from appliance.metrics import Metrics
 from appliance.model_update import NEEDS_REGISTRATION, change_model
 from appliance.profiles import Profile
 from appliance.schemas import ModelUpdate
 from appliance.settings import ModelEntry
 from tests.conftest import noop_model, url, wait_for
+from tests.test_batcher import RecordingRuntime, job
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -55,6 +60,44 @@ async def test_batching_changed_on_a_resident_model_is_used_at_once_without_a_re
     assert batches(box, "m") == (5.0, 8.0)  # then four batches of one row
     assert box.residency.get("m").runtime is runtime  # the same load
     assert box.metrics.registry.get_sample_value("fbx_model_loads_total", {"model": "m"}) == 1
+
+
+async def test_a_change_made_while_the_model_loads_reaches_the_worker_it_gets(start_box, http) -> None:
+    """The catalog's watch finds no worker to retune while the load runs; the worker started after it must not
+    keep the batching its load began with."""
+    box = await start_box(default_model=False, models=[noop("m", pinned=False)])
+    release, loading = asyncio.Event(), asyncio.Event()
+    load = box.residency.ensure_loaded
+
+    async def held_load(spec):
+        loading.set()
+        await release.wait()
+        return await load(spec)
+
+    box.residency.ensure_loaded = held_load
+    serving = asyncio.create_task(box.workers.serve(box.catalog.get("m")))
+    await asyncio.wait_for(loading.wait(), 10)
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 3}))[0] == 200
+    release.set()
+    worker = await serving
+    assert worker.batcher.batching.max_batch_size == 3 and worker.spec.batching.max_batch_size == 3
+
+
+async def test_a_batch_waiting_for_company_ends_its_wait_by_the_new_max_wait_ms() -> None:
+    """The batcher alone, with the no-op runtime (its wait is under test)."""
+    runtime, finished = RecordingRuntime(), asyncio.Event()
+    with ThreadPoolExecutor(1) as executor:
+        batcher = Batcher("m", runtime, Batching(16384, 8, 1000.0), executor, Metrics(), lambda j, e: finished.set())
+        batcher.submit(job([4]))
+        batcher.start()
+        await wait_for(lambda: not batcher._wake.is_set(), what="the lone row waiting for company")
+        started = time.monotonic()
+        batcher.retune(Batching(16384, 8, 0.0, concurrent_batches=4))
+        await asyncio.wait_for(finished.wait(), 10)
+        assert time.monotonic() - started < 0.5  # not the 1 s it was waiting for
+        assert batcher.batching.concurrent_batches == 1  # its threads stay as they were made
+        await batcher.drain()
+    assert runtime.batches == [[4]]
 
 
 async def test_a_second_box_sees_the_change_and_retunes_its_own_batcher(start_box, http) -> None:
