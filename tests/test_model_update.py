@@ -283,5 +283,7 @@ async def test_the_cli_updates_a_model_through_a_box(start_box) -> None:
     assert code == 0 and json.loads(output)["aliases"] == [] and json.loads(output)["pinned"] is False, output
     code, output = await asyncio.to_thread(update)
     assert code == 2 and "nothing to change" in output, output
+    code, output = await asyncio.to_thread(update, "--alias", "a", "--no-aliases")
+    assert code == 2 and "not both" in output, output
     code, output = await asyncio.to_thread(update, "--max-wait-ms", "5000")
     assert code == 1 and "$.max_wait_ms" in output, output
