@@ -141,6 +141,20 @@ async def test_aliases_are_replaced_and_judged_as_a_registration_judges_them(sta
     assert (status, record["id"], record["aliases"]) == (200, "m", []), record
 
 
+async def test_aliases_a_change_drops_are_free_at_once_for_a_registration(start_box, http, encoder_dir) -> None:
+    """A registration claims its names in `fbx_names` for minutes: a dropped alias's claim is given back."""
+    box = await start_box(default_model=False, model_roots=[encoder_dir.parent])
+    body = {"name": "enc", "path": str(encoder_dir), "aliases": ["e1"]}
+    assert (await call(http, box, "POST", "/v1/models", body))[0] == 201
+    status, record = await call(http, box, "PATCH", "/v1/models/enc", {"aliases": ["e2"]})
+    assert (status, record["aliases"]) == (200, ["e2"]), record
+    status, record = await call(http, box, "POST", "/v1/models", {**body, "name": "enc-2"})
+    assert (status, record["aliases"]) == (201, ["e1"]), record
+    status, answer = await call(http, box, "PATCH", "/v1/models/enc-2", {"aliases": ["e1", "e2"]})  # claimed by enc
+    assert (status, answer["error"]["code"]) == (409, "model_exists"), answer
+    assert box.catalog.get("enc-2").aliases == ("e1",)
+
+
 async def test_pinned_is_set_and_cleared(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model("m", pinned=False)])
     status, record = await call(http, box, "PATCH", "/v1/models/m", {"pinned": True})
