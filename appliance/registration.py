@@ -147,6 +147,26 @@ async def refuse_taken(names: tuple[str, ...], catalog: Catalog, store: CatalogS
             )
 
 
+_BATCHING_KNOBS = ("max_batch_tokens", "max_batch_size", "max_wait_ms", "concurrent_batches")
+
+
+def _refuse_unused_batching(registration: ModelRegistration, task: Task, base: ModelSpec | None) -> None:
+    """Batching knobs that would be kept in the catalog and never used: an adapter runs in its base's batches,
+    and a generator's decode batch comes from its options (they were taken silently)."""
+    given = [knob for knob in _BATCHING_KNOBS if getattr(registration, knob) is not None]
+    if not given:
+        return
+    if base is not None:
+        raise Unprocessable(
+            f"an adapter runs in its base model's batches: {', '.join(given)} belong to {base.name}",
+        )
+    if task is Task.GENERATE:
+        raise Unprocessable(
+            f"the folder holds a generator, whose decode batch is set by its options max_batch_size and "
+            f"max_prefill_tokens: {', '.join(given)} do not apply to it (give them in options)",
+        )
+
+
 def registration_from(payload: dict[str, Any]) -> ModelRegistration:
     """A registration that came as JSON already parsed (the `register` control verb), validated."""
     try:
@@ -208,6 +228,7 @@ async def register(
     else:
         assert detected is not None
         task, batching, adapter_of = detected, batching_of(registration, default_batching(settings)), None
+    _refuse_unused_batching(registration, task, base)
     spec = spec_of(registration, task=task, path=folder, batching=batching, adapter_of=adapter_of)
     if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)

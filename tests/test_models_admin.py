@@ -23,6 +23,7 @@ from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
 from appliance.errors import NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
 from appliance.worker import hold_adapter
+from runtimes import Task
 from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
 from tests.models import save_generator
@@ -676,3 +677,36 @@ def test_a_config_this_box_could_not_judge_is_a_503_not_the_folders_fault(monkey
     with pytest.raises(ServiceUnavailable, match="within 30 s") as refused:
         registration._task_for(ModelRegistration(name="m", path=str(encoder_dir)), encoder_dir)
     assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "10"
+
+
+async def test_batching_knobs_a_model_would_never_use_are_refused_at_registration(
+    start_box, http, generator_dir, classifier_dir
+) -> None:
+    """A generator's decode batch comes from its options, and an adapter runs in its base's batches: their
+    batching knobs were kept in the catalog and silently never used (a PATCH of them is refused the same way)."""
+    from tests.models import make_adapter
+
+    box = await start_box(default_model=False, model_roots=[generator_dir.parent.parent])
+    for knob, value in {
+        "max_batch_size": 4,
+        "max_wait_ms": 5,
+        "max_batch_tokens": 512,
+        "concurrent_batches": 2,
+    }.items():
+        status, body = await call(
+            http, box, "POST", "/v1/models", {"name": "gen", "path": str(generator_dir), knob: value}
+        )
+        assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+        assert knob in body["error"]["message"] and "options" in body["error"]["message"], body
+    assert box.catalog.get("gen") is None
+    registration = {"name": "gen", "path": str(generator_dir), "options": {"max_batch_size": 4}}
+    assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+
+    adapter = make_adapter(Task.CLASSIFY, classifier_dir, classifier_dir.parent / "knobbed-lora", seed=61)
+    assert (await call(http, box, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
+    registration = {"name": "cls:a", "path": str(adapter), "adapter_of": "cls", "max_batch_size": 4}
+    status, body = await call(http, box, "POST", "/v1/models", registration)
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+    assert "base model's batches" in body["error"]["message"], body
+    del registration["max_batch_size"]
+    assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201

@@ -50,6 +50,26 @@ def test_an_adapter_entry_may_name_its_base_by_an_alias_and_serves_its_task(tmp_
     assert [spec.name for spec in catalog.adapters_of("base")] == ["base:tuned"]
 
 
+@pytest.mark.parametrize(
+    ("entries", "refusal"),
+    [
+        ('name = "gen"\nruntime = "noop"\ntask = "generate"\nmax_batch_size = 8\n', "decode batch set by its options"),
+        (
+            'name = "base"\nruntime = "noop"\n[[models]]\nname = "base:a"\nruntime = "noop"\nadapter_of = "base"\n'
+            "max_wait_ms = 3\n",
+            "its base's batches",
+        ),
+    ],
+    ids=["generator", "adapter"],
+)
+def test_batching_knobs_a_model_would_never_use_are_a_settings_error(tmp_path, entries: str, refusal: str) -> None:
+    """As through the API: a generator's or an adapter's batching knobs were taken and never used."""
+    config = tmp_path / "box.toml"
+    config.write_text("[[models]]\n" + entries)
+    with pytest.raises(ValueError, match=refusal):
+        configured_specs(load_settings(config, default_model=False))
+
+
 def test_concurrent_batches_must_be_positive() -> None:
     assert ModelEntry(name="m", runtime="noop", concurrent_batches=2).concurrent_batches == 2
     for bad in (0, -1):
