@@ -115,7 +115,10 @@ class LoraAdapters:
                 if first:
                     self._peft = PeftModel.from_pretrained(self._base, str(path), adapter_name=name, config=config)
                 else:
-                    self._peft.add_adapter(name, config)  # load_adapter then reads only the weights into it
+                    # A task subclass's add_adapter (sequence classification) puts its head in every adapter's
+                    # modules_to_save: an adapter saved without a head copy (no task_type) failed to load after one.
+                    add = PeftModel.add_adapter if config.task_type is None else type(self._peft).add_adapter
+                    add(self._peft, name, config)  # load_adapter then reads only the weights into it
                     self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
                 if self._mixed_rows:
                     _refuse_unmixable(self._peft, name, path)
@@ -142,13 +145,26 @@ class LoraAdapters:
             if name not in self._bytes:
                 raise UnknownAdapter(name)
             self._before_change()
-            self._peft.delete_adapter(name)
-            del self._bytes[name]
-            del self._paths[name]
-            if not self._bytes:
-                self._unwrap()  # peft cannot add an adapter to a wrapper left with none
-            else:
-                self._alias_gaps()
+            try:
+                self._delete(name)
+            finally:
+                del self._bytes[name]
+                del self._paths[name]
+                if not self._bytes:
+                    self._unwrap()  # peft cannot add an adapter to a wrapper left with none
+                else:
+                    self._alias_gaps()
+
+    def _delete(self, name: str) -> None:
+        """peft's deletion of `name`, with one adapter active everywhere before and after it: peft picks the
+        successor from what is active (a head wrapper left with none by a call for an adapter without a head
+        copy made it index an empty list half way through), and leaves `active_adapter` naming the deleted
+        adapter when the first LoRA layer has none left (every later forward raised KeyError)."""
+        self._peft.set_adapter(name, inference_mode=True)
+        self._peft.delete_adapter(name)
+        rest = [other for other in self._peft.peft_config if other != name]
+        if rest:
+            self._peft.set_adapter(rest[0], inference_mode=True)
 
     def _unwrap(self) -> None:
         """Put the base's own modules back where peft swapped in its wrappers, and forget the wrapper."""
@@ -192,7 +208,7 @@ class LoraAdapters:
             if config is None:
                 return  # failed before anything was injected
             self._peft.peft_config[name] = config  # peft drops it when injection fails half way, layers and all kept
-        self._peft.delete_adapter(name)
+        self._delete(name)
 
     def check(self, names: Sequence[str | None]) -> None:
         """Raise `UnknownAdapter` for the first name that is not resident."""

@@ -533,3 +533,91 @@ def test_a_roberta_classifier_adapter_with_its_own_head_is_served(tmp_path: Path
     assert not np.allclose(answer, before, atol=1e-3)
     np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)
     runtime.close()
+
+
+def test_the_base_is_served_after_evicting_the_adapter_last_served_alone(
+    model_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A call for one adapter makes it peft's active adapter; peft's deletion left `active_adapter` naming it
+    when the first LoRA layer kept no adapter (the others target other modules): every base call then raised
+    KeyError. Found by review."""
+    task, base_dir = Task.CLASSIFY, model_dirs[Task.CLASSIFY]
+    keys = make_adapter(task, base_dir, tmp_path / "keys", seed=12, task_type=None, target_modules=["key"])
+    qv = make_adapter(task, base_dir, tmp_path / "qv", seed=11, task_type=None)
+    runtime = load_runtime(ModelSource(base_dir, task))
+    batch = runtime.tokenize(TEXTS)
+    before = runtime.run(batch)
+    runtime.load_adapter("kproj", keys)
+    runtime.load_adapter("qv", qv)
+    runtime.run(batch, adapter="qv")
+    runtime.evict_adapter("qv")
+    np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)
+    reference = _reference_rows(task, _peft_reference(task, base_dir, keys), runtime, batch)
+    np.testing.assert_allclose(runtime.run(batch, adapter="kproj"), reference, atol=1e-5)
+    runtime.close()
+
+
+def test_evicting_after_a_call_for_an_adapter_without_a_head_copy(model_dirs: dict[Task, Path], tmp_path: Path) -> None:
+    """A call for an adapter without an lm_head copy left the head's wrapper with no active adapter, and peft's
+    deletion of another adapter then raised IndexError half way: the adapter stayed listed, and every mixed
+    decode batch with an adapter without a copy raised KeyError. Found by review."""
+    task, base_dir = Task.GENERATE, model_dirs[Task.GENERATE]
+    folders = {
+        "headed": make_adapter(task, base_dir, tmp_path / "headed", seed=12, modules_to_save=["lm_head"]),
+        "headed2": make_adapter(task, base_dir, tmp_path / "headed2", seed=14, modules_to_save=["lm_head"]),
+        "plain": make_adapter(task, base_dir, tmp_path / "plain", seed=11),
+        "untyped": make_adapter(task, base_dir, tmp_path / "untyped", seed=15, task_type=None),
+    }
+    runtime = load_runtime(ModelSource(base_dir, task))
+    try:
+        for name, folder in folders.items():
+            runtime.load_adapter(name, folder)
+        prompt = prompt_ids(runtime, "The quick brown fox")
+        greedy = SamplingParams(max_tokens=4, temperature=0)
+        drive(runtime, {0: [("p", prompt, greedy, "plain")]})  # one adapter in the batch: switched to it
+        runtime.evict_adapter("plain")
+        runtime.evict_adapter("headed2")
+        assert runtime.adapters == ("headed", "untyped")
+        outputs = drive(runtime, {0: [("untyped", prompt, greedy, "untyped"), ("headed", prompt, greedy, "headed")]})
+        assert [o.error for outs in outputs.values() for o in outs if o.error is not None] == []
+        for name in ("untyped", "headed"):
+            reference = _peft_reference(task, base_dir, folders[name])
+            assert [o.token_id for o in outputs[name]] == greedy_reference(reference, prompt, 4), name
+    finally:
+        runtime.close()
+
+
+def test_an_adapter_without_a_head_copy_loads_after_one_with_it(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """After a SEQ_CLS adapter, peft's sequence-classification wrapper put its head in every later adapter's
+    modules_to_save, so one saved without a head copy failed to load ('does not fit'): whether it loaded hung on
+    which adapter a box happened to load first. Found by review."""
+    task, base_dir = Task.CLASSIFY, model_dirs[Task.CLASSIFY]
+    bare = make_adapter(task, base_dir, tmp_path / "bare", seed=31, task_type=None)
+    runtime = load_runtime(ModelSource(base_dir, task))
+    batch = _batch(task, runtime)
+    runtime.load_adapter("headed", adapter_dirs[task])
+    runtime.load_adapter("bare", bare)
+    for name, folder in [("bare", bare), ("headed", adapter_dirs[task])]:
+        reference = _reference_rows(task, _peft_reference(task, base_dir, folder), runtime, batch)
+        np.testing.assert_allclose(runtime.run(batch, adapter=name), reference, atol=1e-5, err_msg=name)
+    runtime.close()
+
+
+def test_an_adapter_evicted_and_loaded_again_is_served(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """peft's `active_adapter` still named the first adapter after its eviction (the second targets other
+    modules), and loading it again failed ('Please specify at least one adapter to set'). Found by review."""
+    task, base_dir = Task.CLASSIFY, model_dirs[Task.CLASSIFY]
+    keys = make_adapter(task, base_dir, tmp_path / "keys", seed=16, target_modules=["key"])
+    runtime = load_runtime(ModelSource(base_dir, task))
+    batch = _batch(task, runtime)
+    runtime.load_adapter("headed", adapter_dirs[task])
+    runtime.load_adapter("kproj", keys)
+    runtime.evict_adapter("headed")
+    runtime.load_adapter("headed", adapter_dirs[task])
+    reference = _reference_rows(task, _peft_reference(task, base_dir, adapter_dirs[task]), runtime, batch)
+    np.testing.assert_allclose(runtime.run(batch, adapter="headed"), reference, atol=1e-5)
+    runtime.close()
