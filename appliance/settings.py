@@ -76,7 +76,10 @@ def memory_budget_bytes(raw: str, total: int) -> int:
         if number > 1.0:
             raise ValueError(f"memory budget {raw!r} is a plain number over 1; give {_BUDGET_FORMS}")
         return int(total * number)
-    return int(number * _SIZE_UNITS[unit])
+    nbytes = int(number * _SIZE_UNITS[unit])
+    if nbytes == 0:  # "0.5B"
+        raise ValueError(f"memory budget {raw!r} is under one byte and holds no model; give {_BUDGET_FORMS}")
+    return nbytes
 
 
 ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)]

@@ -122,6 +122,13 @@ def test_a_plain_number_over_1_is_no_budget_it_needs_a_unit(bad: str) -> None:
         memory_budget_bytes(bad, 1000)
 
 
+@pytest.mark.parametrize("bad", ["0.5B", "0.0001KB"])
+def test_a_size_under_one_byte_is_no_budget(bad: str) -> None:
+    """`0.5B` was a budget of 0 bytes (a box that holds no model), past the check for 0."""
+    with pytest.raises(ValueError, match="under one byte"):
+        memory_budget_bytes(bad, 1000)
+
+
 @pytest.mark.parametrize("where", ["flag", "env", "toml"])
 def test_serve_refuses_a_budget_of_2_from_flag_env_or_config_file(where: str, tmp_path, monkeypatch) -> None:
     args = ["serve", "--state-dir", str(tmp_path)]
