@@ -36,6 +36,8 @@ _POSITIONS_AFTER_PADDING = frozenset(
     {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "ibert", "longformer", "mpnet",
      "roberta-prelayernorm", "luke"}
 )  # fmt: skip
+# Families whose code numbers positions from a padding index of its own, whatever config.json's pad_token_id says.
+_FIXED_PADDING_INDEX = {"mpnet": 1}
 
 
 def model_max_length(folder: Path) -> int:
@@ -56,8 +58,9 @@ def model_max_length(folder: Path) -> int:
         values = json.loads(config.read_text())
         value = values.get("max_position_embeddings")
         if isinstance(value, int) and value > 0:
-            if values.get("model_type") in _POSITIONS_AFTER_PADDING:
-                pad = values.get("pad_token_id")
+            model_type = values.get("model_type")
+            if model_type in _POSITIONS_AFTER_PADDING:
+                pad = _FIXED_PADDING_INDEX.get(model_type, values.get("pad_token_id"))
                 value -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
             limits.append(max(1, value))
     return min(limits) if limits else _FALLBACK_MAX_LENGTH

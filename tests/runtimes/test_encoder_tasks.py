@@ -210,6 +210,26 @@ def test_a_roberta_folder_is_cut_to_the_positions_it_has_after_its_padding_offse
     np.testing.assert_allclose(vector, (hidden / hidden.norm()).numpy(), atol=1e-5)
 
 
+def test_an_mpnet_folder_is_cut_by_its_fixed_padding_offset_whatever_its_pad_token_id(tmp_path: Path) -> None:
+    """MPNet numbers positions from a padding index fixed at 1 in its code: with pad_token_id 0 in config.json the
+    limit came out one token too long, the load's warm-up at that length failed (IndexError) and every request
+    was a 503 after a 201. Found by the black-box tester."""
+    from transformers import AutoModel, MPNetConfig, MPNetModel
+
+    small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    MPNetModel(MPNetConfig(max_position_embeddings=66, pad_token_id=0, **small)).save_pretrained(tmp_path)
+    copy_bert_tokenizer(tmp_path)
+    assert model_max_length(tmp_path) == 64
+    runtime = load_runtime(ModelSource(tmp_path, Task.EMBED))
+    rows = runtime.tokenize(["word " * 200])
+    assert rows[0].length == 64
+    vector = runtime.run(rows)[0]
+    model = AutoModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        hidden = model(input_ids=torch.as_tensor(rows[0].ids).unsqueeze(0)).last_hidden_state[0].mean(0)
+    np.testing.assert_allclose(vector, (hidden / hidden.norm()).numpy(), atol=1e-5)
+
+
 def test_extract_rows_carry_character_offsets_with_special_tokens_marked(extractor) -> None:
     row = extractor.tokenize(["Hello Paris"])[0]
     assert row.offsets is not None and row.offsets.shape == (row.length, 2)
