@@ -11,6 +11,7 @@ import asyncio
 import errno
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -96,6 +97,8 @@ def serve(
         raise typer.Exit(2) from None
     _refuse_settings(
         [
+            _host_problem("host", settings.host),
+            *([] if settings.nats_urls else [_host_problem("nats_host", settings.nats_host)]),
             *([_device_problem(settings.device)] if settings.runs_models else []),
             *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
             fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
@@ -135,6 +138,24 @@ def _device_problem(device: str) -> str | None:
     if index >= count:
         devices = f"{count} CUDA device{'s' if count > 1 else ''}"
         return f"device: {device}: torch sees {devices} on this machine (cuda:0 to cuda:{count - 1})"
+    return None
+
+
+def _host_problem(field: str, host: str) -> str | None:
+    """Why a box cannot listen on `host` (a name that does not resolve, an address this machine lacks), or None.
+
+    Checked before anything starts: the box binds its HTTP port only after starting NATS and loading its
+    models, and failed there with a bare `gaierror` log line and exit 1."""
+    try:
+        addresses = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"{field}: {host!r} does not resolve to an address ({getattr(exc, 'strerror', None) or exc})"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            try:
+                sock.bind(address)  # port 0: only whether this machine has the address, not whether a port is free
+            except OSError as exc:
+                return f"{field}: cannot listen on {host!r}: {exc.strerror or exc}"
     return None
 
 

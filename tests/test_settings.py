@@ -190,6 +190,9 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
             ["--device", "cuda"], {}, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
         ),
         (["--creds", "/nonexistent/user.creds"], {}),
+        (["--host", "not a host"], {}),  # the box started NATS and loaded its models, then exited 1 (gaierror)
+        ([], {"FBX_HOST": "not a host"}),
+        ([], {"FBX_NATS_HOST": "not a host"}),  # the embedded server's bind address
     ],
 )
 def test_serve_refuses_bad_settings_with_exit_2(args: list[str], env: dict[str, str], tmp_path, monkeypatch) -> None:
@@ -210,6 +213,27 @@ def test_each_bad_setting_is_one_line_naming_the_field_and_the_value(tmp_path) -
         "fleetbox: bad settings: port: Input should be less than or equal to 65535 (got 70000)",
         "fleetbox: bad settings: replicas: Input should be greater than or equal to 1 (got 0)",
     ]
+
+
+def test_a_host_that_does_not_resolve_or_is_not_here_is_named_in_one_line(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FBX_NATS_HOST", "192.0.2.1")  # TEST-NET-1: no machine here has it
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--host", "not a host"])
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert lines[0].startswith("fleetbox: bad settings: host: 'not a host' does not resolve to an address ("), lines
+    assert lines[1].startswith("fleetbox: bad settings: nats_host: cannot listen on '192.0.2.1': "), lines
+    assert len(lines) == 2, lines
+
+
+def test_nats_host_is_not_checked_when_the_box_joins_a_server(tmp_path, monkeypatch) -> None:
+    """With --nats no embedded server binds nats_host: only the other checks speak (here a bad port)."""
+    monkeypatch.setenv("FBX_NATS_HOST", "not a host")
+    result = CliRunner().invoke(
+        cli.app, ["serve", "--state-dir", str(tmp_path), "--nats", "nats://127.0.0.1:4222", "--device", "cuda:64"]
+    )
+    assert result.exit_code == 2
+    assert result.output.startswith("fleetbox: bad settings: device: cuda:64"), result.output
+    assert "nats_host" not in result.output
 
 
 def test_box_ids_are_one_subject_token_and_generated_ones_pass() -> None:
