@@ -33,7 +33,7 @@ from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.config_check import ConfigNotJudged
-from runtimes.detect import check_adapter_folder, check_loadable, detect_task
+from runtimes.detect import check_adapter_fits, check_adapter_folder, check_loadable, detect_task
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
@@ -60,20 +60,21 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
 
 
 def _judge_folder(
-    registration: ModelRegistration, roots: list[Path], base_task: Task | None
+    registration: ModelRegistration, roots: list[Path], base: ModelSpec | None
 ) -> tuple[Path, Task | None]:
-    """The registration's folder and, for a model (`base_task` None; an adapter's base's task otherwise), its
-    task: file reads, so off the event loop."""
+    """The registration's folder and, for a model (`base` None; an adapter's base model otherwise), its task:
+    file reads, so off the event loop."""
     folder = resolve_under_roots(registration.path, roots)
     if not folder.is_dir():
         raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
     shipped = shipped_onnx(folder, registration.options)
     if shipped is not None:  # a file the box will read, so inside a model root like the folder
         resolve_under_roots(str(shipped), roots)
-    if base_task is None:
+    if base is None:
         return folder, _task_for(registration, folder)
     try:
-        check_adapter_folder(folder, base_task=base_task, mixed_rows=base_task is Task.GENERATE)
+        check_adapter_folder(folder, base_task=base.task, mixed_rows=base.task is Task.GENERATE)
+        check_adapter_fits(folder, base.path)
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_adapter") from None
     return folder, None
@@ -218,11 +219,15 @@ async def register(
             raise Unprocessable(f"an adapter is not pinned; pin its base model {base.name}")
         if base.runtime is not RuntimeKind.TORCH:
             raise Unprocessable(f"base model {base.name} runs on {base.runtime}; adapters need torch")
+        if registration.task is not None and Task(registration.task) is not base.task:
+            raise Unprocessable(
+                f"an adapter serves its base model's task: {base.name} does {base.task}, not {registration.task}",
+                code="wrong_task",
+            )
         if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
             raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
     loop = asyncio.get_running_loop()
-    base_task = None if base is None else base.task
-    folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base_task)
+    folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base)
     if base is not None:
         task, batching, adapter_of = base.task, base.batching, base.name
     else:

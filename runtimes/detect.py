@@ -31,7 +31,14 @@ from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
 from runtimes.tasks.score import check_one_logit
 
-__all__ = ["SUPPORTED", "UnsupportedModel", "check_adapter_folder", "check_loadable", "detect_task"]
+__all__ = [
+    "SUPPORTED",
+    "UnsupportedModel",
+    "check_adapter_fits",
+    "check_adapter_folder",
+    "check_loadable",
+    "detect_task",
+]
 
 SUPPORTED = (
     "*ForSequenceClassification with one label (score) or more (classify), "
@@ -139,6 +146,89 @@ def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_r
             f"LoRA adapter {folder} was saved for a {task_type} model (peft task_type), not for a base that "
             f"does {base_task}; expected task_type {' or '.join(_ADAPTER_TASK_TYPES[base_task])}"
         )
+
+
+def check_adapter_fits(adapter: Path, base: Path) -> None:
+    """Raise `UnsupportedModel` for an adapter whose weights do not fit the base model in `base`: a head copy
+    (`modules_to_save`) of another shape or layout (a 3-label head on a 1-label reranker, a one-layer head on a
+    RoBERTa two-layer one), or a LoRA sized for other layers. Read from the safetensors headers, without torch;
+    weights in another format, or names that do not line up, are left to the first load to judge."""
+    adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
+    base_shapes = _safetensors_shapes(_base_weight_files(Path(base)))
+    if not adapter_shapes or not base_shapes:
+        return
+    config = _json_object(Path(adapter) / "adapter_config.json")
+    transposed = bool(config.get("fan_in_fan_out"))  # GPT-2's Conv1D keeps its weight as (in, out)
+    for key, shape in adapter_shapes.items():
+        name = key.removeprefix("base_model.model.")
+        for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
+            if part in name and not transposed:
+                module = name.split(part)[0]
+                weight = _matching(base_shapes, f"{module}.weight")
+                if weight is not None and len(weight) >= 2 and shape[dim] != weight[dim]:
+                    side = "inputs" if dim == 1 else "outputs"
+                    raise UnsupportedModel(
+                        f"LoRA adapter {adapter} was trained for another model: its LoRA on {module} has "
+                        f"{shape[dim]} {side}, the base's layer {weight[dim]}"
+                    )
+                break
+        else:
+            if "lora_" in name or "magnitude_vector" in name:
+                continue
+            found = _matching(base_shapes, name)  # a head copy: the base's module, whole
+            if found is not None and found != shape:
+                raise UnsupportedModel(
+                    f"LoRA adapter {adapter} saves its own copy of {name} shaped {shape}, where the base's is "
+                    f"{found}: it was trained on a model with another head (another number of labels?)"
+                )
+            top = name.split(".")[0]
+            if found is None and any(other.split(".")[0] == top for other in base_shapes):
+                raise UnsupportedModel(
+                    f"LoRA adapter {adapter} saves its own copy of {name}, which the base model does not have: "
+                    f"it was trained on a model whose {top} is built otherwise"
+                )
+
+
+def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
+    """The shape of the base weight `name` names, allowing for a prefix one side's saved names carry."""
+    if name in shapes:
+        return shapes[name]
+    for key, shape in shapes.items():
+        if key.endswith(f".{name}") or name.endswith(f".{key}"):
+            return shape
+    return None
+
+
+def _base_weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError):
+            return []
+        return [folder / shard for shard in sorted(shards)]
+    return [folder / "model.safetensors"]
+
+
+def _safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Every tensor's shape from the files' safetensors headers (an 8-byte length, then JSON); {} when any file
+    is missing or not safetensors."""
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        try:
+            with file.open("rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                if not 0 < size <= 100 * 2**20:
+                    return {}
+                header = json.loads(handle.read(size))
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(header, dict):
+            return {}
+        for key, value in header.items():
+            if isinstance(value, dict) and isinstance(value.get("shape"), list):
+                shapes[key] = value["shape"]
+    return shapes
 
 
 # peft's `task_type` of an adapter (its PeftModel class: which head it wraps) that fits a base of each task.

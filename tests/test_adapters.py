@@ -231,3 +231,22 @@ async def test_a_dora_adapter_of_a_classifier_is_registered_and_served(
     status, tuned = await classify(http, box, "cls:dora")
     assert status == 200, tuned
     assert tuned["data"] != base["data"]
+
+
+async def test_an_adapter_that_does_not_fit_its_base_or_asks_another_task_is_refused_at_registration(
+    start_box, http, classifier_dir, cross_encoder_dir, classifier_adapters, tmp_path
+) -> None:
+    """A reranker's 1-label head copy on a 3-label classifier was a 201, then a 422 with torch's size-mismatch text
+    on every request; a `task` other than the base's was dropped silently. Found by the black-box tester."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    folder = classifier_dir.parent / f"reranker-lora-{tmp_path.name}"
+    make_adapter(Task.SCORE, cross_encoder_dir, folder, seed=71)
+    body = {"name": "cls:reranker", "path": str(folder), "adapter_of": "cls"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), answer
+    assert "another head" in answer["error"]["message"], answer
+    body = {"name": "cls:a", "path": str(classifier_adapters[0]), "adapter_of": "cls", "task": "extract"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert (status, answer["error"]["code"]) == (422, "wrong_task"), answer
+    body["task"] = "classify"
+    assert (await call(http, box, "POST", "/v1/models", body))[0] == 201

