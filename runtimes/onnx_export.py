@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -240,7 +241,17 @@ class _MainOutput(torch.nn.Module):
         return output.last_hidden_state if self.head is Head.ENCODER else output.logits
 
 
+# torch.export traces through process-wide state: two exports at once in one process (two pinned models that
+# need one, at a box's start) failed each other with TorchExportError.
+_EXPORTING = threading.Lock()
+
+
 def _export(network: _MainOutput, with_types: bool, path: Path) -> Path:
+    with _EXPORTING:
+        return _export_alone(network, with_types, path)
+
+
+def _export_alone(network: _MainOutput, with_types: bool, path: Path) -> Path:
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if with_types else [])
     example = {name: torch.ones(2, 16, dtype=torch.long) for name in names}
     if with_types:

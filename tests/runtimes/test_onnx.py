@@ -272,6 +272,29 @@ def test_concurrent_loads_export_once(encoder_dir: Path, tmp_path: Path) -> None
     assert len({artifact.path for artifact in artifacts}) == 1
 
 
+def test_two_models_exported_at_once_both_load(encoder_dir: Path, classifier_dir: Path, tmp_path: Path) -> None:
+    """torch.export is not safe from two threads: two pinned models needing an export at a box's start failed
+    each other (TorchExportError; 3 runs in 3), then loaded only on a retry. Found by the black-box tester."""
+    errors: list[BaseException] = []
+
+    def load(folder: Path, task: Task) -> None:
+        try:
+            load_runtime(onnx_source(folder, tmp_path, task)).close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=load, args=(encoder_dir, Task.EMBED)),
+        threading.Thread(target=load, args=(classifier_dir, Task.CLASSIFY)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert errors == []
+    assert len(list(tmp_path.glob("*.onnx"))) == 2
+
+
 def test_a_graph_that_misses_the_torch_outputs_fails_loudly_and_caches_nothing(
     encoder_dir: Path, tmp_path: Path
 ) -> None:
