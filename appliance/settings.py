@@ -236,6 +236,24 @@ class Settings(BaseSettings):
                 raise ValueError(problem)
         return value
 
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _keys_given_are_keys(cls, value: str | None) -> str | None:
+        """A keys setting given as text holds keys, every member one: `","`, `""` or `"k1,,k2"` most often come
+        from a template whose variables were empty (`"${K1},${K2}"`). Read as "no key", the first two left every
+        route open, admin included; dropping the empty member of the third would hide the key that is missing."""
+        if value is None:
+            return None
+        members = [member.strip() for member in value.split(",")]
+        if not any(members):
+            raise ValueError(
+                "set but holds no key (empty, or only commas and spaces); unset it to leave the routes open"
+            )
+        if not all(members):
+            empty = members.index("") + 1
+            raise ValueError(f"key {empty} of {len(members)} is empty; fill in the missing key or drop the extra comma")
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _level_upper(cls, value: object) -> object:
@@ -314,6 +332,9 @@ _PATTERN_RULES = {  # what a pattern means, for the fields whose pattern an oper
 }
 
 
+_SECRET_FIELDS = ("api_keys", "admin_keys")
+
+
 def settings_problems(exc: BaseException) -> list[str]:
     """One line per invalid setting, `field: what is wrong (got value)`, for the CLI's refusal.
 
@@ -329,7 +350,13 @@ def settings_problems(exc: BaseException) -> list[str]:
         given = error.get("input")
         if error["type"] == "string_pattern_mismatch" and where in _PATTERN_RULES:
             message = _PATTERN_RULES[where]
-        if isinstance(given, str | int | float) and not isinstance(given, bool) and str(given) not in message:
+        secret = where in _SECRET_FIELDS  # keys are never printed, not even in a refusal
+        if (
+            not secret
+            and isinstance(given, str | int | float)
+            and not isinstance(given, bool)
+            and str(given) not in message
+        ):
             message += f" (got {given!r})"
         lines.append(f"{where}: {message}")
     return lines

@@ -236,6 +236,34 @@ def test_nats_host_is_not_checked_when_the_box_joins_a_server(tmp_path, monkeypa
     assert "nats_host" not in result.output
 
 
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({"FBX_API_KEYS": ","}, "api_keys: set but holds no key"),  # every route was open, admin included
+        ({"FBX_ADMIN_KEYS": " , "}, "admin_keys: set but holds no key"),
+        ({"FBX_ADMIN_KEYS": ""}, "admin_keys: set but holds no key"),  # -e FBX_ADMIN_KEYS="$UNSET_VARIABLE"
+        ({"FBX_API_KEYS": "secret-1,,secret-2"}, "api_keys: key 2 of 3 is empty"),
+        ({"FBX_ADMIN_KEYS": "secret-1, "}, "admin_keys: key 2 of 2 is empty"),
+    ],
+)
+def test_a_keys_setting_given_with_no_key_or_an_empty_key_is_refused(env, problem, tmp_path, monkeypatch) -> None:
+    """Not read as "no key" (routes open) nor with the empty member dropped (a key missing unnoticed); the
+    refusal never prints the keys given."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"fleetbox: bad settings: {problem}"), result.output
+    assert len(result.output.splitlines()) == 1
+    assert "secret" not in result.output
+
+
+def test_keys_are_comma_separated_and_trimmed() -> None:
+    settings = Settings(api_keys="k1, k2", admin_keys=" a ")
+    assert (settings.api_key_list, settings.admin_key_list) == (["k1", "k2"], ["a"])
+    assert Settings().api_key_list == []  # unset: the routes are open
+
+
 def test_box_ids_are_one_subject_token_and_generated_ones_pass() -> None:
     for good in ("box-1", "tui_box", "A9", "x" * 64, new_box_id()):
         assert Settings(box_id=good).box_id == good
