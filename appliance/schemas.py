@@ -193,7 +193,7 @@ class _Sampling(_NullIsDefault, kw_only=True):
     seed: Seed | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = 1
+    n: Positive | None = 1  # above 1: refused (`refused`), as the other features fleetbox does not implement
     user: str | None = None
     truncate: bool | None = False
     adapter: str | None = None
@@ -223,6 +223,7 @@ class _Sampling(_NullIsDefault, kw_only=True):
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "function_call": self.function_call not in (None, "none", "auto"),
             "response_format": (self.response_format or {}).get("type", "text") != "text",
+            "n": self.n != 1,
         }
         return [name for name, on in asked.items() if on]
 
@@ -252,7 +253,22 @@ class ChatRequest(_Sampling, kw_only=True):
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Chat-only OpenAI features fleetbox does not implement: accepted when absent or null (and text-only
+    # `modalities`), refused otherwise; answering without them would not be what the client asked for.
+    modalities: list[str] | None = None  # ["text", "audio"]: an audio answer
+    audio: dict[str, Any] | None = None  # the voice and format of that audio answer
+    web_search_options: dict[str, Any] | None = None  # even {}: an answer grounded in a web search
+    prediction: dict[str, Any] | None = None  # predicted output: a speed-up (and `usage` counts) not given here
+    moderation: dict[str, Any] | None = None  # a moderation model screening (or blocking) input and output
 
     def refused(self) -> list[str]:
-        asked = {"logprobs": bool(self.logprobs), "top_logprobs": bool(self.top_logprobs)}
+        asked = {
+            "logprobs": bool(self.logprobs),
+            "top_logprobs": bool(self.top_logprobs),
+            "modalities": self.modalities is not None and set(self.modalities) != {"text"},
+            "audio": self.audio is not None,
+            "web_search_options": self.web_search_options is not None,
+            "prediction": self.prediction is not None,
+            "moderation": self.moderation is not None,
+        }
         return super().refused() + [name for name, on in asked.items() if on]

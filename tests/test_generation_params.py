@@ -1,8 +1,9 @@
 """OpenAI's generation parameters: each is honoured, or refused with a 422 naming it; none is silently ignored.
 
-What fleetbox does not do (tools, structured output, log probabilities, echo, suffix, best_of > 1) would change
-what the answer means if left out, so asking for it is refused; its "off" value (what the openai SDK and
-other clients send) passes. The box, the queue and the tiny generator are real.
+What fleetbox does not do (several choices, tools, structured output, log probabilities, audio, web search,
+predicted outputs, moderation, echo, suffix, best_of > 1) would change what the answer means if left out, so
+asking for it is refused; its "off" value (what the openai SDK and other clients send) passes. The box, the
+queue and the tiny generator are real.
 """
 
 from __future__ import annotations
@@ -40,13 +41,21 @@ async def post(http, box, route: str, body: dict) -> tuple[int, dict]:
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "."}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
+        # These four were answered 200 with plain text, as if asked for nothing else.
+        ("/v1/chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, "modalities, audio"),
+        ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+        ("/v1/chat/completions", {"prediction": {"type": "content", "content": "Hello"}}, "prediction"),
+        ("/v1/chat/completions", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+        # n was a 422 invalid_input ("Expected `int` <= 1"), unlike every other refusal here.
+        ("/v1/chat/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"n": 3, "best_of": 3}, "n, best_of"),
     ],
 )
 async def test_a_parameter_fleetbox_does_not_implement_is_refused_by_name(box, http, route, fields, named) -> None:
     status, body = await post(http, box, route, (CHAT if "chat" in route else COMPLETION) | fields)
     assert status == 422, body
     assert body["error"]["code"] == "unsupported_parameter"
-    assert body["error"]["message"].startswith(named), body
+    assert body["error"]["message"].startswith(f"{named}: not supported"), body
 
 
 async def test_the_openai_sdk_sending_every_default_is_answered(box) -> None:
@@ -62,11 +71,26 @@ async def test_the_openai_sdk_sending_every_default_is_answered(box) -> None:
         logit_bias={},
         user="someone",
         temperature=0,
+        modalities=["text"],
+        audio=None,
+        prediction=None,
+        reasoning_effort="low",  # a hint, ignored
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
     completion = await client.completions.create(**COMPLETION, echo=False, best_of=1, logprobs=None, temperature=0)
     assert completion.choices[0].text is not None
     await client.close()
+
+
+async def test_n_below_1_is_invalid_input_not_unsupported(box, http) -> None:
+    status, body = await post(http, box, "/v1/chat/completions", CHAT | {"n": 0})
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+
+
+async def test_the_openai_sdk_sending_null_for_the_chat_only_features_is_answered(box, http) -> None:
+    nulls = {"modalities": None, "audio": None, "web_search_options": None, "prediction": None, "moderation": None}
+    status, body = await post(http, box, "/v1/chat/completions", CHAT | nulls | {"n": None})
+    assert status == 200, body
 
 
 async def test_logit_bias_and_penalties_change_the_answer(box, http) -> None:

@@ -40,9 +40,11 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     parsed = decode(body, _decoders[schema])
     refused = parsed.refused()
     if refused:
+        several = "; for several choices, send several requests" if {"n", "best_of"} & set(refused) else ""
         raise Unprocessable(
-            f"{', '.join(refused)}: not supported by this server (fleetbox generates plain text, one choice, without "
-            "tools, structured output or log probabilities); leave them out",
+            f"{', '.join(refused)}: not supported by this server (fleetbox generates one choice of plain text, "
+            "without tools, structured output, log probabilities, audio, web search, predicted outputs or "
+            f"moderation); leave them out{several}",
             code="unsupported_parameter",
         )
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
