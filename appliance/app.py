@@ -257,6 +257,7 @@ class Box:
             nc=self.nc,
             box_id=self.box_id,
             not_ready_reason=partial(box_status.not_ready_reason, self),
+            is_draining=lambda: self.draining,
             model_state=partial(box_status.model_state, self),
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
@@ -352,9 +353,9 @@ class Box:
         that hangs) must not keep a stopping box alive past its SIGTERM budget.
         """
         log.info("box stopping", extra={"box": self.box_id})
-        self.draining = True
-        if self._site is not None:
-            await self._site.stop()
+        self.draining = True  # the gateway answers new requests 503 (`/readyz` says why) until the listener closes
+        if self._runner is not None and self._runner.server is not None:
+            self._runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
         if self.placement is not None:
             await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())

@@ -246,6 +246,38 @@ async def test_a_stopping_gateway_still_answers_its_clients_with_the_other_boxes
             await leaving.stop()
 
 
+async def test_a_stopping_box_takes_no_new_request_on_a_kept_alive_connection(start_box, nats_server, http) -> None:
+    """A stopping box went on taking new requests on connections its clients kept alive (about 1,300 in 8 s in
+    the black-box tester's run), stopped only at the end of its grace, and answered the last ones 503 or
+    dropped them, though another box answered in 20 ms; its probe never saw `draining` (the port was closed at
+    once). Now: what it had taken is answered, anything new is a 503 at once with its connection closed, and
+    `/readyz` says draining until the listener closes. Found by the black-box tester."""
+    slow = [noop_model(cost_ms=800)]  # the box stays in its drain while the checks run
+    await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
+    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
+    await leaving.start()
+    try:
+        taken = asyncio.create_task(http.post(url(leaving, "/v1/embeddings"), json={"model": "noop", "input": "x"}))
+        await wait_for(lambda: leaving.dispatcher.waiting == 1 or taken.done(), what="the request to be awaited")
+        assert not taken.done(), taken.result()
+        stopping = asyncio.create_task(leaving.stop())
+        await wait_for(lambda: leaving.draining, what="the box to start draining")
+        async with http.get(url(leaving, "/readyz")) as response:
+            assert (response.status, (await response.json())["reason"]) == (503, "draining")
+            assert response.headers.get("Connection", "").lower() == "close"
+        async with http.post(url(leaving, "/v1/embeddings"), json={"model": "noop", "input": "y"}) as response:
+            body = await response.json()
+            assert (response.status, body["error"]["code"]) == (503, "unavailable"), body
+            assert "is stopping; send the request to another box" in body["error"]["message"]
+            assert response.headers["Retry-After"] == "1"
+        async with await taken as response:
+            assert response.status == 200, await response.text()
+        await stopping
+    finally:
+        if leaving.nc is not None and leaving.nc.is_connected:
+            await leaving.stop()
+
+
 async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server, http) -> None:
     """Alone, a stopping box's unstarted requests have no one to compute them: a 503 to retry, not a dropped line."""
     box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1))

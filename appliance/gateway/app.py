@@ -1,5 +1,8 @@
 """The aiohttp application: routes, and the one middleware that turns every failure into the error shape.
 
+A draining box answers its probes and metrics only: anything else is a 503 at once, and every answer
+closes its connection, so clients holding keep-alive connections move to another box.
+
 No route returns a 500 for anything a client can send: typed errors carry their status; aiohttp's
 own HTTP errors (unknown route, wrong method, too large) are reshaped; anything else is logged
 with its request id and answered 500, the only path to one.
@@ -14,7 +17,14 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from appliance.catalog import ModelSpec
-from appliance.errors import FleetboxError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
+from appliance.errors import (
+    FleetboxError,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
 from appliance.gateway import admin, encoders, generation, openapi, ops
 from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
@@ -33,12 +43,20 @@ def _route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+# Answered while a box drains: the probes and the metrics.
+_OPERATIONS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     ctx = GatewayContext.of(request)
     started = time.perf_counter()
     request_id = request[REQUEST_ID] = ctx.new_request_id()
     try:
+        if ctx.is_draining() and request.path not in _OPERATIONS:
+            # A stopping box takes no new work, even on a connection kept alive from before: the client's retry
+            # goes to another box at once, and the box stops as soon as what it took is answered.
+            raise ServiceUnavailable(f"box {ctx.box_id} is stopping; send the request to another box", retry_after_s=1)
         response = await handler(request)
     except FleetboxError as exc:
         response = _error_response(exc)
@@ -53,6 +71,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = request_id
+    if ctx.is_draining():
+        response.force_close()  # the connection closes after this answer: the client reconnects elsewhere
     # One line per request: failures at INFO (5xx at WARNING), successes at DEBUG to keep the hot path cheap.
     level = logging.WARNING if response.status >= 500 else logging.INFO if response.status >= 400 else logging.DEBUG
     if log.isEnabledFor(level):

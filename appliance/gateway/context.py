@@ -28,6 +28,8 @@ class GatewayContext:
     box_id: str
     # Returns why the box is not ready, or None when it is.
     not_ready_reason: Callable[[], str | None]
+    # Whether the box is stopping (it takes no new requests).
+    is_draining: Callable[[], bool]
     # Per model name: state, the boxes holding it and its bytes, for GET /v1/models.
     model_state: Callable[[str], dict[str, Any]]
     # Heartbeat records of the live boxes.
