@@ -124,6 +124,7 @@ class Box:
         self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
         self.draining = False
         self.stop_requested = asyncio.Event()
+        self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
         self.started_at = time.time()
         self.http_port: int | None = None
 
@@ -177,6 +178,8 @@ class Box:
         # collector, whose full passes over it stalled the event loop for ~0.3-0.5 s.
         gc.freeze()
         self._spawn(self._watch_stream())
+        if self.natsd is not None:
+            self._spawn(self.natsd.supervise(self._nats_gone))
         await self.fleet.beat()
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
 
@@ -202,6 +205,12 @@ class Box:
             reconnected_cb=self._on_reconnect,
         )
         self.js = self.nc.jetstream()
+
+    def _nats_gone(self, why: str) -> None:
+        """The embedded nats-server is gone for good: stop, with an error exit (`failure`) for a supervisor."""
+        log.error("box stopping: its NATS is gone", extra={"error": why})
+        self.failure = why
+        self.stop_requested.set()
 
     async def _on_nats_error(self, exc: Exception) -> None:
         log.warning("nats error", extra={"error": repr(exc)})

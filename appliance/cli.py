@@ -220,7 +220,7 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
             await box.stop()
     except TimeoutError:
         log.error("shutdown took too long; exiting anyway")
-    return 0
+    return 1 if box.failure else 0  # a box that stopped itself (its NATS gone) exits for its supervisor to restart
 
 
 # The fleet commands (appliance/fleet_cli.py): `tui` beside `serve`, then `models ...` and `box ...`.

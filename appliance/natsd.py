@@ -5,7 +5,7 @@ with JetStream, storing under the box's state dir, and is ready when it accepts 
 stopping it is SIGTERM, then SIGKILL after a bound. It dies with its box, however the box dies (a
 SIGKILL included), and a port another process already listens on is refused before it starts:
 otherwise the box would quietly join whatever server holds the port (another fleet, or an orphan
-sharing its store).
+sharing its store). A server that dies on its own is started again (`supervise`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +141,34 @@ class EmbeddedNats:
                 await asyncio.sleep(0.05)
         await self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout_s:.0f}s")
+
+    async def supervise(self, give_up: Callable[[str], None], pauses_s: tuple[float, ...] = (0.5, 2.0, 5.0)) -> None:
+        """Keep the server running for its box: one that exits unasked (an OOM kill, say) is started again on its
+        port and store, and the box's connection reconnects by itself; when it will not start after a few tries,
+        `give_up` is told why (the box then stops with an error exit, for its supervisor to restart it, rather
+        than answer 503 for ever). Cancel it before `stop`."""
+        while True:
+            process = self.process
+            if process is None:
+                return
+            code = await process.wait()
+            if self.process is not process:  # stopped on purpose
+                return
+            log.error("embedded nats-server exited; starting it again", extra={"returncode": code, "url": self.url})
+            error: BaseException | None = None
+            for pause in pauses_s:
+                await asyncio.sleep(pause)
+                try:
+                    await self.start()
+                except Exception as exc:  # the port taken meanwhile, a store it cannot open
+                    error = exc
+                    log.error("embedded nats-server did not start again", extra={"error": repr(exc)})
+                    continue
+                log.info("embedded nats-server started again", extra={"url": self.url})
+                break
+            else:
+                give_up(f"the embedded nats-server exited ({code}) and did not start again: {error!r}")
+                return
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         process, self.process = self.process, None

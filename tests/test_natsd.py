@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from appliance.natsd import EmbeddedNats, free_port
+from tests.conftest import box_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,3 +81,55 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+async def test_a_box_whose_embedded_server_is_killed_starts_it_again_and_serves(tmp_path: Path, http) -> None:
+    """An OOM-killed embedded nats-server was never started again: the box answered 503 "retry shortly" for ever
+    while /healthz said ok. Found by the black-box tester."""
+    from appliance.app import Box
+    from tests.conftest import noop_model, url, wait_for
+
+    settings = box_settings(
+        "", state_dir=tmp_path / "state", nats_port=free_port(), default_model=False, models=[noop_model()]
+    )
+    box = Box(settings)
+    await box.start()
+    try:
+        assert box.natsd is not None and box.natsd.process is not None
+        killed = box.natsd.process
+        killed.kill()
+        await killed.wait()
+        await wait_for(lambda: box.natsd.process is not killed, what="the server to be started again")
+
+        async def answered() -> bool:
+            async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
+                return response.status == 200
+
+        await wait_for(answered, timeout_s=30, what="a request to be answered again")
+        assert box.failure is None
+    finally:
+        await box.stop()
+
+
+async def test_a_server_that_will_not_start_again_makes_its_box_give_up(tmp_path: Path) -> None:
+    """Its port taken meanwhile, say: the box is told why, to stop with an error exit for its supervisor."""
+    import socket
+
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=free_port())
+    await server.start()
+    reasons: list[str] = []
+    watch = asyncio.create_task(server.supervise(reasons.append, pauses_s=(0.5, 0.5)))
+    squatter = socket.socket()
+    try:
+        assert server.process is not None
+        server.process.kill()
+        await server.process.wait()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", server.port))  # before the first try, half a second away
+        squatter.listen()
+        await asyncio.wait_for(watch, 30)
+        assert len(reasons) == 1 and "did not start again" in reasons[0], reasons
+    finally:
+        squatter.close()
+        watch.cancel()
+        await server.stop()
