@@ -7,11 +7,13 @@ the way a box would decide it, so the profile written is the one a box will appl
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import logging
 import shlex
 import signal
 import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -160,6 +162,10 @@ class CtrlC:
 
     The second marks the tune aborted, which the command checks before it writes anything, and
     raises KeyboardInterrupt unless a measurement's event loop is running (that one ends by itself).
+    Python runs a signal handler between any two bytecodes, so the interrupt may land in a weakref
+    callback or a `__del__`, where Python cannot raise: it prints "Exception ignored ... Traceback"
+    and drops it. Such a dropped interrupt is caught on its way to that print and asked for again,
+    so it lands in the tune's own flow a moment later, and the command says its one line only.
     """
 
     def __init__(self, console: object) -> None:
@@ -167,6 +173,7 @@ class CtrlC:
         self._tuner: Tuner | None = None
         self._presses = 0
         self._previous: object = None
+        self._previous_unraisable = sys.unraisablehook
 
     @property
     def aborted(self) -> bool:
@@ -177,11 +184,23 @@ class CtrlC:
 
     def __enter__(self) -> CtrlC:
         self._previous = signal.signal(signal.SIGINT, self._pressed)
+        self._previous_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *_: object) -> None:
         if self._previous is not None:  # None: the handler was not set from Python; nothing to put back
             signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+        sys.unraisablehook = self._previous_unraisable
+
+    def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.aborted:
+            # This handler again, once the main flow has left the callback (a moment later, from another
+            # thread: run from here it would raise in this hook, and be dropped again).
+            again = threading.Timer(0.01, _thread.interrupt_main, args=(signal.SIGINT,))
+            again.daemon = True
+            again.start()
+            return
+        self._previous_unraisable(unraisable)
 
     def _pressed(self, signum: int, frame: FrameType | None) -> None:
         self._presses += 1

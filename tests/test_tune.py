@@ -347,3 +347,37 @@ def test_a_second_ctrl_c_aborts_and_writes_nothing(encoder_dir: Path, tmp_path: 
     assert result.exit_code == 130, result.output
     assert "a second Ctrl-C aborts" in result.output and "aborted by a second Ctrl-C; nothing written" in result.output
     assert list(out.iterdir()) == []  # checked writable up front, and left empty
+
+
+def test_a_second_ctrl_c_landing_in_a_weakref_callback_still_aborts_without_a_traceback(capfd) -> None:
+    """Python runs the SIGINT handler between any two bytecodes; in a weakref callback its
+    KeyboardInterrupt was dropped with an "Exception ignored ... Traceback" block (and the abort with
+    it). Here the handler is called inside such a callback, as a signal arriving there would run it."""
+    import signal
+    import weakref
+
+    from rich.console import Console
+
+    from appliance.tune_cli import CtrlC
+
+    class Thing:
+        pass
+
+    ctrl_c = CtrlC(Console(stderr=True))
+    thing = Thing()
+    landed = []
+
+    def on_collect(_: object) -> None:
+        landed.append(True)
+        ctrl_c._pressed(signal.SIGINT, None)  # the second press
+
+    with pytest.raises(KeyboardInterrupt), ctrl_c:  # the interrupt arrives a moment after the callback
+        ctrl_c._pressed(signal.SIGINT, None)  # the first press: stop after this run
+        ref = weakref.ref(thing, on_collect)
+        del thing
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the tune's own flow goes on, where the interrupt may land
+            pass
+    assert landed and ref() is None and ctrl_c.aborted
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
