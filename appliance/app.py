@@ -20,7 +20,6 @@ from functools import partial
 from typing import Any
 
 import nats
-from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.nuid import NUID
@@ -46,9 +45,9 @@ from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
 from appliance.errors import ServiceUnavailable
 from appliance.fleet import Fleet
-from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
+from appliance.gateway.door import HttpDoor
 from appliance.logs import FailureStreak
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
@@ -116,8 +115,6 @@ class Box:
         self.dispatcher: Dispatcher | None = None
         self._control: ControlServer | None = None
         self.placement: Placement | None = None
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
         self._tasks = Background("box")
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
         self.stream_ok = False
@@ -126,7 +123,11 @@ class Box:
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
         self.started_at = time.time()
-        self.http_port: int | None = None
+        self.door = HttpDoor(settings.host, settings.port)
+
+    @property
+    def http_port(self) -> int | None:
+        return self.door.port
 
     @property
     def nats_url(self) -> str:
@@ -273,17 +274,7 @@ class Box:
             open_queue=self.open_queue,
             delete_model=self._delete_model,
         )
-        app = build_app(context)
-        # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
-        self._runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=3.0, handle_signals=False, handler_cancellation=True
-        )
-        await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.settings.host, self.settings.port, reuse_address=True)
-        await self._site.start()
-        server = self._site._server
-        if server is not None and server.sockets:  # port 0 means "any free port"
-            self.http_port = int(server.sockets[0].getsockname()[1])
+        await self.door.open(context)
 
     def _local_reply(self, subject: str, meta: ReplyMeta, body: bytes) -> bool:
         """A worker's reply to this box's own gateway skips NATS: no publish, no confirmation, no parsing."""
@@ -363,8 +354,7 @@ class Box:
         """
         log.info("box stopping", extra={"box": self.box_id})
         self.draining = True  # the gateway answers new requests 503 (`/readyz` says why) until the listener closes
-        if self._runner is not None and self._runner.server is not None:
-            self._runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
+        self.door.close_idle_connections()
         if self.placement is not None:
             await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())
@@ -380,8 +370,7 @@ class Box:
         if self.dispatcher is not None:
             stopped = ServiceUnavailable(f"box {self.box_id} is stopping; send the request again", retry_after_s=1)
             await _bounded("unanswered", self.dispatcher.abandon(stopped))
-        if self._runner is not None:
-            await self._runner.cleanup()  # waits (bounded) for handlers still answering
+        await self.door.close()
         if self._control is not None:
             await _bounded("control", self._control.stop())
         if self._dead_letters is not None:
