@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
@@ -17,18 +18,20 @@ import orjson
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
 from appliance.catalog import Catalog, ModelChange, ModelSpec
 from appliance.errors import Conflict, NotFound
-from appliance.names import NameClaims
+from appliance.names import Claim, NameClaims
 from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-_UPDATE_TRIES = 3  # a change reads the model and writes it back; this many times when others write in between
+_UPDATE_TRIES = 6  # a change reads the model and writes it back; this many times when others write in between
+_UPDATE_BACKOFF_S = 0.01  # and waits about this long times the try's number before the next, jittered
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write (a delete) finds a newer revision
 
 
 class CatalogStore:
@@ -178,45 +181,65 @@ class CatalogStore:
     async def update(self, spec: ModelSpec, change: ModelChange) -> ModelSpec:
         """Apply `change` to the model as the bucket holds it now, only if nobody changed it meanwhile (a pin, a
         PATCH): a change racing a delete made on another box must not bring the model back (404), and one racing
-        another change is made again over it, up to `_UPDATE_TRIES` times (then 409).
+        another change is made again over it, up to `_UPDATE_TRIES` times, a little apart (then 409).
 
-        New aliases are claimed first (`appliance/names.py`), so a registration racing for one on another box
-        gets it or this change does, never both; aliases the change drops are freed once it is written."""
+        Every alias of a new list is claimed on every try, after the entry it writes over is read
+        (`appliance/names.py`; the model's own claims are taken over): an alias the model had when the change was
+        judged may have been dropped and claimed by another model since, and the try that writes it must find
+        that out. Aliases the change drops are given back once it is written, each only at the revision its claim
+        had before the write: a change that put one back meanwhile renewed it, and keeps it."""
         if change.pinned and spec.adapter_of is not None:
             raise Conflict(f"{spec.name} is an adapter; pin its base model {spec.adapter_of}")
         assert self._kv is not None
-        added = [a for a in change.aliases or () if a not in spec.aliases]
-        claims = await self._names.claim(spec.name, added) if self._names is not None and added else []
+        claims: list[Claim] = []
         try:
-            current, updated, revision = await self._write_over(spec, change)
+            for attempt in range(_UPDATE_TRIES):
+                if attempt:  # changes racing on several boxes: apart, so that one of them gets through each round
+                    await asyncio.sleep(random.uniform(0.5, 1.5) * _UPDATE_BACKOFF_S * attempt)
+                written = await self._write_over(spec, change, claims)
+                if written is not None:
+                    updated, dropped = written
+                    if self._names is not None:
+                        await self._names.give_back(dropped)
+                    return updated
         except (NotFound, Conflict):  # surely not written; any other failure may come after the write: claims kept
             if self._names is not None:
                 await self._names.give_back(claims)
             raise
-        self._added(updated, revision)
-        dropped = set(current.aliases) - set(updated.aliases)
-        if self._names is not None and dropped:
-            await self._names.release(spec.name, dropped)
-        return updated
-
-    async def _write_over(self, spec: ModelSpec, change: ModelChange) -> tuple[ModelSpec, ModelSpec, int]:
-        """The entry read, the changed entry written over it (compare-and-set), and its revision."""
-        assert self._kv is not None
-        gone = NotFound(f"model {spec.name!r} does not exist (deleted meanwhile)", code="model_not_found")
-        for _ in range(_UPDATE_TRIES):
-            try:
-                entry = await self._kv.get(spec.slug)
-            except KeyNotFoundError:
-                raise gone from None
-            current = ModelSpec.from_json(entry.value) if entry.value else None
-            if current is None or current.name != spec.name:
-                raise gone
-            updated = change.apply(current)
-            try:
-                return current, updated, await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
-            except KeyWrongLastSequenceError:
-                continue  # changed since it was read: read it again (it may be gone now)
+        if self._names is not None:
+            await self._names.give_back(claims)
         raise Conflict(f"model {spec.name} keeps changing (on other boxes?); send the change again")
+
+    async def _write_over(
+        self, spec: ModelSpec, change: ModelChange, claims: list[Claim]
+    ) -> tuple[ModelSpec, list[Claim]] | None:
+        """One try: the entry read, the new aliases claimed (into `claims`, renewing the last try's), the changed
+        entry written over the one read (compare-and-set). The model as written and the claims of the aliases it
+        dropped, as read before the write; None when another write got in first."""
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(spec.slug)
+        except KeyNotFoundError:
+            raise self._gone(spec) from None
+        current = ModelSpec.from_json(entry.value) if entry.value else None
+        if current is None or current.name != spec.name:
+            raise self._gone(spec)
+        updated = change.apply(current)
+        dropped: list[Claim] = []
+        if self._names is not None:
+            if change.aliases is not None:
+                claims[:] = await self._names.claim(spec.name, updated.aliases, renewing=claims)
+            dropped = await self._names.held(spec.name, set(current.aliases) - set(updated.aliases))
+        try:
+            revision = await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            return None  # changed since it was read: read it again (it may be gone now)
+        self._added(updated, revision)
+        return updated, dropped
+
+    @staticmethod
+    def _gone(spec: ModelSpec) -> NotFound:
+        return NotFound(f"model {spec.name!r} does not exist (deleted meanwhile)", code="model_not_found")
 
     def _added(self, spec: ModelSpec, revision: int) -> None:
         """This box's own write, at `revision`: acted on here at once, unless the watch brought a newer change
@@ -254,14 +277,33 @@ class CatalogStore:
         return entry is not None and current is not None and current.name == spec.name
 
     async def delete(self, spec: ModelSpec) -> None:
+        """Take the model out of the bucket, as the bucket holds it: the claims of that entry's name and aliases
+        are given back first, then the entry is deleted only at the revision read (a change written meanwhile,
+        with an alias it claimed, is read again and its claims given back too)."""
         assert self._kv is not None
-        if self._names is not None:
-            # Before the model goes: once it is gone a new registration may claim its names, and a claim
-            # holds only the model's name, so a release after would free the newcomer's. Meanwhile every
-            # box's catalog still refuses the names.
-            await self._names.release(spec.name, (spec.name, *spec.aliases))
         known = self._revisions.get(spec.slug, 0)
-        await self._kv.delete(spec.slug)
+        for _ in range(_UPDATE_TRIES + 1):
+            try:
+                entry = await self._kv.get(spec.slug)
+            except KeyNotFoundError:
+                break  # deleted already (on another box)
+            current = ModelSpec.from_json(entry.value) if entry.value else None
+            if current is None or current.name != spec.name:
+                break  # another model holds the slug now: not this deletion's to take
+            if self._names is not None:
+                # Before the model goes: once it is gone a new registration may claim its names, and a claim
+                # holds only the model's name, so a release after would free the newcomer's. Meanwhile every
+                # box's catalog still refuses the names.
+                await self._names.release(spec.name, (spec.name, *current.aliases))
+            try:
+                await self._kv.delete(spec.slug, last=entry.revision)
+                break
+            except BadRequestError as exc:
+                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                    raise
+                # changed since it was read (a PATCH on another box): read it again
+        else:
+            raise Conflict(f"model {spec.name} keeps changing (on other boxes?); delete it again")
         # The deletion as the bucket has it, with its revision, so that a re-registration made since on another
         # box (and heard already) is not taken away here. Heard nothing newer (NATS away, a lagging replica):
         # the model this box deleted goes, as this box knows it.

@@ -19,6 +19,11 @@ TTL. A registration that failed otherwise keeps them (its model may have landed)
 them over: a claim held by the same model name is that model's own, and two registrations of one name
 are settled by the slug. A claim taken over is never given back by the taker: the registration it was
 taken from may be the one that lands.
+
+A change of a model's aliases (`CatalogStore.update`) claims its whole new list on each try, after reading
+the entry it writes over, so an alias the model had when the change was judged, dropped and claimed by
+another model since, is refused rather than written back. The aliases it drops are given back after its
+write only at the revisions read before it: a claim renewed meanwhile belongs to a change that put it back.
 """
 
 from __future__ import annotations
@@ -76,22 +81,27 @@ class NameClaims:
             ),
         )
 
-    async def claim(self, owner: str, aliases: Iterable[str]) -> list[Claim]:
-        """Take the model's name and aliases, all or none: 409 `model_exists` naming the first already held."""
+    async def claim(self, owner: str, aliases: Iterable[str], *, renewing: Iterable[Claim] = ()) -> list[Claim]:
+        """Take the model's name and aliases, all or none: 409 `model_exists` naming the first already held.
+
+        `renewing`: claims this caller made on an earlier try (a change written again after another change got
+        in first); one still at its revision stays the caller's own (given back should the change fail)."""
         assert self._kv is not None
+        earlier = {claim.name: claim for claim in renewing}
         made: list[Claim] = []
         try:
             for name in sorted({owner, *aliases}):  # one order everywhere: no two registrations each hold half
-                made.append(await self._claim_one(owner, name))
+                made.append(await self._claim_one(owner, name, earlier.get(name)))
         except BaseException:
             await self.give_back(made)
             raise
         return made
 
-    async def _claim_one(self, owner: str, name: str) -> Claim:
+    async def _claim_one(self, owner: str, name: str, earlier: Claim | None = None) -> Claim:
         """One name for `owner`. Held by a registration of the same model name, it is taken over: two
         registrations of one name are settled by the slug's own `kv.create`, and a registration retried
-        after a timeout finds its first try's claims still held (kept, since its model may have landed)."""
+        after a timeout finds its first try's claims still held (kept, since its model may have landed).
+        Held at `earlier`'s revision, it is this caller's own claim renewed, not taken over."""
         assert self._kv is not None
         key = bus.name_key(name)
         for _ in range(_TRIES):
@@ -107,8 +117,9 @@ class NameClaims:
                 continue  # given back or lapsed since
             if held.value is None or held.value.decode() != owner or held.revision is None:
                 raise Conflict(self._taken(owner, name, held.value), code="model_exists")
+            own = earlier is not None and not earlier.taken_over and earlier.revision == held.revision
             try:
-                return Claim(name, await self._kv.update(key, owner.encode(), last=held.revision), taken_over=True)
+                return Claim(name, await self._kv.update(key, owner.encode(), last=held.revision), taken_over=not own)
             except KeyWrongLastSequenceError:
                 continue  # changed meanwhile: look again
         raise Conflict(
@@ -142,8 +153,14 @@ class NameClaims:
                 log.warning("name claim not given back; it lapses", extra={"claim": claim.name, "error": repr(exc)})
 
     async def release(self, owner: str, names: Iterable[str]) -> None:
-        """Names `owner` no longer holds (a deleted model's name and aliases, aliases a change dropped), free at
-        once: each claim still held by `owner` is given back."""
+        """Names `owner` no longer holds (a deleted model's name and aliases), free at once: each claim still
+        held by `owner` is given back."""
+        await self.give_back(await self.held(owner, names))
+
+    async def held(self, owner: str, names: Iterable[str]) -> list[Claim]:
+        """The claims `owner` holds now among `names`, at their revisions: read before a write that drops the
+        names, and given back after it, so that one renewed meanwhile (a change racing this one put the name
+        back) is not freed under the model listing it."""
         assert self._kv is not None
         held = []
         for name in set(names):
@@ -156,4 +173,4 @@ class NameClaims:
                 continue
             if entry.value is not None and entry.value.decode() == owner and entry.revision is not None:
                 held.append(Claim(name, entry.revision))
-        await self.give_back(held)
+        return held

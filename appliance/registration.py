@@ -137,10 +137,14 @@ def check_integers(numbers: dict[str, Any]) -> None:
 
 async def refuse_taken(names: tuple[str, ...], catalog: Catalog, store: CatalogStore, owner: str | None = None) -> None:
     """409 for the first of `names` another model holds as its name or an alias (looked up in the bucket again,
-    so a model just deleted on another box does not count); `owner`'s own names do not count."""
+    so a model just deleted on another box, or changed there to drop the alias, does not count); `owner`'s own
+    names do not count."""
     for taken in names:
         holder = catalog.get(taken)
-        if holder is not None and holder.name != owner and await store.still_holds(holder):
+        if holder is None or holder.name == owner or not await store.still_holds(holder):
+            continue
+        holder = catalog.get(taken)  # the look again applied the model as the bucket has it now
+        if holder is not None and holder.name != owner:
             held_as = "its name" if holder.name == taken else "an alias"
             raise Conflict(
                 f"{taken!r} is taken: model {holder.name!r} has it as {held_as}; delete that model first",

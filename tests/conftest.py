@@ -108,3 +108,24 @@ async def wait_for(
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def hold(owner: object, method: str, *, after: bool = False) -> tuple[asyncio.Event, asyncio.Event]:
+    """`owner.method` (an async method; the real one still runs) held at its first call, before the call or `after`
+    it, until `go_on` is set; `reached` says it is held. How a race test puts another actor at the right moment."""
+    real = getattr(owner, method)
+    reached, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        first = not reached.is_set()
+        if first and not after:
+            reached.set()
+            await go_on.wait()
+        done = await real(*args, **kwargs)
+        if first and after:
+            reached.set()
+            await go_on.wait()
+        return done
+
+    setattr(owner, method, held)
+    return reached, go_on

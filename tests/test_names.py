@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -11,14 +12,16 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from appliance import bus
-from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog import Catalog, ModelChange, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import spec_from_entry
 from appliance.errors import Conflict
 from appliance.names import NameClaims
 from appliance.natsd import EmbeddedNats
+from appliance.registration import refuse_taken
 from appliance.settings import Settings
-from tests.conftest import noop_model
+from appliance.tasks import cancel_and_wait
+from tests.conftest import hold, noop_model, wait_for
 
 
 def spec(name: str, *aliases: str) -> ModelSpec:
@@ -121,3 +124,142 @@ async def test_a_duplicate_registration_refused_leaves_the_winners_claims(
         for client, store in ((nc1, first), (nc2, second), (nc3, third)):
             await store.close()
             await client.close()
+
+
+async def entry_of(store: CatalogStore, name: str) -> ModelSpec | None:
+    """The model as the bucket holds it now (None when gone)."""
+    try:
+        entry = await store._kv.get(spec(name).slug)
+    except KeyNotFoundError:
+        return None
+    return ModelSpec.from_json(entry.value) if entry.value else None
+
+
+async def claim_holder(nc: NATS, name: str) -> str | None:
+    names = await nc.jetstream().key_value(bus.NAMES_BUCKET)
+    try:
+        return (await names.get(bus.name_key(name))).value.decode()
+    except KeyNotFoundError:
+        return None
+
+
+async def claim_elsewhere(nc: NATS, owner: str, *names: str) -> None:
+    """What a registration of `owner` on a box whose catalog shows none of `names` taken does: claim them."""
+    claims = NameClaims(nc.jetstream())
+    await claims.open()
+    await claims.claim(owner, names)
+
+
+@pytest.fixture
+async def two_boxes(nats_server: EmbeddedNats) -> AsyncIterator[tuple[NATS, CatalogStore, CatalogStore]]:
+    """Two boxes' catalog stores on one fleet, and the first one's connection (to look at the claims)."""
+    made = await stores(nats_server, 2)
+    yield made[0][0], made[0][1], made[1][1]
+    for client, store in made:
+        await store.close()
+        await client.close()
+
+
+async def registered(first: CatalogStore, second: CatalogStore, model: ModelSpec) -> None:
+    """`model` registered on the first box, and heard of on the second."""
+    await first.create(model)
+    await wait_for(lambda: second.catalog.get(model.name) == model, what="the second box to see the model")
+
+
+async def test_an_alias_dropped_and_taken_elsewhere_meanwhile_is_not_written_back_by_a_change_that_kept_it(
+    two_boxes: tuple[NATS, CatalogStore, CatalogStore],
+) -> None:
+    """Box b changes a's aliases from [x] to [x, y] and is held at its write. Meanwhile box a drops x from a, and
+    c registers with alias x. b's write, made again over a's, used to put x back unclaimed: x on two models for
+    good (found by review)."""
+    nc, first, second = two_boxes
+    await registered(first, second, spec("a", "x"))
+    reached, go_on = hold(second._kv, "update")
+    keeping = asyncio.create_task(second.update(second.catalog.get("a"), ModelChange(aliases=("x", "y"))))
+    await asyncio.wait_for(reached.wait(), 10)
+    await first.update(first.catalog.get("a"), ModelChange(aliases=()))
+    await first.create(spec("c", "x"))
+    go_on.set()
+    with pytest.raises(Conflict, match="alias 'x' is taken by model 'c'"):
+        await keeping
+    assert (await entry_of(first, "a")).aliases == ()
+    assert (await entry_of(first, "c")).aliases == ("x",)
+    assert await claim_holder(nc, "y") is None  # the refused change's new alias given back
+
+
+async def test_a_dropped_aliass_claim_renewed_by_a_change_that_put_it_back_is_kept(
+    two_boxes: tuple[NATS, CatalogStore, CatalogStore],
+) -> None:
+    """Box a drops x from a and is held after its write, before it gives x's claim back; box b puts x back (with
+    x2). a's give-back used to free x's claim while the model lists x: a box whose catalog has not heard of b's
+    change could then register x for another model (found by review)."""
+    nc, first, second = two_boxes
+    await registered(first, second, spec("a", "x"))
+    reached, go_on = hold(first._kv, "update", after=True)
+    dropping = asyncio.create_task(first.update(first.catalog.get("a"), ModelChange(aliases=())))
+    await asyncio.wait_for(reached.wait(), 10)
+    await second.update(second.catalog.get("a"), ModelChange(aliases=("x", "x2")))
+    go_on.set()
+    await dropping
+    assert (await entry_of(first, "a")).aliases == ("x", "x2")
+    assert await claim_holder(nc, "x") == "a"
+    with pytest.raises(Conflict, match="alias 'x' is taken by model 'a'"):
+        await claim_elsewhere(nc, "c", "x")  # a registration on a box that has not heard of b's change
+
+
+async def test_a_change_claims_its_new_aliases_against_a_box_that_has_not_heard_of_it(
+    two_boxes: tuple[NATS, CatalogStore, CatalogStore],
+) -> None:
+    """Box b's watch is late: it judges a registration of alias y as free after a's change gave y to a. The change's
+    claim on y is what refuses it."""
+    _, first, second = two_boxes
+    await registered(first, second, spec("a"))
+    await cancel_and_wait([second._task])  # b hears nothing from here on
+    await first.update(first.catalog.get("a"), ModelChange(aliases=("y",)))
+    assert second.catalog.get("y") is None
+    with pytest.raises(Conflict, match="alias 'y' is taken by model 'a'"):
+        await second.create(spec("c", "y"))
+
+
+async def test_an_alias_a_change_dropped_is_free_at_once_on_a_box_that_has_not_heard_of_it(
+    two_boxes: tuple[NATS, CatalogStore, CatalogStore],
+) -> None:
+    """Box b's watch is late: its catalog still shows x on a after a's change dropped it. Its look in the bucket
+    finds a without x, and a registration of x is not refused (it was, for as long as b's watch lagged: found by
+    review)."""
+    _, first, second = two_boxes
+    await registered(first, second, spec("a", "x"))
+    await cancel_and_wait([second._task])
+    await first.update(first.catalog.get("a"), ModelChange(aliases=()))
+    await refuse_taken(("x",), second.catalog, second)
+    await second.create(spec("c", "x"))
+    with pytest.raises(Conflict, match="'x' is taken: model 'c' has it as an alias"):
+        await refuse_taken(("x",), second.catalog, second)
+
+
+async def test_deleting_a_model_frees_its_own_name_at_once(nc: NATS) -> None:
+    """The name as well as the aliases: another model may take the deleted one's name as its alias at once."""
+    store = CatalogStore(nc.jetstream(), Catalog(), registers=True)
+    await store.open([])
+    await store.create(spec("z", "zed"))
+    await store.delete(store.catalog.get("z"))
+    await claim_elsewhere(nc, "other", "z", "zed")
+    await store.close()
+
+
+async def test_a_change_racing_a_delete_leaves_no_claim_of_the_deleted_model(
+    two_boxes: tuple[NATS, CatalogStore, CatalogStore],
+) -> None:
+    """Box a deletes m and is held after giving back m's claims, before the deletion; box b gives m alias y
+    meanwhile. The deletion used to remove m without looking: y (and m, claimed again by the change) stayed claimed
+    by a deleted model for `CLAIM_TTL_S` (found by review)."""
+    nc, first, second = two_boxes
+    await registered(first, second, spec("m"))
+    reached, go_on = hold(first._kv, "delete")
+    deleting = asyncio.create_task(first.delete(first.catalog.get("m")))
+    await asyncio.wait_for(reached.wait(), 10)
+    await second.update(second.catalog.get("m"), ModelChange(aliases=("y",)))
+    go_on.set()
+    await deleting
+    assert await entry_of(first, "m") is None and first.catalog.get("m") is None
+    await claim_elsewhere(nc, "c", "y", "m")
