@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import signal
 import socket
 import sys
@@ -235,11 +236,32 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def _finite(value: float | None) -> float | None:
+    """click's ranges let nan through (no comparison with it is true) and inf means no bound at all."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def _above_0(value: float | None) -> float | None:
+    """An SLO of 0 or below (`--slo-p99-ms -5`) no candidate can meet: a tune against it measured for nothing."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} is not a number of milliseconds above 0")
+    return value
+
+
 @app.command()
 def tune(
     model: Annotated[str, typer.Argument(help="a model name or alias the box knows, or a model folder")],
-    budget_minutes: Annotated[float, typer.Option(min=0.01, help="how long the whole tune may take")] = 10.0,
-    slo_p99_ms: Annotated[float | None, typer.Option(help="only settings whose p99 stays within this qualify")] = None,
+    budget_minutes: Annotated[
+        float,
+        typer.Option(
+            min=0.01, callback=_finite, help="how long the whole tune may take (the baseline runs whatever it is)"
+        ),
+    ] = 10.0,
+    slo_p99_ms: Annotated[
+        float | None, typer.Option(callback=_above_0, help="only settings whose p99 stays within this qualify")
+    ] = None,
     objective: Annotated[str, typer.Option(help="throughput (heavy load) | latency (light load)")] = "throughput",
     write: Annotated[bool, typer.Option("--write/--dry-run", help="write the profile and report, or print it")] = True,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N [FBX_DEVICE, default auto]")] = None,
@@ -250,7 +272,7 @@ def tune(
         int | None, typer.Option(min=1, help="closed-loop clients [8/core, 128 GPU, 4 latency]")
     ] = None,
     window_s: Annotated[
-        float | None, typer.Option(min=0.01, help="seconds per measured window [1 CPU, 0.5 GPU]")
+        float | None, typer.Option(min=0.01, callback=_finite, help="seconds per measured window [1 CPU, 0.5 GPU]")
     ] = None,
     quick: Annotated[bool, typer.Option(help="a smaller space (fewer batching values)")] = False,
     name: Annotated[str | None, typer.Option(help="the name the model is served under, for a folder")] = None,

@@ -297,6 +297,10 @@ def test_an_unusable_out_folder_is_refused_before_the_tune(tmp_path: Path, monke
         ["--concurrency", "0"],
         ["--concurrency", "-3"],
         ["--window-s", "0"],
+        ["--slo-p99-ms", "-5"],  # ran a whole tune against an SLO no candidate can meet
+        ["--slo-p99-ms", "0"],
+        ["--budget-minutes", "inf"],
+        ["--window-s", "inf"],
     ],
 )
 def test_nonsense_numbers_are_usage_errors(args: list[str], tmp_path: Path) -> None:
