@@ -259,6 +259,12 @@ class Catalog:
     def adapters_of(self, base: str) -> list[ModelSpec]:
         return [spec for spec in self._by_name.values() if spec.adapter_of == base]
 
+    def batching_for(self, spec: ModelSpec) -> Batching:
+        """The batching knobs the model runs with: an adapter runs in its base's batches, so the base's as they are
+        now (a PATCH of the base changes them), not the copy the adapter's own entry was made with."""
+        base = self.get(spec.adapter_of) if spec.adapter_of is not None else None
+        return (base or spec).batching
+
     def names(self) -> list[str]:
         return sorted(self._by_name)
 

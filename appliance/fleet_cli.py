@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import orjson
 import typer
 
+from appliance.settings import MAX_WAIT_MS
+
 if TYPE_CHECKING:
     from appliance.connect import NatsAuth
 
 T = TypeVar("T")
 LOCAL_NATS = "nats://127.0.0.1:4222"
+_INT64_MAX = 2**63 - 1  # the largest integer the catalog's JSON (orjson) holds: a knob's bound, as the box's
 
 
 def creds_problem(path: Path) -> str | None:
@@ -237,9 +240,13 @@ def models_update(
     ] = None,
     no_aliases: Annotated[bool, typer.Option("--no-aliases", help="drop every alias")] = False,
     pin: Annotated[bool | None, typer.Option("--pin/--unpin", help="pin the model, or unpin it")] = None,
-    max_batch_tokens: Annotated[int | None, typer.Option(min=1, help="rows x longest row in one batch")] = None,
-    max_batch_size: Annotated[int | None, typer.Option(min=1, help="rows in one batch")] = None,
-    max_wait_ms: Annotated[float | None, typer.Option(min=0, help="how long a partial batch waits for company")] = None,
+    max_batch_tokens: Annotated[
+        int | None, typer.Option(min=1, max=_INT64_MAX, help="rows x longest row in one batch")
+    ] = None,
+    max_batch_size: Annotated[int | None, typer.Option(min=1, max=_INT64_MAX, help="rows in one batch")] = None,
+    max_wait_ms: Annotated[
+        float | None, typer.Option(min=0, max=MAX_WAIT_MS, help="how long a partial batch waits for company")
+    ] = None,
 ) -> None:
     """Change a model in place, as PATCH /v1/models/NAME: its aliases, pin or batching knobs (no reload)."""
     if alias and no_aliases:

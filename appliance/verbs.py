@@ -66,7 +66,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
             "model": spec.name,
             "aliases": list(spec.aliases),
             "pinned": spec.pinned,
-            "batching": asdict(spec.batching),
+            "batching": asdict(box.catalog.batching_for(spec)),
         }
 
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:

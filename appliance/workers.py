@@ -147,8 +147,9 @@ class Workers:
             await worker.drain()
             raise
         await self._announce()
-        if current.batching != registered.batching:  # changed while it loaded, when no worker was here to retune
-            await self.retune(current)
+        latest = self._catalog.get(spec.name)  # as it is now: a change heard while the worker started is in it
+        if latest is not None and latest.batching != registered.batching:  # changed while it loaded or started
+            await self.retune(latest)
         return worker
 
     async def _profiled(self, spec: ModelSpec) -> ModelSpec:
@@ -162,10 +163,17 @@ class Workers:
     async def retune(self, spec: ModelSpec) -> None:
         """The catalog's entry for a model changed (a PATCH of its batching, say): its worker here takes the
         batching a load would give it now (this box's profile applied to the new entry), without a reload.
-        A generator's decode batch is set at its load (the catalog refuses it batching knobs)."""
+        A generator's decode batch is set at its load (the catalog refuses it batching knobs).
+
+        Retunes run side by side (two changes heard close together, or one heard while the worker started) and
+        finish in any order, so one applies only if its entry is still the catalog's when it is done: an older
+        one finishing last would undo the newer, whose own retune applies it."""
         if not isinstance(self._table.get(spec.name), ModelWorker):
             return
         batching = (await self._profiled(spec)).batching
+        current = self._catalog.get(spec.name)
+        if current is None or current.batching != spec.batching:
+            return  # stale: the catalog holds a newer entry (or none) by now
         worker = self._table.get(spec.name)  # looked up again: it may have gone while the profile was read
         if isinstance(worker, ModelWorker) and worker.spec.same_source(spec):
             worker.retune(batching)

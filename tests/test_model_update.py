@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from appliance import bus, cli
 from appliance.batcher import Batcher
-from appliance.catalog import Batching
+from appliance.catalog import Batching, ModelChange
 from appliance.devices import hardware_slug
 from appliance.errors import NotFound
 from appliance.metrics import Metrics
@@ -22,7 +22,7 @@ from appliance.model_update import NEEDS_REGISTRATION, change_model
 from appliance.profiles import Profile
 from appliance.schemas import ModelUpdate
 from appliance.settings import ModelEntry
-from tests.conftest import noop_model, url, wait_for
+from tests.conftest import hold, noop_model, url, wait_for
 from tests.test_batcher import RecordingRuntime, job
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -66,15 +66,7 @@ async def test_a_change_made_while_the_model_loads_reaches_the_worker_it_gets(st
     """The catalog's watch finds no worker to retune while the load runs; the worker started after it must not
     keep the batching its load began with."""
     box = await start_box(default_model=False, models=[noop("m", pinned=False)])
-    release, loading = asyncio.Event(), asyncio.Event()
-    load = box.residency.ensure_loaded
-
-    async def held_load(spec):
-        loading.set()
-        await release.wait()
-        return await load(spec)
-
-    box.residency.ensure_loaded = held_load
+    loading, release = hold(box.residency, "ensure_loaded")
     serving = asyncio.create_task(box.workers.serve(box.catalog.get("m")))
     await asyncio.wait_for(loading.wait(), 10)
     assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 3}))[0] == 200
@@ -175,6 +167,8 @@ async def test_what_changes_what_is_loaded_is_refused_by_name(start_box, http) -
         assert (status, body["error"]["code"]) == (422, "needs_registration"), (field, body)
         assert body["error"]["message"].startswith(f"{field} cannot change in place"), body
         assert "DELETE" in body["error"]["message"] and "POST" in body["error"]["message"], body
+    status, body = await call(http, box, "PATCH", "/v1/models/m", {"name": None, "max_batch_size": 2})
+    assert (status, body["error"]["code"]) == (422, "needs_registration"), body  # even as null, as api.md says
     status, body = await call(http, box, "PATCH", "/v1/models/m", {"path": "/x", "dtype": "float16"})
     assert body["error"]["message"].startswith("path, dtype cannot change in place: they change what is loaded")
     bad = [
@@ -299,5 +293,64 @@ async def test_the_cli_updates_a_model_through_a_box(start_box) -> None:
     assert code == 2 and "nothing to change" in output, output
     code, output = await asyncio.to_thread(update, "--alias", "a", "--no-aliases")
     assert code == 2 and "not both" in output, output
-    code, output = await asyncio.to_thread(update, "--max-wait-ms", "5000")
-    assert code == 1 and "$.max_wait_ms" in output, output
+    for option, past in (("--max-wait-ms", "5000"), ("--max-batch-size", "99999999999999999999"),
+                         ("--max-batch-tokens", str(2**63)), ("--max-batch-size", "0")):  # fmt: skip
+        code, output = await asyncio.to_thread(update, option, past)  # bounded as the schema is: a usage error
+        assert code == 2 and f"Invalid value for '{option}'" in output and "Traceback" not in output, output
+
+
+async def test_a_retune_finishing_after_a_newer_one_never_applies_the_older_batching(start_box) -> None:
+    """Two changes heard close together retune side by side; the older one's profile lookup finishing last used
+    to leave the worker on the older knobs for good (found by review)."""
+    box = await start_box(default_model=False, models=[noop("m")])
+    older = box.catalog.get("m")
+    newer = await box.store.update(older, ModelChange(batching={"max_batch_size": 64}))
+    worker = box.workers["m"]
+    await wait_for(lambda: worker.batcher.batching.max_batch_size == 64, what="the newer batching taken")
+    newer_applied = asyncio.Event()
+    profiled = box.workers._profiled
+
+    async def older_lookup_finishes_last(spec):
+        if spec.batching != newer.batching:
+            await newer_applied.wait()
+        return await profiled(spec)
+
+    box.workers._profiled = older_lookup_finishes_last
+    late = asyncio.create_task(box.workers.retune(older))
+    await box.workers.retune(newer)
+    newer_applied.set()
+    await late
+    assert worker.batcher.batching.max_batch_size == 64 and worker.spec.batching.max_batch_size == 64
+
+
+async def test_a_change_made_while_the_worker_starts_is_not_undone_by_one_made_while_it_loaded(start_box, http) -> None:
+    """A change during the load (max_batch_size 3) is applied once the worker has started; one heard while it
+    started (5) retunes it at once. The first used to be applied after, as read before the start."""
+    box = await start_box(default_model=False, models=[noop("m", pinned=False)])
+    loading, release_load = hold(box.residency, "ensure_loaded")
+    starting, release_start = hold(box.workers, "_announce")  # called once the worker has started
+    serving = asyncio.create_task(box.workers.serve(box.catalog.get("m")))
+    await asyncio.wait_for(loading.wait(), 10)
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 3}))[0] == 200
+    release_load.set()
+    await asyncio.wait_for(starting.wait(), 10)
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 5}))[0] == 200
+    await wait_for(lambda: box.workers["m"].batcher.batching.max_batch_size == 5, what="the change heard meanwhile")
+    release_start.set()
+    worker = await serving
+    assert worker.batcher.batching.max_batch_size == 5 and worker.spec.batching.max_batch_size == 5
+
+
+async def test_an_adapters_record_shows_its_bases_batching_as_a_patch_of_the_base_left_it(start_box, http) -> None:
+    """docs/api.md: an adapter runs in its base's batches, and its record says so (it showed its own entry's copy,
+    the box's defaults from a models file: found by review)."""
+    models = [noop("m", pinned=False), ModelEntry(name="m:lora", runtime="noop", adapter_of="m")]
+    box = await start_box(default_model=False, models=models)
+    assert (await call(http, box, "PATCH", "/v1/models/m", {"max_batch_size": 2, "max_wait_ms": 3.0}))[0] == 200
+    base = (await call(http, box, "GET", "/v1/models/m"))[1]["batching"]
+    assert (base["max_batch_size"], base["max_wait_ms"]) == (2, 3.0), base
+    for listed in (
+        (await call(http, box, "GET", "/v1/models/m:lora"))[1],
+        *(await call(http, box, "GET", "/v1/models"))[1]["data"],
+    ):
+        assert listed["batching"] == base, listed

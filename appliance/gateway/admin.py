@@ -36,7 +36,7 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
         "runtime": spec.runtime.value,
         "aliases": list(spec.aliases),
         "pinned": spec.pinned,
-        "batching": asdict(spec.batching),
+        "batching": asdict(ctx.catalog.batching_for(spec)),
         "adapter_of": spec.adapter_of,
         "adapters": [a.name for a in ctx.catalog.adapters_of(spec.name)],
         **ctx.model_state(spec.name),
