@@ -29,8 +29,8 @@ from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-_UPDATE_TRIES = 6  # a change reads the model and writes it back; this many times when others write in between
-_UPDATE_BACKOFF_S = 0.01  # and waits about this long times the try's number before the next, jittered
+_UPDATE_TRIES = 8  # a change reads the model and writes it back; this many times when others write in between
+_UPDATE_BACKOFF_S = 0.005  # before try n it waits a random part of this times 2**n (0.64 s at most, before the last)
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write (a delete) finds a newer revision
 
 
@@ -194,8 +194,8 @@ class CatalogStore:
         claims: list[Claim] = []
         try:
             for attempt in range(_UPDATE_TRIES):
-                if attempt:  # changes racing on several boxes: apart, so that one of them gets through each round
-                    await asyncio.sleep(random.uniform(0.5, 1.5) * _UPDATE_BACKOFF_S * attempt)
+                if attempt:  # changes racing on several boxes: spread apart, so that one gets through each round
+                    await asyncio.sleep(random.uniform(0, _UPDATE_BACKOFF_S * 2**attempt))
                 written = await self._write_over(spec, change, claims)
                 if written is not None:
                     updated, dropped = written
@@ -228,7 +228,7 @@ class CatalogStore:
         dropped: list[Claim] = []
         if self._names is not None:
             if change.aliases is not None:
-                claims[:] = await self._names.claim(spec.name, updated.aliases, renewing=claims)
+                claims[:] = await self._names.claim(spec.name, updated.aliases, renewing=claims, own_name=False)
             dropped = await self._names.held(spec.name, set(current.aliases) - set(updated.aliases))
         try:
             revision = await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)

@@ -81,16 +81,20 @@ class NameClaims:
             ),
         )
 
-    async def claim(self, owner: str, aliases: Iterable[str], *, renewing: Iterable[Claim] = ()) -> list[Claim]:
+    async def claim(
+        self, owner: str, aliases: Iterable[str], *, renewing: Iterable[Claim] = (), own_name: bool = True
+    ) -> list[Claim]:
         """Take the model's name and aliases, all or none: 409 `model_exists` naming the first already held.
 
         `renewing`: claims this caller made on an earlier try (a change written again after another change got
-        in first); one still at its revision stays the caller's own (given back should the change fail)."""
+        in first); one still at its revision stays the caller's own (given back should the change fail).
+        `own_name` False: the aliases only (a change of a registered model, whose name every catalog holds)."""
         assert self._kv is not None
         earlier = {claim.name: claim for claim in renewing}
+        names = {owner, *aliases} if own_name else set(aliases)
         made: list[Claim] = []
         try:
-            for name in sorted({owner, *aliases}):  # one order everywhere: no two registrations each hold half
+            for name in sorted(names):  # one order everywhere: no two registrations each hold half
                 made.append(await self._claim_one(owner, name, earlier.get(name)))
         except BaseException:
             await self.give_back(made)

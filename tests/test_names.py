@@ -251,7 +251,7 @@ async def test_a_change_racing_a_delete_leaves_no_claim_of_the_deleted_model(
     two_boxes: tuple[NATS, CatalogStore, CatalogStore],
 ) -> None:
     """Box a deletes m and is held after giving back m's claims, before the deletion; box b gives m alias y
-    meanwhile. The deletion used to remove m without looking: y (and m, claimed again by the change) stayed claimed
+    meanwhile. The deletion used to remove m without looking: y stayed claimed
     by a deleted model for `CLAIM_TTL_S` (found by review)."""
     nc, first, second = two_boxes
     await registered(first, second, spec("m"))
