@@ -7,27 +7,53 @@ it sees of each model's queue: the work it awaits for that model (weighed by cos
 answered. Past `max_queue_s` (or the request's own deadline) it answers 429 with the seconds until
 the estimate would be back under the bound. Every gateway sees its own share of a shared queue and
 of its answers, so the ratio holds without any gateway knowing the others.
+
+Two bounds keep the estimate honest at its edges. Before a rate is measured (a burst on an idle
+model), the work awaited is held to one round of the model's batches, or to what the model has
+shown it starts within the bound, whichever is more: never nothing, never unbounded. And nothing
+waits past the latest deadline of the work ahead of it (what has not started by its deadline is
+dropped unstarted), so the wait, and the Retry-After, never count work that will expire as work to do.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from appliance.catalog import Batching
 from appliance.envelope import BATCH
 from appliance.errors import TooManyRequests
 from appliance.metrics import Metrics
 
 _RATE_SPAN_S = 0.5  # the answer rate is kept in spans at least this long (shorter busy spells are not load)
 _RATE_WINDOW_S = 2.0  # the spans that ended this recently give a model's current rate
+_STEADY_WINDOW_S = 10.0  # ... unless those of this long gave a slower one (a fast stretch is not the pace)
 _QUEUE_SETTLE_S = 0.5  # the oldest request must have waited this long before the estimate is trusted
+# Answers close on each other's heels (under `_BATCH_GAP_S`) just after the one that starts the clock (under
+# `_BATCH_S`) came in its batch: computed before the clock started, so the clock starts after them.
+_BATCH_GAP_S = 0.005
+_BATCH_S = 0.05
+_UNMEASURED_ROUNDS = 1  # rounds of a model's batches admitted while its rate is not measured
 
 
 def _retry_s(seconds: float) -> int:
     """A Retry-After: whole seconds, 1 to 60."""
     return max(1, min(60, math.ceil(seconds)))
+
+
+def unmeasured_budget(batching: Batching, *, per_request: bool) -> int:
+    """The weight a model may have awaited while its rate is not measured: one round of its batches.
+
+    A round is a batch on each of its `concurrent_batches`: `max_batch_tokens` tokens each for an encoder
+    (a request weighs its tokens), `max_batch_size` requests each for a generation (a request weighs one).
+    These are the catalog's knobs; a box's profile may batch smaller, and then a round is several of its.
+    """
+    per_batch = batching.max_batch_size if per_request else batching.max_batch_tokens
+    return per_batch * batching.concurrent_batches * _UNMEASURED_ROUNDS
 
 
 @dataclass(slots=True)
@@ -38,10 +64,16 @@ class ModelQueue:
     long inputs must not count as one of a word), a generation as one (what delays its start is a
     free decode slot). The rate is weight answered per second *while work waited*, timed from the
     first answer of a busy spell (the wait before it, a cold load say, says nothing of the model's
-    pace): over the spans that ended in the last `_RATE_WINDOW_S`, or the last one when answers come
-    seconds apart (large requests), and the span still open. Idle time does not dilute it; a stall
-    does, so a queue that stops being answered stops admitting. A spell that starts after an idle
-    gap forgets the old spans: the model may be elsewhere now, or reloading.
+    pace, and nor does the rest of its batch, answered with it): over the spans that ended in the last
+    `_RATE_WINDOW_S`, or the last one when answers come seconds apart (large requests), and the span
+    still open, or over those of the last `_STEADY_WINDOW_S` when that is slower (a box whose pace
+    swings, on shared cores say, must not take in ten seconds of work in a fast second); none before
+    a span has closed (one batch answered at once is no rate). Idle time does
+    not dilute it; a stall does, so a queue that stops being answered stops admitting. A spell that
+    starts after an idle gap forgets the old spans: the model may be elsewhere now, or reloading.
+    What outlasts the gap is the last spell's pace (the weight answered in it ÷ its whole length, a
+    floor on how fast the model went then) and how much it answered, used only to admit more than one
+    round of batches.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -49,14 +81,24 @@ class ModelQueue:
     spans: deque[tuple[float, float, int]] = field(default_factory=deque)  # (ended, seconds, weight answered)
     _since: float | None = None  # the open span began (None: nothing answered yet in this busy spell)
     _done: int = 0  # weight answered in the open span
+    _first: float = 0.0  # the busy spell's first answer came (it started the clock)
+    _deadlines: list[tuple[float, str]] = field(default_factory=list)  # max-heap (-deadline, id), pruned lazily
+    _spell_began: float = 0.0  # the first request of this busy spell was sent
+    _spell_done: int = 0  # weight answered in this busy spell
+    _pace: float = 0.0  # weight per second over the last busy spell, from its first request to its last one gone
+    _shown: int = 0  # weight answered in the last busy spell
 
-    def add(self, request_id: str, now: float, weight: int) -> None:
+    def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
+        """A request sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has passed."""
         if not self.waiting:
             self._since, self._done = None, 0
+            self._spell_began, self._spell_done = now, 0
+            self._deadlines.clear()
             if self.spans and self.spans[-1][0] < now - _RATE_WINDOW_S:
                 self.spans.clear()
         self.waiting[request_id] = (now, weight)
         self.weight += weight
+        heapq.heappush(self._deadlines, (-deadline, request_id))
 
     def remove(self, request_id: str, now: float, *, answered: bool) -> None:
         """The request is answered (a generation: started), or no longer awaited."""
@@ -64,30 +106,65 @@ class ModelQueue:
         if entry is None:
             return
         self.weight -= entry[1]
-        if not answered:
-            return
+        if answered:
+            self._spell_done += entry[1]
+            self._count(entry[1], now)
+        if not self.waiting and now > self._spell_began:
+            self._pace, self._shown = self._spell_done / (now - self._spell_began), self._spell_done
+
+    def _count(self, weight: int, now: float) -> None:
         if self._since is None:  # the spell's first answer starts the clock
-            self._since = now
+            self._since = self._first = now
             return
-        self._done += entry[1]
+        if not self._done and now - self._since < _BATCH_GAP_S and now - self._first < _BATCH_S:
+            self._since = now  # the rest of the first answer's batch
+            return
+        self._done += weight
         if now - self._since >= _RATE_SPAN_S:
             self.spans.append((now, now - self._since, self._done))
             self._since, self._done = now, 0
 
     def rate(self, now: float) -> float | None:
-        """Weight answered per second while work waited, lately; None before anything was answered."""
-        while len(self.spans) > 1 and self.spans[0][0] < now - _RATE_WINDOW_S:
+        """Weight answered per second while work waited, lately; None before a span of answers has closed."""
+        while len(self.spans) > 1 and self.spans[0][0] < now - _STEADY_WINDOW_S:
             self.spans.popleft()
-        done = self._done + sum(answered for _, _, answered in self.spans)
+        if not self.spans:
+            return None
         open_s = now - self._since if self.waiting and self._since is not None else 0.0
-        seconds = open_s + sum(span for _, span, _ in self.spans)
-        return done / seconds if done and seconds > 0 else None
+        rates = []
+        for window_s in (_RATE_WINDOW_S, _STEADY_WINDOW_S):
+            spans = [span for span in self.spans if span[0] >= now - window_s] or [self.spans[-1]]
+            done = self._done + sum(answered for _, _, answered in spans)
+            seconds = open_s + sum(span for _, span, _ in spans)
+            rates.append(done / seconds if seconds > 0 else 0.0)
+        return min(rates) or None
+
+    def room(self, now: float, seconds: float) -> float:
+        """The weight the model is known to start within `seconds`, for when the estimate is not trusted yet.
+
+        At the current rate; or at the last busy spell's pace, but no more than twice what that spell
+        answered: a lone short request answered in a few milliseconds shows a pace, not that the model
+        would clear a thousand times its work at it (a slow start, as TCP's, each spell at most doubling).
+        """
+        shown = min(self._pace * seconds, 2.0 * self._shown)
+        return max(shown, (self.rate(now) or 0.0) * seconds)
+
+    def latest_deadline(self) -> float:
+        """When every request awaited now has either started or been dropped at its deadline."""
+        heap = self._deadlines
+        if len(heap) > 2 * len(self.waiting) + 64:  # mostly requests gone: rebuild rather than grow
+            heap[:] = [entry for entry in heap if entry[1] in self.waiting]
+            heapq.heapify(heap)
+        while heap and heap[0][1] not in self.waiting:
+            heapq.heappop(heap)
+        return -heap[0][0] if heap else -math.inf
 
     def wait_s(self, now: float) -> float | None:
         """Expected wait of a request sent now (Little's law), or None while there is nothing to go by.
 
         Not trusted until the oldest awaited request has waited a while: a burst the box clears in a
-        blink must not be refused on a rate measured when the work came a little at a time.
+        blink must not be refused on a rate measured when the work came a little at a time. Never past
+        the latest deadline of the work awaited: work that has not started by then never runs.
         """
         if not self.waiting:
             return None
@@ -95,7 +172,9 @@ class ModelQueue:
         if now - oldest < _QUEUE_SETTLE_S:
             return None
         rate = self.rate(now)
-        return None if rate is None else self.weight / rate
+        if rate is None:
+            return None
+        return max(0.0, min(self.weight / rate, self.latest_deadline() - now))
 
 
 class Admission:
@@ -105,21 +184,32 @@ class Admission:
     asks it for the 429 when the stream itself refuses (`overloaded`).
     """
 
-    def __init__(self, metrics: Metrics, *, max_waiting: int, max_queue_s: float) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        max_waiting: int,
+        max_queue_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._metrics = metrics
         self._max_waiting = max_waiting
         self._max_queue_s = max_queue_s
+        self._clock = clock
         self._queues: dict[tuple[str, str], ModelQueue] = {}
         self._answered: deque[float] = deque(maxlen=4096)  # reply times, for the Retry-After estimate
         self.backlog = 0  # messages in the request stream, kept fresh by the box's stream monitor
 
-    def admit(self, model: str, priority: str, timeout_s: float, waiting: int) -> ModelQueue:
+    def admit(
+        self, model: str, priority: str, timeout_s: float, waiting: int, *, weight: int, budget: int
+    ) -> ModelQueue:
         """The request's model queue, or the 429: it would wait too long to start, or the gateway awaits too many.
 
-        `waiting` is how many requests the gateway awaits now.
+        `waiting` is how many requests the gateway awaits now; `weight` is the request's, and `budget` the
+        weight its model may have awaited while its rate is not measured (`unmeasured_budget`).
         """
         queue = self._queue(model, priority)
-        self._bound(model, queue, timeout_s, priority)
+        self._bound(model, queue, timeout_s, priority, weight, budget)
         if waiting >= self._max_waiting:
             raise self.overloaded(f"this gateway already waits on {waiting} requests", waiting)
         return queue
@@ -139,21 +229,30 @@ class Admission:
             queue = self._queues[(model, priority)] = ModelQueue()
         return queue
 
-    def _bound(self, model: str, queue: ModelQueue, timeout_s: float, priority: str) -> None:
+    def _bound(self, model: str, queue: ModelQueue, timeout_s: float, priority: str, weight: int, budget: int) -> None:
         """429 when a new request would wait longer than the queue bound (or its own deadline) to start.
 
         Batch-priority work is meant to wait behind interactive work, so only its deadline bounds it.
+        While the estimate is not trusted yet, the work awaited (this request's included) is held to
+        `budget` or to what the model is known to start within the bound (`ModelQueue.room`); a request
+        alone always goes. Its Retry-After is 1: the rate is soon measured, or the burst answered.
         """
         limit = timeout_s if priority == BATCH else min(self._max_queue_s, timeout_s)
-        wait_s = queue.wait_s(time.monotonic())
-        if wait_s is not None and wait_s > limit:
-            self._metrics.refused.labels(model).inc()
-            retry = _retry_s(wait_s - limit)
-            raise TooManyRequests(
-                f"model {model} is overloaded: a request sent now would wait about {wait_s:.0f}s "
-                f"to start, over the limit of {limit:g}s; retry in {retry}s",
-                retry_after_s=retry,
-            )
+        now = self._clock()
+        wait_s = queue.wait_s(now)
+        if wait_s is not None:
+            if wait_s > limit:
+                retry = _retry_s(wait_s - limit)
+                why = f"a request sent now would wait about {wait_s:.0f}s to start, over the limit of {limit:g}s"
+                self._refuse(model, why, retry)
+            return
+        if queue.waiting and queue.weight + weight > max(budget, queue.room(now, limit)):
+            why = f"this gateway already awaits {len(queue.waiting)} requests for it, more than it is known to"
+            self._refuse(model, f"{why} start within {limit:g}s (its pace is not measured yet)", 1)
+
+    def _refuse(self, model: str, why: str, retry: int) -> None:
+        self._metrics.refused.labels(model).inc()
+        raise TooManyRequests(f"model {model} is overloaded: {why}; retry in {retry}s", retry_after_s=retry)
 
     def overloaded(self, why: str, waiting: int) -> TooManyRequests:
         """The 429 for `why`, with the Retry-After of `retry_after_s`."""

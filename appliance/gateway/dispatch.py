@@ -33,8 +33,9 @@ from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
-from appliance.gateway.admission import Admission, ModelQueue
+from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
 from appliance.metrics import Metrics
+from runtimes import Task
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +181,12 @@ class Dispatcher:
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> Reply:
-        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id)
+        weight = max(1, tokens)
+        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=weight)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
-        with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight=max(1, tokens)):
+        with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight, timeout_s):
             try:
                 await self._publish(spec, body, meta)
                 try:
@@ -209,9 +211,15 @@ class Dispatcher:
         adapter: str | None,
         priority: str,
         request_id: str | None,
+        *,
+        weight: int,
     ) -> tuple[ModelQueue, RequestMeta]:
-        """Admit a request (or raise the 429) and give it its model's queue and its envelope."""
-        queue = self._admission.admit(spec.name, priority, timeout_s, self.waiting)
+        """Admit a request (or raise the 429) and give it its model's queue and its envelope.
+
+        `weight` is what the request costs its model: its tokens, or one for a generation (see `ModelQueue`).
+        """
+        budget = unmeasured_budget(spec.batching, per_request=spec.task is Task.GENERATE)
+        queue = self._admission.admit(spec.name, priority, timeout_s, self.waiting, weight=weight, budget=budget)
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
         meta = RequestMeta(
@@ -229,12 +237,13 @@ class Dispatcher:
 
     @contextlib.contextmanager
     def _awaiting(
-        self, table: dict[str, Any], request_id: str, waiter: Any, queue: ModelQueue, weight: int
+        self, table: dict[str, Any], request_id: str, waiter: Any, queue: ModelQueue, weight: int, timeout_s: float
     ) -> Iterator[None]:
         """Count a request as awaited (by its model's queue, and by a stopping box) while the block runs."""
         table[request_id] = waiter
         self._none_awaited.clear()
-        queue.add(request_id, time.monotonic(), weight)
+        now = time.monotonic()
+        queue.add(request_id, now, weight, deadline=now + timeout_s)
         try:
             yield
         finally:
@@ -264,13 +273,13 @@ class Dispatcher:
         Admission is reckoned as for `call`, with a generation counted as started at its first chunk:
         what a client waits for before tokens flow is the wait to start, however long the answer.
         """
-        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id)
+        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=1)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter(spec.name)
         finished = False
         try:
-            with self._awaiting(self._streams, meta.id, waiter, queue, weight=1):
+            with self._awaiting(self._streams, meta.id, waiter, queue, 1, timeout_s):
                 await self._publish(spec, body, meta)
                 while not finished:
                     try:
