@@ -121,7 +121,8 @@ class ModelEntry(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FBX_", extra="ignore")
+    # inf and nan are no time, size or rate: `FBX_DEFAULT_TIMEOUT_S=inf` was accepted (and only capped later)
+    model_config = SettingsConfigDict(env_prefix="FBX_", extra="ignore", allow_inf_nan=False)
 
     # HTTP gateway
     host: str = "127.0.0.1"
@@ -164,7 +165,8 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(default=16_384, ge=1)
     max_batch_size: int = Field(default=256, ge=1)
     max_wait_ms: float = Field(default=0.0, ge=0, le=MAX_WAIT_MS)  # how long an idle device waits for company
-    concurrent_batches: int = Field(default=1, ge=1)  # batches of one model on the device at once
+    # batches of one model on the device at once; bounded as a model's own `concurrent_batches` is
+    concurrent_batches: int = Field(default=1, ge=1, le=MAX_CONCURRENT_BATCHES)
     worker_capacity: int = Field(default=1024, ge=1)  # at most this many requests held per model (pulled, not acked)
     hold_ms: float = Field(default=150.0, gt=0)  # a box pulls only what it expects to answer within this (pull rule)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")

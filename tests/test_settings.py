@@ -13,7 +13,7 @@ from appliance import cli
 from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
 from appliance.configured import configured_specs
-from appliance.settings import ModelEntry, Settings, load_settings, memory_budget_bytes
+from appliance.settings import MAX_CONCURRENT_BATCHES, ModelEntry, Settings, load_settings, memory_budget_bytes
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
@@ -193,6 +193,10 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         (["--host", "not a host"], {}),  # the box started NATS and loaded its models, then exited 1 (gaierror)
         ([], {"FBX_HOST": "not a host"}),
         ([], {"FBX_NATS_HOST": "not a host"}),  # the embedded server's bind address
+        ([], {"FBX_CONCURRENT_BATCHES": "100"}),  # a model's own concurrent_batches is 1 to 64: so is the default
+        ([], {"FBX_DEFAULT_TIMEOUT_S": "inf"}),  # accepted, then only capped by max_timeout_s
+        ([], {"FBX_DEFAULT_TIMEOUT_S": "nan"}),
+        ([], {"FBX_HEARTBEAT_TTL_S": "inf"}),
     ],
 )
 def test_serve_refuses_bad_settings_with_exit_2(args: list[str], env: dict[str, str], tmp_path, monkeypatch) -> None:
@@ -262,6 +266,21 @@ def test_keys_are_comma_separated_and_trimmed() -> None:
     settings = Settings(api_keys="k1, k2", admin_keys=" a ")
     assert (settings.api_key_list, settings.admin_key_list) == (["k1", "k2"], ["a"])
     assert Settings().api_key_list == []  # unset: the routes are open
+
+
+def test_no_time_or_rate_setting_takes_inf_or_nan() -> None:
+    floats = [name for name, field in Settings.model_fields.items() if field.annotation in (float, float | None)]
+    assert "default_timeout_s" in floats and "hold_ms" in floats
+    for name in floats:
+        for value in ("inf", "-inf", "nan"):
+            with pytest.raises(pydantic.ValidationError, match=f"{name}\n  Input should be a finite number"):
+                Settings(**{name: value})
+
+
+def test_the_box_wide_concurrent_batches_is_bounded_as_a_models_own() -> None:
+    assert Settings(concurrent_batches=MAX_CONCURRENT_BATCHES).concurrent_batches == 64
+    with pytest.raises(pydantic.ValidationError, match="concurrent_batches"):
+        Settings(concurrent_batches=MAX_CONCURRENT_BATCHES + 1)
 
 
 def test_box_ids_are_one_subject_token_and_generated_ones_pass() -> None:
