@@ -258,7 +258,6 @@ class ChatRequest(_Sampling, kw_only=True):
     modalities: list[str] | None = None  # ["text", "audio"]: an audio answer
     audio: dict[str, Any] | None = None  # the voice and format of that audio answer
     web_search_options: dict[str, Any] | None = None  # even {}: an answer grounded in a web search
-    prediction: dict[str, Any] | None = None  # predicted output: a speed-up (and `usage` counts) not given here
     moderation: dict[str, Any] | None = None  # a moderation model screening (or blocking) input and output
 
     def refused(self) -> list[str]:
@@ -268,7 +267,6 @@ class ChatRequest(_Sampling, kw_only=True):
             "modalities": self.modalities is not None and set(self.modalities) != {"text"},
             "audio": self.audio is not None,
             "web_search_options": self.web_search_options is not None,
-            "prediction": self.prediction is not None,
             "moderation": self.moderation is not None,
         }
         return super().refused() + [name for name, on in asked.items() if on]
