@@ -23,21 +23,21 @@ from appliance.tune_search import Trial
 def write_outputs(result: TuneResult, root: Path, note: str | None = None, command: str | None = None) -> list[Path]:
     """Write the profile, its report and its plot under `root/<model-slug>/`; returns the paths.
 
-    All or nothing: the report and plot are written beside their places and moved in, the profile
-    (which a box applies) last, so a write cut short (a second Ctrl-C, a full disk) leaves what was
-    there before.
+    All or nothing: all three are written beside their places first, then moved in (renames, the
+    profile, which a box applies, last), so a write cut short (a second Ctrl-C, a full disk) leaves
+    what was there before.
     """
     toml = profile_path(root, result.slug, result.hardware)
     png, md = toml.with_suffix(".png"), toml.with_suffix(".md")
-    drafts = {png: png.with_name(f".{png.name}.tmp"), md: md.with_name(f".{md.name}.tmp")}
+    drafts = {final: final.with_name(f".{final.name}.tmp") for final in (png, md, toml)}
     folder_was_there = toml.parent.is_dir()
     try:
         toml.parent.mkdir(parents=True, exist_ok=True)
         plot(result, drafts[png])
         drafts[md].write_text(report(result, png.name, note, command))
+        drafts[toml].write_text(result.profile(note).to_toml())
         for final, draft in drafts.items():
             os.replace(draft, final)
-        result.profile(note).write(toml)
     except BaseException:
         for draft in drafts.values():
             draft.unlink(missing_ok=True)

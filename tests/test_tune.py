@@ -105,7 +105,7 @@ def test_dry_run_writes_nothing(encoder_dir: Path, tmp_path: Path, monkeypatch) 
     assert "max_batch_tokens = " in result.stdout and not (tmp_path / "p").exists()
 
 
-def test_a_candidate_with_broken_outputs_is_never_chosen(encoder_dir: Path, tmp_path: Path) -> None:
+def test_a_candidate_with_broken_outputs_is_never_chosen(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
     tuner = Tuner(config(encoder_dir, (TORCH_1, BROKEN)), loader=loader_with_a_broken_engine)
     result = tuner.run()
     broken = [t for t in result.trials if t.candidate.engine == BROKEN]
@@ -117,6 +117,19 @@ def test_a_candidate_with_broken_outputs_is_never_chosen(encoder_dir: Path, tmp_
     assert profile.dtype == "float32" and BROKEN.label in profile.rejected
     paths = write_outputs(result, tmp_path / "profiles")
     assert "failed the gate" in paths[1].read_text()
+
+    # All or nothing: a write that fails at the profile (the last part made) leaves the last write's report
+    # and plot, where they used to be replaced already.
+    before = {path: path.read_bytes() for path in paths}
+
+    def fails(self: object) -> str:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(type(profile), "to_toml", fails)
+    with pytest.raises(OSError, match="no space"):
+        write_outputs(result, tmp_path / "profiles", note="a second tune")
+    assert {path: path.read_bytes() for path in paths} == before
+    assert sorted(p.name for p in paths[0].parent.iterdir()) == sorted(p.name for p in paths)  # no drafts left
 
 
 def test_ctrl_c_and_the_budget_keep_the_best_so_far(encoder_dir: Path) -> None:
