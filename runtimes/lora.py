@@ -120,6 +120,7 @@ class LoraAdapters:
                     add = PeftModel.add_adapter if config.task_type is None else type(self._peft).add_adapter
                     add(self._peft, name, config)  # load_adapter then reads only the weights into it
                     self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
+                _refuse_unplaced(self._peft, name, path)
                 if self._mixed_rows:
                     _refuse_unmixable(self._peft, name, path)
             except Exception as error:
@@ -129,6 +130,7 @@ class LoraAdapters:
                     self._unwrap()
                 else:
                     self._drop_partial(name, config)
+                    self._unwrap_empty_copies()
                     self._alias_gaps()
                 if isinstance(error, UnsupportedModel):
                     raise
@@ -153,6 +155,7 @@ class LoraAdapters:
                 if not self._bytes:
                     self._unwrap()  # peft cannot add an adapter to a wrapper left with none
                 else:
+                    self._unwrap_empty_copies()
                     self._alias_gaps()
 
     def _delete(self, name: str) -> None:
@@ -196,6 +199,16 @@ class LoraAdapters:
                     if name not in module.modules_to_save:
                         module.modules_to_save[name] = module.original_module
                         self._aliases.append((module, name))
+
+    def _unwrap_empty_copies(self) -> None:
+        """Put back the base's own module where a `modules_to_save` wrapper holds no adapter's copy any more: one a
+        refused load left (a generator adapter's norm copies) failed every mixed batch, base rows included."""
+        from peft.utils.other import ModulesToSaveWrapper
+
+        for module_name, module in list(self._peft.named_modules()):
+            if isinstance(module, ModulesToSaveWrapper) and not module.modules_to_save:
+                parent_name, _, attribute = module_name.rpartition(".")
+                setattr(self._peft.get_submodule(parent_name), attribute, module.original_module)
 
     def _drop_aliases(self) -> None:
         for module, name in self._aliases:
@@ -269,6 +282,24 @@ def _refuse_unmixable(model: torch.nn.Module, name: str, path: Path) -> None:
                     f"LoRA adapter {path} saves its own copy of {module_name} ({kind}), which peft cannot switch "
                     "per row of a batch; only Linear, Embedding and Conv modules may be in modules_to_save"
                 )
+
+
+def _refuse_unplaced(model: torch.nn.Module, name: str, path: Path) -> None:
+    """Refuse an adapter some of whose weights found no place in the model, where peft only warns and serves the
+    rest: LoRA for modules this base names otherwise (a BERT adapter on ELECTRA answered as the base), or LoRA
+    on a module another resident adapter replaced with its own copy (a RoBERTa head: the LoRA was dropped)."""
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    device = next(model.parameters()).device
+    loaded = set_peft_model_state_dict(model, load_peft_weights(str(path), device=str(device)), adapter_name=name)
+    unplaced = sorted(loaded.unexpected_keys)
+    if unplaced:
+        shared = any(other != name for other in model.peft_config)
+        why = "another model, or it adapts a module another adapter here replaces with its own copy" if shared else ""
+        raise UnsupportedModel(
+            f"LoRA adapter {path} has {len(unplaced)} weights this base has no place for (such as "
+            f"{unplaced[0].removeprefix('base_model.model.')}): it was trained on {why or 'another model'}"
+        )
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:

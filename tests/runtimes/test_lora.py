@@ -621,3 +621,85 @@ def test_an_adapter_evicted_and_loaded_again_is_served(
     reference = _reference_rows(task, _peft_reference(task, base_dir, adapter_dirs[task]), runtime, batch)
     np.testing.assert_allclose(runtime.run(batch, adapter="headed"), reference, atol=1e-5)
     runtime.close()
+
+
+def _roberta_classifier(folder: Path) -> Path:
+    """A RoBERTa classifier the size of the BERT ones (its head two layers: classifier.dense, classifier.out_proj)."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+    from tests.models import CLASS_LABELS
+
+    torch.manual_seed(5)
+    config = RobertaConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=130, pad_token_id=0, initializer_range=0.2, num_labels=len(CLASS_LABELS),
+        id2label=dict(enumerate(CLASS_LABELS)), label2id={label: i for i, label in enumerate(CLASS_LABELS)},
+    )  # fmt: skip
+    RobertaForSequenceClassification(config).save_pretrained(folder)
+    copy_bert_tokenizer(folder)
+    return folder
+
+
+def test_an_adapter_whose_weights_find_no_place_is_refused_not_served_partly(
+    model_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """peft only warns about adapter weights with no place in the model and serves the rest. A BERT adapter on a
+    RoBERTa base of the same sizes answered as the base under the adapter's name; an adapter with LoRA on the
+    RoBERTa head's dense layer, loaded after one that copies the head, answered without that LoRA (wrong, with a
+    200). Both are refused now; the other adapter and the base answer as before. Found by the black-box tester."""
+    task = Task.CLASSIFY
+    base_dir = _roberta_classifier(tmp_path / "roberta")
+    runtime = load_runtime(ModelSource(base_dir, task))
+    batch = _batch(task, runtime)
+    before = runtime.run(batch)
+    bert = make_adapter(task, model_dirs[task], tmp_path / "bert-lora", seed=81, task_type=None)
+    with pytest.raises(UnsupportedModel, match=r"weights this base has no place for .*trained on another model"):
+        runtime.load_adapter("bert", bert)
+    headed = make_adapter(task, base_dir, tmp_path / "headed", seed=82)
+    dense = make_adapter(task, base_dir, tmp_path / "dense", seed=83, task_type=None, target_modules=["query", "dense"])
+    runtime.load_adapter("headed", headed)
+    with pytest.raises(UnsupportedModel, match="replaces with its own copy"):
+        runtime.load_adapter("dense", dense)
+    assert runtime.adapters == ("headed",)
+    reference = _reference_rows(task, _peft_reference(task, base_dir, headed), runtime, batch)
+    np.testing.assert_allclose(runtime.run(batch, adapter="headed"), reference, atol=1e-5)
+    np.testing.assert_allclose(runtime.run(batch), before, atol=1e-6)
+    runtime.evict_adapter("headed")
+    runtime.load_adapter("dense", dense)  # alone it fits
+    reference = _reference_rows(task, _peft_reference(task, base_dir, dense), runtime, batch)
+    np.testing.assert_allclose(runtime.run(batch, adapter="dense"), reference, atol=1e-5)
+    runtime.close()
+
+
+def test_a_generator_adapter_refused_next_to_others_leaves_them_and_the_base_serving(
+    model_dirs: dict[Task, Path], adapter_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A norm-copying adapter refused after others were loaded left peft's wrappers around every norm: every
+    decode batch then failed (ValueError), the base's and the other adapters' too, until the base was evicted.
+    Found by the black-box tester."""
+    task, base_dir = Task.GENERATE, model_dirs[Task.GENERATE]
+    headed = make_adapter(task, base_dir, tmp_path / "headed", seed=91, modules_to_save=["lm_head"])
+    norms = make_adapter(task, base_dir, tmp_path / "norms", seed=92, modules_to_save=["norm"])
+    runtime = load_runtime(ModelSource(base_dir, task))
+    try:
+        runtime.load_adapter("plain", adapter_dirs[task])
+        runtime.load_adapter("headed", headed)
+        with pytest.raises(UnsupportedModel, match="cannot switch per row"):
+            runtime.load_adapter("norms", norms)
+        prompt = prompt_ids(runtime, "The quick brown fox")
+        greedy = SamplingParams(max_tokens=4, temperature=0)
+        joins = {
+            0: [("base", prompt, greedy), ("plain", prompt, greedy, "plain"), ("headed", prompt, greedy, "headed")]
+        }
+        outputs = drive(runtime, joins)
+        assert [o.error for outs in outputs.values() for o in outs if o.error is not None] == []
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        assert [o.token_id for o in outputs["base"]] == greedy_reference(base, prompt, 4)
+        for name, folder in (("plain", adapter_dirs[task]), ("headed", headed)):
+            reference = _peft_reference(task, base_dir, folder)
+            assert [o.token_id for o in outputs[name]] == greedy_reference(reference, prompt, 4), name
+    finally:
+        runtime.close()
