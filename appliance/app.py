@@ -353,8 +353,10 @@ class Box:
         that hangs) must not keep a stopping box alive past its SIGTERM budget.
         """
         log.info("box stopping", extra={"box": self.box_id})
-        self.draining = True  # the gateway answers new requests 503 (`/readyz` says why) until the listener closes
-        self.door.close_idle_connections()
+        # The gateway answers new requests 503, each with its connection closed (`/readyz` says why), until the
+        # listener closes. Idle kept-alive connections stay open till then: closing one a client had just sent a
+        # request on dropped that request unanswered.
+        self.draining = True
         if self.placement is not None:
             await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())

@@ -329,3 +329,19 @@ async def test_queued_generation_of_a_gone_client_is_never_generated(start_box, 
 
 async def _at_least(count: Awaitable[int], least: int) -> bool:
     return await count >= least
+
+
+async def test_a_request_that_reaches_the_queue_after_a_stopping_box_gave_up_is_answered_at_once(
+    start_box, http
+) -> None:
+    """A handler that passed the draining check before SIGTERM but reached the queue only after the box answered
+    what it awaited was left waiting, then dropped by the listener's close 3 s later, unanswered (4 runs in 10
+    of the black-box tester's). Now it gets the stopping box's 503 at once."""
+    from appliance.errors import ServiceUnavailable
+
+    box = await start_box(default_model=False, models=[noop_model()])
+    await box.dispatcher.abandon(ServiceUnavailable("box b is stopping; send the request again", retry_after_s=1))
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 30}) as response:
+        body = await response.json()
+        assert (response.status, body["error"]["code"]) == (503, "unavailable"), body
+        assert "is stopping" in body["error"]["message"]

@@ -87,6 +87,7 @@ class Dispatcher:
         self._blobs = blobs
         self._waiters: dict[str, tuple[asyncio.Future[Reply], ModelQueue]] = {}
         self._none_awaited = asyncio.Event()  # set whenever no request is awaited (a stopping box waits for it)
+        self._closed: FleetboxError | None = None  # set by `abandon`: what a request arriving after it is told
         self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._streams: dict[str, _StreamWaiter] = {}
@@ -130,6 +131,7 @@ class Dispatcher:
         A client then gets a clear error it can retry elsewhere instead of a dropped connection, and no
         box computes an answer nobody can be given.
         """
+        self._closed = error  # a handler that reaches the queue from now on is answered at once, not left hanging
         for request_id, (future, _queue) in list(self._waiters.items()):
             if not future.done():
                 future.set_exception(error)
@@ -218,6 +220,8 @@ class Dispatcher:
 
         `weight` is what the request costs its model: its tokens, or one for a generation (see `ModelQueue`).
         """
+        if self._closed is not None:
+            raise self._closed
         budget = unmeasured_budget(spec.batching, per_request=spec.task is Task.GENERATE)
         queue = self._admission.admit(spec.name, priority, timeout_s, self.waiting, weight=weight, budget=budget)
         request_id = request_id or self._nuid.next().decode()

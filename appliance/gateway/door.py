@@ -31,11 +31,6 @@ class HttpDoor:
         if server is not None and server.sockets:  # port 0 means "any free port"
             self.port = int(server.sockets[0].getsockname()[1])
 
-    def close_idle_connections(self) -> None:
-        """Idle keep-alive connections close now, busy ones after their answer."""
-        if self._runner is not None and self._runner.server is not None:
-            self._runner.server.pre_shutdown()
-
     async def close(self) -> None:
         """Stop listening, after the handlers still answering (3 s at most)."""
         if self._runner is not None:
