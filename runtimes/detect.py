@@ -140,7 +140,11 @@ def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_r
             f"LoRA adapter {folder} is a DoRA adapter, which peft cannot apply per row of a generation batch"
         )
     task_type = config.get("task_type")
-    task_type = None if task_type is None else str(task_type).upper()
+    if task_type is not None and task_type not in _PEFT_TASK_TYPES:
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} has task_type {task_type!r}, which peft does not know (one of "
+            f"{', '.join(_PEFT_TASK_TYPES)}, or none)"
+        )
     if base_task is not None and task_type is not None and task_type not in _ADAPTER_TASK_TYPES[base_task]:
         raise UnsupportedModel(
             f"LoRA adapter {folder} was saved for a {task_type} model (peft task_type), not for a base that "
@@ -150,43 +154,41 @@ def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_r
 
 def check_adapter_fits(adapter: Path, base: Path) -> None:
     """Raise `UnsupportedModel` for an adapter whose weights do not fit the base model in `base`: a head copy
-    (`modules_to_save`) of another shape or layout (a 3-label head on a 1-label reranker, a one-layer head on a
-    RoBERTa two-layer one), or a LoRA sized for other layers. Read from the safetensors headers, without torch;
-    weights in another format, or names that do not line up, are left to the first load to judge."""
+    (`modules_to_save`) of another shape (a 3-label head on a 1-label reranker), or a LoRA sized for other
+    layers. Read from the safetensors headers, without torch. Only a shape that contradicts the base's is
+    refused here: weights in another format, or names that do not line up (a checkpoint's legacy names, a head
+    built otherwise), are judged by the first load, which refuses weights that find no place in the model."""
     adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
     base_shapes = _safetensors_shapes(_base_weight_files(Path(base)))
     if not adapter_shapes or not base_shapes:
         return
-    config = _json_object(Path(adapter) / "adapter_config.json")
-    transposed = bool(config.get("fan_in_fan_out"))  # GPT-2's Conv1D keeps its weight as (in, out)
     for key, shape in adapter_shapes.items():
-        name = key.removeprefix("base_model.model.")
-        for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
-            if part in name and not transposed:
-                module = name.split(part)[0]
-                weight = _matching(base_shapes, f"{module}.weight")
-                if weight is not None and len(weight) >= 2 and shape[dim] != weight[dim]:
-                    side = "inputs" if dim == 1 else "outputs"
-                    raise UnsupportedModel(
-                        f"LoRA adapter {adapter} was trained for another model: its LoRA on {module} has "
-                        f"{shape[dim]} {side}, the base's layer {weight[dim]}"
-                    )
-                break
-        else:
-            if "lora_" in name or "magnitude_vector" in name:
+        # peft saves a targeted embedding's or head's own weight under `<module>.base_layer.weight`
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        lora = next(((part, dim) for part, dim in ((".lora_A.", 1), (".lora_B.", 0)) if part in name), None)
+        if lora is not None:
+            part, dim = lora
+            module = name.split(part)[0]
+            weight = _matching(base_shapes, f"{module}.weight")
+            if weight is None or len(shape) < 2 or len(weight) < 2:
                 continue
-            found = _matching(base_shapes, name)  # a head copy: the base's module, whole
-            if found is not None and found != shape:
+            # A Linear keeps its weight as (out, in), GPT-2's Conv1D as (in, out): either side may be the match.
+            fits = shape[dim] in weight[:2] if len(weight) == 2 else shape[dim] == weight[dim]
+            if not fits:
+                side = "inputs" if dim == 1 else "outputs"
                 raise UnsupportedModel(
-                    f"LoRA adapter {adapter} saves its own copy of {name} shaped {shape}, where the base's is "
-                    f"{found}: it was trained on a model with another head (another number of labels?)"
+                    f"LoRA adapter {adapter} was trained for another model: its LoRA on {module} has "
+                    f"{shape[dim]} {side}, where the base's layer is {'x'.join(map(str, weight))}"
                 )
-            top = name.split(".")[0]
-            if found is None and any(other.split(".")[0] == top for other in base_shapes):
-                raise UnsupportedModel(
-                    f"LoRA adapter {adapter} saves its own copy of {name}, which the base model does not have: "
-                    f"it was trained on a model whose {top} is built otherwise"
-                )
+            continue
+        if "lora_" in name or "magnitude_vector" in name:
+            continue
+        found = _matching(base_shapes, name)  # a head copy: the base's module, whole
+        if found is not None and found != shape:
+            raise UnsupportedModel(
+                f"LoRA adapter {adapter} saves its own copy of {name} shaped {shape}, where the base's is "
+                f"{found}: it was trained on a model with another head (another number of labels?)"
+            )
 
 
 def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
@@ -226,10 +228,13 @@ def _safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
         if not isinstance(header, dict):
             return {}
         for key, value in header.items():
-            if isinstance(value, dict) and isinstance(value.get("shape"), list):
-                shapes[key] = value["shape"]
+            shape = value.get("shape") if isinstance(value, dict) else None
+            if isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+                shapes[key] = shape
     return shapes
 
+
+_PEFT_TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 
 # peft's `task_type` of an adapter (its PeftModel class: which head it wraps) that fits a base of each task.
 _ADAPTER_TASK_TYPES: dict[Task, tuple[str, ...]] = {
