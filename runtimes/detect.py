@@ -300,6 +300,13 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
     if task is Task.SCORE:
         check_one_logit(folder, labels_from_config(_json_object(folder / "config.json")))
+    if task is Task.EMBED:  # its sentence-transformers modules, as the load will run them
+        from runtimes.tasks.embed import EmbedHead
+
+        try:
+            EmbedHead.from_folder(folder, weights=False)
+        except (ValueError, OSError) as exc:  # a modules.json or module config that is not JSON, say
+            raise UnsupportedModel(f"{folder}: its sentence-transformers modules cannot be read: {exc}") from None
     if task is Task.GENERATE:  # only where config.json alone tells; the load judges the rest
         refuse_other_layers(layer_types_in(_json_object(folder / "config.json")) or (), folder)
         check_chat_template(folder)

@@ -256,3 +256,62 @@ def test_extract_spans_match_the_simple_aggregation_pipeline(extractor, token_cl
         assert all(e["text"] == text[e["start"] : e["end"]] for e in got)
         seen_labels |= {e["label"] for e in got}
     assert seen_labels == {"PER", "LOC"}  # the comparison covered both entity types
+
+
+def _sentence_transformers_folder(encoder_dir: Path, folder: Path, pooling: object, dense: bool, norm: bool) -> Path:
+    """The test encoder saved by sentence-transformers itself, with the given pooling, Dense and Normalize modules."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    torch.manual_seed(7)
+    modules: list[torch.nn.Module] = [Transformer(str(encoder_dir)), Pooling(32, pooling_mode=pooling)]
+    width = 32 * (len(pooling) if isinstance(pooling, tuple) else 1)
+    if dense:
+        modules.append(Dense(width, 16))
+    if norm:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules).save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("pooling", "dense", "norm"),
+    [
+        ("cls", False, True),  # sentence-transformers 6 saves `pooling_mode`: read as mean before
+        ("mean_sqrt_len_tokens", False, False),
+        ("weightedmean", False, True),
+        (("cls", "mean"), False, True),  # several modes: concatenated
+        ("mean", True, True),  # a Dense layer after pooling (LaBSE, distiluse-*): skipped before
+    ],
+    ids=["cls-new-config", "mean-sqrt-len", "weighted-mean", "cls+mean", "dense"],
+)
+def test_embeddings_follow_every_sentence_transformers_module_of_the_folder(
+    encoder_dir: Path, tmp_path: Path, pooling: object, dense: bool, norm: bool
+) -> None:
+    """Vectors are what SentenceTransformer.encode gives: a Dense module was skipped (other width, other space) and
+    pooling modes other than cls/max/mean/last (or written in the newer `pooling_mode` key) read as mean, all with
+    a 200. Found by the black-box tester."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = _sentence_transformers_folder(encoder_dir, tmp_path / "st", pooling, dense, norm)
+    runtime = load_runtime(ModelSource(folder, Task.EMBED))
+    texts = ["A fine film, all in all.", "Alice lives in Paris, near the river and the old market."]
+    got = runtime.run(runtime.tokenize(texts))
+    want = SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_numpy=True)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+    runtime.close()
+
+
+def test_a_sentence_transformers_module_fleetbox_cannot_run_is_refused(encoder_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from runtimes.base import RuntimeKind
+    from runtimes.detect import UnsupportedModel, check_loadable
+
+    folder = _sentence_transformers_folder(encoder_dir, tmp_path / "st", "mean", dense=False, norm=True)
+    modules = json.loads((folder / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedModel, match="LayerNorm module; fleetbox runs Transformer, Pooling, Dense"):
+        check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
