@@ -15,9 +15,11 @@ import pytest
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
 from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
+from appliance.gateway.encoders import estimate_tokens
 from appliance.metrics import Metrics
 
 DEFAULT_BUDGET = unmeasured_budget(Batching(16_384, 256, 0.0, 1), per_request=False)  # the default settings'
+BURST = 4 * DEFAULT_BUDGET  # what a burst on an idle model may fill before its rate is measured
 HEAVY = 1760  # the gateway's estimate for 32 inputs of about 45 words
 HEAVY_PER_S = HEAVY / 0.85  # the default model on a 2-core CPU: 0.85 s for one such request
 
@@ -50,6 +52,7 @@ def drive(
     clients: int = 0,
     total: int = 0,
     timeout_s: float = 30.0,
+    priority: str = "interactive",
 ) -> list[Outcome]:
     """Requests of `weight` sent at `sends` (or by `clients` that each send the next once answered, `total` in
     all), through `admission`, to a fake model that starts up to `batch` of them at a time in order, at `per_s`
@@ -89,7 +92,7 @@ def drive(
             request_id = f"r{len(outcomes)}"
             outcomes.append(Outcome(clock.now))
             try:
-                queue = admission.admit("m", "interactive", timeout_s, len(queues), weight=weight, budget=budget)
+                queue = admission.admit("m", priority, timeout_s, len(queues), weight=weight, budget=budget)
             except TooManyRequests as refused:
                 outcomes[-1].status, outcomes[-1].retry_after = 429, int(refused.headers["Retry-After"])
                 if clients:
@@ -244,23 +247,24 @@ def test_a_light_burst_a_fast_model_clears_at_once_is_not_refused() -> None:
 
 def test_what_a_model_has_shown_outlasts_an_idle_gap() -> None:
     """The budget is a floor, not a cap. A model that cleared its last burst fast takes a bigger one at
-    once, up to twice what it cleared (held to one round of batches, it got a round a second, one per
-    retry, for ever); a slow model is held to what it starts within the bound at its last pace."""
+    once, up to twice what it cleared (held to its rounds of batches, it got that much a second, one per
+    retry, for ever); a slow model is held to what it starts within the bound at its last pace (here more
+    than its budget). A round is one request for the fast model (a burst fills four), two for the slow one."""
     clock = Clock()
     fast = admission(clock)
     admitted = []
     for _ in range(4):  # 20 arrive at once, an hour apart: a slow start, each spell at most doubling
-        burst = drive(fast, clock, [clock.now] * 20, weight=HEAVY, per_s=HEAVY * 200, batch=32, budget=4 * HEAVY)
+        burst = drive(fast, clock, [clock.now] * 20, weight=HEAVY, per_s=HEAVY * 200, batch=32, budget=HEAVY)
         admitted.append(sum(o.status == 200 for o in burst))
         clock.now += 3600.0
     assert admitted == [4, 8, 16, 20]
     clock = Clock()
     slow = admission(clock)
-    spell = drive(slow, clock, [100.0 + i / 2 for i in range(10)], weight=HEAVY, per_s=HEAVY_PER_S, budget=4 * HEAVY)
+    spell = drive(slow, clock, [100.0 + i * 0.6 for i in range(10)], weight=HEAVY, per_s=HEAVY_PER_S, budget=2 * HEAVY)
     assert {o.status for o in spell} == {200}  # one busy spell of 10 requests, in 8.5 s
     clock.now += 3600.0
-    burst = drive(slow, clock, [clock.now] * 40, weight=HEAVY, per_s=HEAVY_PER_S, budget=4 * HEAVY)
-    assert 10 <= sum(o.status == 200 for o in burst) <= 12  # about 10 s at its last pace
+    burst = drive(slow, clock, [clock.now] * 40, weight=HEAVY, per_s=HEAVY_PER_S, budget=2 * HEAVY)
+    assert 10 <= sum(o.status == 200 for o in burst) <= 12  # about 10 s at its last pace, not the 8 of its budget
     assert max(o.wait_s for o in burst if o.status == 200) <= 10.0
 
 
@@ -270,23 +274,38 @@ def test_a_lone_short_request_answered_fast_does_not_open_the_gate_to_heavy_work
     gate = admission(clock)
     drive(gate, clock, [100.0], weight=14, per_s=7000)
     clock.now += 1.0
-    burst = drive(gate, clock, [clock.now] * 40, weight=HEAVY, per_s=HEAVY_PER_S)
-    assert sum(o.status == 200 for o in burst) == DEFAULT_BUDGET // HEAVY  # one round of batches, not 40 s of work
+    flood = drive(gate, clock, [clock.now + i / 40 for i in range(40)], weight=HEAVY, per_s=HEAVY_PER_S)
+    assert sum(o.status == 200 for o in flood) == DEFAULT_BUDGET // HEAVY + 1  # a round, and one answered
 
 
-def test_the_wait_never_counts_work_that_will_expire_unstarted() -> None:
-    """142 requests of 0.85 s admitted in 3.5 s, each with a 30 s deadline: 5 s in, everything awaited has
-    started or expired by the last deadline, 28.5 s away, not after the 120 s the work would take."""
+def test_work_that_will_expire_unstarted_still_counts_toward_the_wait() -> None:
+    """142 requests of 0.85 s admitted in 3.5 s, each with a 30 s deadline: most of that work will expire
+    unstarted, and so would a request sent now, so it is overload (reckoned only to the latest deadline,
+    28.5 s away, a request sent with a deadline of 30 s or less was always let in: 504s, never a 429)."""
     q = ModelQueue()
     for i in range(142):
         q.add(f"r{i}", i * 0.025, HEAVY, deadline=i * 0.025 + 30.0)
-    q.remove("r0", 0.85, answered=True)
-    q.remove("r1", 1.7, answered=True)
-    q.remove("r2", 2.55, answered=True)
-    assert q.weight / (q.rate(5.0) or 0) > 100
-    assert q.wait_s(5.0) == pytest.approx(141 * 0.025 + 30.0 - 5.0)
+    for i in range(3):
+        q.remove(f"r{i}", 0.85 * (i + 1), answered=True)
+    assert q.wait_s(5.0) == pytest.approx(139 * HEAVY / (q.rate(5.0) or 0)) and (q.wait_s(5.0) or 0) > 100
+    assert q.latest_deadline() == pytest.approx(141 * 0.025 + 30.0)
     q.remove("r141", 5.0, answered=False)  # the latest deadline goes with its request
-    assert q.wait_s(5.0) == pytest.approx(140 * 0.025 + 30.0 - 5.0)
+    assert q.latest_deadline() == pytest.approx(140 * 0.025 + 30.0)
+
+
+@pytest.mark.parametrize(("priority", "timeout_s"), [("interactive", 5.0), ("interactive", 10.0), ("batch", 30.0)])
+def test_a_heavy_flood_is_refused_whatever_the_requests_deadline(priority: str, timeout_s: float) -> None:
+    """The heavy flood with deadlines no longer than the limit (a `Timeout` of at most `max_queue_s`, or any
+    batch-priority request, whose limit is its deadline): a wait reckoned only to the latest deadline never
+    passed the limit, and 712 (at 5 s) or 683 (batch) of the 800 got a 504 and none a 429."""
+    clock = Clock()
+    sends = [100.0 + i / 40 for i in range(800)]
+    outcomes = drive(
+        admission(clock), clock, sends, weight=HEAVY, per_s=HEAVY_PER_S, timeout_s=timeout_s, priority=priority
+    )
+    statuses = {status: sum(o.status == status for o in outcomes) for status in (200, 429, 504)}
+    assert statuses[429] > 700 and statuses[504] <= 5, statuses
+    assert min(o.sent for o in outcomes if o.status == 429) < 101.0
 
 
 def test_retry_after_is_when_the_queue_has_run_or_expired_not_when_all_of_it_would_run() -> None:
@@ -303,7 +322,7 @@ def test_retry_after_is_when_the_queue_has_run_or_expired_not_when_all_of_it_wou
     with pytest.raises(TooManyRequests) as refused:
         gate.admit("m", "interactive", 30.0, 139, weight=HEAVY, budget=DEFAULT_BUDGET)
     assert refused.value.headers["Retry-After"] == str(math.ceil(141 * 0.025 + 30.0 - 5.0 - 10.0))  # 19
-    assert "would wait about 29s" in refused.value.message
+    assert "would take about 459s to start, over 10s" in refused.value.message  # 139 requests at 3 in 2.55 s
 
 
 def test_a_fast_stretch_is_not_taken_for_the_pace() -> None:
@@ -316,3 +335,44 @@ def test_a_fast_stretch_is_not_taken_for_the_pace() -> None:
     for i, at in enumerate(answers):
         q.remove(f"r{i}", at, answered=True)
     assert q.rate(9.0) == pytest.approx(11 * HEAVY / 8.0)  # since the clock started at 1.0
+
+
+@pytest.mark.parametrize("clients", [12, 16, 32])
+def test_a_burst_of_large_requests_a_fast_model_clears_at_once_is_not_refused(clients: int) -> None:
+    """Clients sending 32 inputs of about 45 words each, to an idle model that answers 200 such requests a
+    second in batches of 32 (a GPU): held to one round of batches (9 of them) until a rate was measured,
+    16 clients got 7 of their first 16 requests refused, and 378 of 2,000."""
+    clock = Clock()
+    outcomes = drive(
+        admission(clock),
+        clock,
+        [100.0] * clients,
+        weight=HEAVY,
+        per_s=HEAVY * 200,
+        batch=32,
+        clients=clients,
+        total=2000,
+    )
+    assert len(outcomes) == 2000 and {o.status for o in outcomes} == {200}
+
+
+def test_long_inputs_weigh_what_the_model_takes_of_them() -> None:
+    """Two requests of 8 inputs of 4,000 characters each, sent together to an idle model: weighed at 1,002
+    tokens an input, where the model takes at most 512 of each, they were more than a round and one was 429."""
+    texts = [f"{i} " + "lorem ipsum dolor sit amet " * 150 for i in range(8)]
+    assert estimate_tokens(texts) == 8 * 512
+    assert estimate_tokens(["a few words here"]) == len("a few words here") // 4 + 2
+    clock = Clock()
+    outcomes = drive(admission(clock), clock, [100.0] * 2, weight=estimate_tokens(texts), per_s=2000.0)
+    assert [o.status for o in outcomes] == [200, 200]
+
+
+def test_a_batch_priority_job_on_an_idle_model_is_bounded_by_its_deadline_only() -> None:
+    """20 batch-priority requests of 32 inputs with a 600 s deadline, at once on an idle model: 11 were 429,
+    held to the round of batches an interactive burst gets."""
+    clock = Clock()
+    gate = admission(clock)
+    for i in range(20):
+        queue = gate.admit("m", "batch", 600.0, i, weight=HEAVY, budget=DEFAULT_BUDGET)
+        queue.add(f"r{i}", clock.now, HEAVY, deadline=clock.now + 600.0)
+    assert len(queue.waiting) == 20

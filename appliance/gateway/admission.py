@@ -8,11 +8,14 @@ answered. Past `max_queue_s` (or the request's own deadline) it answers 429 with
 the estimate would be back under the bound. Every gateway sees its own share of a shared queue and
 of its answers, so the ratio holds without any gateway knowing the others.
 
-Two bounds keep the estimate honest at its edges. Before a rate is measured (a burst on an idle
-model), the work awaited is held to one round of the model's batches, or to what the model has
-shown it starts within the bound, whichever is more: never nothing, never unbounded. And nothing
-waits past the latest deadline of the work ahead of it (what has not started by its deadline is
-dropped unstarted), so the wait, and the Retry-After, never count work that will expire as work to do.
+Work that will expire unstarted still counts as work to do: under overload most of it does, and so
+would the new request, so the wait is not capped at the deadlines of the work awaited (that let every
+request whose deadline is within the bound in, to a 504); only the Retry-After is, since by the latest
+of them that work has started or been dropped and a retry gets in. Before a rate is measured (a burst on
+an idle model) the work awaited is bounded by the model's batches: what arrives with a busy spell's first
+request (a burst) may fill four rounds of them, what keeps coming after (a flood) one, or what the model
+has shown it starts within the bound if that is more; never nothing, never unbounded. Batch-priority
+work, bounded by its deadline instead of `max_queue_s`, gets those rounds times deadline ÷ `max_queue_s`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ _QUEUE_SETTLE_S = 0.5  # the oldest request must have waited this long before th
 # `_BATCH_S`) came in its batch: computed before the clock started, so the clock starts after them.
 _BATCH_GAP_S = 0.005
 _BATCH_S = 0.05
-_UNMEASURED_ROUNDS = 1  # rounds of a model's batches admitted while its rate is not measured
+# While a model's rate is not measured, what arrives together (within `_BURST_S` of a busy spell's first
+# request: clients sent it at once) may fill this many rounds of its batches; what keeps coming after, one.
+_BURST_ROUNDS = 4
+_BURST_S = 0.1
 
 
 def _retry_s(seconds: float) -> int:
@@ -46,14 +52,14 @@ def _retry_s(seconds: float) -> int:
 
 
 def unmeasured_budget(batching: Batching, *, per_request: bool) -> int:
-    """The weight a model may have awaited while its rate is not measured: one round of its batches.
+    """One round of a model's batches: what `Admission` scales its bound by while the model's rate is not measured.
 
     A round is a batch on each of its `concurrent_batches`: `max_batch_tokens` tokens each for an encoder
     (a request weighs its tokens), `max_batch_size` requests each for a generation (a request weighs one).
     These are the catalog's knobs; a box's profile may batch smaller, and then a round is several of its.
     """
     per_batch = batching.max_batch_size if per_request else batching.max_batch_tokens
-    return per_batch * batching.concurrent_batches * _UNMEASURED_ROUNDS
+    return per_batch * batching.concurrent_batches
 
 
 @dataclass(slots=True)
@@ -72,8 +78,8 @@ class ModelQueue:
     not dilute it; a stall does, so a queue that stops being answered stops admitting. A spell that
     starts after an idle gap forgets the old spans: the model may be elsewhere now, or reloading.
     What outlasts the gap is the last spell's pace (the weight answered in it ÷ its whole length, a
-    floor on how fast the model went then) and how much it answered, used only to admit more than one
-    round of batches.
+    floor on how fast the model went then) and how much it answered, used only to admit more than the
+    rounds of batches a burst gets.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -142,12 +148,20 @@ class ModelQueue:
     def room(self, now: float, seconds: float) -> float:
         """The weight the model is known to start within `seconds`, for when the estimate is not trusted yet.
 
-        At the current rate; or at the last busy spell's pace, but no more than twice what that spell
-        answered: a lone short request answered in a few milliseconds shows a pace, not that the model
-        would clear a thousand times its work at it (a slow start, as TCP's, each spell at most doubling).
+        At the current rate; or at the pace of the last busy spell, or of this one so far (the weight it
+        answered ÷ the time since its first request), but no more than twice what that spell answered: a
+        lone short request answered in a few milliseconds shows a pace, not that the model would clear a
+        thousand times its work at it (a slow start, as TCP's, each answer letting in at most twice its weight).
         """
         shown = min(self._pace * seconds, 2.0 * self._shown)
+        if self.waiting and self._spell_done and now > self._spell_began:
+            pace = self._spell_done / (now - self._spell_began)
+            shown = max(shown, min(pace * seconds, 2.0 * self._spell_done))
         return max(shown, (self.rate(now) or 0.0) * seconds)
+
+    def together(self, now: float) -> bool:
+        """Whether a request sent now comes with the busy spell's first (within `_BURST_S`): part of one burst."""
+        return not self.waiting or now - self._spell_began < _BURST_S
 
     def latest_deadline(self) -> float:
         """When every request awaited now has either started or been dropped at its deadline."""
@@ -163,8 +177,9 @@ class ModelQueue:
         """Expected wait of a request sent now (Little's law), or None while there is nothing to go by.
 
         Not trusted until the oldest awaited request has waited a while: a burst the box clears in a
-        blink must not be refused on a rate measured when the work came a little at a time. Never past
-        the latest deadline of the work awaited: work that has not started by then never runs.
+        blink must not be refused on a rate measured when the work came a little at a time. Work that
+        will expire unstarted counts as work to do: under overload most of it does, and so would this
+        request (only `Retry-After` is reckoned to the latest deadline, when that work is gone).
         """
         if not self.waiting:
             return None
@@ -174,7 +189,7 @@ class ModelQueue:
         rate = self.rate(now)
         if rate is None:
             return None
-        return max(0.0, min(self.weight / rate, self.latest_deadline() - now))
+        return self.weight / rate
 
 
 class Admission:
@@ -234,19 +249,27 @@ class Admission:
 
         Batch-priority work is meant to wait behind interactive work, so only its deadline bounds it.
         While the estimate is not trusted yet, the work awaited (this request's included) is held to
-        `budget` or to what the model is known to start within the bound (`ModelQueue.room`); a request
-        alone always goes. Its Retry-After is 1: the rate is soon measured, or the burst answered.
+        `_BURST_ROUNDS` rounds of batches (`budget` is one) for a request sent with the busy spell's first
+        (a burst), to one round for one sent later (a flood), or to what the model is known to start
+        within the bound (`ModelQueue.room`) if that is more; batch priority gets those rounds times its
+        deadline ÷ `max_queue_s` (a bulk job with a long deadline is not a flood). A request alone always
+        goes. Its Retry-After is 1: the rate is soon measured, or the burst answered.
         """
         limit = timeout_s if priority == BATCH else min(self._max_queue_s, timeout_s)
         now = self._clock()
         wait_s = queue.wait_s(now)
         if wait_s is not None:
             if wait_s > limit:
-                retry = _retry_s(wait_s - limit)
-                why = f"a request sent now would wait about {wait_s:.0f}s to start, over the limit of {limit:g}s"
+                # Back under the limit as the work drains, or once what is awaited now has started or been
+                # dropped at its deadline, whichever is sooner.
+                retry = _retry_s(min(wait_s, queue.latest_deadline() - now) - limit)
+                why = f"what this gateway awaits for it would take about {wait_s:.0f}s to start, over {limit:g}s"
                 self._refuse(model, why, retry)
             return
-        if queue.waiting and queue.weight + weight > max(budget, queue.room(now, limit)):
+        rounds = _BURST_ROUNDS if queue.together(now) else 1
+        if priority == BATCH:
+            rounds *= max(1.0, limit / self._max_queue_s)
+        if queue.waiting and queue.weight + weight > max(budget * rounds, queue.room(now, limit)):
             why = f"this gateway already awaits {len(queue.waiting)} requests for it, more than it is known to"
             self._refuse(model, f"{why} start within {limit:g}s (its pace is not measured yet)", 1)
 
