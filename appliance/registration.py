@@ -115,13 +115,26 @@ def _check_fields(registration: ModelRegistration) -> None:
         )
 
 
+def _check_route_safe(name: str, what: str) -> None:
+    """A name (or alias) that the model routes can tell apart: `GET /v1/models/{name}`, `.../{name}/pin`."""
+    segments = name.split("/")
+    if segments[-1] in MODEL_VERBS or any(segment in ("", ".", "..") for segment in segments):
+        raise Unprocessable(
+            f"{what} {name!r} would make its routes ambiguous: no empty, '.' or '..' segment between "
+            f"slashes, and no last segment that is a verb ({', '.join(MODEL_VERBS)})",
+            code="invalid_name",
+        )
+
+
 def check_aliases(name: str, aliases: list[str]) -> None:
     """A model's aliases, beyond each one's length and characters (the schema's `ModelName`): how many, not its
-    own name, none twice (a registration's, and the new list of `PATCH /v1/models/{name}`)."""
+    own name, none twice, each one the routes can tell apart as a name (a registration's, and the new list of
+    `PATCH /v1/models/{name}`)."""
     if len(aliases) > MAX_ALIASES:
         raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
     for i, alias in enumerate(aliases):
         where = f"at `$.aliases[{i}]`"
+        _check_route_safe(alias, "alias")
         if alias == name:
             raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
         if alias in aliases[:i]:
@@ -195,13 +208,7 @@ async def register(
     except ValueError as exc:
         raise Unprocessable(str(exc), code="invalid_name") from None
     _check_fields(registration)
-    segments = name.split("/")
-    if segments[-1] in MODEL_VERBS or any(segment in ("", ".", "..") for segment in segments):
-        raise Unprocessable(
-            f"model name {name!r} would make its routes ambiguous: no empty, '.' or '..' segment between "
-            f"slashes, and no last segment that is a verb ({', '.join(MODEL_VERBS)})",
-            code="invalid_name",
-        )
+    _check_route_safe(name, "model name")
     await refuse_taken((name, *registration.aliases), catalog, store)
     holder = catalog.by_slug(slug)
     if holder is not None and await store.still_holds(holder):
@@ -217,8 +224,15 @@ async def register(
     base = None
     if registration.adapter_of is not None:
         base = catalog.get(registration.adapter_of)  # a name or an alias; the spec keeps the base's name
-        if base is None or base.adapter_of is not None:
+        if base is None:
             raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
+        if base.adapter_of is not None:
+            raise Unprocessable(
+                f"{base.name} is an adapter of {base.adapter_of}; an adapter's base is a model: give adapter_of "
+                f"{base.adapter_of!r}"
+            )
+        if registration.dtype not in ("float32", base.dtype):  # float32: the schema's default, i.e. left out
+            raise Unprocessable(f"an adapter runs in its base model's dtype ({base.dtype}); leave dtype out")
         if registration.pinned:
             raise Unprocessable(f"an adapter is not pinned; pin its base model {base.name}")
         if base.runtime is not RuntimeKind.TORCH:

@@ -250,3 +250,24 @@ async def test_an_adapter_that_does_not_fit_its_base_or_asks_another_task_is_ref
     assert (status, answer["error"]["code"]) == (422, "wrong_task"), answer
     body["task"] = "classify"
     assert (await call(http, box, "POST", "/v1/models", body))[0] == 201
+
+
+async def test_an_adapter_of_an_adapter_a_route_ambiguous_alias_and_an_adapter_dtype_are_refused_clearly(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """An adapter named as a base was a 404 'does not exist' (it exists); aliases like 'pin' or 'x/../y' were
+    taken, unreachable by their routes; an adapter's dtype was taken and ignored. Found by the black-box tester."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    await register_adapter(http, box, "cls:a", classifier_adapters[0])
+    body = {"name": "cls:a:b", "path": str(classifier_adapters[1]), "adapter_of": "cls:a"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert status == 422 and "an adapter's base is a model" in answer["error"]["message"], answer
+    body = {"name": "cls:f16", "path": str(classifier_adapters[1]), "adapter_of": "cls", "dtype": "float16"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert status == 422 and "runs in its base model's dtype" in answer["error"]["message"], answer
+    for alias in ("pin", "x/../y", "a//b"):
+        status, answer = await call(http, box, "PATCH", "/v1/models/cls", {"aliases": [alias]})
+        assert (status, answer["error"]["code"]) == (422, "invalid_name"), (alias, answer)
+        body = {"name": "other", "path": str(classifier_dir), "aliases": [alias]}
+        status, answer = await call(http, box, "POST", "/v1/models", body)
+        assert (status, answer["error"]["code"]) == (422, "invalid_name"), (alias, answer)
