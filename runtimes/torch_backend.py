@@ -7,6 +7,7 @@ the others), loaded from a local folder only: no hub, no `trust_remote_code`.
 from __future__ import annotations
 
 import gc
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,15 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# transformers builds a model on the meta device through process-wide hooks, then ties and fills its weights: two
+# builds at once in one process (two cold models asked for together) left tied weights on the meta device in both
+# ("Cannot copy out of meta tensor", 5 runs in 11). One build at a time; reading the weights is most of it anyway.
+_BUILDING = threading.Lock()
+
+
 def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
-    model = _model_class(task).from_pretrained(str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False)
+    with _BUILDING:
+        model = _model_class(task).from_pretrained(
+            str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
+        )
     return model.eval()

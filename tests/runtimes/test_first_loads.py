@@ -38,3 +38,33 @@ def test_a_fresh_process_loads_several_models_at_once(model_dirs: dict[Task, Pat
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_tied_generators_loaded_at_once_all_load(tmp_path: Path) -> None:
+    """transformers builds a model on the meta device, then ties its weights: two tied-embedding generators loaded
+    at once left lm_head on the meta device in both ('Cannot copy out of meta tensor'; 10 of 15 loads here before),
+    and each model answered 503 for 30 s. Found by the black-box tester."""
+    import threading
+
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from runtimes import ModelSource, load_runtime
+    from tests.models import save_generator
+
+    llama = save_generator(tmp_path / "llama", LlamaConfig, LlamaForCausalLM, tie_word_embeddings=True)
+    gpt2 = save_generator(tmp_path / "gpt2", GPT2Config, GPT2LMHeadModel, n_head=4, n_layer=2)
+    failures: list[str] = []
+
+    def load(folder: Path) -> None:
+        try:
+            load_runtime(ModelSource(folder, Task.GENERATE)).close()
+        except Exception as exc:
+            failures.append(repr(exc))
+
+    for _ in range(3):
+        threads = [threading.Thread(target=load, args=(folder,)) for folder in (llama, gpt2, llama)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert failures == []
