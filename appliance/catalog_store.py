@@ -18,7 +18,13 @@ import orjson
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
@@ -275,6 +281,23 @@ class CatalogStore:
             return True
         current = self.catalog.by_slug(spec.slug)
         return entry is not None and current is not None and current.name == spec.name
+
+    async def adapters_in_bucket(self, base: str) -> list[ModelSpec]:
+        """The adapters of `base` the bucket holds now, those a box has not heard of yet included (a registration
+        on another box racing the base's deletion). Reads every key: for deletions, which are rare."""
+        assert self._kv is not None
+        try:
+            keys = await self._kv.keys()
+        except NoKeysError:
+            return []
+        found = []
+        for key in keys:
+            with suppress(KeyNotFoundError):
+                entry = await self._kv.get(key)
+                spec = ModelSpec.from_json(entry.value) if entry.value else None
+                if spec is not None and spec.adapter_of == base:
+                    found.append(spec)
+        return found
 
     async def delete(self, spec: ModelSpec) -> None:
         """Take the model out of the bucket, as the bucket holds it: the claims of that entry's name and aliases

@@ -215,6 +215,10 @@ async def delete_model(
     await store.delete(spec)
     if spec.adapter_of is not None:
         return  # an adapter runs on its base's queue
+    # An adapter registered on another box while this deletion was judged (the route refuses a base with the
+    # adapters it knows of) would be left without a base, and inherited by a model registered under the name next.
+    for adapter in await store.adapters_in_bucket(spec.name):
+        await store.delete(adapter)
     await settle_model_queue(js, settings, catalog, spec.slug)
     if sent_before is not None:  # bounded: what a registration of the slug made since is sent is kept
         try:

@@ -256,6 +256,9 @@ async def register(
     if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)
     await store.create(spec)  # refused (409) when a registration racing this one took the slug, name or an alias
+    if base is not None and not await store.still_holds(base):  # the base deleted on another box meanwhile
+        await store.delete(spec)
+        raise NotFound(f"base model {base.name} was deleted while its adapter was registered", code="model_not_found")
     if open_queue is not None and spec.adapter_of is None:
         try:
             await open_queue(spec)

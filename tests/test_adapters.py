@@ -271,3 +271,37 @@ async def test_an_adapter_of_an_adapter_a_route_ambiguous_alias_and_an_adapter_d
         body = {"name": "other", "path": str(classifier_dir), "aliases": [alias]}
         status, answer = await call(http, box, "POST", "/v1/models", body)
         assert (status, answer["error"]["code"]) == (422, "invalid_name"), (alias, answer)
+
+
+async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is_not_left_without_it(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """Both calls succeeded and the adapter was left without a base, then inherited by the next model registered
+    under the base's name (7 of 20 and 13 of 20 rounds for the black-box tester). Now, whichever way the race
+    goes, the adapter goes with its base."""
+    from tests.conftest import hold
+
+    here = await classifier_box(start_box, http, classifier_dir)
+    there = await start_box(default_model=False, model_roots=[classifier_dir.parent.parent])
+    await wait_for(lambda: there.catalog.get("cls") is not None, what="the other box to know the base")
+    base = there.catalog.get("cls")
+
+    # The registration writes the adapter, then the other box deletes the base (past the route's check, made
+    # before it could know of the adapter): the registration finds its base gone and takes the adapter back.
+    written, go_on = hold(here.store, "create", after=True)
+    body = {"name": "cls:a", "path": str(classifier_adapters[0]), "adapter_of": "cls"}
+    registering = asyncio.create_task(call(http, here, "POST", "/v1/models", body))
+    await asyncio.wait_for(written.wait(), 20)
+    await there._delete_model(base)
+    go_on.set()
+    status, answer = await registering
+    assert (status, answer["error"]["code"]) == (404, "model_not_found"), answer
+    assert await there.store.adapters_in_bucket("cls") == []
+
+    # The other way: the registration saw its base, then the base is deleted: the deletion takes the adapter.
+    assert (await call(http, here, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
+    await register_adapter(http, here, "cls:b", classifier_adapters[1])
+    await wait_for(lambda: there.catalog.get("cls") is not None, what="the other box to know the base again")
+    await there._delete_model(there.catalog.get("cls"))
+    assert await there.store.adapters_in_bucket("cls") == []
+    await wait_for(lambda: here.catalog.get("cls:b") is None, what="the adapter to leave the catalog")
