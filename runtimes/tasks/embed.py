@@ -102,8 +102,8 @@ class EmbedHead:
         """(batch, tokens, width) hidden states and (batch, tokens) mask to (batch, width) float32.
 
         A (batch, width) array comes from a network that pools by itself (a shipped ONNX
-        sentence-embedding graph): its Dense layers are applied where its width is theirs, then it is
-        normalised, as the folder says.
+        sentence-embedding graph): it holds the folder's whole pipeline, Dense layers included, and is
+        only normalised, as the folder says (a square Dense layer applied again gave other vectors).
         """
         hidden = hidden.astype(np.float32, copy=False)
         if hidden.ndim == 2:
@@ -111,8 +111,7 @@ class EmbedHead:
         else:
             parts = [_pool(mode, hidden, mask) for mode in self.pooling]
             pooled = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        for layer in self.dense:
-            if pooled.shape[1] == layer.weight.shape[1]:
+            for layer in self.dense:
                 pooled = layer(pooled)
         return normalize(pooled) if self.normalize else np.ascontiguousarray(pooled, dtype=np.float32)
 
@@ -168,13 +167,14 @@ def _dense(folder: Path, weights: bool) -> DenseLayer | None:
 
 
 def _dense_weights(folder: Path) -> dict[str, np.ndarray]:
+    import torch  # not numpy's reader: it has no bfloat16
+
     if (folder / "model.safetensors").is_file():
-        from safetensors.numpy import load_file
+        from safetensors.torch import load_file
 
-        return {key: value.astype(np.float32) for key, value in load_file(folder / "model.safetensors").items()}
-    import torch
-
-    state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = load_file(folder / "model.safetensors")
+    else:
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     return {key: value.float().numpy() for key, value in state.items()}
 
 

@@ -315,3 +315,32 @@ def test_a_sentence_transformers_module_fleetbox_cannot_run_is_refused(encoder_d
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModel, match="LayerNorm module; fleetbox runs Transformer, Pooling, Dense"):
         check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
+
+
+def test_a_graph_that_pools_by_itself_is_not_passed_through_the_dense_layers_again(
+    encoder_dir: Path, tmp_path: Path
+) -> None:
+    """A shipped ONNX graph with a `sentence_embedding` output holds the whole pipeline: a square Dense layer (LaBSE's
+    768 -> 768) was applied a second time (cosine 0.11 to sentence-transformers). Found by review."""
+    from runtimes.tasks.embed import EmbedHead
+
+    folder = _sentence_transformers_folder(encoder_dir, tmp_path / "st", "mean", dense=True, norm=False)
+    head = EmbedHead.from_folder(folder)
+    pooled = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+    np.testing.assert_array_equal(head.pool(pooled, np.ones((2, 3), dtype=np.int64)), pooled)
+
+
+def test_a_bfloat16_dense_layer_is_read(encoder_dir: Path, tmp_path: Path) -> None:
+    """numpy's safetensors reader has no bfloat16: a folder saved from a bf16 model passed registration, then every
+    load failed with a TypeError. Found by review."""
+    from sentence_transformers import SentenceTransformer
+
+    from runtimes.tasks.embed import EmbedHead
+
+    folder = _sentence_transformers_folder(encoder_dir, tmp_path / "st", "mean", dense=True, norm=True)
+    model = SentenceTransformer(str(folder), device="cpu")
+    model[2].to(torch.bfloat16)
+    model.save(str(folder))
+    layer = EmbedHead.from_folder(folder).dense[0]
+    want = model[2].linear.weight.float().detach().numpy()
+    np.testing.assert_array_equal(layer.weight, want)
