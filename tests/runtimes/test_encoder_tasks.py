@@ -322,10 +322,12 @@ def test_a_graph_that_pools_by_itself_is_not_passed_through_the_dense_layers_aga
 ) -> None:
     """A shipped ONNX graph with a `sentence_embedding` output holds the whole pipeline: a square Dense layer (LaBSE's
     768 -> 768) was applied a second time (cosine 0.11 to sentence-transformers). Found by review."""
-    from runtimes.tasks.embed import EmbedHead
+    from runtimes.tasks.embed import EmbedHead, PoolingMode
 
     folder = _sentence_transformers_folder(encoder_dir, tmp_path / "st", "mean", dense=True, norm=False)
-    head = EmbedHead.from_folder(folder)
+    dense = EmbedHead.from_folder(folder).dense[0]
+    square = type(dense)(np.eye(16, dtype=np.float32) * 3, None, dense.activation)  # as LaBSE's 768 -> 768
+    head = EmbedHead((PoolingMode.MEAN,), normalize=False, dense=(square,))
     pooled = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
     np.testing.assert_array_equal(head.pool(pooled, np.ones((2, 3), dtype=np.int64)), pooled)
 
