@@ -130,15 +130,14 @@ class LoraAdapters:
                     self._unwrap()
                 else:
                     self._drop_partial(name, config)
-                    self._unwrap_empty_copies()
-                    self._alias_gaps()
+                    self._after_change()
                 if isinstance(error, UnsupportedModel):
                     raise
                 raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
             self._paths[name] = Path(path)
-            self._alias_gaps()
+            self._after_change()
             return self._bytes[name]
 
     def evict(self, name: str) -> None:
@@ -155,8 +154,7 @@ class LoraAdapters:
                 if not self._bytes:
                     self._unwrap()  # peft cannot add an adapter to a wrapper left with none
                 else:
-                    self._unwrap_empty_copies()
-                    self._alias_gaps()
+                    self._after_change()
 
     def _delete(self, name: str) -> None:
         """peft's deletion of `name`, with one adapter active everywhere before and after it: peft picks the
@@ -187,6 +185,12 @@ class LoraAdapters:
         self._drop_aliases()
         if self._peft is not None:
             self._serve(_MIXING)  # after the change peft may have made another adapter active: still "mixing"
+
+    def _after_change(self) -> None:
+        """After peft added or deleted an adapter (or failed to): wrappers left with no copy give the base's module
+        back, and the others get their aliases again."""
+        self._unwrap_empty_copies()
+        self._alias_gaps()
 
     def _alias_gaps(self) -> None:
         """Give each `modules_to_save` wrapper the base's own module under every resident adapter it has no copy
