@@ -142,6 +142,14 @@ class BatchingGiven(Protocol):
     concurrent_batches: int | None
 
 
+BATCHING_KNOBS = ("max_batch_tokens", "max_batch_size", "max_wait_ms", "concurrent_batches")  # BatchingGiven's
+
+
+def knobs_given(given: BatchingGiven) -> list[str]:
+    """The batching knobs an entry or registration sets itself (left out: the box's defaults)."""
+    return [knob for knob in BATCHING_KNOBS if getattr(given, knob) is not None]
+
+
 def batching_of(given: BatchingGiven, defaults: Batching) -> Batching:
     """A model's batching: the knobs its entry (or registration) gives, the box's defaults for the rest."""
     return Batching(

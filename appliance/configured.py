@@ -17,6 +17,7 @@ from appliance.catalog import (
     batching_of,
     default_batching,
     default_model_path,
+    knobs_given,
     spec_of,
 )
 from appliance.settings import ModelEntry, Settings
@@ -63,8 +64,7 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
     else:
         task = detect_task(path)  # the same detection as registration through the API
-    knobs = [knob for knob in ("max_batch_tokens", "max_batch_size", "max_wait_ms", "concurrent_batches")
-             if getattr(entry, knob) is not None]  # fmt: skip
+    knobs = knobs_given(entry)
     if knobs and (entry.adapter_of is not None or task is Task.GENERATE):  # as a registration through the API
         where = "its base's batches" if entry.adapter_of is not None else "a decode batch set by its options"
         raise ValueError(f"model {entry.name!r} runs in {where}: {', '.join(knobs)} would not apply to it")

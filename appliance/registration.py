@@ -23,6 +23,7 @@ from appliance.catalog import (
     ModelSpec,
     batching_of,
     default_batching,
+    knobs_given,
     spec_of,
 )
 from appliance.catalog_store import CatalogStore
@@ -165,13 +166,10 @@ async def refuse_taken(names: tuple[str, ...], catalog: Catalog, store: CatalogS
             )
 
 
-_BATCHING_KNOBS = ("max_batch_tokens", "max_batch_size", "max_wait_ms", "concurrent_batches")
-
-
 def _refuse_unused_batching(registration: ModelRegistration, task: Task, base: ModelSpec | None) -> None:
     """Batching knobs that would be kept in the catalog and never used: an adapter runs in its base's batches,
     and a generator's decode batch comes from its options (they were taken silently)."""
-    given = [knob for knob in _BATCHING_KNOBS if getattr(registration, knob) is not None]
+    given = knobs_given(registration)
     if not given:
         return
     if base is not None:
