@@ -105,6 +105,21 @@ def generator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_generator(tmp_path_factory.mktemp("generator"), LlamaConfig, LlamaForCausalLM)
 
 
+def save_roberta_classifier(folder: Path) -> Path:
+    """A RoBERTa classifier the size of the BERT ones (its head two layers: classifier.dense, classifier.out_proj),
+    with the BERT tokenizer (whose pad id, 0, its config names)."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    torch.manual_seed(5)
+    config = RobertaConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=130, pad_token_id=0, initializer_range=0.2, num_labels=len(CLASS_LABELS),
+        id2label=dict(enumerate(CLASS_LABELS)), label2id={label: i for i, label in enumerate(CLASS_LABELS)},
+    )  # fmt: skip
+    RobertaForSequenceClassification(config).save_pretrained(folder)
+    return copy_bert_tokenizer(folder)
+
+
 def save_generator(folder: Path, config_class: type, model_class: type, **overrides: object) -> Path:
     """A 2-layer causal LM of one transformers family (the generator's tokenizer, sizes and seed), saved to `folder`."""
     folder.mkdir(parents=True, exist_ok=True)

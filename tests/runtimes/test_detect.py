@@ -291,20 +291,16 @@ def test_an_adapter_is_judged_against_its_base_weights(
     """A 3-label head copy on a 1-label reranker, a BERT head on a RoBERTa two-layer head, a LoRA sized for another
     model: each was a 201, then a 422 on every request with torch's size-mismatch text. Found by the black-box
     tester."""
-    from transformers import LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaForSequenceClassification
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks._models import copy_bert_tokenizer
-    from tests.models import make_adapter
+    from tests.models import make_adapter, save_roberta_classifier
 
     for task, folder in adapter_dirs.items():
         check_adapter_fits(folder, model_dirs[task])  # each adapter on its own base
     with pytest.raises(UnsupportedModel, match=r"copy of classifier\.\w+ shaped \[3"):
         check_adapter_fits(adapter_dirs[Task.CLASSIFY], model_dirs[Task.SCORE])
 
-    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
-    roberta = tmp_path / "roberta"
-    RobertaForSequenceClassification(RobertaConfig(num_labels=3, pad_token_id=0, **small)).save_pretrained(roberta)
-    copy_bert_tokenizer(roberta)
+    roberta = save_roberta_classifier(tmp_path / "roberta")
     check_adapter_fits(make_adapter(Task.CLASSIFY, roberta, tmp_path / "roberta-lora", seed=3), roberta)
     # Names that do not line up are the first load's to judge (it refuses weights with no place in the model):
     # a BERT head on RoBERTa's two-layer one here, a checkpoint's legacy LayerNorm gamma/beta names elsewhere.

@@ -17,7 +17,7 @@ import torch
 from runtimes import ModelSource, Task, load_runtime
 from runtimes.base import UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams
-from tests.models import make_adapter
+from tests.models import make_adapter, save_roberta_classifier
 
 from .helpers import drive, greedy_reference, prompt_ids
 
@@ -503,25 +503,8 @@ def test_one_decode_batch_mixes_an_adapter_with_its_own_lm_head_and_one_without(
 def test_a_roberta_classifier_adapter_with_its_own_head_is_served(tmp_path: Path) -> None:
     """RoBERTa-family classifiers have a two-layer head (RobertaClassificationHead), which peft's SEQ_CLS adapters
     copy by default: such adapters, the common case, were refused (peft cannot switch that head per row)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import RobertaConfig, RobertaForSequenceClassification
-
-    from benchmarks._models import copy_bert_tokenizer
-    from tests.models import CLASS_LABELS, _perturb_lora
-
-    torch.manual_seed(5)
-    config = RobertaConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=130, pad_token_id=0, initializer_range=0.2, num_labels=len(CLASS_LABELS),
-        id2label=dict(enumerate(CLASS_LABELS)), label2id={label: i for i, label in enumerate(CLASS_LABELS)},
-    )  # fmt: skip
-    base_dir = tmp_path / "roberta"
-    RobertaForSequenceClassification(config).save_pretrained(base_dir)
-    copy_bert_tokenizer(base_dir)  # the pad id (0) the config names
-    lora = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"])
-    tuned = get_peft_model(RobertaForSequenceClassification.from_pretrained(base_dir), lora)
-    _perturb_lora(tuned, 51)
-    tuned.save_pretrained(tmp_path / "adapter")
+    base_dir = save_roberta_classifier(tmp_path / "roberta")
+    make_adapter(Task.CLASSIFY, base_dir, tmp_path / "adapter", seed=51)
 
     runtime = load_runtime(ModelSource(base_dir, Task.CLASSIFY))
     batch = _batch(Task.CLASSIFY, runtime)
@@ -623,24 +606,6 @@ def test_an_adapter_evicted_and_loaded_again_is_served(
     runtime.close()
 
 
-def _roberta_classifier(folder: Path) -> Path:
-    """A RoBERTa classifier the size of the BERT ones (its head two layers: classifier.dense, classifier.out_proj)."""
-    from transformers import RobertaConfig, RobertaForSequenceClassification
-
-    from benchmarks._models import copy_bert_tokenizer
-    from tests.models import CLASS_LABELS
-
-    torch.manual_seed(5)
-    config = RobertaConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=130, pad_token_id=0, initializer_range=0.2, num_labels=len(CLASS_LABELS),
-        id2label=dict(enumerate(CLASS_LABELS)), label2id={label: i for i, label in enumerate(CLASS_LABELS)},
-    )  # fmt: skip
-    RobertaForSequenceClassification(config).save_pretrained(folder)
-    copy_bert_tokenizer(folder)
-    return folder
-
-
 def test_an_adapter_whose_weights_find_no_place_is_refused_not_served_partly(
     model_dirs: dict[Task, Path], tmp_path: Path
 ) -> None:
@@ -649,7 +614,7 @@ def test_an_adapter_whose_weights_find_no_place_is_refused_not_served_partly(
     RoBERTa head's dense layer, loaded after one that copies the head, answered without that LoRA (wrong, with a
     200). Both are refused now; the other adapter and the base answer as before. Found by the black-box tester."""
     task = Task.CLASSIFY
-    base_dir = _roberta_classifier(tmp_path / "roberta")
+    base_dir = save_roberta_classifier(tmp_path / "roberta")
     runtime = load_runtime(ModelSource(base_dir, task))
     batch = _batch(task, runtime)
     before = runtime.run(batch)
