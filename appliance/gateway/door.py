@@ -7,10 +7,18 @@ every other request is refused and each connection closes after its answer.
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from appliance.gateway.app import build_app
 from appliance.gateway.context import GatewayContext
+
+# As it closes, the listener stops taking connections, then lets the kept-alive ones carry the request a client
+# may be sending on them (its 503 closes the connection) until none has closed for _QUIET_S, _LINGER_S at most.
+_QUIET_S = 0.25
+_LINGER_S = 1.5
+_POLL_S = 0.02
 
 
 class HttpDoor:
@@ -32,6 +40,30 @@ class HttpDoor:
             self.port = int(server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
-        """Stop listening, after the handlers still answering (3 s at most)."""
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Stop listening, let kept-alive connections settle, then close after the handlers (3 s at most).
+
+        Closing a kept-alive connection the moment a client sends on it loses that request with no answer (the
+        client sees a dropped connection, not a 503 it could retry), so the connections in use are left to close
+        by themselves after their next answer; only those quiet for a while are closed.
+        """
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()  # a new connection is refused: a client can retry that anywhere
+        await self._settle()
+        await self._runner.cleanup()
+
+    async def _settle(self) -> None:
+        """Wait until no connection is open, or none has closed for `_QUIET_S` (`_LINGER_S` at most)."""
+        server = self._runner.server if self._runner is not None else None
+        if server is None:
+            return
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + _LINGER_S
+        open_now = set(server.connections)
+        changed = loop.time()
+        while open_now and loop.time() < give_up and loop.time() - changed < _QUIET_S:
+            await asyncio.sleep(_POLL_S)
+            still_open = set(server.connections)
+            if still_open != open_now:
+                open_now, changed = still_open, loop.time()
