@@ -241,7 +241,8 @@ class Box:
         assert self.js is not None
         await settle_model_queue(self.js, self.settings, self.catalog, spec.slug)
 
-    async def _delete_model(self, spec: ModelSpec) -> None:
+    async def delete_model(self, spec: ModelSpec) -> None:
+        """Take a model out of the fleet: `DELETE /v1/models/{name}` and the `delete` verb."""
         assert self.js is not None and self.store is not None
         await delete_model(self.js, self.settings, self.catalog, self.store, spec)
 
@@ -272,7 +273,7 @@ class Box:
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
             open_queue=self.open_queue,
-            delete_model=self._delete_model,
+            delete_model=self.delete_model,
         )
         await self.door.open(context)
 

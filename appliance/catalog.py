@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from appliance.bus import model_slug
-from appliance.errors import NotFound
+from appliance.errors import Conflict, NotFound
 from appliance.settings import ModelEntry, Settings
 from runtimes import ModelSource, RuntimeKind, Task
 
@@ -266,6 +266,15 @@ class Catalog:
 
     def adapters_of(self, base: str) -> list[ModelSpec]:
         return [spec for spec in self._by_name.values() if spec.adapter_of == base]
+
+    def check_deletable(self, spec: ModelSpec) -> None:
+        """A base model goes after its adapters (409): deleting it would leave them serving nothing."""
+        adapters = self.adapters_of(spec.name)
+        if adapters:
+            raise Conflict(
+                f"model {spec.name} has adapters ({', '.join(a.name for a in adapters)}); delete them first",
+                code="model_has_adapters",
+            )
 
     def batching_for(self, spec: ModelSpec) -> Batching:
         """The batching knobs the model runs with: an adapter runs in its base's batches, so the base's as they are

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _BOX_ID = re.compile(BOX_ID_PATTERN)  # what a box may be named: one NATS subject token
 
-VERBS = ("load", "evict", "pin", "unpin", "register", "drain", "status")
+VERBS = ("load", "evict", "pin", "unpin", "update", "register", "delete", "drain", "status")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 

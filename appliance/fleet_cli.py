@@ -261,6 +261,40 @@ def models_update(
     _print_action(fleet, "update", model=model, change=change)
 
 
+@models_app.command("register")
+@_reaches_the_fleet
+def models_register(
+    name: Annotated[str, typer.Argument(help="the new model's name", callback=_check_model_argument)],
+    path: Annotated[str, typer.Argument(help="its folder, on the box: under one of the box's model roots")],
+    fleet: FleetAccess,
+    task: Annotated[
+        str | None, typer.Option(help="embed, score, classify, extract or generate; default: read from the files")
+    ] = None,
+    adapter_of: Annotated[str | None, typer.Option(help="the base model, for a LoRA adapter")] = None,
+    alias: Annotated[list[str] | None, typer.Option("--alias", help="another name for it; repeat it")] = None,
+    pin: Annotated[bool, typer.Option("--pin", help="keep it loaded on every box")] = False,
+    runtime: Annotated[str | None, typer.Option(help="torch (default) or onnx")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 (default), float16, bfloat16 or int8")] = None,
+    box: Annotated[
+        str | None,
+        typer.Option(help="the box that judges the folder; default: a live box on this host", callback=_check_box_id),
+    ] = None,
+) -> None:
+    """Register a model folder (or a LoRA adapter of a model), as POST /v1/models; it loads when first asked."""
+    registration: dict[str, Any] = {"name": name, "path": path, "task": task, "adapter_of": adapter_of}
+    registration |= {"aliases": alias, "pinned": pin or None, "runtime": runtime, "dtype": dtype}
+    _print_action(
+        fleet, "register", registration={field: value for field, value in registration.items() if value}, box=box
+    )
+
+
+@models_app.command("delete")
+@_reaches_the_fleet
+def models_delete(model: Model, fleet: FleetAccess) -> None:
+    """Delete a model or adapter from the fleet, as DELETE /v1/models/NAME: requests waiting for it get a 404."""
+    _print_action(fleet, "delete", model=model)
+
+
 @models_app.command("load")
 @_reaches_the_fleet
 def models_load(

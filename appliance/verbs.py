@@ -2,7 +2,7 @@
 steer a box (appliance/control.py carries them over NATS).
 
 Each verb acts on this box alone (load and evict a model here, drain, report), or on the fleet's
-catalog through this box (pin, unpin, update, register), judged by the same rules as the HTTP routes.
+catalog through this box (pin, unpin, update, register, delete), judged by the same rules as the HTTP routes.
 """
 
 from __future__ import annotations
@@ -69,6 +69,13 @@ def control_verbs(box: Box) -> dict[str, Handler]:
             "batching": asdict(box.catalog.batching_for(spec)),
         }
 
+    async def delete(payload: dict[str, Any]) -> dict[str, Any]:
+        """`DELETE /v1/models/{name}` over NATS (the TUI and CLI): a base only once its adapters are gone."""
+        spec = _model(box, payload)
+        box.catalog.check_deletable(spec)
+        await box.delete_model(spec)
+        return {"model": spec.name, "deleted": True}
+
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
         assert box.store is not None
@@ -93,6 +100,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         "unpin": unpin,
         "update": update,
         "register": register_verb,
+        "delete": delete,
         "drain": drain,
         "status": status,
     }

@@ -223,6 +223,62 @@ async def test_models_and_box_commands_steer_the_same_box(start_box, nats_server
     assert json.loads(out)["draining"] is True and box.stop_requested.is_set()
 
 
+async def test_models_register_and_delete_commands_change_the_catalog(
+    start_box, nats_server, http, tmp_path, encoder_dir
+) -> None:
+    """The catalog from a script, as the TUI's register form and delete key do it: there was no command for either."""
+    root = tmp_path / "models"
+    shutil.copytree(encoder_dir, root / "tiny")
+    box = await start_box(default_model=False, models=[noop_model("alpha")], model_roots=[root], box_id="tui-box-5")
+    nats = ("--nats", nats_server.url)
+
+    code, out, err = await fleetbox("models", "register", "tiny", str(root / "tiny"), "--alias", "t1", *nats)
+    assert code == 0, err
+    assert (json.loads(out)["model"], json.loads(out)["task"]) == ("tiny", "embed")
+    assert (await model(http, box, "t1"))["id"] == "tiny"  # the alias given
+
+    code, out, err = await fleetbox("models", "register", "elsewhere", "/etc", *nats)
+    assert code == 1 and "outside the model roots" in err and out == ""
+
+    code, out, err = await fleetbox("models", "delete", "t1", *nats)
+    assert code == 0, err
+    assert json.loads(out) == {"ok": True, "box": box.box_id, "model": "tiny", "deleted": True}
+    assert (await model(http, box, "tiny"))["error"]["code"] == "model_not_found"
+
+    code, out, err = await fleetbox("models", "delete", "tiny", *nats)
+    assert code == 1 and "'tiny' does not exist" in err
+
+
+async def test_the_delete_key_deletes_the_selected_model_after_asking(
+    start_box, tui, http, tmp_path, encoder_dir
+) -> None:
+    app, pilot = tui
+    root = tmp_path / "models"
+    shutil.copytree(encoder_dir, root / "tiny")
+    box = await start_box(default_model=False, model_roots=[root], box_id="tui-box-6")
+    async with http.post(url(box, "/v1/models"), json={"name": "tiny", "path": str(root / "tiny")}) as response:
+        assert response.status == 201, await response.text()
+    await pilot.press("2")
+
+    async def listed() -> bool:
+        return rows(app) == ["tiny"]
+
+    await wait_for(listed, 10.0, "tiny on the Models screen")
+    await pilot.press("x")
+    await on_screen(app, Confirm)
+    await pilot.press("n")  # asked first: no deletes nothing
+    await pilot.pause()
+    assert box.catalog.get("tiny") is not None
+    await pilot.press("x")
+    await on_screen(app, Confirm)
+    await pilot.press("y")
+
+    async def deleted() -> bool:
+        return box.catalog.get("tiny") is None and rows(app) == []
+
+    await wait_for(deleted, 10.0, "tiny deleted, on the box and on the screen")
+
+
 async def test_boxes_joining_leaving_and_dying_are_marked_and_logged(start_box, tui, nats_server) -> None:
     """One box is real; the dying one is a heartbeat written by hand and then never renewed (a box
     killed without a clean stop looks exactly like that in `fbx_boxes`)."""

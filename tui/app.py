@@ -169,5 +169,7 @@ def describe(result: dict[str, Any]) -> str:
         parts.append("draining")
     if "task" in result:
         parts.append(f"registered ({result['task']})")
+    if result.get("deleted"):
+        parts.append("deleted")
     by = f" (answered by {result['box']})" if result.get("box") else ""
     return (", ".join(parts) or "done") + by

@@ -58,7 +58,7 @@ async def run_tui(servers: str, auth: NatsAuth, refresh_s: float) -> int:
 
 
 async def act(servers: str, auth: NatsAuth, verb: str, **args: Any) -> dict[str, Any]:
-    """One action (`pin`, `unpin`, `update`, `load`, `evict`, `drain`, `register`) with `FleetOps`, its reply."""
+    """One action (`pin`, `unpin`, `update`, `load`, `evict`, `drain`, `register`, `delete`) with `FleetOps`."""
     async with attached(servers, auth) as source:
         return await getattr(source.ops, verb)(**args)
 

@@ -1,9 +1,9 @@
-"""Steering a fleet: pin, unpin, update, load, evict, drain, register, shared by the TUI and the CLI.
+"""Steering a fleet: pin, unpin, update, load, evict, drain, register, delete, shared by the TUI and the CLI.
 
 Every action is a control verb sent to one box with `appliance.control.call_box`, so the TUI, the
 `fleetbox models …` commands and the admin HTTP routes run the same code on the box and get the
 same typed errors. Which box answers is chosen here from the heartbeats: catalog-wide verbs (pin,
-update, register) go to any live box, preferring one on this host for registration (the folder is judged
+update, register, delete) go to any live box, preferring one on this host for registration (the folder is judged
 on the box that answers); `load` goes to the live worker with the most free memory unless a box
 is named; `evict` without a box evicts from every box holding the model.
 
@@ -92,6 +92,11 @@ class FleetOps:
 
     async def drain(self, box: str) -> dict[str, Any]:
         return await self._call(box, "drain", {})
+
+    async def delete(self, model: str) -> dict[str, Any]:
+        """Delete a model (or adapter) from the fleet's catalog, as `DELETE /v1/models/{name}`: its queued requests are
+        answered 404 and it is unloaded everywhere; a base with adapters is refused until they are deleted."""
+        return await self._call(self._any_box(), "delete", {"model": model})
 
     async def register(self, registration: dict[str, Any], box: str | None = None) -> dict[str, Any]:
         """Register a model folder (the body of `POST /v1/models`); judged by `box` or a box on this host."""

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from appliance.catalog import ModelChange, ModelSpec
 from appliance.control import call_box
-from appliance.errors import Conflict, ServiceUnavailable, not_resident
+from appliance.errors import ServiceUnavailable, not_resident
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
@@ -75,12 +75,7 @@ async def update_model(request: web.Request) -> web.Response:
 async def delete_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = _spec(ctx, request)
-    adapters = ctx.catalog.adapters_of(spec.name)
-    if adapters:
-        raise Conflict(
-            f"model {spec.name} has adapters ({', '.join(a.name for a in adapters)}); delete them first",
-            code="model_has_adapters",
-        )
+    ctx.catalog.check_deletable(spec)
     await ctx.delete_model(spec)
     return json_response({"id": spec.name, "object": "model", "deleted": True})
 

@@ -1,4 +1,4 @@
-"""The Models screen: one row per catalog model across the fleet; pin, load, evict, register."""
+"""The Models screen: one row per catalog model across the fleet; pin, load, evict, register, delete."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from textual.binding import Binding, BindingType
 from textual.widgets import DataTable, Sparkline, Static
 
 from tui import format as fmt
-from tui.dialogs import Choose, RegisterForm
+from tui.dialogs import Choose, Confirm, RegisterForm
 from tui.model import FleetView, ModelRow, model_rows
 from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, selected_key, sync_rows
 
@@ -22,6 +22,8 @@ class ModelsScreen(DataScreen):
         Binding("l", "load", "Load", tooltip="load the model on a box"),
         Binding("e", "evict", "Evict", tooltip="evict the model from a box, or all"),
         Binding("r", "register", "Register", tooltip="register a model folder"),
+        # Off the footer, which 80 columns fill; `?` lists it.
+        Binding("x", "delete", "Delete", tooltip="delete the model from the fleet", show=False),
     ]
     DEFAULT_CSS = "ModelsScreen Sparkline { height: 2; margin: 0 1; }"
 
@@ -162,3 +164,21 @@ class ModelsScreen(DataScreen):
             return await self.fleet_app.attempt(f"register {registration['name']}", lambda: ops.register(registration))
 
         self.app.push_screen(RegisterForm(bases, register))
+
+    def action_delete(self) -> None:
+        row = self._selected_row()
+        if row is None:
+            return
+        adapters = [s.name for s in self.fleet_app.view.catalog if s.adapter_of == row.name]
+        if adapters:  # as the box would answer, before asking
+            self.notify(f"{row.name} has adapters ({', '.join(adapters)}): delete them first", severity="warning")
+            return
+        ops = self.fleet_app.source.ops
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.fleet_app.act(f"delete {row.name}", lambda: ops.delete(row.name))
+
+        kind = "adapter" if row.adapter_of else "model"
+        question = f"Delete the {kind} {row.name} from the fleet? Requests for it get a 404; it is unloaded everywhere."
+        self.app.push_screen(Confirm(question, yes="Delete"), answered)
