@@ -16,18 +16,23 @@ import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_args
 
 import orjson
 import typer
 
-from appliance.settings import MAX_WAIT_MS
+from appliance.settings import MAX_WAIT_MS, Dtype
+from runtimes import Task
 
 if TYPE_CHECKING:
     from appliance.connect import NatsAuth
 
 T = TypeVar("T")
 LOCAL_NATS = "nats://127.0.0.1:4222"
+# What a registration may say (appliance/schemas.py's ModelRegistration), checked before any box is asked.
+TASKS = tuple(task.value for task in Task)
+RUNTIMES = ("torch", "onnx")  # a registration's; "noop" is for [[models]] in a box's config
+DTYPES = get_args(Dtype)
 _INT64_MAX = 2**63 - 1  # the largest integer the catalog's JSON (orjson) holds: a knob's bound, as the box's
 
 
@@ -133,6 +138,18 @@ def _check_box_id(box: str | None) -> str | None:
         typer.echo(f"fleetbox: box id {box!r} is not 1 to 64 letters, digits, '-' or '_'", err=True)
         raise typer.Exit(2)
     return box
+
+
+def _one_of(option: str, allowed: tuple[str, ...]) -> Callable[[str | None], str | None]:
+    """The check of an option with a few allowed values: anything else is a one-line usage error (exit 2)."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in allowed:
+            typer.echo(f"fleetbox: {option}: {value!r} is not one of {', '.join(allowed)}", err=True)
+            raise typer.Exit(2)
+        return value
+
+    return check
 
 
 Model = Annotated[str, typer.Argument(help="a model's name or alias", callback=_check_model_argument)]
@@ -268,13 +285,18 @@ def models_register(
     path: Annotated[str, typer.Argument(help="its folder, on the box: under one of the box's model roots")],
     fleet: FleetAccess,
     task: Annotated[
-        str | None, typer.Option(help="embed, score, classify, extract or generate; default: read from the files")
+        str | None,
+        typer.Option(help=f"{', '.join(TASKS)}; default: read from the files", callback=_one_of("--task", TASKS)),
     ] = None,
     adapter_of: Annotated[str | None, typer.Option(help="the base model, for a LoRA adapter")] = None,
     alias: Annotated[list[str] | None, typer.Option("--alias", help="another name for it; repeat it")] = None,
     pin: Annotated[bool, typer.Option("--pin", help="keep it loaded on every box")] = False,
-    runtime: Annotated[str | None, typer.Option(help="torch (default) or onnx")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 (default), float16, bfloat16 or int8")] = None,
+    runtime: Annotated[
+        str | None, typer.Option(help="torch (default) or onnx", callback=_one_of("--runtime", RUNTIMES))
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help=f"{', '.join(DTYPES)}; default: float32", callback=_one_of("--dtype", DTYPES))
+    ] = None,
     box: Annotated[
         str | None,
         typer.Option(help="the box that judges the folder; default: a live box on this host", callback=_check_box_id),

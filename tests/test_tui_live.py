@@ -515,6 +515,12 @@ def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
         (["models", "load", "m", "--box", ""], "fleetbox: box id '' is not 1 to 64 letters"),
         (["models", "evict", "m", "--box", "a.b"], "fleetbox: box id 'a.b' is not 1 to 64 letters"),
         (["box", "drain", " "], "fleetbox: box id ' ' is not 1 to 64 letters"),
+        (["models", "delete", ""], "fleetbox: MODEL '' names no model"),
+        (["models", "register", "", "/m"], "fleetbox: MODEL '' names no model"),
+        (["models", "register", "m", "/m", "--task", "embedding"], "--task: 'embedding' is not one of embed, score"),
+        (["models", "register", "m", "/m", "--dtype", "fp8"], "--dtype: 'fp8' is not one of float32, float16"),
+        (["models", "register", "m", "/m", "--runtime", "noop"], "--runtime: 'noop' is not one of torch, onnx"),
+        (["models", "register", "m", "/m", "--box", "a b"], "fleetbox: box id 'a b' is not 1 to 64 letters"),
     ],
 )
 def test_an_empty_model_name_or_bad_box_id_is_a_usage_error_before_any_box_is_asked(
