@@ -292,7 +292,7 @@ async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is
     body = {"name": "cls:a", "path": str(classifier_adapters[0]), "adapter_of": "cls"}
     registering = asyncio.create_task(call(http, here, "POST", "/v1/models", body))
     await asyncio.wait_for(written.wait(), 20)
-    await there._delete_model(base)
+    await there.delete_model(base)
     go_on.set()
     status, answer = await registering
     assert (status, answer["error"]["code"]) == (404, "model_not_found"), answer
@@ -302,6 +302,6 @@ async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is
     assert (await call(http, here, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
     await register_adapter(http, here, "cls:b", classifier_adapters[1])
     await wait_for(lambda: there.catalog.get("cls") is not None, what="the other box to know the base again")
-    await there._delete_model(there.catalog.get("cls"))
+    await there.delete_model(there.catalog.get("cls"))
     assert await there.store.adapters_in_bucket("cls") == []
     await wait_for(lambda: here.catalog.get("cls:b") is None, what="the adapter to leave the catalog")
