@@ -204,6 +204,21 @@ class _Sampling(_NullIsDefault, kw_only=True):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's extensions that change the answer, not implemented: accepted when absent or off (`refused`).
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -224,7 +239,18 @@ class _Sampling(_NullIsDefault, kw_only=True):
             "function_call": self.function_call not in (None, "none", "auto"),
             "response_format": (self.response_format or {}).get("type", "text") != "text",
             "n": self.n != 1,
+            "ignore_eos": bool(self.ignore_eos),
+            "min_tokens": bool(self.min_tokens),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+            "skip_special_tokens": self.skip_special_tokens is False,
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "use_beam_search": bool(self.use_beam_search),
         }
+        guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+        asked |= {name: getattr(self, name) is not None for name in guided}
         return [name for name, on in asked.items() if on]
 
 

@@ -130,7 +130,7 @@ class GenerateRuntime:
             )
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = torch.Generator(device=self.device).manual_seed(_generator_seed(params.seed, self.device))
         request = Decoding(
             request_id=request_id,
             prompt=prompt,
@@ -337,3 +337,16 @@ class GenerateRuntime:
         self._adapters.close()
         del self.model
         release(self.device)
+
+
+def _generator_seed(seed: int, device: torch.device) -> int:
+    """A request's signed 64-bit seed as its generator's, every bit of it mattering. A CPU generator (mt19937)
+    keeps only the low 32 bits of what it is given, so seeds 1 and 2**32 + 1 gave one sample: there the 64 bits
+    are mixed (splitmix64's finaliser) and folded to 32. A CUDA generator (Philox) takes all 64 as they are."""
+    if device.type != "cpu":
+        return seed
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF

@@ -52,6 +52,8 @@ async def test_registered_model_is_servable_and_listed(start_box, http, encoder_
     _, listing = await call(http, box, "GET", "/v1/models")
     (enc,) = [m for m in listing["data"] if m["id"] == "enc"]
     assert enc["state"] == "resident" and enc["boxes"] == [box.box_id] and enc["bytes"] > 0
+    _, one = await call(http, box, "GET", "/v1/models/enc")
+    assert one["created"] == enc["created"] > 0  # OpenAI's Model has it on a retrieve too (it was list only)
 
 
 async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(

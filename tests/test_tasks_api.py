@@ -229,7 +229,7 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     async with http.post(url(task_box, "/v1/chat/completions"), json=body) as response:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/event-stream")
-        assert response.headers["Fbx-Request-Id"]
+        assert response.headers["Fbx-Request-Id"] == response.headers["X-Request-Id"]  # OpenAI's SDK reads the latter
         raw = await response.text()
     events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -238,7 +238,7 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["usage"]["completion_tokens"] >= 1
-    whole = await post(http, task_box, "/v1/chat/completions", {**body, "stream": False})
+    whole = await post(http, task_box, "/v1/chat/completions", {**body, "stream": False, "stream_options": None})
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert streamed == whole[1]["choices"][0]["message"]["content"]
 
@@ -274,9 +274,10 @@ async def test_null_optional_fields_and_a_tool_call_turn_are_openai_compatible(t
     assert payload["object"] == "chat.completion"
     status, payload = await post(http, task_box, "/v1/completions", {"model": "tiny-llama", "prompt": "x", **nulls})
     assert status == 200, payload
-    chat["stream_options"] = {"include_usage": None}
-    status, payload = await post(http, task_box, "/v1/chat/completions", chat)
-    assert status == 200, payload
+    chat |= {"stream": True, "stream_options": {"include_usage": None}}  # stream_options goes with a stream only
+    async with http.post(url(task_box, "/v1/chat/completions"), json=chat) as response:
+        assert response.status == 200, await response.text()
+        assert "data: [DONE]" in await response.text()
 
 
 async def test_openai_sdk_streams_completions(task_box) -> None:

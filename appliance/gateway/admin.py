@@ -6,6 +6,7 @@ box through its control subject, so any box's API can steer any box.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -27,10 +28,15 @@ _target = msgspec.json.Decoder(BoxTarget)
 _json_object = msgspec.json.Decoder(dict[str, Any])  # a change's fields are judged by `update_from`
 
 
+# Every model's `created` (OpenAI's Model has one): when this box started; the catalog keeps no dates (api.md).
+_STARTED = int(time.time())
+
+
 def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
     return {
         "id": spec.name,
         "object": "model",
+        "created": _STARTED,
         "owned_by": "fleetbox",
         "task": spec.task.value,
         "runtime": spec.runtime.value,

@@ -70,7 +70,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     ctx.metrics.requests.labels(route, str(response.status)).inc()
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
     if not response.prepared:  # a stream has sent its headers already
-        response.headers["Fbx-Request-Id"] = request_id
+        response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
     if ctx.is_draining():
         response.force_close()  # the connection closes after this answer: the client reconnects elsewhere
     # One line per request: failures at INFO (5xx at WARNING), successes at DEBUG to keep the hot path cheap.

@@ -43,10 +43,12 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         several = "; for several choices, send several requests" if {"n", "best_of"} & set(refused) else ""
         raise Unprocessable(
             f"{', '.join(refused)}: not supported by this server (fleetbox generates one choice of plain text, "
-            "without tools, structured output, log probabilities, audio, web search, predicted outputs or "
-            f"moderation); leave them out{several}",
+            "without tools, structured output, log probabilities, audio, web search, predicted outputs, "
+            f"moderation, or vLLM's guided decoding and token controls); leave them out{several}",
             code="unsupported_parameter",
         )
+    if parsed.stream_options is not None and not parsed.stream:
+        raise Unprocessable('stream_options is only allowed with "stream": true')
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not Task.GENERATE:
         raise Unprocessable(
@@ -211,7 +213,9 @@ class _Resume:
 
 
 async def _open(request: web.Request) -> web.StreamResponse:
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Fbx-Request-Id": request[REQUEST_ID]}
+    request_id = request[REQUEST_ID]
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    headers |= {"Fbx-Request-Id": request_id, "X-Request-Id": request_id}
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     return response

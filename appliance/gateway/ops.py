@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from appliance.gateway.admin import model_record
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response
-
-_STARTED = int(time.time())  # every model's `created` in the list: when this box started (api.md)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -34,5 +30,5 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    data = [{"created": _STARTED, **model_record(ctx, spec)} for spec in ctx.catalog]
+    data = [model_record(ctx, spec) for spec in ctx.catalog]
     return json_response({"object": "list", "data": data})

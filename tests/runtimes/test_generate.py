@@ -115,6 +115,19 @@ def test_seeded_sampling_is_reproducible_in_any_company(generator) -> None:
     assert [o.token_id for o in alone] != [o.token_id for o in reseeded]
 
 
+def test_every_bit_of_a_seed_matters_on_a_cpu(generator) -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: 1 and 2**32 + 1 (and -1 and 2**63 - 1) gave one sample."""
+    prompt = prompt_ids(generator, PROMPTS[0])
+
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
+        return [o.token_id for o in drive(generator, {0: [("s", prompt, params)]})["s"]]
+
+    assert sample(1) != sample(2**32 + 1)
+    assert sample(-1) != sample(2**63 - 1)
+    assert sample(2**32 + 1) == sample(2**32 + 1)
+
+
 def test_a_tiny_top_p_keeps_only_the_most_likely_token(generator) -> None:
     prompt = prompt_ids(generator, PROMPTS[1])
     greedy = drive(generator, {0: [("g", prompt, GREEDY)]})["g"]
