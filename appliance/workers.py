@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
 from appliance.delivery import Cancellations, LocalReply
-from appliance.errors import Conflict, NotFound
+from appliance.errors import Conflict, NotFound, ServiceUnavailable
 from appliance.metrics import Metrics
 from appliance.profiles import ProfileBook
 from appliance.residency import Residency
@@ -68,6 +68,7 @@ class Workers:
         self._local_reply = local_reply
         self._announce = announce  # tells the fleet at once (a heartbeat) that a model came or went
         self._table: dict[str, Worker] = {}
+        self.stopping = False  # the box drains its workers (`drain_all`): none starts after that
         self._cancelled = Cancellations()
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
@@ -138,6 +139,8 @@ class Workers:
         worker = self._table.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
             return worker
+        if self.stopping:  # a load that began before the drain: a worker started now would pull, never drained
+            raise ServiceUnavailable(f"this box is stopping; load {spec.name} on another box", retry_after_s=1)
         worker = self._new_worker(spec, runtime)
         self._table[spec.name] = worker  # before it starts: a caller meanwhile finds it rather than start another
         try:
@@ -261,6 +264,7 @@ class Workers:
 
     def drain_all(self) -> asyncio.Future[list[Any]]:
         """The box stopping: every worker drains at once; one that fails does not stop the others."""
+        self.stopping = True
         return asyncio.gather(*(w.drain() for w in self._table.values()), return_exceptions=True)
 
     def clear(self) -> None:

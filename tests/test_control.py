@@ -77,3 +77,30 @@ async def test_a_draining_box_takes_no_new_model(start_box) -> None:
         assert not box.residency.is_resident("cold")
     finally:
         box.draining = False
+
+
+async def test_a_load_under_way_as_the_box_stops_starts_no_worker(nats_server) -> None:
+    """A `load` past its check for draining when the stop began started its worker after the box had drained the
+    others: it pulled requests as the box stopped and was never drained (they came back only after ack_wait), and
+    the verb answered ok. Found by the review of the stop path."""
+    from tests.conftest import hold
+
+    box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model("late", pinned=False)]))
+    await box.start()
+    loaded, go_on = hold(box.residency, "ensure_loaded", after=True)  # loaded, its worker not started yet
+    drained, close = hold(box.door, "close")  # the stop held after its drain, before it stops answering verbs
+    client = await nats.connect(nats_server.url)
+    try:
+        load = asyncio.create_task(call_box(client, box.box_id, "load", {"model": "late"}, timeout_s=30))
+        await asyncio.wait_for(loaded.wait(), 20)
+        stopping = asyncio.create_task(box.stop())
+        await asyncio.wait_for(drained.wait(), 20)
+        go_on.set()
+        with pytest.raises(ServiceUnavailable, match="this box is stopping; load late on another box"):
+            await asyncio.wait_for(load, 20)
+        close.set()
+        await asyncio.wait_for(stopping, 30)
+    finally:
+        go_on.set()
+        close.set()
+        await client.close()

@@ -331,6 +331,33 @@ async def _at_least(count: Awaitable[int], least: int) -> bool:
     return await count >= least
 
 
+async def test_a_stopping_gateway_answers_every_client_before_it_sends_a_cancel(nats_server, http) -> None:
+    """It answered one client, waited for that request's cancel to be published, then answered the next: on a
+    NATS that hangs (a full write buffer) the clients after the first were never answered. Found by the review
+    of the stop path; here the first cancel is held as such a publish would be."""
+    from tests.conftest import hold
+
+    box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1))
+    await box.start()
+    calls = [
+        asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"r{i}"}))
+        for i in range(6)
+    ]
+    await wait_for(lambda: box.dispatcher.waiting == 6, what="all six to be awaited")
+    cancelling, go_on = hold(box.dispatcher, "_cancel")
+    stopping = asyncio.create_task(box.stop())
+    try:
+        await asyncio.wait_for(cancelling.wait(), 20)
+        statuses = []
+        for call in calls:
+            async with await asyncio.wait_for(call, 10) as response:
+                statuses.append(response.status)
+        assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+    finally:
+        go_on.set()
+        await stopping
+
+
 async def test_a_request_that_reaches_the_queue_after_a_stopping_box_gave_up_is_answered_at_once(
     start_box, http
 ) -> None:

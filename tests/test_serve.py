@@ -13,7 +13,9 @@ import sys
 import time
 
 import aiohttp
+import nats as nats_client
 
+from appliance.control import call_box
 from appliance.natsd import free_port
 from tests.conftest import wait_for
 
@@ -126,6 +128,59 @@ async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections
             stopped.set()
             await asyncio.gather(*clients)
         assert set(outcomes) <= {404, 503, "refused"}, outcomes
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+async def test_a_box_stopped_during_a_long_batch_exits_within_its_bound(tmp_path) -> None:
+    """A batch (or a model load) on an executor thread cannot be interrupted, and the interpreter's exit joined
+    those threads: SIGTERM during a 30 s batch exited after 28.5 s, long after the box had logged "box stopped"
+    (the review of the stop path). Now the process exits once the stop is done or its bound has passed."""
+    http_port, nats_port = free_port(), free_port()
+    config = tmp_path / "box.toml"
+    config.write_text(
+        'default_model = false\nshutdown_grace_s = 1\n[[models]]\nname = "slow"\nruntime = "noop"\npinned = true\n'
+        "options = { cost_ms = 60000 }\n"
+    )
+    log = tmp_path / "box.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), "--nats-port", str(nats_port),
+         "--state-dir", str(tmp_path / "state"), "--config", str(config), "--box-id", "slowbox"],
+        env={**os.environ, "FBX_DEVICE": "cpu"},
+        stderr=log.open("wb"),
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ready() -> bool:
+                try:
+                    async with http.get(f"http://127.0.0.1:{http_port}/readyz") as response:
+                        return response.status == 200
+                except aiohttp.ClientError:
+                    assert process.poll() is None, log.read_text()[-3000:]
+                    return False
+
+            await wait_for(ready, timeout_s=120, what="fleetbox serve to be ready")
+            body = {"model": "slow", "input": "a minute of work"}
+            answer = asyncio.create_task(http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body))
+            nc = await nats_client.connect(f"nats://127.0.0.1:{nats_port}")
+
+            async def held() -> bool:  # taken by the worker: with the device idle, its batch starts at once
+                models = (await call_box(nc, "slowbox", "status"))["models"]
+                return any(m["name"] == "slow" and m.get("held") for m in models)
+
+            await wait_for(held, what="the worker to take the request")
+            await nc.close()
+            started = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(process.wait, 30)
+            took = time.monotonic() - started
+            answer.cancel()
+        assert code == 0, log.read_text()[-3000:]
+        assert took < 15, f"exited {took:.1f} s after SIGTERM"  # 1 s of grace and the steps' bounds; not 60 s
+        assert '"event":"box stopped"' in log.read_text()
     finally:
         if process.poll() is None:
             process.kill()

@@ -132,12 +132,14 @@ class Dispatcher:
         box computes an answer nobody can be given.
         """
         self._closed = error  # a handler that reaches the queue from now on is answered at once, not left hanging
-        for request_id, (future, _queue) in list(self._waiters.items()):
+        # Every client is answered before any cancel is sent: a publish can wait on a NATS that hangs.
+        awaited = [*self._waiters, *self._streams]
+        for future, _queue in self._waiters.values():
             if not future.done():
                 future.set_exception(error)
-            await self._cancel(request_id)
-        for request_id, stream in list(self._streams.items()):
+        for request_id, stream in self._streams.items():
             stream.queue.put_nowait(self._error_reply(request_id, error))
+        for request_id in awaited:
             await self._cancel(request_id)
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:
