@@ -278,8 +278,8 @@ async def test_a_stopping_box_takes_no_new_request_on_a_kept_alive_connection(st
             await leaving.stop()
 
 
-async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server, http) -> None:
-    """Alone, a stopping box's unstarted requests have no one to compute them: a 503 to retry, not a dropped line."""
+async def _alone_with_six_awaited(nats_server, http) -> tuple[Box, list[asyncio.Task]]:
+    """A box alone with six requests its gateway awaits, about 2 s of work at one 300 ms batch at a time."""
     box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1))
     await box.start()
     calls = [
@@ -287,6 +287,12 @@ async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server
         for i in range(6)
     ]
     await wait_for(lambda: box.dispatcher.waiting == 6, what="all six to be awaited")
+    return box, calls
+
+
+async def test_a_stopping_gateway_that_no_box_can_answer_for_says_so(nats_server, http) -> None:
+    """Alone, a stopping box's unstarted requests have no one to compute them: a 503 to retry, not a dropped line."""
+    box, calls = await _alone_with_six_awaited(nats_server, http)
     await box.stop()
     statuses = []
     for call in calls:
@@ -337,13 +343,7 @@ async def test_a_stopping_gateway_answers_every_client_before_it_sends_a_cancel(
     of the stop path; here the first cancel is held as such a publish would be."""
     from tests.conftest import hold
 
-    box = Box(box_settings(nats_server.url, default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1))
-    await box.start()
-    calls = [
-        asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"r{i}"}))
-        for i in range(6)
-    ]
-    await wait_for(lambda: box.dispatcher.waiting == 6, what="all six to be awaited")
+    box, calls = await _alone_with_six_awaited(nats_server, http)
     cancelling, go_on = hold(box.dispatcher, "_cancel")
     stopping = asyncio.create_task(box.stop())
     try:

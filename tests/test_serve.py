@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import aiohttp
 import nats as nats_client
@@ -25,6 +26,22 @@ def port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+async def until_ready(
+    http: aiohttp.ClientSession, port: int, process: subprocess.Popen, log: Callable[[], str]
+) -> None:
+    """Wait for `fleetbox serve` to say it is ready; a process that died on the way fails with the end of `log`."""
+
+    async def ready() -> bool:
+        try:
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as response:
+                return response.status == 200
+        except aiohttp.ClientError:
+            assert process.poll() is None, log()[-3000:]
+            return False
+
+    await wait_for(ready, timeout_s=120, what="fleetbox serve to be ready")
+
+
 async def test_serve_answers_then_exits_cleanly_on_sigterm(tmp_path) -> None:
     http_port, nats_port = free_port(), free_port()
     process = subprocess.Popen(
@@ -35,16 +52,7 @@ async def test_serve_answers_then_exits_cleanly_on_sigterm(tmp_path) -> None:
     )  # fmt: skip
     try:
         async with aiohttp.ClientSession() as http:
-
-            async def ready() -> bool:
-                try:
-                    async with http.get(f"http://127.0.0.1:{http_port}/readyz") as response:
-                        return response.status == 200
-                except aiohttp.ClientError:
-                    assert process.poll() is None, process.stderr.read().decode()[-3000:]
-                    return False
-
-            await wait_for(ready, timeout_s=120, what="fleetbox serve to be ready")
+            await until_ready(http, http_port, process, lambda: process.stderr.read().decode())
             assert (tmp_path / "state" / "nats").is_dir()  # JetStream stores under the state dir
             body = {"input": ["served by a real box"], "model": "all-minilm-l6-v2"}
             async with http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body) as response:
@@ -110,16 +118,7 @@ async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections
         no_hang = aiohttp.ClientTimeout(total=10)
         connector = aiohttp.TCPConnector(limit=16)
         async with aiohttp.ClientSession(connector=connector, timeout=no_hang, trace_configs=[tracing]) as session:
-
-            async def ready() -> bool:
-                try:
-                    async with session.get(f"http://127.0.0.1:{http_port}/readyz") as response:
-                        return response.status == 200
-                except aiohttp.ClientError:
-                    assert process.poll() is None, log.read_text()[-3000:]
-                    return False
-
-            await wait_for(ready, timeout_s=120, what="fleetbox serve to be ready")
+            await until_ready(session, http_port, process, log.read_text)
             clients = [asyncio.create_task(client(session)) for _ in range(16)]
             await wait_for(lambda: outcomes[404] >= 500, what="the clients to be under way")
             process.send_signal(signal.SIGTERM)
@@ -153,16 +152,7 @@ async def test_a_box_stopped_during_a_long_batch_exits_within_its_bound(tmp_path
     )  # fmt: skip
     try:
         async with aiohttp.ClientSession() as http:
-
-            async def ready() -> bool:
-                try:
-                    async with http.get(f"http://127.0.0.1:{http_port}/readyz") as response:
-                        return response.status == 200
-                except aiohttp.ClientError:
-                    assert process.poll() is None, log.read_text()[-3000:]
-                    return False
-
-            await wait_for(ready, timeout_s=120, what="fleetbox serve to be ready")
+            await until_ready(http, http_port, process, log.read_text)
             body = {"model": "slow", "input": "a minute of work"}
             answer = asyncio.create_task(http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body))
             nc = await nats_client.connect(f"nats://127.0.0.1:{nats_port}")
