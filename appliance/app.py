@@ -92,7 +92,11 @@ class Box:
             onnx_cache=settings.state_dir / "onnx",  # a box exports each model once
         )
         roots = [p for p in (settings.profiles_dir, SHIPPED_PROFILES_DIR) if p is not None]
-        self.profiles = ProfileBook(hardware_slug(self.device), roots, cpu_cores()) if settings.runs_models else None
+        self.profiles = (
+            ProfileBook(hardware_slug(self.device), roots, cpu_cores(), threads=settings.threads)
+            if settings.runs_models
+            else None
+        )
         self.workers = Workers(
             self.box_id,
             settings,

@@ -268,12 +268,17 @@ def tunable(spec: ModelSpec) -> bool:
 
 
 class ProfileBook:
-    """One box's profile choices: chosen once per model, logged once, shown in GET /v1/models."""
+    """One box's profile choices: chosen once per model, logged once, shown in GET /v1/models.
 
-    def __init__(self, hardware: str, roots: list[Path], cores: int | None = None) -> None:
+    `threads` is the box's own setting: it wins over a profile's at the load (`ModelSpec.source`), so the
+    specs this book hands out carry it, and the log and the record say the threads the model runs with.
+    """
+
+    def __init__(self, hardware: str, roots: list[Path], cores: int | None = None, threads: int | None = None) -> None:
         self.hardware = hardware
         self.roots = roots
         self.cores = cores
+        self.threads = threads
         self._chosen: dict[str, tuple[Choice, ModelSpec]] = {}  # applied at a load
         self._previews: dict[tuple[str, str], Choice] = {}  # looked up for GET /v1/models, read once
 
@@ -281,7 +286,7 @@ class ProfileBook:
         choice = choose(spec.slug, self.hardware, self.roots, spec.profile) if tunable(spec) else None
         if choice is None:
             return spec
-        applied = apply(spec, choice, cores=self.cores, has_adapters=has_adapters)
+        applied = self._applied(spec, choice, has_adapters)
         previous = self._chosen.get(spec.name)
         self._chosen[spec.name] = (choice, applied)
         if previous is None or previous[0] != choice:
@@ -315,4 +320,8 @@ class ProfileBook:
         if key not in self._previews:
             self._previews[key] = choose(spec.slug, self.hardware, self.roots, spec.profile)
         choice = self._previews[key]
-        return choice.describe(apply(spec, choice, cores=self.cores, has_adapters=has_adapters))
+        return choice.describe(self._applied(spec, choice, has_adapters))
+
+    def _applied(self, spec: ModelSpec, choice: Choice, has_adapters: bool) -> ModelSpec:
+        applied = apply(spec, choice, cores=self.cores, has_adapters=has_adapters)
+        return applied if self.threads is None else replace(applied, threads=self.threads)

@@ -41,6 +41,16 @@ def write(root: Path, *profiles: Profile) -> Path:
     return root
 
 
+def write_tiny_profile(root: Path) -> str:
+    """This machine's profile for a model named "tiny": batches of 7 on one thread. Returns the hardware slug."""
+    hardware = hardware_slug("cpu")
+    Profile(
+        model="tiny", hardware=hardware, runtime="torch", dtype="float32",
+        max_batch_tokens=777, max_batch_size=7, max_wait_ms=0.5, threads=1,
+    ).write(root / "tiny" / f"{hardware}.toml")  # fmt: skip
+    return hardware
+
+
 def spec(**changes: object) -> ModelSpec:
     base = ModelSpec(
         name="some-org/encoder",
@@ -161,14 +171,20 @@ def test_profile_book_shows_the_choice_before_and_after_a_load(tmp_path: Path) -
     assert fresh.describe(spec(), has_adapters=True)["runtime"] == "torch"  # type: ignore[index]
 
 
+def test_the_box_threads_setting_is_the_threads_shown_and_logged(tmp_path: Path, caplog) -> None:
+    """FBX_THREADS wins over a profile's threads at the load; the record and the log say so, profile or not."""
+    book = ProfileBook("cpu-2c", [write(tmp_path, profile("cpu-2c", threads=1))], cores=2, threads=2)
+    assert book.describe(spec())["threads"] == 2  # type: ignore[index]
+    assert book.describe(spec(profile="off"))["threads"] == 2  # type: ignore[index]
+    with caplog.at_level("INFO", logger="appliance.profiles"):
+        assert book.apply(spec()).threads == 2 and book.apply(spec(name="other", profile="off")).threads == 2
+    assert [r.threads for r in caplog.records if r.getMessage() == "profile chosen"] == [2, 2]  # type: ignore[attr-defined]
+    assert book.describe(spec())["threads"] == 2  # type: ignore[index]
+
+
 async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, encoder_dir, tmp_path) -> None:
     """A real box on a real NATS: the profile's batching reaches the worker, and GET /v1/models says which."""
-    hardware = hardware_slug("cpu")
-    tuned = Profile(
-        model="tiny", hardware=hardware, runtime="torch", dtype="float32",
-        max_batch_tokens=777, max_batch_size=7, max_wait_ms=0.5, threads=1,
-    )  # fmt: skip
-    tuned.write(tmp_path / "profiles" / "tiny" / f"{hardware}.toml")
+    hardware = write_tiny_profile(tmp_path / "profiles")
     entries = [
         ModelEntry(name="tiny", path=encoder_dir, task="embed", pinned=True),
         ModelEntry(name="tiny-untuned", path=encoder_dir, task="embed", pinned=True, profile="off"),
@@ -187,13 +203,24 @@ async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, en
         assert r.status == 200 and len((await r.json())["data"]) == 2
 
 
+async def test_a_box_lists_its_threads_setting_over_the_profiles(start_box, http, encoder_dir, tmp_path) -> None:
+    """FBX_THREADS=2 with a profile of threads = 1: the loaded model and a `profile = "off"` one (a preview)
+    both show the 2 they run with."""
+    write_tiny_profile(tmp_path / "profiles")
+    entries = [
+        ModelEntry(name="tiny", path=encoder_dir, task="embed", pinned=True),
+        ModelEntry(name="tiny-untuned", path=encoder_dir, task="embed", profile="off"),
+    ]
+    box = await start_box(default_model=False, models=entries, profiles_dir=tmp_path / "profiles", threads=2)
+    async with http.get(url(box, "/v1/models")) as response:
+        shown = {m["id"]: m["profile"] for m in (await response.json())["data"]}
+    assert (shown["tiny"]["match"], shown["tiny"]["max_batch_size"], shown["tiny"]["threads"]) == ("exact", 7, 2)
+    assert (shown["tiny-untuned"]["match"], shown["tiny-untuned"]["threads"]) == ("off", 2)
+
+
 async def test_a_registration_chooses_its_profile(start_box, http, encoder_dir, tmp_path) -> None:
     """POST /v1/models takes `profile` as a [[models]] entry does: here "off" beats an exact profile."""
-    hardware = hardware_slug("cpu")
-    Profile(
-        model="tiny", hardware=hardware, runtime="torch", dtype="float32",
-        max_batch_tokens=777, max_batch_size=7, max_wait_ms=0.5, threads=1,
-    ).write(tmp_path / "profiles" / "tiny" / f"{hardware}.toml")  # fmt: skip
+    write_tiny_profile(tmp_path / "profiles")
     box = await start_box(default_model=False, model_roots=[encoder_dir.parent], profiles_dir=tmp_path / "profiles")
     body = {"name": "tiny", "path": str(encoder_dir), "task": "embed", "profile": "../etc"}
     async with http.post(url(box, "/v1/models"), json=body) as response:
