@@ -74,7 +74,8 @@ async def change_model(spec: ModelSpec, update: ModelUpdate, catalog: Catalog, s
     elif knobs and spec.task is Task.GENERATE:
         raise Unprocessable(
             f"model {spec.name} generates: its decode batch is set when it loads, by its options max_batch_size "
-            f"and max_prefill_tokens, and {', '.join(knobs)} do not apply to it; register it again with new "
+            f"and max_prefill_tokens, and {', '.join(knobs)} {'does' if len(knobs) == 1 else 'do'} not apply to it; "
+            "register it again with new "
             "options to change it",
             code="needs_registration",
         )

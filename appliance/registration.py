@@ -174,12 +174,14 @@ def _refuse_unused_batching(registration: ModelRegistration, task: Task, base: M
         return
     if base is not None:
         raise Unprocessable(
-            f"an adapter runs in its base model's batches: {', '.join(given)} belong to {base.name}",
+            f"an adapter runs in its base model's batches: {', '.join(given)} "
+            f"{'belongs' if len(given) == 1 else 'belong'} to {base.name}",
         )
     if task is Task.GENERATE:
         raise Unprocessable(
             f"the folder holds a generator, whose decode batch is set by its options max_batch_size and "
-            f"max_prefill_tokens: {', '.join(given)} do not apply to it (give them in options)",
+            f"max_prefill_tokens: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to it "
+            "(give them in options)",
         )
 
 

@@ -78,6 +78,27 @@ class RerankRequest(_NullIsDefault, kw_only=True):
         return [doc if isinstance(doc, str) else doc.text for doc in self.documents]
 
 
+class TeiRerankRequest(_NullIsDefault, kw_only=True):
+    """TEI's `POST /rerank`: `texts` for the documents, `model` optional (a TEI server serves one model), and a
+    bare list back; the box queues it as the `RerankRequest` it stands for."""
+
+    query: NonEmptyText
+    texts: Annotated[list[str], msgspec.Meta(min_length=1)]
+    model: str | None = None
+    raw_scores: bool | None = False
+    return_text: bool | None = False
+    truncate: bool | None = True
+    truncation_direction: Literal["right", "Right"] | None = "right"  # TEI's "left" cuts the other end: not done
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+
+class RerankShape(msgspec.Struct):
+    """Just enough of a `/rerank` body to tell TEI's (`texts`) from Cohere's, Jina's and Infinity's (`documents`)."""
+
+    texts: Any = None
+
+
 class ClassifyRequest(_NullIsDefault, kw_only=True):
     """Infinity-style `POST /v1/classify`: per input, labels with scores, best first."""
 

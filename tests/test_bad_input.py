@@ -182,6 +182,7 @@ async def test_unknown_route_and_wrong_method_use_the_error_shape(default_box, h
     async with http.get(url(default_box, "/v1/embeddings")) as response:
         assert response.status == 405
         assert_error_shape(await response.json(), "method_not_allowed")
+        assert response.headers["Allow"] == "POST"  # RFC 9110: a 405 names the allowed methods in `Allow`
 
 
 @pytest.mark.parametrize(
@@ -240,6 +241,7 @@ async def test_post_to_an_unknown_model_verb_is_404_not_405(default_box, http) -
     async with http.post(url(default_box, f"/v1/models/{DEFAULT_MODEL_NAME}")) as response:
         assert response.status == 405
         assert_error_shape(await response.json(), "method_not_allowed")
+        assert response.headers["Allow"] == "DELETE,GET,HEAD,PATCH"
     async with http.post(url(default_box, f"/v1/models/{DEFAULT_MODEL_NAME}/pin")) as response:
         assert response.status == 200, await response.text()
 

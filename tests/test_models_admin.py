@@ -22,6 +22,7 @@ from appliance.bus import model_slug
 from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
 from appliance.errors import NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
+from appliance.settings import ModelEntry
 from appliance.worker import hold_adapter
 from runtimes import Task
 from runtimes.config_check import ConfigNotJudged
@@ -509,14 +510,15 @@ async def test_load_and_evict_refusals_are_typed(start_box, http, tmp_path) -> N
 
 
 async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box) -> None:
-    box = await start_box(default_model=False, models=[noop_model("a", pinned=False)])
+    a = ModelEntry(name="a", runtime="noop", pinned=False, aliases=["alias-of-a"])
+    box = await start_box(default_model=False, models=[a])
     ops = FleetOps(box.nc, lambda: [BoxState.from_heartbeat({"box": box.box_id, **heartbeat(box)})])
     with pytest.raises(NotFound, match="'ghost' does not exist"):
         await ops.evict("ghost")
     with pytest.raises(NotFound, match="'a' is not resident on any live box"):
         await ops.evict("a")
     await box.workers.serve(box.catalog.get("a"))  # resident, though no heartbeat has said so yet
-    assert await ops.evict("a") == {"model": "a", "evicted_from": [box.box_id]}
+    assert await ops.evict("alias-of-a") == {"ok": True, "model": "a", "evicted_from": [box.box_id]}  # its name
 
 
 async def test_evict_from_a_named_box_that_does_not_hold_it_or_runs_no_models_says_so(start_box, http) -> None:

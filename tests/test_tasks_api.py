@@ -89,6 +89,37 @@ async def test_rerank_is_also_mounted_where_cohere_and_jina_clients_look(task_bo
     assert len(body["results"]) == 2 and "document" not in body["results"][0]
 
 
+async def test_rerank_at_the_root_answers_teis_shape(task_box, http, model_dirs) -> None:
+    """TEI's clients send `texts` (no `model`: a TEI server serves one) to `/rerank` and read a bare list; they got
+    a 422 for the missing `model`, then for the missing `documents`."""
+    expected = cross_encoder_scores(model_dirs[_task("score")], "capital of France", DOCS)
+    async with http.post(url(task_box, "/rerank"), json={"query": "capital of France", "texts": DOCS}) as response:
+        assert response.status == 200, await response.text()
+        answer = await response.json()
+    assert [r["index"] for r in answer] == list(np.argsort(-expected, kind="stable"))
+    for result in answer:
+        assert set(result) == {"index", "score"}
+        assert result["score"] == pytest.approx(float(expected[result["index"]]), abs=1e-5)
+    body = {"query": "q", "texts": DOCS, "model": "ranker", "raw_scores": True, "return_text": True}
+    async with http.post(url(task_box, "/rerank"), json=body) as response:
+        raw = await response.json()
+    assert all(r["text"] == DOCS[r["index"]] for r in raw)
+    _, cohere = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS})
+    logits = {r["index"]: r["score"] for r in raw}
+    for result in cohere["results"]:
+        assert result["relevance_score"] == pytest.approx(1 / (1 + np.exp(-logits[result["index"]])), abs=1e-5)
+
+
+async def test_a_cohere_document_object_comes_back_whole(task_box, http) -> None:
+    """`return_documents` gave back only `text` of a document object; Cohere's API keeps its other fields."""
+    docs = [{"text": "Paris is the capital of France.", "title": "Paris", "id": 7}, "Bananas are yellow."]
+    body = {"model": "ranker", "query": "France", "documents": docs, "return_documents": True}
+    status, answer = await post(http, task_box, "/v1/rerank", body)
+    assert status == 200, answer
+    assert {r["index"]: r["document"] for r in answer["results"]} == {0: docs[0], 1: {"text": docs[1]}}
+    assert answer["id"]  # the request's id, as Cohere's answers carry one
+
+
 async def test_rerank_raw_scores_are_the_logits(task_box, http) -> None:
     _, plain = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS})
     _, raw = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS,
@@ -110,10 +141,13 @@ async def test_rerank_raw_scores_are_the_logits(task_box, http) -> None:
         ({"model": "ranker:nope", "query": "q", "documents": DOCS}, 404, "model_not_found"),
         ({"model": "sentiment", "query": "q", "documents": DOCS}, 422, "wrong_task"),
         ({"model": "nothing", "query": "q", "documents": DOCS}, 404, "model_not_found"),
+        ({"query": "q", "texts": []}, 422, "invalid_input"),
+        ({"query": "q", "texts": DOCS, "truncation_direction": "Left"}, 422, "invalid_input"),
+        ({"query": "q", "texts": DOCS, "model": "sentiment"}, 422, "wrong_task"),
     ],
 )
 async def test_bad_rerank_requests_are_clear_4xx(task_box, http, body, status, code) -> None:
-    got, payload = await post(http, task_box, "/v1/rerank", body)
+    got, payload = await post(http, task_box, "/rerank" if "texts" in body else "/v1/rerank", body)
     assert got == status, payload
     assert payload["error"]["code"] == code
 

@@ -72,14 +72,15 @@ class FleetOps:
         # With no holder in the heartbeats, one box is asked all the same: it answers 404 for a model
         # that does not exist, and evicts one that became resident since its last heartbeat.
         probing = not targets
-        evicted = []
+        evicted, name = [], model
         for target in targets or [self._any_box()]:
             result = await self._call(target, "evict", {"model": model})
+            name = result.get("model", name)  # its name, where `model` may be an alias
             if result.get("evicted"):
                 evicted.append(target)
         if probing and not evicted:
             raise NotFound(f"model {model!r} is not resident on any live box", code="model_not_resident")
-        return {"model": model, "evicted_from": evicted}
+        return {"ok": True, "model": name, "evicted_from": evicted}
 
     async def _evict_from(self, model: str, box: str) -> dict[str, Any]:
         known = next((b for b in self._boxes() if b.box == box), None)
@@ -87,8 +88,8 @@ class FleetOps:
             raise Conflict(f"box {box} is a {known.role}; it runs no models")
         result = await self._call(box, "evict", {"model": model})
         if not result.get("evicted"):
-            raise not_resident(model, box)
-        return {"model": model, "evicted_from": [box]}
+            raise not_resident(result.get("model", model), box)
+        return {"ok": True, "model": result.get("model", model), "evicted_from": [box]}
 
     async def drain(self, box: str) -> dict[str, Any]:
         return await self._call(box, "drain", {})

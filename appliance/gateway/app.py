@@ -94,7 +94,7 @@ def _from_http_exception(exc: web.HTTPException) -> FleetboxError:
     if exc.status == 404:
         return NotFound("no such route; see /openapi.json for the API", code="route_not_found")
     if exc.status == 405:
-        return MethodNotAllowed(f"method not allowed; allowed: {exc.headers.get('Allow', '')}")
+        return _method_not_allowed(exc.headers.get("Allow", ""))
     if exc.status == 413:
         return PayloadTooLarge("request body too large")
     error = FleetboxError(exc.reason or "HTTP error")
@@ -108,12 +108,17 @@ async def _unknown_model_verb(request: web.Request) -> web.Response:
     """`POST /v1/models/{name}/{verb}` for a verb there is none of (a model's own path takes no POST)."""
     path = f"{request.match_info['name']}/{request.match_info['verb']}"
     if GatewayContext.of(request).catalog.get(path) is not None:
-        raise MethodNotAllowed("method not allowed; allowed: DELETE,GET,HEAD,PATCH")
+        raise _method_not_allowed("DELETE,GET,HEAD,PATCH")
     raise NotFound(
         f"no such route: POST /v1/models/{{name}}/VERB takes the verbs {', '.join(MODEL_VERBS)}, "
         f"not {request.match_info['verb']!r}",
         code="route_not_found",
     )
+
+
+def _method_not_allowed(allowed: str) -> MethodNotAllowed:
+    """The 405 names the route's methods in its message and, as RFC 9110 asks, in an `Allow` header."""
+    return MethodNotAllowed(f"method not allowed; allowed: {allowed}", headers={"Allow": allowed})
 
 
 def _error_response(error: FleetboxError) -> web.Response:
@@ -160,8 +165,9 @@ def build_app(context: GatewayContext) -> web.Application:
         routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
         routes.append(web.patch("/v1/models/{name:.+}", admin_only(admin.update_model)))
         routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
-        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        for path in ("/v1/rerank", "/v2/rerank"):
             routes.append(web.post(path, inference(encoders.rerank)))
+        routes.append(web.post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Cohere's
         routes.append(web.post("/v1/classify", inference(encoders.classify)))
         routes.append(web.post("/v1/extract", inference(encoders.extract)))
         routes.append(web.post("/v1/completions", inference(generation.completions)))

@@ -34,7 +34,7 @@ def _check(request: web.Request, keys: list[str], kind: str) -> str | None:
     for key in keys:  # every key is compared, so timing does not tell which one nearly matched
         matched |= hmac.compare_digest(presented, key.encode())
     if not matched:
-        raise Forbidden(f"the {kind} key is not valid")
+        raise Forbidden(f"this route needs an {kind} key, and the key sent is not one")
     return token
 
 

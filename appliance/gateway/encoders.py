@@ -19,8 +19,24 @@ from appliance.envelope import ReplyMeta
 from appliance.errors import PayloadTooLarge, Unprocessable, error_from_reply
 from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
-from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest, RerankRequest
+from appliance.schemas import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    ExtractRequest,
+    RerankRequest,
+    RerankShape,
+    TeiRerankRequest,
+)
 from runtimes import Task
+
+# Where each task is served: named when a request asks a model for another task.
+ROUTE_FOR = {
+    Task.EMBED: "/v1/embeddings",
+    Task.SCORE: "/v1/rerank",
+    Task.CLASSIFY: "/v1/classify",
+    Task.EXTRACT: "/v1/extract",
+    Task.GENERATE: "/v1/chat/completions or /v1/completions",
+}
 
 # An input weighs no more than this in the gateway's estimate: most encoders take at most 512 tokens and
 # truncate longer inputs (or refuse them), and the catalog does not say each model's own limit.
@@ -28,13 +44,17 @@ _MAX_INPUT_TOKENS = 512
 
 _decoders: dict[type, msgspec.json.Decoder] = {
     schema: msgspec.json.Decoder(schema)
-    for schema in (EmbeddingRequest, RerankRequest, ClassifyRequest, ExtractRequest)
+    for schema in (EmbeddingRequest, RerankRequest, TeiRerankRequest, RerankShape, ClassifyRequest, ExtractRequest)
 }
 
 
-async def _enqueue(request: web.Request, schema: type, task: Task) -> tuple[Any, Resolved, ReplyMeta, bytes]:
+async def _enqueue(
+    request: web.Request, schema: type, task: Task, body: bytes | None = None
+) -> tuple[Any, Resolved, ReplyMeta, bytes]:
+    """Validate the request (`body`, or the one read now), queue it for its model, and await the worker's reply."""
     ctx = GatewayContext.of(request)
-    body = await read_body(request, ctx.settings)
+    if body is None:
+        body = await read_body(request, ctx.settings)
     parsed = decode(body, _decoders[schema])
     texts: list[str] = parsed.texts()
     _check_inputs(texts, ctx.settings.max_inputs, "documents" if task is Task.SCORE else "input")
@@ -42,7 +62,7 @@ async def _enqueue(request: web.Request, schema: type, task: Task) -> tuple[Any,
     if resolved.spec.task is not task:
         raise Unprocessable(
             f"model {resolved.spec.name} serves {resolved.spec.task}, not {task}; "
-            f"use the route for {resolved.spec.task}",
+            f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )
     reply = await ctx.dispatcher.call(
@@ -68,13 +88,14 @@ def estimate_tokens(texts: list[str]) -> int:
 def _check_inputs(texts: list[str], max_inputs: int, field: str) -> None:
     if not texts:
         raise Unprocessable(f"`{field}` is empty; send a string or a non-empty list of strings", code="empty_input")
+    item = "document" if field == "documents" else field
     if len(texts) > max_inputs:
         raise PayloadTooLarge(
             f"{len(texts)} inputs is more than the limit of {max_inputs} per request", code="too_many_inputs"
         )
     for index, text in enumerate(texts):
         if not text:
-            raise Unprocessable(f"{field} {index} is an empty string", code="empty_input")
+            raise Unprocessable(f"{item} {index} is an empty string", code="empty_input")
 
 
 def _model_name(resolved: Resolved) -> str:
@@ -103,26 +124,72 @@ async def create_embeddings(request: web.Request) -> web.Response:
     return json_response(payload, headers=_timing(meta))
 
 
-async def rerank(request: web.Request) -> web.Response:
-    parsed, resolved, meta, body = await _enqueue(request, RerankRequest, Task.SCORE)
-    scores = np.frombuffer(body, dtype="<f4")
+async def rerank(request: web.Request, body: bytes | None = None) -> web.Response:
+    """Cohere's and Jina's rerank (Infinity's too): results best first, each document as it was sent if asked."""
+    if body is None:
+        body = await read_body(request, GatewayContext.of(request).settings)
+    parsed, resolved, meta, reply = await _enqueue(request, RerankRequest, Task.SCORE, body)
+    scores = np.frombuffer(reply, dtype="<f4")
     order = np.argsort(-scores, kind="stable")
     if parsed.top_n is not None:
         order = order[: parsed.top_n]
-    texts = parsed.texts()
+    sent = orjson.loads(body)["documents"] if parsed.return_documents else []
     results = []
     for index in order.tolist():
         result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
-        if parsed.return_documents:
-            result["document"] = {"text": texts[index]}
+        if parsed.return_documents:  # an object keeps its other fields (a title, an id), as Cohere's API does
+            document = sent[index]
+            result["document"] = document if isinstance(document, dict) else {"text": document}
         results.append(result)
     payload = {
+        "id": request[REQUEST_ID],
         "object": "rerank",
         "model": _model_name(resolved),
         "results": results,
         "usage": _usage(meta),
     }
     return json_response(payload, headers=_timing(meta))
+
+
+async def rerank_at_root(request: web.Request) -> web.Response:
+    """`/rerank`: TEI's request and answer when the body has `texts` (a bare list of `{index, score, text?}`, best
+    first), else Cohere's shape as at `/v1/rerank` (what Infinity's clients send there)."""
+    ctx = GatewayContext.of(request)
+    body = await read_body(request, ctx.settings)
+    if decode(body, _decoders[RerankShape]).texts is None:
+        return await rerank(request, body)
+    tei = decode(body, _decoders[TeiRerankRequest])
+    as_cohere = {
+        "model": tei.model or _the_one_reranker(ctx),
+        "query": tei.query,
+        "documents": tei.texts,
+        "raw_scores": tei.raw_scores,
+        "truncate": tei.truncate,
+        "adapter": tei.adapter,
+        "timeout": tei.timeout,
+    }
+    _, _, meta, reply = await _enqueue(request, RerankRequest, Task.SCORE, orjson.dumps(as_cohere))
+    scores = np.frombuffer(reply, dtype="<f4")
+    results = []
+    for index in np.argsort(-scores, kind="stable").tolist():
+        result: dict[str, Any] = {"index": index, "score": float(scores[index])}
+        if tei.return_text:
+            result["text"] = tei.texts[index]
+        results.append(result)
+    return json_response(results, headers=_timing(meta))
+
+
+def _the_one_reranker(ctx: GatewayContext) -> str:
+    """The model a TEI request that names none means: the catalog's only reranker (a TEI server serves one)."""
+    rerankers = [spec.name for spec in ctx.catalog if spec.task is Task.SCORE and spec.adapter_of is None]
+    if len(rerankers) == 1:
+        return rerankers[0]
+    if not rerankers:
+        raise Unprocessable("`model` is missing, and this fleet has no reranker (`score` model)", code="model_required")
+    raise Unprocessable(
+        f"`model` is missing, and this fleet has {len(rerankers)} rerankers: name one of {', '.join(rerankers)}",
+        code="model_required",
+    )
 
 
 async def classify(request: web.Request) -> web.Response:

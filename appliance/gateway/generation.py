@@ -19,6 +19,7 @@ from aiohttp import web
 from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable, error_from_reply
 from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.dispatch import Reply
+from appliance.gateway.encoders import ROUTE_FOR
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
@@ -52,7 +53,9 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not Task.GENERATE:
         raise Unprocessable(
-            f"model {resolved.spec.name} serves {resolved.spec.task}, not text generation", code="wrong_task"
+            f"model {resolved.spec.name} serves {resolved.spec.task}, not text generation; "
+            f"send it to {ROUTE_FOR[resolved.spec.task]}",
+            code="wrong_task",
         )
     chat = schema is ChatRequest
     chunks = ctx.dispatcher.stream(

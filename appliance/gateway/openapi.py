@@ -24,11 +24,13 @@ from appliance.schemas import (
     ModelRegistration,
     ModelUpdate,
     RerankRequest,
+    TeiRerankRequest,
 )
 
 _SCHEMAS = (
     EmbeddingRequest,
     RerankRequest,
+    TeiRerankRequest,
     ClassifyRequest,
     ExtractRequest,
     CompletionRequest,
@@ -112,8 +114,12 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
             },
         },
     }
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+    for path in ("/v1/rerank", "/v2/rerank"):
         paths[path] = {"post": _operation("Rerank documents (Cohere/Jina)", "RerankRequest", _INFERENCE_ERRORS)}
+    tei = _operation("Rerank documents (TEI's shape with `texts`, else Cohere's)", "RerankRequest", _INFERENCE_ERRORS)
+    either = [{"$ref": f"#/components/schemas/{name}"} for name in ("RerankRequest", "TeiRerankRequest")]
+    tei["requestBody"]["content"]["application/json"]["schema"] = {"oneOf": either}
+    paths["/rerank"] = {"post": tei}
     for verb in ("pin", "unpin"):
         paths[f"/v1/models/{{name}}/{verb}"] = {
             "post": {**_operation(f"{verb.title()} a model fleet-wide", None, _ADMIN_ERRORS), "parameters": _NAME}
