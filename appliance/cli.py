@@ -110,9 +110,11 @@ def serve(
             fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
         ]
     )
-    in_use = _port_problem(settings.host, settings.port)
+    ports = (_port_problem(settings.host, settings.port), _nats_port_problem(settings))
+    in_use = [problem for problem in ports if problem]
+    for problem in in_use:
+        typer.echo(f"fleetbox: {problem}", err=True)
     if in_use:
-        typer.echo(f"fleetbox: {in_use}", err=True)
         raise typer.Exit(1)
     configure_logging(settings.log_level)
     import uvloop
@@ -178,6 +180,23 @@ def _port_problem(host: str, port: int) -> str | None:
         return None  # not this check's business: the box's own bind reports it
 
 
+def _nats_port_problem(settings: Settings) -> str | None:
+    """Why the embedded nats-server cannot listen on its port (another process does); None when it can, or when
+    the box joins a server (`--nats`). Checked before the start, as the HTTP port is: the refusal was a JSON log
+    line carrying an `OSError(98, ...)` repr."""
+    from appliance.natsd import NatsPortInUse, check_port_free
+
+    if settings.nats_urls:
+        return None
+    try:
+        check_port_free(settings.nats_host, settings.nats_port)
+    except NatsPortInUse as exc:
+        return exc.strerror
+    except OSError:
+        return None  # not this check's business: the server's own start reports it
+    return None
+
+
 def _exit_now(code: int) -> NoReturn:
     """Exit at once, logs flushed. A model load or a batch still running on an executor thread cannot be
     interrupted, and the interpreter's exit would join those threads: a stopped box stayed up for as long as
@@ -213,6 +232,7 @@ def _give_up(box: Box) -> None:
 
 async def _serve(settings: Settings, tui: bool = False) -> int:
     from appliance.app import Box
+    from appliance.natsd import NatsPortInUse
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -229,6 +249,10 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
         return 0
     try:
         starting.result()
+    except NatsPortInUse as exc:  # taken since the check before the start
+        typer.echo(f"fleetbox: {exc.strerror}", err=True)
+        await _stop(box, settings)
+        return 1
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE or f"{settings.port}" not in str(exc):
             log.error("box failed to start", extra={"error": repr(exc)})

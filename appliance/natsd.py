@@ -72,10 +72,14 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+class NatsPortInUse(OSError):
+    """Another process listens on the embedded server's port; the message says what to do instead."""
+
+
 def check_port_free(host: str, port: int) -> None:
-    """Raise if something already listens on host:port, saying what to do instead."""
+    """Raise `NatsPortInUse` if something already listens on host:port."""
     if port_in_use(host, port):
-        raise OSError(
+        raise NatsPortInUse(
             errno.EADDRINUSE,
             f"the embedded nats-server cannot listen on {host}:{port}: another process already does "
             "(another box's server?); give another --nats-port, or join that server with --nats",

@@ -188,6 +188,42 @@ def test_serve_rejects_a_missing_config_file_with_a_usage_error(tmp_path) -> Non
     assert "absent.toml" in result.stderr
 
 
+def nats_port_refusal(port: int) -> str:
+    return (
+        f"fleetbox: the embedded nats-server cannot listen on 127.0.0.1:{port}: another process already does "
+        "(another box's server?); give another --nats-port, or join that server with --nats"
+    )
+
+
+def test_serve_names_an_embedded_nats_port_in_use_in_one_line(tmp_path) -> None:
+    """As a taken HTTP port is named: the refusal was a JSON log line carrying an `OSError(98, ...)` repr."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        nats_port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "appliance.cli", "serve", "--port", str(free_port()), "--nats-port",
+             str(nats_port), "--state-dir", str(tmp_path / "state")],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "FBX_DEVICE": "cpu"},
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [nats_port_refusal(nats_port)]
+
+
+async def test_a_nats_port_taken_after_the_check_is_named_in_one_line_too(tmp_path, capsys) -> None:
+    """Taken between the check in `serve` and the server's start: the box stops, exit 1, the same line."""
+    from appliance.cli import _serve
+    from appliance.settings import Settings
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        nats_port = taken.getsockname()[1]
+        settings = Settings(port=free_port(), nats_port=nats_port, state_dir=tmp_path, device="cpu")
+        assert await _serve(settings) == 1
+    assert capsys.readouterr().err.splitlines() == [nats_port_refusal(nats_port)]
+
+
 async def test_drain_verb_finishes_and_exits_the_box(nats_server, tmp_path) -> None:
     import nats as nats_client
 
