@@ -42,9 +42,11 @@ def _defaults(schema: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
 
 
 class EmbeddingRequest(_NullIsDefault, kw_only=True):
-    """OpenAI `POST /v1/embeddings`, plus TEI's `truncate` and a per-request `timeout` (s)."""
+    """OpenAI `POST /v1/embeddings`, plus TEI's `truncate` and a per-request `timeout` (s). OpenAI's token-id
+    inputs are read only to be refused by name (the gateway's `_enqueue`): ids of another tokenizer would embed
+    as noise."""
 
-    input: str | list[str]
+    input: str | list[str | int | list[int]]
     model: str
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Positive | None = None
@@ -54,7 +56,7 @@ class EmbeddingRequest(_NullIsDefault, kw_only=True):
     timeout: Timeout | None = None
 
     def texts(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else self.input
+        return [self.input] if isinstance(self.input, str) else self.input  # type: ignore[return-value]
 
 
 class Document(msgspec.Struct):

@@ -39,7 +39,9 @@ def assert_error_shape(body: dict, code: str | None = None) -> None:
         (b'{"input": "", "model": "all-minilm-l6-v2"}', 422, "empty_input"),
         (b'{"input": ["ok", ""], "model": "all-minilm-l6-v2"}', 422, "empty_input"),
         (b'{"input": ["ok", 3], "model": "all-minilm-l6-v2"}', 422, "invalid_input"),
-        (b'{"input": [[1, 2]], "model": "all-minilm-l6-v2"}', 422, "invalid_input"),
+        (b'{"input": [[1, 2]], "model": "all-minilm-l6-v2"}', 422, "unsupported_parameter"),  # token ids
+        (b'{"input": [1, 2], "model": "all-minilm-l6-v2"}', 422, "unsupported_parameter"),
+        (b'{"input": [[1, 2], "ok"], "model": "all-minilm-l6-v2"}', 422, "invalid_input"),
         (b'{"model": "all-minilm-l6-v2"}', 422, "invalid_input"),
         (b'{"input": "x"}', 422, "invalid_input"),
         (b'{"input": "x", "model": "all-minilm-l6-v2", "encoding_format": "int8"}', 422, "invalid_input"),
@@ -56,6 +58,13 @@ async def test_bad_bodies_get_clear_client_errors(default_box, http, body, statu
     assert got == status, payload
     assert_error_shape(payload, code)
 
+
+async def test_token_ids_are_refused_saying_what_to_send(default_box, http) -> None:
+    """LangChain's OpenAIEmbeddings sends tiktoken's ids by default: ids of another tokenizer would embed as noise,
+    and the schema error (`Expected str, got array`) did not say what to do."""
+    status, payload, _ = await post(http, default_box, b'{"input": [[9906, 1917]], "model": "all-minilm-l6-v2"}')
+    assert (status, payload["error"]["code"]) == (422, "unsupported_parameter"), payload
+    assert "check_embedding_ctx_length=False" in payload["error"]["message"]
 
 async def test_unknown_model_is_404_naming_the_models_that_exist(default_box, http) -> None:
     status, payload, _ = await post(http, default_box, b'{"input": "x", "model": "gpt-17"}')

@@ -57,6 +57,15 @@ async def _enqueue(
         body = await read_body(request, ctx.settings)
     parsed = decode(body, _decoders[schema])
     texts: list[str] = parsed.texts()
+    if not all(isinstance(text, str) for text in texts):
+        if any(isinstance(text, str) for text in texts):
+            first = next(i for i, text in enumerate(texts) if not isinstance(text, str))
+            raise Unprocessable(f"input {first} is not a string; send a string or a list of strings")
+        raise Unprocessable(
+            "`input` holds token ids; fleetbox embeds text with the model's own tokenizer: send strings (with "
+            "LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False, which sends tiktoken's ids)",
+            code="unsupported_parameter",
+        )
     _check_inputs(texts, ctx.settings.max_inputs, "documents" if task is Task.SCORE else "input")
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not task:
