@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,7 @@ from pydantic_settings import (
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -325,7 +327,25 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
             raise FileNotFoundError(f"config file {config_file} does not exist")
         config = SettingsConfigDict(**{**Settings.model_config, "toml_file": config_file})
         settings_cls = type("Settings", (Settings,), {"model_config": config})
-    return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
+    except tomllib.TOMLDecodeError as exc:  # its message has the line and column, but not the file
+        raise ValueError(f"config file {config_file}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {config_file}: not UTF-8 text (byte {exc.start})") from None
+    except SettingsError as exc:
+        raise ValueError(_unparsed_variable(exc)) from None
+
+
+def _unparsed_variable(exc: SettingsError) -> str:
+    """`FBX_MODELS: not valid JSON (Expecting value: line 1 column 1 (char 0))`, for pydantic-settings' `error
+    parsing value for field "models" from source "EnvSettingsSource"`, which names neither the variable nor
+    the place."""
+    field = re.search(r'field "(\w+)"', str(exc))
+    variable = f"FBX_{field.group(1).upper()}" if field else "an FBX_* variable"
+    if isinstance(exc.__cause__, json.JSONDecodeError):
+        return f"{variable}: not valid JSON ({exc.__cause__})"
+    return f"{variable}: {exc.__cause__ or exc}"
 
 
 _PATTERN_RULES = {  # what a pattern means, for the fields whose pattern an operator types

@@ -327,3 +327,29 @@ def test_models_in_the_config_file_may_not_share_a_name_alias_or_slug(models: li
     beside another's alias `c` answered for `c` after `c` was deleted)."""
     with pytest.raises(pydantic.ValidationError, match=named):
         Settings(models=[{"runtime": "noop", **model} for model in models])
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "problem"),
+    [
+        ("port = [\n", {}, "config file {config}: Invalid value (at end of document)"),
+        ("port = ]\n", {}, "config file {config}: Invalid value (at line 1, column 8)"),
+        (None, {"FBX_MODELS": "not json"}, "FBX_MODELS: not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+    ],
+    ids=["toml-at-end", "toml-at-line", "env-json"],
+)
+def test_a_config_file_or_variable_that_does_not_parse_is_named_with_the_place(
+    toml: str | None, env: dict[str, str], problem: str, tmp_path, monkeypatch
+) -> None:
+    """tomllib's message named no file (`Invalid value (at end of document)`), and pydantic-settings' no variable
+    and no place (`error parsing value for field "models" from source "EnvSettingsSource"`)."""
+    config = tmp_path / "box.toml"
+    args = ["serve", "--state-dir", str(tmp_path)]
+    if toml is not None:
+        config.write_text(toml)
+        args += ["--config", str(config)]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 2
+    assert result.output == f"fleetbox: bad settings: {problem.format(config=config)}\n"
