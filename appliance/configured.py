@@ -21,13 +21,14 @@ from appliance.catalog import (
     spec_of,
 )
 from appliance.settings import ModelEntry, Settings
-from runtimes import RuntimeKind, Task
+from runtimes import RuntimeKind, Task, UnsupportedModel
 from runtimes.detect import detect_task
 
 
 def configured_specs(settings: Settings) -> list[ModelSpec]:
     """The models of the config file, with the packaged default model first unless turned off."""
     entries = list(settings.models)
+    places = [f"models.{index}" for index in range(len(entries))]  # where each entry is set, for a refusal
     if settings.default_model and not any(e.name == DEFAULT_MODEL_NAME for e in entries):
         entries.insert(
             0,
@@ -39,13 +40,19 @@ def configured_specs(settings: Settings) -> list[ModelSpec]:
                 pinned=True,
             ),
         )
+        places.insert(0, "default_model")
     # An adapter's base may be named by an alias, as through the API; the catalog keeps the base's name.
     names = {alias: entry.name for entry in entries for alias in entry.aliases}
     entries = [
         entry.model_copy(update={"adapter_of": names[entry.adapter_of]}) if entry.adapter_of in names else entry
         for entry in entries
     ]
-    specs = [spec_from_entry(entry, settings) for entry in entries]
+    specs = []
+    for place, entry in zip(places, entries, strict=True):
+        try:
+            specs.append(spec_from_entry(entry, settings))
+        except ValueError as exc:  # named as a field pydantic refuses is: `models.0: model 'g': ...`
+            raise ValueError(f"{place}: {exc}") from None
     tasks = {spec.name: spec.task for spec in specs}  # an adapter serves its base's task, as through the API
     return [replace(spec, task=tasks[spec.adapter_of]) if spec.adapter_of in tasks else spec for spec in specs]
 
@@ -63,7 +70,10 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
     elif runtime is RuntimeKind.NOOP or entry.adapter_of is not None:
         task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
     else:
-        task = detect_task(path)  # the same detection as registration through the API
+        try:
+            task = detect_task(path)  # the same detection as registration through the API
+        except UnsupportedModel as exc:
+            raise UnsupportedModel(f"model {entry.name!r}: {exc}") from None
     knobs = knobs_given(entry)
     if knobs and (entry.adapter_of is not None or task is Task.GENERATE):  # as a registration through the API
         where = "its base's batches" if entry.adapter_of is not None else "a decode batch set by its options"

@@ -68,6 +68,8 @@ _MOST_LABELS = 262_144  # a classifier's labels: transformers makes a name for e
 def detect_task(folder: Path) -> Task:
     """The task this folder serves; `UnsupportedModel` says why not when there is none."""
     folder = Path(folder)
+    if not folder.is_dir():  # "has no config.json" hid that the folder itself is missing
+        raise UnsupportedModel(f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{folder} has no config.json; a transformers model folder is expected")

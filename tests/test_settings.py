@@ -353,3 +353,33 @@ def test_a_config_file_or_variable_that_does_not_parse_is_named_with_the_place(
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 2
     assert result.output == f"fleetbox: bad settings: {problem.format(config=config)}\n"
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "problem"),
+    [
+        ('[[models]]\nname = "g"\npath = "{absent}"\n', {}, "models.0: model 'g': {absent} does not exist"),
+        (
+            '[[models]]\nname = "a"\nruntime = "noop"\n[[models]]\nname = "g"\npath = "{config}"\n',
+            {},
+            "models.1: model 'g': {config} is not a folder",
+        ),
+        ('[[models]]\nname = "g"\npath = "{tmp}"\n', {}, "models.0: model 'g': {tmp} has no config.json"),
+        ("", {"FBX_MODELS": '[{{"name": "m", "path": "{absent}"}}]'}, "models.0: model 'm': {absent} does not exist"),
+    ],
+    ids=["absent", "a-file", "not-a-model", "env"],
+)
+def test_a_models_entry_whose_folder_is_missing_is_named_with_its_place(
+    toml: str, env: dict[str, str], problem: str, tmp_path, monkeypatch
+) -> None:
+    """As other `[[models]]` refusals are (`models.0: model 'g': ...`): a missing folder said only `/x has no
+    config.json; a transformers model folder is expected`, naming neither the entry nor the folder's absence."""
+    config = tmp_path / "box.toml"
+    places = {"absent": tmp_path / "nothere", "config": config, "tmp": tmp_path}
+    config.write_text(toml.format(**places))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value.format(**places))
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--config", str(config)])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"fleetbox: bad settings: {problem.format(**places)}"), result.output
+    assert len(result.output.splitlines()) == 1
