@@ -141,12 +141,12 @@ class Tuner:
         self,
         config: TuneConfig,
         loader: Loader = load_runtime,
-        on_trial: Callable[[Trial], None] | None = None,
+        on_trial: Callable[[Trial, str], None] | None = None,  # a trial just measured, and the stage that did
         on_status: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self._loader = loader
-        self._on_trial = on_trial or (lambda trial: None)
+        self._on_trial = on_trial or (lambda trial, stage: None)
         self._on_status = on_status or (lambda text: None)
         self._trials: dict[Candidate, Trial] = {}
         self._quality: dict[Engine, Quality] = {}
@@ -250,7 +250,7 @@ class Tuner:
             self._trials[candidate] = trial
         if not quality.passed:
             if not self.config.measure_rejected or runtime is None or candidate.engine in self._shown_rejected:
-                self._on_trial(trial)
+                self._on_trial(trial, trial.stage)
                 return trial
             self._shown_rejected.add(candidate.engine)  # measured once, for the report
         self._on_status(f"{stage}: {candidate.label}")
@@ -265,7 +265,8 @@ class Tuner:
             second = self._measure(runtime, candidate)
             trial.measurements.append(second)
             trial.noisy = _disagree(trial.measured, self.config.max_spread)
-        self._on_trial(trial)
+        # The trial keeps the stage that found it; the line shown says which stage measured it just now.
+        self._on_trial(trial, stage if quality.passed else trial.stage)
         return trial
 
     def _measure(self, runtime: Runtime | None, candidate: Candidate) -> Measurement:

@@ -238,9 +238,9 @@ def tune_with_progress(config: TuneConfig, console: object, ctrl_c: CtrlC | None
         def status(text: str) -> None:
             progress.update(task, completed=min(tuner.elapsed, config.budget_s), description=text[:90])
 
-        def trial_done(trial: Trial) -> None:
+        def trial_done(trial: Trial, stage: str) -> None:
             progress.update(task, completed=min(tuner.elapsed, config.budget_s))
-            progress.console.print(_trial_line(trial))
+            progress.console.print(_trial_line(trial, stage))
 
         tuner = Tuner(config, on_trial=trial_done, on_status=status)
         if ctrl_c is not None:
@@ -248,22 +248,25 @@ def tune_with_progress(config: TuneConfig, console: object, ctrl_c: CtrlC | None
         return tuner.run()
 
 
-def _trial_line(trial: Trial) -> str:
+def _trial_line(trial: Trial, stage: str) -> str:
     if not trial.measurements:
-        return f"  {trial.stage:8} {trial.candidate.engine.label:28} [red]{trial.quality.describe()}[/]"
+        return f"  {stage:8} {trial.candidate.engine.label:28} [red]{trial.quality.describe()}[/]"
     if not trial.ok:
-        return f"  {trial.stage:8} {trial.candidate.label:62} [red]{trial.measurements[-1].error}[/]"
+        return f"  {stage:8} {trial.candidate.label:62} [red]{trial.measurements[-1].error}[/]"
     mark = "[red]✗ gate[/]" if not trial.quality.passed else "[yellow]~ noisy[/]" if trial.noisy else "[green]✓[/]"
-    return f"  {trial.stage:8} {trial.candidate.label:62} {trial.throughput:9.1f}/s  p99 {trial.p99_ms:8.1f} ms  {mark}"
+    return f"  {stage:8} {trial.candidate.label:62} {trial.throughput:9.1f}/s  p99 {trial.p99_ms:8.1f} ms  {mark}"
 
 
 def summary(result: TuneResult) -> str:
+    """The default by its median run, noisy or not: the speedup's baseline, as in the profile and the report."""
     chosen, default = result.chosen, result.default
     assert chosen is not None
+    runs = len(default.measured)
     return (
         f"chosen: {chosen.candidate.label}: {chosen.throughput:.1f} inputs/s, p50 {chosen.p50_ms:.1f} ms, "
         f"p99 {chosen.p99_ms:.1f} ms ({chosen.quality.describe()})\n"
-        f"default: {default.candidate.label}: {default.throughput:.1f} inputs/s, p99 {default.p99_ms:.1f} ms\n"
+        f"default: {default.candidate.label}: {default.median_throughput:.1f} inputs/s, "
+        f"p99 {default.median_p99_ms:.1f} ms{f' (median of {runs} runs)' if runs > 1 else ''}\n"
         f"speedup {result.speedup:.2f}x; {len([t for t in result.trials if t.measurements])} candidates measured in "
         f"{result.measure_seconds:.0f} s ({result.wall_seconds:.0f} s in all"
         f"{', stopped: ' + result.stopped if result.stopped else ''})"

@@ -257,9 +257,9 @@ def _label(result: TuneResult) -> str:
     return result.chosen.candidate.label if result.chosen else "nothing"
 
 
-def _print_trial(trial: Any) -> None:
+def _print_trial(trial: Any, stage: str) -> None:
     if trial.measurements:
-        line = f"{trial.stage:8} {trial.candidate.label:62} {trial.throughput:8.1f}/s p99 {trial.p99_ms:7.1f}"
+        line = f"{stage:8} {trial.candidate.label:62} {trial.throughput:8.1f}/s p99 {trial.p99_ms:7.1f}"
         console.print("   " + line)
 
 

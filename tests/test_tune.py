@@ -18,9 +18,10 @@ from appliance.catalog import Batching
 from appliance.cli import app
 from appliance.devices import hardware_slug
 from appliance.profiles import Profile
-from appliance.tune import TuneConfig, Tuner
+from appliance.tune import TuneConfig, Tuner, TuneResult
+from appliance.tune_cli import summary
 from appliance.tune_load import Load, Measurement, make_requests, read_sample
-from appliance.tune_quality import Reference, spearman
+from appliance.tune_quality import Quality, Reference, spearman
 from appliance.tune_report import write_outputs
 from appliance.tune_search import Candidate, Engine, Objective, Space, Trial, default_space, search
 from runtimes import ModelSource, Runtime, RuntimeKind, Task, Tokenized, load_runtime
@@ -94,6 +95,27 @@ def test_tune_command_writes_a_profile_that_passes_the_gate(encoder_dir: Path, t
     report = (out / "org-tiny" / f"{hardware}.md").read_text()
     assert "**chosen**" in report and "## Quality gate, per engine" in report and "a test run" in report
     assert (out / "org-tiny" / f"{hardware}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The console: the second pass over the finalists says so; the default's figure is the speedup's baseline.
+    assert any(line.startswith("  confirm  ") for line in result.output.splitlines()), result.output
+    default_line = next(line for line in result.output.splitlines() if line.startswith("default: "))
+    assert f": {written.measured['default_throughput']:.1f} inputs/s" in default_line, result.output
+
+
+def test_the_summary_puts_the_chosen_beside_the_defaults_median_run() -> None:
+    """A noisy default is reported by its worst run in its own line, but the speedup is over its median run:
+    the summary's `default:` line shows that median, or the two lines on the screen contradict each other."""
+
+    def run(throughput: float) -> Measurement:
+        return Measurement(throughput, 10.0, 40.0, 0.1, (throughput,), 100, 1.0)
+
+    gate = Quality("min_cosine", 1.0, 0.999)
+    default = Trial(Candidate(TORCH_1, Batching(4096, 32, 2.0)), gate, "default", [run(4000.0), run(2000.0)], True)
+    chosen = Trial(Candidate(TORCH_1, Batching(256, 4, 0.0)), gate, "screen", [run(4500.0)])
+    tune = config(Path("/models/tiny"), (TORCH_1,))
+    result = TuneResult(tune, "cpu-2c", "a CPU", default, chosen, [], {}, 1.0, 1.0, None)
+    lines = summary(result).splitlines()
+    assert lines[1] == f"default: {default.candidate.label}: 3000.0 inputs/s, p99 40.0 ms (median of 2 runs)"
+    assert lines[2].startswith("speedup 1.50x")
 
 
 def test_dry_run_writes_nothing(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -136,7 +158,7 @@ def test_ctrl_c_and_the_budget_keep_the_best_so_far(encoder_dir: Path) -> None:
     seen: list[Trial] = []
     tuner: Tuner
 
-    def on_trial(trial: Trial) -> None:
+    def on_trial(trial: Trial, stage: str) -> None:
         seen.append(trial)
         if len(seen) == 3:
             tuner.stop()  # what the first Ctrl-C does
