@@ -66,6 +66,7 @@ async def test_token_ids_are_refused_saying_what_to_send(default_box, http) -> N
     assert (status, payload["error"]["code"]) == (422, "unsupported_parameter"), payload
     assert "check_embedding_ctx_length=False" in payload["error"]["message"]
 
+
 async def test_unknown_model_is_404_naming_the_models_that_exist(default_box, http) -> None:
     status, payload, _ = await post(http, default_box, b'{"input": "x", "model": "gpt-17"}')
     assert status == 404
