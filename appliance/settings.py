@@ -194,6 +194,8 @@ class Settings(BaseSettings):
     admin_keys: str | None = None
     max_concurrent_per_key: int = Field(default=0, ge=0)  # requests one API key may have in flight at once; 0: no limit
     metrics_require_key: bool = False  # protect /metrics with an API (or admin) key
+    # Browser origins that may call the API (CORS), comma-separated, or "*"; none set: no CORS headers
+    cors_allow_origins: str | None = None
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
@@ -238,6 +240,16 @@ class Settings(BaseSettings):
             problem = nats_url_problem(url.strip()) if url.strip() else None
             if problem:
                 raise ValueError(problem)
+        return value
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins_are_origins(cls, value: str | None) -> str | None:
+        """An origin is `scheme://host[:port]` exactly as a browser sends it (no path, no trailing `/`), or `*`:
+        one written otherwise would never match, and the browser's refusal would not say why."""
+        for origin in _keys(value):
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s:]+(:[0-9]{1,5})?", origin):
+                raise ValueError(f"{origin!r} is not an origin: give scheme://host[:port] (no path), or *")
         return value
 
     @field_validator("api_keys", "admin_keys")
@@ -300,6 +312,10 @@ class Settings(BaseSettings):
     @property
     def api_key_list(self) -> list[str]:
         return _keys(self.api_keys)
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return _keys(self.cors_allow_origins)
 
     @property
     def admin_key_list(self) -> list[str]:

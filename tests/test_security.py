@@ -85,3 +85,46 @@ async def test_model_names_cannot_be_probed_without_a_key(start_box, http) -> No
     for path in ("/v1/models/sentence-transformers/all-MiniLM-L6-v2", "/v1/models/sentence-transformers/nonexistent"):
         async with http.post(url(box, path)) as response:
             assert response.status == 401, path
+
+
+async def test_browser_apps_on_allowed_origins_may_call_the_api(start_box, http, generator_dir) -> None:
+    """No CORS at all: a browser's preflight got a 405 and its answers no Access-Control-Allow-Origin, so a web
+    app could not call a box (vLLM, TEI and Infinity all allow it). Allowed origins only; keys still apply."""
+    from appliance.settings import ModelEntry
+
+    gen = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(default_model=False, models=[noop_model(), gen], api_keys="user-key",
+                          cors_allow_origins="https://app.example.com")  # fmt: skip
+    app = {"Origin": "https://app.example.com"}
+    asking = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    async with http.options(url(box, "/v1/embeddings"), headers=app | asking) as response:  # no key: a preflight
+        assert response.status == 204
+        assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
+        assert "POST" in response.headers["Access-Control-Allow-Methods"]
+        assert response.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    body = {"model": "noop", "input": "x"}
+    async with http.post(url(box, "/v1/embeddings"), json=body, headers=app | USER) as response:
+        assert response.status == 200
+        assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
+        assert "X-Request-Id" in response.headers["Access-Control-Expose-Headers"]
+        assert response.headers["Vary"] == "Origin"
+    async with http.post(url(box, "/v1/embeddings"), json=body, headers=app) as response:
+        assert response.status == 401  # the key is still needed
+        assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"  # and readable
+    stream = {"model": "gen", "prompt": "Hi", "max_tokens": 2, "stream": True}
+    async with http.post(url(box, "/v1/completions"), json=stream, headers=app | USER) as response:
+        assert response.status == 200  # headers sent before the handler returned: still there
+        assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
+        await response.read()
+    elsewhere = {"Origin": "https://evil.example.net"}
+    async with http.options(url(box, "/v1/embeddings"), headers=elsewhere | asking) as response:
+        assert response.status == 405 and "Access-Control-Allow-Origin" not in response.headers
+    async with http.post(url(box, "/v1/embeddings"), json=body, headers=elsewhere | USER) as response:
+        assert response.status == 200 and "Access-Control-Allow-Origin" not in response.headers
+
+
+async def test_no_cors_headers_unless_origins_are_allowed(start_box, http) -> None:
+    box = await start_box(default_model=False, models=[noop_model()])
+    headers = {"Origin": "https://app.example.com"}
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}, headers=headers) as r:
+        assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers

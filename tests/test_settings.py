@@ -383,3 +383,14 @@ def test_a_models_entry_whose_folder_is_missing_is_named_with_its_place(
     assert result.exit_code == 2
     assert result.output.startswith(f"fleetbox: bad settings: {problem.format(**places)}"), result.output
     assert len(result.output.splitlines()) == 1
+
+
+@pytest.mark.parametrize("origins", ["https://app.example.com/", "app.example.com", "https://a.com/path", "*,ftp://x"])
+def test_a_cors_origin_written_otherwise_than_a_browser_sends_it_is_refused(origins: str) -> None:
+    """It would never match an `Origin` header, and the browser's refusal would not say why."""
+    with pytest.raises(pydantic.ValidationError, match="is not an origin"):
+        Settings(cors_allow_origins=origins)
+    assert Settings(cors_allow_origins="https://app.example.com, http://localhost:3000").cors_origin_list == [
+        "https://app.example.com",
+        "http://localhost:3000",
+    ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -25,8 +25,8 @@ from appliance.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
 )
-from appliance.gateway import admin, encoders, generation, openapi, ops
-from appliance.gateway.auth import IN_FLIGHT, inference, metrics_guard
+from appliance.gateway import admin, cors, encoders, generation, openapi, ops
+from appliance.gateway.auth import IN_FLIGHT, Handler, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
 from appliance.gateway.dispatch import Dispatcher
@@ -34,8 +34,6 @@ from appliance.gateway.http import json_response
 from appliance.registration import MODEL_VERBS
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _route_label(request: web.Request) -> str:
@@ -141,12 +139,14 @@ def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelS
 def build_app(context: GatewayContext) -> web.Application:
     # auto_decompress off: read_body decodes a compressed body itself, so a bad one is a 4xx in the error shape.
     app = web.Application(
-        middlewares=[errors_and_metrics],
+        middlewares=[errors_and_metrics, cors.preflight],
         client_max_size=context.settings.max_body_bytes,
         handler_args={"auto_decompress": False},
     )
     app[CONTEXT] = context
     app[IN_FLIGHT] = {}
+    if context.settings.cors_origin_list:
+        app.on_response_prepare.append(cors.add_headers)
     routes = [
         web.get("/healthz", ops.healthz),
         web.get("/readyz", ops.readyz),
