@@ -295,13 +295,13 @@ class Residency:
             resident = self._resident.pop(name, None)
             if resident is None:
                 return False
+            self._metrics.resident_bytes.remove(name)  # with the entry: the gauge and is_resident never disagree
             if resident.adapters is not None:
                 resident.adapters.close()
             await asyncio.get_running_loop().run_in_executor(self._executor, resident.runtime.close)
         finally:
             del self._evicting[name]
             gone.set()
-        self._metrics.resident_bytes.remove(name)
         self._metrics.evictions.labels(name, reason).inc()
         log.info("model evicted", extra={"model": name, "reason": reason, "bytes": resident.nbytes})
         return True
