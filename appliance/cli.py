@@ -119,7 +119,7 @@ def serve(
     configure_logging(settings.log_level)
     import uvloop
 
-    code = uvloop.run(_serve(settings, tui=tui))
+    code = uvloop.run(_serve(settings, tui=tui, watchdog=True))
     _exit_now(code)
 
 
@@ -207,37 +207,52 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-async def _stop(box: Box, settings: Settings) -> None:
-    """`box.stop()`, bounded at `shutdown_grace_s` + 4 s, then by a watchdog thread 2 s later that exits the process:
-    the bound works by cancelling, and a step that swallows its cancellation (nats-py's flush of a full write
-    buffer to a server that hangs) would keep the box up for ever. The embedded nats-server ends with the process
+async def _stop(box: Box, settings: Settings, *, watchdog: bool) -> None:
+    """`box.stop()`, bounded at `shutdown_grace_s` + 4 s. The bound works by cancelling, and a step that swallows
+    its cancellation (nats-py's flush of a full write buffer to a server that hangs) would outlive it; so would the
+    event loop's own shutdown after it (it waits for the default executor's jobs and for every task). With
+    `watchdog` (the serve command, which exits once the loop is done), a thread exits the process 2 s past the
+    bound whatever still runs: it stays armed until the exit. The embedded nats-server ends with the process
     (its parent-death signal)."""
     budget_s = settings.shutdown_grace_s + 4.0
-    watchdog = threading.Timer(budget_s + 2.0, _give_up, args=(box,))
-    watchdog.daemon = True
-    watchdog.start()
+    if watchdog:
+        timer = threading.Timer(budget_s + 2.0, _give_up, args=(box,))
+        timer.daemon = True
+        timer.start()
     try:
         async with asyncio.timeout(budget_s):  # not wait_for (see appliance/tasks.py)
             await box.stop()
     except TimeoutError:
         log.error("shutdown took too long; exiting anyway")
-    finally:
-        watchdog.cancel()
 
 
 def _give_up(box: Box) -> None:
-    log.error("shutdown hung past its bound; exiting now")
-    _exit_now(1 if box.failure else 0)
+    """The watchdog's exit: its one line written straight to the file, past any lock a stuck stop may hold."""
+    try:
+        os.write(2, b"fleetbox: the shutdown hung past its bound; exiting now\n")
+    except OSError:
+        pass
+    finally:
+        os._exit(1 if box.failure else 0)
 
 
-async def _serve(settings: Settings, tui: bool = False) -> int:
-    from appliance.app import Box
-    from appliance.natsd import NatsPortInUse
-
+async def _serve(settings: Settings, tui: bool = False, *, watchdog: bool = False) -> int:
+    """Run a box until SIGTERM, SIGINT, the `drain` verb or the TUI's quit; its exit status. `watchdog`: see `_stop`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        return await _run_box(settings, tui, stop, watchdog)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog: bool) -> int:
+    from appliance.app import Box
+    from appliance.natsd import NatsPortInUse
+
     box = Box(settings)
     starting = asyncio.create_task(box.start())
     signalled = asyncio.create_task(stop.wait())
@@ -245,24 +260,24 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
     signalled.cancel()
     if not starting.done():  # a signal while the box still starts (it may wait for NATS for ever): stop now
         await cancel_and_wait([starting])
-        await _stop(box, settings)
+        await _stop(box, settings, watchdog=watchdog)
         return 0
     try:
         starting.result()
     except NatsPortInUse as exc:  # taken since the check before the start
         typer.echo(f"fleetbox: {exc.strerror}", err=True)
-        await _stop(box, settings)
+        await _stop(box, settings, watchdog=watchdog)
         return 1
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE or f"{settings.port}" not in str(exc):
             log.error("box failed to start", extra={"error": repr(exc)})
         else:  # taken since the check before the start
             typer.echo(f"fleetbox: port {settings.port} on {settings.host} is in use", err=True)
-        await _stop(box, settings)
+        await _stop(box, settings, watchdog=watchdog)
         return 1
     except Exception as exc:
         log.error("box failed to start", extra={"error": repr(exc)})
-        await _stop(box, settings)
+        await _stop(box, settings, watchdog=watchdog)
         return 1
     # A signal, or the `drain` control verb, ends the box the same way.
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(box.stop_requested.wait())]
@@ -278,7 +293,7 @@ async def _serve(settings: Settings, tui: bool = False) -> int:
         await embedded.close()  # give the terminal back before the shutdown logs
     for wait in waits:
         wait.cancel()
-    await _stop(box, settings)
+    await _stop(box, settings, watchdog=watchdog)
     return 1 if box.failure else 0  # a box that stopped itself (its NATS gone) exits for its supervisor to restart
 
 

@@ -99,6 +99,13 @@ class RerankShape(msgspec.Struct):
     """Just enough of a `/rerank` body to tell TEI's (`texts`) from Cohere's, Jina's and Infinity's (`documents`)."""
 
     texts: Any = None
+    documents: Any = None
+
+
+class SentDocuments(msgspec.Struct):
+    """A rerank body's documents as the client wrote them, each its JSON unparsed: given back as they came."""
+
+    documents: list[msgspec.Raw]
 
 
 class ClassifyRequest(_NullIsDefault, kw_only=True):

@@ -245,11 +245,15 @@ class Settings(BaseSettings):
     @field_validator("cors_allow_origins")
     @classmethod
     def _origins_are_origins(cls, value: str | None) -> str | None:
-        """An origin is `scheme://host[:port]` exactly as a browser sends it (no path, no trailing `/`), or `*`:
-        one written otherwise would never match, and the browser's refusal would not say why."""
+        """An origin is `scheme://host[:port]` as a browser sends it (no path, no trailing `/`; an IPv6 host in
+        brackets), or `*`: one written otherwise would never match, and the browser's refusal would not say why.
+        Compared without case (`cors_origin_list`); a default port (`:443` on https) is one a browser leaves out."""
+        origin_pattern = r"[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[^/\s:\[\]]+)(:[0-9]{1,5})?"
         for origin in _keys(value):
-            if origin != "*" and not re.fullmatch(r"https?://[^/\s:]+(:[0-9]{1,5})?", origin):
+            if origin != "*" and not re.fullmatch(origin_pattern, origin, flags=re.IGNORECASE):
                 raise ValueError(f"{origin!r} is not an origin: give scheme://host[:port] (no path), or *")
+            if re.search(r"^https://.*:443$|^http://.*:80$", origin, flags=re.IGNORECASE):
+                raise ValueError(f"{origin!r} names its scheme's default port, which browsers leave out: drop it")
         return value
 
     @field_validator("api_keys", "admin_keys")
@@ -315,7 +319,7 @@ class Settings(BaseSettings):
 
     @property
     def cors_origin_list(self) -> list[str]:
-        return _keys(self.cors_allow_origins)
+        return [origin.lower() for origin in _keys(self.cors_allow_origins)]
 
     @property
     def admin_key_list(self) -> list[str]:

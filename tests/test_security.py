@@ -121,6 +121,16 @@ async def test_browser_apps_on_allowed_origins_may_call_the_api(start_box, http,
         assert response.status == 405 and "Access-Control-Allow-Origin" not in response.headers
     async with http.post(url(box, "/v1/embeddings"), json=body, headers=elsewhere | USER) as response:
         assert response.status == 200 and "Access-Control-Allow-Origin" not in response.headers
+        assert response.headers["Vary"] == "Origin"  # a cache must not hand this answer to an allowed origin
+    box.draining = True  # a stopping box: the page can read its 503 only if the preflight passed
+    try:
+        async with http.options(url(box, "/v1/embeddings"), headers=app | asking) as response:
+            assert response.status == 204
+        async with http.post(url(box, "/v1/embeddings"), json=body, headers=app | USER) as response:
+            assert response.status == 503
+            assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
+    finally:
+        box.draining = False
 
 
 async def test_no_cors_headers_unless_origins_are_allowed(start_box, http) -> None:

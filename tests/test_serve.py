@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import aiohttp
 import nats as nats_client
+import pytest
 
 from appliance.control import call_box
 from appliance.natsd import free_port
@@ -72,19 +73,31 @@ async def test_serve_answers_then_exits_cleanly_on_sigterm(tmp_path) -> None:
             process.wait(10)
 
 
-async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections_carry(tmp_path) -> None:
+@pytest.mark.parametrize("streams", [False, True], ids=["gateway-404s", "streamed-generations"])
+async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections_carry(
+    tmp_path, generator_dir, streams: bool
+) -> None:
     """Clients that keep their connections alive and send without pause: as the box stopped, the listener closed
     connections a request was arriving on, and 8-13 requests a run got no answer at all (the black-box tester's
-    runs). Now each gets an answer (one during the stop is a 503 that closes its connection) or, once the
-    listener is closed, a refused connection: both a client can retry on another box. A new connection still in
-    the listener's accept queue as it closes is reset by the kernel; that request never reached the box, like a
+    runs); after a streamed answer, the connection was closed under the client's next request (6-8 a run). Now
+    each gets an answer (one during the stop is a 503 that closes its connection) or, once the listener is
+    closed, a refused connection: both a client can retry on another box. A new connection still in the
+    listener's accept queue as it closes is reset by the kernel; that request never reached the box, like a
     refused one, and is counted so."""
     http_port, nats_port = free_port(), free_port()
     log = tmp_path / "box.log"
+    config = tmp_path / "box.toml"
+    config.write_text("default_model = false\n")
+    if streams:
+        config.write_text(f'default_model = false\n[[models]]\nname = "gen"\npath = "{generator_dir}"\npinned = true\n')
+    route, answered = ("/v1/chat/completions", 200) if streams else ("/v1/embeddings", 404)
+    body = {"model": "gen", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    if not streams:
+        body = {"model": "no-such-model", "input": "x"}  # answered at the gateway: 404, the fastest a box goes
     process = subprocess.Popen(
         [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), "--nats-port", str(nats_port),
-         "--state-dir", str(tmp_path / "state")],
-        env={**os.environ, "FBX_DEVICE": "cpu", "FBX_DEFAULT_MODEL": "false"},
+         "--state-dir", str(tmp_path / "state"), "--config", str(config)],
+        env={**os.environ, "FBX_DEVICE": "cpu"},
         stderr=log.open("wb"),  # a line for every 404: a pipe nobody reads would fill and stall the box
     )  # fmt: skip
     outcomes: collections.Counter[object] = collections.Counter()
@@ -100,10 +113,9 @@ async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections
     async def client(session: aiohttp.ClientSession) -> None:
         while not stopped.is_set():
             request: dict[str, bool] = {}
-            body = {"model": "no-such-model", "input": "x"}  # answered at the gateway: 404, the fastest a box goes
             try:
                 async with session.post(
-                    f"http://127.0.0.1:{http_port}/v1/embeddings", json=body, trace_request_ctx=request
+                    f"http://127.0.0.1:{http_port}{route}", json=body, trace_request_ctx=request
                 ) as response:
                     await response.read()
                     outcomes[response.status] += 1
@@ -120,13 +132,13 @@ async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections
         async with aiohttp.ClientSession(connector=connector, timeout=no_hang, trace_configs=[tracing]) as session:
             await until_ready(session, http_port, process, log.read_text)
             clients = [asyncio.create_task(client(session)) for _ in range(16)]
-            await wait_for(lambda: outcomes[404] >= 500, what="the clients to be under way")
+            await wait_for(lambda: outcomes[answered] >= (100 if streams else 500), what="the clients to be going")
             process.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(process.wait, 20) == 0
             await asyncio.sleep(0.2)  # the clients see the box gone
             stopped.set()
             await asyncio.gather(*clients)
-        assert set(outcomes) <= {404, 503, "refused"}, outcomes
+        assert set(outcomes) <= {answered, 503, "refused"}, outcomes
     finally:
         if process.poll() is None:
             process.kill()

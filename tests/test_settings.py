@@ -13,6 +13,7 @@ from appliance import cli
 from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
 from appliance.configured import configured_specs
+from appliance.natsd import free_port
 from appliance.settings import MAX_CONCURRENT_BATCHES, ModelEntry, Settings, load_settings, memory_budget_bytes
 
 
@@ -302,7 +303,8 @@ def test_serve_names_a_port_in_use_in_one_line(tmp_path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--port", str(port)])
+        args = ["serve", "--state-dir", str(tmp_path), "--port", str(port), "--nats-port", str(free_port())]
+        result = CliRunner().invoke(cli.app, args)  # another NATS port than 4222, which something may hold
     assert result.exit_code == 1
     assert result.output == f"fleetbox: port {port} on 127.0.0.1 is in use\n"
 
@@ -385,12 +387,24 @@ def test_a_models_entry_whose_folder_is_missing_is_named_with_its_place(
     assert len(result.output.splitlines()) == 1
 
 
-@pytest.mark.parametrize("origins", ["https://app.example.com/", "app.example.com", "https://a.com/path", "*,ftp://x"])
-def test_a_cors_origin_written_otherwise_than_a_browser_sends_it_is_refused(origins: str) -> None:
+@pytest.mark.parametrize(
+    ("origins", "why"),
+    [
+        ("https://app.example.com/", "is not an origin"),
+        ("app.example.com", "is not an origin"),
+        ("https://a.com/path", "is not an origin"),
+        ("*,https://a b", "is not an origin"),
+        ("https://a.com:443", "default port"),
+    ],
+)
+def test_a_cors_origin_written_otherwise_than_a_browser_sends_it_is_refused(origins: str, why: str) -> None:
     """It would never match an `Origin` header, and the browser's refusal would not say why."""
-    with pytest.raises(pydantic.ValidationError, match="is not an origin"):
+    with pytest.raises(pydantic.ValidationError, match=why):
         Settings(cors_allow_origins=origins)
-    assert Settings(cors_allow_origins="https://app.example.com, http://localhost:3000").cors_origin_list == [
-        "https://app.example.com",
+    given = "HTTPS://App.Example.com, http://localhost:3000, http://[::1]:8000, chrome-extension://abc"
+    assert Settings(cors_allow_origins=given).cors_origin_list == [
+        "https://app.example.com",  # as a browser sends it: lower case
         "http://localhost:3000",
+        "http://[::1]:8000",
+        "chrome-extension://abc",
     ]

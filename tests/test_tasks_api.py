@@ -120,6 +120,27 @@ async def test_a_cohere_document_object_comes_back_whole(task_box, http) -> None
     assert answer["id"]  # the request's id, as Cohere's answers carry one
 
 
+async def test_a_document_object_comes_back_byte_for_byte(task_box, http) -> None:
+    """Read again with another JSON parser, a number it reads otherwise made the answer a 500 after the model had
+    scored (a 1e400 in a document's extra field), or changed it (a 23-digit id came back as a float)."""
+    body = (b'{"model": "ranker", "query": "q", "return_documents": true, "documents": '
+            b'[{"text": "Paris", "id": 12345678901234567890123, "weight": 1e400}, "Berlin"]}')  # fmt: skip
+    headers = {"Content-Type": "application/json"}
+    async with http.post(url(task_box, "/v1/rerank"), data=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        text = await response.text()
+    assert '{"text": "Paris", "id": 12345678901234567890123, "weight": 1e400}' in text
+    assert '{"text":"Berlin"}' in text
+
+
+async def test_teis_texts_and_cohere_documents_together_are_refused(task_box, http) -> None:
+    """Taken as TEI's, the documents, top_n and return_documents were ignored without a word."""
+    body = {"query": "q", "texts": DOCS, "documents": DOCS, "top_n": 1}
+    async with http.post(url(task_box, "/rerank"), json=body) as response:
+        assert response.status == 422
+        assert "not both" in (await response.json())["error"]["message"]
+
+
 async def test_rerank_raw_scores_are_the_logits(task_box, http) -> None:
     _, plain = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS})
     _, raw = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": DOCS,

@@ -69,8 +69,11 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
-    if ctx.is_draining():
-        response.force_close()  # the connection closes after this answer: the client reconnects elsewhere
+    if ctx.is_draining() and not response.prepared:
+        # The connection closes after this answer, which says so (`Connection: close`): the client reconnects
+        # elsewhere. Not after a stream, whose headers went out keep-alive before the drain: closed under it, the
+        # client's next request on it was lost; it gets that request's 503 instead.
+        response.force_close()
     # One line per request: failures at INFO (5xx at WARNING), successes at DEBUG to keep the hot path cheap.
     level = logging.WARNING if response.status >= 500 else logging.INFO if response.status >= 400 else logging.DEBUG
     if log.isEnabledFor(level):
@@ -139,7 +142,7 @@ def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelS
 def build_app(context: GatewayContext) -> web.Application:
     # auto_decompress off: read_body decodes a compressed body itself, so a bad one is a 4xx in the error shape.
     app = web.Application(
-        middlewares=[errors_and_metrics, cors.preflight],
+        middlewares=[cors.preflight, errors_and_metrics],  # a preflight is answered even while the box drains
         client_max_size=context.settings.max_body_bytes,
         handler_args={"auto_decompress": False},
     )

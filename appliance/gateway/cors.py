@@ -1,7 +1,8 @@
 """CORS: browser apps on the origins a box allows (`cors_allow_origins`) may call its API directly.
 
 A preflight (`OPTIONS` with `Access-Control-Request-Method`) is answered here, before any route or key check
-(a browser sends it without credentials); every other answer to an allowed origin gets its CORS headers as it is
+(a browser sends it without credentials) and even while the box drains (a browser reads a refused preflight as
+a CORS failure, never as the 503 it could retry); every other answer to an allowed origin gets its CORS headers as it is
 sent, streams included, whose headers go out before the handler returns. No origin allowed: no headers at all.
 """
 
@@ -26,7 +27,7 @@ def _allowed(request: web.Request) -> str | None:
     origins = GatewayContext.of(request).settings.cors_origin_list
     if "*" in origins:
         return "*"
-    return origin if origin in origins else None
+    return origin if origin.lower() in origins else None
 
 
 @web.middleware
@@ -46,10 +47,9 @@ async def preflight(request: web.Request, handler: Handler) -> web.StreamRespons
 
 async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: the CORS headers of an answer to an allowed origin."""
+    if "*" not in GatewayContext.of(request).settings.cors_origin_list:
+        response.headers.add("Vary", "Origin")  # the answer depends on the origin: a cache must not mix them
     allowed = _allowed(request)
-    if allowed is None:
-        return
-    response.headers["Access-Control-Allow-Origin"] = allowed
-    response.headers["Access-Control-Expose-Headers"] = _EXPOSED
-    if allowed != "*":
-        response.headers["Vary"] = "Origin"  # a cache must not serve one origin's answer to another
+    if allowed is not None:
+        response.headers["Access-Control-Allow-Origin"] = allowed
+        response.headers["Access-Control-Expose-Headers"] = _EXPOSED

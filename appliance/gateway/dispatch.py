@@ -32,7 +32,7 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
 from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
 from appliance.metrics import Metrics
 from runtimes import Task
@@ -66,6 +66,11 @@ class Reply:
     meta: ReplyMeta
     body: bytes
     restarted: bool = False  # the first chunk of an answer started over (its box stopped mid-answer)
+    error: FleetboxError | None = None  # this gateway's own error, whole (its Retry-After kept), not a box's reply
+
+    def failure(self) -> FleetboxError:
+        """The error a reply that is not a 200 stands for."""
+        return self.error or error_from_reply(self.meta.status, self.body)
 
 
 class Dispatcher:
@@ -166,7 +171,7 @@ class Dispatcher:
 
     def _error_reply(self, request_id: str, error: FleetboxError) -> Reply:
         """A final reply this gateway makes up for a stream its box will not answer."""
-        return Reply(ReplyMeta(id=request_id, status=error.status, box=self.box_id), error.to_json())
+        return Reply(ReplyMeta(id=request_id, status=error.status, box=self.box_id), error.to_json(), error=error)
 
     def _cancel_soon(self, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._cancel(request_id))

@@ -25,6 +25,7 @@ from appliance.schemas import (
     ExtractRequest,
     RerankRequest,
     RerankShape,
+    SentDocuments,
     TeiRerankRequest,
 )
 from runtimes import Task
@@ -44,7 +45,15 @@ _MAX_INPUT_TOKENS = 512
 
 _decoders: dict[type, msgspec.json.Decoder] = {
     schema: msgspec.json.Decoder(schema)
-    for schema in (EmbeddingRequest, RerankRequest, TeiRerankRequest, RerankShape, ClassifyRequest, ExtractRequest)
+    for schema in (
+        EmbeddingRequest,
+        RerankRequest,
+        TeiRerankRequest,
+        RerankShape,
+        SentDocuments,
+        ClassifyRequest,
+        ExtractRequest,
+    )
 }
 
 
@@ -142,13 +151,15 @@ async def rerank(request: web.Request, body: bytes | None = None) -> web.Respons
     order = np.argsort(-scores, kind="stable")
     if parsed.top_n is not None:
         order = order[: parsed.top_n]
-    sent = orjson.loads(body)["documents"] if parsed.return_documents else []
+    # An object comes back as it was written, its other fields (a title, an id) kept, as Cohere's API does: its
+    # JSON unparsed, so no number is read differently (a 1e400, a 23-digit id).
+    sent = decode(body, _decoders[SentDocuments]).documents if parsed.return_documents else []
     results = []
     for index in order.tolist():
         result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
-        if parsed.return_documents:  # an object keeps its other fields (a title, an id), as Cohere's API does
-            document = sent[index]
-            result["document"] = document if isinstance(document, dict) else {"text": document}
+        if parsed.return_documents:
+            raw = bytes(sent[index])
+            result["document"] = orjson.Fragment(raw) if raw.startswith(b"{") else {"text": orjson.Fragment(raw)}
         results.append(result)
     payload = {
         "id": request[REQUEST_ID],
@@ -165,7 +176,10 @@ async def rerank_at_root(request: web.Request) -> web.Response:
     first), else Cohere's shape as at `/v1/rerank` (what Infinity's clients send there)."""
     ctx = GatewayContext.of(request)
     body = await read_body(request, ctx.settings)
-    if decode(body, _decoders[RerankShape]).texts is None:
+    shape = decode(body, _decoders[RerankShape])
+    if shape.texts is not None and shape.documents is not None:
+        raise Unprocessable("send `texts` (TEI's rerank) or `documents` (Cohere's), not both")
+    if shape.texts is None:
         return await rerank(request, body)
     tei = decode(body, _decoders[TeiRerankRequest])
     as_cohere = {

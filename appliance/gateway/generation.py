@@ -16,7 +16,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable, error_from_reply
+from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.dispatch import Reply
 from appliance.gateway.encoders import ROUTE_FOR
@@ -140,7 +140,7 @@ async def _whole(chunks: AsyncIterator[Reply], shape: _Shape) -> web.Response:
         if chunk.restarted:
             parts.clear()  # another box answers from the start: what the first one sent is dropped
         if chunk.meta.status != 200:
-            raise error_from_reply(chunk.meta.status, chunk.body)
+            raise chunk.failure()
         body = orjson.loads(chunk.body)
         parts.append(body.get("text", ""))
         if chunk.meta.final:
@@ -159,7 +159,7 @@ async def _stream(
             if chunk.restarted:
                 resume.restart()
             if chunk.meta.status != 200:
-                raise error_from_reply(chunk.meta.status, chunk.body)
+                raise chunk.failure()
             if response is None:
                 response = await _open(request)
             body = orjson.loads(chunk.body)

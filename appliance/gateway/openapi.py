@@ -95,6 +95,9 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         return _document(operations, {"Error": _ERROR})
     _, components = msgspec.json.schema_components(_SCHEMAS, ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
+    # The schema reads OpenAI's token-id inputs only to refuse them by name (422): not what the API takes.
+    text = {"type": "string"}
+    components["EmbeddingRequest"]["properties"]["input"] = {"anyOf": [text, {"type": "array", "items": text}]}
     paths: dict[str, Any] = {
         "/v1/embeddings": {"post": _operation("Embeddings (OpenAI)", "EmbeddingRequest", _INFERENCE_ERRORS)},
         "/v1/classify": {"post": _operation("Sequence labels per input", "ClassifyRequest", _INFERENCE_ERRORS)},
@@ -119,6 +122,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     tei = _operation("Rerank documents (TEI's shape with `texts`, else Cohere's)", "RerankRequest", _INFERENCE_ERRORS)
     either = [{"$ref": f"#/components/schemas/{name}"} for name in ("RerankRequest", "TeiRerankRequest")]
     tei["requestBody"]["content"]["application/json"]["schema"] = {"oneOf": either}
+    tei["responses"]["200"]["content"]["application/json"]["schema"] = {"type": ["object", "array"]}  # TEI's: a list
     paths["/rerank"] = {"post": tei}
     for verb in ("pin", "unpin"):
         paths[f"/v1/models/{{name}}/{verb}"] = {
