@@ -67,7 +67,10 @@ def _judge_folder(
     file reads, so off the event loop."""
     folder = resolve_under_roots(registration.path, roots)
     if not folder.is_dir():
-        raise Unprocessable(f"path {registration.path!r} is not a folder", code="path_not_found")
+        # A relative path is under the first root: say where it was looked for, and what is (not) there.
+        where = "" if Path(registration.path).is_absolute() else f" (looked for at {folder}, under the first root)"
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise Unprocessable(f"path {registration.path!r} {what}{where}", code="path_not_found")
     shipped = shipped_onnx(folder, registration.options)
     if shipped is not None:  # a file the box will read, so inside a model root like the folder
         resolve_under_roots(str(shipped), roots)

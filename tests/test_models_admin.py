@@ -105,6 +105,11 @@ async def test_registration_errors(start_box, http, encoder_dir, classifier_dir,
     for body, status, code in cases:
         got, payload = await call(http, box, "POST", "/v1/models", body)
         assert (got, payload["error"]["code"]) == (status, code), body
+    # A relative path is under the first root: the message says where it looked ("is not a folder" hid both).
+    _, payload = await call(http, box, "POST", "/v1/models", {"name": "new", "path": "models/rr1"})
+    assert payload["error"]["message"] == (
+        f"path 'models/rr1' does not exist (looked for at {root}/models/rr1, under the first root)"
+    )
 
 
 async def test_model_larger_than_the_budget_is_507(start_box, http, encoder_dir, tmp_path_factory) -> None:

@@ -79,7 +79,7 @@ async def _enqueue(
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not task:
         raise Unprocessable(
-            f"model {resolved.spec.name} serves {resolved.spec.task}, not {task}; "
+            f"model {_model_name(resolved)} serves {resolved.spec.task}, not {task}; "
             f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )

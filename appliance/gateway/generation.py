@@ -53,7 +53,8 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not Task.GENERATE:
         raise Unprocessable(
-            f"model {resolved.spec.name} serves {resolved.spec.task}, not text generation; "
+            f"model {resolved.adapter.name if resolved.adapter else resolved.spec.name} serves {resolved.spec.task}, "
+            "not text generation; "
             f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )
