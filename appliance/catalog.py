@@ -187,6 +187,11 @@ class Resolved:
     spec: ModelSpec  # the base model: its slug is the queue
     adapter: ModelSpec | None = None
 
+    @property
+    def name(self) -> str:
+        """The name an answer carries: the adapter's, when the request named one, else the model's."""
+        return self.adapter.name if self.adapter else self.spec.name
+
 
 class Catalog:
     """Name and alias lookup over the known models; one owner (the box), read by gateway and worker."""

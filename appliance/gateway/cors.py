@@ -19,12 +19,11 @@ _EXPOSED = "Fbx-Request-Id, X-Request-Id, Fbx-Box, Fbx-Queue-Ms, Fbx-Compute-Ms,
 _PREFLIGHT_CACHE_S = "600"
 
 
-def _allowed(request: web.Request) -> str | None:
+def _allowed(request: web.Request, origins: list[str]) -> str | None:
     """The `Access-Control-Allow-Origin` for this request, or None when its origin is not allowed (or it has none)."""
     origin = request.headers.get("Origin")
     if origin is None:
         return None
-    origins = GatewayContext.of(request).settings.cors_origin_list
     if "*" in origins:
         return "*"
     return origin if origin.lower() in origins else None
@@ -34,7 +33,7 @@ def _allowed(request: web.Request) -> str | None:
 async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
         return await handler(request)
-    if _allowed(request) is None:
+    if _allowed(request, GatewayContext.of(request).settings.cors_origin_list) is None:
         return await handler(request)  # not an origin this box serves: the route's own 405
     response = web.Response(status=204)
     response.headers["Access-Control-Allow-Methods"] = _METHODS
@@ -47,9 +46,10 @@ async def preflight(request: web.Request, handler: Handler) -> web.StreamRespons
 
 async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: the CORS headers of an answer to an allowed origin."""
-    if "*" not in GatewayContext.of(request).settings.cors_origin_list:
+    origins = GatewayContext.of(request).settings.cors_origin_list
+    if "*" not in origins:
         response.headers.add("Vary", "Origin")  # the answer depends on the origin: a cache must not mix them
-    allowed = _allowed(request)
+    allowed = _allowed(request, origins)
     if allowed is not None:
         response.headers["Access-Control-Allow-Origin"] = allowed
         response.headers["Access-Control-Expose-Headers"] = _EXPOSED

@@ -79,7 +79,7 @@ async def _enqueue(
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not task:
         raise Unprocessable(
-            f"model {_model_name(resolved)} serves {resolved.spec.task}, not {task}; "
+            f"model {resolved.name} serves {resolved.spec.task}, not {task}; "
             f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )
@@ -116,10 +116,6 @@ def _check_inputs(texts: list[str], max_inputs: int, field: str) -> None:
             raise Unprocessable(f"{item} {index} is an empty string", code="empty_input")
 
 
-def _model_name(resolved: Resolved) -> str:
-    return resolved.adapter.name if resolved.adapter else resolved.spec.name
-
-
 def _timing(meta: ReplyMeta) -> dict[str, str]:
     return {"Fbx-Box": meta.box, "Fbx-Queue-Ms": f"{meta.queue_ms:.2f}", "Fbx-Compute-Ms": f"{meta.compute_ms:.2f}"}
 
@@ -138,7 +134,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         ]
     else:
         data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(vectors)]
-    payload = {"object": "list", "data": data, "model": _model_name(resolved), "usage": _usage(meta)}
+    payload = {"object": "list", "data": data, "model": resolved.name, "usage": _usage(meta)}
     return json_response(payload, headers=_timing(meta))
 
 
@@ -164,7 +160,7 @@ async def rerank(request: web.Request, body: bytes | None = None) -> web.Respons
     payload = {
         "id": request[REQUEST_ID],
         "object": "rerank",
-        "model": _model_name(resolved),
+        "model": resolved.name,
         "results": results,
         "usage": _usage(meta),
     }
@@ -228,7 +224,7 @@ async def _per_input(request: web.Request, schema: type, task: Task) -> web.Resp
     _, resolved, meta, body = await _enqueue(request, schema, task)
     payload = {
         "object": task.value,
-        "model": _model_name(resolved),
+        "model": resolved.name,
         "data": orjson.Fragment(body),
         "usage": _usage(meta),
     }

@@ -53,8 +53,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not Task.GENERATE:
         raise Unprocessable(
-            f"model {resolved.adapter.name if resolved.adapter else resolved.spec.name} serves {resolved.spec.task}, "
-            "not text generation; "
+            f"model {resolved.name} serves {resolved.spec.task}, not text generation; "
             f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )
@@ -69,7 +68,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         priority=request_priority(request),
         request_id=request[REQUEST_ID],
     )
-    shape = _Shape(chat=chat, model=resolved.adapter.name if resolved.adapter else resolved.spec.name)
+    shape = _Shape(chat=chat, model=resolved.name)
     async with aclosing(chunks):
         if parsed.stream:
             include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
