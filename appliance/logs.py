@@ -70,6 +70,18 @@ def configure_logging(level: str) -> None:
     for noisy in THIRD_PARTY_AT_WARNING:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
+    _transformers_through_the_root()
+
+
+def _transformers_through_the_root() -> None:
+    """transformers writes its warnings (a checkpoint's load report) as plain text through a handler of its own, and
+    also through the root when the environment says `CI=true`: a line outside the JSON, or the same line twice. Its
+    "Loading weights" bar on every load is not a line at all; the box logs each load's start and end itself."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    transformers_logging.disable_progress_bar()
 
 
 class FailureStreak:
