@@ -20,7 +20,6 @@ from runtimes.generate import ChatTemplateError, GenerateRuntime, SamplingParams
 
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
-_DEFAULT_MAX_TOKENS = 256
 
 
 def decode_generation(body: bytes) -> ChatRequest | CompletionRequest:
@@ -60,12 +59,9 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
 
 def sampling_params(runtime: GenerateRuntime, request: ChatRequest | CompletionRequest) -> SamplingParams:
     """What the request asks of the sampler; what it leaves out, the model's own defaults."""
-    max_tokens = request.max_tokens
-    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
-        max_tokens = request.max_completion_tokens
     defaults = runtime.defaults
     return SamplingParams(
-        max_tokens=max_tokens or _DEFAULT_MAX_TOKENS,
+        max_tokens=request.new_tokens(),
         # Not given: the model's generation_config.json value (as vLLM does), else none.
         temperature=defaults.temperature if request.temperature is None else request.temperature,
         top_p=defaults.top_p if request.top_p is None else request.top_p,

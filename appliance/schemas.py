@@ -208,6 +208,9 @@ LogitBias = dict[
 ]
 
 
+DEFAULT_MAX_TOKENS = 256  # a generation's length limit when the request gives none
+
+
 class _Sampling(_NullIsDefault, kw_only=True):
     model: str
     max_tokens: Positive | None = None
@@ -249,6 +252,10 @@ class _Sampling(_NullIsDefault, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+
+    def new_tokens(self) -> int:
+        """The most tokens the answer may have: `max_tokens`, else `DEFAULT_MAX_TOKENS`."""
+        return self.max_tokens or DEFAULT_MAX_TOKENS
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -326,3 +333,7 @@ class ChatRequest(_Sampling, kw_only=True):
             "moderation": self.moderation is not None,
         }
         return super().refused() + [name for name, on in asked.items() if on]
+
+    def new_tokens(self) -> int:
+        """`max_completion_tokens` (OpenAI's newer name) over `max_tokens`, else `DEFAULT_MAX_TOKENS`."""
+        return self.max_completion_tokens or super().new_tokens()

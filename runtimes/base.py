@@ -72,6 +72,11 @@ def shipped_onnx(folder: Path, options: Mapping[str, Any]) -> Path | None:
     return path if path.is_absolute() else Path(folder) / path
 
 
+def max_decode_batch(options: Mapping[str, Any]) -> int:
+    """The most requests a generator decodes together: its `max_batch_size` option, else 32."""
+    return int(options.get("max_batch_size", 32))
+
+
 @dataclass(slots=True, frozen=True)
 class ModelSource:
     """Where a model's files are and how to run them; everything a runtime needs to load it."""

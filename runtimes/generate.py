@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtimes.base import AdapterInUse, InputTooLong, ModelInfo, ModelSource, Task, Tokenized
+from runtimes.base import AdapterInUse, InputTooLong, ModelInfo, ModelSource, Task, Tokenized, max_decode_batch
 from runtimes.causal_lm import check_full_attention, default_params, eos_ids
 from runtimes.chat_prompt import ChatPrompts, ChatTemplateError
 from runtimes.decoding import Decoding, StepOutput, Usage
@@ -73,7 +73,7 @@ class GenerateRuntime:
         accepted = set(inspect.signature(model.forward).parameters)
         self._cache_kwarg = "cache" if "cache" in accepted else "past_key_values"
         self._keep_last_logits = "logits_to_keep" in accepted
-        self._max_rows = int(source.options.get("max_batch_size", 32))
+        self._max_rows = max_decode_batch(source.options)
         self._max_prefill_tokens = int(source.options.get("max_prefill_tokens", 8192))
         self._chat = ChatPrompts(source.path, self.tokenizer)
         self._inbox: Inbox[Decoding] = Inbox()

@@ -14,11 +14,11 @@ import pytest
 
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
-from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
+from appliance.gateway.admission import Admission, DecodeQueue, ModelQueue, unmeasured_budget
 from appliance.gateway.encoders import estimate_tokens
 from appliance.metrics import Metrics
 
-DEFAULT_BUDGET = unmeasured_budget(Batching(16_384, 256, 0.0, 1), per_request=False)  # the default settings'
+DEFAULT_BUDGET = unmeasured_budget(Batching(16_384, 256, 0.0, 1))  # the default settings'
 BURST = 4 * DEFAULT_BUDGET  # what a burst on an idle model may fill before its rate is measured
 HEAVY = 1760  # the gateway's estimate for 32 inputs of about 45 words
 HEAVY_PER_S = HEAVY / 0.85  # the default model on a 2-core CPU: 0.85 s for one such request
@@ -376,3 +376,119 @@ def test_a_batch_priority_job_on_an_idle_model_is_bounded_by_its_deadline_only()
         queue = gate.admit("m", "batch", 600.0, i, weight=HEAVY, budget=DEFAULT_BUDGET)
         queue.add(f"r{i}", clock.now, HEAVY, deadline=clock.now + 600.0)
     assert len(queue.waiting) == 20
+
+
+def decode(
+    admission: Admission,
+    clock: Clock,
+    sends: list[float],
+    *,
+    max_tokens: int,
+    slots: int,
+    tokens_per_s: float,
+    timeout_s: float = 30.0,
+    pull_s: float = 0.05,
+    retry: bool = False,
+) -> list[Outcome]:
+    """Generations of `max_tokens` sent at `sends` through `admission` to a fake generator of `slots` decode slots,
+    each making `tokens_per_s` tokens a second: a generation starts (its first chunk) as a slot frees, in order,
+    no sooner than `pull_s` after it was sent, and holds the slot until its answer is made. One not started by
+    its deadline is a 504. With `retry`, a refused client sends again after its Retry-After (a new outcome)."""
+    budget = unmeasured_budget(Batching(16_384, 256, 0.0, 1), slots)
+    queue = DecodeQueue()
+    arrivals, pending = deque(sorted(sends)), deque[tuple[str, float, int]]()  # (id, deadline, outcome index)
+    running: dict[str, float] = {}  # id -> when its answer is made
+    outcomes: list[Outcome] = []
+
+    def ready() -> float:
+        """When the next generation waiting can start on a free slot."""
+        if not pending or len(running) >= slots:
+            return math.inf
+        return max(clock.now, outcomes[pending[0][2]].sent + pull_s)
+
+    while arrivals or pending or running:
+        expires = min((deadline for _, deadline, _ in pending), default=math.inf)
+        made = min(running.values(), default=math.inf)
+        arrives = arrivals[0] if arrivals else math.inf
+        clock.now = min(arrives, made, expires, ready())
+        if clock.now == made:
+            request_id = next(request_id for request_id, at in running.items() if at == made)
+            del running[request_id]
+            queue.finish(request_id, clock.now, whole=True)
+        elif clock.now == expires:
+            request_id, _, i = next(entry for entry in pending if entry[1] == expires)
+            pending.remove((request_id, expires, i))
+            queue.remove(request_id, clock.now, answered=False)
+            outcomes[i].status = 504
+        elif clock.now == arrives:
+            arrivals.popleft()
+            outcomes.append(Outcome(clock.now))
+            try:
+                queue = admission.admit(
+                    "m", "interactive", timeout_s, len(pending), weight=max_tokens, budget=budget, decode_batch=slots
+                )
+            except TooManyRequests as refused:
+                outcomes[-1].status, outcomes[-1].retry_after = 429, int(refused.headers["Retry-After"])
+                if retry:
+                    arrivals.append(clock.now + outcomes[-1].retry_after)
+                    arrivals = deque(sorted(arrivals))
+                continue
+            assert isinstance(queue, DecodeQueue)
+            request_id = f"r{len(outcomes)}"
+            queue.add(request_id, clock.now, max_tokens, deadline=clock.now + timeout_s)
+            pending.append((request_id, clock.now + timeout_s, len(outcomes) - 1))
+        while ready() <= clock.now:
+            request_id, _, i = pending.popleft()
+            queue.remove(request_id, clock.now, answered=True)
+            outcomes[i].status, outcomes[i].wait_s = 200, clock.now - outcomes[i].sent
+            running[request_id] = clock.now + max_tokens / tokens_per_s
+    return outcomes
+
+
+def test_a_burst_of_long_generations_on_an_idle_generator_is_refused_at_once_not_left_to_time_out() -> None:
+    """40 generations of up to 200 tokens at once, to a generator decoding 4 at a time at 30 tokens a second
+    (6.7 s an answer) that nothing was sent to before (black-box finding: weighed as one request each, against
+    a budget of 256, all were let in and the last 16 waited out their deadline: a 504 at 30 s, not a 429).
+    Clients that retry after their Retry-After are all answered, none waiting past the bound and an answer."""
+    clock = Clock()
+    first = decode(admission(clock), clock, [100.0] * 40, max_tokens=200, slots=4, tokens_per_s=30.0)
+    assert [o.status for o in first] == [200] * 5 + [429] * 35  # the free slots' 4, and one round behind them
+    assert {o.retry_after for o in first if o.status == 429} == {1}
+    clock = Clock()
+    retried = decode(admission(clock), clock, [100.0] * 40, max_tokens=200, slots=4, tokens_per_s=30.0, retry=True)
+    assert sum(o.status == 200 for o in retried) == 40 and not any(o.status == 504 for o in retried)
+    assert max(o.wait_s for o in retried if o.status == 200) <= 10.0 + 200 / 30.0
+
+
+def test_a_flood_of_long_generations_is_refused_before_the_generators_pace_is_measured() -> None:
+    """Three generations of up to 200 tokens a second, for a minute, to the same generator (0.6 a second of
+    capacity): what is let in starts within the bound and an answer's length, and nothing times out."""
+    clock = Clock()
+    sends = [100.0 + i / 3 for i in range(180)]
+    outcomes = decode(admission(clock), clock, sends, max_tokens=200, slots=4, tokens_per_s=30.0)
+    statuses = {status: sum(o.status == status for o in outcomes) for status in (200, 429, 504)}
+    assert statuses[504] == 0 and statuses[429] > 100, statuses
+    assert min(o.sent for o in outcomes if o.status == 429) < 102.0
+    assert max(o.wait_s for o in outcomes if o.status == 200) <= 10.0 + 200 / 30.0
+
+
+@pytest.mark.parametrize(("max_tokens", "refused"), [(16, 0), (512, 7)])
+def test_a_generation_weighs_the_tokens_it_may_make(max_tokens: int, refused: int) -> None:
+    """Eight generations at once to an idle generator of one decode slot: short answers (16 tokens) all go,
+    and of long ones (512) only the one its slot starts at once, until its pace is known. Counted as requests
+    in rounds of the decode batch, a one-slot generator refused the fifth of eight short ones."""
+    clock = Clock()
+    outcomes = decode(admission(clock), clock, [100.0] * 8, max_tokens=max_tokens, slots=1, tokens_per_s=200.0)
+    assert sum(o.status == 429 for o in outcomes) == refused
+    assert all(o.status in (200, 429) for o in outcomes)
+
+
+@pytest.mark.parametrize("sent", [32, 40])
+def test_what_an_idle_generators_free_slots_start_at_once_is_let_in_however_long_the_answers(sent: int) -> None:
+    """Generations of up to 2,048 tokens sent at once to an idle generator of 32 decode slots: the first 32 start
+    together, whatever their length; weighed against rounds of 50 tokens a slot alone, 28 of them were refused."""
+    clock = Clock()
+    outcomes = decode(admission(clock), clock, [100.0] * sent, max_tokens=2048, slots=32, tokens_per_s=30.0)
+    assert [o.status for o in outcomes[:32]] == [200] * 32
+    assert all(o.wait_s <= 0.05 for o in outcomes[:32])
+    assert [o.status for o in outcomes[32:]] == [429] * (sent - 32)  # behind 32 answers of up to 2,048 tokens

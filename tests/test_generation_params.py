@@ -8,9 +8,12 @@ queue and the tiny generator are real.
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from openai import AsyncOpenAI
 
+from appliance.generation_request import decode_generation
+from appliance.schemas import DEFAULT_MAX_TOKENS
 from appliance.settings import ModelEntry
 from tests.conftest import url
 
@@ -139,3 +142,19 @@ async def test_a_logit_bias_key_with_leading_zeros_is_a_422(box, http) -> None:
     status, body = await post(http, box, "/v1/completions", COMPLETION | {"logit_bias": {"01": 5, "1": -5}})
     assert (status, body["error"]["code"]) == (422, "invalid_input"), body
     assert "logit_bias" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "limit"),
+    [
+        ({**CHAT, "max_tokens": None}, DEFAULT_MAX_TOKENS),
+        (CHAT, 4),
+        ({**CHAT, "max_completion_tokens": 9}, 9),
+        ({**CHAT, "max_tokens": None, "max_completion_tokens": 9}, 9),
+        ({**COMPLETION, "max_tokens": None}, DEFAULT_MAX_TOKENS),
+        (COMPLETION, 4),
+    ],
+)
+def test_a_generations_length_limit_is_what_the_sampler_and_admission_both_read(body: dict, limit: int) -> None:
+    """`new_tokens` is both the sampler's `max_tokens` and the weight admission gives the request."""
+    assert decode_generation(orjson.dumps(body)).new_tokens() == limit

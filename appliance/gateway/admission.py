@@ -44,6 +44,12 @@ _BATCH_S = 0.05
 # request: clients sent it at once) may fill this many rounds of its batches; what keeps coming after, one.
 _BURST_ROUNDS = 4
 _BURST_S = 0.1
+_PACE_SAMPLES = 32  # a generator's pace is taken over its last this many generations made whole
+# A generator's round, while its pace is not measured: tokens a decode slot makes in a quarter of the default
+# bound (2.5 s) at 20 a second, a small model on a CPU or a full decode batch of a larger one on a GPU. Counted
+# in requests (each the decode batch's `max_batch_size`), 80 long generations sent at once to 8 decode slots
+# were all let in, and half of them waited out their deadline (a 504 at 30 s, not a 429 at once).
+GENERATION_ROUND_TOKENS = 50
 
 
 def _retry_s(seconds: float) -> int:
@@ -51,35 +57,36 @@ def _retry_s(seconds: float) -> int:
     return max(1, min(60, math.ceil(seconds)))
 
 
-def unmeasured_budget(batching: Batching, *, per_request: bool) -> int:
+def unmeasured_budget(batching: Batching, decode_batch: int | None = None) -> int:
     """One round of a model's batches: what `Admission` scales its bound by while the model's rate is not measured.
 
-    A round is a batch on each of its `concurrent_batches`: `max_batch_tokens` tokens each for an encoder
-    (a request weighs its tokens), `max_batch_size` requests each for a generation (a request weighs one).
-    These are the catalog's knobs; a box's profile may batch smaller, and then a round is several of its.
+    For an encoder, a batch on each of its `concurrent_batches`, `max_batch_tokens` tokens each (a request
+    weighs its tokens): the catalog's knobs; a box's profile may batch smaller, and then a round is several
+    of its. For a generator, its `decode_batch` requests each making `GENERATION_ROUND_TOKENS` tokens (a
+    generation weighs its `max_tokens`): a round of its decode batch lasts as long as its longest answers.
     """
-    per_batch = batching.max_batch_size if per_request else batching.max_batch_tokens
-    return per_batch * batching.concurrent_batches
+    if decode_batch is not None:
+        return decode_batch * GENERATION_ROUND_TOKENS
+    return batching.max_batch_tokens * batching.concurrent_batches
 
 
 @dataclass(slots=True)
 class ModelQueue:
     """What one gateway sees of one model's queue (one priority): work awaited, and how fast it is answered.
 
-    Work is weighed by what it costs the model: an encoder request by its tokens (one request of 250
-    long inputs must not count as one of a word), a generation as one (what delays its start is a
-    free decode slot). The rate is weight answered per second *while work waited*, timed from the
-    first answer of a busy spell (the wait before it, a cold load say, says nothing of the model's
-    pace, and nor does the rest of its batch, answered with it): over the spans that ended in the last
-    `_RATE_WINDOW_S`, or the last one when answers come seconds apart (large requests), and the span
-    still open, or over those of the last `_STEADY_WINDOW_S` when that is slower (a box whose pace
-    swings, on shared cores say, must not take in ten seconds of work in a fast second); none before
-    a span has closed (one batch answered at once is no rate). Idle time does
-    not dilute it; a stall does, so a queue that stops being answered stops admitting. A spell that
-    starts after an idle gap forgets the old spans: the model may be elsewhere now, or reloading.
-    What outlasts the gap is the last spell's pace (the weight answered in it ÷ its whole length, a
-    floor on how fast the model went then) and how much it answered, used only to admit more than the
-    rounds of batches a burst gets.
+    Work is weighed by what it costs the model: an encoder request by its tokens (one request of 250 long inputs
+    must not count as one of a word), a generation by the tokens it may make (`max_tokens`: what delays a start
+    is a free decode slot, held about as long as the answer runs; `DecodeQueue`). The rate is weight answered
+    per second *while work waited*, timed from the first answer of a busy spell (the wait before it, a cold load
+    say, says nothing of the model's pace, and nor does the rest of its batch, answered with it): over the spans
+    that ended in the last `_RATE_WINDOW_S`, or the last one when answers come seconds apart (large requests),
+    and the span still open, or over those of the last `_STEADY_WINDOW_S` when that is slower (a box whose pace
+    swings, on shared cores say, must not take in ten seconds of work in a fast second); none before a span has
+    closed (one batch answered at once is no rate). Idle time does not dilute it; a stall does, so a queue that
+    stops being answered stops admitting. A spell that starts after an idle gap forgets the old spans: the model
+    may be elsewhere now, or reloading. What outlasts the gap is the last spell's pace (the weight answered in
+    it ÷ its whole length, a floor on how fast the model went then) and how much it answered, used only to admit
+    more than the rounds of batches a burst gets.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -159,6 +166,11 @@ class ModelQueue:
             shown = max(shown, min(pace * seconds, 2.0 * self._spell_done))
         return max(shown, (self.rate(now) or 0.0) * seconds)
 
+    def held(self, weight: int) -> int | None:
+        """The weight held to the bound while the model's rate is not measured if a request of `weight` joins: the
+        work awaited, its own included. None when it goes at once: a request alone always goes."""
+        return self.weight + weight if self.waiting else None
+
     def together(self, now: float) -> bool:
         """Whether a request sent now comes with the busy spell's first (within `_BURST_S`): part of one burst."""
         return not self.waiting or now - self._spell_began < _BURST_S
@@ -192,6 +204,50 @@ class ModelQueue:
         return self.weight / rate
 
 
+@dataclass(slots=True)
+class DecodeQueue(ModelQueue):
+    """A generator's queue: a generation is answered (for admission) when it starts, and then holds a decode slot
+    until its answer is made, so starts come when slots free, in clumps: two slots freeing together read as a
+    rate five times the generator's (its first half-second span let in 11 requests that waited up to 29 s).
+
+    Its rate is the slots this gateway's generations hold now (at least one) times the pace of one: the weight
+    (`max_tokens`) of the last generations made whole ÷ the seconds each held its slot. While requests wait,
+    every slot that serves them is busy, so that is the rate they start at. None before a generation was made
+    whole: a request its free slots (`slots` of a box's decode batch less those held) start at once goes, however
+    long its answer, and one that waits for a slot is held to rounds of the decode batch, weighing the
+    generations it waits behind, those holding slots included (a slot frees when its answer is made).
+    """
+
+    slots: int = 1  # a box's decode batch (`options.max_batch_size`)
+    running: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (started, weight)
+    made: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))  # (weight, seconds)
+
+    def remove(self, request_id: str, now: float, *, answered: bool) -> None:
+        entry = self.waiting.get(request_id)
+        super(DecodeQueue, self).remove(request_id, now, answered=answered)
+        if entry is not None and answered:
+            self.running[request_id] = (now, entry[1])
+
+    def finish(self, request_id: str, now: float, *, whole: bool) -> None:
+        """A started generation let go of its slot: made `whole` (its pace counts), or cut short."""
+        entry = self.running.pop(request_id, None)
+        if entry is not None and whole and now > entry[0]:
+            self.made.append((entry[1], now - entry[0]))
+
+    def rate(self, now: float) -> float | None:
+        if not self.made:
+            return None
+        slot_pace = sum(weight for weight, _ in self.made) / sum(seconds for _, seconds in self.made)
+        return max(1, len(self.running)) * slot_pace
+
+    def held(self, weight: int) -> int | None:
+        """What a new generation would wait behind: every generation holding a slot or awaited (it starts when
+        one of those is made), not its own length; None when a free slot starts it at once."""
+        if not self.waiting or len(self.waiting) < self.slots - len(self.running):
+            return None
+        return self.weight + sum(held for _, held in self.running.values())
+
+
 class Admission:
     """One gateway's admission decision: its per-model queues, its recent answers and the stream's backlog.
 
@@ -216,14 +272,23 @@ class Admission:
         self.backlog = 0  # messages in the request stream, kept fresh by the box's stream monitor
 
     def admit(
-        self, model: str, priority: str, timeout_s: float, waiting: int, *, weight: int, budget: int
+        self,
+        model: str,
+        priority: str,
+        timeout_s: float,
+        waiting: int,
+        *,
+        weight: int,
+        budget: int,
+        decode_batch: int | None = None,
     ) -> ModelQueue:
         """The request's model queue, or the 429: it would wait too long to start, or the gateway awaits too many.
 
         `waiting` is how many requests the gateway awaits now; `weight` is the request's, and `budget` the
-        weight its model may have awaited while its rate is not measured (`unmeasured_budget`).
+        weight its model may have awaited while its rate is not measured (`unmeasured_budget`). A generator's
+        queue (one with a `decode_batch`) is a `DecodeQueue`.
         """
-        queue = self._queue(model, priority)
+        queue = self._queue(model, priority, decode_batch)
         self._bound(model, queue, timeout_s, priority, weight, budget)
         if waiting >= self._max_waiting:
             raise self.overloaded(f"this gateway already waits on {waiting} requests", waiting)
@@ -238,10 +303,12 @@ class Admission:
         keys = [key for key in self._queues if key[0] == model]
         return [self._queues.pop(key) for key in keys]
 
-    def _queue(self, model: str, priority: str) -> ModelQueue:
+    def _queue(self, model: str, priority: str, decode_batch: int | None) -> ModelQueue:
         queue = self._queues.get((model, priority))
         if queue is None:  # not setdefault: that would build a ModelQueue on every request
-            queue = self._queues[(model, priority)] = ModelQueue()
+            queue = self._queues[(model, priority)] = ModelQueue() if decode_batch is None else DecodeQueue()
+        if isinstance(queue, DecodeQueue) and decode_batch is not None:
+            queue.slots = decode_batch  # as the model's options say now
         return queue
 
     def _bound(self, model: str, queue: ModelQueue, timeout_s: float, priority: str, weight: int, budget: int) -> None:
@@ -269,7 +336,8 @@ class Admission:
         rounds = _BURST_ROUNDS if queue.together(now) else 1
         if priority == BATCH:
             rounds *= max(1.0, limit / self._max_queue_s)
-        if queue.waiting and queue.weight + weight > max(budget * rounds, queue.room(now, limit)):
+        held = queue.held(weight)
+        if held is not None and held > max(budget * rounds, queue.room(now, limit)):
             why = f"this gateway already awaits {len(queue.waiting)} requests for it, more than it is known to"
             self._refuse(model, f"{why} start within {limit:g}s (its pace is not measured yet)", 1)
 

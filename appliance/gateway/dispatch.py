@@ -33,9 +33,10 @@ from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
-from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
+from appliance.gateway.admission import Admission, DecodeQueue, ModelQueue, unmeasured_budget
 from appliance.metrics import Metrics
 from runtimes import Task
+from runtimes.base import max_decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +226,15 @@ class Dispatcher:
     ) -> tuple[ModelQueue, RequestMeta]:
         """Admit a request (or raise the 429) and give it its model's queue and its envelope.
 
-        `weight` is what the request costs its model: its tokens, or one for a generation (see `ModelQueue`).
+        `weight` is what the request costs its model: its tokens, or a generation's `max_tokens` (see `ModelQueue`).
         """
         if self._closed is not None:
             raise self._closed
-        budget = unmeasured_budget(spec.batching, per_request=spec.task is Task.GENERATE)
-        queue = self._admission.admit(spec.name, priority, timeout_s, self.waiting, weight=weight, budget=budget)
+        decode_batch = max_decode_batch(spec.options) if spec.task is Task.GENERATE else None
+        budget = unmeasured_budget(spec.batching, decode_batch)
+        queue = self._admission.admit(
+            spec.name, priority, timeout_s, self.waiting, weight=weight, budget=budget, decode_batch=decode_batch
+        )
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
         meta = RequestMeta(
@@ -270,6 +274,7 @@ class Dispatcher:
         body: bytes,
         timeout_s: float,
         tokens: int,
+        new_tokens: int,
         adapter: str | None = None,
         priority: str = "interactive",
         request_id: str | None = None,
@@ -282,15 +287,16 @@ class Dispatcher:
         stops early (its client went away) cancels the generation.
 
         Admission is reckoned as for `call`, with a generation counted as started at its first chunk:
-        what a client waits for before tokens flow is the wait to start, however long the answer.
+        what a client waits for before tokens flow is the wait to start, however long the answer. It
+        weighs `new_tokens`, the most it may make: how long it may hold a decode slot.
         """
-        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=1)
+        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=new_tokens)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter(spec.name)
-        finished = False
+        finished = restarted = False
         try:
-            with self._awaiting(self._streams, meta.id, waiter, queue, 1, timeout_s):
+            with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
                 await self._publish(spec, body, meta)
                 while not finished:
                     try:
@@ -298,9 +304,12 @@ class Dispatcher:
                     except TimeoutError:
                         raise _deadline(timeout_s) from None
                     queue.remove(meta.id, time.monotonic(), answered=True)  # started: its first chunk
-                    finished = chunk.meta.final
+                    finished, restarted = chunk.meta.final, restarted or chunk.restarted
                     yield chunk
         finally:
+            if isinstance(queue, DecodeQueue):  # made whole on one box: its time in the slot is the generator's pace
+                whole = finished and not restarted and chunk.meta.status == 200
+                queue.finish(meta.id, time.monotonic(), whole=whole)
             if not finished:
                 await self._cancel(meta.id)
 

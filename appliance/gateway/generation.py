@@ -64,6 +64,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         body=body,
         timeout_s=request_timeout(request, parsed.timeout, ctx.settings),
         tokens=len(body) // 4,
+        new_tokens=parsed.new_tokens(),
         adapter=resolved.adapter.name if resolved.adapter else None,
         priority=request_priority(request),
         request_id=request[REQUEST_ID],
