@@ -335,6 +335,8 @@ async def test_queued_generation_of_a_gone_client_is_never_generated(start_box, 
             tokens += (await response.json())["usage"]["completion_tokens"]
     await wait_for(lambda: counter(box, "fbx_cancelled_requests", model="tiny-llama") == 1, what="the cancellation")
     assert counter(box, "fbx_rows_computed", model="tiny-llama") == tokens  # not one token for the gone client
+    decoders = [queue.decoder for queue in box.dispatcher._admission._queues.values()]
+    assert decoders and not any(decoder.running for decoder in decoders)  # every generation let go of its slot
 
 
 async def _at_least(count: Awaitable[int], least: int) -> bool:

@@ -45,6 +45,7 @@ _BATCH_S = 0.05
 _BURST_ROUNDS = 4
 _BURST_S = 0.1
 _PACE_SAMPLES = 32  # a generator's pace is taken over its last this many generations made whole
+_DECODER_IDLE_S = 10.0  # ... and forgotten after this long with none started, awaited or made
 # A generator's round, while its pace is not measured: tokens a decode slot makes in a quarter of the default
 # bound (2.5 s) at 20 a second, a small model on a CPU or a full decode batch of a larger one on a GPU. Counted
 # in requests (each the decode batch's `max_batch_size`), 80 long generations sent at once to 8 decode slots
@@ -171,6 +172,10 @@ class ModelQueue:
         work awaited, its own included. None when it goes at once: a request alone always goes."""
         return self.weight + weight if self.waiting else None
 
+    def finish(self, request_id: str, now: float, *, whole: bool) -> None:
+        """A request answered (`remove`) is done with the model: for a generation, its answer was made (`whole`:
+        on one box in one go), or cut short. Nothing to do for an encoder's, done when answered."""
+
     def together(self, now: float) -> bool:
         """Whether a request sent now comes with the busy spell's first (within `_BURST_S`): part of one burst."""
         return not self.waiting or now - self._spell_began < _BURST_S
@@ -205,47 +210,113 @@ class ModelQueue:
 
 
 @dataclass(slots=True)
-class DecodeQueue(ModelQueue):
-    """A generator's queue: a generation is answered (for admission) when it starts, and then holds a decode slot
-    until its answer is made, so starts come when slots free, in clumps: two slots freeing together read as a
-    rate five times the generator's (its first half-second span let in 11 requests that waited up to 29 s).
-
-    Its rate is the slots this gateway's generations hold now (at least one) times the pace of one: the weight
-    (`max_tokens`) of the last generations made whole ÷ the seconds each held its slot. While requests wait,
-    every slot that serves them is busy, so that is the rate they start at. None before a generation was made
-    whole: a request its free slots (`slots` of a box's decode batch less those held) start at once goes, however
-    long its answer, and one that waits for a slot is held to rounds of the decode batch, weighing the
-    generations it waits behind, those holding slots included (a slot frees when its answer is made).
-    """
+class Decoder:
+    """One generator's decode slots as one gateway sees them, shared by its priorities' queues (a batch job's
+    generations hold the slots interactive ones wait for): the generations started and not yet made, and how
+    long the last ones held their slot."""
 
     slots: int = 1  # a box's decode batch (`options.max_batch_size`)
-    running: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (started, weight)
-    made: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))  # (weight, seconds)
+    running: dict[str, tuple[float, int, float]] = field(default_factory=dict)  # id -> (started, max_tokens, held)
+    made: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))  # (held, seconds)
+    last_busy: float = -math.inf  # a generation was last started or made
+    _held: float = 0.0  # slot-seconds held so far (the integral of `len(running)` over time), up to `last_busy`
+
+    def _advance(self, now: float) -> None:
+        if now > self.last_busy:
+            if self.running:
+                self._held += len(self.running) * (now - self.last_busy)
+            self.last_busy = now
+
+    def start(self, request_id: str, now: float, max_tokens: int) -> None:
+        self._advance(now)
+        self.running[request_id] = (now, max_tokens, self._held)
+
+    def end(self, request_id: str, now: float, *, whole: bool) -> None:
+        """A generation let go of its slot: made `whole` (on one box in one go: its time counts), or cut short."""
+        entry = self.running.get(request_id)
+        if entry is None:
+            return
+        self._advance(now)
+        del self.running[request_id]
+        started, _, held_before = entry
+        if whole and now > started:
+            seconds = now - started
+            self.made.append(((self._held - held_before) / seconds, seconds))  # the slots held, on average
+
+    def slot_s(self) -> float | None:
+        """How long a generation holds its slot with every slot busy: the slots, over how often one freed when the
+        last generations were made (the slots held while each was made ÷ the seconds it held its own). A slot's
+        pace on a GPU hardly depends on how many share the decode step; on a CPU they share its time, and an
+        answer made alone takes a quarter of the time it takes four at once. Reckoned as on a CPU, a GPU's is
+        overestimated (more refused) until answers are made with its slots full."""
+        if not self.made:
+            return None
+        frees_per_s = sum(held for held, _ in self.made) / sum(seconds for _, seconds in self.made)
+        return max(self.slots, len(self.running)) / frees_per_s
+
+
+@dataclass(slots=True)
+class DecodeQueue(ModelQueue):
+    """A generator's queue: a generation is answered (for admission) when it starts, and then holds a decode slot
+    until its answer is made, so starts come when slots free, in clumps: taken as an encoder's answers, two slots
+    freeing together read as five times the generator's rate (its first half-second let in 11 requests that
+    waited up to 29 s); and `max_tokens` is a cap, not a length (a chat client's 8,192 for answers of 200).
+
+    So its wait is counted in generations, not weight: a request that a free slot starts at once (fewer awaited
+    than the slots not held) waits for none; one that waits for a slot waits for as many frees as there are
+    requests ahead of it for a slot, at the rate slots have been freeing (`Decoder.slot_s`). Until a
+    generation has been made whole there is no such rate (or none lately: after `_DECODER_IDLE_S` with nothing
+    started or awaited the model may be elsewhere now), and one that would wait for a slot is held to rounds of
+    the decode batch in tokens, weighing the `max_tokens` of every generation it waits behind, those holding
+    slots included, but not its own.
+    """
+
+    decoder: Decoder = field(default_factory=Decoder)
+
+    def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
+        decoder = self.decoder
+        if not decoder.running and not self.waiting and now - decoder.last_busy > _DECODER_IDLE_S:
+            decoder.made.clear()
+        # Not zero-argument super(): a slots dataclass is a new class, which the compiler's __class__ cell misses.
+        super(DecodeQueue, self).add(request_id, now, weight, deadline)
 
     def remove(self, request_id: str, now: float, *, answered: bool) -> None:
         entry = self.waiting.get(request_id)
         super(DecodeQueue, self).remove(request_id, now, answered=answered)
         if entry is not None and answered:
-            self.running[request_id] = (now, entry[1])
+            self.decoder.start(request_id, now, entry[1])
 
     def finish(self, request_id: str, now: float, *, whole: bool) -> None:
-        """A started generation let go of its slot: made `whole` (its pace counts), or cut short."""
-        entry = self.running.pop(request_id, None)
-        if entry is not None and whole and now > entry[0]:
-            self.made.append((entry[1], now - entry[0]))
+        self.decoder.end(request_id, now, whole=whole)
 
-    def rate(self, now: float) -> float | None:
-        if not self.made:
+    def _free(self) -> int:
+        return max(0, self.decoder.slots - len(self.decoder.running))
+
+    def wait_s(self, now: float) -> float | None:
+        """When a request sent now would start: at the free of a slot as many frees after the next as there are
+        requests ahead of it for one, each slot freeing `Decoder.slot_s` after it was taken. Slots free in clumps
+        (answers started together end together): their spread is read from when each running one started."""
+        decoder = self.decoder
+        ahead = len(self.waiting) - self._free()
+        if ahead < 0:
+            return 0.0  # a free slot starts it
+        slot_s = decoder.slot_s()
+        if slot_s is None:
             return None
-        slot_pace = sum(weight for weight, _ in self.made) / sum(seconds for _, seconds in self.made)
-        return max(1, len(self.running)) * slot_pace
+        frees = [max(0.0, started + slot_s - now) for started, _, _ in decoder.running.values()]
+        frees += [slot_s] * (max(decoder.slots, len(frees)) - len(frees))  # free slots, taken by those awaited
+        heapq.heapify(frees)
+        for _ in range(ahead):
+            heapq.heapreplace(frees, frees[0] + slot_s)
+        return frees[0]
+
+    def room(self, now: float, seconds: float) -> float:
+        return 0.0  # only asked before a generation was made whole: nothing is known to start
 
     def held(self, weight: int) -> int | None:
-        """What a new generation would wait behind: every generation holding a slot or awaited (it starts when
-        one of those is made), not its own length; None when a free slot starts it at once."""
-        if not self.waiting or len(self.waiting) < self.slots - len(self.running):
-            return None
-        return self.weight + sum(held for _, held in self.running.values())
+        """The `max_tokens` of every generation a new one would wait behind (it starts when one of them is made):
+        awaited, or holding a slot. Not its own length."""
+        return self.weight + sum(tokens for _, tokens, _ in self.decoder.running.values())
 
 
 class Admission:
@@ -306,9 +377,15 @@ class Admission:
     def _queue(self, model: str, priority: str, decode_batch: int | None) -> ModelQueue:
         queue = self._queues.get((model, priority))
         if queue is None:  # not setdefault: that would build a ModelQueue on every request
-            queue = self._queues[(model, priority)] = ModelQueue() if decode_batch is None else DecodeQueue()
+            if decode_batch is None:
+                queue = ModelQueue()
+            else:
+                others = (other for (name, _), other in self._queues.items() if name == model)
+                shared = next((other.decoder for other in others if isinstance(other, DecodeQueue)), Decoder())
+                queue = DecodeQueue(decoder=shared)
+            self._queues[(model, priority)] = queue
         if isinstance(queue, DecodeQueue) and decode_batch is not None:
-            queue.slots = decode_batch  # as the model's options say now
+            queue.decoder.slots = decode_batch  # as the model's options say now
         return queue
 
     def _bound(self, model: str, queue: ModelQueue, timeout_s: float, priority: str, weight: int, budget: int) -> None:
@@ -328,8 +405,9 @@ class Admission:
         if wait_s is not None:
             if wait_s > limit:
                 # Back under the limit as the work drains, or once what is awaited now has started or been
-                # dropped at its deadline, whichever is sooner.
-                retry = _retry_s(min(wait_s, queue.latest_deadline() - now) - limit)
+                # dropped at its deadline, whichever is sooner (a generation may wait on slots alone).
+                gone_s = queue.latest_deadline() - now if queue.waiting else math.inf
+                retry = _retry_s(min(wait_s, gone_s) - limit)
                 why = f"what this gateway awaits for it would take about {wait_s:.0f}s to start, over {limit:g}s"
                 self._refuse(model, why, retry)
             return
@@ -338,7 +416,9 @@ class Admission:
             rounds *= max(1.0, limit / self._max_queue_s)
         held = queue.held(weight)
         if held is not None and held > max(budget * rounds, queue.room(now, limit)):
-            why = f"this gateway already awaits {len(queue.waiting)} requests for it, more than it is known to"
+            generating = len(queue.decoder.running) if isinstance(queue, DecodeQueue) else 0
+            also = f" and {generating} generating" if generating else ""
+            why = f"this gateway already awaits {len(queue.waiting)} requests for it{also}, more than it is known to"
             self._refuse(model, f"{why} start within {limit:g}s (its pace is not measured yet)", 1)
 
     def _refuse(self, model: str, why: str, retry: int) -> None:

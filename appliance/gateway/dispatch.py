@@ -33,7 +33,7 @@ from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
-from appliance.gateway.admission import Admission, DecodeQueue, ModelQueue, unmeasured_budget
+from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
 from appliance.metrics import Metrics
 from runtimes import Task
 from runtimes.base import max_decode_batch
@@ -60,6 +60,10 @@ class _StreamWaiter:
     box: str | None = None  # the box whose chunks are taken
     next_seq: int = 0  # the chunk expected next from it
     broken: bool = False  # a chunk went missing: the answer cannot be whole
+    # When the first and the final chunk came in (monotonic): how long the answer held its decode slot, whatever
+    # time its client then took to read it.
+    first_at: float | None = None
+    final_at: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -294,7 +298,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter(spec.name)
-        finished = restarted = False
+        finished = whole = restarted = False
         try:
             with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
                 await self._publish(spec, body, meta)
@@ -303,13 +307,13 @@ class Dispatcher:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
                     except TimeoutError:
                         raise _deadline(timeout_s) from None
-                    queue.remove(meta.id, time.monotonic(), answered=True)  # started: its first chunk
+                    started = waiter.first_at or time.monotonic()  # when its first chunk came
+                    queue.remove(meta.id, started, answered=True)
                     finished, restarted = chunk.meta.final, restarted or chunk.restarted
+                    whole = finished and not restarted and chunk.meta.status == 200  # on one box in one go
                     yield chunk
         finally:
-            if isinstance(queue, DecodeQueue):  # made whole on one box: its time in the slot is the generator's pace
-                whole = finished and not restarted and chunk.meta.status == 200
-                queue.finish(meta.id, time.monotonic(), whole=whole)
+            queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole)
             if not finished:
                 await self._cancel(meta.id)
 
@@ -394,8 +398,12 @@ class Dispatcher:
                 )
                 meta, body = replace(meta, status=lost.status, final=True), lost.to_json()
             stream.next_seq = meta.seq + 1
+            now = time.monotonic()
+            if stream.first_at is None:
+                stream.first_at = now
             if meta.final:
-                self._admission.answered(time.monotonic())
+                stream.final_at = now
+                self._admission.answered(now)
             stream.queue.put_nowait(Reply(meta, body, restarted))
             return
         waiter = self._waiters.get(meta.id)
