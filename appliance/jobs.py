@@ -20,7 +20,7 @@ from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest,
 from appliance.work import Job
 from runtimes import InputTooLong, Runtime, Task, Tokenized
 from runtimes.base import HeadedRuntime, PairRuntime
-from runtimes.tasks.embed import truncate_dimensions
+from runtimes.tasks.embed import finish_vectors
 from runtimes.tasks.score import relevance_scores
 
 
@@ -77,7 +77,12 @@ class EmbedJobs(_EncoderJobs):
 
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: EmbeddingRequest = job.params
-        vectors = truncate_dimensions(np.stack(job.results), request.dimensions)  # type: ignore[arg-type]
+        vectors = finish_vectors(
+            np.stack(job.results),  # type: ignore[arg-type]
+            folder_normalizes=runtime.info.unit_vectors,
+            normalize_to_unit=request.normalize,
+            dimensions=request.dimensions,
+        )
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         return vectors.tobytes(), vectors.shape[0], vectors.shape[1]
 

@@ -20,6 +20,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 # What torch's generators take: a signed 64-bit integer.
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a signed 64-bit integer")]
+# TEI's `truncation_direction`: fleetbox cuts an over-long input at its end only; TEI's "Left" is refused by name.
+TruncationDirection = Literal["right", "Right"]
 
 
 class _NullIsDefault(msgspec.Struct, kw_only=True):
@@ -42,9 +44,9 @@ def _defaults(schema: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
 
 
 class EmbeddingRequest(_NullIsDefault, kw_only=True):
-    """OpenAI `POST /v1/embeddings`, plus TEI's `truncate` and a per-request `timeout` (s). OpenAI's token-id
-    inputs are read only to be refused by name (the gateway's `_enqueue`): ids of another tokenizer would embed
-    as noise."""
+    """OpenAI `POST /v1/embeddings`, plus TEI's `truncate` and `normalize` and a per-request `timeout` (s). OpenAI's
+    token-id inputs are read only to be refused by name (the gateway's `_enqueue`): ids of another tokenizer would
+    embed as noise. `normalize` left out: unit vectors when the folder normalises or `dimensions` cut them."""
 
     input: str | list[str | int | list[int]]
     model: str
@@ -52,6 +54,7 @@ class EmbeddingRequest(_NullIsDefault, kw_only=True):
     dimensions: Positive | None = None
     user: str | None = None
     truncate: bool | None = True
+    normalize: bool | None = None
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -90,7 +93,37 @@ class TeiRerankRequest(_NullIsDefault, kw_only=True):
     raw_scores: bool | None = False
     return_text: bool | None = False
     truncate: bool | None = True
-    truncation_direction: Literal["right", "Right"] | None = "right"  # TEI's "left" cuts the other end: not done
+    truncation_direction: TruncationDirection | None = "right"
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+
+class TeiEmbedRequest(_NullIsDefault, kw_only=True):
+    """TEI's `POST /embed`: `inputs` for the texts, `model` optional, a bare list of vectors back; the box queues it
+    as the `EmbeddingRequest` it stands for. TEI's token-id inputs are read only to be refused by name, and
+    `prompt_name` only to be refused: fleetbox applies no sentence-transformers prompts."""
+
+    inputs: str | list[str | int | list[int]]
+    model: str | None = None
+    normalize: bool | None = True
+    truncate: bool | None = True
+    truncation_direction: TruncationDirection | None = "right"
+    prompt_name: str | None = None
+    dimensions: Positive | None = None
+    adapter: str | None = None
+    timeout: Timeout | None = None
+
+
+class TeiPredictRequest(_NullIsDefault, kw_only=True):
+    """TEI's `POST /predict`: one input (a string, or a one-string list) gives one list of labels, a batch (a list of
+    one-string lists) one list per input; a two-string list is TEI's sentence pair, which fleetbox's classifiers do
+    not take (refused by name). Queued as the `ClassifyRequest` it stands for."""
+
+    inputs: str | list[str | list[str]]
+    model: str | None = None
+    raw_scores: bool | None = False
+    truncate: bool | None = True
+    truncation_direction: TruncationDirection | None = "right"
     adapter: str | None = None
     timeout: Timeout | None = None
 

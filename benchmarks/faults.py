@@ -73,6 +73,7 @@ from benchmarks._faultkit import (  # noqa: E402
     tally,
     wait_until,
 )
+from runtimes.tasks.embed import finish_vectors  # noqa: E402
 
 NOOP = "noop"
 
@@ -242,7 +243,11 @@ async def reference_vectors(runtime: Any, outcomes: list[Outcome]) -> dict[str, 
     texts = sorted({o.text for o in outcomes})
 
     def run() -> dict[str, np.ndarray]:
-        return {text: np.asarray(runtime.run(runtime.tokenize([text]))[0], dtype=np.float32) for text in texts}
+        def vector(text: str) -> np.ndarray:
+            pooled = runtime.run(runtime.tokenize([text]))
+            return finish_vectors(pooled, folder_normalizes=runtime.info.unit_vectors)[0]
+
+        return {text: vector(text) for text in texts}
 
     return await asyncio.get_running_loop().run_in_executor(None, run)
 

@@ -113,6 +113,7 @@ class ModelInfo:
     max_length: int
     nbytes: int  # weights plus the activation peak measured at warm-up
     dimensions: int | None = None  # embedding width, for `embed`
+    unit_vectors: bool = False  # `embed`: the folder normalises its vectors (its rows from `run` are not yet)
     labels: tuple[str, ...] = ()
 
 

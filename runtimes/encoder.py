@@ -4,7 +4,8 @@ Each task's head turns the backend's raw output for a padded batch into one row 
 warm-up at load runs the longest batch the model will see, so the measured peak is honest.
 What `run` returns, per task, and how the serving side turns it into an answer:
 
-- embed: (n, dimensions) float32 vectors, pooled and normalised as the folder says.
+- embed: (n, dimensions) float32 vectors, pooled (and through the folder's Dense layers), not yet normalised;
+  `finish_vectors(rows, folder_normalizes=info.unit_vectors, ...)`.
 - score: (n,) relevance logits for `tokenize_pairs` rows; `head.scores(logits, raw_scores=...)`.
 - classify: (n, labels) logits; `head.predictions(logits, raw_scores=..., top_k=...)`.
 - extract: (n, tokens, labels) logits, padded; `head.entities(text, logits[i], batch[i].offsets)`.
@@ -106,7 +107,7 @@ class EncoderRuntime:
 
 
 class EmbedRuntime(EncoderRuntime):
-    """Sentence embeddings: pooled, normalised as the folder says, float32 rows."""
+    """Sentence embeddings: pooled float32 rows; `info.unit_vectors` says whether the folder normalises them."""
 
     task = Task.EMBED
 
@@ -114,7 +115,7 @@ class EmbedRuntime(EncoderRuntime):
         super().__init__(source, backend)
         self.head = EmbedHead.from_folder(source.path)
         probe = self.run(self.tokenize(["warm up"]))
-        self.info = self._measure(dimensions=int(probe.shape[1]))
+        self.info = self._measure(dimensions=int(probe.shape[1]), unit_vectors=self.head.normalize)
 
     def _rows(self, output: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return self.head.pool(output, mask)

@@ -1,7 +1,10 @@
-"""The encoder API families: embeddings (OpenAI), rerank (Cohere/Jina), classify (Infinity), extract.
+"""The encoder API families: embeddings (OpenAI), rerank (Cohere/Jina), classify (Infinity), extract, and TEI's
+`/embed`, `/predict` and `/rerank`.
 
 Each route validates with its schema, resolves the model (and adapter), checks the model serves
 the route's task, enqueues the client's bytes unchanged, and shapes the worker's compact reply.
+A TEI request is queued as the fleetbox request it stands for (one worker path per task), its
+`model` left out meaning the fleet's one model of the task, as a TEI server serves one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from appliance.schemas import (
     RerankRequest,
     RerankShape,
     SentDocuments,
+    TeiEmbedRequest,
+    TeiPredictRequest,
     TeiRerankRequest,
 )
 from runtimes import Task
@@ -49,6 +54,8 @@ _decoders: dict[type, msgspec.json.Decoder] = {
         EmbeddingRequest,
         RerankRequest,
         TeiRerankRequest,
+        TeiEmbedRequest,
+        TeiPredictRequest,
         RerankShape,
         SentDocuments,
         ClassifyRequest,
@@ -66,15 +73,11 @@ async def _enqueue(
         body = await read_body(request, ctx.settings)
     parsed = decode(body, _decoders[schema])
     texts: list[str] = parsed.texts()
-    if not all(isinstance(text, str) for text in texts):
-        if any(isinstance(text, str) for text in texts):
-            first = next(i for i, text in enumerate(texts) if not isinstance(text, str))
-            raise Unprocessable(f"input {first} is not a string; send a string or a list of strings")
-        raise Unprocessable(
-            "`input` holds token ids; fleetbox embeds text with the model's own tokenizer: send strings (with "
-            "LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False, which sends tiktoken's ids)",
-            code="unsupported_parameter",
-        )
+    _refuse_token_ids(
+        texts,
+        "`input` holds token ids; fleetbox embeds text with the model's own tokenizer: send strings (with "
+        "LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False, which sends tiktoken's ids)",
+    )
     _check_inputs(texts, ctx.settings.max_inputs, "documents" if task is Task.SCORE else "input")
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not task:
@@ -96,6 +99,16 @@ async def _enqueue(
     if reply.meta.status != 200:
         raise error_from_reply(reply.meta.status, reply.body)
     return parsed, resolved, reply.meta, reply.body
+
+
+def _refuse_token_ids(texts: list[Any], refusal: str) -> None:
+    """Strings only: a list mixing other values is `invalid_input`; token ids alone are refused, saying `refusal`."""
+    if all(isinstance(text, str) for text in texts):
+        return
+    if any(isinstance(text, str) for text in texts):
+        first = next(i for i, text in enumerate(texts) if not isinstance(text, str))
+        raise Unprocessable(f"input {first} is not a string; send a string or a list of strings")
+    raise Unprocessable(refusal, code="unsupported_parameter")
 
 
 def estimate_tokens(texts: list[str]) -> int:
@@ -178,16 +191,9 @@ async def rerank_at_root(request: web.Request) -> web.Response:
     if shape.texts is None:
         return await rerank(request, body)
     tei = decode(body, _decoders[TeiRerankRequest])
-    as_cohere = {
-        "model": tei.model or _the_one_reranker(ctx),
-        "query": tei.query,
-        "documents": tei.texts,
-        "raw_scores": tei.raw_scores,
-        "truncate": tei.truncate,
-        "adapter": tei.adapter,
-        "timeout": tei.timeout,
-    }
-    _, _, meta, reply = await _enqueue(request, RerankRequest, Task.SCORE, orjson.dumps(as_cohere))
+    meta, reply = await _enqueue_tei(
+        request, tei, RerankRequest, Task.SCORE, query=tei.query, documents=tei.texts, raw_scores=tei.raw_scores
+    )
     scores = np.frombuffer(reply, dtype="<f4")
     results = []
     for index in np.argsort(-scores, kind="stable").tolist():
@@ -198,17 +204,93 @@ async def rerank_at_root(request: web.Request) -> web.Response:
     return json_response(results, headers=_timing(meta))
 
 
-def _the_one_reranker(ctx: GatewayContext) -> str:
-    """The model a TEI request that names none means: the catalog's only reranker (a TEI server serves one)."""
-    rerankers = [spec.name for spec in ctx.catalog if spec.task is Task.SCORE and spec.adapter_of is None]
-    if len(rerankers) == 1:
-        return rerankers[0]
-    if not rerankers:
-        raise Unprocessable("`model` is missing, and this fleet has no reranker (`score` model)", code="model_required")
+async def _enqueue_tei(
+    request: web.Request, tei: Any, schema: type, task: Task, **fields: Any
+) -> tuple[ReplyMeta, bytes]:
+    """A TEI request queued as the fleetbox request (`schema`) it stands for: `fields`, and what every TEI request
+    carries (`model`, the fleet's one of the task when left out; `truncate`, `adapter`, `timeout`)."""
+    model = tei.model or _the_one_model(GatewayContext.of(request), task)
+    body = {"model": model, "truncate": tei.truncate, "adapter": tei.adapter, "timeout": tei.timeout, **fields}
+    _, _, meta, reply = await _enqueue(request, schema, task, orjson.dumps(body))
+    return meta, reply
+
+
+# What a TEI request without `model` is missing, per task, in the 422 that says so.
+_KIND = {Task.EMBED: "embedding model", Task.SCORE: "reranker", Task.CLASSIFY: "classifier"}
+
+
+def _the_one_model(ctx: GatewayContext, task: Task) -> str:
+    """The model a TEI request that names none means: the catalog's only model of its task (a TEI server serves
+    one model); else a 422 naming the ones to choose from."""
+    names = [spec.name for spec in ctx.catalog if spec.task is task and spec.adapter_of is None]
+    if len(names) == 1:
+        return names[0]
+    kind = _KIND[task]
+    if not names:
+        raise Unprocessable(f"`model` is missing, and this fleet has no {kind} (`{task}` model)", code="model_required")
     raise Unprocessable(
-        f"`model` is missing, and this fleet has {len(rerankers)} rerankers: name one of {', '.join(rerankers)}",
+        f"`model` is missing, and this fleet has {len(names)} {kind}s: name one of {', '.join(names)}",
         code="model_required",
     )
+
+
+async def embed_tei(request: web.Request) -> web.Response:
+    """TEI's `/embed`: a bare list of vectors, one per input, computed as `/v1/embeddings` computes them."""
+    ctx = GatewayContext.of(request)
+    tei = decode(await read_body(request, ctx.settings), _decoders[TeiEmbedRequest])
+    texts = [tei.inputs] if isinstance(tei.inputs, str) else tei.inputs
+    _refuse_token_ids(texts, "`inputs` holds token ids; fleetbox tokenises text with the model's own tokenizer")
+    if tei.prompt_name is not None:
+        raise Unprocessable(
+            f"`prompt_name` ({tei.prompt_name!r}): fleetbox applies no sentence-transformers prompts; "
+            "prepend the prompt's text to each input instead",
+            code="unsupported_parameter",
+        )
+    meta, reply = await _enqueue_tei(
+        request, tei, EmbeddingRequest, Task.EMBED, input=texts, dimensions=tei.dimensions, normalize=tei.normalize
+    )
+    return json_response(np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims), headers=_timing(meta))
+
+
+async def predict_tei(request: web.Request) -> web.Response:
+    """TEI's `/predict`: labels with scores, best first, as `/v1/classify` gives them; for one input its list, for a
+    batch one list per input."""
+    ctx = GatewayContext.of(request)
+    tei = decode(await read_body(request, ctx.settings), _decoders[TeiPredictRequest])
+    texts, batch = _predict_inputs(tei.inputs)
+    meta, reply = await _enqueue_tei(
+        request, tei, ClassifyRequest, Task.CLASSIFY, input=texts, raw_scores=tei.raw_scores
+    )
+    return json_response(orjson.Fragment(reply) if batch else orjson.loads(reply)[0], headers=_timing(meta))
+
+
+def _predict_inputs(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
+    """TEI's `inputs` as (texts, whether a batch): a string or a one-string list is one input, a list of one-string
+    lists a batch; a two-string list, alone or in a batch, is a sentence pair, which fleetbox's classifiers do not
+    take."""
+    pair = Unprocessable(
+        "`inputs` holds a sentence pair; fleetbox classifies single texts only (a cross-encoder's pairs go to "
+        "/rerank): send a string, or a batch of one-string lists",
+        code="unsupported_parameter",
+    )
+    if isinstance(inputs, str):
+        return [inputs], False
+    if all(isinstance(item, str) for item in inputs):
+        if len(inputs) == 2:
+            raise pair
+        if len(inputs) > 2:
+            raise Unprocessable("`inputs`: a list of strings is one text (or TEI's pair); a batch is a list of lists")
+        return inputs, False  # type: ignore[return-value]
+    if not all(isinstance(item, list) for item in inputs):
+        raise Unprocessable("`inputs` mixes strings and lists; a batch is a list of one-string lists")
+    texts = []
+    for index, item in enumerate(inputs):
+        if len(item) == 2:
+            raise pair
+        if len(item) != 1:
+            raise Unprocessable(f"`inputs` {index} holds {len(item)} strings; each input of a batch is one string")
+        texts.append(item[0])
+    return texts, True
 
 
 async def classify(request: web.Request) -> web.Response:

@@ -24,6 +24,8 @@ from appliance.schemas import (
     ModelRegistration,
     ModelUpdate,
     RerankRequest,
+    TeiEmbedRequest,
+    TeiPredictRequest,
     TeiRerankRequest,
 )
 
@@ -31,6 +33,8 @@ _SCHEMAS = (
     EmbeddingRequest,
     RerankRequest,
     TeiRerankRequest,
+    TeiEmbedRequest,
+    TeiPredictRequest,
     ClassifyRequest,
     ExtractRequest,
     CompletionRequest,
@@ -98,6 +102,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     # The schema reads OpenAI's token-id inputs only to refuse them by name (422): not what the API takes.
     text = {"type": "string"}
     components["EmbeddingRequest"]["properties"]["input"] = {"anyOf": [text, {"type": "array", "items": text}]}
+    components["TeiEmbedRequest"]["properties"]["inputs"] = {"anyOf": [text, {"type": "array", "items": text}]}
     paths: dict[str, Any] = {
         "/v1/embeddings": {"post": _operation("Embeddings (OpenAI)", "EmbeddingRequest", _INFERENCE_ERRORS)},
         "/v1/classify": {"post": _operation("Sequence labels per input", "ClassifyRequest", _INFERENCE_ERRORS)},
@@ -124,6 +129,14 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     tei["requestBody"]["content"]["application/json"]["schema"] = {"oneOf": either}
     tei["responses"]["200"]["content"]["application/json"]["schema"] = {"type": ["object", "array"]}  # TEI's: a list
     paths["/rerank"] = {"post": tei}
+    # TEI's answers are bare lists: vectors; for /predict a list of {label, score}, or one such list per input.
+    for path, summary, schema in (
+        ("/embed", "Embeddings (TEI's shape): a list of vectors", "TeiEmbedRequest"),
+        ("/predict", "Sequence labels (TEI's shape): one list, or one per input of a batch", "TeiPredictRequest"),
+    ):
+        operation = _operation(summary, schema, _INFERENCE_ERRORS)
+        operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
+        paths[path] = {"post": operation}
     for verb in ("pin", "unpin"):
         paths[f"/v1/models/{{name}}/{verb}"] = {
             "post": {**_operation(f"{verb.title()} a model fleet-wide", None, _ADMIN_ERRORS), "parameters": _NAME}

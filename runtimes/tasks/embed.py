@@ -4,6 +4,10 @@ The folder's sentence-transformers files (`modules.json`, `1_Pooling/config.json
 config and weights) decide the pooling, any dense layer after it and whether vectors are normalised,
 so fleetbox returns what `SentenceTransformer.encode` returns for the same folder; a module it cannot
 run is refused rather than skipped. A plain transformers folder gets mean pooling, normalised.
+
+The runtime's rows stop before normalisation (`EmbedHead.pool`); `finish_vectors` applies it per
+request, after any matryoshka truncation, so one batch can answer a request that wants the folder's
+unit vectors and one that wants them as pooled (TEI's `normalize: false`).
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ class EmbedHead:
 
         A (batch, width) array comes from a network that pools by itself (a shipped ONNX
         sentence-embedding graph): it holds the folder's whole pipeline, Dense layers included, and is
-        only normalised, as the folder says (a square Dense layer applied again gave other vectors).
+        passed through (a square Dense layer applied again gave other vectors). Not normalised here:
+        `finish_vectors` does it per request, as the folder says (`normalize`) unless the request says.
         """
         hidden = hidden.astype(np.float32, copy=False)
         if hidden.ndim == 2:
@@ -113,7 +118,7 @@ class EmbedHead:
             pooled = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
             for layer in self.dense:
                 pooled = layer(pooled)
-        return normalize(pooled) if self.normalize else np.ascontiguousarray(pooled, dtype=np.float32)
+        return np.ascontiguousarray(pooled, dtype=np.float32)
 
 
 def _pool(mode: PoolingMode, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -183,8 +188,13 @@ def normalize(vectors: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(vectors / np.clip(norms, 1e-12, None), dtype=np.float32)
 
 
-def truncate_dimensions(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
-    """Matryoshka: keep the first `dimensions` components, then re-normalise."""
-    if dimensions is None or dimensions >= vectors.shape[1]:
-        return vectors
-    return normalize(vectors[:, :dimensions])
+def finish_vectors(
+    pooled: np.ndarray, *, folder_normalizes: bool, normalize_to_unit: bool | None = None, dimensions: int | None = None
+) -> np.ndarray:
+    """A request's vectors from the runtime's pooled rows: matryoshka truncation to the first `dimensions`
+    components, then unit length when `normalize_to_unit` says so, or, when it is None, when the folder
+    normalises or the vectors were truncated (a cut vector is re-normalised, as OpenAI's `dimensions` are)."""
+    cut = dimensions is not None and dimensions < pooled.shape[1]
+    vectors = pooled[:, :dimensions] if cut else pooled
+    unit = (folder_normalizes or cut) if normalize_to_unit is None else normalize_to_unit
+    return normalize(vectors) if unit else np.ascontiguousarray(vectors, dtype=np.float32)
