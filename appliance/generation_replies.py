@@ -75,6 +75,8 @@ class GenerationReplies:
             compute_ms=step_ms,
             seq=stream.seq,
             final=output.finished,
+            # The tokens made, for the gateway's admission: how long an answer holds its decode slot.
+            usage_tokens=output.usage.completion_tokens if output.finished and output.usage is not None else 0,
         )
         if not output.finished:
             await self.reply(stream.meta, reply, orjson.dumps(body))

@@ -21,6 +21,7 @@ work, bounded by its deadline instead of `max_queue_s`, gets those rounds times 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -172,9 +173,9 @@ class ModelQueue:
         work awaited, its own included. None when it goes at once: a request alone always goes."""
         return self.weight + weight if self.waiting else None
 
-    def finish(self, request_id: str, now: float, *, whole: bool) -> None:
-        """A request answered (`remove`) is done with the model: for a generation, its answer was made (`whole`:
-        on one box in one go), or cut short. Nothing to do for an encoder's, done when answered."""
+    def finish(self, request_id: str, now: float, *, whole: bool, tokens: int = 0) -> None:
+        """A request answered (`remove`) is done with the model: for a generation, its answer of `tokens` was
+        made (`whole`: on one box in one go), or cut short. Nothing to do for an encoder's, done when answered."""
 
     def together(self, now: float) -> bool:
         """Whether a request sent now comes with the busy spell's first (within `_BURST_S`): part of one burst."""
@@ -213,11 +214,12 @@ class ModelQueue:
 class Decoder:
     """One generator's decode slots as one gateway sees them, shared by its priorities' queues (a batch job's
     generations hold the slots interactive ones wait for): the generations started and not yet made, and how
-    long the last ones held their slot."""
+    long the last ones held their slot for how many tokens."""
 
     slots: int = 1  # a box's decode batch (`options.max_batch_size`)
     running: dict[str, tuple[float, int, float]] = field(default_factory=dict)  # id -> (started, max_tokens, held)
-    made: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))  # (held, seconds)
+    # (slots held meanwhile, on average; seconds; tokens made) of the last generations made whole
+    made: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))
     last_busy: float = -math.inf  # a generation was last started or made
     _held: float = 0.0  # slot-seconds held so far (the integral of `len(running)` over time), up to `last_busy`
 
@@ -231,28 +233,44 @@ class Decoder:
         self._advance(now)
         self.running[request_id] = (now, max_tokens, self._held)
 
-    def end(self, request_id: str, now: float, *, whole: bool) -> None:
-        """A generation let go of its slot: made `whole` (on one box in one go: its time counts), or cut short."""
+    def end(self, request_id: str, now: float, *, whole: bool, tokens: int = 0) -> None:
+        """A generation let go of its slot: made `whole` (on one box in one go: its `tokens` and time count), or
+        cut short."""
         entry = self.running.get(request_id)
         if entry is None:
             return
         self._advance(now)
         del self.running[request_id]
         started, _, held_before = entry
-        if whole and now > started:
+        if whole and tokens > 0 and now > started:
             seconds = now - started
-            self.made.append(((self._held - held_before) / seconds, seconds))  # the slots held, on average
+            self.made.append(((self._held - held_before) / seconds, seconds, tokens))
 
-    def slot_s(self) -> float | None:
-        """How long a generation holds its slot with every slot busy: the slots, over how often one freed when the
-        last generations were made (the slots held while each was made ÷ the seconds it held its own). A slot's
+    def token_s(self) -> float | None:
+        """How long a token holds a slot with every slot busy: the slots, over the tokens a second the last
+        generations were made at (each one's tokens times the slots held meanwhile, over its seconds). A slot's
         pace on a GPU hardly depends on how many share the decode step; on a CPU they share its time, and an
         answer made alone takes a quarter of the time it takes four at once. Reckoned as on a CPU, a GPU's is
         overestimated (more refused) until answers are made with its slots full."""
         if not self.made:
             return None
-        frees_per_s = sum(held for held, _ in self.made) / sum(seconds for _, seconds in self.made)
-        return max(self.slots, len(self.running)) / frees_per_s
+        made_per_s = sum(held * tokens for held, _, tokens in self.made) / sum(seconds for _, seconds, _ in self.made)
+        return max(self.slots, len(self.running)) / made_per_s
+
+    def typical_tokens(self) -> float:
+        """How long the last answers were (`max_tokens` is a cap: a chat client's 8,192 for answers of 200)."""
+        return sum(tokens for _, _, tokens in self.made) / len(self.made)
+
+    def remaining_s(self, now: float, token_s: float) -> list[float]:
+        """When each running generation is expected to let go of its slot: one still within the answers' typical
+        length at that length, one past it at its `max_tokens` (a long answer is taken to run to its cap)."""
+        typical = self.typical_tokens()
+        remaining = []
+        for started, max_tokens, _ in self.running.values():
+            made = (now - started) / token_s
+            expected = min(max_tokens, typical) if made < typical else max_tokens
+            remaining.append(max(0.0, (expected - made) * token_s))
+        return remaining
 
 
 @dataclass(slots=True)
@@ -264,7 +282,7 @@ class DecodeQueue(ModelQueue):
 
     So its wait is counted in generations, not weight: a request that a free slot starts at once (fewer awaited
     than the slots not held) waits for none; one that waits for a slot waits for as many frees as there are
-    requests ahead of it for a slot, at the rate slots have been freeing (`Decoder.slot_s`). Until a
+    requests ahead of it for a slot, at the pace answers have been made (`Decoder.token_s`). Until a
     generation has been made whole there is no such rate (or none lately: after `_DECODER_IDLE_S` with nothing
     started or awaited the model may be elsewhere now), and one that would wait for a slot is held to rounds of
     the decode batch in tokens, weighing the `max_tokens` of every generation it waits behind, those holding
@@ -286,28 +304,30 @@ class DecodeQueue(ModelQueue):
         if entry is not None and answered:
             self.decoder.start(request_id, now, entry[1])
 
-    def finish(self, request_id: str, now: float, *, whole: bool) -> None:
-        self.decoder.end(request_id, now, whole=whole)
+    def finish(self, request_id: str, now: float, *, whole: bool, tokens: int = 0) -> None:
+        self.decoder.end(request_id, now, whole=whole, tokens=tokens)
 
     def _free(self) -> int:
         return max(0, self.decoder.slots - len(self.decoder.running))
 
     def wait_s(self, now: float) -> float | None:
-        """When a request sent now would start: at the free of a slot as many frees after the next as there are
-        requests ahead of it for one, each slot freeing `Decoder.slot_s` after it was taken. Slots free in clumps
-        (answers started together end together): their spread is read from when each running one started."""
+        """When a request sent now would start: when a slot frees for it, after those ahead of it for one have
+        each had theirs, every generation holding a slot for its expected length (`Decoder.remaining_s`; one
+        awaited: the answers' typical length, at most its `max_tokens`) at `Decoder.token_s` a token. Slots free in
+        clumps (answers started together end together): their spread is read from when each running one started."""
         decoder = self.decoder
         ahead = len(self.waiting) - self._free()
         if ahead < 0:
             return 0.0  # a free slot starts it
-        slot_s = decoder.slot_s()
-        if slot_s is None:
+        token_s = decoder.token_s()
+        if token_s is None:
             return None
-        frees = [max(0.0, started + slot_s - now) for started, _, _ in decoder.running.values()]
-        frees += [slot_s] * (max(decoder.slots, len(frees)) - len(frees))  # free slots, taken by those awaited
+        frees = decoder.remaining_s(now, token_s)
+        frees += [0.0] * (max(decoder.slots, len(frees)) - len(frees))  # free slots, taken by those awaited
         heapq.heapify(frees)
-        for _ in range(ahead):
-            heapq.heapreplace(frees, frees[0] + slot_s)
+        typical = decoder.typical_tokens()
+        for _, max_tokens in itertools.islice(self.waiting.values(), ahead + self._free()):
+            heapq.heapreplace(frees, frees[0] + min(max_tokens, typical) * token_s)
         return frees[0]
 
     def room(self, now: float, seconds: float) -> float:

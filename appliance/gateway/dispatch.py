@@ -299,6 +299,7 @@ class Dispatcher:
         deadline = loop.time() + timeout_s
         waiter = _StreamWaiter(spec.name)
         finished = whole = restarted = False
+        tokens = 0  # made, as the final chunk says
         try:
             with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
                 await self._publish(spec, body, meta)
@@ -311,9 +312,10 @@ class Dispatcher:
                     queue.remove(meta.id, started, answered=True)
                     finished, restarted = chunk.meta.final, restarted or chunk.restarted
                     whole = finished and not restarted and chunk.meta.status == 200  # on one box in one go
+                    tokens = chunk.meta.usage_tokens
                     yield chunk
         finally:
-            queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole)
+            queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole, tokens=tokens)
             if not finished:
                 await self._cancel(meta.id)
 
