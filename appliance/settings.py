@@ -133,6 +133,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     max_inputs: int = Field(default=2048, ge=1)
     default_timeout_s: float = Field(default=30.0, gt=0)
+    # A generation's deadline covers its whole answer: 30 s cut a 1,000-token answer on a CPU mid-stream.
+    generation_timeout_s: float = Field(default=300.0, gt=0)
     max_timeout_s: float = Field(default=300.0, gt=0)
     max_waiting: int = Field(default=8192, ge=1)  # requests one gateway awaits at once; past it, 429
     max_queue_s: float = Field(default=10.0, gt=0)  # 429 when a request would wait longer than this for its model

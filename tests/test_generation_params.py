@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from openai import AsyncOpenAI
 
+from appliance.gateway.http import request_timeout
 from appliance.generation_request import decode_generation
 from appliance.schemas import DEFAULT_MAX_TOKENS
-from appliance.settings import ModelEntry
+from appliance.settings import ModelEntry, Settings
 from tests.conftest import url
 
 MODEL = "tiny-llama"
@@ -158,3 +160,18 @@ async def test_a_logit_bias_key_with_leading_zeros_is_a_422(box, http) -> None:
 def test_a_generations_length_limit_is_what_the_sampler_and_admission_both_read(body: dict, limit: int) -> None:
     """`new_tokens` is both the sampler's `max_tokens` and the weight admission gives the request."""
     assert decode_generation(orjson.dumps(body)).new_tokens() == limit
+
+
+@pytest.mark.parametrize(
+    ("generation", "headers", "field", "deadline"),
+    [
+        (False, {}, None, 30.0),
+        (True, {}, None, 300.0),  # a generation's covers its whole answer: 30 s cut long ones mid-stream
+        (True, {"Timeout": "12"}, None, 12.0),
+        (True, {}, 45.0, 45.0),
+        (True, {}, 900.0, 300.0),  # capped at max_timeout_s
+    ],
+)
+def test_a_generation_gets_a_deadline_of_its_own_when_it_sets_none(generation, headers, field, deadline) -> None:
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+    assert request_timeout(request, field, Settings(), generation=generation) == deadline

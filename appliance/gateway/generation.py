@@ -62,7 +62,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         spec=resolved.spec,
         task=Task.GENERATE.value,
         body=body,
-        timeout_s=request_timeout(request, parsed.timeout, ctx.settings),
+        timeout_s=request_timeout(request, parsed.timeout, ctx.settings, generation=True),
         tokens=len(body) // 4,
         new_tokens=parsed.new_tokens(),
         adapter=resolved.adapter.name if resolved.adapter else None,

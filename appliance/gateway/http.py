@@ -116,13 +116,16 @@ def _decode_error(body: bytes, exc: msgspec.DecodeError) -> str:
     return str(exc).removeprefix("JSON is malformed: ")
 
 
-def request_timeout(request: web.Request, field: float | None, settings: Settings) -> float:
-    """The request's deadline in seconds: the `timeout` field, else the `Timeout` header, else the default."""
+def request_timeout(
+    request: web.Request, field: float | None, settings: Settings, *, generation: bool = False
+) -> float:
+    """The request's deadline in seconds: the `timeout` field, else the `Timeout` header, else the default (a
+    generation's own: its deadline covers the whole answer), at most `max_timeout_s`."""
     value: float | None = field
     if value is None and TIMEOUT_HEADER in request.headers:
         value = _header_seconds(request.headers[TIMEOUT_HEADER])
     if value is None:
-        return settings.default_timeout_s
+        value = settings.generation_timeout_s if generation else settings.default_timeout_s
     return min(value, settings.max_timeout_s)
 
 
