@@ -266,3 +266,51 @@ async def test_drain_verb_finishes_and_exits_the_box(nats_server, tmp_path) -> N
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+async def test_a_box_whose_nats_hangs_still_exits_within_its_bound_and_answers_its_client(nats_server, tmp_path):
+    """A NATS server that stops answering (hung, SIGSTOP here) as the box stops: nats-py's drain and close wait on
+    it, and on a hung server they would wait for ever. The stop answers the awaited client first (a 503), and the
+    process exits within the stop's bound (grace + 4 s; here its workers' step is cut at it), the watchdog's
+    2 s after it at the latest."""
+    http_port = free_port()
+    config = tmp_path / "box.toml"
+    config.write_text(
+        'default_model = false\nshutdown_grace_s = 1\n[[models]]\nname = "slow"\nruntime = "noop"\npinned = true\n'
+        "options = { cost_ms = 60000 }\n"
+    )
+    log = tmp_path / "box.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), "--nats", nats_server.url,
+         "--state-dir", str(tmp_path / "state"), "--config", str(config), "--box-id", "hungbox"],
+        env={**os.environ, "FBX_DEVICE": "cpu"},
+        stderr=log.open("wb"),
+    )  # fmt: skip
+    assert nats_server.process is not None
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            await until_ready(http, http_port, process, log.read_text)
+            body = {"model": "slow", "input": "a minute of work"}
+            answer = asyncio.create_task(http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body))
+            nc = await nats_client.connect(nats_server.url)
+
+            async def held() -> bool:
+                models = (await call_box(nc, "hungbox", "status"))["models"]
+                return any(m["name"] == "slow" and m.get("held") for m in models)
+
+            await wait_for(held, what="the worker to take the request")
+            await nc.close()
+            os.kill(nats_server.process.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            response = await asyncio.wait_for(answer, 15)
+            assert response.status == 503, await response.text()
+            code = await asyncio.to_thread(process.wait, 30)
+            took = time.monotonic() - started
+        assert took < 1 + 4 + 2 + 3, f"exited {took:.1f} s after SIGTERM"
+        assert code in (0, 1), log.read_text()[-3000:]
+    finally:
+        os.kill(nats_server.process.pid, signal.SIGCONT)
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
