@@ -79,6 +79,20 @@ class Metrics:
             buckets=_MS_BUCKETS,
             registry=r,
         )
+        self.first_token_ms = Histogram(
+            "fbx_time_to_first_token_ms",
+            "A generation's time from its arrival at the gateway to its first chunk (ms)",
+            ["model"],
+            buckets=_MS_BUCKETS,
+            registry=r,
+        )
+        self.token_ms = Histogram(
+            "fbx_time_per_output_token_ms",
+            "A generation's time per token after its first, as its chunks came (ms)",
+            ["model"],
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=r,
+        )
         self.loads = Counter("fbx_model_loads", "Model loads", ["model"], registry=r)
         self.load_seconds = Histogram(
             "fbx_model_load_seconds",

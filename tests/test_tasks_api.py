@@ -351,6 +351,11 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
     metrics = task_box.metrics.registry
     before = metrics.get_sample_value("fbx_batch_size_count", {"model": "tiny-llama"}) or 0
     rows_before = metrics.get_sample_value("fbx_rows_computed_total", {"model": "tiny-llama"}) or 0
+
+    def count(name: str) -> float:
+        return metrics.get_sample_value(f"{name}_count", {"model": "tiny-llama"}) or 0
+
+    first_tokens, per_token = count("fbx_time_to_first_token_ms"), count("fbx_time_per_output_token_ms")
     bodies = [
         {"model": "tiny-llama", "prompt": f"Request {i} says", "max_tokens": 24, "temperature": 0} for i in range(6)
     ]
@@ -363,6 +368,10 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
     tokens = sum(body["usage"]["completion_tokens"] for _, body in results)
     assert rows == tokens
     assert steps < tokens  # one after another would take one step per token
+    # vLLM's serving metrics, per generation: its wait for a first token, and its pace after it.
+    assert count("fbx_time_to_first_token_ms") - first_tokens == len(bodies)
+    longer = sum(body["usage"]["completion_tokens"] > 1 for _, body in results)
+    assert count("fbx_time_per_output_token_ms") - per_token == longer > 0
     # An idle generator pulls room for its decode batch and as many again, not the box's encoder batch size.
     worker = task_box.workers["tiny-llama"]
     assert worker.held == 0 and worker._room() == 2 * worker.runtime.decode_batch == 64

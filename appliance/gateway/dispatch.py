@@ -300,6 +300,7 @@ class Dispatcher:
         waiter = _StreamWaiter(spec.name)
         finished = whole = restarted = False
         tokens = 0  # made, as the final chunk says
+        arrived = time.monotonic()
         try:
             with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
                 await self._publish(spec, body, meta)
@@ -309,10 +310,15 @@ class Dispatcher:
                     except TimeoutError:
                         raise _deadline(timeout_s) from None
                     started = waiter.first_at or time.monotonic()  # when its first chunk came
+                    if meta.id in queue.waiting:
+                        self._metrics.first_token_ms.labels(spec.name).observe((started - arrived) * 1000)
                     queue.remove(meta.id, started, answered=True)
                     finished, restarted = chunk.meta.final, restarted or chunk.restarted
                     whole = finished and not restarted and chunk.meta.status == 200  # on one box in one go
                     tokens = chunk.meta.usage_tokens
+                    if whole and tokens > 1 and waiter.final_at is not None:
+                        per_token_s = (waiter.final_at - started) / (tokens - 1)
+                        self._metrics.token_ms.labels(spec.name).observe(per_token_s * 1000)
                     yield chunk
         finally:
             queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole, tokens=tokens)
