@@ -20,8 +20,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 # What torch's generators take: a signed 64-bit integer.
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a signed 64-bit integer")]
-# TEI's `truncation_direction`: fleetbox cuts an over-long input at its end only; TEI's "Left" is refused by name.
-TruncationDirection = Literal["right", "Right"]
+# TEI's `dimensions`: any 64-bit count (a larger one is no width; the worker names the model's own for those over it).
+TeiDimensions = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 
 
 class _NullIsDefault(msgspec.Struct, kw_only=True):
@@ -93,7 +93,7 @@ class TeiRerankRequest(_NullIsDefault, kw_only=True):
     raw_scores: bool | None = False
     return_text: bool | None = False
     truncate: bool | None = True
-    truncation_direction: TruncationDirection | None = "right"
+    truncation_direction: str | None = "right"  # fleetbox cuts an over-long input at its end only
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -103,13 +103,13 @@ class TeiEmbedRequest(_NullIsDefault, kw_only=True):
     as the `EmbeddingRequest` it stands for. TEI's token-id inputs are read only to be refused by name, and
     `prompt_name` only to be refused: fleetbox applies no sentence-transformers prompts."""
 
-    inputs: str | list[str | int | list[int]]
+    inputs: str | list[Any]  # strings; TEI's token ids and a batch of lists only to be refused by name (`embed_tei`)
     model: str | None = None
     normalize: bool | None = True
     truncate: bool | None = True
-    truncation_direction: TruncationDirection | None = "right"
+    truncation_direction: str | None = "right"  # fleetbox cuts an over-long input at its end only
     prompt_name: str | None = None
-    dimensions: Positive | None = None
+    dimensions: TeiDimensions | None = None
     adapter: str | None = None
     timeout: Timeout | None = None
 
@@ -123,9 +123,17 @@ class TeiPredictRequest(_NullIsDefault, kw_only=True):
     model: str | None = None
     raw_scores: bool | None = False
     truncate: bool | None = True
-    truncation_direction: TruncationDirection | None = "right"
+    truncation_direction: str | None = "right"  # fleetbox cuts an over-long input at its end only
     adapter: str | None = None
     timeout: Timeout | None = None
+
+
+class TeiShape(msgspec.Struct):
+    """Just enough of a body sent to TEI's `POST /` to pick the route it stands for: the model it names, or a query
+    (a rerank)."""
+
+    model: Any = None
+    query: Any = None
 
 
 class RerankShape(msgspec.Struct):

@@ -144,6 +144,50 @@ async def test_a_missing_model_with_two_of_the_task_is_a_422_naming_them(tei_box
     assert "no reranker" in answer["error"]["message"]
 
 
+# -- POST / (and /invocations): the route of the model's task ------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/", "/invocations"])
+async def test_post_at_the_root_is_the_route_of_the_named_models_task(tei_box, http, path) -> None:
+    """A TEI server serves its one model's route at `POST /` too: huggingface_hub's InferenceClient posts there."""
+    status, vectors = await post(http, tei_box, path, {"inputs": TEXTS, "model": DEFAULT_MODEL_NAME})
+    assert status == 200, vectors
+    _, expected = await post(http, tei_box, "/embed", {"inputs": TEXTS})
+    assert vectors == expected
+    status, labels = await post(http, tei_box, path, {"inputs": "a fine film", "model": "sentiment"})
+    assert status == 200, labels
+    _, expected = await post(http, tei_box, "/predict", {"inputs": "a fine film"})
+    assert labels == expected
+    status, answer = await post(http, tei_box, path, {"inputs": "x"})  # an embedder and a classifier: which?
+    assert status == 422 and answer["error"]["code"] == "model_required", answer
+    assert "classifiers and embedding models" in answer["error"]["message"]
+    assert "/embed, /predict or /rerank" in answer["error"]["message"]
+
+
+async def test_huggingface_hubs_inference_client_is_answered_at_a_tei_base_url(tmp_path, monkeypatch) -> None:
+    """The stock client of TEI users: `InferenceClient(base_url=...)` posts `feature_extraction` to `POST /`, with
+    `normalize` (a fleet of one embedder, as a TEI server is)."""
+    from huggingface_hub import AsyncInferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite's guard against the hub; this is a local box
+
+    server = await start_nats(tmp_path / "nats")
+    box = Box(box_settings(server.url, box_id="tei-hub"))
+    await box.start()
+    try:
+        client = AsyncInferenceClient(base_url=url(box, ""))
+        vectors = np.asarray(await client.feature_extraction(TEXTS[0]), dtype=np.float32)
+        raw = np.asarray(await client.feature_extraction(TEXTS[0], normalize=False), dtype=np.float32)
+        async with aiohttp.ClientSession() as http:
+            expected = await openai_vectors(http, box, input=[TEXTS[0]])
+    finally:
+        await box.stop()
+        await server.stop()
+    np.testing.assert_allclose(vectors.reshape(-1), expected[0], atol=1e-6)
+    assert abs(float(np.linalg.norm(raw)) - 1.0) > 0.1  # pooled, not normalised
+    np.testing.assert_allclose(raw.reshape(-1) / np.linalg.norm(raw), expected[0], atol=1e-5)
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 
@@ -157,7 +201,10 @@ async def test_a_missing_model_with_two_of_the_task_is_a_422_naming_them(tei_box
         ("/embed", {"inputs": [101, 3231, 102]}, 422, "unsupported_parameter", "`inputs` holds token ids"),
         ("/embed", {"inputs": ["ok", 3]}, 422, "invalid_input", "input 1"),
         ("/embed", {"inputs": "x", "prompt_name": "query"}, 422, "unsupported_parameter", "prompt_name"),
-        ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422, "invalid_input", "truncation_direction"),
+        ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422, "unsupported_parameter", "at its end only"),
+        ("/embed", {"inputs": [["a"], ["b"]]}, 422, "invalid_input", "lists of one string are a /predict batch"),
+        ("/embed", {"inputs": "x", "dimensions": 2**64}, 422, "invalid_input", "dimensions"),  # was a 500
+        ("/embed", {"inputs": "x", "dimensions": 2**63 - 1}, 422, "invalid_dimensions", "dimensions"),
         ("/embed", {"inputs": "x", "dimensions": 0}, 422, "invalid_input", "dimensions"),
         ("/embed", {"inputs": "x", "dimensions": 100_000}, 422, "invalid_dimensions", "dimensions"),
         ("/embed", {"inputs": "x", "normalize": "yes"}, 422, "invalid_input", "normalize"),
@@ -178,7 +225,11 @@ async def test_a_missing_model_with_two_of_the_task_is_a_422_naming_them(tei_box
         ("/predict", {"inputs": 3}, 422, "invalid_input", "inputs"),
         ("/predict", {"inputs": [[1]]}, 422, "invalid_input", "inputs"),
         ("/predict", {"inputs": "x", "raw_scores": 1}, 422, "invalid_input", "raw_scores"),
-        ("/predict", {"inputs": "x", "truncation_direction": "left"}, 422, "invalid_input", "truncation_direction"),
+        ("/predict", {"inputs": "x", "truncation_direction": "left"}, 422, "unsupported_parameter", "end only"),
+        ("/rerank", {"query": "q", "texts": ["a"], "truncation_direction": "left"}, 422, "unsupported_parameter", None),
+        ("/", {"inputs": "x", "model": "nothing"}, 404, "model_not_found", "nothing"),
+        ("/", {"inputs": "x", "model": DEFAULT_MODEL_NAME, "dimensions": 2**64}, 422, "invalid_input", "dimensions"),
+        ("/", "x", 422, "invalid_input", None),
         ("/predict", {"inputs": "x", "model": DEFAULT_MODEL_NAME}, 422, "wrong_task", "/v1/embeddings"),
         ("/predict", {"inputs": "word " * 600, "truncate": False}, 413, "input_too_long", "input 0"),
         ("/predict", "x", 422, "invalid_input", None),

@@ -173,6 +173,8 @@ def build_app(context: GatewayContext) -> web.Application:
         routes.append(web.post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Cohere's
         routes.append(web.post("/embed", inference(encoders.embed_tei)))  # TEI's
         routes.append(web.post("/predict", inference(encoders.predict_tei)))  # TEI's
+        for path in ("/", "/invocations"):  # TEI's: the route of its one model's task
+            routes.append(web.post(path, inference(encoders.tei_root)))
         routes.append(web.post("/v1/classify", inference(encoders.classify)))
         routes.append(web.post("/v1/extract", inference(encoders.extract)))
         routes.append(web.post("/v1/completions", inference(generation.completions)))

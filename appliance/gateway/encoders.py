@@ -32,6 +32,7 @@ from appliance.schemas import (
     TeiEmbedRequest,
     TeiPredictRequest,
     TeiRerankRequest,
+    TeiShape,
 )
 from runtimes import Task
 
@@ -56,6 +57,7 @@ _decoders: dict[type, msgspec.json.Decoder] = {
         TeiRerankRequest,
         TeiEmbedRequest,
         TeiPredictRequest,
+        TeiShape,
         RerankShape,
         SentDocuments,
         ClassifyRequest,
@@ -180,11 +182,11 @@ async def rerank(request: web.Request, body: bytes | None = None) -> web.Respons
     return json_response(payload, headers=_timing(meta))
 
 
-async def rerank_at_root(request: web.Request) -> web.Response:
+async def rerank_at_root(request: web.Request, body: bytes | None = None) -> web.Response:
     """`/rerank`: TEI's request and answer when the body has `texts` (a bare list of `{index, score, text?}`, best
     first), else Cohere's shape as at `/v1/rerank` (what Infinity's clients send there)."""
-    ctx = GatewayContext.of(request)
-    body = await read_body(request, ctx.settings)
+    if body is None:
+        body = await read_body(request, GatewayContext.of(request).settings)
     shape = decode(body, _decoders[RerankShape])
     if shape.texts is not None and shape.documents is not None:
         raise Unprocessable("send `texts` (TEI's rerank) or `documents` (Cohere's), not both")
@@ -209,6 +211,12 @@ async def _enqueue_tei(
 ) -> tuple[ReplyMeta, bytes]:
     """A TEI request queued as the fleetbox request (`schema`) it stands for: `fields`, and what every TEI request
     carries (`model`, the fleet's one of the task when left out; `truncate`, `adapter`, `timeout`)."""
+    if (tei.truncation_direction or "right").lower() != "right":
+        raise Unprocessable(
+            f"truncation_direction {tei.truncation_direction!r}: fleetbox cuts an over-long input at its end only "
+            '("right"); leave it out, or send inputs that fit with "truncate": false to be told which do not',
+            code="unsupported_parameter",
+        )
     model = tei.model or _the_one_model(GatewayContext.of(request), task)
     body = {"model": model, "truncate": tei.truncate, "adapter": tei.adapter, "timeout": tei.timeout, **fields}
     _, _, meta, reply = await _enqueue(request, schema, task, orjson.dumps(body))
@@ -234,11 +242,17 @@ def _the_one_model(ctx: GatewayContext, task: Task) -> str:
     )
 
 
-async def embed_tei(request: web.Request) -> web.Response:
+async def embed_tei(request: web.Request, body: bytes | None = None) -> web.Response:
     """TEI's `/embed`: a bare list of vectors, one per input, computed as `/v1/embeddings` computes them."""
-    ctx = GatewayContext.of(request)
-    tei = decode(await read_body(request, ctx.settings), _decoders[TeiEmbedRequest])
+    if body is None:
+        body = await read_body(request, GatewayContext.of(request).settings)
+    tei = decode(body, _decoders[TeiEmbedRequest])
     texts = [tei.inputs] if isinstance(tei.inputs, str) else tei.inputs
+    if any(isinstance(text, list) and any(isinstance(part, str) for part in text) for text in texts):
+        raise Unprocessable(
+            "`inputs` holds lists of strings: /embed takes a string or a list of strings (lists of one string "
+            "are a /predict batch)"
+        )
     _refuse_token_ids(texts, "`inputs` holds token ids; fleetbox tokenises text with the model's own tokenizer")
     if tei.prompt_name is not None:
         raise Unprocessable(
@@ -252,11 +266,12 @@ async def embed_tei(request: web.Request) -> web.Response:
     return json_response(np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims), headers=_timing(meta))
 
 
-async def predict_tei(request: web.Request) -> web.Response:
+async def predict_tei(request: web.Request, body: bytes | None = None) -> web.Response:
     """TEI's `/predict`: labels with scores, best first, as `/v1/classify` gives them; for one input its list, for a
     batch one list per input."""
-    ctx = GatewayContext.of(request)
-    tei = decode(await read_body(request, ctx.settings), _decoders[TeiPredictRequest])
+    if body is None:
+        body = await read_body(request, GatewayContext.of(request).settings)
+    tei = decode(body, _decoders[TeiPredictRequest])
     texts, batch = _predict_inputs(tei.inputs)
     meta, reply = await _enqueue_tei(
         request, tei, ClassifyRequest, Task.CLASSIFY, input=texts, raw_scores=tei.raw_scores
@@ -291,6 +306,44 @@ def _predict_inputs(inputs: str | list[str | list[str]]) -> tuple[list[str], boo
             raise Unprocessable(f"`inputs` {index} holds {len(item)} strings; each input of a batch is one string")
         texts.append(item[0])
     return texts, True
+
+
+# A TEI server serves its one model's route at `POST /` too (and at SageMaker's `/invocations`).
+_TEI_ROUTE = {Task.EMBED: embed_tei, Task.CLASSIFY: predict_tei, Task.SCORE: rerank_at_root}
+
+
+async def tei_root(request: web.Request) -> web.StreamResponse:
+    """TEI's `POST /` and `/invocations`: the TEI route of the model's task (`/embed`, `/predict` or `/rerank`), the
+    model named, else the fleet's one encoder model of those tasks. huggingface_hub's `InferenceClient` with a TEI
+    `base_url` posts its `feature_extraction` and `text_classification` here."""
+    ctx = GatewayContext.of(request)
+    body = await read_body(request, ctx.settings)
+    shape = decode(body, _decoders[TeiShape])
+    if shape.query is not None:
+        return await rerank_at_root(request, body)
+    if isinstance(shape.model, str) and shape.model:
+        task = ctx.catalog.resolve(shape.model, None).spec.task
+    else:
+        tasks = {spec.task for spec in ctx.catalog if spec.task in _TEI_ROUTE and spec.adapter_of is None}
+        if len(tasks) != 1:
+            served = (
+                " and ".join(sorted(_KIND[task] + "s" for task in tasks))
+                or "no embedding model, classifier or reranker"
+            )
+            raise Unprocessable(
+                f"POST / stands for a TEI server's one model's route, and this fleet has {served}: name the model, "
+                "or POST to /embed, /predict or /rerank",
+                code="model_required",
+            )
+        (task,) = tasks
+    handler = _TEI_ROUTE.get(task)
+    if handler is None:
+        raise Unprocessable(
+            f"POST / serves embedding, classification and rerank models as TEI does; this one serves {task}: "
+            f"send it to {ROUTE_FOR[task]}",
+            code="wrong_task",
+        )
+    return await handler(request, body)
 
 
 async def classify(request: web.Request) -> web.Response:

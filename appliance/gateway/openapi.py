@@ -137,6 +137,15 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         operation = _operation(summary, schema, _INFERENCE_ERRORS)
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
         paths[path] = {"post": operation}
+    for path in ("/", "/invocations"):  # TEI's: the route of the named model's task, or of the fleet's one
+        operation = _operation("TEI's route of the model's task: /embed, /predict or /rerank", None, _INFERENCE_ERRORS)
+        tei_bodies = [{"$ref": f"#/components/schemas/Tei{name}Request"} for name in ("Embed", "Predict", "Rerank")]
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"oneOf": tei_bodies}}},
+        }
+        operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
+        paths[path] = {"post": operation}
     for verb in ("pin", "unpin"):
         paths[f"/v1/models/{{name}}/{verb}"] = {
             "post": {**_operation(f"{verb.title()} a model fleet-wide", None, _ADMIN_ERRORS), "parameters": _NAME}
