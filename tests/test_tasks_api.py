@@ -163,7 +163,7 @@ async def test_rerank_raw_scores_are_the_logits(task_box, http) -> None:
         ({"model": "sentiment", "query": "q", "documents": DOCS}, 422, "wrong_task"),
         ({"model": "nothing", "query": "q", "documents": DOCS}, 404, "model_not_found"),
         ({"query": "q", "texts": []}, 422, "invalid_input"),
-        ({"query": "q", "texts": DOCS, "truncation_direction": "Left"}, 422, "invalid_input"),
+        ({"query": "q", "texts": DOCS, "truncation_direction": "Left"}, 422, "unsupported_parameter"),
         ({"query": "q", "texts": DOCS, "model": "sentiment"}, 422, "wrong_task"),
     ],
 )
