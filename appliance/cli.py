@@ -116,7 +116,7 @@ def serve(
         typer.echo(f"fleetbox: {problem}", err=True)
     if in_use:
         raise typer.Exit(1)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, runs_models=settings.runs_models)
     import uvloop
 
     code = uvloop.run(_serve(settings, tui=tui, watchdog=True))

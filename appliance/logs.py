@@ -59,7 +59,9 @@ class BelowWarning(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, *, runs_models: bool = False) -> None:
+    """The box's log: JSON lines on stderr, libraries' included. A box that `runs_models` imports torch now (its
+    first model would, at once) so that torch's own log handlers exist to be taken off before they write."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
     root = logging.getLogger()
@@ -70,7 +72,13 @@ def configure_logging(level: str) -> None:
     for noisy in THIRD_PARTY_AT_WARNING:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
+    # An ONNX export says, four times, that torchvision's detection ops are not registered: nothing fleetbox uses.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    logging.captureWarnings(True)  # a library's `warnings.warn` is a JSON line (logger `py.warnings`), not raw text
     _transformers_through_the_root()
+    if runs_models:
+        import torch  # noqa: F401
+    _torch_through_the_root()
 
 
 def _transformers_through_the_root() -> None:
@@ -82,6 +90,20 @@ def _transformers_through_the_root() -> None:
     transformers_logging.disable_default_handler()
     transformers_logging.enable_propagation()
     transformers_logging.disable_progress_bar()
+
+
+def _torch_through_the_root() -> None:
+    """torch writes its log records as plain text ("W1130 19:07:57.353000 21152 torch/onnx/...] ...") through
+    stderr handlers of its own on its registered loggers, which do not propagate: the first start's ONNX export
+    wrote ten such lines into the JSON log."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger) or not (name == "torch" or name.startswith("torch.")):
+            continue
+        own = [h for h in logger.handlers if type(h) is logging.StreamHandler]  # stderr's (not TORCH_LOGS_OUT's file)
+        for handler in own:
+            logger.removeHandler(handler)
+        if own:  # not its trace log ("torch.__trace", every record at DEBUG, for TORCH_TRACE files only)
+            logger.propagate = True
 
 
 class FailureStreak:

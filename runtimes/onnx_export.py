@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -37,6 +38,10 @@ from runtimes.base import Task, pad
 from runtimes.tasks.embed import EmbedHead, normalize
 
 log = logging.getLogger(__name__)
+
+# What every export warns of, saying nothing an operator can act on (each was a raw line in the box's log).
+warnings.filterwarnings("ignore", message=r"# The axis name: .* will not be used", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 # Bump when the pipeline changes what it writes, so old cache entries are no longer found.
 EXPORT_FORMAT = 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +28,11 @@ def box_logging() -> Iterator[None]:
     transformers = logging.getLogger("transformers")
     transformers_handlers, transformers_propagate = transformers.handlers[:], transformers.propagate
     bars = transformers_logging.is_progress_bar_enabled()
+    torch_logs = [(log, log.handlers[:], log.propagate) for log in loggers if log.name.startswith("torch")]
     yield
+    logging.captureWarnings(False)
+    for logger, handlers, propagate in torch_logs:
+        logger.handlers[:], logger.propagate = handlers, propagate
     transformers.handlers[:], transformers.propagate = transformers_handlers, transformers_propagate
     if bars:
         transformers_logging.enable_progress_bar()
@@ -80,3 +85,20 @@ def test_a_library_logging_on_the_root_logger_is_held_at_warning(capsys, box_log
     logging.warning("worth a look")
     logging.getLogger("appliance.app").debug("fleetbox's own debug line")
     assert _loggers(capsys.readouterr().err) == ["root", "appliance.app"]
+
+
+def test_torchs_own_log_lines_and_python_warnings_are_json_lines_too(capsys, box_logging) -> None:
+    """torch wrote its records through stderr handlers of its own that do not propagate ("W1130 19:07:57.353000
+    21152 torch/onnx/...] torchvision is not installed"), and libraries' `warnings.warn` printed raw text: ten
+    plain lines in the log of a box's first start (black-box finding)."""
+    configure_logging("INFO", runs_models=True)
+    logging.getLogger("torch.onnx").warning("a torch warning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a library's warning", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert err.strip() and all(line.startswith("{") for line in err.strip().splitlines()), err
+    assert [(line["logger"], line["level"]) for line in _lines(err)] == [
+        ("torch.onnx", "warning"),
+        ("py.warnings", "warning"),
+    ]
