@@ -84,6 +84,7 @@ class GenerateWorker:
         self._streams: dict[str, Stream] = {}
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
         self._idle.set()
+        self._started = time.time()  # a request sent before it waited for this model's load (cold start)
         self._preparing: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks = Background(f"generate:{spec.slug}")
@@ -179,6 +180,8 @@ class GenerateWorker:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._replies.fail(meta, msg, deadline_passed(meta.id)))
             return
+        if meta.sent_ms and meta.sent_ms < self._started * 1000:
+            self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
         self._preparing.add(meta.id)
         self._spawn(self._admit(meta, msg))
 

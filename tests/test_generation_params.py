@@ -175,3 +175,14 @@ def test_a_generations_length_limit_is_what_the_sampler_and_admission_both_read(
 def test_a_generation_gets_a_deadline_of_its_own_when_it_sets_none(generation, headers, field, deadline) -> None:
     request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
     assert request_timeout(request, field, Settings(), generation=generation) == deadline
+
+
+async def test_a_generation_that_waited_for_its_model_to_load_is_counted_as_a_cold_start(
+    start_box, http, generator_dir
+) -> None:
+    """As an encoder's request is (`fbx_cold_start_wait_ms`): a generator's first request never was (black-box)."""
+    box = await start_box(default_model=False, models=[ModelEntry(name="cold", path=generator_dir, task="generate")])
+    status, body = await post(http, box, "/v1/completions", {**COMPLETION, "model": "cold"})
+    assert status == 200, body
+    waits = box.metrics.registry.get_sample_value("fbx_cold_start_wait_ms_count", {"model": "cold"})
+    assert waits == 1
