@@ -435,13 +435,14 @@ class Admission:
         deadline ÷ `max_queue_s` (a bulk job with a long deadline is not a flood). A request alone always
         goes. Its Retry-After is 1: the rate is soon measured, or the burst answered.
 
-        A generation's deadline covers its answer too: it must start in time to be made (batch generations with
-        300 s deadlines were let in to start at 290 s, and cut), and a batch job's rounds are not scaled by it.
+        A generation's deadline covers its answer too: it must start in time to be made, with an answer's length to
+        spare (batch generations with 300 s deadlines were let in to start at 290 s, then at 293 s against an
+        estimate of 287 s, and cut), and a batch job's rounds are not scaled by it.
         """
         limit = timeout_s if priority == BATCH else min(self._max_queue_s, timeout_s)
         generation = isinstance(queue, DecodeQueue)
-        if generation:
-            limit = max(0.0, min(limit, timeout_s - queue.answer_s(weight)))
+        if generation:  # and an answer's length of slack: the estimate may be off by a slot's free
+            limit = max(0.0, min(limit, timeout_s - 2 * queue.answer_s(weight)))
         now = self._clock()
         wait_s = queue.wait_s(now)
         if wait_s is not None:
