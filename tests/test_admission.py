@@ -708,3 +708,35 @@ def test_a_generation_is_let_in_only_with_an_answers_length_to_spare_before_its_
     gate.admit("m", "batch", 31.0, 1, weight=100, budget=50, decode_batch=1)  # 10 s to wait, 10 to answer, 10 spare
     with pytest.raises(TooManyRequests):
         gate.admit("m", "batch", 29.0, 1, weight=100, budget=50, decode_batch=1)
+
+
+@pytest.mark.parametrize(("max_tokens", "admitted"), [(16, True), (1000, False)])
+def test_a_cap_unlike_the_last_answers_is_not_taken_for_their_length(max_tokens: int, admitted: bool) -> None:
+    """Re-test finding: after answers of 16 tokens (each its whole cap), four generations of up to 1,000 holding the
+    four slots were taken for answers of 16, and short requests let in behind them waited 52 s for a first token.
+    Answers use a share of their cap: these used all of it, so one of up to 1,000 is expected to run to it."""
+    clock = Clock()
+    gate = admission(clock)
+    decode(gate, clock, [100.0] * 4, max_tokens=16, slots=4, tokens_per_s=25.0)
+    for i in range(4):
+        queue = gate.admit("m", "interactive", 300.0, i, weight=max_tokens, budget=200, decode_batch=4)
+        queue.add(f"running{i}", clock.now, max_tokens, deadline=clock.now + 300.0)
+        queue.remove(f"running{i}", clock.now, answered=True)
+    clock.now += 0.1
+    if admitted:
+        gate.admit("m", "interactive", 300.0, 4, weight=16, budget=200, decode_batch=4)
+    else:
+        with pytest.raises(TooManyRequests, match=r"about 4[0-9]s to start"):
+            gate.admit("m", "interactive", 300.0, 4, weight=16, budget=200, decode_batch=4)
+
+
+def test_a_chat_clients_large_cap_is_still_read_as_the_share_its_answers_use() -> None:
+    """Answers of about 200 tokens under a cap of 8,192: a generation awaited with that cap is expected at about 200,
+    and one with a cap of 1,000 at no less."""
+    decoder = Decoder(slots=1)
+    for i, tokens in enumerate((190, 200, 210)):
+        decoder.start(f"r{i}", float(i * 10), 8192)
+        decoder.end(f"r{i}", float(i * 10 + 7), whole=True, tokens=tokens)
+    assert decoder.expected_tokens(8192) == pytest.approx(200)
+    assert decoder.expected_tokens(1000) == pytest.approx(200)
+    assert decoder.expected_tokens(16) == 16

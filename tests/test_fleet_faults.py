@@ -337,7 +337,7 @@ async def test_queued_generation_of_a_gone_client_is_never_generated(start_box, 
     assert counter(box, "fbx_rows_computed", model="tiny-llama") == tokens  # not one token for the gone client
     decoders = [queue.decoder for queue in box.dispatcher._admission._queues.values()]
     assert decoders and not any(decoder.running for decoder in decoders)  # every generation let go of its slot
-    made = [tokens for decoder in decoders for _, _, tokens in decoder.made]  # each timed with the tokens it made
+    made = [tokens for decoder in decoders for _, _, tokens, _ in decoder.made]  # each timed with the tokens it made
     assert len(made) >= 8 and all(0 < tokens <= 200 for tokens in made), made
 
 

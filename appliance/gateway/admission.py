@@ -218,8 +218,8 @@ class Decoder:
 
     slots: int = 1  # a box's decode batch (`options.max_batch_size`)
     running: dict[str, tuple[float, int, float]] = field(default_factory=dict)  # id -> (started, max_tokens, held)
-    # (slots held meanwhile, on average; seconds; tokens made) of the last generations made whole
-    made: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))
+    # (slots held meanwhile, on average; seconds; tokens made; its max_tokens) of the last generations made whole
+    made: deque[tuple[float, float, int, int]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))
     last_busy: float = -math.inf  # a generation was last started or made
     _held: float = 0.0  # slot-seconds held so far (the integral of `len(running)` over time), up to `last_busy`
 
@@ -244,10 +244,10 @@ class Decoder:
         now = max(now, self.last_busy)
         self._advance(now)
         del self.running[request_id]
-        started, _, held_before = entry
+        started, max_tokens, held_before = entry
         held = self._held - held_before
         if whole and tokens > 1 and now > started and held > 0:  # timed from its first chunk: its other tokens
-            self.made.append((held / (now - started), now - started, tokens))
+            self.made.append((held / (now - started), now - started, tokens, max(max_tokens, tokens)))
 
     def token_s(self) -> float | None:
         """How long a token holds a slot with every slot busy: the slots, over the tokens a second the last
@@ -257,30 +257,32 @@ class Decoder:
         overestimated (more refused) until answers are made with its slots full."""
         if not self.made:
             return None
-        made = sum(held * (tokens - 1) for held, _, tokens in self.made)  # after the first, which started the clock
-        return max(self.slots, len(self.running)) * sum(seconds for _, seconds, _ in self.made) / made
+        made = sum(held * (tokens - 1) for held, _, tokens, _ in self.made)  # after the first, which started it
+        return max(self.slots, len(self.running)) * sum(seconds for _, seconds, _, _ in self.made) / made
 
-    def typical_tokens(self) -> float:
-        """How long the last answers were (`max_tokens` is a cap: a chat client's 8,192 for answers of 200)."""
-        return sum(tokens for _, _, tokens in self.made) / len(self.made)
+    def expected_tokens(self, max_tokens: int, made: float = 0.0) -> float:
+        """How long an answer of at most `max_tokens` that has `made` tokens so far is expected to be: the mean
+        length of the last answers longer than that (all of them, once past, its `max_tokens`), or the share of
+        their `max_tokens` they used of its own if that is more, at most its `max_tokens`. `max_tokens` is a cap,
+        not a length (a chat client's 8,192 for answers of 200), but a cap unlike the last ones' says something:
+        after answers of 16, four of up to 1,000 were taken for answers of 16 (short requests let in behind them
+        waited 52 s), and a running answer just past the mean for one that runs to its cap (half of them pass it)."""
+        longer = [tokens for _, _, tokens, _ in self.made if tokens > made]
+        residual = sum(longer) / len(longer) if longer else max_tokens
+        share = sum(tokens / cap for _, _, tokens, cap in self.made) / len(self.made)
+        return min(max_tokens, max(residual, share * max_tokens))
 
     def remaining_s(self, now: float, token_s: float) -> list[float]:
-        """When each running generation is expected to let go of its slot: at the mean length of the last answers
-        longer than what it has made so far, at most its `max_tokens`; at its `max_tokens` once it is longer than
-        all of them (timed on answers of 16 tokens, four of up to 1,000 looked overdue after 0.6 s)."""
-        lengths = [tokens for _, _, tokens in self.made]
+        """When each running generation is expected to let go of its slot (`expected_tokens`)."""
         remaining = []
         for started, max_tokens, _ in self.running.values():
             made = (now - started) / token_s
-            longer = [length for length in lengths if length > made]
-            expected = min(max_tokens, sum(longer) / len(longer)) if longer else max_tokens
-            remaining.append(max(0.0, (expected - made) * token_s))
+            remaining.append(max(0.0, (self.expected_tokens(max_tokens, made) - made) * token_s))
         return remaining
 
     def answer_s(self, max_tokens: int, token_s: float) -> float:
-        """How long a generation not started yet is expected to hold its slot: the last answers' mean length, at
-        most its `max_tokens`."""
-        return min(max_tokens, self.typical_tokens()) * token_s
+        """How long a generation not started yet is expected to hold its slot (`expected_tokens`)."""
+        return self.expected_tokens(max_tokens) * token_s
 
 
 @dataclass(slots=True)
