@@ -182,7 +182,15 @@ def ensure_exported(
             }
             _write_atomically(target.with_suffix(".json"), json.dumps(report, indent=2).encode())
             os.replace(built, target)
-    log.info("exported %s to %s in %.1f s; %s %.6f", folder, target, report["seconds"], parity.metric, parity.value)
+    log.info(
+        "model exported to onnx",
+        extra={
+            "folder": str(folder),
+            "file": str(target),
+            "seconds": round(report["seconds"], 1),
+            parity.metric: parity.value,
+        },
+    )
     return OnnxArtifact(target, exported=True, parity=parity)
 
 
@@ -208,7 +216,10 @@ def _build(
         if parity.passed:
             return path, parity, applied
         misses.append(f"{parity.metric} {parity.value:.6g} ({label})")
-        log.warning("the %s %s ONNX graph of %s misses torch: %s", label, dtype, folder, misses[-1])
+        log.warning(
+            "onnx graph does not match torch",
+            extra={"graph": label, "dtype": dtype, "folder": str(folder), "miss": misses[-1]},
+        )
     raise ExportError(
         f"the {dtype} ONNX export of {folder} does not match torch: {', '.join(misses)} against a limit "
         f"of {parity.limit:.6g} over {parity.rows} rows; nothing was cached"
@@ -288,7 +299,9 @@ def _fuse(path: Path, out: Path) -> tuple[Path, dict[str, int]]:
     try:
         model, counts = optimize_for_ort(model)
     except Exception as error:  # a fusion bug must not stop an export that is correct without it
-        log.warning("ONNX Runtime fusions failed on %s (%s); keeping the unfused graph", path, error)
+        log.warning(
+            "onnx runtime fusions failed; keeping the unfused graph", extra={"file": str(path), "error": str(error)}
+        )
         return path, {}
     ir.save(model, str(out))
     return out, {name: count for name, count in counts.items() if count}
