@@ -23,7 +23,6 @@ from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
 )
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
@@ -36,6 +35,7 @@ from appliance.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 _UPDATE_TRIES = 8  # a change reads the model and writes it back; this many times when others write in between
+_BUCKET_READ_S = 10.0  # reading the whole catalog bucket for a deletion: past this, what was read
 _UPDATE_BACKOFF_S = 0.005  # before try n it waits a random part of this times 2**n (0.64 s at most, before the last)
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write (a delete) finds a newer revision
 
@@ -284,20 +284,28 @@ class CatalogStore:
 
     async def adapters_in_bucket(self, base: str) -> list[ModelSpec]:
         """The adapters of `base` the bucket holds now, those a box has not heard of yet included (a registration
-        on another box racing the base's deletion). Reads every key: for deletions, which are rare."""
+        on another box racing the base's deletion). Reads every entry up to the bucket's last revision, not
+        `KeyValue.keys()`: its watcher may end its replay early (nats.py #842, #995), and a clean-clone CI run
+        missed an adapter registered a moment before, left in the bucket without its base. For deletions: rare."""
         assert self._kv is not None
-        try:
-            keys = await self._kv.keys()
-        except NoKeysError:
-            return []
-        found = []
-        for key in keys:
-            with suppress(KeyNotFoundError):
-                entry = await self._kv.get(key)
-                spec = ModelSpec.from_json(entry.value) if entry.value else None
-                if spec is not None and spec.adapter_of == base:
-                    found.append(spec)
-        return found
+        last = (await self._js.stream_info(f"KV_{bus.MODELS_BUCKET}")).state.last_seq
+        entries: dict[str, bytes] = {}
+        if last:
+            watcher = await self._kv.watchall()
+            try:
+                async with asyncio.timeout(_BUCKET_READ_S):
+                    async for entry in watcher:
+                        if entry is None:  # the replay's end, as the watcher judges it: read on to `last`
+                            continue
+                        entries[entry.key] = entry.value or b""  # a delete's marker has no value
+                        if entry.revision is not None and entry.revision >= last:
+                            break
+            except TimeoutError:
+                log.warning("catalog bucket not read to its end", extra={"model": base, "entries": len(entries)})
+            finally:
+                await watcher.stop()
+        specs = [ModelSpec.from_json(value) for value in entries.values() if value]
+        return [spec for spec in specs if spec.adapter_of == base]
 
     async def delete(self, spec: ModelSpec) -> None:
         """Take the model out of the bucket, as the bucket holds it: the claims of that entry's name and aliases
