@@ -21,7 +21,6 @@ work, bounded by its deadline instead of `max_queue_s`, gets those rounds times 
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import time
 from collections import deque
@@ -337,7 +336,7 @@ class DecodeQueue(ModelQueue):
         frees = decoder.remaining_s(now, token_s)
         frees += [0.0] * (max(decoder.slots, len(frees)) - len(frees))  # free slots, taken by those awaited
         heapq.heapify(frees)
-        for _, max_tokens in itertools.islice(self.waiting.values(), ahead + self._free()):
+        for _, max_tokens in self.waiting.values():  # the first take the free slots, the rest the next to free
             heapq.heapreplace(frees, frees[0] + decoder.answer_s(max_tokens, token_s))
         return frees[0]
 
