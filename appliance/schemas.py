@@ -83,49 +83,45 @@ class RerankRequest(_NullIsDefault, kw_only=True):
         return [doc if isinstance(doc, str) else doc.text for doc in self.documents]
 
 
-class TeiRerankRequest(_NullIsDefault, kw_only=True):
-    """TEI's `POST /rerank`: `texts` for the documents, `model` optional (a TEI server serves one model), and a
-    bare list back; the box queues it as the `RerankRequest` it stands for."""
+class TeiRequest(_NullIsDefault, kw_only=True):
+    """What every TEI request carries (the gateway's `_enqueue_tei` reads it): `model` optional, as a TEI server
+    serves one model."""
 
-    query: NonEmptyText
-    texts: Annotated[list[str], msgspec.Meta(min_length=1)]
     model: str | None = None
-    raw_scores: bool | None = False
-    return_text: bool | None = False
     truncate: bool | None = True
     truncation_direction: str | None = "right"  # fleetbox cuts an over-long input at its end only
     adapter: str | None = None
     timeout: Timeout | None = None
 
 
-class TeiEmbedRequest(_NullIsDefault, kw_only=True):
+class TeiRerankRequest(TeiRequest, kw_only=True):
+    """TEI's `POST /rerank`: `texts` for the documents and a bare list back; the box queues it as the
+    `RerankRequest` it stands for."""
+
+    query: NonEmptyText
+    texts: Annotated[list[str], msgspec.Meta(min_length=1)]
+    raw_scores: bool | None = False
+    return_text: bool | None = False
+
+
+class TeiEmbedRequest(TeiRequest, kw_only=True):
     """TEI's `POST /embed`: `inputs` for the texts, `model` optional, a bare list of vectors back; the box queues it
     as the `EmbeddingRequest` it stands for. TEI's token-id inputs are read only to be refused by name, and
     `prompt_name` only to be refused: fleetbox applies no sentence-transformers prompts."""
 
     inputs: str | list[Any]  # strings; TEI's token ids and a batch of lists only to be refused by name (`embed_tei`)
-    model: str | None = None
     normalize: bool | None = True
-    truncate: bool | None = True
-    truncation_direction: str | None = "right"  # fleetbox cuts an over-long input at its end only
     prompt_name: str | None = None
     dimensions: TeiDimensions | None = None
-    adapter: str | None = None
-    timeout: Timeout | None = None
 
 
-class TeiPredictRequest(_NullIsDefault, kw_only=True):
+class TeiPredictRequest(TeiRequest, kw_only=True):
     """TEI's `POST /predict`: one input (a string, or a one-string list) gives one list of labels, a batch (a list of
     one-string lists) one list per input; a two-string list is TEI's sentence pair, which fleetbox's classifiers do
     not take (refused by name). Queued as the `ClassifyRequest` it stands for."""
 
     inputs: str | list[str | list[str]]
-    model: str | None = None
     raw_scores: bool | None = False
-    truncate: bool | None = True
-    truncation_direction: str | None = "right"  # fleetbox cuts an over-long input at its end only
-    adapter: str | None = None
-    timeout: Timeout | None = None
 
 
 class TeiShape(msgspec.Struct):

@@ -31,6 +31,7 @@ from appliance.schemas import (
     SentDocuments,
     TeiEmbedRequest,
     TeiPredictRequest,
+    TeiRequest,
     TeiRerankRequest,
     TeiShape,
 )
@@ -207,7 +208,7 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None) -> web
 
 
 async def _enqueue_tei(
-    request: web.Request, tei: Any, schema: type, task: Task, **fields: Any
+    request: web.Request, tei: TeiRequest, schema: type, task: Task, **fields: Any
 ) -> tuple[ReplyMeta, bytes]:
     """A TEI request queued as the fleetbox request (`schema`) it stands for: `fields`, and what every TEI request
     carries (`model`, the fleet's one of the task when left out; `truncate`, `adapter`, `timeout`)."""
