@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import nats as nats_client
@@ -145,11 +146,10 @@ async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections
             process.wait(10)
 
 
-async def test_a_box_stopped_during_a_long_batch_exits_within_its_bound(tmp_path) -> None:
-    """A batch (or a model load) on an executor thread cannot be interrupted, and the interpreter's exit joined
-    those threads: SIGTERM during a 30 s batch exited after 28.5 s, long after the box had logged "box stopped"
-    (the review of the stop path). Now the process exits once the stop is done or its bound has passed."""
-    http_port, nats_port = free_port(), free_port()
+def serve_a_minute_of_work(tmp_path, nats: list[str], box_id: str) -> tuple[subprocess.Popen, int, Path]:
+    """`fleetbox serve` of one pinned noop model, `slow`, whose batch takes a minute, with 1 s of shutdown grace:
+    the process, its HTTP port and its log."""
+    http_port = free_port()
     config = tmp_path / "box.toml"
     config.write_text(
         'default_model = false\nshutdown_grace_s = 1\n[[models]]\nname = "slow"\nruntime = "noop"\npinned = true\n'
@@ -157,24 +157,40 @@ async def test_a_box_stopped_during_a_long_batch_exits_within_its_bound(tmp_path
     )
     log = tmp_path / "box.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), "--nats-port", str(nats_port),
-         "--state-dir", str(tmp_path / "state"), "--config", str(config), "--box-id", "slowbox"],
+        [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), *nats,
+         "--state-dir", str(tmp_path / "state"), "--config", str(config), "--box-id", box_id],
         env={**os.environ, "FBX_DEVICE": "cpu"},
         stderr=log.open("wb"),
     )  # fmt: skip
+    return process, http_port, log
+
+
+async def until_held(nats_url: str, box_id: str) -> None:
+    """Until the box's worker holds a request for `slow`: with the device idle, its batch starts at once."""
+    nc = await nats_client.connect(nats_url)
+
+    async def held() -> bool:
+        models = (await call_box(nc, box_id, "status"))["models"]
+        return any(m["name"] == "slow" and m.get("held") for m in models)
+
+    try:
+        await wait_for(held, what="the worker to take the request")
+    finally:
+        await nc.close()
+
+
+async def test_a_box_stopped_during_a_long_batch_exits_within_its_bound(tmp_path) -> None:
+    """A batch (or a model load) on an executor thread cannot be interrupted, and the interpreter's exit joined
+    those threads: SIGTERM during a 30 s batch exited after 28.5 s, long after the box had logged "box stopped"
+    (the review of the stop path). Now the process exits once the stop is done or its bound has passed."""
+    nats_port = free_port()
+    process, http_port, log = serve_a_minute_of_work(tmp_path, ["--nats-port", str(nats_port)], "slowbox")
     try:
         async with aiohttp.ClientSession() as http:
             await until_ready(http, http_port, process, log.read_text)
             body = {"model": "slow", "input": "a minute of work"}
             answer = asyncio.create_task(http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body))
-            nc = await nats_client.connect(f"nats://127.0.0.1:{nats_port}")
-
-            async def held() -> bool:  # taken by the worker: with the device idle, its batch starts at once
-                models = (await call_box(nc, "slowbox", "status"))["models"]
-                return any(m["name"] == "slow" and m.get("held") for m in models)
-
-            await wait_for(held, what="the worker to take the request")
-            await nc.close()
+            await until_held(f"nats://127.0.0.1:{nats_port}", "slowbox")
             started = time.monotonic()
             process.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(process.wait, 30)
@@ -273,33 +289,14 @@ async def test_a_box_whose_nats_hangs_still_exits_within_its_bound_and_answers_i
     it, and on a hung server they would wait for ever. The stop answers the awaited client first (a 503), and the
     process exits within the stop's bound (grace + 4 s; here its workers' step is cut at it), the watchdog's
     2 s after it at the latest."""
-    http_port = free_port()
-    config = tmp_path / "box.toml"
-    config.write_text(
-        'default_model = false\nshutdown_grace_s = 1\n[[models]]\nname = "slow"\nruntime = "noop"\npinned = true\n'
-        "options = { cost_ms = 60000 }\n"
-    )
-    log = tmp_path / "box.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), "--nats", nats_server.url,
-         "--state-dir", str(tmp_path / "state"), "--config", str(config), "--box-id", "hungbox"],
-        env={**os.environ, "FBX_DEVICE": "cpu"},
-        stderr=log.open("wb"),
-    )  # fmt: skip
+    process, http_port, log = serve_a_minute_of_work(tmp_path, ["--nats", nats_server.url], "hungbox")
     assert nats_server.process is not None
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             await until_ready(http, http_port, process, log.read_text)
             body = {"model": "slow", "input": "a minute of work"}
             answer = asyncio.create_task(http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body))
-            nc = await nats_client.connect(nats_server.url)
-
-            async def held() -> bool:
-                models = (await call_box(nc, "hungbox", "status"))["models"]
-                return any(m["name"] == "slow" and m.get("held") for m in models)
-
-            await wait_for(held, what="the worker to take the request")
-            await nc.close()
+            await until_held(nats_server.url, "hungbox")
             os.kill(nats_server.process.pid, signal.SIGSTOP)
             started = time.monotonic()
             process.send_signal(signal.SIGTERM)
