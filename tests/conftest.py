@@ -7,6 +7,7 @@ serves the packaged all-MiniLM-L6-v2 so the tests that only need "a box" share o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -85,6 +86,29 @@ async def default_box(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
     yield box
     await box.stop()
     await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def box_with_models(
+    tmp_path_factory: pytest.TempPathFactory, box_id: str, models: dict[str, Path]
+) -> AsyncIterator[tuple[Box, dict[str, dict[str, Any]]]]:
+    """One box on a NATS of its own, with `models` (name -> folder) registered over HTTP the way users register
+    theirs (any folder under the tests' base temp dir), and the answer each registration got."""
+    server = await start_nats(tmp_path_factory.mktemp(f"nats-{box_id}"))
+    root = tmp_path_factory.getbasetemp()
+    box = Box(box_settings(server.url, box_id=box_id, model_roots=[root], max_wait_ms=5))
+    await box.start()
+    registered = {}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for name, folder in models.items():
+                async with http.post(url(box, "/v1/models"), json={"name": name, "path": str(folder)}) as response:
+                    assert response.status == 201, await response.text()
+                    registered[name] = await response.json()
+        yield box, registered
+    finally:
+        await box.stop()
+        await server.stop()
 
 
 @pytest.fixture

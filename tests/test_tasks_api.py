@@ -4,6 +4,7 @@ through the admin API the way users register theirs, and checked against transfo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from appliance.app import Box
-from tests.conftest import box_settings, start_nats, url
+from tests.conftest import box_with_models, url
 from tests.models import BIO_LABELS, CLASS_LABELS
 
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel tower is in Paris.", "Cats sleep."]
@@ -20,28 +21,13 @@ TEXTS = ["Alice went to Paris with Bob.", "The weather in Berlin is fine today."
 
 
 @pytest.fixture(scope="module")
-async def task_box(tmp_path_factory, model_dirs) -> Box:
+async def task_box(tmp_path_factory, model_dirs) -> AsyncIterator[Box]:
     """One box (one NATS) with the random models registered over HTTP."""
-    server = await start_nats(tmp_path_factory.mktemp("nats-tasks"))
-    root = tmp_path_factory.getbasetemp()
-    box = Box(box_settings(server.url, box_id="task-box", model_roots=[root], max_wait_ms=5))
-    await box.start()
-    import aiohttp
-
-    async with aiohttp.ClientSession() as http:
-        for name, task in (
-            ("ranker", "score"),
-            ("sentiment", "classify"),
-            ("ner", "extract"),
-            ("tiny-llama", "generate"),
-        ):
-            folder = model_dirs[_task(task)]
-            async with http.post(url(box, "/v1/models"), json={"name": name, "path": str(folder)}) as response:
-                assert response.status == 201, await response.text()
-                assert (await response.json())["task"] == task
-    yield box
-    await box.stop()
-    await server.stop()
+    tasks = {"ranker": "score", "sentiment": "classify", "ner": "extract", "tiny-llama": "generate"}
+    folders = {name: model_dirs[_task(task)] for name, task in tasks.items()}
+    async with box_with_models(tmp_path_factory, "task-box", folders) as (box, registered):
+        assert {name: answer["task"] for name, answer in registered.items()} == tasks
+        yield box
 
 
 def _task(name: str):

@@ -4,6 +4,8 @@ of the task, and every option fleetbox cannot honour refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import aiohttp
 import numpy as np
 import pytest
@@ -11,26 +13,17 @@ from sentence_transformers import SentenceTransformer
 
 from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME, default_model_path
-from tests.conftest import box_settings, start_nats, url
+from tests.conftest import box_settings, box_with_models, start_nats, url
 from tests.models import CLASS_LABELS
 
 TEXTS = ["A man is eating food.", "The weather in Berlin is fine today.", "Hi"]
 
 
 @pytest.fixture(scope="module")
-async def tei_box(tmp_path_factory, classifier_dir) -> Box:
+async def tei_box(tmp_path_factory, classifier_dir) -> AsyncIterator[Box]:
     """One box with the packaged embedder and one classifier, `sentiment`, registered over HTTP."""
-    server = await start_nats(tmp_path_factory.mktemp("nats-tei"))
-    root = tmp_path_factory.getbasetemp()
-    box = Box(box_settings(server.url, box_id="tei-box", model_roots=[root], max_wait_ms=5))
-    await box.start()
-    async with aiohttp.ClientSession() as http:
-        body = {"name": "sentiment", "path": str(classifier_dir)}
-        async with http.post(url(box, "/v1/models"), json=body) as response:
-            assert response.status == 201, await response.text()
-    yield box
-    await box.stop()
-    await server.stop()
+    async with box_with_models(tmp_path_factory, "tei-box", {"sentiment": classifier_dir}) as (box, _):
+        yield box
 
 
 @pytest.fixture(scope="module")
