@@ -74,8 +74,14 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
+# transformers' count of labels for a config that names none, which is also why it leaves them out of a config
+# it saves with two: a binary classifier's config.json says nothing of its labels.
+_DEFAULT_NUM_LABELS = 2
+
+
 def labels_from_config(config: dict) -> tuple[str, ...]:
-    """Label names in index order from `id2label`; `LABEL_i` when a config has only `num_labels`.
+    """Label names in index order from `id2label`; `LABEL_i` when a config has only `num_labels`, or neither
+    (transformers' two).
 
     Raises `UnsupportedModel` for an `id2label` that is not an object or a `num_labels` that is not a
     count: transformers could not load such a config either.
@@ -86,7 +92,8 @@ def labels_from_config(config: dict) -> tuple[str, ...]:
     num_labels = config.get("num_labels") or 0
     if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 0:
         raise UnsupportedModel(f"config.json: num_labels must be a whole number of labels, not {num_labels!r}")
-    count = max(len(id2label), num_labels)
+    named = "id2label" in config or "num_labels" in config
+    count = max(len(id2label), num_labels) if named else _DEFAULT_NUM_LABELS
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
 
 

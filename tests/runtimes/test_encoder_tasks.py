@@ -181,8 +181,9 @@ def test_classify_squashes_the_logits_as_the_pipeline_does(
 
     small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
     model = BertForSequenceClassification(BertConfig(num_labels=labels, **small, **config)).eval()
-    model.save_pretrained(tmp_path)
-    assert ClassifyHead.from_folder(tmp_path).squash == squash
+    model.save_pretrained(tmp_path)  # two labels: a config.json that names none (transformers' default)
+    head = ClassifyHead.from_folder(tmp_path)
+    assert head.squash == squash and head.labels == tuple(model.config.id2label[i] for i in range(labels))
     logits = np.array([[1.5, -0.5, 0.25][:labels]], dtype=np.float32)
     got = label_scores(logits, tuple(model.config.id2label[i] for i in range(labels)), squash=squash)[0]
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
@@ -191,6 +192,30 @@ def test_classify_squashes_the_logits_as_the_pipeline_does(
     want_by_label = {w["label"]: w["score"] for w in want}
     np.testing.assert_allclose([p["score"] for p in got], [want_by_label[p["label"]] for p in got], atol=1e-6)
     assert [p["score"] for p in got] == sorted((p["score"] for p in got), reverse=True)
+
+
+def test_a_binary_classifier_whose_config_names_no_labels_answers_transformers_two(
+    tmp_path: Path, classifier_dir: Path
+) -> None:
+    """transformers saves a two-label classifier's config.json without `id2label` or `num_labels` (two is its
+    default): read as no labels, every answer was an empty list (black-box finding)."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, pipeline
+
+    small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    model = BertForSequenceClassification(BertConfig(**small)).eval()
+    model.save_pretrained(tmp_path)
+    copy_bert_tokenizer(tmp_path)
+    runtime = load_runtime(ModelSource(tmp_path, Task.CLASSIFY))
+    try:
+        assert runtime.info.labels == ("LABEL_0", "LABEL_1")
+        got = runtime.head.predictions(runtime.run(runtime.tokenize(TEXTS)))
+    finally:
+        runtime.close()
+    tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
+    want = pipeline("text-classification", model=model, tokenizer=tokenizer, top_k=None)(TEXTS)
+    for row, expected in zip(got, want, strict=True):
+        assert [p["label"] for p in row] == [w["label"] for w in expected]
+        np.testing.assert_allclose([p["score"] for p in row], [w["score"] for w in expected], atol=1e-5)
 
 
 @pytest.mark.parametrize(
