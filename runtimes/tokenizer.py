@@ -56,14 +56,26 @@ def model_max_length(folder: Path) -> int:
     config = folder / "config.json"
     if config.is_file():
         values = json.loads(config.read_text())
-        value = values.get("max_position_embeddings")
+        model_type = values.get("model_type")
+        value = values.get(_positions_field(model_type), values.get("max_position_embeddings"))
         if isinstance(value, int) and value > 0:
-            model_type = values.get("model_type")
             if model_type in _POSITIONS_AFTER_PADDING:
                 pad = _FIXED_PADDING_INDEX.get(model_type, values.get("pad_token_id"))
                 value -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
             limits.append(max(1, value))
     return min(limits) if limits else _FALLBACK_MAX_LENGTH
+
+
+def _positions_field(model_type: object) -> str:
+    """The config.json field that holds how many positions a family's model has: `max_position_embeddings`, or the
+    field transformers reads it from (GPT-2's `n_positions`: read as absent, a 256-position generator took prompts
+    of 512 tokens and failed to load with an IndexError)."""
+    if isinstance(model_type, str):
+        from transformers import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            return CONFIG_MAPPING[model_type].attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    return "max_position_embeddings"
 
 
 class TextTokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -351,3 +352,24 @@ def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(generator, ref
     head_dim = config.hidden_size // config.num_attention_heads
     expected = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # float32
     assert generator.kv_bytes_per_token == expected
+
+
+def test_a_gpt2_generator_is_held_to_the_positions_its_config_names_n_positions(tmp_path: Path) -> None:
+    """GPT-2's family names its position count `n_positions`, not `max_position_embeddings`: read as absent, a
+    256-position generator was held to 512 tokens and failed to load with an IndexError (black-box finding)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.models import save_generator
+
+    folder = save_generator(
+        tmp_path / "gpt2", GPT2Config, GPT2LMHeadModel, n_head=4, n_layer=2, max_position_embeddings=64
+    )
+    assert json.loads((folder / "config.json").read_text())["n_positions"] == 64  # transformers' name for it
+    runtime = load_runtime(ModelSource(folder, Task.GENERATE))
+    try:
+        assert runtime.info.max_length == 64
+        text = " ".join(["apples bread cheese"] * 200)  # kept to its end, as long a prompt as the model takes
+        outputs = drive(runtime, {0: [("r", prompt_ids(runtime, text), SamplingParams(max_tokens=50))]})["r"]
+        assert outputs[-1].finished and len(outputs) == 1  # one position left: one token
+    finally:
+        runtime.close()
