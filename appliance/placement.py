@@ -10,6 +10,7 @@ box announces a load in its heartbeat as it starts, so others see it is on its w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from typing import TYPE_CHECKING
@@ -69,6 +70,7 @@ class Placement:
         self._loads = Background("placement")
         self._failed_until: dict[str, float] = {}  # a model that failed to load is retried later, not hammered
         self.refusing: set[str] = set()  # models whose waiting requests this box answers with its load error
+        self._changed: dict[str, asyncio.Event] = {}  # set when a model refused here is deleted or registered again
 
     @property
     def loading(self) -> set[str]:
@@ -199,9 +201,19 @@ class Placement:
             if claimed and self._box.fleet is not None:
                 await self._box.fleet.release(_load_claim(spec))
 
+    def forget_failure(self, name: str) -> None:
+        """The model was deleted, registered again or changed: a load that failed is no reason to wait before the
+        next, nor to answer its requests with that failure (a user who fixed a broken folder and registered it
+        again got the old folder's error for the 30 s back-off)."""
+        self._failed_until.pop(name, None)
+        changed = self._changed.get(name)
+        if changed is not None:
+            changed.set()
+
     async def _refuse(self, spec: ModelSpec, error: FleetboxError) -> None:
-        """Answer the requests waiting for a model that failed to load, until the next load attempt here
-        or until another box holds it (or is loading it): from then on that box answers them."""
+        """Answer the requests waiting for a model that failed to load, until the next load attempt here, until
+        another box holds it (or is loading it): from then on that box answers them, or until the model is
+        changed (`forget_failure`)."""
         box = self._box
         assert box.nc is not None
 
@@ -221,15 +233,21 @@ class Placement:
             for priority in PRIORITIES
         ]
         self.refusing.add(spec.name)
+        changed = self._changed[spec.name] = asyncio.Event()
         try:
             for puller in pullers:
                 await puller.start()
             for _ in range(round(_RETRY_AFTER_FAILURE_S / _PERIOD_S)):  # heartbeats say who holds it: polled
                 if set(self._holders(spec.name)) - {box.box_id}:  # its own heartbeat may still say "loading"
                     break
-                await asyncio.sleep(_PERIOD_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), _PERIOD_S)
+                if changed.is_set():
+                    break
         finally:
             self.refusing.discard(spec.name)
+            if self._changed.get(spec.name) is changed:
+                del self._changed[spec.name]
             for puller in pullers:
                 await puller.stop()
 

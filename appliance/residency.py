@@ -124,6 +124,10 @@ class Residency:
         """Why the last load of `name` on this box failed; None when it succeeded or none was tried."""
         return self._load_errors.get(name)
 
+    def forget_load_error(self, name: str) -> None:
+        """`name` was deleted, registered again or changed: its last failed load is not the new one's."""
+        self._load_errors.pop(name, None)
+
     @property
     def used_bytes(self) -> int:
         """Bytes of resident models plus the estimates of those loading."""

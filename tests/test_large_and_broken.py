@@ -3,6 +3,8 @@ answers its waiting requests with a clear error instead of letting them time out
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,32 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
             assert response.status == 503, headers
             error = (await response.json())["error"]
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
+
+
+async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_folder_is_served_at_once(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """A user whose folder was broken deletes the model and registers it again on a good one: the box tried the
+    new registration only after its 30 s back-off, answered every request meanwhile with the old folder's load
+    error, and its model record showed that error (black-box finding)."""
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
+    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
+        assert response.status == 201
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
+        assert response.status == 503 and "SafetensorError" in await response.text()
+    assert box.placement.refusing == {"mine"}
+    async with http.delete(url(box, "/v1/models/mine")) as response:
+        assert response.status == 200
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
+        assert response.status == 201
+    started = time.monotonic()
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
+        assert response.status == 200, await response.text()
+    assert time.monotonic() - started < 10  # loaded now, not after the back-off
+    async with http.get(url(box, "/v1/models/mine")) as response:
+        assert (await response.json()).get("load_error") is None
 
 
 async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_box_holds_it(
