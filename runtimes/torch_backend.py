@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtimes.base import ModelSource, Task
+from runtimes.base import ModelSource, Task, UnsupportedModel
 from runtimes.lora import LoraAdapters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -92,7 +92,16 @@ _BUILDING = threading.Lock()
 
 def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
     with _BUILDING:
-        model = _model_class(task).from_pretrained(
-            str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
-        )
+        try:
+            model = _model_class(task).from_pretrained(
+                str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
+            )
+        except RuntimeError as exc:
+            if "ignore_mismatched_sizes" not in str(exc):
+                raise
+            # transformers' own words point at "the above report", which is in the box's log, not the client's answer.
+            raise UnsupportedModel(
+                f"{folder}: its weights are not shaped as its config.json says (a hidden_size, vocab_size or label "
+                "count that differs from the weights'?); the box's log lists each weight that does not fit"
+            ) from exc
     return model.eval()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtimes import InputTooLong, ModelSource, Task, load_runtime
+from runtimes import InputTooLong, ModelSource, Task, UnsupportedModel, load_runtime
 from runtimes.tasks.classify import ClassifyHead, label_scores
 from runtimes.tasks.embed import finish_vectors
 from runtimes.tasks.score import relevance_scores
@@ -366,3 +366,17 @@ def test_a_bfloat16_dense_layer_is_read(encoder_dir: Path, tmp_path: Path) -> No
     layer = EmbedHead.from_folder(folder).dense[0]
     want = model[2].linear.weight.float().detach().numpy()
     np.testing.assert_array_equal(layer.weight, want)
+
+
+def test_weights_shaped_unlike_the_config_are_refused_saying_so(encoder_dir: Path, tmp_path: Path) -> None:
+    """A config.json whose hidden_size is not the weights': transformers' error pointed at "the above report",
+    which a client never sees (black-box finding)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "mismatched"
+    shutil.copytree(encoder_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"hidden_size": config["hidden_size"] * 2}))
+    with pytest.raises(UnsupportedModel, match=r"its weights are not shaped as its config\.json says"):
+        load_runtime(ModelSource(folder, Task.EMBED))
