@@ -462,8 +462,9 @@ class Admission:
         if held is not None and held > max(budget * rounds, queue.room(now, limit)):
             generating = len(queue.decoder.running) if isinstance(queue, DecodeQueue) else 0
             also = f" and {generating} generating" if generating else ""
-            why = f"this gateway already awaits {len(queue.waiting)} requests for it{also}, more than it is known to"
-            self._refuse(model, f"{why} start within {limit:g}s (its pace is not measured yet)", 1)
+            # Not "would wait too long": nothing is known of its pace yet (the box may clear them in a blink).
+            why = f"this gateway already awaits {len(queue.waiting)} requests for it{also}"
+            self._refuse(model, f"{why}, as much as it lets wait before it has timed the model's answers", 1)
 
     def _refuse(self, model: str, why: str, retry: int) -> None:
         self._metrics.refused.labels(model).inc()
