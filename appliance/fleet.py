@@ -156,6 +156,19 @@ class Fleet:
             if any(m.get("name") == model and m.get("state", "resident") in states for m in record.get("models", []))
         ]
 
+    def holders_per_gateway(self, model: str) -> float:
+        """The boxes' worth of `model` one gateway may fill: the live boxes holding it (at least one: a cold model
+        is loaded by one) shared among the live gateways, neither counting a draining box. A gateway admits a
+        generation by the decode slots free for it; before, it counted one box's, whatever the fleet held: a
+        gateway-only box in front of two worker boxes refused half of what they could start."""
+        live = [record for record in self.live_boxes() if not record.get("draining")]
+        gateways = sum(record.get("role") in ("all", "gateway") for record in live)
+        holding = sum(
+            any(m.get("name") == model and m.get("state", "resident") == "resident" for m in record.get("models", []))
+            for record in live
+        )
+        return max(1, holding) / max(1, gateways)
+
     async def stop(self) -> None:
         await self._stop_tasks()
         if self._kv is not None and self._snapshot is not None:

@@ -139,6 +139,31 @@ async def test_generation_overload_is_refused_at_once_too(start_box, http, gener
         assert response.status == 200  # the load has gone: served at once
 
 
+async def test_a_gateway_in_front_of_two_generating_boxes_lets_in_what_both_boxes_decode_slots_start(
+    start_box, http, generator_dir
+) -> None:
+    """A gateway-only box counted one box's decode slots as free, whatever the fleet held: in front of two worker
+    boxes of two slots each, a burst of four long generations on the idle model was half refused (the third
+    waited, as it reckoned, behind two answers of 300 tokens) though the second box's slots stood idle. It
+    counts the boxes holding the model shared among the gateways: four go. A fifth would wait behind them."""
+    two_slots = {"max_batch_size": 2}
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True, options=two_slots)
+    common = {"default_model": False, "models": [model]}
+    gateway = await start_box(role="gateway", box_id="gateway", **common)
+    for name in ("worker-a", "worker-b"):
+        await start_box(role="worker", box_id=name, **common)
+    await wait_for(lambda: len(gateway.fleet.holders("tiny-llama")) == 2, what="both workers to say they hold it")
+    assert gateway.fleet.holders_per_gateway("tiny-llama") == 2.0
+
+    async def one(i: int) -> int:
+        body = {"model": "tiny-llama", "prompt": f"Request {i} says", "max_tokens": 300, "temperature": 0}
+        async with http.post(url(gateway, "/v1/completions"), json={**body, "timeout": 120}) as response:
+            await response.read()
+            return response.status
+
+    assert sorted(await asyncio.gather(*(one(i) for i in range(5)))) == [200] * 4 + [429]
+
+
 async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model(cost_ms=400)], max_batch_size=1, max_wait_ms=0)
     busy = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "first"}))

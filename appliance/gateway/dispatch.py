@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,8 +89,11 @@ class Dispatcher:
         *,
         max_waiting: int,
         max_queue_s: float,
+        holders_per_gateway: Callable[[str], float] | None = None,
     ) -> None:
         self.box_id = box_id
+        # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
+        self._holders_per_gateway = holders_per_gateway or (lambda model: 1.0)
         self._nc = nc
         self._js = js
         self._metrics = metrics
@@ -234,7 +237,9 @@ class Dispatcher:
         """
         if self._closed is not None:
             raise self._closed
-        decode_batch = max_decode_batch(spec.options) if spec.task is Task.GENERATE else None
+        decode_batch = None
+        if spec.task is Task.GENERATE:
+            decode_batch = max(1, round(max_decode_batch(spec.options) * self._holders_per_gateway(spec.name)))
         budget = unmeasured_budget(spec.batching, decode_batch)
         queue = self._admission.admit(
             spec.name, priority, timeout_s, self.waiting, weight=weight, budget=budget, decode_batch=decode_batch
