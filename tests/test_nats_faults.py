@@ -22,6 +22,7 @@ from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.natsd import free_port
 from appliance.puller import Puller
+from appliance.settings import ModelEntry
 from benchmarks._faultkit import NatsCluster, SteadyLoad
 from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
 from tests.conftest import box_settings, noop_model, url, wait_for
@@ -233,3 +234,25 @@ async def test_with_nats_down_a_request_is_refused_at_once_and_never_computed_la
     await wait_for(answered, what="a request answered after the restart")
     computed = box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) or 0
     assert computed - rows == 1  # only the one answered 200
+
+
+async def test_with_nats_down_a_gateway_awaiting_work_says_so_not_that_the_model_is_overloaded(
+    start_box, nats_server, http
+) -> None:
+    """Cut off from NATS, the work a gateway awaits goes unanswered; its admission read that as a model going ever
+    slower, and answered 429 "overloaded" with a Retry-After growing by the second, for as long as the outage
+    lasted (black-box finding): it is the 503 that says NATS is not reachable."""
+    slow = ModelEntry(name="noop", runtime="noop", pinned=True, max_batch_tokens=64, options={"cost_ms": 60_000})
+    box = await start_box(default_model=False, models=[slow])
+    body = {"model": "noop", "input": "a sentence of about forty tokens, " * 4, "timeout": 60}
+    held = [asyncio.create_task(http.post(url(box, "/v1/embeddings"), json=body)) for _ in range(4)]
+    await wait_for(lambda: box.dispatcher.waiting == 4, what="four requests awaited")
+    await asyncio.sleep(0.2)  # a flood now: a fifth is past a round of the model's batches (64 tokens): a 429
+    await nats_server.stop()
+    await wait_for(lambda: not box.nc.is_connected, what="the box to notice")
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 503, await response.text()
+        assert "not connected" in (await response.json())["error"]["message"]
+    for request in held:
+        request.cancel()
+    await asyncio.gather(*held, return_exceptions=True)

@@ -237,6 +237,9 @@ class Dispatcher:
         """
         if self._closed is not None:
             raise self._closed
+        # Before admission: cut off from NATS, the work it awaits goes unanswered, and that read as overload (a 429
+        # with a Retry-After growing by the second, where a 503 says what is wrong).
+        self._check_connected()
         decode_batch = None
         if spec.task is Task.GENERATE:
             decode_batch = max(1, round(max_decode_batch(spec.options) * self._holders_per_gateway(spec.name)))
@@ -336,13 +339,16 @@ class Dispatcher:
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
-    async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
+    def _check_connected(self) -> None:
         if not self._nc.is_connected:
             # Refused at once: a publish now would wait in the client's buffer, be answered 503 after the
             # publish timeout, and still be queued (and computed) once NATS is back, beside the client's retry.
             raise ServiceUnavailable(
                 "not connected to the request queue (NATS); retry shortly", retry_after_s=_FAILOVER_RETRY_S
             )
+
+    async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
+        """Queue a request `_accept` took in (it checked the connection, with no wait since)."""
         if self._blobs.needed(body):
             # Too large to ride the queue: the message carries the object-store key instead.
             meta = replace(meta, blob=await self._blobs.put(meta.id, body))
