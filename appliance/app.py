@@ -228,6 +228,8 @@ class Box:
 
     async def _on_reconnect(self) -> None:
         log.info("nats reconnected")
+        if self.dispatcher is not None:
+            self.dispatcher.reconnected()
         if self.js is not None and (self._restoring is None or self._restoring.done()):
             restore = restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
             self._restoring = self._spawn(restore)

@@ -740,3 +740,27 @@ def test_a_chat_clients_large_cap_is_still_read_as_the_share_its_answers_use() -
     assert decoder.expected_tokens(8192) == pytest.approx(200)
     assert decoder.expected_tokens(1000) == pytest.approx(200)
     assert decoder.expected_tokens(16) == 16
+
+
+def test_after_a_nats_outage_the_rate_is_measured_afresh_not_read_from_the_silence() -> None:
+    """Answers stop while a gateway is cut off from NATS; back on it, the open span diluted by the outage read as a
+    model going ever slower: 429 "about 41s to start, retry in 31s" for a backlog the fleet cleared in 2 s
+    (black-box finding). After `reconnected` the rate is measured afresh and a burst's rounds hold meanwhile."""
+    clock = Clock()
+    gate = admission(clock)
+    queue = gate.admit("m", "interactive", 30.0, 0, weight=10, budget=DEFAULT_BUDGET)
+    now = busy(queue, clock.now, 2.0, per_s=50, weight=10)  # measured: 500 a second
+    for i in range(100):
+        queue.add(f"held{i}", now, 10)  # then NATS goes away with these awaited (2 s of work)
+    clock.now = now + 8.0  # eight seconds of outage: nothing answered
+
+    def refused() -> bool:
+        try:
+            gate.admit("m", "interactive", 30.0, 101, weight=10, budget=DEFAULT_BUDGET)
+        except TooManyRequests:
+            return True
+        return False
+
+    assert refused()  # the silence read as a slow model
+    gate.reconnected()
+    assert queue.wait_s(clock.now) is None and not refused()

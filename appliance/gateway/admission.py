@@ -138,6 +138,14 @@ class ModelQueue:
             self.spans.append((now, now - self._since, self._done))
             self._since, self._done = now, 0
 
+    def restart_rate(self, now: float) -> None:
+        """Measure the rate afresh from now: the answers that did not come while the gateway was cut off from NATS
+        are not the model's pace (the open span, diluted by the outage, read as a model going ever slower: a 429
+        "about 41s to start, retry in 31s" for a backlog cleared in 2 s). What the last spells showed stays."""
+        self.spans.clear()
+        self._since, self._done = None, 0
+        self._spell_began, self._spell_done = now, 0
+
     def rate(self, now: float) -> float | None:
         """Weight answered per second while work waited, lately; None before a span of answers has closed."""
         while len(self.spans) > 1 and self.spans[0][0] < now - _STEADY_WINDOW_S:
@@ -403,6 +411,13 @@ class Admission:
     def answered(self, now: float) -> None:
         """A request was answered (a stream: its last chunk) at monotonic time `now`."""
         self._answered.append(now)
+
+    def reconnected(self) -> None:
+        """The gateway is back on NATS after an outage: every model's rate is measured afresh."""
+        now = self._clock()
+        for queue in self._queues.values():
+            queue.restart_rate(now)
+        self._answered.clear()  # none came meanwhile: not a backlog draining slowly
 
     def forget(self, model: str) -> list[ModelQueue]:
         """A deleted model's queues, taken out of the reckoning (their requests are answered by the caller)."""

@@ -339,6 +339,10 @@ class Dispatcher:
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
+    def reconnected(self) -> None:
+        """Back on NATS after an outage: what was not answered meanwhile says nothing of any model's pace."""
+        self._admission.reconnected()
+
     def _check_connected(self) -> None:
         if not self._nc.is_connected:
             # Refused at once: a publish now would wait in the client's buffer, be answered 503 after the
