@@ -299,9 +299,8 @@ class Box:
             await self.fleet.beat()
 
     def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
-        self.residency.forget_load_error(name)  # deleted, registered again or changed: a load is a new try
         if self.placement is not None:
-            self.placement.forget_failure(name)
+            self.placement.forget_failure(name, spec)  # deleted or registered again: a load is a new try
         if spec is None:
             self.residency.pinned.discard(name)
             self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it

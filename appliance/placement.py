@@ -40,6 +40,11 @@ def _load_claim(spec: ModelSpec) -> str:
     return f"load.{spec.slug}"
 
 
+def _load_key(spec: ModelSpec) -> tuple[object, ...]:
+    """What a load of the model depends on: a change to any of it is a new try, not the failed one's."""
+    return (spec.path, spec.task, spec.runtime, spec.dtype, spec.options, spec.adapter_of)
+
+
 def load_failed(model: str, box_id: str, exc: BaseException) -> ServiceUnavailable:
     """The 503 for a model whose load failed on this box, as a waiting request or an admin `load` sees it."""
     return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason_of(exc)}")
@@ -69,8 +74,9 @@ class Placement:
         self._loading: set[str] = set()
         self._loads = Background("placement")
         self._failed_until: dict[str, float] = {}  # a model that failed to load is retried later, not hammered
+        self._failed_specs: dict[str, ModelSpec] = {}  # ... as it was registered when its load failed
         self.refusing: set[str] = set()  # models whose waiting requests this box answers with its load error
-        self._changed: dict[str, asyncio.Event] = {}  # set when a model refused here is deleted or registered again
+        self._changed: dict[str, asyncio.Event] = {}  # set when what a load of a model refused here depends on changes
 
     @property
     def loading(self) -> set[str]:
@@ -183,8 +189,14 @@ class Placement:
             log.info("model deleted while it loaded", extra={"model": spec.name, "error": exc.message})
         except Exception as exc:
             error = self._load_error(spec, exc)
+            current = self._box.catalog.get(spec.name)
+            if current is None or _load_key(current) != _load_key(spec):
+                # Deleted or registered again while it loaded: the new registration's load is another try.
+                log.info("model changed while a load failed", extra={"model": spec.name, "error": error.message})
+                self._box.residency.forget_load_error(spec.name)
+                return
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
-            self._failed(spec.name)
+            self._failed(spec)
             self._loading.discard(spec.name)  # no longer on its way here (before the refusing): other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
@@ -201,11 +213,17 @@ class Placement:
             if claimed and self._box.fleet is not None:
                 await self._box.fleet.release(_load_claim(spec))
 
-    def forget_failure(self, name: str) -> None:
-        """The model was deleted, registered again or changed: a load that failed is no reason to wait before the
-        next, nor to answer its requests with that failure (a user who fixed a broken folder and registered it
-        again got the old folder's error for the 30 s back-off)."""
+    def forget_failure(self, name: str, spec: ModelSpec | None) -> None:
+        """The catalog says `name` is now `spec` (None: deleted). If what a load of it depends on changed, a load
+        that failed is no reason to wait before the next, nor to answer its requests with that failure (a user
+        who fixed a broken folder and registered it again got the old folder's error for the 30 s back-off). A
+        change of aliases or batching, or the catalog replayed after a reconnect, is the same failing model."""
+        failed = self._failed_specs.get(name)
+        if failed is None or (spec is not None and _load_key(spec) == _load_key(failed)):
+            return
+        del self._failed_specs[name]
         self._failed_until.pop(name, None)
+        self._box.residency.forget_load_error(name)
         changed = self._changed.get(name)
         if changed is not None:
             changed.set()
@@ -262,5 +280,6 @@ class Placement:
         await self._box.nc.publish(meta.reply, error.to_json(), headers=reply.headers())
         await msg.ack()
 
-    def _failed(self, name: str) -> None:
-        self._failed_until[name] = asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S
+    def _failed(self, spec: ModelSpec) -> None:
+        self._failed_until[spec.name] = asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S
+        self._failed_specs[spec.name] = spec

@@ -3,6 +3,7 @@ answers its waiting requests with a clear error instead of letting them time out
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from pathlib import Path
@@ -69,6 +70,10 @@ async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_f
     async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
         assert response.status == 503 and "SafetensorError" in await response.text()
     assert box.placement.refusing == {"mine"}
+    async with http.patch(url(box, "/v1/models/mine"), json={"aliases": ["still-broken"]}) as response:
+        assert response.status == 200, await response.text()
+    await asyncio.sleep(0.5)  # a change a load does not depend on: the same failing model, still refused
+    assert box.placement.refusing == {"mine"} and box.residency.load_error("mine") is not None
     async with http.delete(url(box, "/v1/models/mine")) as response:
         assert response.status == 200
     async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
@@ -79,6 +84,38 @@ async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_f
     assert time.monotonic() - started < 10  # loaded now, not after the back-off
     async with http.get(url(box, "/v1/models/mine")) as response:
         assert (await response.json()).get("load_error") is None
+
+
+async def test_a_load_that_fails_after_its_model_was_registered_again_does_not_hold_up_the_new_registration(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """The broken folder's load is still running when the user deletes the model and registers it again on a good
+    one; it fails after that: its failure (the 30 s back-off, the refusal of the model's requests with its error)
+    belonged to the old registration, not the new one (found by review)."""
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
+    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    gate, serve = asyncio.Event(), box.workers.serve
+
+    async def slow_serve(spec):
+        await gate.wait()  # a slow load: a large folder, say
+        return await serve(spec)
+
+    box.workers.serve = slow_serve
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
+        assert response.status == 201
+    first = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}))
+    await wait_for(lambda: "mine" in box.placement.loading, what="the broken folder's load to start")
+    async with http.delete(url(box, "/v1/models/mine")) as response:
+        assert response.status == 200
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
+        assert response.status == 201
+    gate.set()  # the old load fails now
+    async with await first as response:
+        assert response.status == 404  # deleted while it waited
+    await wait_for(lambda: "mine" not in box.placement.loading, what="the old load to end")
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
+        assert response.status == 200, await response.text()
 
 
 async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_box_holds_it(
