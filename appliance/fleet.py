@@ -157,17 +157,18 @@ class Fleet:
         ]
 
     def holders_per_gateway(self, model: str) -> float:
-        """The boxes' worth of `model` one gateway may fill: the live boxes holding it (at least one: a cold model
-        is loaded by one) shared among the live gateways, neither counting a draining box. A gateway admits a
-        generation by the decode slots free for it; before, it counted one box's, whatever the fleet held: a
-        gateway-only box in front of two worker boxes refused half of what they could start."""
+        """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live
+        gateways, neither counting a draining box, and never less than one box's. A gateway admits a generation
+        by the decode slots free for it; counting one box's whatever the fleet held, a gateway-only box in front
+        of two worker boxes refused half of what they could start. Not less than one: clients that favour one
+        gateway would have its share of a single box's slots refuse a burst those slots could start."""
         live = [record for record in self.live_boxes() if not record.get("draining")]
         gateways = sum(record.get("role") in ("all", "gateway") for record in live)
         holding = sum(
             any(m.get("name") == model and m.get("state", "resident") == "resident" for m in record.get("models", []))
             for record in live
         )
-        return max(1, holding) / max(1, gateways)
+        return max(1.0, holding / max(1, gateways))
 
     async def stop(self) -> None:
         await self._stop_tasks()

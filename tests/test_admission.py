@@ -764,3 +764,21 @@ def test_after_a_nats_outage_the_rate_is_measured_afresh_not_read_from_the_silen
     assert refused()  # the silence read as a slow model
     gate.reconnected()
     assert queue.wait_s(clock.now) is None and not refused()
+
+
+def test_answers_made_together_on_one_of_two_boxes_are_timed_at_that_boxs_pace() -> None:
+    """A gateway counting the decode slots of two boxes (2 each): two answers of 100 tokens made together in 1 s
+    (on one box, which pulled both) were read as though the fleet's four slots shared one box's time: twice the
+    time an answer takes (review finding). Each box's slots share its time, not the fleet's."""
+    decoder = Decoder(slots=4, box_slots=2)
+    for request_id in ("a", "b"):
+        decoder.start(request_id, 100.0, 200)
+    for request_id in ("a", "b"):
+        decoder.end(request_id, 101.0, whole=True, tokens=100)
+    assert decoder.answer_s(100, decoder.token_s()) == pytest.approx(1.0, rel=0.02)
+    one_box = Decoder(slots=2, box_slots=2)  # the same answers on a gateway that counts one box: the same pace
+    for request_id in ("a", "b"):
+        one_box.start(request_id, 100.0, 200)
+    for request_id in ("a", "b"):
+        one_box.end(request_id, 101.0, whole=True, tokens=100)
+    assert one_box.token_s() == pytest.approx(decoder.token_s())

@@ -223,7 +223,9 @@ class Decoder:
     generations hold the slots interactive ones wait for): the generations started and not yet made, and how
     long the last ones held their slot for how many tokens."""
 
-    slots: int = 1  # a box's decode batch (`options.max_batch_size`)
+    slots: int = 1  # the decode slots this gateway may fill: a box's decode batch times its boxes' worth of them
+    box_slots: int | None = None  # one box's decode batch (`options.max_batch_size`), the slots sharing its time;
+    # None: `slots` are one box's
     running: dict[str, tuple[float, int, float]] = field(default_factory=dict)  # id -> (started, max_tokens, held)
     # (slots held meanwhile, on average; seconds; tokens made; its max_tokens) of the last generations made whole
     made: deque[tuple[float, float, int, int]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))
@@ -257,15 +259,20 @@ class Decoder:
             self.made.append((held / (now - started), now - started, tokens, max(max_tokens, tokens)))
 
     def token_s(self) -> float | None:
-        """How long a token holds a slot with every slot busy: the slots, over the tokens a second the last
-        generations were made at (each one's tokens times the slots held meanwhile, over its seconds). A slot's
-        pace on a GPU hardly depends on how many share the decode step; on a CPU they share its time, and an
-        answer made alone takes a quarter of the time it takes four at once. Reckoned as on a CPU, a GPU's is
-        overestimated (more refused) until answers are made with its slots full."""
+        """How long a token holds a slot with every slot of its box busy: a box's slots, over the tokens a second
+        the last generations were made at (each one's tokens times the slots held meanwhile on its box, over its
+        seconds). A slot's pace on a GPU hardly depends on how many share the decode step; on a CPU they share
+        its time, and an answer made alone takes a quarter of the time it takes four at once. Reckoned as on a
+        CPU, a GPU's is overestimated (more refused) until answers are made with its slots full. The slots held
+        meanwhile are taken as on one box (a box pulls as much as it has room for), at most a box's: counted over
+        the fleet's, two answers made together on one of two boxes read as half their pace."""
         if not self.made:
             return None
-        made = sum(held * (tokens - 1) for held, _, tokens, _ in self.made)  # after the first, which started it
-        return max(self.slots, len(self.running)) * sum(seconds for _, seconds, _, _ in self.made) / made
+        box = self.box_slots or self.slots
+        # After each answer's first token, which started it.
+        made = sum(min(held, box) * (tokens - 1) for held, _, tokens, _ in self.made)
+        per_box = math.ceil(len(self.running) * box / max(1, self.slots))  # those running now, spread evenly
+        return max(box, per_box) * sum(seconds for _, seconds, _, _ in self.made) / made
 
     def expected_tokens(self, max_tokens: int, made: float = 0.0) -> float:
         """How long an answer of at most `max_tokens` that has `made` tokens so far is expected to be: the mean
@@ -395,14 +402,16 @@ class Admission:
         weight: int,
         budget: int,
         decode_batch: int | None = None,
+        box_decode_batch: int | None = None,
     ) -> ModelQueue:
         """The request's model queue, or the 429: it would wait too long to start, or the gateway awaits too many.
 
         `waiting` is how many requests the gateway awaits now; `weight` is the request's, and `budget` the
         weight its model may have awaited while its rate is not measured (`unmeasured_budget`). A generator's
-        queue (one with a `decode_batch`) is a `DecodeQueue`.
+        queue (one with a `decode_batch`: the decode slots it may fill, `box_decode_batch` of them on each box)
+        is a `DecodeQueue`.
         """
-        queue = self._queue(model, priority, decode_batch)
+        queue = self._queue(model, priority, decode_batch, box_decode_batch)
         self._bound(model, queue, timeout_s, priority, weight, budget)
         if waiting >= self._max_waiting:
             raise self.overloaded(f"this gateway already waits on {waiting} requests", waiting)
@@ -424,7 +433,9 @@ class Admission:
         keys = [key for key in self._queues if key[0] == model]
         return [self._queues.pop(key) for key in keys]
 
-    def _queue(self, model: str, priority: str, decode_batch: int | None) -> ModelQueue:
+    def _queue(
+        self, model: str, priority: str, decode_batch: int | None, box_decode_batch: int | None = None
+    ) -> ModelQueue:
         queue = self._queues.get((model, priority))
         if queue is not None and isinstance(queue, DecodeQueue) != (decode_batch is not None):
             queue = None  # the name is another kind of model's now (deleted and registered again, the delete missed)
@@ -437,7 +448,8 @@ class Admission:
                 queue = DecodeQueue(decoder=shared)
             self._queues[(model, priority)] = queue
         if isinstance(queue, DecodeQueue) and decode_batch is not None:
-            queue.decoder.slots = decode_batch  # as the model's options say now
+            queue.decoder.slots = decode_batch  # as the model's options and the fleet say now
+            queue.decoder.box_slots = box_decode_batch
         return queue
 
     def _bound(self, model: str, queue: ModelQueue, timeout_s: float, priority: str, weight: int, budget: int) -> None:

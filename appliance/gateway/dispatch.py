@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -240,12 +241,20 @@ class Dispatcher:
         # Before admission: cut off from NATS, the work it awaits goes unanswered, and that read as overload (a 429
         # with a Retry-After growing by the second, where a 503 says what is wrong).
         self._check_connected()
-        decode_batch = None
+        decode_batch = box_decode_batch = None
         if spec.task is Task.GENERATE:
-            decode_batch = max(1, round(max_decode_batch(spec.options) * self._holders_per_gateway(spec.name)))
+            box_decode_batch = max_decode_batch(spec.options)
+            decode_batch = max(1, math.floor(box_decode_batch * self._holders_per_gateway(spec.name)))
         budget = unmeasured_budget(spec.batching, decode_batch)
         queue = self._admission.admit(
-            spec.name, priority, timeout_s, self.waiting, weight=weight, budget=budget, decode_batch=decode_batch
+            spec.name,
+            priority,
+            timeout_s,
+            self.waiting,
+            weight=weight,
+            budget=budget,
+            decode_batch=decode_batch,
+            box_decode_batch=box_decode_batch,
         )
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
