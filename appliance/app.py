@@ -221,6 +221,8 @@ class Box:
         log.warning("nats error", extra={"error": repr(exc)})
 
     async def _on_disconnect(self) -> None:
+        if self.dispatcher is not None:  # and again once back (`_on_reconnect`): the silence meanwhile is no pace
+            self.dispatcher.nats_interrupted()
         if self.draining:  # its own close as the box stops: expected, not a warning
             log.info("nats disconnected")
             return
@@ -229,7 +231,8 @@ class Box:
     async def _on_reconnect(self) -> None:
         log.info("nats reconnected")
         if self.dispatcher is not None:
-            self.dispatcher.reconnected()
+            # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.
+            self.dispatcher.nats_interrupted()
         if self.js is not None and (self._restoring is None or self._restoring.done()):
             restore = restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
             self._restoring = self._spawn(restore)

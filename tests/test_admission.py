@@ -745,7 +745,7 @@ def test_a_chat_clients_large_cap_is_still_read_as_the_share_its_answers_use() -
 def test_after_a_nats_outage_the_rate_is_measured_afresh_not_read_from_the_silence() -> None:
     """Answers stop while a gateway is cut off from NATS; back on it, the open span diluted by the outage read as a
     model going ever slower: 429 "about 41s to start, retry in 31s" for a backlog the fleet cleared in 2 s
-    (black-box finding). After `reconnected` the rate is measured afresh and a burst's rounds hold meanwhile."""
+    (black-box finding). After `restart_rates` the rate is measured afresh and a burst's rounds hold meanwhile."""
     clock = Clock()
     gate = admission(clock)
     queue = gate.admit("m", "interactive", 30.0, 0, weight=10, budget=DEFAULT_BUDGET)
@@ -762,7 +762,7 @@ def test_after_a_nats_outage_the_rate_is_measured_afresh_not_read_from_the_silen
         return False
 
     assert refused()  # the silence read as a slow model
-    gate.reconnected()
+    gate.restart_rates()
     assert queue.wait_s(clock.now) is None and not refused()
 
 

@@ -248,6 +248,8 @@ async def test_with_nats_down_a_gateway_awaiting_work_says_so_not_that_the_model
     held = [asyncio.create_task(http.post(url(box, "/v1/embeddings"), json=body)) for _ in range(4)]
     await wait_for(lambda: box.dispatcher.waiting == 4, what="four requests awaited")
     await asyncio.sleep(0.2)  # a flood now: a fifth is past a round of the model's batches (64 tokens): a 429
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 429  # connected, what admission says
     await nats_server.stop()
     await wait_for(lambda: not box.nc.is_connected, what="the box to notice")
     async with http.post(url(box, "/v1/embeddings"), json=body) as response:

@@ -421,8 +421,8 @@ class Admission:
         """A request was answered (a stream: its last chunk) at monotonic time `now`."""
         self._answered.append(now)
 
-    def reconnected(self) -> None:
-        """The gateway is back on NATS after an outage: every model's rate is measured afresh."""
+    def restart_rates(self) -> None:
+        """The gateway was cut off from NATS, or is back on it: every model's rate is measured afresh."""
         now = self._clock()
         for queue in self._queues.values():
             queue.restart_rate(now)

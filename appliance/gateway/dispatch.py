@@ -348,9 +348,9 @@ class Dispatcher:
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
-    def reconnected(self) -> None:
-        """Back on NATS after an outage: what was not answered meanwhile says nothing of any model's pace."""
-        self._admission.reconnected()
+    def nats_interrupted(self) -> None:
+        """Cut off from NATS, or back on it: what was not answered meanwhile says nothing of any model's pace."""
+        self._admission.restart_rates()
 
     def _check_connected(self) -> None:
         if not self._nc.is_connected:

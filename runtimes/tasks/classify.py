@@ -92,7 +92,7 @@ def labels_from_config(config: dict) -> tuple[str, ...]:
     num_labels = config.get("num_labels") or 0
     if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 0:
         raise UnsupportedModel(f"config.json: num_labels must be a whole number of labels, not {num_labels!r}")
-    named = "id2label" in config or "num_labels" in config
+    named = config.get("id2label") is not None or config.get("num_labels") is not None
     count = max(len(id2label), num_labels) if named else _DEFAULT_NUM_LABELS
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
 

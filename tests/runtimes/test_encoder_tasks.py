@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtimes import InputTooLong, ModelSource, Task, UnsupportedModel, load_runtime
-from runtimes.tasks.classify import ClassifyHead, label_scores
+from runtimes.tasks.classify import ClassifyHead, label_scores, labels_from_config
 from runtimes.tasks.embed import finish_vectors
 from runtimes.tasks.score import relevance_scores
 from runtimes.tokenizer import model_max_length
@@ -205,6 +205,7 @@ def test_a_binary_classifier_whose_config_names_no_labels_answers_transformers_t
     model = BertForSequenceClassification(BertConfig(**small)).eval()
     model.save_pretrained(tmp_path)
     copy_bert_tokenizer(tmp_path)
+    assert labels_from_config({"id2label": None, "num_labels": None}) == ("LABEL_0", "LABEL_1")  # null: not named
     runtime = load_runtime(ModelSource(tmp_path, Task.CLASSIFY))
     try:
         assert runtime.info.labels == ("LABEL_0", "LABEL_1")
