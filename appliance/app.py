@@ -10,6 +10,7 @@ embedded nats-server whose stop was cut short still ends with the process (its p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import socket
@@ -390,13 +391,17 @@ class Box:
             await _bounded("control", self._control.stop())
         if self._dead_letters is not None:
             await _bounded("dead letters", self._dead_letters.stop())
+        connected = self.nc is not None and self.nc.is_connected
         if self.fleet is not None:
-            await _bounded("heartbeat", self.fleet.stop())
+            await _bounded("heartbeat", self.fleet.stop(connected=connected))
         if self.store is not None:
             await _bounded("catalog", self.store.close())
-        if self.nc is not None:
+        if self.nc is not None and connected:
             await _bounded("NATS drain", self.nc.drain())
             await _bounded("NATS close", self.nc.close())
+        elif self.nc is not None:  # cut off: nothing to drain, and a close fails on the transport already gone
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), _STOP_STEP_S)
         await self.residency.close()
         self._device_executor.shutdown(wait=False, cancel_futures=True)
         self._cpu_executor.shutdown(wait=False, cancel_futures=True)

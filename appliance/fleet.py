@@ -170,9 +170,11 @@ class Fleet:
         )
         return max(1.0, holding / max(1, gateways))
 
-    async def stop(self) -> None:
+    async def stop(self, *, connected: bool = True) -> None:
+        """Stop beating and take this box's record out of `fbx_boxes`; cut off from NATS, the record is left to
+        its TTL (the delete would wait out the shutdown step's bound for nothing)."""
         await self._stop_tasks()
-        if self._kv is not None and self._snapshot is not None:
+        if connected and self._kv is not None and self._snapshot is not None:
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
 

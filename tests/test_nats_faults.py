@@ -258,3 +258,16 @@ async def test_with_nats_down_a_gateway_awaiting_work_says_so_not_that_the_model
     for request in held:
         request.cancel()
     await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_a_box_cut_off_from_nats_stops_without_waiting_on_it(start_box, nats_server, caplog) -> None:
+    """Stopping while NATS was gone, a box waited out a shutdown step's bound to delete its heartbeat record (3 s)
+    and logged its drain and close of the connection as failed (operator tester): the record is left to its TTL,
+    there is nothing to drain, and the connection is closed all the same (no reconnecting left behind)."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    await nats_server.stop()
+    await wait_for(lambda: not box.nc.is_connected, what="the box to notice")
+    with caplog.at_level(logging.WARNING, logger="appliance.app"):
+        await box.stop()
+    assert box.nc.is_closed
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("shutdown step")]
