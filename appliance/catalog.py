@@ -76,6 +76,11 @@ class ModelSpec:
         options: not its folder or task)."""
         return (self.path, self.task) == (loaded.path, loaded.task)
 
+    def load_key(self) -> tuple[object, ...]:
+        """What a load of the model depends on: after a change to any of it, a load is a new try, not the one that
+        failed (a change of aliases or batching, or the catalog replayed, is the same model)."""
+        return (self.path, self.task, self.runtime, self.dtype, self.options, self.adapter_of, self.profile)
+
     def to_json(self) -> bytes:
         record = asdict(self)
         record["path"] = str(self.path)

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from fractions import Fraction
 from typing import Any
 
 import orjson
@@ -156,7 +157,7 @@ class Fleet:
             if any(m.get("name") == model and m.get("state", "resident") in states for m in record.get("models", []))
         ]
 
-    def holders_per_gateway(self, model: str) -> float:
+    def holders_per_gateway(self, model: str) -> Fraction:
         """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live
         gateways, neither counting a draining box, and never less than one box's. A gateway admits a generation
         by the decode slots free for it; counting one box's whatever the fleet held, a gateway-only box in front
@@ -168,7 +169,7 @@ class Fleet:
             any(m.get("name") == model and m.get("state", "resident") == "resident" for m in record.get("models", []))
             for record in live
         )
-        return max(1.0, holding / max(1, gateways))
+        return max(Fraction(1), Fraction(holding, max(1, gateways)))  # exact: slots are rounded down from it
 
     async def stop(self, *, connected: bool = True) -> None:
         """Stop beating and take this box's record out of `fbx_boxes`; cut off from NATS, the record is left to

@@ -40,11 +40,6 @@ def _load_claim(spec: ModelSpec) -> str:
     return f"load.{spec.slug}"
 
 
-def _load_key(spec: ModelSpec) -> tuple[object, ...]:
-    """What a load of the model depends on: a change to any of it is a new try, not the failed one's."""
-    return (spec.path, spec.task, spec.runtime, spec.dtype, spec.options, spec.adapter_of)
-
-
 def load_failed(model: str, box_id: str, exc: BaseException) -> ServiceUnavailable:
     """The 503 for a model whose load failed on this box, as a waiting request or an admin `load` sees it."""
     return ServiceUnavailable(f"model {model} could not be loaded on box {box_id}: {reason_of(exc)}")
@@ -190,10 +185,10 @@ class Placement:
         except Exception as exc:
             error = self._load_error(spec, exc)
             current = self._box.catalog.get(spec.name)
-            if current is None or _load_key(current) != _load_key(spec):
+            if current is None or current.load_key() != spec.load_key():
                 # Deleted or registered again while it loaded: the new registration's load is another try.
                 log.info("model changed while a load failed", extra={"model": spec.name, "error": error.message})
-                self._box.residency.forget_load_error(spec.name)
+                self._box.residency.forget_load_error(spec.name, current)
                 return
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
             self._failed(spec)
@@ -218,12 +213,12 @@ class Placement:
         that failed is no reason to wait before the next, nor to answer its requests with that failure (a user
         who fixed a broken folder and registered it again got the old folder's error for the 30 s back-off). A
         change of aliases or batching, or the catalog replayed after a reconnect, is the same failing model."""
+        self._box.residency.forget_load_error(name, spec)  # a failed load of any path (pinned, the `load` verb)
         failed = self._failed_specs.get(name)
-        if failed is None or (spec is not None and _load_key(spec) == _load_key(failed)):
+        if failed is None or (spec is not None and spec.load_key() == failed.load_key()):
             return
         del self._failed_specs[name]
         self._failed_until.pop(name, None)
-        self._box.residency.forget_load_error(name)
         changed = self._changed.get(name)
         if changed is not None:
             changed.set()

@@ -105,7 +105,8 @@ class Residency:
         self._reserved: dict[str, int] = {}  # estimated bytes of models being loaded
         self._max_adapters = max_adapters
         self._onnx_cache = onnx_cache
-        self._load_errors: dict[str, str] = {}  # model -> why its last load on this box failed
+        # model -> why its last load on this box failed, and what that load depended on (`ModelSpec.load_key`)
+        self._load_errors: dict[str, tuple[str, tuple[object, ...]]] = {}
         self.pinned: set[str] = set()
 
     def get(self, name: str) -> Resident | None:
@@ -122,11 +123,14 @@ class Residency:
 
     def load_error(self, name: str) -> str | None:
         """Why the last load of `name` on this box failed; None when it succeeded or none was tried."""
-        return self._load_errors.get(name)
+        failed = self._load_errors.get(name)
+        return failed[0] if failed is not None else None
 
-    def forget_load_error(self, name: str) -> None:
-        """`name` was deleted, registered again or changed: its last failed load is not the new one's."""
-        self._load_errors.pop(name, None)
+    def forget_load_error(self, name: str, spec: ModelSpec | None) -> None:
+        """The catalog says `name` is now `spec` (None: deleted): a failed load of another `load_key` is not its."""
+        failed = self._load_errors.get(name)
+        if failed is not None and (spec is None or spec.load_key() != failed[1]):
+            del self._load_errors[name]
 
     @property
     def used_bytes(self) -> int:
@@ -171,7 +175,7 @@ class Residency:
             runtime = await self._load(spec)
         except BaseException as exc:
             if isinstance(exc, Exception):
-                self._load_errors[spec.name] = reason_of(exc)
+                self._load_errors[spec.name] = (reason_of(exc), spec.load_key())
             future.set_exception(exc)
             future.exception()  # retrieved here: each waiter re-raises it
             raise

@@ -118,6 +118,33 @@ async def test_a_load_that_fails_after_its_model_was_registered_again_does_not_h
         assert response.status == 200, await response.text()
 
 
+async def test_a_load_the_admin_verb_tried_is_not_shown_against_the_model_registered_again(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """A failed load through the admin `load` verb (or a pinned model's at start) is not placement's: deleting the
+    model and registering it again on a good folder left the old folder's `load_error` in its record until
+    something loaded it (review finding)."""
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
+    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
+        assert response.status == 201
+    async with http.post(url(box, "/v1/models/mine/load")) as response:
+        assert response.status == 503
+    async with http.get(url(box, "/v1/models/mine")) as response:
+        assert "SafetensorError" in (await response.json())["load_error"]
+    async with http.patch(url(box, "/v1/models/mine"), json={"aliases": ["still-broken"]}) as response:
+        assert response.status == 200  # the same folder: still its error
+    async with http.get(url(box, "/v1/models/mine")) as response:
+        assert "SafetensorError" in (await response.json())["load_error"]
+    async with http.delete(url(box, "/v1/models/mine")) as response:
+        assert response.status == 200
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
+        assert response.status == 201
+    async with http.get(url(box, "/v1/models/mine")) as response:
+        assert (await response.json()).get("load_error") is None
+
+
 async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_box_holds_it(
     start_box, http, encoder_dir
 ) -> None:

@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 import orjson
@@ -90,11 +91,11 @@ class Dispatcher:
         *,
         max_waiting: int,
         max_queue_s: float,
-        holders_per_gateway: Callable[[str], float] | None = None,
+        holders_per_gateway: Callable[[str], Fraction] | None = None,
     ) -> None:
         self.box_id = box_id
         # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
-        self._holders_per_gateway = holders_per_gateway or (lambda model: 1.0)
+        self._holders_per_gateway = holders_per_gateway or (lambda model: Fraction(1))
         self._nc = nc
         self._js = js
         self._metrics = metrics
