@@ -151,11 +151,7 @@ class Fleet:
     def holders(self, model: str, *, loading: bool = False) -> list[str]:
         """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats."""
         states = ("resident", "loading") if loading else ("resident",)
-        return [
-            record["box"]
-            for record in self.live_boxes()
-            if any(m.get("name") == model and m.get("state", "resident") in states for m in record.get("models", []))
-        ]
+        return [record["box"] for record in self.live_boxes() if _holds(record, model, states)]
 
     def holders_per_gateway(self, model: str) -> Fraction:
         """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live
@@ -165,10 +161,7 @@ class Fleet:
         gateway would have its share of a single box's slots refuse a burst those slots could start."""
         live = [record for record in self.live_boxes() if not record.get("draining")]
         gateways = sum(record.get("role") in ("all", "gateway") for record in live)
-        holding = sum(
-            any(m.get("name") == model and m.get("state", "resident") == "resident" for m in record.get("models", []))
-            for record in live
-        )
+        holding = sum(_holds(record, model, ("resident",)) for record in live)
         return max(Fraction(1), Fraction(holding, max(1, gateways)))  # exact: slots are rounded down from it
 
     async def stop(self, *, connected: bool = True) -> None:
@@ -178,6 +171,11 @@ class Fleet:
         if connected and self._kv is not None and self._snapshot is not None:
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
+
+
+def _holds(record: dict[str, Any], model: str, states: tuple[str, ...]) -> bool:
+    """Whether a box's heartbeat lists `model` in one of `states`."""
+    return any(m.get("name") == model and m.get("state", "resident") in states for m in record.get("models", []))
 
 
 async def open_boxes_bucket(js: JetStreamContext, ttl_s: float, replicas: int = 1) -> KeyValue:

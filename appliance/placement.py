@@ -68,8 +68,8 @@ class Placement:
         self._task: asyncio.Task[None] | None = None
         self._loading: set[str] = set()
         self._loads = Background("placement")
-        self._failed_until: dict[str, float] = {}  # a model that failed to load is retried later, not hammered
-        self._failed_specs: dict[str, ModelSpec] = {}  # ... as it was registered when its load failed
+        # A model that failed to load is retried later, not hammered: when, and the registration whose load failed.
+        self._failed: dict[str, tuple[float, ModelSpec]] = {}
         self.refusing: set[str] = set()  # models whose waiting requests this box answers with its load error
         self._changed: dict[str, asyncio.Event] = {}  # set when what a load of a model refused here depends on changes
 
@@ -102,7 +102,8 @@ class Placement:
         for spec in box.catalog:
             if spec.adapter_of is not None or spec.name in box.workers or spec.name in self._loading:
                 continue
-            if self._failed_until.get(spec.name, 0.0) > asyncio.get_running_loop().time():
+            failed = self._failed.get(spec.name)
+            if failed is not None and failed[0] > asyncio.get_running_loop().time():
                 continue
             waiting = await self._waiting(spec.slug, self._holders(spec.name))
             if waiting == 0 or not self._should_load(spec.name, waiting) or not await self._could_fit(spec):
@@ -191,7 +192,7 @@ class Placement:
                 self._box.residency.forget_load_error(spec.name, current)
                 return
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
-            self._failed(spec)
+            self._failed[spec.name] = (asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S, spec)
             self._loading.discard(spec.name)  # no longer on its way here (before the refusing): other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
@@ -214,11 +215,10 @@ class Placement:
         who fixed a broken folder and registered it again got the old folder's error for the 30 s back-off). A
         change of aliases or batching, or the catalog replayed after a reconnect, is the same failing model."""
         self._box.residency.forget_load_error(name, spec)  # a failed load of any path (pinned, the `load` verb)
-        failed = self._failed_specs.get(name)
-        if failed is None or (spec is not None and spec.load_key() == failed.load_key()):
+        failed = self._failed.get(name)
+        if failed is None or (spec is not None and spec.load_key() == failed[1].load_key()):
             return
-        del self._failed_specs[name]
-        self._failed_until.pop(name, None)
+        del self._failed[name]
         changed = self._changed.get(name)
         if changed is not None:
             changed.set()
@@ -274,7 +274,3 @@ class Placement:
         reply = ReplyMeta(id=meta.id, status=error.status, box=self._box.box_id)
         await self._box.nc.publish(meta.reply, error.to_json(), headers=reply.headers())
         await msg.ack()
-
-    def _failed(self, spec: ModelSpec) -> None:
-        self._failed_until[spec.name] = asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S
-        self._failed_specs[spec.name] = spec
