@@ -770,15 +770,16 @@ def test_answers_made_together_on_one_of_two_boxes_are_timed_at_that_boxs_pace()
     """A gateway counting the decode slots of two boxes (2 each): two answers of 100 tokens made together in 1 s
     (on one box, which pulled both) were read as though the fleet's four slots shared one box's time: twice the
     time an answer takes (review finding). Each box's slots share its time, not the fleet's."""
-    decoder = Decoder(slots=4, box_slots=2)
-    for request_id in ("a", "b"):
-        decoder.start(request_id, 100.0, 200)
-    for request_id in ("a", "b"):
-        decoder.end(request_id, 101.0, whole=True, tokens=100)
+
+    def two_answers_made_together(decoder: Decoder) -> Decoder:
+        for request_id in ("a", "b"):
+            decoder.start(request_id, 100.0, 200)
+        for request_id in ("a", "b"):
+            decoder.end(request_id, 101.0, whole=True, tokens=100)
+        return decoder
+
+    decoder = two_answers_made_together(Decoder(slots=4, box_slots=2))
     assert decoder.answer_s(100, decoder.token_s()) == pytest.approx(1.0, rel=0.02)
-    one_box = Decoder(slots=2, box_slots=2)  # the same answers on a gateway that counts one box: the same pace
-    for request_id in ("a", "b"):
-        one_box.start(request_id, 100.0, 200)
-    for request_id in ("a", "b"):
-        one_box.end(request_id, 101.0, whole=True, tokens=100)
+    # The same answers on a gateway that counts one box: the same pace.
+    one_box = two_answers_made_together(Decoder(slots=2, box_slots=2))
     assert one_box.token_s() == pytest.approx(decoder.token_s())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from appliance.app import Box
 from appliance.residency import estimate_bytes
 from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
@@ -56,17 +57,32 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
 
 
+async def box_with_a_broken_model(start_box, http, tmp_path: Path, encoder_dir: Path) -> Box:
+    """A box whose model roots hold `broken` (a folder that fails to load) and `good` (a copy of the test encoder),
+    with `mine` registered on `broken`."""
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
+    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
+        assert response.status == 201
+    return box
+
+
+async def register_again_on_a_good_folder(http, box: Box) -> None:
+    """What a user with a broken folder does: delete `mine` and register it again on `good`."""
+    async with http.delete(url(box, "/v1/models/mine")) as response:
+        assert response.status == 200
+    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
+        assert response.status == 201
+
+
 async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_folder_is_served_at_once(
     start_box, http, tmp_path, encoder_dir
 ) -> None:
     """A user whose folder was broken deletes the model and registers it again on a good one: the box tried the
     new registration only after its 30 s back-off, answered every request meanwhile with the old folder's load
     error, and its model record showed that error (black-box finding)."""
-    folder_that_fails_to_load(tmp_path / "models" / "broken")
-    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
-    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
-    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
-        assert response.status == 201
+    box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
     async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
         assert response.status == 503 and "SafetensorError" in await response.text()
     assert box.placement.refusing == {"mine"}
@@ -74,10 +90,7 @@ async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_f
         assert response.status == 200, await response.text()
     await asyncio.sleep(0.5)  # a change a load does not depend on: the same failing model, still refused
     assert box.placement.refusing == {"mine"} and box.residency.load_error("mine") is not None
-    async with http.delete(url(box, "/v1/models/mine")) as response:
-        assert response.status == 200
-    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
-        assert response.status == 201
+    await register_again_on_a_good_folder(http, box)
     started = time.monotonic()
     async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
         assert response.status == 200, await response.text()
@@ -92,9 +105,7 @@ async def test_a_load_that_fails_after_its_model_was_registered_again_does_not_h
     """The broken folder's load is still running when the user deletes the model and registers it again on a good
     one; it fails after that: its failure (the 30 s back-off, the refusal of the model's requests with its error)
     belonged to the old registration, not the new one (found by review)."""
-    folder_that_fails_to_load(tmp_path / "models" / "broken")
-    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
-    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
     gate, serve = asyncio.Event(), box.workers.serve
 
     async def slow_serve(spec):
@@ -102,14 +113,9 @@ async def test_a_load_that_fails_after_its_model_was_registered_again_does_not_h
         return await serve(spec)
 
     box.workers.serve = slow_serve
-    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
-        assert response.status == 201
     first = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}))
     await wait_for(lambda: "mine" in box.placement.loading, what="the broken folder's load to start")
-    async with http.delete(url(box, "/v1/models/mine")) as response:
-        assert response.status == 200
-    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
-        assert response.status == 201
+    await register_again_on_a_good_folder(http, box)
     gate.set()  # the old load fails now
     async with await first as response:
         assert response.status == 404  # deleted while it waited
@@ -124,11 +130,7 @@ async def test_a_load_the_admin_verb_tried_is_not_shown_against_the_model_regist
     """A failed load through the admin `load` verb (or a pinned model's at start) is not placement's: deleting the
     model and registering it again on a good folder left the old folder's `load_error` in its record until
     something loaded it (review finding)."""
-    folder_that_fails_to_load(tmp_path / "models" / "broken")
-    shutil.copytree(encoder_dir, tmp_path / "models" / "good")
-    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
-    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "broken"}) as response:
-        assert response.status == 201
+    box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
     async with http.post(url(box, "/v1/models/mine/load")) as response:
         assert response.status == 503
     async with http.get(url(box, "/v1/models/mine")) as response:
@@ -137,10 +139,7 @@ async def test_a_load_the_admin_verb_tried_is_not_shown_against_the_model_regist
         assert response.status == 200  # the same folder: still its error
     async with http.get(url(box, "/v1/models/mine")) as response:
         assert "SafetensorError" in (await response.json())["load_error"]
-    async with http.delete(url(box, "/v1/models/mine")) as response:
-        assert response.status == 200
-    async with http.post(url(box, "/v1/models"), json={"name": "mine", "path": "good"}) as response:
-        assert response.status == 201
+    await register_again_on_a_good_folder(http, box)
     async with http.get(url(box, "/v1/models/mine")) as response:
         assert (await response.json()).get("load_error") is None
 
