@@ -80,7 +80,9 @@ class ModelQueue:
     is a free decode slot, held about as long as the answer runs; `DecodeQueue`). The rate is weight answered
     per second *while work waited*, timed from the first answer of a busy spell (the wait before it, a cold load
     say, says nothing of the model's pace, and nor does the rest of its batch, answered with it): over the spans
-    that ended in the last `_RATE_WINDOW_S`, or the last one when answers come seconds apart (large requests),
+    that ended in the last `_RATE_WINDOW_S` (or since the oldest request awaited was sent, if longer: the answers that
+    drained the queue ahead of a new request; a gateway whose share of a queue that other gateways share comes in
+    runs must not read the others' run as a stall), or the last one when answers come seconds apart (large requests),
     and the span still open, or over those of the last `_STEADY_WINDOW_S` when that is slower (a box whose pace
     swings, on shared cores say, must not take in ten seconds of work in a fast second); none before a span has
     closed (one batch answered at once is no rate). Idle time does not dilute it; a stall does, so a queue that
@@ -153,8 +155,11 @@ class ModelQueue:
         if not self.spans:
             return None
         open_s = now - self._since if self.waiting and self._since is not None else 0.0
+        # The answers that drained the queue ahead of a new request: since the oldest awaited was sent.
+        waited_s = now - next(iter(self.waiting.values()))[0] if self.waiting else 0.0
+        recent_s = min(max(_RATE_WINDOW_S, waited_s), _STEADY_WINDOW_S)
         rates = []
-        for window_s in (_RATE_WINDOW_S, _STEADY_WINDOW_S):
+        for window_s in (recent_s, _STEADY_WINDOW_S):
             spans = [span for span in self.spans if span[0] >= now - window_s] or [self.spans[-1]]
             done = self._done + sum(answered for _, _, answered in spans)
             seconds = open_s + sum(span for _, span, _ in spans)
