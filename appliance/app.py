@@ -45,7 +45,7 @@ from appliance.deadletter import DeadLetterWatch
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
 from appliance.errors import ServiceUnavailable
-from appliance.fleet import Fleet
+from appliance.fleet import Fleet, taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.door import HttpDoor
@@ -55,7 +55,7 @@ from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook
 from appliance.residency import Residency, parse_budget
-from appliance.settings import Settings
+from appliance.settings import MODEL_ROLES, Settings
 from appliance.tasks import Background
 from appliance.verbs import control_verbs
 from appliance.workers import Workers
@@ -354,11 +354,7 @@ class Box:
     def _other_workers(self) -> list[str]:
         """Live boxes besides this one that compute (and are not draining): who may answer what it hands back."""
         records = self.fleet.live_boxes() if self.fleet is not None else []
-        return [
-            r["box"]
-            for r in records
-            if r.get("box") != self.box_id and r.get("role") in ("all", "worker") and not r.get("draining")
-        ]
+        return [r["box"] for r in taking_work(records, MODEL_ROLES) if r.get("box") != self.box_id]
 
     async def stop(self) -> None:
         """Close the door, finish in-flight batches, hand back unstarted work, stop NATS.

@@ -25,6 +25,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
 from appliance.logs import FailureStreak
+from appliance.settings import GATEWAY_ROLES
 from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class Fleet:
         of two worker boxes refused half of what they could start. Not less than one: clients that favour one
         gateway would have its share of a single box's slots refuse a burst those slots could start."""
         live = [record for record in self.live_boxes() if not record.get("draining")]
-        gateways = sum(record.get("role") in ("all", "gateway") for record in live)
+        gateways = len(taking_work(live, GATEWAY_ROLES))
         holding = sum(_holds(record, model, ("resident",)) for record in live)
         return max(Fraction(1), Fraction(holding, max(1, gateways)))  # exact: slots are rounded down from it
 
@@ -171,6 +172,12 @@ class Fleet:
         if connected and self._kv is not None and self._snapshot is not None:
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
+
+
+def taking_work(records: list[dict[str, Any]], roles: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The heartbeat records of boxes in one of `roles` that are not draining: those that take new work of that
+    kind (a draining box finishes what it has and takes nothing new)."""
+    return [record for record in records if record.get("role") in roles and not record.get("draining")]
 
 
 def _holds(record: dict[str, Any], model: str, states: tuple[str, ...]) -> bool:

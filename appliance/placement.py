@@ -22,8 +22,10 @@ from appliance import bus
 from appliance.catalog import ModelSpec
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, InsufficientMemory, NotFound, ServiceUnavailable, reason_of
+from appliance.fleet import taking_work
 from appliance.logs import FailureStreak
 from appliance.puller import Puller
+from appliance.settings import MODEL_ROLES
 from appliance.tasks import Background, cancel_and_wait
 
 if TYPE_CHECKING:
@@ -138,8 +140,8 @@ class Placement:
         budget (from the heartbeats), and that budget; this box's on a tie."""
         box = self._box
         largest = (box.box_id, box.residency.budget_bytes)
-        for record in box.fleet.live_boxes() if box.fleet is not None else []:
-            if record.get("box") == box.box_id or record.get("draining") or record.get("role") not in ("all", "worker"):
+        for record in taking_work(box.fleet.live_boxes(), MODEL_ROLES) if box.fleet is not None else []:
+            if record.get("box") == box.box_id:
                 continue
             budget = max((device.get("budget_bytes") or 0 for device in record.get("devices", [])), default=0)
             if budget > largest[1]:

@@ -26,6 +26,8 @@ from pydantic_settings import (
 from appliance.devices import HARDWARE_SLUG
 
 Role = Literal["all", "gateway", "worker"]
+MODEL_ROLES: tuple[Role, ...] = ("all", "worker")  # the roles that run models
+GATEWAY_ROLES: tuple[Role, ...] = ("all", "gateway")  # the roles that answer HTTP
 Dtype = Literal["float32", "float16", "bfloat16", "int8"]
 
 
@@ -329,11 +331,11 @@ class Settings(BaseSettings):
 
     @property
     def serves_http(self) -> bool:
-        return self.role in ("all", "gateway")
+        return self.role in GATEWAY_ROLES
 
     @property
     def runs_models(self) -> bool:
-        return self.role in ("all", "worker")
+        return self.role in MODEL_ROLES
 
 
 def _keys(raw: str | None) -> list[str]:

@@ -16,11 +16,13 @@ from aiohttp import web
 from appliance.catalog import ModelChange, ModelSpec
 from appliance.control import call_box
 from appliance.errors import ServiceUnavailable, not_resident
+from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
 from appliance.registration import register
 from appliance.schemas import BoxTarget, ModelRegistration
+from appliance.settings import MODEL_ROLES
 from appliance.verbs import refuse_adapter
 
 _registration = msgspec.json.Decoder(ModelRegistration)
@@ -139,7 +141,7 @@ def _choose_box(ctx: GatewayContext) -> str:
     """This box when it runs models, else the live worker with the most free memory."""
     if ctx.settings.runs_models:
         return ctx.box_id
-    workers = [r for r in ctx.live_boxes() if r.get("role") in ("all", "worker") and not r.get("draining")]
+    workers = taking_work(ctx.live_boxes(), MODEL_ROLES)
     if not workers:
         raise ServiceUnavailable("no live box runs models; start one with --role worker or all")
 
