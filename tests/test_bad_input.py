@@ -261,7 +261,7 @@ async def test_openapi_lists_the_metrics_keys_and_only_the_routes_a_worker_box_s
 ) -> None:
     async with http.get(url(default_box, "/openapi.json")) as response:
         spec = await response.json()
-    assert {"401", "403"} <= set(spec["paths"]["/metrics"]["get"]["responses"])
+    assert "401" in set(spec["paths"]["/metrics"]["get"]["responses"])
     assert "/v1/embeddings" in spec["paths"]
     worker = await start_box(role="worker", default_model=False, models=[noop_model()])
     async with http.get(url(worker, "/openapi.json")) as response:

@@ -47,6 +47,25 @@ async def test_keys_never_reach_the_log(start_box, http, caplog) -> None:
     assert "user-key" not in caplog.text and "admin-key" not in caplog.text and "wrong-key" not in caplog.text
 
 
+async def test_a_wrong_key_is_what_the_openai_sdk_reads_as_an_authentication_error(start_box) -> None:
+    """A key that is none of the box's is 401, as OpenAI, vLLM and TEI answer it (it was 403: the SDK raised
+    `PermissionDeniedError`, and code catching `AuthenticationError` missed it)."""
+    from openai import AsyncOpenAI, AuthenticationError
+
+    box = await start_box(default_model=False, models=[noop_model()], api_keys="user-key", admin_keys="admin-key")
+    base_url = url(box, "/v1")
+    async with AsyncOpenAI(base_url=base_url, api_key="wrong-key", max_retries=0) as client:
+        try:
+            await client.embeddings.create(model="noop", input="x")
+        except AuthenticationError as refused:
+            assert refused.status_code == 401 and refused.code == "unauthorized"
+        else:
+            raise AssertionError("a wrong key was let in")
+    for key in ("user-key", "admin-key"):  # an admin key may call inference routes too
+        async with AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as client:
+            assert len((await client.embeddings.create(model="noop", input="x")).data) == 1
+
+
 async def _raw(box, request: bytes) -> bytes:
     """One request over a bare socket (bytes no HTTP client would send), the answer's status line."""
     reader, writer = await asyncio.open_connection("127.0.0.1", box.http_port)
@@ -71,7 +90,7 @@ async def test_odd_authorization_headers_are_refused_cleanly(start_box, caplog) 
 async def _refused_cleanly(box, caplog) -> None:
     with caplog.at_level(logging.DEBUG):
         not_utf8 = await _raw(box, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer user-key\xff\r\n\r\n")
-        assert b" 403 " in not_utf8  # a wrong key, not a 500
+        assert b" 401 " in not_utf8  # a key that is none of the box's, not a 500
         twice = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
         twice += b"Authorization: Bearer user-key\r\n\r\n"
         assert b" 401 " in await _raw(box, twice)  # which one counts would depend on who reads them

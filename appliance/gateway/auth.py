@@ -1,13 +1,14 @@
 """API keys (bearer) for inference routes and admin keys for admin routes, compared in constant time.
 
-A route is open when no key of its kind is configured. Keys are never logged; a missing key is
-401, a wrong one 403.
+A route is open when no key of its kind is configured. Keys are never logged. A missing key, or one
+that is no key of the box's, is 401 (as OpenAI, vLLM and TEI answer it: the openai SDK raises
+`AuthenticationError`); an API key on an admin route is 403: known, but not allowed there.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import wraps
 
 from aiohttp import web
@@ -18,8 +19,16 @@ from appliance.gateway.context import GatewayContext
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _check(request: web.Request, keys: list[str], kind: str) -> str | None:
-    """The key the request presented, once it is known to be valid; None when the route is open."""
+def _matches(presented: bytes, keys: Sequence[str]) -> bool:
+    matched = False
+    for key in keys:  # every key is compared, so timing does not tell which one nearly matched
+        matched |= hmac.compare_digest(presented, key.encode())
+    return matched
+
+
+def _check(request: web.Request, keys: Sequence[str], kind: str, others: Sequence[str] = ()) -> str | None:
+    """The key the request presented, once it is known to be valid; None when the route is open. `others`: keys
+    the box knows that are not valid here (API keys on an admin route), 403 rather than 401."""
     if not keys:
         return None
     headers = request.headers.getall("Authorization", [])
@@ -30,12 +39,11 @@ def _check(request: web.Request, keys: list[str], kind: str) -> str | None:
         raise Unauthorized(f"this route needs an {kind} key: send `Authorization: Bearer <key>`")
     # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the bytes they were.
     presented = token.encode("utf-8", "surrogateescape")
-    matched = False
-    for key in keys:  # every key is compared, so timing does not tell which one nearly matched
-        matched |= hmac.compare_digest(presented, key.encode())
-    if not matched:
+    if _matches(presented, keys):
+        return token
+    if _matches(presented, others):
         raise Forbidden(f"this route needs an {kind} key, and the key sent is not one")
-    return token
+    raise Unauthorized(f"the key sent is not valid: this route needs an {kind} key")
 
 
 def inference(handler: Handler) -> Handler:
@@ -82,7 +90,8 @@ IN_FLIGHT: web.AppKey[dict[str, int]] = web.AppKey("fbx_in_flight", dict)
 def admin(handler: Handler) -> Handler:
     @wraps(handler)
     async def guarded(request: web.Request) -> web.StreamResponse:
-        _check(request, GatewayContext.of(request).settings.admin_key_list, "admin")
+        settings = GatewayContext.of(request).settings
+        _check(request, settings.admin_key_list, "admin", others=settings.api_key_list)
         return await handler(request)
 
     return guarded

@@ -54,7 +54,7 @@ _ERROR = {
         }
     },
 }
-_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 415, 422, 429, 503, 504, 507)
+_INFERENCE_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503, 504, 507)
 _ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 422, 503, 507)
 _NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 
@@ -92,7 +92,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     operations: dict[str, Any] = {
         "/healthz": _get("Liveness"),
         "/readyz": _get("Readiness: NATS, the stream, pinned models resident", (503,)),
-        "/metrics": _get("Prometheus metrics", (401, 403)),
+        "/metrics": _get("Prometheus metrics", (401,)),
         "/openapi.json": _get("This document"),
     }
     if not api:
@@ -110,11 +110,11 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         "/v1/completions": {"post": _operation("Text completion (OpenAI)", "CompletionRequest", _INFERENCE_ERRORS)},
         "/v1/chat/completions": {"post": _operation("Chat completion (OpenAI)", "ChatRequest", _INFERENCE_ERRORS)},
         "/v1/models": {
-            **_get("The catalog, with where each model is resident", (401, 403)),
+            **_get("The catalog, with where each model is resident", (401,)),
             "post": _operation("Register a model folder or LoRA adapter", "ModelRegistration", _ADMIN_ERRORS, "201"),
         },
         "/v1/models/{name}": {
-            "get": {**_operation("One model", None, (401, 403, 404)), "parameters": _NAME},
+            "get": {**_operation("One model", None, (401, 404)), "parameters": _NAME},
             "delete": {**_operation("Remove a model from the catalog", None, _ADMIN_ERRORS), "parameters": _NAME},
             "patch": {
                 **_operation("Change a model's aliases, pin or batching in place", "ModelUpdate", _ADMIN_ERRORS),
