@@ -3,8 +3,9 @@
 A request body (or a reply) over the blob threshold is put in the store under its request id and
 the message carries only the key (`Fbx-Blob`), so the queue holds small messages whatever clients
 send and NATS's payload limit never meets a client's body. The reader deletes a reply blob once
-read; a request blob is deleted after the request is acked, and the bucket's TTL sweeps up what a
-crash left behind.
+read; a request blob is deleted when the request is acked, however it was settled (answered,
+cancelled, refused, dead-lettered: `Blobs.ack`), and the bucket's TTL sweeps up what a crash left
+behind.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import suppress
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.errors import BucketNotFoundError
@@ -70,6 +72,14 @@ class Blobs:
         data = await self.get(key)
         await self.delete(key)
         return data
+
+    async def ack(self, msg: Msg, blob: str | None) -> None:
+        """Ack a request and delete its body's blob: settled, however (answered, cancelled, refused, dead-lettered),
+        it is read no more. A cancelled request's blob was left to the bucket's TTL: a client that sent 7 MB
+        bodies and hung up at once grew nats-server's memory by 1.1 GB in 10 s, kept for 10 minutes."""
+        await msg.ack()
+        if blob:
+            await self.delete(blob)
 
     async def delete(self, key: str) -> None:
         with suppress(Exception):  # already gone, or the TTL will take it

@@ -86,7 +86,7 @@ class DeadLetters:
                 reason += f"; its body (blob {meta.blob}) could not be read: {exc!r}"
         await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
         self._dead_lettered.inc()
-        await msg.ack()
+        await self._blobs.ack(msg, meta.blob)  # its body is kept in the dead letter
 
 
 class DeadLetterWatch:

@@ -152,7 +152,7 @@ class GenerateWorker:
         stream = self._forget(request_id)
         assert stream is not None
         self._metrics.cancelled.labels(self.spec.name).inc()
-        self._spawn(stream.msg.ack())
+        self._spawn(self._blobs.ack(stream.msg, stream.meta.blob))
         self.puller.poke()
         return True
 
@@ -169,7 +169,7 @@ class GenerateWorker:
             return
         if self._cancelled.contains(meta.id):  # its client went away while it waited in the queue
             self._metrics.cancelled.labels(self.spec.name).inc()
-            self._spawn(msg.ack())
+            self._spawn(self._blobs.ack(msg, meta.blob))
             return
         if self._retired:
             self._spawn(self._replies.fail(meta, msg, self._deleted_error("queued")))

@@ -119,9 +119,7 @@ class GenerationReplies:
             if not await self.reply(meta, reply, body, confirmed=True):
                 await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
                 return
-            await msg.ack()
-            if meta.blob:
-                await self._blobs.delete(meta.blob)
+            await self._blobs.ack(msg, meta.blob)
         finally:
             self._poke()
 

@@ -275,4 +275,5 @@ class Placement:
             return
         reply = ReplyMeta(id=meta.id, status=error.status, box=self._box.box_id)
         await self._box.nc.publish(meta.reply, error.to_json(), headers=reply.headers())
-        await msg.ack()
+        assert self._box.blobs is not None  # made with the connection
+        await self._box.blobs.ack(msg, meta.blob)

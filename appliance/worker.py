@@ -176,7 +176,7 @@ class ModelWorker:
             held.done = True  # the batcher, and the device thread's last look, skip done jobs
             self._let_go(request_id)
             self._metrics.cancelled.labels(self.spec.name).inc()
-            self._spawn(held.handle.ack())
+            self._spawn(self._blobs.ack(held.handle, held.meta.blob))
             self.puller.poke()
 
     def _on_message(self, msg: Msg) -> None:
@@ -190,7 +190,7 @@ class ModelWorker:
             return  # a redelivery of something this box is already working on
         if self._cancelled.contains(meta.id):
             self._metrics.cancelled.labels(self.spec.name).inc()
-            self._spawn(msg.ack())
+            self._spawn(self._blobs.ack(msg, meta.blob))
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
@@ -259,7 +259,7 @@ class ModelWorker:
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
             self._let_go(meta.id)
-            self._spawn(msg.ack())
+            self._spawn(self._blobs.ack(msg, meta.blob))
             return
         job = Job(meta=meta, rows=rows, params=params, handle=msg)
         self._held[meta.id] = job
@@ -314,9 +314,7 @@ class ModelWorker:
                 if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
                     await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
                     return
-            await msg.ack()
-            if meta.blob:
-                await self._blobs.delete(meta.blob)
+            await self._blobs.ack(msg, meta.blob)
             self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:
             self._let_go(meta.id)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from nats.js.errors import NotFoundError
 
 from appliance.app import Box
 from appliance.residency import estimate_bytes
@@ -34,6 +35,37 @@ async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(
         return info.state.bytes < 4096  # only the two deletion markers remain, no chunks
 
     await wait_for(blobs_deleted, what="the blobs to be deleted")
+
+
+async def test_a_large_request_whose_client_went_away_leaves_no_blob_behind(start_box, http) -> None:
+    """Black-box finding: a client that sent 7 MB bodies and hung up at once left each in the object store for its
+    10 min TTL (1.1 GB of nats-server memory in 10 s): the box acked the cancelled request and kept its blob."""
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=500)], max_batch_size=1, blob_threshold=2048)
+
+    async def stored_bytes() -> int:
+        try:
+            return (await box.js.stream_info("OBJ_fbx_blobs")).state.bytes
+        except NotFoundError:  # made with the first blob
+            return 0
+
+    first = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}))
+    await asyncio.sleep(0.1)  # the model is busy with it for 0.5 s
+    large = {"model": "noop", "input": ["word " * 2000]}  # 10 KB: over the threshold
+    gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json=large))
+
+    async def blob_stored() -> bool:
+        return await stored_bytes() > 8192
+
+    await wait_for(blob_stored, what="the large body in the object store")
+    gone.cancel()  # the client hangs up while its request waits
+    async with await first as response:
+        assert response.status == 200
+
+    async def blobs_deleted() -> bool:
+        return await stored_bytes() < 4096  # deletion markers only
+
+    await wait_for(blobs_deleted, what="the cancelled request's blob to be deleted")
+    assert box.metrics.cancelled.labels("noop")._value.get() == 1  # it was cancelled, not computed
 
 
 def folder_that_fails_to_load(folder: Path) -> Path:
