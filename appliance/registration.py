@@ -49,7 +49,10 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
     candidate = Path(raw)
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop (RuntimeError before 3.13), no entry
+        raise _unreadable(raw, exc) from None
     for root in roots:
         if resolved == root or resolved.is_relative_to(root):
             return resolved
@@ -60,11 +63,26 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
     )
 
 
+def _unreadable(raw: str, exc: BaseException) -> Unprocessable:
+    """The 422 for a path the file system refuses to follow or read (it was a 500 with a traceback)."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return Unprocessable(f"path {raw!r} cannot be read: {why}", code="path_not_found")
+
+
 def _judge_folder(
     registration: ModelRegistration, roots: list[Path], base: ModelSpec | None
 ) -> tuple[Path, Task | None]:
     """The registration's folder and, for a model (`base` None; an adapter's base model otherwise), its task:
-    file reads, so off the event loop."""
+    file reads, so off the event loop. A path the file system will not follow is the client's to fix (422)."""
+    try:
+        return _judge_readable_folder(registration, roots, base)
+    except OSError as exc:  # a name too long for `is_dir`, a file it may not read
+        raise _unreadable(registration.path, exc) from None
+
+
+def _judge_readable_folder(
+    registration: ModelRegistration, roots: list[Path], base: ModelSpec | None
+) -> tuple[Path, Task | None]:
     folder = resolve_under_roots(registration.path, roots)
     if not folder.is_dir():
         # A relative path is under the first root: say where it was looked for, and what is (not) there.

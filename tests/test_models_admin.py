@@ -57,6 +57,25 @@ async def test_registered_model_is_servable_and_listed(start_box, http, encoder_
     assert one["created"] == enc["created"] > 0  # OpenAI's Model has it on a retrieve too (it was list only)
 
 
+async def test_a_path_the_file_system_will_not_follow_is_422_not_500(start_box, http, encoder_dir, tmp_path) -> None:
+    """Adversarial tester: a 256-character name, a path over 4,096 characters and symlink loops inside a root
+    answered 500 with a traceback (OSError from `is_dir`, RuntimeError from `resolve`)."""
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "loop-a").symlink_to(root / "loop-b")
+    (root / "loop-b").symlink_to(root / "loop-a")
+    (root / "self").symlink_to(root / "self")
+    shutil.copytree(encoder_dir, root / "inside")
+    box = await start_box(default_model=False, model_roots=[root])
+    looping_onnx = {"runtime": "onnx", "path": "inside", "options": {"onnx_file": "../loop-a/model.onnx"}}
+    for given in ({"path": "a" * 256}, {"path": "a/" * 2049}, {"path": "loop-a"}, {"path": "self/x"}, looping_onnx):
+        status, body = await call(http, box, "POST", "/v1/models", {"name": "x", **given})
+        assert status == 422 and body["error"]["code"] == "path_not_found", (given, body)
+        assert "cannot be read" in body["error"]["message"], body
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": "inside"})
+    assert status == 201, body
+
+
 async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(
     start_box, http, encoder_dir, tmp_path
 ) -> None:
