@@ -15,7 +15,9 @@ import msgspec
 
 from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, MODEL_NAME_MAX, MODEL_NAME_PATTERN
 
-Timeout = Annotated[float, msgspec.Meta(gt=0, description="seconds before the request's deadline")]
+# At least a millisecond: a deadline of 1e-9 s (or a denormal) is no deadline a request could meet, only a 504.
+MIN_TIMEOUT_S = 0.001
+Timeout = Annotated[float, msgspec.Meta(ge=MIN_TIMEOUT_S, description="seconds before the request's deadline")]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 # What torch's generators take: a signed 64-bit integer.

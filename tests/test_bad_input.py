@@ -196,7 +196,7 @@ async def test_unknown_route_and_wrong_method_use_the_error_shape(default_box, h
 
 
 @pytest.mark.parametrize(
-    "seconds", ["soon", "1_0", "\uff11", "nan", "inf", "-Infinity", "1e400", "-1", "0", "0x10", ""]
+    "seconds", ["soon", "1_0", "\uff11", "nan", "inf", "-Infinity", "1e400", "-1", "0", "0x10", "", "1e-9", "1e-400"]
 )
 async def test_bad_timeout_header_is_400(default_box, http, seconds) -> None:
     status, payload, _ = await post(http, default_box, EMBED, {**JSON, "Timeout": seconds})
@@ -211,10 +211,19 @@ async def test_a_plain_decimal_timeout_header_is_accepted(default_box, http, sec
     assert status == 200, payload
 
 
-async def test_passed_deadline_is_504_with_a_clear_message(default_box, http) -> None:
+@pytest.mark.parametrize("seconds", [b"1e-9", b"5e-324", b"0.0009"])
+async def test_a_timeout_no_request_could_meet_is_422_not_a_504(default_box, http, seconds) -> None:
+    """Adversarial tester: `"timeout": 1e-9` (or a denormal) was accepted and answered 504, a 5xx for what
+    the client sent. A deadline is at least a millisecond."""
     status, payload, _ = await post(
-        http, default_box, b'{"input": "x", "model": "all-minilm-l6-v2", "timeout": 0.0005}'
+        http, default_box, b'{"input": "x", "model": "all-minilm-l6-v2", "timeout": %s}' % seconds
     )
+    assert status == 422, payload
+    assert "timeout" in payload["error"]["message"]
+
+
+async def test_passed_deadline_is_504_with_a_clear_message(default_box, http) -> None:
+    status, payload, _ = await post(http, default_box, b'{"input": "x", "model": "all-minilm-l6-v2", "timeout": 0.001}')
     assert status == 504
     assert_error_shape(payload, "deadline_exceeded")
     assert "deadline" in payload["error"]["message"]

@@ -19,6 +19,7 @@ from aiohttp import hdrs, web
 
 from appliance.envelope import INTERACTIVE, PRIORITIES
 from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
+from appliance.schemas import MIN_TIMEOUT_S
 from appliance.settings import Settings
 
 T = TypeVar("T")
@@ -137,8 +138,8 @@ def _header_seconds(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise BadRequest(f"the {TIMEOUT_HEADER} header is too large: {text!r}")
-    if not value > 0:
-        raise BadRequest(f"the {TIMEOUT_HEADER} header must be positive, not {text!r}")
+    if not value >= MIN_TIMEOUT_S:
+        raise BadRequest(f"the {TIMEOUT_HEADER} header must be at least {MIN_TIMEOUT_S} seconds, not {text!r}")
     return value
 
 
