@@ -39,12 +39,15 @@ def not_ready_reason(box: Box) -> str | None:
 
 
 def model_state(box: Box, name: str) -> dict[str, Any]:
-    """Where a model is resident in the fleet, from this box's own state and the heartbeats."""
+    """Where a model is resident in the fleet, from this box's own state and the other boxes' heartbeats (its own
+    heartbeat is up to a beat old: a load that had just failed read "loading", with its `load_error` beside it)."""
     spec = box.catalog.get(name)
     if spec is not None and spec.adapter_of is not None:
         return _adapter_state(box, name, spec.adapter_of)
     boxes, nbytes, loading = [], None, False
     for record in box.fleet.live_boxes() if box.fleet else []:
+        if record.get("box") == box.box_id:
+            continue
         for model in record.get("models", []):
             if model.get("name") == name:
                 if model.get("state") == "loading":
@@ -57,7 +60,7 @@ def model_state(box: Box, name: str) -> dict[str, Any]:
         nbytes = resident.nbytes
         if box.box_id not in boxes:
             boxes.append(box.box_id)
-    if box.residency.is_loading(name):
+    if box.residency.is_loading(name) or (box.placement is not None and name in box.placement.loading):
         loading = True
     state = "resident" if boxes else "loading" if loading else "cold"
     profile = None

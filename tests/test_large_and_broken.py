@@ -108,6 +108,19 @@ async def register_again_on_a_good_folder(http, box: Box) -> None:
         assert response.status == 201
 
 
+async def test_a_model_whose_load_just_failed_reads_cold_with_its_error_not_loading(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """Stock-client tester: right after the 503, GET /v1/models/{name} said "loading" beside the load error (the
+    box's own heartbeat, a beat old) for up to ten seconds."""
+    box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
+        assert response.status == 503
+    async with http.get(url(box, "/v1/models/mine")) as response:
+        record = await response.json()
+    assert record["state"] == "cold" and "SafetensorError" in record["load_error"], record
+
+
 async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_folder_is_served_at_once(
     start_box, http, tmp_path, encoder_dir
 ) -> None:
