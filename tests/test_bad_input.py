@@ -250,6 +250,35 @@ async def test_malformed_http_is_a_400_and_the_connection_is_closed(default_box,
     assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", answer[:200]
 
 
+async def test_a_body_announced_over_the_limit_is_refused_before_it_is_sent(default_box) -> None:
+    """`Expect: 100-continue` (curl asks so for any body over 1 MB): the box said `100 Continue` to a 9 MB body and
+    answered 413 once all of it was uploaded (adversarial tester). It answers 413 at once; within the limit, 100."""
+    limit = default_box.settings.max_body_bytes
+    head = "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", default_box.http_port)
+    try:
+        writer.write(f"{head}Content-Length: {limit + 1}\r\n\r\n".encode())
+        await writer.drain()
+        head_413 = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)  # no body sent: it waits
+        assert head_413.split(b" ")[1] == b"413" and b"Connection: close" in head_413, head_413
+        length = int(head_413.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        assert b"larger than the limit" in await asyncio.wait_for(reader.readexactly(length), timeout=10)
+    finally:
+        writer.close()
+    body = b'{"model": "all-minilm-l6-v2", "input": "x"}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", default_box.http_port)
+    try:
+        writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), timeout=10)).startswith(b"HTTP/1.1 100 Continue")
+        await reader.readline()
+        writer.write(body)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), timeout=10)).split(b" ")[1] == b"200"
+    finally:
+        writer.close()
+
+
 async def test_post_to_an_unknown_model_verb_is_404_not_405(default_box, http) -> None:
     async with http.post(url(default_box, "/v1/models/all-minilm-l6-v2/frobnicate")) as response:
         assert response.status == 404

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 
 from appliance.catalog import ModelSpec
 from appliance.errors import (
@@ -69,6 +69,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
+    if response.status == 413:
+        response.force_close()  # the rest of its body may be on its way: not read into a kept-alive connection
     if ctx.is_draining() and not response.prepared:
         # The connection closes after this answer, which says so (`Connection: close`): the client reconnects
         # elsewhere. Not after a stream, whose headers went out keep-alive before the drain: closed under it, the
@@ -139,6 +141,23 @@ def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelS
     return on_change
 
 
+async def _continue_within_limit(request: web.Request) -> None:
+    """`Expect: 100-continue`: the client waits to be told to send its body; told only when its Content-Length is
+    within the limit, else the route answers 413 at once, before the body is sent (curl asks so for any body over
+    1 MB: it uploaded all 9 MB of one, then got the 413). Otherwise as aiohttp's own handler."""
+    if request.version < HttpVersion11:
+        return
+    if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers[hdrs.EXPECT]!r}")
+    limit = GatewayContext.of(request).settings.max_body_bytes
+    if request.content_length is None or request.content_length <= limit:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def _post(path: str, handler: Handler) -> web.RouteDef:
+    return web.post(path, handler, expect_handler=_continue_within_limit)
+
+
 def build_app(context: GatewayContext) -> web.Application:
     # auto_decompress off: read_body decodes a compressed body itself, so a bad one is a 4xx in the error shape.
     app = web.Application(
@@ -160,24 +179,26 @@ def build_app(context: GatewayContext) -> web.Application:
         context.store.on_change(_answers_for_deleted_models(context.dispatcher))
         routes.append(web.get("/v1/models", inference(ops.list_models)))
         routes.append(web.get("/v1/models/{name:.+}", inference(admin.get_model)))
-        routes.append(web.post("/v1/models", admin_only(admin.register_model)))
+        routes.append(_post("/v1/models", admin_only(admin.register_model)))
         for verb in MODEL_VERBS:
-            routes.append(web.post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
+            routes.append(_post(f"/v1/models/{{name:.+}}/{verb}", admin_only(getattr(admin, f"{verb}_model"))))
         # After the verbs: a model name may hold a `/`, so any other last segment would match GET's route.
-        routes.append(web.post("/v1/models/{name:.+}/{verb}", admin_only(_unknown_model_verb)))  # no probing for names
+        routes.append(_post("/v1/models/{name:.+}/{verb}", admin_only(_unknown_model_verb)))  # no probing for names
         routes.append(web.delete("/v1/models/{name:.+}", admin_only(admin.delete_model)))
-        routes.append(web.patch("/v1/models/{name:.+}", admin_only(admin.update_model)))
-        routes.append(web.post("/v1/embeddings", inference(encoders.create_embeddings)))
+        routes.append(
+            web.patch("/v1/models/{name:.+}", admin_only(admin.update_model), expect_handler=_continue_within_limit)
+        )
+        routes.append(_post("/v1/embeddings", inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/v2/rerank"):
-            routes.append(web.post(path, inference(encoders.rerank)))
-        routes.append(web.post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Cohere's
-        routes.append(web.post("/embed", inference(encoders.embed_tei)))  # TEI's
-        routes.append(web.post("/predict", inference(encoders.predict_tei)))  # TEI's
+            routes.append(_post(path, inference(encoders.rerank)))
+        routes.append(_post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Cohere's
+        routes.append(_post("/embed", inference(encoders.embed_tei)))  # TEI's
+        routes.append(_post("/predict", inference(encoders.predict_tei)))  # TEI's
         for path in ("/", "/invocations"):  # TEI's: the route of its one model's task
-            routes.append(web.post(path, inference(encoders.tei_root)))
-        routes.append(web.post("/v1/classify", inference(encoders.classify)))
-        routes.append(web.post("/v1/extract", inference(encoders.extract)))
-        routes.append(web.post("/v1/completions", inference(generation.completions)))
-        routes.append(web.post("/v1/chat/completions", inference(generation.chat_completions)))
+            routes.append(_post(path, inference(encoders.tei_root)))
+        routes.append(_post("/v1/classify", inference(encoders.classify)))
+        routes.append(_post("/v1/extract", inference(encoders.extract)))
+        routes.append(_post("/v1/completions", inference(generation.completions)))
+        routes.append(_post("/v1/chat/completions", inference(generation.chat_completions)))
     app.add_routes(routes)
     return app
