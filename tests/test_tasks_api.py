@@ -284,6 +284,38 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     assert streamed == whole[1]["choices"][0]["message"]["content"]
 
 
+async def stream_chunks(http, box: Box, path: str, body: dict) -> list[dict]:
+    """The chunk objects of a streamed answer, `[DONE]` checked and left out."""
+    async with http.post(url(box, path), json=body) as response:
+        assert response.status == 200, await response.text()
+        raw = await response.text()
+    events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [orjson.loads(event) for event in events[:-1]]
+
+
+async def test_streamed_chunks_have_openais_fields_even_without_text(task_box, http, model_dirs) -> None:
+    """The first chat delta carries `content` beside the role ("" when it has no text), and with `include_usage`
+    every chunk but the usage one carries `usage: null`, as OpenAI's do: the first delta was {"role": "assistant"}
+    alone and the other chunks had no `usage`."""
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(model_dirs[_task("generate")]).convert_tokens_to_ids("<|im_end|>")
+    streamed = {"model": "tiny-llama", "stream": True, "stream_options": {"include_usage": True}}
+    chat = streamed | {"messages": [{"role": "user", "content": "Hi"}]}
+    at_once = await stream_chunks(http, task_box, "/v1/chat/completions", chat | {"logit_bias": {str(end): 100}})
+    assert [c["choices"][0]["delta"] for c in at_once[:-1]] == [{"role": "assistant", "content": ""}]
+    assert at_once[0]["choices"][0]["finish_reason"] == "stop" and at_once[0]["usage"] is None
+    assert at_once[-1]["choices"] == [] and at_once[-1]["usage"]["completion_tokens"] == 1
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", streamed | {"prompt": "Hi"})):
+        chunks = await stream_chunks(http, task_box, path, body | {"max_tokens": 4, "temperature": 0})
+        assert len(chunks) > 2 and all(c["usage"] is None for c in chunks[:-1]), chunks
+        assert chunks[-1]["usage"]["completion_tokens"] >= 1
+    chunks = await stream_chunks(http, task_box, "/v1/chat/completions", chat | {"stream_options": None})
+    assert isinstance(chunks[0]["choices"][0]["delta"]["content"], str)
+    assert all("usage" not in c for c in chunks)  # not asked for: not there, as OpenAI's
+
+
 @pytest.mark.parametrize(
     ("path", "body", "named"),
     [

@@ -1,8 +1,11 @@
 """OpenAI `POST /v1/completions` and `/v1/chat/completions`, whole or streamed as server-sent events.
 
 The worker streams numbered text chunks; this module only shapes them: into one response, or
-into OpenAI's chunk objects on the wire as they arrive, ending with `data: [DONE]`. An error before
-the first chunk is an ordinary HTTP error; one after it is an SSE `error` event, then `[DONE]`.
+into OpenAI's chunk objects on the wire as they arrive, ending with `data: [DONE]`. The chunks are
+OpenAI's to the field, since stock clients read them so: the first chat delta carries the role and
+`content` (empty when it has no text), and with `include_usage` every chunk carries `usage`, null
+but in the last. An error before the first chunk is an ordinary HTTP error; one after it is an SSE
+`error` event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -69,20 +72,21 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         priority=request_priority(request),
         request_id=request[REQUEST_ID],
     )
-    shape = _Shape(chat=chat, model=resolved.name)
+    include_usage = bool(parsed.stream and parsed.stream_options and parsed.stream_options.include_usage)
+    shape = _Shape(chat=chat, model=resolved.name, include_usage=include_usage)
     async with aclosing(chunks):
         if parsed.stream:
-            include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            return await _stream(request, chunks, shape, include_usage)
+            return await _stream(request, chunks, shape)
         return await _whole(chunks, shape)
 
 
 class _Shape:
     """Builds OpenAI's objects for one request: ids, timestamps and the choice layout."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
         self.chat = chat
         self.model = model
+        self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + msgspec.json.encode(time.time_ns()).decode()
         self.created = int(time.time())
 
@@ -104,19 +108,24 @@ class _Shape:
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text:
-                delta["content"] = text
-            choice["delta"] = delta
+            # As OpenAI's: the first delta has `content` even with no text yet ("": clients read it as a string),
+            # a later one only when it has text (the last one's may be {}).
+            if first:
+                choice["delta"] = {"role": "assistant", "content": text or ""}
+            else:
+                choice["delta"] = {"content": text} if text else {}
         else:
             choice["text"] = text or ""
-        return {
+        chunk: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [choice],
         }
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI's: every chunk but the usage one says it has none
+        return chunk
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {
@@ -149,9 +158,7 @@ async def _whole(chunks: AsyncIterator[Reply], shape: _Shape) -> web.Response:
     raise InternalError("the generation ended without its final chunk")  # Dispatcher.stream ends on one, or raises
 
 
-async def _stream(
-    request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape, include_usage: bool
-) -> web.StreamResponse:
+async def _stream(request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     first = True
     resume = _Resume()
@@ -170,7 +177,7 @@ async def _stream(
             finish = body.get("finish_reason") if chunk.meta.final else None
             await _event(response, shape.chunk(text, finish, first=first))
             first = False
-            if chunk.meta.final and include_usage:
+            if chunk.meta.final and shape.include_usage:
                 await _event(response, shape.usage_chunk(_usage(body)))
     except FleetboxError as error:
         if response is None:
