@@ -1,6 +1,9 @@
 """What a generation request asks of the runtime: its prompt as token ids, and its sampling parameters.
 
 A request is a chat (it has `messages`) or a completion, decoded with one schema error either way;
+a chat reaches the model's template as vLLM hands it over (content parts joined by newlines, `null`
+content as "", the history's tool calls with their JSON arguments parsed, a tool turn's call id), so
+a template renders what it would under vLLM;
 a prompt that does not fit the model is a 413 named as the client knows it (the conversation or the
 prompt, not "input 0"); a conversation the model's chat template refuses is a 400 at once, not a
 model failure retried and dead-lettered; and what a request leaves out of its sampling is the model's
@@ -12,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import orjson
 
 from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable
-from appliance.schemas import ChatRequest, CompletionRequest
+from appliance.schemas import ChatMessage, ChatRequest, CompletionRequest, ToolCall
 from runtimes import InputTooLong, UnsupportedModel
 from runtimes.generate import ChatTemplateError, GenerateRuntime, SamplingParams
 
@@ -35,9 +39,7 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
     """The prompt's token ids: the chat rendered with the model's template, or the completion's text."""
     try:
         if isinstance(request, ChatRequest):
-            messages = [
-                {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in request.messages
-            ]
+            messages = [template_message(m) for m in request.messages]
             return runtime.apply_chat_template(messages, truncate=request.truncate)
         return runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
     except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
@@ -55,6 +57,28 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
         raise BadRequest(
             f"the model's chat template failed on this conversation: {exc}", code="chat_template_error"
         ) from None
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as vLLM hands it to a chat template (its `parse_chat_messages`, for text-only models)."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        rendered["name"] = message.name
+    if message.tool_calls:  # an empty list is left out, as vLLM does: the template takes its plain path
+        rendered["tool_calls"] = [_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    """transformers' tool-use templates read the arguments as an object (`arguments | items`), so JSON ones are
+    parsed, as vLLM does; others are kept as sent rather than replaced."""
+    try:
+        arguments = orjson.loads(call.function.arguments)
+    except orjson.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def sampling_params(runtime: GenerateRuntime, request: ChatRequest | CompletionRequest) -> SamplingParams:

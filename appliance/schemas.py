@@ -223,16 +223,39 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # OpenAI's: the arguments as a JSON string
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A tool call an assistant turn of the history made: kept for the template, never made by fleetbox."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # OpenAI's content parts: text only (these are text models). `null`: an assistant turn of tool calls.
     content: str | list[TextPart] | None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+
+    def __post_init__(self) -> None:
+        # Refused, as OpenAI refuses them, rather than passed to a template that would show them in another turn.
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed in an assistant message, not a {self.role} one")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed in a tool message, not a {self.role} one")
 
     def text(self) -> str:
+        """The content as one string: parts joined by newlines (as vLLM joins them), `null` as empty."""
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class StreamOptions(_NullIsDefault, kw_only=True):
