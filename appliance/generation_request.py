@@ -2,8 +2,8 @@
 
 A request is a chat (it has `messages`) or a completion, decoded with one schema error either way;
 a chat reaches the model's template as vLLM hands it over (content parts joined by newlines, `null`
-content as "", the history's tool calls with their JSON arguments parsed, a tool turn's call id), so
-a template renders what it would under vLLM;
+content as "", the history's tool calls with their JSON arguments parsed, a tool turn's call id, and
+vLLM's template controls), so a template renders what it would under vLLM;
 a prompt that does not fit the model is a 413 named as the client knows it (the conversation or the
 prompt, not "input 0"); a conversation the model's chat template refuses is a 400 at once, not a
 model failure retried and dead-lettered; and what a request leaves out of its sampling is the model's
@@ -20,7 +20,13 @@ import orjson
 from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable
 from appliance.schemas import ChatMessage, ChatRequest, CompletionRequest, ToolCall
 from runtimes import InputTooLong, UnsupportedModel
-from runtimes.generate import ChatTemplateError, GenerateRuntime, SamplingParams
+from runtimes.generate import (
+    ChatTemplateError,
+    GenerateRuntime,
+    ReservedTemplateVariable,
+    SamplingParams,
+    TemplateControls,
+)
 
 _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
@@ -39,8 +45,13 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
     """The prompt's token ids: the chat rendered with the model's template, or the completion's text."""
     try:
         if isinstance(request, ChatRequest):
+            controls = TemplateControls(
+                add_generation_prompt=bool(request.add_generation_prompt),
+                continue_final_message=bool(request.continue_final_message),
+                variables=request.chat_template_kwargs or {},
+            )
             messages = [template_message(m) for m in request.messages]
-            return runtime.apply_chat_template(messages, truncate=request.truncate)
+            return runtime.apply_chat_template(messages, truncate=request.truncate, controls=controls)
         return runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
     except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
         chat = isinstance(request, ChatRequest)
@@ -49,6 +60,13 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
         raise PayloadTooLarge(message, code="input_too_long") from None
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="no_chat_template") from None
+    except ReservedTemplateVariable as exc:
+        names = ", ".join(f"`{name}`" for name in exc.names)
+        raise Unprocessable(
+            f"chat_template_kwargs: {names} would set an argument of the chat template call itself, "
+            "not a template variable; use the request's own fields (add_generation_prompt, continue_final_message)"
+            " or leave them out"
+        ) from None
     except ChatTemplateError as exc:  # answered at once: a retry renders the same conversation the same way
         if exc.broken:
             raise Unprocessable(

@@ -327,6 +327,12 @@ class _Sampling(_NullIsDefault, kw_only=True):
     def token_bias(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items())
 
+    def conflict(self) -> str | None:
+        """Why fields that are each valid cannot go together, or None."""
+        if self.stream_options is not None and not self.stream:
+            return 'stream_options is only allowed with "stream": true'
+        return None
+
     def refused(self) -> list[str]:
         """The fields asking for what fleetbox does not do (tools, structured output, logprobs, ...): a 422 each,
         since answering without them would change what the answer means. Their "off" values pass: the openai
@@ -384,9 +390,26 @@ class ChatRequest(_Sampling, kw_only=True):
     audio: dict[str, Any] | None = None  # the voice and format of that audio answer
     web_search_options: dict[str, Any] | None = None  # even {}: an answer grounded in a web search
     moderation: dict[str, Any] | None = None  # a moderation model screening (or blocking) input and output
+    # vLLM's chat-template controls, handed to the model's template as vLLM hands them.
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template, e.g. {"enable_thinking": false}
+    # vLLM's, refused: a template of the client's own (vLLM too, unless its server trusts them), and echo.
+    chat_template: str | None = None
+    echo: bool | None = False
+
+    def conflict(self) -> str | None:
+        if self.add_generation_prompt and self.continue_final_message:
+            return (
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+                "(add_generation_prompt defaults to true: send it as false to continue the final message)"
+            )
+        return super().conflict()
 
     def refused(self) -> list[str]:
         asked = {
+            "chat_template": self.chat_template is not None,
+            "echo": bool(self.echo),
             "logprobs": bool(self.logprobs),
             "top_logprobs": bool(self.top_logprobs),
             "modalities": self.modalities is not None and set(self.modalities) != {"text"},

@@ -4,6 +4,11 @@ The one idea: the template is transformers' to run (its tokenizer, loaded on the
 with control tokens typed inside a message (`<|im_end|>`, say) kept as plain text where transformers
 can, so a user cannot close their turn and speak as the system. A template that raises is a `ChatTemplateError`,
 the model's fault or the conversation's, told apart so the caller answers each as it should.
+
+The caller picks what vLLM lets a client pick: the generation prompt, or continuing the final message instead,
+and extra variables for the template (`enable_thinking`, say). A variable named as one of `apply_chat_template`'s
+own arguments (`tokenize`, `tools`, ...) or as the conversation (`messages`) is a `ReservedTemplateVariable`:
+it would change the call, not the template's text.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,28 @@ class ChatTemplateError(ValueError):
         self.broken = broken
 
 
+@dataclass(slots=True, frozen=True)
+class TemplateControls:
+    """What a request chooses of its render, as vLLM lets a client choose it: the generation prompt, or continuing
+    the final message instead (transformers refuses both at once), and extra variables for the template."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: Mapping[str, Any] = field(default_factory=dict)
+
+
+DEFAULT_CONTROLS = TemplateControls()
+CONVERSATION = "messages"  # what a template reads the conversation as: no variable may take its place
+
+
+class ReservedTemplateVariable(ValueError):
+    """Template variables named as the render call's own arguments (`names`, sorted)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"{', '.join(names)}: arguments of the chat template call, not template variables")
+        self.names = names
+
+
 class ChatPrompts:
     """Renders conversations for one model folder; thread-safe."""
 
@@ -40,14 +68,31 @@ class ChatPrompts:
         self._folder = folder
         self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
         self._chat: Any = None  # transformers tokenizer, loaded on first chat request
+        self._arguments: frozenset[str] = (
+            frozenset()
+        )  # apply_chat_template's own, this transformers': `_chat_tokenizer`
         self._lock = threading.Lock()
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool = False) -> np.ndarray:
-        """Prompt ids for a chat, with a generation prompt; past the tokenizer's `max_length`, `InputTooLong`
-        unless `truncate` (which keeps the end)."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        truncate: bool = False,
+        controls: TemplateControls = DEFAULT_CONTROLS,
+    ) -> np.ndarray:
+        """Prompt ids for a chat, rendered as `controls` say (by default with a generation prompt); past the
+        tokenizer's `max_length`, `InputTooLong` unless `truncate` (which keeps the end)."""
         chat = self._chat_tokenizer()
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
-        if "sanitize_control_tokens" in inspect.signature(chat.apply_chat_template).parameters:
+        reserved = sorted(self._arguments.union({CONVERSATION}).intersection(controls.variables))
+        if reserved:
+            raise ReservedTemplateVariable(reserved)
+        kwargs: dict[str, Any] = {
+            **controls.variables,
+            "add_generation_prompt": controls.add_generation_prompt,
+            "continue_final_message": controls.continue_final_message,
+            "tokenize": False,
+        }
+        if "sanitize_control_tokens" in self._arguments:
             kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
         with self._lock:
             try:
@@ -73,5 +118,11 @@ class ChatPrompts:
                 chat = AutoTokenizer.from_pretrained(str(self._folder), local_files_only=True, trust_remote_code=False)
                 if not chat.chat_template:
                     raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
+                # Read from the signature, not listed here: a variable named as one would change the call, and
+                # each transformers release may add some.
+                arguments = inspect.signature(chat.apply_chat_template).parameters.values()
+                self._arguments = frozenset(
+                    p.name for p in arguments if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                )
                 self._chat = chat
             return self._chat

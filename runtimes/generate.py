@@ -40,7 +40,13 @@ import torch
 
 from runtimes.base import AdapterInUse, InputTooLong, ModelInfo, ModelSource, Task, Tokenized, max_decode_batch
 from runtimes.causal_lm import check_full_attention, default_params, eos_ids
-from runtimes.chat_prompt import ChatPrompts, ChatTemplateError
+from runtimes.chat_prompt import (
+    DEFAULT_CONTROLS,
+    ChatPrompts,
+    ChatTemplateError,
+    ReservedTemplateVariable,
+    TemplateControls,
+)
 from runtimes.decoding import Decoding, StepOutput, Usage
 from runtimes.inbox import Inbox
 from runtimes.kv_batch import CacheBatch
@@ -50,7 +56,15 @@ from runtimes.tasks.penalties import Penalties
 from runtimes.tokenizer import TextTokenizer, model_max_length
 from runtimes.torch_backend import _DTYPES, load_torch_model, release
 
-__all__ = ["ChatTemplateError", "GenerateRuntime", "SamplingParams", "StepOutput", "Usage"]
+__all__ = [
+    "ChatTemplateError",
+    "GenerateRuntime",
+    "ReservedTemplateVariable",
+    "SamplingParams",
+    "StepOutput",
+    "TemplateControls",
+    "Usage",
+]
 
 
 class GenerateRuntime:
@@ -93,9 +107,15 @@ class GenerateRuntime:
         """Completion prompts, special tokens added as the model expects; truncation keeps the end."""
         return self.tokenizer.tokenize(texts, truncate=truncate)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool = False) -> np.ndarray:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        truncate: bool = False,
+        controls: TemplateControls = DEFAULT_CONTROLS,
+    ) -> np.ndarray:
         """Prompt ids for a chat, rendered with the model's own template (`runtimes/chat_prompt.py`)."""
-        return self._chat.render(messages, truncate=truncate)
+        return self._chat.render(messages, truncate=truncate, controls=controls)
 
     # -- requests -------------------------------------------------------------------------------
 

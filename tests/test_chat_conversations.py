@@ -1,5 +1,9 @@
-"""A chat reaches the model's template as vLLM hands it over: content parts joined by newlines, `null` content as "",
-the history's tool calls (their JSON arguments parsed) and a tool turn's call id kept. The runtime, the worker's
+"""A chat reaches the model's template as vLLM hands it over, and vLLM's template controls are honoured, not ignored.
+
+Content parts are joined by newlines, `null` content is "", the history's tool calls (their JSON arguments parsed)
+and a tool turn's call id are kept; `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`
+reach the template. What would change the render call rather than the template's text (a variable named as one of
+its arguments, both controls on at once, a template of the request's own) is a 422. The runtime, the worker's
 request decoding and the box are real; only the chat template in a copy of the generator's folder changes, to one
 that writes each message it is given as JSON.
 """
@@ -13,6 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from appliance.errors import Unprocessable
 from appliance.generation_request import decode_generation, prompt_ids
 from appliance.settings import ModelEntry
 from runtimes import ModelSource, Task, load_runtime
@@ -60,6 +65,11 @@ def echoed(echo_dir: Path) -> Iterator[Render]:
     yield from renderer(echo_dir)
 
 
+@pytest.fixture(scope="module")
+def chatml(generator_dir: Path) -> Iterator[Render]:
+    yield from renderer(generator_dir)
+
+
 def test_tool_call_history_and_content_parts_reach_the_template_as_vllm_hands_them_over(echoed: Render) -> None:
     """Tool calls and the tool call id were dropped, and text parts joined with nothing between them."""
     *lines, last = echoed(messages=TOOL_TURNS).split("\n")
@@ -72,6 +82,22 @@ def test_tool_call_history_and_content_parts_reach_the_template_as_vllm_hands_th
     not_json = {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{x"}}
     turn, _ = echoed(messages=[{"role": "assistant", "content": "", "tool_calls": [not_json]}]).split("\n")
     assert json.loads(turn)["tool_calls"] == [not_json]  # kept as sent, not replaced by {}
+
+
+def test_template_controls_and_variables_reach_the_template(echoed: Render) -> None:
+    """`add_generation_prompt: false` and `chat_template_kwargs` were accepted and ignored."""
+    messages = [{"role": "user", "content": "Hi"}]
+    assert echoed(messages=messages).endswith("\nGEN")
+    no_prompt = echoed(messages=messages, add_generation_prompt=False, chat_template_kwargs={"enable_thinking": False})
+    assert no_prompt.endswith('"Hi"}\nTHINK=False'), no_prompt
+
+
+def test_continue_final_message_leaves_the_last_turn_open(chatml: Render) -> None:
+    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris is"}]
+    closed = chatml(messages=messages, add_generation_prompt=False)
+    assert closed.endswith("Paris is<|im_end|>\n"), closed
+    opened = chatml(messages=messages, add_generation_prompt=False, continue_final_message=True)
+    assert opened == closed.removesuffix("<|im_end|>\n"), opened
 
 
 @pytest.fixture
@@ -96,3 +122,39 @@ async def test_tool_calls_outside_an_assistant_turn_are_a_422(echo_box, http) ->
     status, body = await chat(http, echo_box, messages=[{"role": "user", "content": "Hi", "tool_call_id": "c1"}])
     assert (status, body["error"]["code"]) == (422, "invalid_input"), body
     assert "tool_call_id is only allowed in a tool message" in body["error"]["message"]
+
+
+async def test_chat_template_kwargs_reach_the_template_through_the_box(echo_box, http, echo_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(echo_dir)
+    messages = [{"role": "user", "content": "Hi"}]
+    for variables in ({}, {"enable_thinking": False}):
+        # The other controls at their defaults, as a vLLM client may send them.
+        defaults = {"add_generation_prompt": True, "continue_final_message": False, "chat_template": None}
+        status, body = await chat(http, echo_box, chat_template_kwargs=variables, echo=False, **defaults)
+        assert status == 200, body
+        expected = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **variables
+        )
+        assert body["usage"]["prompt_tokens"] == len(expected), variables
+
+
+@pytest.mark.parametrize(
+    "name", ["tokenize", "messages", "conversation", "add_generation_prompt", "tools", "chat_template", "return_dict"]
+)
+def test_a_template_variable_named_as_an_argument_of_the_call_is_refused(echoed: Render, name: str) -> None:
+    """Passed on, it would override the worker's own arguments (`tokenize`: text where ids are read) or raise a
+    TypeError (given twice); the whole field was ignored before."""
+    with pytest.raises(Unprocessable, match=f"chat_template_kwargs: `{name}`"):
+        echoed(messages=[{"role": "user", "content": "Hi"}], chat_template_kwargs={name: True, "fine": 1})
+
+
+async def test_what_would_change_the_call_is_a_422_at_the_box(echo_box, http) -> None:
+    """Both were answered 200 as if not sent."""
+    status, body = await chat(http, echo_box, chat_template_kwargs={"tokenize": False, "padding": True})
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+    assert "chat_template_kwargs: `padding`, `tokenize`" in body["error"]["message"]
+    status, body = await chat(http, echo_box, continue_final_message=True)
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in body["error"]["message"]

@@ -60,6 +60,8 @@ async def post(http, box, route: str, body: dict) -> tuple[int, dict]:
         ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
         ("/v1/chat/completions", {"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
         ("/v1/completions", {"skip_special_tokens": False, "use_beam_search": True}, "skip_special_tokens, use_beam"),
+        # vLLM's chat fields, answered 200 as if not sent: a template of the client's own, and echo.
+        ("/v1/chat/completions", {"chat_template": "{{ messages }}", "echo": True}, "chat_template, echo"),
     ],
 )
 async def test_a_parameter_fleetbox_does_not_implement_is_refused_by_name(box, http, route, fields, named) -> None:

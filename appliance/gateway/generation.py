@@ -48,11 +48,13 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         raise Unprocessable(
             f"{', '.join(refused)}: not supported by this server (fleetbox generates one choice of plain text, "
             "without tools, structured output, log probabilities, audio, web search, predicted outputs, "
-            f"moderation, or vLLM's guided decoding and token controls); leave them out{several}",
+            "moderation, a chat template of the request's own, or vLLM's guided decoding and token controls); "
+            f"leave them out{several}",
             code="unsupported_parameter",
         )
-    if parsed.stream_options is not None and not parsed.stream:
-        raise Unprocessable('stream_options is only allowed with "stream": true')
+    conflict = parsed.conflict()
+    if conflict:
+        raise Unprocessable(conflict)
     resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
     if resolved.spec.task is not Task.GENERATE:
         raise Unprocessable(
