@@ -32,10 +32,21 @@ _chat = msgspec.json.Decoder(ChatRequest)
 _completion = msgspec.json.Decoder(CompletionRequest)
 
 
+class _Conversation(msgspec.Struct):
+    """Only whether a body has a top-level `messages` (the rest skipped unparsed): the bytes `"messages"` anywhere
+    made a chat of a completion whose `user` was "messages", then refused it for its missing conversation."""
+
+    messages: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # empty when the body has none
+
+
+_conversation = msgspec.json.Decoder(_Conversation)
+
+
 def decode_generation(body: bytes) -> ChatRequest | CompletionRequest:
-    """Chat when the body has `messages`, a completion otherwise; one schema error either way."""
-    decoder = _chat if b'"messages"' in body else _completion
+    """Chat when the body has `messages` (a completion's is refused at the gateway), a completion otherwise; one
+    schema error either way."""
     try:
+        decoder = _chat if bytes(_conversation.decode(body).messages) not in (b"", b"null") else _completion
         return decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise Unprocessable(f"invalid generation request: {exc}") from None

@@ -367,12 +367,14 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    messages: list[Any] | None = None  # a chat's: refused, as OpenAI refuses it (the box rendered a chat)
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def refused(self) -> list[str]:
         asked = {"logprobs": self.logprobs is not None, "echo": bool(self.echo), "suffix": bool(self.suffix)}
+        asked["messages"] = self.messages is not None
         asked["best_of"] = self.best_of not in (None, 1)
         return super().refused() + [name for name, on in asked.items() if on]
 

@@ -68,9 +68,8 @@ class ChatPrompts:
         self._folder = folder
         self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
         self._chat: Any = None  # transformers tokenizer, loaded on first chat request
-        self._arguments: frozenset[str] = (
-            frozenset()
-        )  # apply_chat_template's own, this transformers': `_chat_tokenizer`
+        # apply_chat_template's own arguments, in the transformers installed: read by `_chat_tokenizer`.
+        self._arguments: frozenset[str] = frozenset()
         self._lock = threading.Lock()
 
     def render(

@@ -62,6 +62,8 @@ async def post(http, box, route: str, body: dict) -> tuple[int, dict]:
         ("/v1/completions", {"skip_special_tokens": False, "use_beam_search": True}, "skip_special_tokens, use_beam"),
         # vLLM's chat fields, answered 200 as if not sent: a template of the client's own, and echo.
         ("/v1/chat/completions", {"chat_template": "{{ messages }}", "echo": True}, "chat_template, echo"),
+        # A chat's conversation on the completions route: the box rendered it as a chat, under a completion's shape.
+        ("/v1/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
     ],
 )
 async def test_a_parameter_fleetbox_does_not_implement_is_refused_by_name(box, http, route, fields, named) -> None:
@@ -77,6 +79,13 @@ async def test_vllm_extensions_at_their_off_values_are_answered(box, http) -> No
     off |= {"skip_special_tokens": True, "guided_json": None, "use_beam_search": False}
     status, body = await post(http, box, "/v1/completions", COMPLETION | off)
     assert status == 200, body
+
+
+async def test_a_completion_that_names_messages_in_a_value_is_a_completion(box, http) -> None:
+    """The box took any body holding the bytes `"messages"` for a chat: this one was refused at the box, 422
+    "missing required field `messages`", after the gateway had accepted it."""
+    status, body = await post(http, box, "/v1/completions", COMPLETION | {"user": "messages", "stop": ['"messages"']})
+    assert status == 200 and body["object"] == "text_completion", body
 
 
 async def test_stream_options_without_stream_is_refused(box, http) -> None:
