@@ -150,8 +150,9 @@ class Placement:
 
     def _load_error(self, spec: ModelSpec, exc: Exception) -> FleetboxError:
         """What the requests waiting for a model this box failed to load are told: 507 when the model is larger
-        than every live box's budget (no retry helps until a larger box joins), else the 503 of a failed load
-        (a corrupt folder, a box short of memory for its pinned models, a larger box that joined meanwhile)."""
+        than every live box's budget, by its estimate or by what its load measured (no retry helps until a larger
+        box joins), else the 503 of a failed load (a corrupt folder, a box short of memory for its pinned models,
+        a larger box that joined meanwhile)."""
         if isinstance(exc, InsufficientMemory) and exc.need_bytes:
             largest = self._largest_budget()
             if exc.need_bytes > largest[1]:

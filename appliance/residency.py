@@ -3,8 +3,11 @@
 The eviction rule: before a load, estimate the newcomer's bytes (weight files, scaled by dtype)
 and evict least-recently-used unpinned models until it fits; a model that cannot fit even with
 every unpinned model gone is refused (507). Once loaded, a model's bytes are the measured ones:
-weights plus the activation peak seen at warm-up. Loads are single-flight: any number of
-concurrent `ensure_loaded` calls for one cold model cause one load, in a thread.
+weights plus the activation peak seen at warm-up. The estimate can be far off (float16 weight files
+loaded as float32, a long context's activations), so the measured bytes are judged again by the
+same rule before the model becomes resident: evict for them, or unload the model and refuse it
+(507), remembering its measured size so the next try is refused unloaded. Loads are single-flight:
+any number of concurrent `ensure_loaded` calls for one cold model cause one load, in a thread.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ def _weight_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES]
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
 @dataclass(slots=True)
 class Resident:
     spec: ModelSpec
@@ -107,6 +114,8 @@ class Residency:
         self._onnx_cache = onnx_cache
         # model -> why its last load on this box failed, and what that load depended on (`ModelSpec.load_key`)
         self._load_errors: dict[str, tuple[str, tuple[object, ...]]] = {}
+        # model -> the bytes a load of it measured when that was refused, and what that load depended on
+        self._measured: dict[str, tuple[int, tuple[object, ...]]] = {}
         self.pinned: set[str] = set()
 
     def get(self, name: str) -> Resident | None:
@@ -131,6 +140,9 @@ class Residency:
         failed = self._load_errors.get(name)
         if failed is not None and (spec is None or spec.load_key() != failed[1]):
             del self._load_errors[name]
+        measured = self._measured.get(name)
+        if measured is not None and (spec is None or spec.load_key() != measured[1]):
+            del self._measured[name]
 
     @property
     def used_bytes(self) -> int:
@@ -147,14 +159,23 @@ class Residency:
         self._check_fits(spec, await self._estimate(spec))
 
     async def _estimate(self, spec: ModelSpec) -> int:
-        return await asyncio.get_running_loop().run_in_executor(None, estimate_bytes, spec)  # a walk of its folder
+        """The bytes a load of `spec` is judged by: its estimate, or what a refused load of it measured, if more."""
+        estimate = await asyncio.get_running_loop().run_in_executor(None, estimate_bytes, spec)  # a walk of its folder
+        measured = self._measured.get(spec.name)
+        if measured is not None and measured[1] == spec.load_key():
+            return max(estimate, measured[0])
+        return estimate
 
-    def _check_fits(self, spec: ModelSpec, need: int) -> None:
+    def _check_fits(self, spec: ModelSpec, need: int, *, measured: bool = False) -> None:
         held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
         if need > self.budget_bytes - held:
+            size = (
+                f"measured {_mib(need)} loaded (weights and warm-up activations)"
+                if measured
+                else f"needs about {_mib(need)}"
+            )
             raise InsufficientMemory(
-                f"model {spec.name} needs about {need / 2**20:.0f} MiB; this box's budget is "
-                f"{self.budget_bytes / 2**20:.0f} MiB with {held / 2**20:.0f} MiB pinned",
+                f"model {spec.name} {size}; this box's budget is {_mib(self.budget_bytes)} with {_mib(held)} pinned",
                 need_bytes=need,
             )
 
@@ -192,15 +213,29 @@ class Residency:
             # Reserved until it lands, so a second load in flight makes room for this one too.
             self._reserved[spec.name] = estimate
         try:
+            started = time.perf_counter()
             runtime = await self._load_runtime(spec)
+            try:
+                async with self._room_lock:
+                    await self._room_for_loaded(spec, runtime)
+            except BaseException:
+                # Shielded: a load cancelled while it waited for room still frees what it loaded.
+                await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._executor, runtime.close))
+                raise
         finally:
             self._reserved.pop(spec.name, None)
-        if self.used_bytes > self.budget_bytes:  # measured bytes beat the estimate: evict again
-            async with self._room_lock:
-                await self._make_room(0, keep=spec.name)
+        log.info(
+            "model resident",
+            extra={
+                "model": spec.name,
+                "bytes": runtime.info.nbytes,
+                "seconds": round(time.perf_counter() - started, 2),
+            },
+        )
         return runtime
 
     async def _load_runtime(self, spec: ModelSpec) -> Runtime:
+        """Load and warm up `spec`'s runtime in a thread; it is not resident yet (`_room_for_loaded`)."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         log.info("loading model", extra={"model": spec.name, "device": self.device})
@@ -208,16 +243,29 @@ class Residency:
         if spec.runtime is RuntimeKind.ONNX and self._onnx_cache is not None and "cache_dir" not in source.options:
             source = replace(source, options={**source.options, "cache_dir": str(self._onnx_cache)})
         runtime = await loop.run_in_executor(self._executor, load_runtime, source)
-        seconds = time.perf_counter() - started
+        self._metrics.loads.labels(spec.name).inc()
+        self._metrics.load_seconds.labels(spec.name).observe(time.perf_counter() - started)
+        return runtime
+
+    async def _room_for_loaded(self, spec: ModelSpec, runtime: Runtime) -> None:
+        """Judge a loaded model's measured bytes as its estimate was judged, then make it resident (under the room
+        lock). Evict for them; or, when even every unpinned model gone would leave too little room, refuse it (507,
+        and the caller unloads it): its size is remembered, so the next try is refused before anything is loaded.
+        Until this returns, `ensure_loaded` callers wait on the load: none is handed a runtime that may be closed."""
+        measured = runtime.info.nbytes
+        self._reserved[spec.name] = measured
+        try:
+            self._check_fits(spec, measured, measured=True)
+        except InsufficientMemory:
+            self._measured[spec.name] = (measured, spec.load_key())
+            log.warning("loaded model refused: over the memory budget", extra={"model": spec.name, "bytes": measured})
+            raise
+        await self._make_room(0, keep=spec.name)
         now = time.monotonic()
         self._resident[spec.name] = Resident(spec, runtime, loaded_at=now, last_used=now)
-        self._metrics.loads.labels(spec.name).inc()
-        self._metrics.load_seconds.labels(spec.name).observe(seconds)
-        self._metrics.resident_bytes.labels(spec.name).set(runtime.info.nbytes)
-        log.info(
-            "model resident", extra={"model": spec.name, "bytes": runtime.info.nbytes, "seconds": round(seconds, 2)}
-        )
-        return runtime
+        self._reserved.pop(spec.name, None)  # with the entry: its bytes are counted once
+        self._measured.pop(spec.name, None)
+        self._metrics.resident_bytes.labels(spec.name).set(measured)
 
     async def _make_room(self, need: int, keep: str) -> None:
         """Evict LRU unpinned models until `need` more bytes fit in the budget.
@@ -233,7 +281,7 @@ class Residency:
                 continue
             victim = self._victim(keep)
             if victim is None:
-                return  # check_fits guaranteed the pinned set leaves room; measured bytes may exceed estimates
+                return  # check_fits left room beside the pinned models; loads in flight hold the rest for now
             await self.evict(victim, reason="budget")
 
     def _victim(self, keep: str) -> str | None:

@@ -105,6 +105,16 @@ def generator_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_generator(tmp_path_factory.mktemp("generator"), LlamaConfig, LlamaForCausalLM)
 
 
+def save_long_context_encoder(folder: Path) -> Path:
+    """A 1-layer BERT with 512 positions: its warm-up activations outweigh its weights, so the bytes its load
+    measures (about 8 MB on CPU) are far above the estimate from its weight file (about 5 MB)."""
+    from transformers import BertModel
+
+    torch.manual_seed(7)
+    config = _bert_config(num_hidden_layers=1, max_position_embeddings=512)
+    return _save_bert(folder, BertModel(config, add_pooling_layer=False))
+
+
 def save_roberta_classifier(folder: Path) -> Path:
     """A RoBERTa classifier the size of the BERT ones (its head two layers: classifier.dense, classifier.out_proj),
     with the BERT tokenizer (whose pad id, 0, its config names)."""

@@ -15,6 +15,7 @@ from appliance.app import Box
 from appliance.residency import estimate_bytes
 from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
+from tests.models import save_long_context_encoder
 
 
 async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(start_box, http) -> None:
@@ -234,6 +235,36 @@ async def test_a_model_larger_than_every_live_box_is_507_naming_its_size_and_the
             f"model enc needs about {need / 2**20:.0f} MiB, more than any box in the fleet can hold: the largest "
             "memory budget is 2048 bytes (box small)"
         )
+
+
+async def test_a_model_whose_load_measures_more_than_every_budget_is_unloaded_and_its_requests_are_507(
+    start_box, http, tmp_path
+) -> None:
+    """Its estimate (its weight file) fits the box's 6 MB budget, so it registers; its load measures 8 MB. It was
+    served anyway, resident over the budget (black-box finding: 1,085 MiB resident in a 600 MiB budget, no 507).
+    Now the load is undone and the waiting requests are told it fits no box, by its measured size."""
+    save_long_context_encoder(tmp_path / "models" / "long")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"], memory_budget="6MB")
+    async with http.post(url(box, "/v1/models"), json={"name": "long", "path": "long"}) as response:
+        assert response.status == 201, await response.text()  # the estimate fits
+    for _ in range(2):  # the second is refused without a second load
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "long", "input": "x"}) as response:
+            assert response.status == 507, await response.text()
+            error = (await response.json())["error"]
+        assert error["code"] == "insufficient_memory"
+        assert error["message"].startswith("model long needs about 8 MiB, more than any box in the fleet can hold")
+    assert not box.residency.is_resident("long") and box.residency.used_bytes == 0
+    assert box.metrics.registry.get_sample_value("fbx_model_loads_total", {"model": "long"}) == 1
+
+    async def record() -> dict:
+        async with http.get(url(box, "/v1/models/long")) as response:
+            return await response.json()
+
+    async def cold() -> bool:
+        return (await record())["state"] == "cold"
+
+    assert "measured 8 MiB loaded" in (await record())["load_error"]
+    await wait_for(cold, timeout_s=5, what="the heartbeat to say the load is over")
 
 
 async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, http) -> None:

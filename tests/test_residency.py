@@ -1,6 +1,7 @@
 """The residency table's eviction rules, without a box: no-op models (which claim a set size) on a
-real executor; the hook that drains a model's worker is played by an event the test releases. The last
-tests run a box, for a model deleted while its load is in flight there."""
+real executor; the hook that drains a model's worker is played by an event the test releases. Then
+tests run a box, for a model deleted while its load is in flight there; the last ones load a real
+model whose measured bytes are far above its estimate."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import pytest
 import torch
 
 from appliance.configured import spec_from_entry
+from appliance.errors import InsufficientMemory
 from appliance.metrics import Metrics
-from appliance.residency import Residency
-from appliance.settings import Settings
+from appliance.residency import Residency, estimate_bytes
+from appliance.settings import ModelEntry, Settings
+from runtimes import Runtime
 from tests.conftest import noop_model, url, wait_for
+from tests.models import save_long_context_encoder
 
 SPECS = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in ("a", "b")}
 
@@ -180,3 +184,71 @@ async def test_a_name_registered_again_while_its_old_folder_loads_serves_the_new
     assert box.residency.get("rr").spec.path == other
     status, answer = await call(http, box, "POST", "/v1/rerank", {"model": "rr", **rerank})
     assert status == 200 and answer["results"] == expected["results"], (answer, expected)
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_long_context_encoder(tmp_path_factory.mktemp("long-context"))
+
+
+def loaded_runtimes(residency: Residency) -> list[Runtime]:
+    """Every runtime `residency` loads from now on, resident or not (the real load runs; this only keeps a hand)."""
+    loaded: list[Runtime] = []
+    real = residency._load_runtime
+
+    async def keeping(spec):
+        loaded.append(await real(spec))
+        return loaded[-1]
+
+    residency._load_runtime = keeping
+    return loaded
+
+
+async def test_a_model_measured_over_the_budget_is_unloaded_and_refused(long_context_dir: Path) -> None:
+    """Its estimate (its weight file) fits the 6 MB budget, its load measures 8 MB: it stayed resident over the
+    budget (a config.json that builds 150 layers on 6 layers' weights sat at 1,085 MiB in a 600 MiB budget). It is
+    unloaded and refused with the estimate's 507; the next try is refused at once, without loading it again."""
+    spec = spec_from_entry(ModelEntry(name="long", path=str(long_context_dir)), Settings())
+    assert estimate_bytes(spec) < 6_000_000
+    with ThreadPoolExecutor(1) as executor:
+        residency = Residency("cpu", None, 6_000_000, Metrics(), executor)
+        loaded = loaded_runtimes(residency)
+        with pytest.raises(InsufficientMemory) as refused:
+            await residency.ensure_loaded(spec)
+        measured = loaded[0].info.nbytes
+        assert measured > 6_000_000 and refused.value.need_bytes == measured
+        assert refused.value.message == (
+            f"model long measured {measured / 2**20:.0f} MiB loaded (weights and warm-up activations); this box's "
+            "budget is 6 MiB with 0 MiB pinned"
+        )
+        assert not residency.is_resident("long") and residency.used_bytes == 0
+        assert not hasattr(loaded[0].backend, "model")  # closed: its weights released
+        assert residency.load_error("long") == refused.value.message
+        with pytest.raises(InsufficientMemory, match="needs about 8 MiB"):
+            await residency.ensure_loaded(spec)
+        with pytest.raises(InsufficientMemory):
+            await residency.check_fits(spec)  # a registration again, or placement asking whether to try
+        assert len(loaded) == 1
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+async def test_a_model_measured_over_its_estimate_evicts_for_its_measured_bytes_or_is_refused_beside_pinned_ones(
+    long_context_dir: Path, pinned: bool
+) -> None:
+    """A 5 MB model resident in a 12 MB budget: the newcomer's estimate fits beside it, its measured bytes do not.
+    Unpinned, the resident model is evicted for them; pinned, it cannot be, and the newcomer is refused."""
+    spec = spec_from_entry(ModelEntry(name="long", path=str(long_context_dir)), Settings())
+    other = spec_from_entry(noop_model("other", pinned=pinned, bytes=5_000_000), Settings())
+    with ThreadPoolExecutor(1) as executor:
+        residency = Residency("cpu", None, 12_000_000, Metrics(), executor)
+        if pinned:
+            residency.pinned.add("other")
+        await residency.ensure_loaded(other)
+        if pinned:
+            with pytest.raises(InsufficientMemory, match="this box's budget is 11 MiB with 5 MiB pinned"):
+                await residency.ensure_loaded(spec)
+            assert {r.spec.name for r in residency.residents()} == {"other"}
+        else:
+            await residency.ensure_loaded(spec)
+            assert {r.spec.name for r in residency.residents()} == {"long"}
+        assert residency.used_bytes <= residency.budget_bytes
