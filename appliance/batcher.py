@@ -94,16 +94,19 @@ class Batcher:
     def pending_rows(self) -> int:
         return len(self._pending)
 
-    def room(self, within_s: float) -> int:
+    def room(self, within_s: float, *, for_bulk: bool = False) -> int:
         """Rows this batcher could take now and still answer within `within_s`, at the measured cost.
 
         A row taken now waits for the batches on the device and the batches of rows already waiting,
         then runs in its own; every batch ahead is counted full, and each of the `concurrent_batches`
         slots runs its batches one after another. A batch is let in once a slot is nearly free however
         slow a batch is, so a box never starves itself. Before any batch is timed: one batch per slot.
+        An interactive row overtakes the batch-priority rows waiting (`next_batch`), so only `for_bulk`
+        counts them: counted for interactive work too, a bulk row pulled ahead left interactive requests
+        in the queue, and it ran before them.
         """
         full = self._full_batch()
-        pending = self._waiting_rows()
+        pending = self._waiting_rows(for_bulk=for_bulk)
         if full is None:
             return max(0, self._slots_total * self.batching.max_batch_size - pending)
         rows, batch_s = full
@@ -159,10 +162,11 @@ class Batcher:
         seconds = self.cost.seconds(rows * per_row) or 0.0
         return rows, max(seconds, 1e-4)
 
-    def _waiting_rows(self) -> int:
-        """Rows not yet on the device: pending, and in batches formed ahead that have not started."""
+    def _waiting_rows(self, *, for_bulk: bool = False) -> int:
+        """Rows not yet on the device that a new row waits behind: in batches formed ahead that have not started,
+        and pending, batch-priority ones only `for_bulk` (an interactive row overtakes them)."""
         ahead = sum(rows for key, (rows, _) in list(self._formed.items()) if key not in self._started)
-        return len(self._pending) + ahead
+        return (len(self._pending) if for_bulk else self.pending_interactive) + ahead
 
     def _busy_left_s(self) -> list[float] | None:
         """Predicted seconds each batch on the device still needs, soonest first; None when one is overdue."""

@@ -153,10 +153,10 @@ class ModelWorker:
             "held": len(self._held),
         }
 
-    def _room(self) -> int:
+    def _room(self, *, for_bulk: bool = False) -> int:
         # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still
         # being prepared is already spoken for.
-        rows = self.batcher.room(self._settings.hold_ms / 1000)
+        rows = self.batcher.room(self._settings.hold_ms / 1000, for_bulk=for_bulk)
         per_request = max(1.0, self._rows_per_request)
         rows -= per_request * sum(1 for held in self._held.values() if not isinstance(held, Job))
         requests = math.ceil(rows / per_request) if rows > 0 else 0
@@ -167,7 +167,7 @@ class ModelWorker:
         quiet = self.puller.quiet_for(BULK_IDLE_S)
         if not quiet or self.batcher.pending_interactive > 0:
             return 0
-        return min(self._room(), self.spec.batching.max_batch_size)
+        return min(self._room(for_bulk=True), self.spec.batching.max_batch_size)
 
     def cancel(self, request_id: str) -> None:
         """Its client went away: drop it if this box holds it; the device thread skips it unless already running."""

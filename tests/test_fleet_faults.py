@@ -49,6 +49,24 @@ async def test_batch_priority_work_never_starves_interactive_work(start_box, htt
             assert response.status == 200
 
 
+async def test_interactive_work_overtakes_the_batch_work_a_box_pulled_ahead(start_box, http) -> None:
+    """Docs tester: on a fresh box, a second batch-priority request pulled while the first ran counted against the
+    room for interactive work, so of three interactive requests sent then, two waited in the queue while it ran."""
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=300)], max_batch_size=1, max_wait_ms=0)
+    finished: dict[str, float] = {}
+
+    async def send(name: str, headers: dict[str, str]) -> None:
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": name}, headers=headers) as r:
+            assert r.status == 200
+        finished[name] = time.monotonic()
+
+    bulk = [asyncio.create_task(send(f"bulk {i}", {"Fbx-Priority": "batch"})) for i in range(3)]
+    await wait_for(lambda: box.workers["noop"].held == 2, what="a bulk request pulled while another runs")
+    await asyncio.gather(*(send(f"urgent {i}", {}) for i in range(3)), *bulk)
+    bulk_done = sorted(finished[f"bulk {i}"] for i in range(3))
+    assert max(finished[f"urgent {i}"] for i in range(3)) < bulk_done[1], finished  # after the one running only
+
+
 async def test_unknown_priority_is_422(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model()])
     headers = {"Fbx-Priority": "urgent"}
