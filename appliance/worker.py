@@ -194,6 +194,7 @@ class ModelWorker:
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
+        self._residency.touch(self.spec.name)  # used: eviction takes the least recently used (it took the oldest load)
         self._held[meta.id] = msg
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
