@@ -93,6 +93,7 @@ class EncoderRuntime:
             ids=np.full(self.tokenizer.max_length, 100, dtype=np.int64),
             type_ids=np.zeros(self.tokenizer.max_length, dtype=np.int64),
         )
+        getattr(self.backend, "start_peak", lambda: None)()
         output = self.backend.forward(*pad([row] * _WARMUP_ROWS, self.tokenizer.pad_id))
         measured = getattr(self.backend, "peak_activation_bytes", lambda: None)()
         if measured is not None:

@@ -54,7 +54,7 @@ from runtimes.lora import LoraAdapters
 from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
 from runtimes.tasks.penalties import Penalties
 from runtimes.tokenizer import TextTokenizer, model_max_length
-from runtimes.torch_backend import _DTYPES, load_torch_model, release
+from runtimes.torch_backend import _DTYPES, cuda_peak_since, cuda_peak_start, load_torch_model, release
 
 __all__ = [
     "ChatTemplateError",
@@ -326,14 +326,12 @@ class GenerateRuntime:
         token are what each token of each active request adds: the budget a batch grows against.
         """
         length = min(self.tokenizer.max_length, 512)
+        allocated = cuda_peak_start(self.device) if self.device.type == "cuda" else 0
         batch, _ = self._prefill([torch.ones(length, dtype=torch.long, device=self.device)], [None])
         layers = batch.cache.layers
         cache_bytes = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            return max(0, peak - weights), cache_bytes // length
+            return cuda_peak_since(self.device, allocated), cache_bytes // length
         return 4 * cache_bytes, cache_bytes // length
 
     # -- LoRA adapters (runtimes/lora.py) -----------------------------------------------------------

@@ -2,12 +2,14 @@
 
 The model class follows the task (encoder for `embed`, a sequence or token classification head for
 the others), loaded from a local folder only: no hub, no `trust_remote_code`. A folder whose weights do
-not cover the model its config.json describes is refused, not served with random weights in the gaps.
+not cover the model its config.json describes is refused, not served with random weights in the gaps; only
+a classifier's head may be missing (logged), for a LoRA base whose adapters each carry their own.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +19,8 @@ import torch
 
 from runtimes.base import ModelSource, Task, UnsupportedModel
 from runtimes.lora import LoraAdapters
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -45,6 +49,7 @@ class TorchBackend:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for b in self.model.buffers()
         )
+        self._allocated = 0  # on CUDA, what was allocated when the peak was last reset (`start_peak`)
 
     @torch.inference_mode()
     def forward(
@@ -65,13 +70,16 @@ class TorchBackend:
     def _accepts_token_types(self) -> bool:
         return getattr(self.model.config, "type_vocab_size", 0) > 0
 
+    def start_peak(self) -> None:
+        """Measure the allocator's peak from now (`peak_activation_bytes`), on CUDA."""
+        if self.device.type == "cuda":
+            self._allocated = cuda_peak_start(self.device)
+
     def peak_activation_bytes(self) -> int | None:
-        """The allocator's peak above the weights since the last reset, on CUDA; None elsewhere."""
+        """The allocator's peak above what was allocated at `start_peak`, on CUDA; None elsewhere."""
         if self.device.type != "cuda":
             return None
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return max(0, peak - self.weight_bytes)
+        return cuda_peak_since(self.device, self._allocated)
 
     def close(self) -> None:
         self.adapters.close()
@@ -107,6 +115,13 @@ def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
                 "count that differs from the weights'?); the box's log lists each weight that does not fit"
             ) from exc
         missing = uncovered(loading["missing_keys"], task)
+        head = [key for key in missing if not _in_backbone(model, key)] if task in _HEADED else []
+        if head:  # a LoRA base whose adapters each carry their own head (`modules_to_save`): runtimes/lora.py
+            log.warning(
+                "model head not in the weights: random until an adapter's own head replaces it",
+                extra={"folder": str(folder), "missing": ", ".join(head)},
+            )
+            missing = [key for key in missing if key not in head]
         if missing:
             total = len(model.state_dict())
             del model  # not kept alive by the exception's frame: a refused model's memory goes now
@@ -117,6 +132,32 @@ def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
                 "random values. The folder's config.json and weights do not match"
             )
     return model.eval()
+
+
+def cuda_peak_start(device: torch.device) -> int:
+    """Bytes allocated on `device` now, with its peak reset: `cuda_peak_since` then reads a load's own peak."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def cuda_peak_since(device: torch.device, allocated: int) -> int:
+    """The allocator's peak on `device` above `allocated` (`cuda_peak_start`'s): the warm-up's own activations. Above
+    the weights alone, it counted every other model resident on the device, and a load that fit was refused."""
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return max(0, peak - allocated)
+
+
+# Tasks with a head on a backbone: a LoRA adapter may carry its own trained head, so a base without one loads.
+_HEADED = frozenset({Task.SCORE, Task.CLASSIFY, Task.EXTRACT})
+
+
+def _in_backbone(model: torch.nn.Module, key: str) -> bool:
+    """Whether weight `key` belongs to the backbone a head sits on (`bert.`, `model.`), not to the head."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return not prefix or not hasattr(model, prefix) or key.startswith(f"{prefix}.")
 
 
 def uncovered(missing_keys: Iterable[str], task: Task) -> list[str]:

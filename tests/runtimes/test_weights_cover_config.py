@@ -35,13 +35,34 @@ def test_more_layers_than_the_weights_hold_is_refused_at_load_naming_the_missing
         check_loadable(folder, task, RuntimeKind.TORCH, {})  # at registration: from the safetensors header
 
 
-def test_a_classifier_whose_weights_lack_its_head_is_refused_at_load(encoder_dir: Path, tmp_path: Path) -> None:
-    """A bare encoder's weights under a classifier's config.json: its head would be random, its labels noise.
-    Registration cannot see it without building the model; the load does."""
+def test_a_classifier_whose_backbone_lacks_weights_is_refused_at_load(encoder_dir: Path, tmp_path: Path) -> None:
+    """A bare encoder's weights (saved without the pooler a classifier reads) under a classifier's config.json: its
+    pooler would be random, its labels noise, whatever head an adapter brings. Registration cannot see it without
+    building the model; the load does. The missing head itself is not what refuses it (next test)."""
     folder = with_config(encoder_dir, tmp_path / "headless", architectures=["BertForSequenceClassification"], **YES_NO)
     check_loadable(folder, Task.CLASSIFY, RuntimeKind.TORCH, {})
-    with pytest.raises(UnsupportedModel, match=r"4 of its \d+ weights are missing, e\.g\. bert\.pooler\.dense\.bias"):
+    with pytest.raises(UnsupportedModel, match=r" 2 of its \d+ weights are missing, e\.g\. bert\.pooler\.dense\.bias"):
         load_runtime(ModelSource(folder, Task.CLASSIFY))
+
+
+def test_a_classifier_base_without_its_head_loads_for_adapters_that_bring_their_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LoRA base for classification: a whole backbone, and no head (each adapter carries its own through
+    `modules_to_save`, runtimes/lora.py). Review finding: refusing every missing weight left such a base, and
+    every adapter of it, answering 503. It loads, and the log says its own head is random."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=2)  # fmt: skip
+    BertForSequenceClassification(config).bert.save_pretrained(tmp_path / "base")  # backbone with its pooler
+    folder = with_config(copy_bert_tokenizer(tmp_path / "base"), tmp_path / "base-classifier",
+                         architectures=["BertForSequenceClassification"], **YES_NO)  # fmt: skip
+    with caplog.at_level("WARNING", logger="runtimes.torch_backend"):
+        load_runtime(ModelSource(folder, Task.CLASSIFY)).close()
+    assert "model head not in the weights" in caplog.text
 
 
 def test_models_whose_weights_cover_what_their_task_uses_are_not_refused(
