@@ -66,6 +66,23 @@ async def test_a_wrong_key_is_what_the_openai_sdk_reads_as_an_authentication_err
             assert len((await client.embeddings.create(model="noop", input="x")).data) == 1
 
 
+async def test_a_refusal_before_a_withheld_body_closes_its_connection(start_box) -> None:
+    """Review finding: a body over the limit announced with `Expect: 100-continue` is not asked for; answered 401
+    (no key, checked before the body), the connection stayed open and the client's next request on it was read as
+    that body (no answer in 3 s). The answer closes it."""
+    box = await start_box(default_model=False, models=[noop_model()], api_keys="user-key")
+    reader, writer = await asyncio.open_connection("127.0.0.1", box.http_port)
+    try:
+        over = box.settings.max_body_bytes + 1
+        head = f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: {over}\r\n"
+        writer.write(f"{head}\r\n".encode())
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.split(b" ")[1] == b"401" and b"Connection: close" in head, head
+    finally:
+        writer.close()
+
+
 async def _raw(box, request: bytes) -> bytes:
     """One request over a bare socket (bytes no HTTP client would send), the answer's status line."""
     reader, writer = await asyncio.open_connection("127.0.0.1", box.http_port)

@@ -69,8 +69,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
-    if response.status == 413:
-        response.force_close()  # the rest of its body may be on its way: not read into a kept-alive connection
+    if request.get(_WITHHELD) and not response.prepared:
+        # Told not to send its body yet, the client may send it now or never: read as the next request, it hung the
+        # connection (a 401 for a missing key, before the body, kept it open).
+        response.force_close()
     if ctx.is_draining() and not response.prepared:
         # The connection closes after this answer, which says so (`Connection: close`): the client reconnects
         # elsewhere. Not after a stream, whose headers went out keep-alive before the drain: closed under it, the
@@ -141,6 +143,10 @@ def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelS
     return on_change
 
 
+# The request's `100 Continue` was not sent: its body may come or not.
+_WITHHELD: web.RequestKey[bool] = web.RequestKey("fbx_continue_withheld", bool)
+
+
 async def _continue_within_limit(request: web.Request) -> None:
     """`Expect: 100-continue`: the client waits to be told to send its body; told only when its Content-Length is
     within the limit, else the route answers 413 at once, before the body is sent (curl asks so for any body over
@@ -150,8 +156,11 @@ async def _continue_within_limit(request: web.Request) -> None:
     if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
         raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers[hdrs.EXPECT]!r}")
     limit = GatewayContext.of(request).settings.max_body_bytes
-    if request.content_length is None or request.content_length <= limit:
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    if request.content_length is not None and request.content_length > limit:
+        request[_WITHHELD] = True
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # as aiohttp's own handler: the 100 is not part of the answer's size
 
 
 def _post(path: str, handler: Handler) -> web.RouteDef:
