@@ -80,9 +80,9 @@ class ModelQueue:
     is a free decode slot, held about as long as the answer runs; `DecodeQueue`). The rate is weight answered
     per second *while work waited*, timed from the first answer of a busy spell (the wait before it, a cold load
     say, says nothing of the model's pace, and nor does the rest of its batch, answered with it): over the spans
-    that ended in the last `_RATE_WINDOW_S` (or since the oldest request awaited was sent, if longer: the answers that
-    drained the queue ahead of a new request; a gateway whose share of a queue that other gateways share comes in
-    runs must not read the others' run as a stall), or the last one when answers come seconds apart (large requests),
+    that ended in the last `_RATE_WINDOW_S` (or as long as the last request answered waited, if longer: the answers that
+    drained the queue ahead of it; a gateway whose share of a queue that other gateways share comes in runs must not
+    read the others' run as a stall), or the last one when answers come seconds apart (large requests),
     and the span still open, or over those of the last `_STEADY_WINDOW_S` when that is slower (a box whose pace
     swings, on shared cores say, must not take in ten seconds of work in a fast second); none before a span has
     closed (one batch answered at once is no rate). Idle time does not dilute it; a stall does, so a queue that
@@ -103,6 +103,7 @@ class ModelQueue:
     _spell_done: int = 0  # weight answered in this busy spell
     _pace: float = 0.0  # weight per second over the last busy spell, from its first request to its last one gone
     _shown: int = 0  # weight answered in the last busy spell
+    _waited: float = 0.0  # how long the last request answered had waited: the span of answers the queue ahead took
 
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
         """A request sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has passed."""
@@ -124,6 +125,7 @@ class ModelQueue:
         self.weight -= entry[1]
         if answered:
             self._spell_done += entry[1]
+            self._waited = now - entry[0]
             self._count(entry[1], now)
         if not self.waiting and now > self._spell_began:
             self._pace, self._shown = self._spell_done / (now - self._spell_began), self._spell_done
@@ -155,9 +157,9 @@ class ModelQueue:
         if not self.spans:
             return None
         open_s = now - self._since if self.waiting and self._since is not None else 0.0
-        # The answers that drained the queue ahead of a new request: since the oldest awaited was sent.
-        waited_s = now - next(iter(self.waiting.values()))[0] if self.waiting else 0.0
-        recent_s = min(max(_RATE_WINDOW_S, waited_s), _STEADY_WINDOW_S)
+        # The answers that drained the queue ahead of a new request: over as long as the last one answered waited
+        # (frozen while none is answered, so a stall is seen as soon as before).
+        recent_s = min(max(_RATE_WINDOW_S, self._waited), _STEADY_WINDOW_S)
         rates = []
         for window_s in (recent_s, _STEADY_WINDOW_S):
             spans = [span for span in self.spans if span[0] >= now - window_s] or [self.spans[-1]]
