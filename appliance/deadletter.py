@@ -78,15 +78,19 @@ class DeadLetters:
         if deliveries < self._max_deliver:
             await msg.nak(delay=retry_delay_s(msg))
             return
-        reason, body = repr(error), msg.data
-        if meta.blob:
+        reason, body, blob = repr(error), msg.data, meta.blob
+        if blob:
             try:
-                body = await self._blobs.get(meta.blob)
+                body = await self._blobs.get(blob)
             except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
-                reason += f"; its body (blob {meta.blob}) could not be read: {exc!r}"
+                reason += f"; its body (blob {blob}) could not be read: {exc!r}"
+            else:
+                if len(body) > self._blobs.threshold:  # more than a message carries: the dead letter names the blob
+                    reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
+                    body, blob = b"", None
         await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
         self._dead_lettered.inc()
-        await self._blobs.ack(msg, meta.blob)  # its body is kept in the dead letter
+        await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
 
 
 class DeadLetterWatch:

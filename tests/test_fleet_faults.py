@@ -95,6 +95,23 @@ async def test_full_queue_answers_429_with_retry_after_and_recovers(start_box, h
         assert response.status == 200  # recovered as soon as the queue drained
 
 
+async def test_a_large_request_the_full_queue_refused_leaves_no_blob_behind(start_box, http) -> None:
+    """Review finding: a body put in the object store before the stream refused its message (full) stayed there for
+    the bucket's 10 min TTL: the memory a client could fill by hanging up, through a full queue."""
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=50)], max_batch_size=1, worker_capacity=1,
+                          stream_max_msgs=3, blob_threshold=2048)  # fmt: skip
+    bodies = [{"model": "noop", "input": f"r{i} " + "word " * 1000} for i in range(20)]  # 5 KB each: blobs
+    results = await asyncio.gather(*(http.post(url(box, "/v1/embeddings"), json=body) for body in bodies))
+    assert 429 in {r.status for r in results} and {r.status for r in results} <= {200, 429}
+    for response in results:
+        response.release()
+
+    async def blobs_deleted() -> bool:
+        return (await box.js.stream_info("OBJ_fbx_blobs")).state.bytes < 20 * 300  # deletion markers only
+
+    await wait_for(blobs_deleted, what="every request's blob deleted")
+
+
 async def test_overload_is_refused_at_once_and_accepted_requests_wait_within_the_queue_bound(start_box, http) -> None:
     """5x a model's capacity with a queue that could hold minutes of work: the excess is a 429 with
     Retry-After right away, the accepted requests wait about max_queue_s, not their 30 s deadline."""
@@ -226,6 +243,25 @@ async def test_request_no_box_finishes_is_dead_lettered_and_answered(start_box, 
         assert info.state.messages == 0  # gone from the queue
     finally:
         await nc.close()
+
+
+async def test_a_poison_request_larger_than_a_message_is_dead_lettered_with_its_body_left_in_the_store(
+    start_box, http
+) -> None:
+    """Review finding: the dead letter inlined a body fetched from the object store, and one over NATS's 1 MiB
+    payload could not be published: the request was settled only by the max-deliveries advisory, an ack wait
+    later. It is dead-lettered at once; the dead letter names the blob, kept until the bucket's TTL."""
+    box = await start_box(default_model=False, models=[noop_model(fail_on="POISON")], max_deliver=2,
+                          blob_threshold=64 * 1024)  # fmt: skip
+    body = {"model": "noop", "input": ["POISON " + "word " * 300_000], "timeout": 20}  # 1.5 MB
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 422, await response.text()
+        assert (await response.json())["error"]["code"] == "dead_lettered"
+    dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject("noop"))
+    reason = dead.headers["Fbx-Dead-Reason"]
+    assert not dead.data and reason.startswith("RuntimeError('a poison input") and "stays in the object store" in reason
+    kept = await (await box.js.object_store(bus.BLOBS_BUCKET)).get(dead.headers["Fbx-Blob"])
+    assert kept.data is not None and b"POISON" in kept.data
 
 
 async def _gt(value, than: int) -> bool:

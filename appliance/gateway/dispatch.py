@@ -372,6 +372,8 @@ class Dispatcher:
                 bus.request_subject(spec.slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
             )
         except APIError as exc:
+            if meta.blob:  # not queued: no box will read or delete its body
+                await self._blobs.delete(meta.blob)
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
                 raise self._admission.overloaded("the request queue is full", self.waiting) from None
             log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
