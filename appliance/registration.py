@@ -9,6 +9,7 @@ come here, so a model is judged by one set of rules whichever way it is register
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,11 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
         candidate = roots[0] / candidate
     try:
         resolved = candidate.resolve()
-    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop (RuntimeError before 3.13), no entry
+    except RuntimeError as exc:  # a symlink loop, before Python 3.13
+        raise _unreadable(raw, exc) from None
+    except OSError as exc:  # a name too long, a loop, a folder it may not enter
+        if exc.errno not in _PATH_ERRNOS:
+            raise
         raise _unreadable(raw, exc) from None
     for root in roots:
         if resolved == root or resolved.is_relative_to(root):
@@ -61,6 +66,12 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
         "put the folder under a root, or add a root with --model-root / FBX_MODEL_ROOTS",
         code="path_outside_model_roots",
     )
+
+
+# What a path the client names can make the file system answer; anything else (EIO, EMFILE) is the box's trouble.
+_PATH_ERRNOS = frozenset(
+    {errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
+)
 
 
 def _unreadable(raw: str, exc: BaseException) -> Unprocessable:
@@ -76,7 +87,9 @@ def _judge_folder(
     file reads, so off the event loop. A path the file system will not follow is the client's to fix (422)."""
     try:
         return _judge_readable_folder(registration, roots, base)
-    except OSError as exc:  # a name too long for `is_dir`, a file it may not read
+    except OSError as exc:  # a name too long for `is_dir`, a file it may not read; not the box's own trouble (EIO)
+        if exc.errno not in _PATH_ERRNOS:
+            raise
         raise _unreadable(registration.path, exc) from None
 
 
