@@ -25,6 +25,7 @@ from appliance.errors import FleetboxError, InsufficientMemory, NotFound, Servic
 from appliance.fleet import taking_work
 from appliance.logs import FailureStreak
 from appliance.puller import Puller
+from appliance.residency import size_text
 from appliance.settings import MODEL_ROLES
 from appliance.tasks import Background, cancel_and_wait
 
@@ -52,16 +53,10 @@ def fits_no_box(model: str, need_bytes: int, largest: tuple[str, int]) -> Insuff
     joins, where a 503 (try again soon) would have the client retry a load that fails the same way."""
     box_id, budget = largest
     return InsufficientMemory(
-        f"model {model} needs about {_size(need_bytes)}, more than any box in the fleet can hold: the largest "
-        f"memory budget is {_size(budget)} (box {box_id})",
+        f"model {model} needs about {size_text(need_bytes)}, more than any box in the fleet can hold: the largest "
+        f"memory budget is {size_text(budget)} (box {box_id})",
         need_bytes=need_bytes,
     )
-
-
-def _size(nbytes: int) -> str:
-    if nbytes < 2**20:
-        return f"{nbytes} bytes"
-    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:.1f} GiB"
 
 
 class Placement:

@@ -70,8 +70,11 @@ def _weight_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES]
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.0f} MiB"
+def size_text(nbytes: int) -> str:
+    """A size as a message says it: bytes, MiB, or GiB past 10."""
+    if nbytes < 2**20:
+        return f"{nbytes} bytes"
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes < 10 * 2**30 else f"{nbytes / 2**30:.1f} GiB"
 
 
 @dataclass(slots=True)
@@ -170,12 +173,13 @@ class Residency:
         held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
         if need > self.budget_bytes - held:
             size = (
-                f"measured {_mib(need)} loaded (weights and warm-up activations)"
+                f"measured {size_text(need)} loaded (weights and warm-up activations)"
                 if measured
-                else f"needs about {_mib(need)}"
+                else f"needs about {size_text(need)}"
             )
+            budget = f"this box's budget is {size_text(self.budget_bytes)} with {size_text(held)} pinned"
             raise InsufficientMemory(
-                f"model {spec.name} {size}; this box's budget is {_mib(self.budget_bytes)} with {_mib(held)} pinned",
+                f"model {spec.name} {size}; {budget}",
                 need_bytes=need,
             )
 

@@ -219,7 +219,7 @@ async def test_a_model_measured_over_the_budget_is_unloaded_and_refused(long_con
         assert measured > 6_000_000 and refused.value.need_bytes == measured
         assert refused.value.message == (
             f"model long measured {measured / 2**20:.0f} MiB loaded (weights and warm-up activations); this box's "
-            "budget is 6 MiB with 0 MiB pinned"
+            "budget is 6 MiB with 0 bytes pinned"
         )
         assert not residency.is_resident("long") and residency.used_bytes == 0
         assert not hasattr(loaded[0].backend, "model")  # closed: its weights released
