@@ -304,7 +304,7 @@ async def test_openapi_lists_the_metrics_keys_and_only_the_routes_a_worker_box_s
     worker = await start_box(role="worker", default_model=False, models=[noop_model()])
     async with http.get(url(worker, "/openapi.json")) as response:
         spec = await response.json()
-    assert set(spec["paths"]) == {"/healthz", "/readyz", "/metrics", "/openapi.json"}
+    assert set(spec["paths"]) == {"/healthz", "/readyz", "/health", "/metrics", "/openapi.json"}
     for path in ("/v1/embeddings", "/v1/models"):
         async with http.get(url(worker, path)) as response:
             assert response.status == 404

@@ -341,9 +341,10 @@ async def test_a_stopping_box_takes_no_new_request_on_a_kept_alive_connection(st
         assert not taken.done(), taken.result()
         stopping = asyncio.create_task(leaving.stop())
         await wait_for(lambda: leaving.draining, what="the box to start draining")
-        async with http.get(url(leaving, "/readyz")) as response:
-            assert (response.status, (await response.json())["reason"]) == (503, "draining")
-            assert response.headers.get("Connection", "").lower() == "close"
+        for probe in ("/readyz", "/health"):  # the latter TEI's, as huggingface_hub's health_check calls it
+            async with http.get(url(leaving, probe)) as response:
+                assert (response.status, (await response.json())["reason"]) == (503, "draining"), probe
+                assert response.headers.get("Connection", "").lower() == "close"
         async with http.post(url(leaving, "/v1/embeddings"), json={"model": "noop", "input": "y"}) as response:
             body = await response.json()
             assert (response.status, body["error"]["code"]) == (503, "unavailable"), body

@@ -18,9 +18,10 @@ from tests.test_large_and_broken import folder_that_fails_to_load
 async def test_healthz_and_readyz_when_ready(default_box, http) -> None:
     async with http.get(url(default_box, "/healthz")) as response:
         assert response.status == 200
-    async with http.get(url(default_box, "/readyz")) as response:
-        assert response.status == 200
-        assert (await response.json())["status"] == "ready"
+    for probe in ("/readyz", "/health"):  # the latter TEI's name for it (huggingface_hub's `health_check`)
+        async with http.get(url(default_box, probe)) as response:
+            assert response.status == 200
+            assert (await response.json())["status"] == "ready"
 
 
 async def test_metrics_expose_the_serving_figures(default_box, http) -> None:

@@ -42,7 +42,7 @@ def _route_label(request: web.Request) -> str:
 
 
 # Answered while a box drains: the probes and the metrics.
-_OPERATIONS = frozenset({"/healthz", "/readyz", "/metrics"})
+_OPERATIONS = frozenset({"/healthz", "/readyz", "/health", "/metrics"})
 
 
 @web.middleware
@@ -181,6 +181,7 @@ def build_app(context: GatewayContext) -> web.Application:
     routes = [
         web.get("/healthz", ops.healthz),
         web.get("/readyz", ops.readyz),
+        web.get("/health", ops.readyz),  # TEI's (and huggingface_hub's `health_check`): 200 only when it can serve
         web.get("/metrics", metrics_guard(ops.metrics)),
         web.get("/openapi.json", openapi.document),
     ]

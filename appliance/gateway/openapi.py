@@ -92,6 +92,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     operations: dict[str, Any] = {
         "/healthz": _get("Liveness"),
         "/readyz": _get("Readiness: NATS, the stream, pinned models resident", (503,)),
+        "/health": _get("TEI's health route: the same as /readyz", (503,)),
         "/metrics": _get("Prometheus metrics", (401,)),
         "/openapi.json": _get("This document"),
     }
