@@ -31,6 +31,7 @@ DIMS = "Fbx-Dims"
 USAGE_TOKENS = "Fbx-Usage-Tokens"
 SEQ = "Fbx-Seq"  # a streamed reply's chunk number, from 0
 FINAL = "Fbx-Final"  # "1" on a streamed reply's last chunk
+RETRY_AFTER = "Fbx-Retry-After"  # an error reply's Retry-After, in seconds, for the gateway to pass on
 
 INTERACTIVE = "interactive"
 BATCH = "batch"  # bulk work: pulled only when no interactive work waits
@@ -113,6 +114,7 @@ class ReplyMeta:
     seq: int = 0
     final: bool = True
     blob: str | None = None  # the reply body's object-store key, when it was too large to carry
+    retry_after_s: int = 0  # an error's Retry-After (0: none)
 
     def headers(self) -> dict[str, str]:
         headers = {
@@ -129,6 +131,8 @@ class ReplyMeta:
         }
         if self.blob:
             headers[BLOB] = self.blob
+        if self.retry_after_s:
+            headers[RETRY_AFTER] = str(self.retry_after_s)
         return headers
 
     @classmethod
@@ -147,6 +151,7 @@ class ReplyMeta:
             seq=_int(headers, SEQ, default=0),
             final=headers.get(FINAL, "1") != "0",
             blob=headers.get(BLOB) or None,
+            retry_after_s=_int(headers, RETRY_AFTER, default=0),
         )
 
 

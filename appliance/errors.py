@@ -131,12 +131,23 @@ _BY_STATUS: dict[int, type[FleetboxError]] = {
 }
 
 
-def error_from_reply(status: int, body: bytes) -> FleetboxError:
-    """Rebuild the error a worker sent, keeping its message and code."""
+def retry_after_of(error: FleetboxError) -> int:
+    """An error's Retry-After in seconds, 0 when it has none: what a worker's reply carries for it."""
+    try:
+        return max(0, int(error.headers.get("Retry-After", 0)))
+    except ValueError:
+        return 0
+
+
+def error_from_reply(status: int, body: bytes, retry_after_s: int = 0) -> FleetboxError:
+    """Rebuild the error a worker sent, keeping its message, code and Retry-After."""
     try:
         fields = orjson.loads(body)["error"]
         message, code = str(fields["message"]), str(fields.get("code") or "")
     except (orjson.JSONDecodeError, KeyError, TypeError):
         message, code = body.decode("utf-8", "replace") or f"worker answered {status}", ""
     cls = _BY_STATUS.get(status, InternalError)
-    return cls(message, code=code or None)
+    error = cls(message, code=code or None)
+    if retry_after_s > 0:
+        error.headers["Retry-After"] = str(retry_after_s)
+    return error

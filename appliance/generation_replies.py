@@ -20,7 +20,7 @@ from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
 from appliance.delivery import LocalReply, deliver_reply
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, InternalError
+from appliance.errors import FleetboxError, InternalError, retry_after_of
 from runtimes.generate import StepOutput
 
 
@@ -110,7 +110,9 @@ class GenerationReplies:
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
         """An error as the request's last chunk, numbered `seq` (after the chunks already sent)."""
-        reply = ReplyMeta(id=meta.id, status=error.status, box=self._box_id, seq=seq, final=True)
+        reply = ReplyMeta(
+            id=meta.id, status=error.status, box=self._box_id, seq=seq, final=True, retry_after_s=retry_after_of(error)
+        )
         await self.settle(meta, msg, reply, error.to_json())
 
     async def settle(self, meta: RequestMeta, msg: Msg, reply: ReplyMeta, body: bytes) -> None:

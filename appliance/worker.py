@@ -34,7 +34,7 @@ from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed
+from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed, retry_after_of
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -301,7 +301,7 @@ class ModelWorker:
             self.puller.poke()
 
     async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
-        reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id)
+        reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, retry_after_s=retry_after_of(error))
         await self._send(meta, msg, error.to_json(), reply)
 
     async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, reply: ReplyMeta) -> None:

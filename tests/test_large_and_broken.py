@@ -87,6 +87,8 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
         async with http.post(url(box, "/v1/embeddings"), json=body, headers=headers) as response:
             assert response.status == 503, headers
             error = (await response.json())["error"]
+            # Until the box tries the load again (its 30 s back-off): it had no Retry-After (stock-client tester).
+            assert 1 <= int(response.headers["Retry-After"]) <= 30, response.headers
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
 
 

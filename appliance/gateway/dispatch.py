@@ -77,7 +77,7 @@ class Reply:
 
     def failure(self) -> FleetboxError:
         """The error a reply that is not a 200 stands for."""
-        return self.error or error_from_reply(self.meta.status, self.body)
+        return self.error or error_from_reply(self.meta.status, self.body, self.meta.retry_after_s)
 
 
 class Dispatcher:

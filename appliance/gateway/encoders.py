@@ -100,7 +100,7 @@ async def _enqueue(
         request_id=request[REQUEST_ID],
     )
     if reply.meta.status != 200:
-        raise error_from_reply(reply.meta.status, reply.body)
+        raise error_from_reply(reply.meta.status, reply.body, reply.meta.retry_after_s)
     return parsed, resolved, reply.meta, reply.body
 
 
