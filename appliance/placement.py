@@ -252,6 +252,9 @@ class Placement:
             for _ in range(round(_RETRY_AFTER_FAILURE_S / _PERIOD_S)):  # heartbeats say who holds it: polled
                 if set(self._holders(spec.name)) - {box.box_id}:  # its own heartbeat may still say "loading"
                     break
+                if spec.name in box.workers:  # loaded here after all (the `load` verb, a pin): its worker answers
+                    self._failed.pop(spec.name, None)
+                    break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), _PERIOD_S)
                 if changed.is_set():
