@@ -205,6 +205,10 @@ class ModelWorker:
             error = Unprocessable(f"model {self.spec.name} serves {self.spec.task}, not {meta.task}", code="wrong_task")
             self._spawn(self._answer_error(meta, msg, error))
             return
+        untrained = self.runtime.info.untrained_head
+        if meta.adapter is None and untrained:  # a LoRA base: its own head is random
+            self._spawn(self._answer_error(meta, msg, _untrained_head(self.spec.name, untrained)))
+            return
         if meta.sent_ms and meta.sent_ms < self._started * 1000:
             self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
         if meta.adapter is not None or meta.blob is not None:
@@ -361,3 +365,12 @@ def _adapter_spec(catalog: Catalog, base: ModelSpec, name: str) -> ModelSpec:
             retry_after_s=1,
         )
     return adapter
+
+
+def _untrained_head(model: str, weights: tuple[str, ...]) -> Unprocessable:
+    """The answer for a LoRA base called without an adapter: its folder holds no trained head (random logits)."""
+    return Unprocessable(
+        f"model {model} has no trained head (its folder lacks {', '.join(weights)}): call it through one of its LoRA "
+        "adapters, which bring their own",
+        code="untrained_head",
+    )

@@ -116,6 +116,8 @@ class ModelInfo:
     unit_vectors: bool = False  # `embed`: the folder normalises its vectors (its rows from `run` are not yet)
     unit_only: bool = False  # `embed`: its network normalises them itself (a shipped graph), so none come unnormalised
     labels: tuple[str, ...] = ()
+    # score/classify/extract: the head weights its folder lacks; it answers only through adapters bringing their own
+    untrained_head: tuple[str, ...] = ()
 
 
 class Backend(Protocol):

@@ -48,6 +48,7 @@ class EncoderRuntime:
             task=self.task,
             max_length=self.tokenizer.max_length,
             nbytes=self.backend.weight_bytes + self._warm_up(),
+            untrained_head=getattr(self.backend, "untrained_head", ()),
             **info,  # type: ignore[arg-type]
         )
 

@@ -3,7 +3,7 @@
 The model class follows the task (encoder for `embed`, a sequence or token classification head for
 the others), loaded from a local folder only: no hub, no `trust_remote_code`. A folder whose weights do
 not cover the model its config.json describes is refused, not served with random weights in the gaps; only
-a classifier's head may be missing (logged), for a LoRA base whose adapters each carry their own.
+a classifier's head may be missing (`untrained_head`), for a LoRA base whose adapters each carry their own.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class TorchBackend:
         self.device = torch.device(source.device)
         self.dtype = _DTYPES[source.dtype]
         self.task = source.task
-        self.model = load_torch_model(source.path, source.task, self.dtype).to(self.device)
+        model, self.untrained_head = load_torch_base(source.path, source.task, self.dtype)
+        self.model = model.to(self.device)
         self.adapters = LoraAdapters(self.model, mixed_rows=False)  # an encoder batch runs one adapter
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             b.numel() * b.element_size() for b in self.model.buffers()
@@ -101,6 +102,21 @@ _BUILDING = threading.Lock()
 
 
 def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
+    """The model, with every weight it reads in its folder (an ONNX export or a generator has no adapter head)."""
+    model, untrained_head = load_torch_base(folder, task, dtype)
+    if untrained_head:
+        del model
+        gc.collect()
+        raise UnsupportedModel(f"the weights in {folder} hold no head ({', '.join(untrained_head)}); {_NO_HEAD}")
+    return model
+
+
+_NO_HEAD = "it answers only through LoRA adapters that bring their own (modules_to_save), on the torch runtime"
+
+
+def load_torch_base(folder: Path, task: Task, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    """The model, and the weights of its head its folder lacks: a LoRA base whose adapters each carry their own
+    head (`modules_to_save`, runtimes/lora.py). Any other weight missing is refused."""
     with _BUILDING:
         try:
             model, loading = _model_class(task).from_pretrained(
@@ -115,10 +131,10 @@ def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
                 "count that differs from the weights'?); the box's log lists each weight that does not fit"
             ) from exc
         missing = uncovered(loading["missing_keys"], task)
-        head = [key for key in missing if not _in_backbone(model, key)] if task in _HEADED else []
-        if head:  # a LoRA base whose adapters each carry their own head (`modules_to_save`): runtimes/lora.py
+        head = tuple(key for key in missing if key.split(".")[0] in _HEAD_MODULES) if task in _HEADED else ()
+        if head:
             log.warning(
-                "model head not in the weights: random until an adapter's own head replaces it",
+                "model head not in the weights: only its adapters' own heads answer",
                 extra={"folder": str(folder), "missing": ", ".join(head)},
             )
             missing = [key for key in missing if key not in head]
@@ -131,7 +147,7 @@ def load_torch_model(folder: Path, task: Task, dtype: torch.dtype):
                 f"{total} weights are missing, e.g. {', '.join(missing[:3])}; transformers would fill them with "
                 "random values. The folder's config.json and weights do not match"
             )
-    return model.eval()
+    return model.eval(), head
 
 
 def cuda_peak_start(device: torch.device) -> int:
@@ -152,12 +168,9 @@ def cuda_peak_since(device: torch.device, allocated: int) -> int:
 
 # Tasks with a head on a backbone: a LoRA adapter may carry its own trained head, so a base without one loads.
 _HEADED = frozenset({Task.SCORE, Task.CLASSIFY, Task.EXTRACT})
-
-
-def _in_backbone(model: torch.nn.Module, key: str) -> bool:
-    """Whether weight `key` belongs to the backbone a head sits on (`bert.`, `model.`), not to the head."""
-    prefix = getattr(model, "base_model_prefix", "")
-    return not prefix or not hasattr(model, prefix) or key.startswith(f"{prefix}.")
+# The head modules peft's sequence and token classification adapters save a copy of (`modules_to_save`) by default.
+# Only these: DeBERTa's `pooler`, beside the classifier and not in any adapter, loaded random on every load.
+_HEAD_MODULES = frozenset({"classifier", "score"})
 
 
 def uncovered(missing_keys: Iterable[str], task: Task) -> list[str]:

@@ -305,3 +305,34 @@ async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is
     await there.delete_model(there.catalog.get("cls"))
     assert await there.store.adapters_in_bucket("cls") == []
     await wait_for(lambda: here.catalog.get("cls:b") is None, what="the adapter to leave the catalog")
+
+
+async def test_a_classifier_base_without_a_head_answers_through_adapters_that_bring_theirs_only(
+    start_box, http, classifier_dir: Path, classifier_adapters: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A LoRA base whose folder holds the backbone and no head: each SEQ_CLS adapter carries its own copy. It was
+    refused whole (503, base and adapters); called without an adapter, its random head would answer noise (and
+    another noise on each load: regression tester), so that is a 422 `untrained_head`. Through an adapter, the
+    answer is the adapter's on the complete base (the same backbone, the adapter's head)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+
+    headless = tmp_path_factory.mktemp("models") / "headless"
+    AutoModelForSequenceClassification.from_pretrained(classifier_dir).bert.save_pretrained(headless)
+    config = json.loads((classifier_dir / "config.json").read_text())
+    (headless / "config.json").write_text(json.dumps(config))  # the classifier's, over the backbone's weights
+    copy_bert_tokenizer(headless)
+    box = await start_box(default_model=False, model_roots=[classifier_dir.parent.parent, headless.parent.parent])
+    for name, folder in (("cls", classifier_dir), ("bare", headless)):
+        assert (await call(http, box, "POST", "/v1/models", {"name": name, "path": str(folder)}))[0] == 201
+        body = {"name": f"{name}:a", "path": str(classifier_adapters[0]), "adapter_of": name}
+        assert (await call(http, box, "POST", "/v1/models", body))[0] == 201
+    status, body = await classify(http, box, "bare")
+    assert (status, body["error"]["code"]) == (422, "untrained_head"), body
+    assert "classifier.weight" in body["error"]["message"] and "adapters" in body["error"]["message"]
+    status, through_bare = await classify(http, box, "bare:a")
+    assert status == 200, through_bare
+    status, through_complete = await classify(http, box, "cls:a")
+    assert status == 200, through_complete
+    assert through_bare["data"] == through_complete["data"]

@@ -61,8 +61,27 @@ def test_a_classifier_base_without_its_head_loads_for_adapters_that_bring_their_
     folder = with_config(copy_bert_tokenizer(tmp_path / "base"), tmp_path / "base-classifier",
                          architectures=["BertForSequenceClassification"], **YES_NO)  # fmt: skip
     with caplog.at_level("WARNING", logger="runtimes.torch_backend"):
-        load_runtime(ModelSource(folder, Task.CLASSIFY)).close()
+        runtime = load_runtime(ModelSource(folder, Task.CLASSIFY))
+    assert runtime.info.untrained_head == ("classifier.bias", "classifier.weight")  # its requests: adapters only
+    runtime.close()
     assert "model head not in the weights" in caplog.text
+
+
+def test_a_classifier_missing_more_than_what_adapters_carry_is_refused(tmp_path: Path) -> None:
+    """Regression tester: DeBERTa's classifier reads a `pooler` beside its `classifier`, outside the backbone; a
+    base without either loaded with both random (peft's adapters copy the classifier only), and answered another
+    noise on every load. Only `classifier` and `score` may be missing."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+
+    config = DebertaV2Config(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64, num_labels=2, max_position_embeddings=128)  # fmt: skip
+    DebertaV2ForSequenceClassification(config).deberta.save_pretrained(tmp_path / "base")
+    folder = with_config(copy_bert_tokenizer(tmp_path / "base"), tmp_path / "base-classifier",
+                         architectures=["DebertaV2ForSequenceClassification"], **YES_NO)  # fmt: skip
+    with pytest.raises(UnsupportedModel, match=r"2 of its \d+ weights are missing, e\.g\. pooler\.dense\.bias"):
+        load_runtime(ModelSource(folder, Task.CLASSIFY))
 
 
 def test_models_whose_weights_cover_what_their_task_uses_are_not_refused(
