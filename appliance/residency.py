@@ -26,11 +26,11 @@ from appliance.errors import InsufficientMemory, reason_of
 from appliance.metrics import Metrics
 from appliance.settings import memory_budget_bytes
 from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime
-from runtimes.base import AdapterHost
+from runtimes.base import AdapterHost, shipped_onnx
 
 log = logging.getLogger(__name__)
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".onnx", ".pt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".onnx")  # in the order a load prefers them
 _DTYPE_SCALE = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5, "int8": 0.25}
 _ACTIVATION_ALLOWANCE = 1.25  # until measured, assume activations add a quarter of the weights
 
@@ -57,17 +57,28 @@ def estimate_bytes(spec: ModelSpec) -> int:
     """What a model will take before it is measured: its weight files, scaled by dtype, plus an allowance."""
     if spec.runtime is RuntimeKind.NOOP:
         return int(spec.options.get("bytes", 0))
-    files = _weight_files(spec.path)
+    files = _weight_files(spec)
     weights = sum(f.stat().st_size for f in files) * _DTYPE_SCALE.get(spec.dtype, 1.0)
     return int(weights * _ACTIVATION_ALLOWANCE)
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def _weight_files(spec: ModelSpec) -> list[Path]:
+    """The files a load reads: a shipped ONNX graph, else the folder's own weights in the format transformers picks
+    (safetensors over .bin). Not every weight file under it: repositories ship .bin, safetensors and an onnx/ folder
+    side by side, and counted together a model that fit was refused (regression tester: 41 MiB for a 26 MiB model)."""
+    folder = spec.path
     if folder.is_file():
         return [folder]
     if not folder.is_dir():
         return []
-    return [p for p in folder.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES]
+    shipped = shipped_onnx(folder, spec.options) if spec.runtime is RuntimeKind.ONNX else None
+    if shipped is not None:
+        return [shipped] if shipped.is_file() else []
+    top = [path for path in folder.iterdir() if path.is_file()]
+    for suffix in _WEIGHT_SUFFIXES:
+        if files := [path for path in top if path.suffix == suffix]:
+            return files
+    return [path for path in folder.rglob("*") if path.is_file() and path.suffix in _WEIGHT_SUFFIXES]
 
 
 def size_text(nbytes: int) -> str:

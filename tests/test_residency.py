@@ -252,3 +252,22 @@ async def test_a_model_measured_over_its_estimate_evicts_for_its_measured_bytes_
             await residency.ensure_loaded(spec)
             assert {r.spec.name for r in residency.residents()} == {"long"}
         assert residency.used_bytes <= residency.budget_bytes
+
+
+def test_a_models_estimate_counts_the_weights_its_load_reads_not_every_weight_file_in_its_folder(
+    encoder_dir: Path, tmp_path: Path
+) -> None:
+    """Regression tester: hub repositories ship safetensors, a .bin and an onnx/ folder side by side; all were
+    counted, and a 26 MiB model was refused 507 as 41 MiB (62 MiB with onnx/) in a 40 MB budget."""
+    import shutil
+
+    plain = spec_from_entry(ModelEntry(name="plain", path=str(encoder_dir)), Settings())
+    folder = shutil.copytree(encoder_dir, tmp_path / "everything")
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(weights)  # the same weights, the format transformers skips
+    (folder / "onnx").mkdir()
+    (folder / "onnx" / "model.onnx").write_bytes(weights)
+    everything = spec_from_entry(ModelEntry(name="everything", path=str(folder)), Settings())
+    assert estimate_bytes(everything) == estimate_bytes(plain) > len(weights)
+    shipped = ModelEntry(name="graph", path=str(folder), runtime="onnx", options={"onnx_file": "onnx/model.onnx"})
+    assert estimate_bytes(spec_from_entry(shipped, Settings())) == estimate_bytes(plain)  # the graph alone
