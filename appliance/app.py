@@ -90,6 +90,7 @@ class Box:
             self.metrics,
             self._cpu_executor,
             before_evict=lambda name: self.workers.stop(name),  # made below: the workers need the residency
+            in_use=self._in_use,
             onnx_cache=settings.state_dir / "onnx",  # a box exports each model once
         )
         roots = [p for p in (settings.profiles_dir, SHIPPED_PROFILES_DIR) if p is not None]
@@ -350,6 +351,11 @@ class Box:
         return self._tasks.spawn(coro)
 
     # -- stop ------------------------------------------------------------------------------------
+
+    def _in_use(self, model: str) -> bool:
+        """Whether this box's worker for `model` has requests in hand (an eviction prefers an idle model)."""
+        worker = self.workers.get(model)
+        return worker is not None and worker.held > 0
 
     def _other_workers(self) -> list[str]:
         """Live boxes besides this one that compute (and are not draining): who may answer what it hands back."""

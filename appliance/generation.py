@@ -234,6 +234,7 @@ class GenerateWorker:
                 await self._wake.wait()
                 continue
             self._drop_expired()
+            self._residency.touch(self.spec.name)  # generating is using: not the model evicted for an idle one
             started = time.perf_counter()
             try:
                 outputs = await loop.run_in_executor(self._device, self.runtime.step)

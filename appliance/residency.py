@@ -110,6 +110,7 @@ class Residency:
         metrics: Metrics,
         executor: Executor,
         before_evict: Callable[[str], Awaitable[None]] | None = None,
+        in_use: Callable[[str], bool] | None = None,
         max_adapters: int = 8,
         onnx_cache: Path | None = None,
     ) -> None:
@@ -119,6 +120,7 @@ class Residency:
         self._metrics = metrics
         self._executor = executor
         self._before_evict = before_evict
+        self._in_use = in_use or (lambda name: False)  # whether a model has requests in hand now
         self._resident: dict[str, Resident] = {}
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._evicting: dict[str, asyncio.Event] = {}  # set once the model is gone
@@ -300,13 +302,15 @@ class Residency:
             await self.evict(victim, reason="budget")
 
     def _victim(self, keep: str) -> str | None:
-        """The least recently used model that may be evicted for `keep`: not pinned, not already on its way out."""
+        """The least recently used model that may be evicted for `keep`: not pinned, not already on its way out, and
+        an idle one before one with requests in hand (a generator asked once and still generating was "least recently
+        used" beside a model asked since, and the load waited out its answer to evict it: a 504)."""
         candidates = [
             r
             for r in self._resident.values()
             if r.spec.name not in self.pinned and r.spec.name != keep and r.spec.name not in self._evicting
         ]
-        return min(candidates, key=lambda r: r.last_used).spec.name if candidates else None
+        return min(candidates, key=lambda r: (self._in_use(r.spec.name), r.last_used)).spec.name if candidates else None
 
     async def hold_adapter(self, base: str, adapter: ModelSpec) -> AdapterHold:
         """A LoRA adapter's registration loaded onto its resident base (once), and kept loaded until the hold is

@@ -320,6 +320,7 @@ class ModelWorker:
                     await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
                     return
             await self._blobs.ack(msg, meta.blob)
+            self._residency.touch(self.spec.name)  # answered: used until now, not only when the request came
             self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:
             self._let_go(meta.id)

@@ -271,3 +271,21 @@ def test_a_models_estimate_counts_the_weights_its_load_reads_not_every_weight_fi
     assert estimate_bytes(everything) == estimate_bytes(plain) > len(weights)
     shipped = ModelEntry(name="graph", path=str(folder), runtime="onnx", options={"onnx_file": "onnx/model.onnx"})
     assert estimate_bytes(spec_from_entry(shipped, Settings())) == estimate_bytes(plain)  # the graph alone
+
+
+async def test_an_idle_model_is_evicted_before_one_with_requests_in_hand() -> None:
+    """Regression tester: a generator asked once, still generating a long answer, was "least recently used" beside
+    a model asked since, so a third model's load evicted it, waiting out its answer (a 504 at 3 s). A model with
+    requests in hand (the box's `in_use`) goes after every idle one, whatever their last use."""
+    specs = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in "abc"}
+    busy = {"a"}
+    with ThreadPoolExecutor(1) as executor:
+        residency = Residency("cpu", None, 2_500, Metrics(), executor, in_use=lambda name: name in busy)
+        for name in "ab":  # a first: the least recently used
+            await residency.ensure_loaded(specs[name])
+        await residency.ensure_loaded(specs["c"])
+        assert {r.spec.name for r in residency.residents()} == {"a", "c"}
+        busy.clear()
+        await residency.ensure_loaded(specs["b"])
+        assert {r.spec.name for r in residency.residents()} == {"b", "c"}  # idle again: least recently used goes
+        await residency.close()
