@@ -1,7 +1,7 @@
 """Which models are loaded on this box's device, within a byte budget, and loading them once.
 
 The eviction rule: before a load, estimate the newcomer's bytes (weight files, scaled by dtype)
-and evict least-recently-used unpinned models until it fits; a model that cannot fit even with
+and evict least-recently-used unpinned models until it fits (idle ones before those with requests in hand); a model that cannot fit even with
 every unpinned model gone is refused (507). Once loaded, a model's bytes are the measured ones:
 weights plus the activation peak seen at warm-up. The estimate can be far off (float16 weight files
 loaded as float32, a long context's activations), so the measured bytes are judged again by the
