@@ -1,13 +1,14 @@
 """Which models are loaded on this box's device, within a byte budget, and loading them once.
 
-The eviction rule: before a load, estimate the newcomer's bytes (weight files, scaled by dtype)
-and evict least-recently-used unpinned models until it fits (idle ones before those with requests in hand); a model that cannot fit even with
-every unpinned model gone is refused (507). Once loaded, a model's bytes are the measured ones:
-weights plus the activation peak seen at warm-up. The estimate can be far off (float16 weight files
-loaded as float32, a long context's activations), so the measured bytes are judged again by the
-same rule before the model becomes resident: evict for them, or unload the model and refuse it
-(507), remembering its measured size so the next try is refused unloaded. Loads are single-flight:
-any number of concurrent `ensure_loaded` calls for one cold model cause one load, in a thread.
+The eviction rule: before a load, estimate the newcomer's bytes (the weight files it reads, scaled
+by dtype) and evict least-recently-used unpinned models until it fits (idle ones before those with
+requests in hand); a model that cannot fit even with every unpinned model gone is refused (507).
+Once loaded, a model's bytes are the measured ones: weights plus the activation peak seen at
+warm-up. The estimate can be far off (float16 weight files loaded as float32, a long context's
+activations), so the measured bytes are judged again by the same rule before the model becomes
+resident: evict for them, or unload the model and refuse it (507), remembering its measured size
+so the next try is refused unloaded. Loads are single-flight: any number of concurrent
+`ensure_loaded` calls for one cold model cause one load, in a thread.
 """
 
 from __future__ import annotations

@@ -335,14 +335,17 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
 
 
 # A layer's index in a weight's name, as transformers names the repeated blocks (`encoder.layer.3.`, `model.layers.3.`).
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers?|h)\.(\d+)\.")  # GPT-2's blocks are `h.3.`
 
 
 def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
     """Refuse a config.json that describes more layers than the weights hold: transformers would fill the rest
     with random values and the model would answer nonsense. Read from the safetensors headers, without torch; the
     load checks every weight (runtimes/torch_backend.py), this is the case that is cheap to see before it."""
-    layers = config.get("num_hidden_layers")
+    # The family's name for it (GPT-2's n_layer, DistilBERT's n_layers), without transformers: no torch on a gateway.
+    field = next((name for name in _LAYER_FIELDS if name in config), "num_hidden_layers")
+    layers = config.get(field)
     if not isinstance(layers, int) or isinstance(layers, bool):
         return
     found = {
@@ -353,7 +356,7 @@ def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
     if found and max(found) + 1 < layers:
         raise UnsupportedModel(
             f"the weights in {folder} do not cover the model its config.json describes: it says "
-            f"num_hidden_layers {layers}, the weights hold {max(found) + 1} layers; transformers would fill the "
+            f"{field} {layers}, the weights hold {max(found) + 1} layers; transformers would fill the "
             "rest with random values. The folder's config.json and weights do not match"
         )
 

