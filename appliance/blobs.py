@@ -31,6 +31,7 @@ class Blobs:
     ) -> None:
         self._js = js
         self.threshold = max(1024, min(threshold, max_payload - _HEADROOM))
+        self.message_room = max_payload - _HEADROOM  # the largest body a message carries
         self._ttl_s = ttl_s
         self._file_storage = file_storage
         self._replicas = replicas

@@ -85,7 +85,7 @@ class DeadLetters:
             except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
                 reason += f"; its body (blob {blob}) could not be read: {exc!r}"
             else:
-                if len(body) > self._blobs.threshold:  # more than a message carries: the dead letter names the blob
+                if len(body) > self._blobs.message_room:  # more than a message carries: the dead letter names the blob
                     reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
                     body, blob = b"", None
         await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)

@@ -151,8 +151,17 @@ class ReplyMeta:
             seq=_int(headers, SEQ, default=0),
             final=headers.get(FINAL, "1") != "0",
             blob=headers.get(BLOB) or None,
-            retry_after_s=_int(headers, RETRY_AFTER, default=0),
+            retry_after_s=_optional_int(headers, RETRY_AFTER),
         )
+
+
+def _optional_int(headers: Mapping[str, str], key: str) -> int:
+    """A header a reply may carry or not, read leniently (0 when absent or unreadable): a reply is not dropped for
+    what only improves its answer."""
+    try:
+        return max(0, int(headers.get(key) or 0))
+    except ValueError:
+        return 0
 
 
 def _int(headers: Mapping[str, str], key: str, default: int | None = None) -> int:

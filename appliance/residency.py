@@ -14,6 +14,8 @@ so the next try is refused unloaded. Loads are single-flight: any number of conc
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -73,8 +75,13 @@ def _weight_files(spec: ModelSpec) -> list[Path]:
     if not folder.is_dir():
         return []
     shipped = shipped_onnx(folder, spec.options) if spec.runtime is RuntimeKind.ONNX else None
-    if shipped is not None:
-        return [shipped] if shipped.is_file() else []
+    if shipped is not None:  # and its external data, when its weights are beside it (`model.onnx_data`)
+        return [path for path in shipped.parent.glob(f"{shipped.name}*") if path.is_file()]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # the shards it names, not a consolidated copy beside them
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            return [folder / shard for shard in sorted(shards) if (folder / shard).is_file()]
     top = [path for path in folder.iterdir() if path.is_file()]
     for suffix in _WEIGHT_SUFFIXES:
         if files := [path for path in top if path.suffix == suffix]:

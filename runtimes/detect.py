@@ -335,7 +335,8 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
 
 
 # A layer's index in a weight's name, as transformers names the repeated blocks (`encoder.layer.3.`, `model.layers.3.`).
-_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+# Not T5's `num_layers`: its weights number blocks and the layers inside them (`block.3.layer.1.`).
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers")
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers?|h)\.(\d+)\.")  # GPT-2's blocks are `h.3.`
 
 

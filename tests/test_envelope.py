@@ -48,3 +48,12 @@ def test_reply_header_parsing_raises_only_value_error(raw: dict[str, str]) -> No
         ReplyMeta.from_headers(raw)
     except ValueError:
         pass
+
+
+def test_an_unreadable_retry_after_on_a_reply_is_no_retry_after_not_a_dropped_reply() -> None:
+    """Review finding: an optional header read strictly would drop the whole reply as malformed (its client then
+    waits for a 504) for what only improves the answer."""
+    headers = ReplyMeta(id="r", status=503, box="b", retry_after_s=7).headers()
+    assert ReplyMeta.from_headers(headers).retry_after_s == 7
+    assert ReplyMeta.from_headers({**headers, "Fbx-Retry-After": "1.5"}).retry_after_s == 0
+    assert ReplyMeta.from_headers({k: v for k, v in headers.items() if k != "Fbx-Retry-After"}).retry_after_s == 0

@@ -262,6 +262,11 @@ async def test_a_poison_request_larger_than_a_message_is_dead_lettered_with_its_
     assert not dead.data and reason.startswith("RuntimeError('a poison input") and "stays in the object store" in reason
     kept = await (await box.js.object_store(bus.BLOBS_BUCKET)).get(dead.headers["Fbx-Blob"])
     assert kept.data is not None and b"POISON" in kept.data
+    body["input"] = ["POISON " + "word " * 40_000]  # 200 KB: through the store, and small enough for a message
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert (await response.json())["error"]["code"] == "dead_lettered"
+    dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject("noop"))
+    assert dead.data and b"POISON" in dead.data and "object store" not in dead.headers["Fbx-Dead-Reason"]
 
 
 async def _gt(value, than: int) -> bool:

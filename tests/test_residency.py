@@ -271,6 +271,11 @@ def test_a_models_estimate_counts_the_weights_its_load_reads_not_every_weight_fi
     assert estimate_bytes(everything) == estimate_bytes(plain) > len(weights)
     shipped = ModelEntry(name="graph", path=str(folder), runtime="onnx", options={"onnx_file": "onnx/model.onnx"})
     assert estimate_bytes(spec_from_entry(shipped, Settings())) == estimate_bytes(plain)  # the graph alone
+    (folder / "onnx" / "model.onnx_data").write_bytes(weights)  # its weights as external data: read too
+    assert estimate_bytes(spec_from_entry(shipped, Settings())) == 2 * estimate_bytes(plain)
+    (folder / "consolidated.safetensors").write_bytes(weights)  # beside the index's shards (review finding)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model.safetensors"}}')
+    assert estimate_bytes(everything) == estimate_bytes(plain)
 
 
 async def test_an_idle_model_is_evicted_before_one_with_requests_in_hand() -> None:

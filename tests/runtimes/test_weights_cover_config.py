@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtimes import ModelSource, RuntimeKind, Task, UnsupportedModel, load_runtime
 from runtimes.detect import check_loadable
@@ -107,3 +108,15 @@ def test_a_gpt2_config_with_more_layers_than_its_weights_is_refused_at_registrat
     folder = with_config(save_generator(tmp_path / "gpt2", GPT2Config, GPT2LMHeadModel), tmp_path / "deep", n_layer=4)
     with pytest.raises(UnsupportedModel, match="n_layer 4, the weights hold 2 layers"):
         check_loadable(folder, Task.GENERATE, RuntimeKind.TORCH, {})
+
+
+def test_a_t5_folder_is_not_judged_by_the_layers_inside_its_blocks(tmp_path: Path) -> None:
+    """Review finding: T5 keeps its layer count as `num_layers` and names its weights `block.N.layer.M.`; read as
+    the layer count, the three layers inside each block refused a 12-block model."""
+    from safetensors.torch import save_file
+
+    from runtimes.detect import _refuse_missing_layers
+
+    tensors = {f"encoder.block.{b}.layer.{m}.w.weight": torch.zeros(1) for b in range(12) for m in range(3)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    _refuse_missing_layers(tmp_path, {"model_type": "t5", "num_layers": 12})
