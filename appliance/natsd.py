@@ -36,10 +36,19 @@ def nats_server_binary() -> str:
     return found
 
 
+_HANDED_OUT: set[int] = set()  # the ports `free_port` gave this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free now, never one this process was given before: two asked for in a row, neither bound yet, could
+    be the same (a CI run's box found its HTTP port taken by its own embedded nats-server)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 _PR_SET_PDEATHSIG = 1
