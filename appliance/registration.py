@@ -35,7 +35,13 @@ from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.config_check import ConfigNotJudged
-from runtimes.detect import check_adapter_fits, check_adapter_folder, check_loadable, detect_task
+from runtimes.detect import (
+    check_adapter_brings_head,
+    check_adapter_fits,
+    check_adapter_folder,
+    check_loadable,
+    detect_task,
+)
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
@@ -110,6 +116,8 @@ def _judge_readable_folder(
     try:
         check_adapter_folder(folder, base_task=base.task, mixed_rows=base.task is Task.GENERATE)
         check_adapter_fits(folder, base.path)
+        if base.task in (Task.SCORE, Task.CLASSIFY, Task.EXTRACT):
+            check_adapter_brings_head(folder, base.path)
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_adapter") from None
     return folder, None

@@ -195,6 +195,27 @@ def check_adapter_fits(adapter: Path, base: Path) -> None:
             )
 
 
+# The head modules peft's classification adapters copy (`modules_to_save`) and a base may lack (torch_backend.py).
+_HEADS = frozenset({"classifier", "score"})
+
+
+def check_adapter_brings_head(adapter: Path, base: Path) -> None:
+    """Raise `UnsupportedModel` for an adapter of a scorer, classifier or extractor whose base's weights hold no head
+    when the adapter brings none either (saved without `task_type`): it would answer with the random head the load
+    fills in, another noise on every load (review finding). From the safetensors headers; unknown formats pass."""
+    base_shapes = _safetensors_shapes(_base_weight_files(Path(base)))
+    adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
+    if not base_shapes or not adapter_shapes or any(key.split(".")[0] in _HEADS for key in base_shapes):
+        return
+    if any(part in _HEADS for key in adapter_shapes for part in key.split(".")):
+        return
+    raise UnsupportedModel(
+        f"LoRA adapter {adapter} brings no head (classifier or score in modules_to_save) and its base's weights hold "
+        "none: it would answer with a random head. Save it with task_type SEQ_CLS or TOKEN_CLS, which saves the head "
+        "it trained, or register it on a base whose folder holds a trained head"
+    )
+
+
 def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
     """The shape of the base weight `name` names, allowing for a prefix one side's saved names carry."""
     if name in shapes:

@@ -336,3 +336,13 @@ async def test_a_classifier_base_without_a_head_answers_through_adapters_that_br
     status, through_complete = await classify(http, box, "cls:a")
     assert status == 200, through_complete
     assert through_bare["data"] == through_complete["data"]
+    # An adapter saved without a head copy (no task_type) would answer with the random head (review finding).
+    headless_adapter = make_adapter(
+        Task.CLASSIFY, classifier_dir, tmp_path_factory.mktemp("no-head"), 3, task_type=None
+    )
+    body = {"name": "bare:plain", "path": str(headless_adapter), "adapter_of": "bare"}
+    status, refused = await call(http, box, "POST", "/v1/models", body)
+    assert (status, refused["error"]["code"]) == (422, "unsupported_adapter"), refused
+    assert "brings no head" in refused["error"]["message"]
+    body = {"name": "cls:plain", "path": str(headless_adapter), "adapter_of": "cls"}  # a base with a trained head
+    assert (await call(http, box, "POST", "/v1/models", body))[0] == 201
