@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,7 @@ from appliance.errors import InsufficientMemory, reason_of
 from appliance.metrics import Metrics
 from appliance.settings import memory_budget_bytes
 from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime
-from runtimes.base import AdapterHost, shipped_onnx
+from runtimes.base import SAFETENSORS_INDEX, AdapterHost, safetensors_files, shipped_onnx
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +76,10 @@ def _weight_files(spec: ModelSpec) -> list[Path]:
     shipped = shipped_onnx(folder, spec.options) if spec.runtime is RuntimeKind.ONNX else None
     if shipped is not None:  # and its external data, when its weights are beside it (`model.onnx_data`)
         return [path for path in shipped.parent.glob(f"{shipped.name}*") if path.is_file()]
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():  # the shards it names, not a consolidated copy beside them
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-            return [folder / shard for shard in sorted(shards) if (folder / shard).is_file()]
+    if (folder / SAFETENSORS_INDEX).is_file():  # the shards it names, not a consolidated copy beside them
+        with contextlib.suppress(OSError):
+            if shards := [path for path in safetensors_files(folder) if path.is_file()]:
+                return shards
     top = [path for path in folder.iterdir() if path.is_file()]
     for suffix in _WEIGHT_SUFFIXES:
         if files := [path for path in top if path.suffix == suffix]:

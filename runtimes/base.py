@@ -8,6 +8,7 @@ plain token ids in and numpy arrays out. The batcher above packs `Tokenized` row
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -70,6 +71,25 @@ def shipped_onnx(folder: Path, options: Mapping[str, Any]) -> Path | None:
         return None
     path = Path(str(shipped)).expanduser()
     return path if path.is_absolute() else Path(folder) / path
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# The head modules peft's classification adapters copy (`modules_to_save`), which a LoRA base's weights may lack.
+# Only these: DeBERTa's `pooler`, beside its classifier and in no adapter, loaded random on every load.
+HEAD_MODULES = frozenset({"classifier", "score"})
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files a load of `folder` reads: the shards its index names ([] for an index that is not one),
+    else `model.safetensors`. Whether they exist is the caller's to judge."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (ValueError, AttributeError):
+            return []
+        return [folder / shard for shard in sorted(shards)]
+    return [folder / "model.safetensors"]
 
 
 def max_decode_batch(options: Mapping[str, Any]) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
-from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
+from runtimes.base import HEAD_MODULES, RuntimeKind, Task, UnsupportedModel, safetensors_files, shipped_onnx
 from runtimes.chat_template import check_chat_template
 from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
@@ -163,7 +163,7 @@ def check_adapter_fits(adapter: Path, base: Path) -> None:
     refused here: weights in another format, or names that do not line up (a checkpoint's legacy names, a head
     built otherwise), are judged by the first load, which refuses weights that find no place in the model."""
     adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
-    base_shapes = _safetensors_shapes(_base_weight_files(Path(base)))
+    base_shapes = _safetensors_shapes(safetensors_files(Path(base)))
     if not adapter_shapes or not base_shapes:
         return
     for key, shape in adapter_shapes.items():
@@ -195,19 +195,15 @@ def check_adapter_fits(adapter: Path, base: Path) -> None:
             )
 
 
-# The head modules peft's classification adapters copy (`modules_to_save`) and a base may lack (torch_backend.py).
-_HEADS = frozenset({"classifier", "score"})
-
-
 def check_adapter_brings_head(adapter: Path, base: Path) -> None:
     """Raise `UnsupportedModel` for an adapter of a scorer, classifier or extractor whose base's weights hold no head
     when the adapter brings none either (saved without `task_type`): it would answer with the random head the load
     fills in, another noise on every load (review finding). From the safetensors headers; unknown formats pass."""
-    base_shapes = _safetensors_shapes(_base_weight_files(Path(base)))
+    base_shapes = _safetensors_shapes(safetensors_files(Path(base)))
     adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
-    if not base_shapes or not adapter_shapes or any(key.split(".")[0] in _HEADS for key in base_shapes):
+    if not base_shapes or not adapter_shapes or any(key.split(".")[0] in HEAD_MODULES for key in base_shapes):
         return
-    if any(part in _HEADS for key in adapter_shapes for part in key.split(".")):
+    if any(part in HEAD_MODULES for key in adapter_shapes for part in key.split(".")):
         return
     raise UnsupportedModel(
         f"LoRA adapter {adapter} brings no head (classifier or score in modules_to_save) and its base's weights hold "
@@ -224,17 +220,6 @@ def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
         if key.endswith(f".{name}") or name.endswith(f".{key}"):
             return shape
     return None
-
-
-def _base_weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (ValueError, AttributeError):
-            return []
-        return [folder / shard for shard in sorted(shards)]
-    return [folder / "model.safetensors"]
 
 
 def _safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
@@ -372,7 +357,7 @@ def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
         return
     found = {
         int(match.group(1))
-        for name in _safetensors_shapes(_base_weight_files(folder))
+        for name in _safetensors_shapes(safetensors_files(folder))
         if (match := _LAYER_INDEX.search(name))
     }
     if found and max(found) + 1 < layers:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtimes.base import ModelSource, Task, UnsupportedModel
+from runtimes.base import HEAD_MODULES, ModelSource, Task, UnsupportedModel
 from runtimes.lora import LoraAdapters
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def load_torch_base(folder: Path, task: Task, dtype: torch.dtype) -> tuple[torch
                 "count that differs from the weights'?); the box's log lists each weight that does not fit"
             ) from exc
         missing = uncovered(loading["missing_keys"], task)
-        head = tuple(key for key in missing if key.split(".")[0] in _HEAD_MODULES) if task in _HEADED else ()
+        head = tuple(key for key in missing if key.split(".")[0] in HEAD_MODULES) if task in _HEADED else ()
         if head:
             log.warning(
                 "model head not in the weights: only its adapters' own heads answer",
@@ -168,9 +168,6 @@ def cuda_peak_since(device: torch.device, allocated: int) -> int:
 
 # Tasks with a head on a backbone: a LoRA adapter may carry its own trained head, so a base without one loads.
 _HEADED = frozenset({Task.SCORE, Task.CLASSIFY, Task.EXTRACT})
-# The head modules peft's sequence and token classification adapters save a copy of (`modules_to_save`) by default.
-# Only these: DeBERTa's `pooler`, beside the classifier and not in any adapter, loaded random on every load.
-_HEAD_MODULES = frozenset({"classifier", "score"})
 
 
 def uncovered(missing_keys: Iterable[str], task: Task) -> list[str]:
