@@ -176,7 +176,6 @@ class GenerateWorker:
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
-        self._residency.touch(self.spec.name)  # used: eviction takes the least recently used
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._replies.fail(meta, msg, deadline_passed(meta.id)))

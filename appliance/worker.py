@@ -194,7 +194,6 @@ class ModelWorker:
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()
-        self._residency.touch(self.spec.name)  # used: eviction takes the least recently used (it took the oldest load)
         self._held[meta.id] = msg
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
@@ -320,7 +319,7 @@ class ModelWorker:
                     await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
                     return
             await self._blobs.ack(msg, meta.blob)
-            self._residency.touch(self.spec.name)  # answered: used until now, not only when the request came
+            self._residency.touch(self.spec.name)  # used: eviction takes the least recently used
             self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:
             self._let_go(meta.id)
