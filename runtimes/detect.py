@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
-from runtimes.base import HEAD_MODULES, RuntimeKind, Task, UnsupportedModel, safetensors_files, shipped_onnx
+from runtimes.base import (
+    HEAD_MODULES,
+    SAFETENSORS_INDEX,
+    RuntimeKind,
+    Task,
+    UnsupportedModel,
+    safetensors_files,
+    shipped_onnx,
+)
 from runtimes.chat_template import check_chat_template
 from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
@@ -138,6 +146,7 @@ def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_r
         raise UnsupportedModel(f"{folder} is a {peft_type} adapter; only LoRA adapters are supported")
     if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
         raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
+    check_safetensors_whole([Path(folder) / "adapter_model.safetensors"], required=False)
     _refuse_shared_changes(config, folder)
     if mixed_rows and config.get("use_dora"):
         raise UnsupportedModel(
@@ -220,6 +229,51 @@ def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
         if key.endswith(f".{name}") or name.endswith(f".{key}"):
             return shape
     return None
+
+
+def check_safetensors_whole(files: list[Path], *, required: bool) -> None:
+    """Refuse safetensors files a load could not read: a file the weights need that is missing (a shard the index
+    names; with `required`, any), a header that is not one, or a file whose size is not the one its header
+    describes (a copy cut short, a Git LFS pointer in place of the weights). Such a folder registered, then failed
+    every load with a 503 (planning item). Reads the headers only, as safetensors checks them before a tensor."""
+    for file in files:
+        if not file.is_file():
+            if required:
+                raise UnsupportedModel(f"{file.name} is missing from {file.parent}; its weights index names it")
+            continue
+        described = _described_size(file)
+        if described is None:
+            raise UnsupportedModel(f"{file} is not a safetensors file: its header cannot be read")
+        held = file.stat().st_size
+        if held != described:
+            raise UnsupportedModel(
+                f"{file} holds {held:,} bytes where its header describes {described:,}: the file is "
+                f"{'cut short' if held < described else 'longer than its tensors'}; copy the weights again"
+            )
+
+
+def _described_size(file: Path) -> int | None:
+    """The size a safetensors file's header describes (8 bytes of length, the JSON header, then the tensors' data
+    to the last tensor's end), or None when the header is not one."""
+    try:
+        with file.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size <= 100 * 2**20:
+                return None
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    end = 0
+    for key, value in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = value.get("data_offsets") if isinstance(value, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int and n >= 0 for n in offsets)):
+            return None
+        end = max(end, offsets[1])
+    return 8 + size + end
 
 
 def _safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
@@ -334,6 +388,7 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         raise UnsupportedModel(f"{folder}/tokenizer.json cannot be loaded: {exc}") from None
     # Only a load through transformers reads the config with its class: a shipped graph or no-op does not.
     if runtime is RuntimeKind.TORCH or (runtime is RuntimeKind.ONNX and shipped is None):
+        check_safetensors_whole(safetensors_files(folder), required=(folder / SAFETENSORS_INDEX).is_file())
         _refuse_missing_layers(folder, _json_object(folder / "config.json"))
         layer_types = judge_config(folder)
         if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them

@@ -4,11 +4,13 @@ answers its waiting requests with a clear error instead of letting them time out
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from nats.js.errors import NotFoundError
 
 from appliance.app import Box
@@ -69,11 +71,20 @@ async def test_a_large_request_whose_client_went_away_leaves_no_blob_behind(star
     assert box.metrics.cancelled.labels("noop")._value.get() == 1  # it was cancelled, not computed
 
 
+# What a load says of the folder below; its weights are whole, only they are not this model's.
+NOT_ITS_WEIGHTS = "do not cover the model its config.json describes"
+
+
 def folder_that_fails_to_load(folder: Path) -> Path:
-    """A model folder whose files pass registration's checks; only loading finds its weights corrupt."""
+    """A model folder whose files pass registration's checks (whole safetensors, a config transformers reads); only
+    loading finds that its weights are none of the model's."""
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
-    (folder / "model.safetensors").write_bytes(b"corrupt")
+    config = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 64}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"unrelated.weight": torch.zeros(4)}, folder / "model.safetensors")
     return copy_bert_tokenizer(folder)
 
 
@@ -81,7 +92,7 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
     folder_that_fails_to_load(tmp_path / "models" / "broken")
     box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
     async with http.post(url(box, "/v1/models"), json={"name": "broken", "path": "broken"}) as response:
-        assert response.status == 201  # its files look right; only loading finds them corrupt
+        assert response.status == 201  # its files look right; only loading finds them not its own
     for headers in ({}, {"Fbx-Priority": "batch"}):  # batch-priority work waits in its own queue: refused too
         body = {"model": "broken", "input": "x", "timeout": 60}
         async with http.post(url(box, "/v1/embeddings"), json=body, headers=headers) as response:
@@ -138,7 +149,7 @@ async def test_a_model_whose_load_just_failed_reads_cold_with_its_error_not_load
         assert response.status == 503
     async with http.get(url(box, "/v1/models/mine")) as response:
         record = await response.json()
-    assert record["state"] == "cold" and "SafetensorError" in record["load_error"], record
+    assert record["state"] == "cold" and NOT_ITS_WEIGHTS in record["load_error"], record
 
 
 async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_folder_is_served_at_once(
@@ -149,7 +160,7 @@ async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_f
     error, and its model record showed that error (black-box finding)."""
     box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
     async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
-        assert response.status == 503 and "SafetensorError" in await response.text()
+        assert response.status == 503 and NOT_ITS_WEIGHTS in await response.text()
     assert box.placement.refusing == {"mine"}
     async with http.patch(url(box, "/v1/models/mine"), json={"aliases": ["still-broken"]}) as response:
         assert response.status == 200, await response.text()
@@ -199,11 +210,11 @@ async def test_a_load_the_admin_verb_tried_is_not_shown_against_the_model_regist
     async with http.post(url(box, "/v1/models/mine/load")) as response:
         assert response.status == 503
     async with http.get(url(box, "/v1/models/mine")) as response:
-        assert "SafetensorError" in (await response.json())["load_error"]
+        assert NOT_ITS_WEIGHTS in (await response.json())["load_error"]
     async with http.patch(url(box, "/v1/models/mine"), json={"aliases": ["still-broken"]}) as response:
         assert response.status == 200  # the same folder: still its error
     async with http.get(url(box, "/v1/models/mine")) as response:
-        assert "SafetensorError" in (await response.json())["load_error"]
+        assert NOT_ITS_WEIGHTS in (await response.json())["load_error"]
     await register_again_on_a_good_folder(http, box)
     async with http.get(url(box, "/v1/models/mine")) as response:
         assert (await response.json()).get("load_error") is None
@@ -316,4 +327,25 @@ async def test_worker_only_box_serves_health_and_metrics_but_no_api(start_box, h
     async with http.get(url(worker, "/metrics")) as response:
         assert response.status == 200
     async with http.post(url(worker, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as response:
+        assert response.status == 404
+
+
+async def test_a_folder_whose_weights_are_cut_short_is_refused_at_registration(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """An interrupted copy registered (201) and then failed every load with a 503 (planning item): registration reads
+    the safetensors headers and refuses it, saying which file and what to do."""
+    folder = tmp_path / "models" / "cut"
+    shutil.copytree(encoder_dir, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "cut", "path": "cut"}) as response:
+        assert response.status == 422
+        error = (await response.json())["error"]
+    assert error["code"] == "unsupported_model"
+    assert (
+        f"{weights} holds " in error["message"] and "the file is cut short; copy the weights again" in error["message"]
+    )
+    async with http.get(url(box, "/v1/models/cut")) as response:
         assert response.status == 404

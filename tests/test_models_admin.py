@@ -28,7 +28,7 @@ from runtimes import Task
 from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
 from tests.models import save_generator
-from tests.test_large_and_broken import folder_that_fails_to_load
+from tests.test_large_and_broken import NOT_ITS_WEIGHTS, folder_that_fails_to_load
 from tui.model import BoxState
 from tui.ops import FleetOps
 
@@ -531,7 +531,7 @@ async def test_load_and_evict_refusals_are_typed(start_box, http, tmp_path) -> N
     assert (status, body["error"]["code"]) == (503, "unavailable"), body
     assert body["error"]["message"].startswith(f"model broken could not be loaded on box {box.box_id}: ")
     _, record = await call(http, box, "GET", "/v1/models/broken")
-    assert "SafetensorError" in record["load_error"], record
+    assert NOT_ITS_WEIGHTS in record["load_error"], record
 
 
 async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box) -> None:
