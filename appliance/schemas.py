@@ -18,7 +18,9 @@ from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, MODEL_NAME_M
 # At least a millisecond: a deadline of 1e-9 s (or a denormal) is no deadline a request could meet, only a 504.
 MIN_TIMEOUT_S = 0.001
 Timeout = Annotated[float, msgspec.Meta(ge=MIN_TIMEOUT_S, description="seconds before the request's deadline")]
-Positive = Annotated[int, msgspec.Meta(ge=1)]
+# JSON integers have no size limit: a count past 64 bits (`max_tokens` of 400 digits) overflowed admission's float
+# arithmetic, a 500. No count a request or a model means is near it.
+Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 # What torch's generators take: a signed 64-bit integer.
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a signed 64-bit integer")]
@@ -278,7 +280,7 @@ class _Sampling(_NullIsDefault, kw_only=True):
     max_tokens: Positive | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # None: the model's own default
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # vLLM's: -1 or 0 is every token
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)] | None = None  # vLLM's: -1 or 0 is every token
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=10)] | None = None
     presence_penalty: Penalty | None = 0.0

@@ -8,6 +8,8 @@ queue and the tiny generator are real.
 
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
 from aiohttp.test_utils import make_mocked_request
@@ -197,3 +199,25 @@ async def test_a_generation_that_waited_for_its_model_to_load_is_counted_as_a_co
     assert status == 200, body
     waits = box.metrics.registry.get_sample_value("fbx_cold_start_wait_ms_count", {"model": "cold"})
     assert waits == 1
+
+
+@pytest.mark.parametrize(
+    ("route", "field", "path"),
+    [
+        ("/v1/chat/completions", "max_tokens", "$.max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens", "$.max_completion_tokens"),
+        ("/v1/completions", "max_tokens", "$.max_tokens"),
+        ("/v1/completions", "top_k", "$.top_k"),
+    ],
+)
+async def test_a_number_too_large_for_64_bits_is_a_422_naming_the_field(box, http, route, field, path) -> None:
+    """Review: JSON integers have no size limit; `max_tokens` of 401 digits reached admission's float arithmetic
+    (OverflowError: a 500) once the model had answered one generation, and an admitted one made every other
+    request for the model a 500 while it ran."""
+    base = CHAT if route == "/v1/chat/completions" else COMPLETION
+    assert (await post(http, box, route, base))[0] == 200  # the model's pace is known: admission does the arithmetic
+    body = json.dumps({**base, "max_tokens": None, field: 10**400})  # orjson writes 64-bit integers only
+    async with http.post(url(box, route), data=body, headers={"Content-Type": "application/json"}) as response:
+        status, answer = response.status, await response.json()
+    assert status == 422, answer
+    assert answer["error"]["code"] == "invalid_input" and path in answer["error"]["message"], answer
