@@ -14,6 +14,7 @@ import asyncio
 from contextlib import suppress
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.errors import BucketNotFoundError
@@ -61,7 +62,14 @@ class Blobs:
             return self._store
 
     async def put(self, key: str, data: bytes) -> str:
-        await (await self._bucket()).put(key, data)
+        """Store `data` under `key`. A bucket gone since it was looked up (memory storage does not outlive a
+        nats-server restart; an operator may delete it) is looked up, or made, again once: every large body after
+        it was a 500 (review r40)."""
+        try:
+            await (await self._bucket()).put(key, data)
+        except NatsError:
+            self._store = None
+            await (await self._bucket()).put(key, data)
         return key
 
     async def get(self, key: str) -> bytes:

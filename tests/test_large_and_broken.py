@@ -349,3 +349,37 @@ async def test_a_folder_whose_weights_are_cut_short_is_refused_at_registration(
     )
     async with http.get(url(box, "/v1/models/cut")) as response:
         assert response.status == 404
+
+
+async def test_a_blob_bucket_gone_since_the_box_looked_it_up_is_made_again(start_box, http) -> None:
+    """Review: the box kept the object store it looked up once; with the bucket gone (memory storage does not
+    outlive a nats-server restart, an operator may delete it) every large body after it was a 500."""
+    box = await start_box(default_model=False, models=[noop_model()], blob_threshold=2048)
+    large = {"model": "noop", "input": ["word " * 2000]}  # 10 KB: over the threshold
+    async with http.post(url(box, "/v1/embeddings"), json=large) as response:
+        assert response.status == 200
+    await box.js.delete_stream("OBJ_fbx_blobs")
+    async with http.post(url(box, "/v1/embeddings"), json=large) as response:
+        assert response.status == 200, await response.text()
+    assert (await box.js.stream_info("OBJ_fbx_blobs")).config.name == "OBJ_fbx_blobs"
+
+
+async def test_a_request_body_the_object_store_cannot_take_is_a_503_with_retry_after(start_box, http) -> None:
+    """Review: a put that timed out (a NATS failover) was a 500, where a publish that timed out is a 503 a client
+    retries. The store's failure is faked here (a put that raises NATS's timeout): the thing under test is what the
+    gateway answers for it."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    box = await start_box(default_model=False, models=[noop_model()], blob_threshold=2048)
+
+    async def timed_out(key: str, data: bytes) -> str:
+        raise NatsTimeout
+
+    box.dispatcher._blobs.put = timed_out
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": ["word " * 2000]}) as response:
+        assert response.status == 503
+        assert response.headers["Retry-After"] == "2"
+        error = (await response.json())["error"]
+    assert error["message"].startswith("the request body could not be stored beside the queue")
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "small"}) as response:
+        assert response.status == 200  # a body that rides the queue is not held up by the store

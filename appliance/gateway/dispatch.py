@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -365,7 +366,14 @@ class Dispatcher:
         """Queue a request `_accept` took in (it checked the connection, with no wait since)."""
         if self._blobs.needed(body):
             # Too large to ride the queue: the message carries the object-store key instead.
-            meta = replace(meta, blob=await self._blobs.put(meta.id, body))
+            try:
+                meta = replace(meta, blob=await self._blobs.put(meta.id, body))
+            except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
+                log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
+                raise ServiceUnavailable(
+                    "the request body could not be stored beside the queue (NATS object store); retry shortly",
+                    retry_after_s=_FAILOVER_RETRY_S,
+                ) from None
             body = b""
         try:
             await self._js.publish(
