@@ -21,7 +21,7 @@ from appliance.work import Job
 from runtimes import InputTooLong, Runtime, Task, Tokenized
 from runtimes.base import HeadedRuntime, PairRuntime
 from runtimes.tasks.embed import finish_vectors
-from runtimes.tasks.score import relevance_scores
+from runtimes.tasks.score import ScoreHead
 
 
 class TaskJobs(Protocol):
@@ -103,7 +103,8 @@ class ScoreJobs(_EncoderJobs):
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: RerankRequest = job.params
         logits = np.asarray([np.asarray(r).reshape(-1)[0] for r in job.results], dtype=np.float32)
-        scores = np.ascontiguousarray(relevance_scores(logits, raw_scores=request.raw_scores), dtype="<f4")
+        head = runtime.head if isinstance(runtime, HeadedRuntime) else ScoreHead()  # the no-op runtime has none
+        scores = np.ascontiguousarray(head.scores(logits, raw_scores=request.raw_scores), dtype="<f4")
         return scores.tobytes(), scores.shape[0], 1
 
 

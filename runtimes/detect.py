@@ -39,7 +39,7 @@ from runtimes.chat_template import check_chat_template
 from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
-from runtimes.tasks.score import check_one_logit
+from runtimes.tasks.score import ScoreHead, check_one_logit
 
 __all__ = [
     "SUPPORTED",
@@ -363,7 +363,9 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
     if task is Task.SCORE:
-        check_one_logit(folder, labels_from_config(_json_object(folder / "config.json")))
+        config = _json_object(folder / "config.json")
+        check_one_logit(folder, labels_from_config(config))
+        ScoreHead.from_config(config, folder)  # an activation fleetbox does not apply is refused
     if task is Task.EMBED:  # its sentence-transformers modules, as the load will run them
         from runtimes.tasks.embed import EmbedHead
 

@@ -131,11 +131,11 @@ class ScoreRuntime(EncoderRuntime):
     """Cross-encoder rerank: rows are (query, document) pairs, the output one relevance logit each."""
 
     task = Task.SCORE
-    head = ScoreHead()
 
     def __init__(self, source: ModelSource, backend: Backend) -> None:
         super().__init__(source, backend)
         check_one_logit(source.path, ClassifyHead.from_folder(source.path).labels)
+        self.head = ScoreHead.from_config(json.loads((source.path / "config.json").read_text()), source.path)
         self.info = self._measure()
 
     def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]:

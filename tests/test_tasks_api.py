@@ -441,3 +441,24 @@ async def test_bad_generation_requests_are_clear_4xx(task_box, http, path, body,
     assert set(payload["error"]) == {"message", "type", "code"}
     if status == 422 and "seed" in body:  # a seed torch cannot take is named, with its range
         assert "`$.seed`" in payload["error"]["message"] and "9223372036854775" in payload["error"]["message"]
+
+
+async def test_rerank_scores_take_the_activation_the_reranker_was_saved_with(
+    start_box, http, cross_encoder_dir, tmp_path
+):
+    """Stock-client tester: a reranker whose config.json names `Identity` (sentence-transformers' field) answered
+    sigmoids where `CrossEncoder.predict` returns its logits."""
+    from sentence_transformers import CrossEncoder
+
+    from appliance.settings import ModelEntry
+    from tests.models import with_config
+
+    activation = {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}
+    folder = with_config(cross_encoder_dir, tmp_path / "identity", **activation)
+    box = await start_box(default_model=False, models=[ModelEntry(name="plain", path=folder, task="score")])
+    status, answer = await post(http, box, "/v1/rerank", {"model": "plain", "query": "capital", "documents": DOCS})
+    assert status == 200, answer
+    scores = {result["index"]: result["relevance_score"] for result in answer["results"]}
+    expected = CrossEncoder(str(folder), device="cpu").predict([("capital", doc) for doc in DOCS])
+    np.testing.assert_allclose([scores[i] for i in range(len(DOCS))], expected, atol=1e-5)
+    assert min(expected) < 0  # logits, not probabilities

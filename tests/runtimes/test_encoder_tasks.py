@@ -13,7 +13,7 @@ from runtimes.tasks.classify import ClassifyHead, label_scores, labels_from_conf
 from runtimes.tasks.embed import finish_vectors
 from runtimes.tasks.score import relevance_scores
 from runtimes.tokenizer import model_max_length
-from tests.models import copy_bert_tokenizer
+from tests.models import copy_bert_tokenizer, with_config
 
 from .conftest import BIO_LABELS, CLASS_LABELS
 
@@ -111,6 +111,43 @@ def test_score_returns_one_logit_per_pair_equal_to_the_model(scorer, cross_encod
     np.testing.assert_allclose(logits, expected.logits[:, 0].numpy(), atol=1e-5)
     np.testing.assert_allclose(relevance_scores(logits), torch.sigmoid(expected.logits[:, 0]).numpy(), atol=1e-6)
     assert relevance_scores(logits, raw_scores=True).tolist() == logits.tolist()
+
+
+@pytest.mark.parametrize(
+    ("config", "activation"),
+    [
+        ({}, "sigmoid"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}, "identity"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}, "tanh"),
+        ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, "identity"),  # before v4
+        ({"sentence_transformers": {"activation_fn": "my_package.Scale"}}, "sigmoid"),  # not trusted: the default
+    ],
+)
+def test_scores_are_what_cross_encoder_predict_returns_for_the_activation_the_config_names(
+    cross_encoder_dir: Path, tmp_path: Path, config: dict, activation: str
+) -> None:
+    """Stock-client tester: a reranker saved with `Identity` (sentence-transformers' config.json field) answered
+    sigmoids where `CrossEncoder.predict` returns the logits: same order, other thresholds."""
+    from sentence_transformers import CrossEncoder
+
+    folder = with_config(cross_encoder_dir, tmp_path / "reranker", **config)
+    runtime = load_runtime(ModelSource(folder, Task.SCORE))
+    assert runtime.head.activation == activation
+    expected = CrossEncoder(str(folder), device="cpu").predict(PAIRS)
+    np.testing.assert_allclose(runtime.head.scores(runtime.run(runtime.tokenize_pairs(PAIRS))), expected, atol=1e-5)
+    runtime.close()
+
+
+def test_an_activation_fleetbox_does_not_apply_is_refused_at_registration(
+    cross_encoder_dir: Path, tmp_path: Path
+) -> None:
+    from runtimes import RuntimeKind
+    from runtimes.detect import check_loadable
+
+    config = {"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Softplus"}}
+    folder = with_config(cross_encoder_dir, tmp_path / "softplus", **config)
+    with pytest.raises(UnsupportedModel, match=r"names the activation 'torch\.nn\.modules\.activation\.Softplus'"):
+        check_loadable(folder, Task.SCORE, RuntimeKind.TORCH, {})
 
 
 def test_score_of_a_pair_does_not_depend_on_its_batch(scorer) -> None:
