@@ -98,7 +98,7 @@ class ScoreJobs(_EncoderJobs):
     def tokenize(self, request: RerankRequest, runtime: Runtime) -> list[Tokenized]:
         assert isinstance(runtime, PairRuntime)
         pairs = [(request.query, text) for text in request.texts()]
-        return runtime.tokenize_pairs(pairs, truncate=request.truncate)
+        return runtime.tokenize_pairs(pairs, truncate=request.truncate, most_document_tokens=request.max_tokens_per_doc)
 
     def result(self, job: Job, runtime: Runtime) -> tuple[bytes, int, int]:
         request: RerankRequest = job.params

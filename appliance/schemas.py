@@ -80,6 +80,8 @@ class RerankRequest(_NullIsDefault, kw_only=True):
     return_documents: bool | None = False
     raw_scores: bool | None = False
     truncate: bool | None = True
+    max_tokens_per_doc: Positive | None = None  # Cohere v2's: each document's first tokens only
+    max_chunks_per_doc: Positive | None = None  # Cohere v1's: read only to be refused above 1 (`refused`)
     adapter: str | None = None
     timeout: Timeout | None = None
 

@@ -175,7 +175,9 @@ class Runtime(Protocol):
 class PairRuntime(Runtime, Protocol):
     """A runtime whose rows are (query, document) pairs: a reranker."""
 
-    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]: ...
+    def tokenize_pairs(
+        self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True, most_document_tokens: int | None = None
+    ) -> list[Tokenized]: ...
 
 
 @runtime_checkable

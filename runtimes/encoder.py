@@ -138,8 +138,14 @@ class ScoreRuntime(EncoderRuntime):
         self.head = ScoreHead.from_config(json.loads((source.path / "config.json").read_text()), source.path)
         self.info = self._measure()
 
-    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Tokenized]:
-        """(query, document) pairs; over-long pairs lose document tokens first (longest-first)."""
+    def tokenize_pairs(
+        self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True, most_document_tokens: int | None = None
+    ) -> list[Tokenized]:
+        """(query, document) pairs; over-long pairs lose document tokens first (longest-first). With
+        `most_document_tokens`, each document is cut to that many tokens first."""
+        if most_document_tokens is not None:
+            documents = self.tokenizer.first_tokens([document for _, document in pairs], most_document_tokens)
+            pairs = [(query, document) for (query, _), document in zip(pairs, documents, strict=True)]
         return self.tokenizer.tokenize_pairs(pairs, truncate=truncate)
 
     def _rows(self, output: np.ndarray, mask: np.ndarray) -> np.ndarray:

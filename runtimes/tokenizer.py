@@ -118,6 +118,18 @@ class TextTokenizer:
         """
         return [_to_row(enc, False) for enc in self.encode(pairs, truncate=truncate)]
 
+    def first_tokens(self, texts: Sequence[str], most: int) -> list[str]:
+        """Each text cut after its first `most` tokens (special tokens not counted), at a token's end: Cohere's
+        `max_tokens_per_doc`. A cut at or past `max_length` is the truncation's own, so none is made here."""
+        if most >= self.max_length:
+            return list(texts)
+        capped = [self._capped_text(text) for text in texts]
+        encodings = self._probing.encode_batch(capped, add_special_tokens=False)
+        return [
+            text if len(enc.ids) <= most else text[: enc.offsets[most - 1][1]]
+            for text, enc in zip(capped, encodings, strict=True)
+        ]
+
     def encode(
         self,
         texts: Sequence[str] | Sequence[tuple[str, str]],

@@ -462,3 +462,37 @@ async def test_rerank_scores_take_the_activation_the_reranker_was_saved_with(
     expected = CrossEncoder(str(folder), device="cpu").predict([("capital", doc) for doc in DOCS])
     np.testing.assert_allclose([scores[i] for i in range(len(DOCS))], expected, atol=1e-5)
     assert min(expected) < 0  # logits, not probabilities
+
+
+async def test_rerank_max_tokens_per_doc_scores_each_documents_first_tokens(task_box, http, model_dirs) -> None:
+    """Cohere v2's `max_tokens_per_doc` was accepted and ignored (the same scores as without it: stock-client
+    tester h42). Each document is cut after its first tokens, as if sent cut."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[_task("score")])
+    cut = []
+    for doc in DOCS:
+        spans = tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        cut.append(doc[: spans[2][1]] if len(spans) > 3 else doc)
+    assert cut != DOCS
+    query = {"model": "ranker", "query": "capital of France", "raw_scores": True}
+    status, limited = await post(http, task_box, "/v2/rerank", {**query, "documents": DOCS, "max_tokens_per_doc": 3})
+    assert status == 200, limited
+    status, sent_cut = await post(http, task_box, "/v2/rerank", {**query, "documents": cut})
+    status, whole = await post(http, task_box, "/v2/rerank", {**query, "documents": DOCS, "max_tokens_per_doc": 512})
+
+    def scores(answer: dict) -> list[float]:
+        return [r["relevance_score"] for r in sorted(answer["results"], key=lambda r: r["index"])]
+
+    np.testing.assert_allclose(scores(limited), scores(sent_cut), atol=1e-5)
+    assert limited["usage"]["total_tokens"] == sent_cut["usage"]["total_tokens"] < whole["usage"]["total_tokens"]
+
+
+async def test_rerank_max_chunks_per_doc_above_one_is_refused_by_name(task_box, http) -> None:
+    """Cohere v1's chunking (the best of several windows of a long document) is not what fleetbox does: refused, not
+    ignored; 1 (a document's first window) is what it does."""
+    body = {"model": "ranker", "query": "capital", "documents": DOCS}
+    status, answer = await post(http, task_box, "/v1/rerank", {**body, "max_chunks_per_doc": 10})
+    assert status == 422 and answer["error"]["code"] == "unsupported_parameter", answer
+    assert answer["error"]["message"].startswith("`max_chunks_per_doc` 10: fleetbox scores each document whole")
+    assert (await post(http, task_box, "/v1/rerank", {**body, "max_chunks_per_doc": 1}))[0] == 200

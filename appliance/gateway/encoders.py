@@ -75,6 +75,12 @@ async def _enqueue(
     if body is None:
         body = await read_body(request, ctx.settings)
     parsed = decode(body, _decoders[schema])
+    if isinstance(parsed, RerankRequest) and (parsed.max_chunks_per_doc or 1) > 1:
+        raise Unprocessable(
+            f"`max_chunks_per_doc` {parsed.max_chunks_per_doc}: fleetbox scores each document whole, cut to the "
+            "model's length (or to `max_tokens_per_doc`), not as the best of several chunks; leave it out or send 1",
+            code="unsupported_parameter",
+        )
     texts: list[str] = parsed.texts()
     _refuse_token_ids(
         texts,
