@@ -85,7 +85,7 @@ class GenerateWorker:
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
         self._idle.set()
         self._started = time.time()  # a request sent before it waited for this model's load (cold start)
-        self._preparing: set[str] = set()
+        self._preparing: dict[str, Msg] = {}  # request id -> its message, while admitted (blob, adapter, prompt)
         self._wake = asyncio.Event()
         self._tasks = Background(f"generate:{spec.slug}")
         self._stepper: asyncio.Task[None] | None = None
@@ -109,7 +109,7 @@ class GenerateWorker:
     async def start(self) -> None:
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
         self._stepper.add_done_callback(self._stepper_ended)
-        in_progress = keep_alive(lambda: [s.msg for s in self._streams.values()], self._settings.ack_wait_s)
+        in_progress = keep_alive(self._held_messages, self._settings.ack_wait_s)
         self._ticker = asyncio.create_task(in_progress, name=f"in-progress:{self.spec.slug}")
         await self.puller.start()
         await self.bulk_puller.start()
@@ -132,6 +132,11 @@ class GenerateWorker:
     @property
     def held(self) -> int:
         return len(self._streams) + len(self._preparing)
+
+    def _held_messages(self) -> list[Msg]:
+        """Every request this worker holds, kept in progress: those generating and those being admitted, whose
+        adapter load (one at a time per base) or prompt rendering can outlast `ack_wait` too."""
+        return [stream.msg for stream in self._streams.values()] + list(self._preparing.values())
 
     def stats(self) -> dict[str, float]:
         return {"held": self.held, "active": self.runtime.active}
@@ -182,7 +187,7 @@ class GenerateWorker:
             return
         if meta.sent_ms and meta.sent_ms < self._started * 1000:
             self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
-        self._preparing.add(meta.id)
+        self._preparing[meta.id] = msg
         self._spawn(self._admit(meta, msg))
 
     async def _admit(self, meta: RequestMeta, msg: Msg) -> None:
@@ -216,7 +221,7 @@ class GenerateWorker:
             await self._replies.retry_or_dead_letter(meta, msg, exc)
             return
         finally:
-            self._preparing.discard(meta.id)
+            self._preparing.pop(meta.id, None)
         self._streams[meta.id] = Stream(meta, msg)
         self._idle.clear()
         self._wake.set()

@@ -1,0 +1,78 @@
+"""A generation request from the moment a box pulls it until it joins the decode batch (its admission: the body
+fetched, its LoRA adapter loaded, its prompt rendered): kept in progress however long that takes, so JetStream never
+hands it to a second box meanwhile.
+
+The queue, the boxes, the tiny random-weight generator and its adapter are real; the adapter's load is held
+(`tests.conftest.hold`, the real load runs once let go) to stand for a slow one, say behind other loads of the
+same base, which run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from nats.aio.msg import Msg
+
+from appliance import bus
+from appliance.settings import ModelEntry
+from tests.conftest import hold, url, wait_for
+from tests.test_generation_failover import MAX_TOKENS, PROMPT
+
+MODEL = "tiny-llama"
+ADAPTER = f"{MODEL}:lora"
+_KEPT = 5  # in-progress acks, one every ack_wait_s / 3 (at least 0.5 s): past two ack_wait periods of 1 s
+
+
+def models(generator_dir, adapter_dir) -> list[ModelEntry]:
+    base = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
+    return [base, ModelEntry(name=ADAPTER, path=adapter_dir, adapter_of=MODEL)]
+
+
+async def in_progress_acks(nats_url: str) -> tuple[nats.NATS, list[Msg]]:
+    """The in-progress acks boxes send to JetStream (its ack subjects), as any subscriber hears them."""
+    nc = await nats.connect(nats_url)
+    heard: list[Msg] = []
+
+    async def on_ack(msg: Msg) -> None:
+        if msg.data == b"+WPI":
+            heard.append(msg)
+
+    await nc.subscribe("$JS.ACK.>", cb=on_ack)
+    return nc, heard
+
+
+async def deliveries(box) -> int:
+    """How many times the request consumer has delivered a message, redeliveries counted."""
+    info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug(MODEL)))
+    return info.delivered.consumer_seq
+
+
+async def test_a_generation_whose_admission_outlasts_ack_wait_is_kept_in_progress_and_delivered_once(
+    start_box, nats_server, http, generator_dir, second_generator_adapter_dir
+) -> None:
+    """The adapter's load is held past two `ack_wait_s` periods: the request being admitted is kept in progress
+    like one generating, so it is never redelivered (which would have it generated twice, and a sampled answer
+    end 503 generation_restarted at the gateway), and it is answered 200 once the load goes on."""
+    served = models(generator_dir, second_generator_adapter_dir)
+    box = await start_box(default_model=False, models=served, ack_wait_s=1.0)
+    loading, go_on = hold(box.residency, "hold_adapter")
+    watcher, kept = await in_progress_acks(nats_server.url)
+    try:
+        body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        answer = asyncio.create_task(http.post(url(box, "/v1/completions"), json=body))
+        await wait_for(loading.is_set, what="the request's adapter load to be held")
+        kept.clear()
+
+        async def redelivered_or_kept() -> bool:
+            return await deliveries(box) > 1 or len(kept) >= _KEPT
+
+        await wait_for(redelivered_or_kept, what="a redelivery, or the request kept in progress past two ack_wait")
+        go_on.set()
+        async with await answer as response:
+            assert response.status == 200, await response.text()
+        assert await deliveries(box) == 1
+        assert not box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL})
+    finally:
+        go_on.set()
+        await watcher.close()
