@@ -312,7 +312,8 @@ class GenerateWorker:
         """Stop pulling; let active requests finish within the grace, hand the rest back.
 
         Bounded by the grace and `_SETTLE_S` after it, inside the box's own bound for a worker's drain;
-        whatever is cut short, what is still held is handed back (nak) and the keep-alive stopped.
+        whatever is cut short, what is still held (generating, or still being admitted) is handed back (nak)
+        and the keep-alive stopped.
         A model the catalog no longer holds is not drained but retired (`_retire`).
         """
         if self._deleted():
@@ -338,13 +339,20 @@ class GenerateWorker:
             await self._tasks.wait(max(0.0, until + _SETTLE_S - loop.time()))
         finally:
             await cancel_and_wait([self._stepper])
-            if self._streams:
-                await loop.run_in_executor(self._device, self.runtime.clear)
-                for stream in self._streams.values():
-                    await stream.msg.nak()
-                self._streams.clear()
+            # Admissions still running are cut off too (an adapter load that outlasted the grace): taken before
+            # their cancel forgets them, and handed back with the rest so another box takes them at once.
+            preparing = list(self._preparing.values())
             await self._tasks.cancel()
-            await cancel_and_wait([self._ticker])
+            try:
+                if self._streams:
+                    await loop.run_in_executor(self._device, self.runtime.clear)
+                held = [stream.msg for stream in self._streams.values()] + preparing
+                self._streams.clear()
+                for msg in held:
+                    if not msg.is_acked:  # an admission answered (an error) just before its cancel
+                        await msg.nak()
+            finally:
+                await cancel_and_wait([self._ticker])
 
     def _deleted(self) -> bool:
         """The catalog no longer holds this model: deleted, or its name registered again on another folder."""

@@ -76,3 +76,27 @@ async def test_a_generation_whose_admission_outlasts_ack_wait_is_kept_in_progres
     finally:
         go_on.set()
         await watcher.close()
+
+
+async def test_a_generation_still_being_admitted_when_its_worker_drains_is_handed_back_at_once(
+    start_box, http, generator_dir, second_generator_adapter_dir
+) -> None:
+    """The first box drains (no grace) while the request's adapter load there is held: the admission is cut off and
+    the request handed back (nak), so the second box takes it at once and answers it. With `ack_wait_s` at 60 s, a
+    request left to time out instead would come back only long after the test's bound of 20 s."""
+    common = {"default_model": False, "models": models(generator_dir, second_generator_adapter_dir), "ack_wait_s": 60.0}
+    first = await start_box(box_id="first", shutdown_grace_s=0.0, **common)
+    loading, go_on = hold(first.residency, "hold_adapter")
+    try:
+        body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        answer = asyncio.create_task(http.post(url(first, "/v1/completions"), json=body))
+        await wait_for(loading.is_set, what="the request's adapter load to be held on the first box")
+        second = await start_box(role="worker", box_id="second", **common)
+        await first.workers[MODEL].drain()
+        async with asyncio.timeout(20):
+            async with await answer as response:
+                assert response.status == 200, await response.text()
+        assert await deliveries(first) == 2
+        assert second.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL}) == 1
+    finally:
+        go_on.set()
