@@ -125,16 +125,22 @@ class ModelWorker:
         self.puller.poke()  # its room may have changed
 
     async def drain(self) -> None:
-        """Stop pulling, finish the batches in flight, hand unstarted requests back for redelivery."""
+        """Stop pulling, finish the batches in flight, hand unstarted requests back for redelivery.
+
+        The requests held are kept in progress to the end: a batch in flight can outlast `ack_wait` (the device
+        thread is shared with other models), and one redelivered meanwhile would be computed twice.
+        """
         self._draining = True
-        await self.puller.stop()
-        await self.bulk_puller.stop()
-        await cancel_and_wait([self._ticker])
-        await self._tasks.wait()
-        for job in await self.batcher.drain():
-            self._let_go(job.meta.id)
-            await job.handle.nak()
-        await self._tasks.wait()
+        try:
+            await self.puller.stop()
+            await self.bulk_puller.stop()
+            await self._tasks.wait()
+            for job in await self.batcher.drain():
+                self._let_go(job.meta.id)
+                await job.handle.nak()
+            await self._tasks.wait()
+        finally:
+            await cancel_and_wait([self._ticker])
 
     @property
     def held(self) -> int:

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
 import pytest
+from nats.aio.msg import Msg
 
+from appliance import bus
 from appliance.app import Box
 from appliance.natsd import EmbeddedNats, free_port
 from appliance.settings import ModelEntry, Settings
@@ -132,6 +135,26 @@ async def wait_for(
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def in_progress_acks(nats_url: str) -> tuple[nats.NATS, list[Msg]]:
+    """A connection that hears the in-progress acks boxes send to JetStream (on its ack subjects, as any subscriber
+    can), and the list they are put in: how a test sees that a request is kept alive. Close the connection."""
+    nc = await nats.connect(nats_url)
+    heard: list[Msg] = []
+
+    async def on_ack(msg: Msg) -> None:
+        if msg.data == b"+WPI":
+            heard.append(msg)
+
+    await nc.subscribe("$JS.ACK.>", cb=on_ack)
+    return nc, heard
+
+
+async def deliveries(box: Box, model: str) -> int:
+    """How many messages the model's request consumer has delivered, redeliveries counted."""
+    info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug(model)))
+    return info.delivered.consumer_seq
 
 
 def hold(owner: object, method: str, *, after: bool = False) -> tuple[asyncio.Event, asyncio.Event]:

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
-from nats.aio.msg import Msg
-
-from appliance import bus
 from appliance.settings import ModelEntry
-from tests.conftest import hold, url, wait_for
+from tests.conftest import deliveries, hold, in_progress_acks, url, wait_for
 from tests.test_generation_failover import MAX_TOKENS, PROMPT
 
 MODEL = "tiny-llama"
@@ -27,25 +23,6 @@ _KEPT = 5  # in-progress acks, one every ack_wait_s / 3 (at least 0.5 s): past t
 def models(generator_dir, adapter_dir) -> list[ModelEntry]:
     base = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
     return [base, ModelEntry(name=ADAPTER, path=adapter_dir, adapter_of=MODEL)]
-
-
-async def in_progress_acks(nats_url: str) -> tuple[nats.NATS, list[Msg]]:
-    """The in-progress acks boxes send to JetStream (its ack subjects), as any subscriber hears them."""
-    nc = await nats.connect(nats_url)
-    heard: list[Msg] = []
-
-    async def on_ack(msg: Msg) -> None:
-        if msg.data == b"+WPI":
-            heard.append(msg)
-
-    await nc.subscribe("$JS.ACK.>", cb=on_ack)
-    return nc, heard
-
-
-async def deliveries(box) -> int:
-    """How many times the request consumer has delivered a message, redeliveries counted."""
-    info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug(MODEL)))
-    return info.delivered.consumer_seq
 
 
 async def test_a_generation_whose_admission_outlasts_ack_wait_is_kept_in_progress_and_delivered_once(
@@ -65,13 +42,13 @@ async def test_a_generation_whose_admission_outlasts_ack_wait_is_kept_in_progres
         kept.clear()
 
         async def redelivered_or_kept() -> bool:
-            return await deliveries(box) > 1 or len(kept) >= _KEPT
+            return await deliveries(box, MODEL) > 1 or len(kept) >= _KEPT
 
         await wait_for(redelivered_or_kept, what="a redelivery, or the request kept in progress past two ack_wait")
         go_on.set()
         async with await answer as response:
             assert response.status == 200, await response.text()
-        assert await deliveries(box) == 1
+        assert await deliveries(box, MODEL) == 1
         assert not box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL})
     finally:
         go_on.set()
@@ -96,7 +73,7 @@ async def test_a_generation_still_being_admitted_when_its_worker_drains_is_hande
         async with asyncio.timeout(20):
             async with await answer as response:
                 assert response.status == 200, await response.text()
-        assert await deliveries(first) == 2
+        assert await deliveries(first, MODEL) == 2
         assert second.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL}) == 1
     finally:
         go_on.set()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -23,7 +24,7 @@ from appliance.catalog import Catalog
 from appliance.configured import configured_specs
 from appliance.delivery import Cancellations
 from appliance.envelope import ReplyMeta, RequestMeta
-from tests.conftest import noop_model, url, wait_for
+from tests.conftest import deliveries, in_progress_acks, noop_model, url, wait_for
 
 NOOP_BODY = {"input": ["one two three"], "model": "noop"}
 NOOP_RAW = b'{"input": "x", "model": "noop"}'
@@ -143,6 +144,50 @@ async def test_killed_worker_request_is_redelivered_and_answered_once(start_box,
         if doomed.poll() is None:
             doomed.kill()
             doomed.wait(10)
+
+
+async def test_a_draining_worker_keeps_its_batch_in_flight_in_progress_until_it_is_answered(
+    start_box, nats_server, http
+) -> None:
+    """The batch on the device is held there (a threading.Event in a wrapper of the no-op runtime's `run`: the
+    device thread busy with another model's batch, say) while the worker drains, past two `ack_wait_s` periods.
+    The drain waits for it, and keeps its request in progress meanwhile: JetStream never hands it to the second
+    box, which would compute it again; the first box answers it once."""
+    models = [noop_model()]
+    first = await start_box(box_id="first", default_model=False, models=models, ack_wait_s=1.0)
+    runtime = first.workers["noop"].runtime
+    run, on_device, let_go = runtime.run, threading.Event(), threading.Event()
+
+    def held_run(batch, adapter=None):
+        on_device.set()
+        assert let_go.wait(30), "the test did not let the batch go"
+        return run(batch, adapter=adapter)
+
+    runtime.run = held_run
+    watcher, kept = await in_progress_acks(nats_server.url)
+    try:
+        answer = asyncio.create_task(http.post(url(first, "/v1/embeddings"), json=NOOP_BODY))
+        await wait_for(on_device.is_set, what="the batch on the device")
+        second = await start_box(role="worker", box_id="second", default_model=False, models=models, ack_wait_s=1.0)
+        draining = asyncio.create_task(first.workers["noop"].drain())
+        await wait_for(lambda: first.workers["noop"]._draining, what="the drain to begin")
+        kept.clear()
+
+        async def redelivered_or_kept() -> bool:
+            return await deliveries(first, "noop") > 1 or len(kept) >= 5  # one every 0.5 s: past two ack_wait
+
+        await wait_for(redelivered_or_kept, what="a redelivery, or the request kept in progress past two ack_wait")
+        let_go.set()
+        async with await answer as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["Fbx-Box"] == "first"
+        await asyncio.wait_for(draining, 20)
+        assert await deliveries(first, "noop") == 1
+        assert counter(second, "fbx_redelivered_requests") == 0
+        assert counter(second, "fbx_rows_computed") == 0
+    finally:
+        let_go.set()
+        await watcher.close()
 
 
 async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_server) -> None:
