@@ -32,7 +32,7 @@ import numpy as np
 from appliance.batch_cost import BatchCost
 from appliance.catalog import Batching
 from appliance.envelope import BATCH
-from appliance.errors import deadline_passed
+from appliance.errors import InternalError, deadline_passed
 from appliance.metrics import Metrics
 from appliance.packing import next_batch
 from appliance.tasks import cancel_and_wait
@@ -301,6 +301,12 @@ class Batcher:
     async def _compute(self, batch: list[WorkItem]) -> None:
         try:
             await self._run_rows(batch)
+        except Exception as exc:
+            # A failure past the device call (a runtime that returned the wrong number of rows, say). Nobody reads
+            # this task's error: unfinished, its requests would be kept in progress until their deadlines.
+            log.exception("batch not finished", extra={"model": self.model, "error": repr(exc)})
+            for item in batch:
+                self._finish(item.job, InternalError(f"the batch this request ran in failed: {exc}"))
         finally:
             self._slots.release()
             self._wake.set()
@@ -341,6 +347,8 @@ class Batcher:
         self._metrics.batch_size.labels(self.model).observe(rows)
         self._metrics.batch_tokens.labels(self.model).observe(tokens)
         self._metrics.rows_computed.labels(self.model).inc(rows)
+        if outputs is None or len(outputs) != rows:
+            raise RuntimeError(f"the runtime returned {0 if outputs is None else len(outputs)} rows for {rows} inputs")
         for item, output in zip(live, outputs, strict=True):
             job = item.job
             if job.done:

@@ -190,6 +190,31 @@ async def test_a_draining_worker_keeps_its_batch_in_flight_in_progress_until_it_
         await watcher.close()
 
 
+async def test_a_batch_the_runtime_answers_with_too_few_rows_is_answered_500_at_once_not_at_its_deadline(
+    start_box, http
+) -> None:
+    """The no-op runtime's `run` wrapped to return one row too few (a runtime bug): the batch fails after the
+    device call, where no per-input retry applies. Its request is answered at once with a clear 500 and acked,
+    rather than kept in progress until its gateway gives up with a 504 at its deadline."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    runtime = box.workers["noop"].runtime
+    run = runtime.run
+    runtime.run = lambda batch, adapter=None: run(batch, adapter=adapter)[:-1]
+    body = {**NOOP_BODY, "input": ["one two three", "four five"], "timeout": 20}
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 500, await response.text()
+        error = (await response.json())["error"]
+    assert error["code"] == "internal_error"
+    assert "returned 1 rows for 2 inputs" in error["message"]
+
+    async def settled() -> bool:
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("noop"))
+        return box.workers["noop"].held == 0 and info.num_ack_pending == 0 and info.num_pending == 0
+
+    await wait_for(settled, what="the request acked and let go")
+    assert await deliveries(box, "noop") == 1  # answered, not retried
+
+
 async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_server) -> None:
     gateway = await start_box(role="gateway", default_model=False, models=[noop_model()])
     spec = Catalog(configured_specs(gateway.settings)).resolve("noop").spec
