@@ -44,7 +44,7 @@ def model_state(box: Box, name: str) -> dict[str, Any]:
     spec = box.catalog.get(name)
     if spec is not None and spec.adapter_of is not None:
         return _adapter_state(box, name, spec.adapter_of)
-    boxes, nbytes, loading = [], None, False
+    boxes, nbytes, loading, max_length = [], None, False, None
     for record in box.fleet.live_boxes() if box.fleet else []:
         if record.get("box") == box.box_id:
             continue
@@ -55,9 +55,11 @@ def model_state(box: Box, name: str) -> dict[str, Any]:
                 else:
                     boxes.append(record["box"])
                     nbytes = model.get("bytes")
+                    max_length = model.get("max_length", max_length)
     resident = box.residency.get(name)
     if resident is not None:
         nbytes = resident.nbytes
+        max_length = resident.runtime.info.max_length
         if box.box_id not in boxes:
             boxes.append(box.box_id)
     if box.residency.is_loading(name) or (box.placement is not None and name in box.placement.loading):
@@ -70,6 +72,7 @@ def model_state(box: Box, name: str) -> dict[str, Any]:
         "state": state,
         "boxes": sorted(boxes),
         "bytes": nbytes,
+        "max_model_len": max_length,  # vLLM's name: the tokens it takes, a generator's context (prompt and answer)
         "profile": profile,
         "load_error": box.residency.load_error(name),
     }
@@ -86,7 +89,14 @@ def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
     if name in box.residency.adapter_names(base):
         boxes.add(box.box_id)
     state = "resident" if boxes else "cold"
-    return {"state": state, "boxes": sorted(boxes), "bytes": None, "profile": None, "load_error": None}
+    return {
+        "state": state,
+        "boxes": sorted(boxes),
+        "bytes": None,
+        "max_model_len": None,
+        "profile": None,
+        "load_error": None,
+    }
 
 
 def heartbeat(box: Box) -> dict[str, Any]:
@@ -95,6 +105,7 @@ def heartbeat(box: Box) -> dict[str, Any]:
         {
             "name": r.spec.name,
             "bytes": r.nbytes,
+            "max_length": r.runtime.info.max_length,
             "pinned": r.spec.name in box.residency.pinned,
             "state": "resident",
             "adapters": box.residency.adapter_names(r.spec.name),

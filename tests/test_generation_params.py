@@ -221,3 +221,16 @@ async def test_a_number_too_large_for_64_bits_is_a_422_naming_the_field(box, htt
         status, answer = response.status, await response.json()
     assert status == 422, answer
     assert answer["error"]["code"] == "invalid_input" and path in answer["error"]["message"], answer
+
+
+async def test_a_max_tokens_over_the_context_is_weighed_as_the_context_by_admission(box, http) -> None:
+    """Black-box finding: `max_tokens` of 100,000 to a 128-token model was weighed whole by admission (an answer of
+    at most the context's tokens): 48 of a burst of 80 refused 429 with Retry-After 60, for answers made in a
+    second. A box holding the model says its context (`max_model_len`, vLLM's name), and the gateway caps by it."""
+    async with http.get(url(box, f"/v1/models/{MODEL}")) as response:
+        assert (await response.json())["max_model_len"] == 256  # the generator's max_position_embeddings
+    status, answer = await post(http, box, "/v1/completions", {**COMPLETION, "max_tokens": 100_000})
+    assert status == 200, answer
+    (queue,) = [queue for (model, _), queue in box.dispatcher._admission._queues.items() if model == MODEL]
+    *_, (_, _, tokens, cap) = queue.decoder.made
+    assert cap == 256 and tokens <= 256  # weighed as the context, not as the 100,000 asked
