@@ -154,6 +154,19 @@ class Fleet:
         states = ("resident", "loading") if loading else ("resident",)
         return [record["box"] for record in self.live_boxes() if _holds(record, model, states)]
 
+    def box_round(self, model: str) -> int | None:
+        """The tokens one round of `model`'s batches takes on a box that holds it, as its heartbeat says (its
+        profile may batch far smaller than the catalog: 1,024 tokens against 16,384 for the default model on a
+        2-core box); the largest of the live holders', or None while none says."""
+        rounds = [
+            int(entry["round_tokens"])
+            for record in self.live_boxes()
+            if not record.get("draining")
+            for entry in record.get("models", [])
+            if entry.get("name") == model and isinstance(entry.get("round_tokens"), int) and entry["round_tokens"] > 0
+        ]
+        return max(rounds, default=None)
+
     def holders_per_gateway(self, model: str) -> Fraction:
         """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live
         gateways, neither counting a draining box, and never less than one box's. A gateway admits a generation

@@ -150,13 +150,16 @@ class ModelWorker:
         """Requests/s and end-to-end p50/p99 (ms) over the last `window_s`, for the heartbeat."""
         now = time.monotonic()
         recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
+        batching = self.batcher.batching  # as this box runs it: its profile's, or a retune's
+        round_tokens = batching.max_batch_tokens * batching.concurrent_batches  # a gateway's burst bound reads it
         if not recent:
-            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held)}
+            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held), "round_tokens": round_tokens}
         return {
             "rps": round(len(recent) / window_s, 2),
             "p50_ms": round(recent[len(recent) // 2], 2),
             "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
             "held": len(self._held),
+            "round_tokens": round_tokens,
         }
 
     def _room(self, *, for_bulk: bool = False) -> int:

@@ -9,12 +9,20 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from fractions import Fraction
 
 import pytest
 
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
-from appliance.gateway.admission import Admission, DecodeQueue, Decoder, ModelQueue, unmeasured_budget
+from appliance.gateway.admission import (
+    GENERATION_ROUND_TOKENS,
+    Admission,
+    DecodeQueue,
+    Decoder,
+    ModelQueue,
+    unmeasured_budget,
+)
 from appliance.gateway.encoders import estimate_tokens
 from appliance.metrics import Metrics
 
@@ -842,3 +850,53 @@ def test_answers_made_together_on_one_of_two_boxes_are_timed_at_that_boxs_pace()
     # The same answers on a gateway that counts one box: the same pace.
     one_box = two_answers_made_together(Decoder(slots=2, box_slots=2))
     assert one_box.token_s() == pytest.approx(decoder.token_s())
+
+
+def _admitted_of_a_burst(timeout_s: float, priority: str = "interactive", requests: int = 100) -> int:
+    """How many of `requests` of 100 tokens sent together to an idle model with a 1,000-token round get in."""
+    clock = Clock()
+    gate = admission(clock)
+    admitted = 0
+    for i in range(requests):
+        try:
+            queue = gate.admit("m", priority, timeout_s, 0, weight=100, budget=1000)
+        except TooManyRequests:
+            continue
+        queue.add(f"r{i}", clock.now, 100, deadline=clock.now + timeout_s)
+        admitted += 1
+    return admitted
+
+
+def test_a_burst_with_deadlines_short_of_the_bound_is_held_to_the_rounds_that_fit_them() -> None:
+    """Fleet tester: 200 requests with 5 s deadlines, sent together, were let in whole (four rounds, meant to start
+    within `max_queue_s` of 10 s) and 197 ended 504 at 5 s, none 429. Interactive work gets the rounds its deadline
+    fits; batch-priority work keeps its own rule (its rounds grow with a deadline past the bound)."""
+    assert _admitted_of_a_burst(30.0) == 40  # four rounds of 1,000 tokens
+    assert _admitted_of_a_burst(5.0) == 20  # two
+    assert _admitted_of_a_burst(0.5) == 2  # a request alone always goes, and one more within a fifth of a round
+    assert _admitted_of_a_burst(5.0, priority="batch") == 40
+
+
+def test_the_unmeasured_budget_is_a_round_as_a_box_holding_the_model_runs_it() -> None:
+    """Fleet tester: the catalog's 16,384-token batches made the burst bound four rounds of them, where the box's
+    profile ran 1,024-token batches: 64 of its batches, and 184 of 200 requests waited over the 10 s bound."""
+    catalog = Batching(16_384, 256, 2.0, 1)
+    assert unmeasured_budget(catalog) == 16_384
+    assert unmeasured_budget(catalog, box_round=1024) == 1024
+    assert unmeasured_budget(catalog, box_round=1024, boxes=Fraction(3, 2)) == 1536  # 3 holders, 2 gateways
+    assert unmeasured_budget(catalog, decode_batch=8) == 8 * GENERATION_ROUND_TOKENS
+
+
+async def test_a_gateway_bounds_a_burst_by_the_round_a_box_holding_the_model_runs(start_box) -> None:
+    """The wiring of the rule above: a box's heartbeat says the round its worker runs (its profile's or a retune's
+    batching, here the entry's own), and the gateway's dispatcher reads it from the fleet's heartbeats."""
+    from appliance.box_status import heartbeat
+    from appliance.settings import ModelEntry
+    from tests.conftest import wait_for
+
+    model = ModelEntry(name="small", runtime="noop", pinned=True, max_batch_tokens=512, concurrent_batches=2)
+    box = await start_box(default_model=False, models=[model])
+    (entry,) = [entry for entry in heartbeat(box)["models"] if entry["name"] == "small"]
+    assert entry["round_tokens"] == 1024
+    await wait_for(lambda: box.dispatcher._box_round("small") == 1024, what="the heartbeat to be heard")
+    assert box.dispatcher._box_round("unknown") is None

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from appliance.catalog import Batching
 from appliance.envelope import BATCH
@@ -58,17 +59,23 @@ def _retry_s(seconds: float) -> int:
     return max(1, min(60, math.ceil(seconds)))
 
 
-def unmeasured_budget(batching: Batching, decode_batch: int | None = None) -> int:
+def unmeasured_budget(
+    batching: Batching, decode_batch: int | None = None, *, box_round: int | None = None, boxes: Fraction = Fraction(1)
+) -> int:
     """One round of a model's batches: what `Admission` scales its bound by while the model's rate is not measured.
 
     For an encoder, a batch on each of its `concurrent_batches`, `max_batch_tokens` tokens each (a request
-    weighs its tokens): the catalog's knobs; a box's profile may batch smaller, and then a round is several
-    of its. For a generator, its `decode_batch` requests each making `GENERATION_ROUND_TOKENS` tokens (a
-    generation weighs its `max_tokens`): a round of its decode batch lasts as long as its longest answers.
+    weighs its tokens), on each of the `boxes`' worth of holders this gateway may fill: as a box holding it runs
+    them (`box_round`, its profile's), else the catalog's knobs. The catalog's alone let a burst of 200 requests
+    in against a profile's 1,024-token batches: four rounds of 16,384 tokens were 64 of the box's batches, and
+    184 of them waited over the 10 s bound (black-box finding). For a generator, its `decode_batch` requests
+    (the fleet's share already) each making `GENERATION_ROUND_TOKENS` tokens (a generation weighs its
+    `max_tokens`): a round of its decode batch lasts as long as its longest answers.
     """
     if decode_batch is not None:
         return decode_batch * GENERATION_ROUND_TOKENS
-    return batching.max_batch_tokens * batching.concurrent_batches
+    one_box = box_round or batching.max_batch_tokens * batching.concurrent_batches
+    return max(1, math.floor(one_box * boxes))
 
 
 @dataclass(slots=True)
@@ -467,8 +474,10 @@ class Admission:
         `_BURST_ROUNDS` rounds of batches (`budget` is one) for a request sent with the busy spell's first
         (a burst), to one round for one sent later (a flood), or to what the model is known to start
         within the bound (`ModelQueue.room`) if that is more; batch priority gets those rounds times its
-        deadline ÷ `max_queue_s` (a bulk job with a long deadline is not a flood). A request alone always
-        goes. Its Retry-After is 1: the rate is soon measured, or the burst answered.
+        deadline ÷ `max_queue_s` (a bulk job with a long deadline is not a flood), interactive work with a
+        deadline short of `max_queue_s` those rounds times deadline ÷ `max_queue_s` (a burst of 200 with 5 s
+        deadlines was let in whole and 197 ended 504, black-box finding). A request alone always goes. Its
+        Retry-After is 1: the rate is soon measured, or the burst answered.
 
         A generation's deadline covers its answer too: it must start in time to be made, with an answer's length to
         spare (batch generations with 300 s deadlines were let in to start at 290 s, then at 293 s against an
@@ -492,6 +501,8 @@ class Admission:
         rounds = _BURST_ROUNDS if queue.together(now) else 1
         if priority == BATCH and not generation:
             rounds *= max(1.0, limit / self._max_queue_s)
+        elif priority != BATCH:  # the rounds meant to start within the bound, fewer for a deadline short of it
+            rounds *= min(1.0, limit / self._max_queue_s)
         held = queue.held(weight)
         if held is not None and held > max(budget * rounds, queue.room(now, limit)):
             generating = len(queue.decoder.running) if isinstance(queue, DecodeQueue) else 0

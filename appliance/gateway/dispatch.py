@@ -93,10 +93,13 @@ class Dispatcher:
         max_waiting: int,
         max_queue_s: float,
         holders_per_gateway: Callable[[str], Fraction] | None = None,
+        box_round: Callable[[str], int | None] | None = None,
     ) -> None:
         self.box_id = box_id
         # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
         self._holders_per_gateway = holders_per_gateway or (lambda model: Fraction(1))
+        # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
+        self._box_round = box_round or (lambda model: None)
         self._nc = nc
         self._js = js
         self._metrics = metrics
@@ -244,10 +247,13 @@ class Dispatcher:
         # with a Retry-After growing by the second, where a 503 says what is wrong).
         self._check_connected()
         decode_batch = box_decode_batch = None
+        boxes = self._holders_per_gateway(spec.name)
         if spec.task is Task.GENERATE:
             box_decode_batch = max_decode_batch(spec.options)
-            decode_batch = max(1, math.floor(box_decode_batch * self._holders_per_gateway(spec.name)))
-        budget = unmeasured_budget(spec.batching, decode_batch)
+            decode_batch = max(1, math.floor(box_decode_batch * boxes))
+            budget = unmeasured_budget(spec.batching, decode_batch)
+        else:
+            budget = unmeasured_budget(spec.batching, box_round=self._box_round(spec.name), boxes=boxes)
         queue = self._admission.admit(
             spec.name,
             priority,
