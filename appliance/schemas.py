@@ -26,6 +26,8 @@ NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a signed 64-bit integer")]
 # TEI's `dimensions`: any 64-bit count (a larger one is no width; the worker names the model's own for those over it).
 TeiDimensions = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+# `/v1/embeddings`' `dimensions`: 0 too, which Infinity's client sends by default for the model's whole width.
+Dimensions = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class _NullIsDefault(msgspec.Struct, kw_only=True):
@@ -50,17 +52,24 @@ def _defaults(schema: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
 class EmbeddingRequest(_NullIsDefault, kw_only=True):
     """OpenAI `POST /v1/embeddings`, plus TEI's `truncate` and `normalize` and a per-request `timeout` (s). OpenAI's
     token-id inputs are read only to be refused by name (the gateway's `_enqueue`): ids of another tokenizer would
-    embed as noise. `normalize` left out: unit vectors when the folder normalises or `dimensions` cut them."""
+    embed as noise. `normalize` left out: unit vectors when the folder normalises or `dimensions` cut them.
+    `dimensions` 0 is Infinity's "no cut" (its client's default): read as left out, here, where the gateway and the
+    worker (appliance/jobs.py `EmbedJobs`) both decode the client's bytes."""
 
     input: str | list[str | int | list[int]]
     model: str
     encoding_format: Literal["float", "base64"] | None = "float"
-    dimensions: Positive | None = None
+    dimensions: Dimensions | None = None
     user: str | None = None
     truncate: bool | None = True
     normalize: bool | None = None
     adapter: str | None = None
     timeout: Timeout | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dimensions == 0:
+            self.dimensions = None
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else self.input  # type: ignore[return-value]

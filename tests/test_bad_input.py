@@ -45,7 +45,7 @@ def assert_error_shape(body: dict, code: str | None = None) -> None:
         (b'{"model": "all-minilm-l6-v2"}', 422, "invalid_input"),
         (b'{"input": "x"}', 422, "invalid_input"),
         (b'{"input": "x", "model": "all-minilm-l6-v2", "encoding_format": "int8"}', 422, "invalid_input"),
-        (b'{"input": "x", "model": "all-minilm-l6-v2", "dimensions": 0}', 422, "invalid_input"),
+        (b'{"input": "x", "model": "all-minilm-l6-v2", "dimensions": -1}', 422, "invalid_input"),
         (b'{"input": "x", "model": "all-minilm-l6-v2", "dimensions": 1000}', 422, "invalid_dimensions"),
         (b'{"input": "x", "model": "all-minilm-l6-v2", "timeout": -1}', 422, "invalid_input"),
         (b"[1, 2, 3]", 422, "invalid_input"),

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from appliance.catalog import ModelChange, ModelSpec
+from appliance.catalog import Batching, ModelChange, ModelSpec
 from appliance.control import call_box
 from appliance.errors import ServiceUnavailable, not_resident
 from appliance.fleet import taking_work
@@ -35,6 +35,7 @@ _STARTED = int(time.time())
 
 
 def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
+    batching = ctx.catalog.batching_for(spec)
     return {
         "id": spec.name,
         "object": "model",
@@ -44,11 +45,20 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
         "runtime": spec.runtime.value,
         "aliases": list(spec.aliases),
         "pinned": spec.pinned,
-        "batching": asdict(ctx.catalog.batching_for(spec)),
+        "batching": asdict(batching),
         "adapter_of": spec.adapter_of,
         "adapters": [a.name for a in ctx.catalog.adapters_of(spec.name)],
         **ctx.model_state(spec.name),
+        "stats": _stats(ctx, spec, batching),
     }
+
+
+def _stats(ctx: GatewayContext, spec: ModelSpec, batching: Batching) -> dict[str, int | None]:
+    """Infinity's model list gives each model a `stats` object (its client fails on a record without one): here the
+    figures this gateway has, never estimates of another box's: the catalog's batch size, and the requests for the
+    model this gateway awaits now (an adapter's count on its base: they share its queue)."""
+    waiting = ctx.dispatcher.waiting_for(spec.name) if ctx.dispatcher is not None else None
+    return {"batch_size": batching.max_batch_size, "waiting_here": waiting}
 
 
 async def register_model(request: web.Request) -> web.Response:

@@ -442,6 +442,10 @@ class Admission:
             queue.restart_rate(now)
         self._answered.clear()  # none came meanwhile: not a backlog draining slowly
 
+    def waiting_for(self, model: str) -> int:
+        """The requests for `model` this gateway awaits, every priority (a generation: until its answer starts)."""
+        return sum(len(queue.waiting) for (name, _), queue in self._queues.items() if name == model)
+
     def forget(self, model: str) -> list[ModelQueue]:
         """A deleted model's queues, taken out of the reckoning (their requests are answered by the caller)."""
         keys = [key for key in self._queues if key[0] == model]

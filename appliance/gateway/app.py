@@ -188,6 +188,7 @@ def build_app(context: GatewayContext) -> web.Application:
     if context.dispatcher is not None:  # a gateway: the API; a worker-only box serves operations only
         context.store.on_change(_answers_for_deleted_models(context.dispatcher))
         routes.append(web.get("/v1/models", inference(ops.list_models)))
+        routes.append(web.get("/models", inference(ops.list_models_infinity)))  # Infinity's, at its server's root
         routes.append(web.get("/v1/models/{name:.+}", inference(admin.get_model)))
         routes.append(_post("/v1/models", admin_only(admin.register_model)))
         for verb in MODEL_VERBS:
@@ -198,15 +199,17 @@ def build_app(context: GatewayContext) -> web.Application:
         routes.append(
             web.patch("/v1/models/{name:.+}", admin_only(admin.update_model), expect_handler=_continue_within_limit)
         )
-        routes.append(_post("/v1/embeddings", inference(encoders.create_embeddings)))
+        for path in ("/v1/embeddings", "/embeddings"):  # the latter: Infinity's, at its server's root
+            routes.append(_post(path, inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/v2/rerank"):
             routes.append(_post(path, inference(encoders.rerank)))
-        routes.append(_post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Cohere's
+        routes.append(_post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Infinity's
         routes.append(_post("/embed", inference(encoders.embed_tei)))  # TEI's
         routes.append(_post("/predict", inference(encoders.predict_tei)))  # TEI's
         for path in ("/", "/invocations"):  # TEI's: the route of its one model's task
             routes.append(_post(path, inference(encoders.tei_root)))
-        routes.append(_post("/v1/classify", inference(encoders.classify)))
+        for path in ("/v1/classify", "/classify"):  # the latter: Infinity's, at its server's root
+            routes.append(_post(path, inference(encoders.classify)))
         routes.append(_post("/v1/extract", inference(encoders.extract)))
         routes.append(_post("/v1/completions", inference(generation.completions)))
         routes.append(_post("/v1/chat/completions", inference(generation.chat_completions)))

@@ -130,6 +130,10 @@ class Dispatcher:
     def waiting(self) -> int:
         return len(self._waiters) + len(self._streams)
 
+    def waiting_for(self, model: str) -> int:
+        """The requests for `model` (an adapter's count on its base) this gateway awaits: the model list's stats."""
+        return self._admission.waiting_for(model)
+
     async def wait_answered(self, timeout_s: float) -> None:
         """Until every request this gateway awaits is answered, or `timeout_s` (a stopping box's grace).
 

@@ -46,6 +46,10 @@ ROUTE_FOR = {
     Task.GENERATE: "/v1/chat/completions or /v1/completions",
 }
 
+# The `model` Infinity's client sends when its user names none: read as `model` left out, as TEI's (`_the_one_model`).
+# The worker never reads a body's `model`: the request's queue is its model's.
+INFINITY_UNNAMED = "default/not-specified"
+
 # An input weighs no more than this in the gateway's estimate: most encoders take at most 512 tokens and
 # truncate longer inputs (or refuse them), and the catalog does not say each model's own limit.
 _MAX_INPUT_TOKENS = 512
@@ -88,7 +92,10 @@ async def _enqueue(
         "LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False, which sends tiktoken's ids)",
     )
     _check_inputs(texts, ctx.settings.max_inputs, "documents" if task is Task.SCORE else "input")
-    resolved = ctx.catalog.resolve(parsed.model, parsed.adapter)
+    model = parsed.model
+    if model == INFINITY_UNNAMED and ctx.catalog.get(model) is None:
+        model = _the_one_model(ctx, task, f"`model` is {INFINITY_UNNAMED!r} (Infinity's client's for none)")
+    resolved = ctx.catalog.resolve(model, parsed.adapter)
     if resolved.spec.task is not task:
         raise Unprocessable(
             f"model {resolved.name} serves {resolved.spec.task}, not {task}; "
@@ -160,8 +167,10 @@ async def create_embeddings(request: web.Request) -> web.Response:
     return json_response(payload, headers=_timing(meta))
 
 
-async def rerank(request: web.Request, body: bytes | None = None) -> web.Response:
-    """Cohere's and Jina's rerank (Infinity's too): results best first, each document as it was sent if asked."""
+async def rerank(request: web.Request, body: bytes | None = None, *, infinity: bool = False) -> web.Response:
+    """Cohere's and Jina's rerank (Infinity's too): results best first, each document as it was sent if asked; a
+    string document as `{"text": ...}` (Cohere's v1), or as the string itself with `infinity` (Infinity's answer,
+    whose client types a result's `document` as a string)."""
     if body is None:
         body = await read_body(request, GatewayContext.of(request).settings)
     parsed, resolved, meta, reply = await _enqueue(request, RerankRequest, Task.SCORE, body)
@@ -177,7 +186,8 @@ async def rerank(request: web.Request, body: bytes | None = None) -> web.Respons
         result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
         if parsed.return_documents:
             raw = bytes(sent[index])
-            result["document"] = orjson.Fragment(raw) if raw.startswith(b"{") else {"text": orjson.Fragment(raw)}
+            document = orjson.Fragment(raw)
+            result["document"] = document if infinity or raw.startswith(b"{") else {"text": document}
         results.append(result)
     payload = {
         "id": request[REQUEST_ID],
@@ -191,14 +201,15 @@ async def rerank(request: web.Request, body: bytes | None = None) -> web.Respons
 
 async def rerank_at_root(request: web.Request, body: bytes | None = None) -> web.Response:
     """`/rerank`: TEI's request and answer when the body has `texts` (a bare list of `{index, score, text?}`, best
-    first), else Cohere's shape as at `/v1/rerank` (what Infinity's clients send there)."""
+    first), else Infinity's, which is Cohere's request with a string document given back as the string (its server
+    serves `/rerank` at the root; Cohere's and Jina's clients post to `/v1/rerank` or `/v2/rerank`)."""
     if body is None:
         body = await read_body(request, GatewayContext.of(request).settings)
     shape = decode(body, _decoders[RerankShape])
     if shape.texts is not None and shape.documents is not None:
         raise Unprocessable("send `texts` (TEI's rerank) or `documents` (Cohere's), not both")
     if shape.texts is None:
-        return await rerank(request, body)
+        return await rerank(request, body, infinity=True)
     tei = decode(body, _decoders[TeiRerankRequest])
     meta, reply = await _enqueue_tei(
         request, tei, RerankRequest, Task.SCORE, query=tei.query, documents=tei.texts, raw_scores=tei.raw_scores
@@ -230,21 +241,26 @@ async def _enqueue_tei(
     return meta, reply
 
 
-# What a TEI request without `model` is missing, per task, in the 422 that says so.
-_KIND = {Task.EMBED: "embedding model", Task.SCORE: "reranker", Task.CLASSIFY: "classifier"}
+# What a request without `model` is missing, per task, in the 422 that says so.
+_KIND = {
+    Task.EMBED: "embedding model",
+    Task.SCORE: "reranker",
+    Task.CLASSIFY: "classifier",
+    Task.EXTRACT: "entity extractor",
+}
 
 
-def _the_one_model(ctx: GatewayContext, task: Task) -> str:
-    """The model a TEI request that names none means: the catalog's only model of its task (a TEI server serves
-    one model); else a 422 naming the ones to choose from."""
+def _the_one_model(ctx: GatewayContext, task: Task, unnamed: str = "`model` is missing") -> str:
+    """The model a TEI (or Infinity) request that names none means: the catalog's only model of its task (a TEI
+    server serves one model); else a 422 naming the ones to choose from, saying how the model went unnamed."""
     names = [spec.name for spec in ctx.catalog if spec.task is task and spec.adapter_of is None]
     if len(names) == 1:
         return names[0]
     kind = _KIND[task]
     if not names:
-        raise Unprocessable(f"`model` is missing, and this fleet has no {kind} (`{task}` model)", code="model_required")
+        raise Unprocessable(f"{unnamed}, and this fleet has no {kind} (`{task}` model)", code="model_required")
     raise Unprocessable(
-        f"`model` is missing, and this fleet has {len(names)} {kind}s: name one of {', '.join(names)}",
+        f"{unnamed}, and this fleet has {len(names)} {kind}s: name one of {', '.join(names)}",
         code="model_required",
     )
 

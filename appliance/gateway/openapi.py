@@ -106,7 +106,13 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     components["TeiEmbedRequest"]["properties"]["inputs"] = {"anyOf": [text, {"type": "array", "items": text}]}
     paths: dict[str, Any] = {
         "/v1/embeddings": {"post": _operation("Embeddings (OpenAI)", "EmbeddingRequest", _INFERENCE_ERRORS)},
+        "/embeddings": {
+            "post": _operation("Embeddings: /v1/embeddings at Infinity's path", "EmbeddingRequest", _INFERENCE_ERRORS)
+        },
         "/v1/classify": {"post": _operation("Sequence labels per input", "ClassifyRequest", _INFERENCE_ERRORS)},
+        "/classify": {
+            "post": _operation("Sequence labels: /v1/classify at Infinity's path", "ClassifyRequest", _INFERENCE_ERRORS)
+        },
         "/v1/extract": {"post": _operation("Entity spans per input", "ExtractRequest", _INFERENCE_ERRORS)},
         "/v1/completions": {"post": _operation("Text completion (OpenAI)", "CompletionRequest", _INFERENCE_ERRORS)},
         "/v1/chat/completions": {"post": _operation("Chat completion (OpenAI)", "ChatRequest", _INFERENCE_ERRORS)},
@@ -114,6 +120,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
             **_get("The catalog, with where each model is resident", (401,)),
             "post": _operation("Register a model folder or LoRA adapter", "ModelRegistration", _ADMIN_ERRORS, "201"),
         },
+        "/models": _get("The catalog: /v1/models at Infinity's path, without `owned_by`", (401,)),
         "/v1/models/{name}": {
             "get": {**_operation("One model", None, (401, 404)), "parameters": _NAME},
             "delete": {**_operation("Remove a model from the catalog", None, _ADMIN_ERRORS), "parameters": _NAME},
@@ -125,7 +132,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     }
     for path in ("/v1/rerank", "/v2/rerank"):
         paths[path] = {"post": _operation("Rerank documents (Cohere/Jina)", "RerankRequest", _INFERENCE_ERRORS)}
-    tei = _operation("Rerank documents (TEI's shape with `texts`, else Cohere's)", "RerankRequest", _INFERENCE_ERRORS)
+    tei = _operation("Rerank documents (TEI's shape with `texts`, else Infinity's)", "RerankRequest", _INFERENCE_ERRORS)
     either = [{"$ref": f"#/components/schemas/{name}"} for name in ("RerankRequest", "TeiRerankRequest")]
     tei["requestBody"]["content"]["application/json"]["schema"] = {"oneOf": either}
     tei["responses"]["200"]["content"]["application/json"]["schema"] = {"type": ["object", "array"]}  # TEI's: a list

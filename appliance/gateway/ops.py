@@ -32,3 +32,13 @@ async def list_models(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     data = [model_record(ctx, spec) for spec in ctx.catalog]
     return json_response({"object": "list", "data": data})
+
+
+async def list_models_infinity(request: web.Request) -> web.Response:
+    """`GET /models`, Infinity's path: the same list, each record without `owned_by`, which Infinity's client reads
+    as an enum of its own server's one value ("infinity"), failing on any other; it reads a record without one."""
+    ctx = GatewayContext.of(request)
+    data = [model_record(ctx, spec) for spec in ctx.catalog]
+    for record in data:
+        del record["owned_by"]
+    return json_response({"object": "list", "data": data})
