@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from sentence_transformers import SentenceTransformer
 
+import appliance
 from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME, default_model_path
 from tests.conftest import box_settings, box_with_models, start_nats, url
@@ -179,6 +180,54 @@ async def test_huggingface_hubs_inference_client_is_answered_at_a_tei_base_url(t
     np.testing.assert_allclose(vectors.reshape(-1), expected[0], atol=1e-6)
     assert abs(float(np.linalg.norm(raw)) - 1.0) > 0.1  # pooled, not normalised
     np.testing.assert_allclose(raw.reshape(-1) / np.linalg.norm(raw), expected[0], atol=1e-5)
+
+
+# -- GET /info ------------------------------------------------------------------------------------
+
+
+async def test_info_describes_the_fleets_one_model_as_huggingface_hub_reads_it(tmp_path, monkeypatch) -> None:
+    """`InferenceClient(model=URL).get_endpoint_info()` (here its async twin) reads TEI's `GET /info`: filled from
+    the catalog, the settings and the model's folder (all-MiniLM-L6-v2: mean pooling, 256 tokens)."""
+    from huggingface_hub import AsyncInferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite's guard against the hub; this is a local box
+
+    server = await start_nats(tmp_path / "nats")
+    box = Box(box_settings(server.url, box_id="tei-info", max_inputs=64, max_waiting=100))
+    await box.start()
+    try:
+        # A TEI endpoint is `hf-inference` to the client (its default provider, None here, refuses the call).
+        client = AsyncInferenceClient(model=url(box, ""), provider="hf-inference")
+        info = await client.get_endpoint_info()
+    finally:
+        await box.stop()
+        await server.stop()
+    batching = box.catalog.batching_for(box.catalog.get(DEFAULT_MODEL_NAME))
+    assert info == {
+        "model_id": DEFAULT_MODEL_NAME,
+        "model_sha": None,
+        "model_dtype": "float32",
+        "model_type": {"embedding": {"pooling": "mean"}},
+        "served_model_name": DEFAULT_MODEL_NAME,
+        "max_concurrent_requests": 100,
+        "max_input_length": 256,
+        "max_batch_tokens": batching.max_batch_tokens,
+        "max_batch_requests": batching.max_batch_size,
+        "max_client_batch_size": 64,
+        "auto_truncate": True,
+        "tokenization_workers": None,
+        "version": appliance.__version__,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+async def test_info_on_a_fleet_of_two_encoder_models_is_a_422_naming_them(tei_box, http) -> None:
+    async with http.get(url(tei_box, "/info")) as response:
+        assert response.status == 422
+        answer = await response.json()
+    assert answer["error"]["code"] == "model_required"
+    assert DEFAULT_MODEL_NAME in answer["error"]["message"] and "sentiment" in answer["error"]["message"]
 
 
 # -- bad input -------------------------------------------------------------------------------------

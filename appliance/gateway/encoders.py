@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from appliance.catalog import Resolved
+from appliance.catalog import ModelSpec, Resolved
 from appliance.envelope import ReplyMeta
 from appliance.errors import PayloadTooLarge, Unprocessable, error_from_reply
 from appliance.gateway.context import REQUEST_ID, GatewayContext
@@ -367,6 +367,20 @@ async def tei_root(request: web.Request) -> web.StreamResponse:
             code="wrong_task",
         )
     return await handler(request, body)
+
+
+def tei_model(ctx: GatewayContext, route: str) -> ModelSpec:
+    """The model a TEI route without a model (`GET /info`) stands for: the fleet's one embedding, classification
+    or rerank model, as `POST /` picks it; else a 422 naming them."""
+    specs = [spec for spec in ctx.catalog if spec.task in _TEI_ROUTE and spec.adapter_of is None]
+    if len(specs) == 1:
+        return specs[0]
+    names = f": {', '.join(spec.name for spec in specs)}" if specs else ""
+    raise Unprocessable(
+        f"{route} stands for a TEI server's one model, and this fleet has {len(specs)} embedding, classification "
+        f"and rerank models{names}",
+        code="model_required",
+    )
 
 
 async def classify(request: web.Request) -> web.Response:

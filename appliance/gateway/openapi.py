@@ -145,6 +145,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         operation = _operation(summary, schema, _INFERENCE_ERRORS)
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
         paths[path] = {"post": operation}
+    paths["/info"] = _get("TEI's info on the fleet's one embedding, classification or rerank model", (401, 422))
     for path in ("/", "/invocations"):  # TEI's: the route of the named model's task, or of the fleet's one
         operation = _operation("TEI's route of the model's task: /embed, /predict or /rerank", None, _INFERENCE_ERRORS)
         tei_bodies = [{"$ref": f"#/components/schemas/Tei{name}Request"} for name in ("Embed", "Predict", "Rerank")]
