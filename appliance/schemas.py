@@ -137,6 +137,15 @@ class TeiPredictRequest(TeiRequest, kw_only=True):
 
     inputs: str | list[str | list[str]]
     raw_scores: bool | None = False
+    parameters: PredictParameters | None = None  # huggingface_hub's text_classification sends them
+
+
+class PredictParameters(_NullIsDefault, kw_only=True):
+    """huggingface_hub's `text_classification` parameters: `top_k` kept; `function_to_apply` only as "none" (the
+    logits), fleetbox scoring as the model's config says (the gateway's `_predict_parameters`)."""
+
+    top_k: Positive | None = None
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
 
 
 class TeiShape(msgspec.Struct):

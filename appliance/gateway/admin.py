@@ -68,7 +68,8 @@ async def register_model(request: web.Request) -> web.Response:
     return json_response(model_record(ctx, spec), status=201)
 
 
-def _spec(ctx: GatewayContext, request: web.Request) -> ModelSpec:
+def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
+    """The model the route's `{name}` names (a name or an alias), else its 404."""
     name = request.match_info["name"]
     spec = ctx.catalog.get(name)
     if spec is None:
@@ -78,13 +79,13 @@ def _spec(ctx: GatewayContext, request: web.Request) -> ModelSpec:
 
 async def get_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    return json_response(model_record(ctx, _spec(ctx, request)))
+    return json_response(model_record(ctx, named_model(ctx, request)))
 
 
 async def update_model(request: web.Request) -> web.Response:
     """`PATCH /v1/models/{name}`: aliases, the pin, batching knobs, changed in place (appliance/model_update.py)."""
     ctx = GatewayContext.of(request)
-    spec = _spec(ctx, request)
+    spec = named_model(ctx, request)
     update = update_from(decode(await read_body(request, ctx.settings), _json_object))
     spec = await change_model(spec, update, ctx.catalog, ctx.store)
     return json_response(model_record(ctx, spec))
@@ -92,7 +93,7 @@ async def update_model(request: web.Request) -> web.Response:
 
 async def delete_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = _spec(ctx, request)
+    spec = named_model(ctx, request)
     ctx.catalog.check_deletable(spec)
     await ctx.delete_model(spec)
     return json_response({"id": spec.name, "object": "model", "deleted": True})
@@ -108,7 +109,7 @@ async def unpin_model(request: web.Request) -> web.Response:
 
 async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = _spec(ctx, request)
+    spec = named_model(ctx, request)
     if not pinned:
         refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
     spec = await ctx.store.update(spec, ModelChange(pinned=pinned))
@@ -123,7 +124,7 @@ async def _target_box(request: web.Request) -> str | None:
 
 async def load_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = _spec(ctx, request)
+    spec = named_model(ctx, request)
     box = await _target_box(request)
     if box is None:
         box = _choose_box(ctx)
@@ -133,7 +134,7 @@ async def load_model(request: web.Request) -> web.Response:
 
 async def evict_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = _spec(ctx, request)
+    spec = named_model(ctx, request)
     refuse_adapter(spec, "evict")
     box = await _target_box(request)
     boxes = [box] if box is not None else ctx.model_state(spec.name)["boxes"]

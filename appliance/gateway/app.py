@@ -25,7 +25,7 @@ from appliance.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
 )
-from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei_info
+from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei_info, tei_models
 from appliance.gateway.auth import IN_FLIGHT, Handler, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
@@ -207,6 +207,11 @@ def build_app(context: GatewayContext) -> web.Application:
         routes.append(_post("/embed", inference(encoders.embed_tei)))  # TEI's
         routes.append(_post("/predict", inference(encoders.predict_tei)))  # TEI's
         routes.append(web.get("/info", inference(tei_info.info)))  # TEI's: its one model and limits
+        # A TEI base URL per model; the suffixes first: a model name may hold a `/`.
+        for method, suffix, handler in tei_models.SUFFIX_ROUTES:
+            route = _post if method == "POST" else web.get
+            routes.append(route(f"/tei/{{name:.+}}/{suffix}", inference(handler)))
+        routes.append(_post("/tei/{name:.+}", inference(tei_models.root)))
         for path in ("/", "/invocations"):  # TEI's: the route of its one model's task
             routes.append(_post(path, inference(encoders.tei_root)))
         for path in ("/v1/classify", "/classify"):  # the latter: Infinity's, at its server's root

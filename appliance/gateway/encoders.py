@@ -199,7 +199,7 @@ async def rerank(request: web.Request, body: bytes | None = None, *, infinity: b
     return json_response(payload, headers=_timing(meta))
 
 
-async def rerank_at_root(request: web.Request, body: bytes | None = None) -> web.Response:
+async def rerank_at_root(request: web.Request, body: bytes | None = None, served: str | None = None) -> web.Response:
     """`/rerank`: TEI's request and answer when the body has `texts` (a bare list of `{index, score, text?}`, best
     first), else Infinity's, which is Cohere's request with a string document given back as the string (its server
     serves `/rerank` at the root; Cohere's and Jina's clients post to `/v1/rerank` or `/v2/rerank`)."""
@@ -209,10 +209,12 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None) -> web
     if shape.texts is not None and shape.documents is not None:
         raise Unprocessable("send `texts` (TEI's rerank) or `documents` (Cohere's), not both")
     if shape.texts is None:
+        if served is not None:
+            raise Unprocessable(f"/tei/{served}/rerank is TEI's rerank: send the documents as `texts`")
         return await rerank(request, body, infinity=True)
     tei = decode(body, _decoders[TeiRerankRequest])
     meta, reply = await _enqueue_tei(
-        request, tei, RerankRequest, Task.SCORE, query=tei.query, documents=tei.texts, raw_scores=tei.raw_scores
+        request, tei, RerankRequest, Task.SCORE, served, query=tei.query, documents=tei.texts, raw_scores=tei.raw_scores
     )
     scores = np.frombuffer(reply, dtype="<f4")
     results = []
@@ -225,20 +227,37 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None) -> web
 
 
 async def _enqueue_tei(
-    request: web.Request, tei: TeiRequest, schema: type, task: Task, **fields: Any
+    request: web.Request, tei: TeiRequest, schema: type, task: Task, served: str | None, **fields: Any
 ) -> tuple[ReplyMeta, bytes]:
     """A TEI request queued as the fleetbox request (`schema`) it stands for: `fields`, and what every TEI request
-    carries (`model`, the fleet's one of the task when left out; `truncate`, `adapter`, `timeout`)."""
+    carries (`model`: the model its URL serves, `served`, or the fleet's one of the task when left out; `truncate`,
+    `adapter`, `timeout`)."""
     if (tei.truncation_direction or "right").lower() != "right":
         raise Unprocessable(
             f"truncation_direction {tei.truncation_direction!r}: fleetbox cuts an over-long input at its end only "
             '("right"); leave it out, or send inputs that fit with "truncate": false to be told which do not',
             code="unsupported_parameter",
         )
-    model = tei.model or _the_one_model(GatewayContext.of(request), task)
+    ctx = GatewayContext.of(request)
+    if served is not None:
+        _check_agrees(ctx, tei.model, served)
+    model = served or tei.model or _the_one_model(ctx, task)
     body = {"model": model, "truncate": tei.truncate, "adapter": tei.adapter, "timeout": tei.timeout, **fields}
     _, _, meta, reply = await _enqueue(request, schema, task, orjson.dumps(body))
     return meta, reply
+
+
+def _check_agrees(ctx: GatewayContext, named: str | None, served: str) -> None:
+    """A body sent to a model's own TEI URL names that model (by name or alias), or none."""
+    if named is None:
+        return
+    spec = ctx.catalog.get(named)
+    if spec is None or spec.name != served:
+        raise Unprocessable(
+            f"`model` {named!r} is not {served}, the model this URL (/tei/{served}) serves: leave `model` out, "
+            "or send the request to that model's own URL",
+            code="model_mismatch",
+        )
 
 
 # What a request without `model` is missing, per task, in the 422 that says so.
@@ -265,7 +284,7 @@ def _the_one_model(ctx: GatewayContext, task: Task, unnamed: str = "`model` is m
     )
 
 
-async def embed_tei(request: web.Request, body: bytes | None = None) -> web.Response:
+async def embed_tei(request: web.Request, body: bytes | None = None, served: str | None = None) -> web.Response:
     """TEI's `/embed`: a bare list of vectors, one per input, computed as `/v1/embeddings` computes them."""
     if body is None:
         body = await read_body(request, GatewayContext.of(request).settings)
@@ -284,22 +303,47 @@ async def embed_tei(request: web.Request, body: bytes | None = None) -> web.Resp
             code="unsupported_parameter",
         )
     meta, reply = await _enqueue_tei(
-        request, tei, EmbeddingRequest, Task.EMBED, input=texts, dimensions=tei.dimensions, normalize=tei.normalize
+        request,
+        tei,
+        EmbeddingRequest,
+        Task.EMBED,
+        served,
+        input=texts,
+        dimensions=tei.dimensions,
+        normalize=tei.normalize,
     )
     return json_response(np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims), headers=_timing(meta))
 
 
-async def predict_tei(request: web.Request, body: bytes | None = None) -> web.Response:
+async def predict_tei(request: web.Request, body: bytes | None = None, served: str | None = None) -> web.Response:
     """TEI's `/predict`: labels with scores, best first, as `/v1/classify` gives them; for one input its list, for a
     batch one list per input."""
     if body is None:
         body = await read_body(request, GatewayContext.of(request).settings)
     tei = decode(body, _decoders[TeiPredictRequest])
     texts, batch = _predict_inputs(tei.inputs)
+    top_k, raw_scores = _predict_parameters(tei)
     meta, reply = await _enqueue_tei(
-        request, tei, ClassifyRequest, Task.CLASSIFY, input=texts, raw_scores=tei.raw_scores
+        request, tei, ClassifyRequest, Task.CLASSIFY, served, input=texts, raw_scores=raw_scores, top_k=top_k
     )
     return json_response(orjson.Fragment(reply) if batch else orjson.loads(reply)[0], headers=_timing(meta))
+
+
+def _predict_parameters(tei: TeiPredictRequest) -> tuple[int | None, bool | None]:
+    """`top_k` and `raw_scores` with huggingface_hub's `parameters` (its text_classification's): `top_k` kept, and
+    `function_to_apply` "none" as the logits; "softmax" or "sigmoid" are refused, fleetbox scoring as the model's
+    config says (a choice of squash is not one the classify path has)."""
+    parameters = tei.parameters
+    if parameters is None:
+        return None, tei.raw_scores
+    chosen = parameters.function_to_apply
+    if chosen not in (None, "none"):
+        raise Unprocessable(
+            f"parameters.function_to_apply {chosen!r}: fleetbox scores as the model's config says (a softmax over "
+            'the labels, a sigmoid per label for multi-label models); "none" gives the logits, or leave it out',
+            code="unsupported_parameter",
+        )
+    return parameters.top_k, tei.raw_scores or chosen == "none"
 
 
 def _predict_inputs(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:
@@ -335,38 +379,40 @@ def _predict_inputs(inputs: str | list[str | list[str]]) -> tuple[list[str], boo
 _TEI_ROUTE = {Task.EMBED: embed_tei, Task.CLASSIFY: predict_tei, Task.SCORE: rerank_at_root}
 
 
-async def tei_root(request: web.Request) -> web.StreamResponse:
-    """TEI's `POST /` and `/invocations`: the TEI route of the model's task (`/embed`, `/predict` or `/rerank`), the
-    model named, else the fleet's one encoder model of those tasks. huggingface_hub's `InferenceClient` with a TEI
-    `base_url` posts its `feature_extraction` and `text_classification` here."""
+async def tei_root(request: web.Request, served: str | None = None) -> web.StreamResponse:
+    """TEI's `POST /` and `/invocations`: the TEI route of the model's task (`/embed`, `/predict` or `/rerank`), of
+    the model the URL serves (`served`: `/tei/{name}`), else the model named, else the fleet's one encoder model of
+    those tasks. huggingface_hub's `InferenceClient` with a TEI URL posts its `feature_extraction` and
+    `text_classification` here."""
     ctx = GatewayContext.of(request)
     body = await read_body(request, ctx.settings)
     shape = decode(body, _decoders[TeiShape])
     if shape.query is not None:
-        return await rerank_at_root(request, body)
-    if isinstance(shape.model, str) and shape.model:
-        task = ctx.catalog.resolve(shape.model, None).spec.task
+        return await rerank_at_root(request, body, served)
+    named = shape.model if isinstance(shape.model, str) and shape.model else None
+    if served is not None or named is not None:
+        task = ctx.catalog.resolve(served or named, None).spec.task  # type: ignore[arg-type]
     else:
         tasks = {spec.task for spec in ctx.catalog if spec.task in _TEI_ROUTE and spec.adapter_of is None}
         if len(tasks) != 1:
-            served = (
+            kinds = (
                 " and ".join(sorted(_KIND[task] + "s" for task in tasks))
                 or "no embedding model, classifier or reranker"
             )
             raise Unprocessable(
-                f"POST / stands for a TEI server's one model's route, and this fleet has {served}: name the model, "
-                "or POST to /embed, /predict or /rerank",
+                f"POST / stands for a TEI server's one model's route, and this fleet has {kinds}: name the model, "
+                "POST to /embed, /predict or /rerank, or use the model's own TEI URL, /tei/NAME",
                 code="model_required",
             )
         (task,) = tasks
     handler = _TEI_ROUTE.get(task)
     if handler is None:
         raise Unprocessable(
-            f"POST / serves embedding, classification and rerank models as TEI does; this one serves {task}: "
-            f"send it to {ROUTE_FOR[task]}",
+            f"POST {request.path} serves embedding, classification and rerank models as TEI does; this one serves "
+            f"{task}: send it to {ROUTE_FOR[task]}",
             code="wrong_task",
         )
-    return await handler(request, body)
+    return await handler(request, body, served)
 
 
 def tei_model(ctx: GatewayContext, route: str) -> ModelSpec:
@@ -378,7 +424,7 @@ def tei_model(ctx: GatewayContext, route: str) -> ModelSpec:
     names = f": {', '.join(spec.name for spec in specs)}" if specs else ""
     raise Unprocessable(
         f"{route} stands for a TEI server's one model, and this fleet has {len(specs)} embedding, classification "
-        f"and rerank models{names}",
+        f"and rerank models{names}: ask a model's own TEI URL, /tei/NAME (e.g. GET /tei/NAME/info)",
         code="model_required",
     )
 

@@ -146,6 +146,19 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
         paths[path] = {"post": operation}
     paths["/info"] = _get("TEI's info on the fleet's one embedding, classification or rerank model", (401, 422))
+    # A TEI base URL per model: the root routes' bodies and answers, for the model the path names.
+    for suffix, schema in (
+        ("", None),
+        ("/embed", "TeiEmbedRequest"),
+        ("/predict", "TeiPredictRequest"),
+        ("/rerank", "TeiRerankRequest"),
+    ):
+        operation = _operation(f"TEI's POST {suffix or '/'} for the model `name`", schema, _INFERENCE_ERRORS)
+        operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
+        paths[f"/tei/{{name}}{suffix}"] = {"post": {**operation, "parameters": _NAME}}
+    paths["/tei/{name}/info"] = {
+        "get": {**_operation("TEI's info on the model `name`", None, (401, 404, 422)), "parameters": _NAME}
+    }
     for path in ("/", "/invocations"):  # TEI's: the route of the named model's task, or of the fleet's one
         operation = _operation("TEI's route of the model's task: /embed, /predict or /rerank", None, _INFERENCE_ERRORS)
         tei_bodies = [{"$ref": f"#/components/schemas/Tei{name}Request"} for name in ("Embed", "Predict", "Rerank")]

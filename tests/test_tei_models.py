@@ -1,0 +1,105 @@
+"""A TEI base URL per model (`/tei/{name}`) on a fleet of many models: huggingface_hub's `InferenceClient` given
+that URL as its model runs `feature_extraction` and `text_classification` against that model, answered as
+`/v1/embeddings` and `/v1/classify` answer for it; a body naming another model is refused."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from appliance.app import Box
+from appliance.catalog import DEFAULT_MODEL_NAME
+from tests.conftest import box_with_models, url
+from tests.models import CLASS_LABELS
+
+TEXT = "The weather in Berlin is fine today."
+
+
+@pytest.fixture(scope="module")
+async def fleet(tmp_path_factory, encoder_dir, classifier_dir) -> AsyncIterator[Box]:
+    """Two embedders (the packaged one, whose name holds a `/`, and a bare encoder) and a classifier."""
+    models = {"bare-encoder": encoder_dir, "sentiment": classifier_dir}
+    async with box_with_models(tmp_path_factory, "tei-fleet", models) as (box, _):
+        yield box
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    from huggingface_hub import AsyncInferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite's guard against the hub; this is a local box
+    return AsyncInferenceClient
+
+
+async def post(http, box: Box, path: str, body: object) -> tuple[int, object]:
+    async with http.post(url(box, path), json=body) as response:
+        return response.status, await response.json()
+
+
+@pytest.mark.parametrize("name", [DEFAULT_MODEL_NAME, "bare-encoder"])
+async def test_feature_extraction_at_a_models_tei_url_embeds_with_that_model(fleet, http, hub, name) -> None:
+    vectors = np.asarray(await hub(model=url(fleet, f"/tei/{name}")).feature_extraction(TEXT), dtype=np.float32)
+    _, expected = await post(http, fleet, "/v1/embeddings", {"model": name, "input": [TEXT]})
+    np.testing.assert_allclose(vectors.reshape(-1), expected["data"][0]["embedding"], atol=1e-6)
+    status, embedded = await post(http, fleet, f"/tei/{name}/embed", {"inputs": [TEXT]})
+    assert status == 200, embedded
+    np.testing.assert_allclose(np.asarray(embedded[0]), vectors.reshape(-1), atol=1e-6)
+
+
+async def test_text_classification_at_a_models_tei_url_honours_top_k(fleet, http, hub) -> None:
+    """huggingface_hub reads TEI's answer to one input (a flat list of labels) as a batch and returns its first
+    item: the best label, as against a TEI server. Its `parameters` are honoured: `top_k`, and
+    `function_to_apply="none"` as the logits (checked on the wire at /tei/sentiment/predict)."""
+    client = hub(model=url(fleet, "/tei/sentiment"))
+    best = await client.text_classification(TEXT)
+    _, expected = await post(http, fleet, "/v1/classify", {"model": "sentiment", "input": TEXT})
+    assert best["label"] == expected["data"][0][0]["label"]
+    assert best["score"] == pytest.approx(expected["data"][0][0]["score"], abs=1e-5)
+    logit = await client.text_classification(TEXT, function_to_apply="none")
+    _, raw = await post(http, fleet, "/v1/classify", {"model": "sentiment", "input": TEXT, "raw_scores": True})
+    assert logit["score"] == pytest.approx(raw["data"][0][0]["score"], abs=1e-5)
+    status, top = await post(http, fleet, "/tei/sentiment/predict", {"inputs": TEXT, "parameters": {"top_k": 2}})
+    assert status == 200, top
+    assert [item["label"] for item in top] == [item["label"] for item in expected["data"][0][:2]]
+    _, logits = await post(http, fleet, "/tei/sentiment", {"inputs": TEXT, "parameters": {"function_to_apply": "none"}})
+    assert [item["score"] for item in logits] == pytest.approx([item["score"] for item in raw["data"][0]], abs=1e-5)
+
+
+async def test_info_at_a_models_tei_url_describes_that_model(fleet, http, hub) -> None:
+    info = await hub(model=url(fleet, "/tei/sentiment"), provider="hf-inference").get_endpoint_info()
+    assert info["model_id"] == "sentiment"
+    assert info["model_type"] == {
+        "classifier": {
+            "id2label": {str(i): label for i, label in enumerate(CLASS_LABELS)},
+            "label2id": {label: i for i, label in enumerate(CLASS_LABELS)},
+        }
+    }
+    async with http.get(url(fleet, f"/tei/{DEFAULT_MODEL_NAME}/info")) as response:
+        assert response.status == 200
+        assert (await response.json())["model_type"] == {"embedding": {"pooling": "mean"}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "names"),
+    [
+        ("/tei/sentiment", {"inputs": "x", "model": "bare-encoder"}, 422, "model_mismatch", "bare-encoder"),
+        ("/tei/bare-encoder/embed", {"inputs": "x", "model": "sentiment"}, 422, "model_mismatch", "/tei/bare-encoder"),
+        ("/tei/nothing", {"inputs": "x"}, 404, "model_not_found", "nothing"),
+        ("/tei/sentiment/embed", {"inputs": "x"}, 422, "wrong_task", "/v1/classify"),
+        ("/tei/sentiment", {"inputs": "x", "parameters": {"function_to_apply": "softmax"}}, 422,
+         "unsupported_parameter", "function_to_apply"),
+        ("/tei/sentiment/rerank", {"query": "q", "documents": ["a"]}, 422, "invalid_input", "`texts`"),
+    ],
+)  # fmt: skip
+async def test_a_models_tei_url_refuses_what_it_cannot_serve(fleet, http, path, body, status, code, names) -> None:
+    got, answer = await post(http, fleet, path, body)
+    assert got == status, answer
+    assert answer["error"]["code"] == code
+    assert names in answer["error"]["message"], answer
+
+
+async def test_a_body_naming_the_urls_model_by_alias_is_served(fleet, http) -> None:
+    status, answer = await post(http, fleet, f"/tei/{DEFAULT_MODEL_NAME}", {"inputs": "x", "model": "all-minilm-l6-v2"})
+    assert status == 200 and len(answer[0]) == 384, answer
