@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -123,6 +124,7 @@ class Box:
         self.placement: Placement | None = None
         self._tasks = Background("box")
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
+        self._queue_made: datetime | None = None  # when the request stream was made, as this box last saw it
         self.stream_ok = False
         self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
         self.draining = False
@@ -236,12 +238,21 @@ class Box:
             # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.
             self.dispatcher.nats_interrupted()
         if self.js is not None and (self._restoring is None or self._restoring.done()):
-            restore = restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
-            self._restoring = self._spawn(restore)
+            self._restoring = self._spawn(self._restore())
+
+    async def _restore(self) -> None:
+        """Make again what the NATS server lost; if that was the request stream, the gateway publishes again what
+        it awaits from the old one."""
+        assert self.js is not None
+        created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
+        if created is not None and created != self._queue_made:
+            lost, self._queue_made = self._queue_made is not None, created
+            if lost and self.dispatcher is not None:
+                self.dispatcher.queue_lost()
 
     async def _ensure_streams(self) -> None:
         assert self.js is not None
-        await ensure_queue(self.js, self.settings)
+        self._queue_made = await ensure_queue(self.js, self.settings)
 
     async def open_queue(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""

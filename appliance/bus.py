@@ -11,6 +11,7 @@ import base64
 import logging
 import re
 from dataclasses import replace
+from datetime import datetime
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -123,16 +124,17 @@ async def ensure_request_stream(
     max_age_s: float,
     file_storage: bool = False,
     replicas: int = 1,
-) -> None:
+) -> datetime | None:
     """Create FBX_REQ if it is missing; an existing stream is left as it is, but for its consumer limit when
-    the server's default holds it (see `_raise_consumer_limit`)."""
+    the server's default holds it (see `_raise_consumer_limit`). Returns when the stream was made: a box that
+    sees it change knows the requests it published before are gone with the old one."""
     try:
         info = await js.stream_info(REQUEST_STREAM)
     except NotFoundError:
         pass
     else:
         await _raise_consumer_limit(js, info.config)
-        return
+        return info.created
     config = StreamConfig(
         name=REQUEST_STREAM,
         subjects=request_subjects(),
@@ -147,12 +149,14 @@ async def ensure_request_stream(
         max_consumers=MAX_REQUEST_CONSUMERS,
     )
     try:
-        await js.add_stream(config)
+        created = await js.add_stream(config)
         log.info("stream created", extra={"stream": REQUEST_STREAM})
+        return created.created
     except BadRequestError as exc:
         # Another box created it between our look and our create: that is the same stream.
         if exc.err_code != 10058:  # stream name already in use
             raise
+    return (await js.stream_info(REQUEST_STREAM)).created
 
 
 async def _raise_consumer_limit(js: JetStreamContext, config: StreamConfig) -> None:

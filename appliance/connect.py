@@ -15,6 +15,7 @@ import re
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,9 +109,10 @@ def _refuse_passphrase(key: Path) -> Callable[[], str]:
     return refuse
 
 
-async def ensure_queue(js: JetStreamContext, settings: Settings) -> None:
-    """The request stream and the dead-letter stream, as the settings size and store them."""
-    await bus.ensure_request_stream(
+async def ensure_queue(js: JetStreamContext, settings: Settings) -> datetime | None:
+    """The request stream and the dead-letter stream, as the settings size and store them; when the request stream
+    was made (`bus.ensure_request_stream`)."""
+    created = await bus.ensure_request_stream(
         js,
         max_msgs=settings.stream_max_msgs,
         max_bytes=settings.stream_max_bytes,
@@ -119,6 +121,7 @@ async def ensure_queue(js: JetStreamContext, settings: Settings) -> None:
         replicas=settings.replicas,
     )
     await bus.ensure_dead_letter_stream(js, file_storage=settings.durable, replicas=settings.replicas)
+    return created
 
 
 async def ensure_consumers(js: JetStreamContext, settings: Settings, slug: str) -> None:
@@ -166,22 +169,24 @@ async def open_catalogued_queues(
 
 async def restore_after_reconnect(
     js: JetStreamContext, settings: Settings, catalog: Catalog, store: CatalogStore | None, fleet: Fleet | None
-) -> None:
+) -> datetime | None:
     """A NATS server that restarted kept only what it stores in files: make again what it lost (the
     heartbeats bucket always; without --durable the queue, its consumers and the catalog too).
-    Retried for a while, as a cluster may still be electing stream leaders."""
+    Retried for a while, as a cluster may still be electing stream leaders. Returns when the request stream
+    was made (None if it could not be restored)."""
     for _ in range(_RESTORE_ATTEMPTS):
         try:
-            await ensure_queue(js, settings)
+            created = await ensure_queue(js, settings)
             if store is not None:
                 await store.reopen()
             await open_catalogued_queues(js, settings, catalog)
             if fleet is not None:
                 await fleet.reopen()
-            return
+            return created
         except Exception as exc:
             log.warning("restoring streams after a reconnect failed; retrying", extra={"error": repr(exc)})
             await asyncio.sleep(1.0)
+    return None
 
 
 async def settle_model_queue(js: JetStreamContext, settings: Settings, catalog: Catalog, slug: str) -> None:

@@ -70,6 +70,16 @@ class _StreamWaiter:
 
 
 @dataclass(slots=True, frozen=True)
+class _Sent:
+    """A request this gateway published and still awaits: what it needs to publish it again."""
+
+    spec: ModelSpec
+    body: bytes
+    meta: RequestMeta
+    epoch: int  # the dispatcher's count of cuts from NATS when it was published
+
+
+@dataclass(slots=True, frozen=True)
 class Reply:
     meta: ReplyMeta
     body: bytes
@@ -110,6 +120,8 @@ class Dispatcher:
         self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._streams: dict[str, _StreamWaiter] = {}
+        self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
+        self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
         self._cancels: set[asyncio.Task[None]] = set()  # cancels sent for requests answered without their box
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
@@ -296,6 +308,7 @@ class Dispatcher:
             yield
         finally:
             table.pop(request_id, None)
+            self._sent.pop(request_id, None)
             queue.remove(request_id, time.monotonic(), answered=False)
             self._settle()
 
@@ -363,6 +376,38 @@ class Dispatcher:
     def nats_interrupted(self) -> None:
         """Cut off from NATS, or back on it: what was not answered meanwhile says nothing of any model's pace."""
         self._admission.restart_rates()
+        self._epoch += 1
+
+    def queue_lost(self) -> None:
+        """The request stream was made anew (a nats-server that kept it in memory restarted, the default fleet
+        without `--durable`): what this gateway published before its last cut from NATS is gone with the old one.
+        Each such request still awaited (a generation: before its first chunk) is published again under its id,
+        where it waited its whole deadline for a 504 (146 of 200 in the fleet tester's run, with the boxes back
+        within a second). A box that had pulled the old copy may answer it too: the first answer is taken."""
+        lost = [
+            sent
+            for request_id, sent in self._sent.items()
+            if sent.epoch < self._epoch
+            and not (request_id in self._waiters and self._waiters[request_id][0].done())
+            and not (request_id in self._streams and self._streams[request_id].box is not None)
+        ]
+        if lost:
+            log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(lost)})
+        for sent in lost:
+            task = asyncio.get_running_loop().create_task(self._publish_again(sent))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+
+    async def _publish_again(self, sent: _Sent) -> None:
+        request_id = sent.meta.id
+        try:
+            await self._publish(sent.spec, sent.body, sent.meta)
+        except FleetboxError as error:  # the new queue refused it (full, or not answering): the client is told
+            waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
+            if waiter is not None and not waiter[0].done():
+                waiter[0].set_exception(error)
+            elif stream is not None and stream.box is None:
+                stream.queue.put_nowait(self._error_reply(request_id, error))
 
     def _check_connected(self) -> None:
         if not self._nc.is_connected:
@@ -374,6 +419,7 @@ class Dispatcher:
 
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
         """Queue a request `_accept` took in (it checked the connection, with no wait since)."""
+        sent = _Sent(spec, body, meta, self._epoch)
         if self._blobs.needed(body):
             # Too large to ride the queue: the message carries the object-store key instead.
             try:
@@ -405,6 +451,8 @@ class Dispatcher:
             raise ServiceUnavailable(
                 "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
             ) from None
+        if meta.id in self._waiters or meta.id in self._streams:  # still awaited: its client has not gone
+            self._sent[meta.id] = sent
 
     def retry_after_s(self) -> int:
         """Seconds until the backlog would drain at the rate answers have been arriving lately."""
