@@ -42,6 +42,7 @@ def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unproc
 
 
 async def dead_letter(
+    box_id: str,
     nc: NATS,
     js: JetStreamContext,
     meta: RequestMeta,
@@ -56,7 +57,7 @@ async def dead_letter(
     kept.pop("Nats-Msg-Id", None)  # the DLQ has its own duplicate window; do not collide with it
     await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
     error = dead_letter_error(meta, deliveries, reason)
-    reply = ReplyMeta(id=meta.id, status=error.status, box="")
+    reply = ReplyMeta.for_error(meta.id, error, box_id)
     await nc.publish(meta.reply, error.to_json(), headers=reply.headers())
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
 
@@ -64,7 +65,10 @@ async def dead_letter(
 class DeadLetters:
     """What a worker does with a request its model raised on: another try, or FBX_DLQ after `max_deliver`."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, blobs: Blobs, max_deliver: int, dead_lettered: Counter) -> None:
+    def __init__(
+        self, box_id: str, nc: NATS, js: JetStreamContext, blobs: Blobs, max_deliver: int, dead_lettered: Counter
+    ) -> None:
+        self._box_id = box_id
         self._nc = nc
         self._js = js
         self._blobs = blobs
@@ -88,7 +92,7 @@ class DeadLetters:
                 if len(body) > self._blobs.message_room:  # more than a message carries: the dead letter names the blob
                     reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
                     body, blob = b"", None
-        await dead_letter(self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
+        await dead_letter(self._box_id, self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
         self._dead_lettered.inc()
         await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
 
@@ -96,7 +100,8 @@ class DeadLetters:
 class DeadLetterWatch:
     """Takes JetStream's max-deliveries advisories for FBX_REQ (one box per advisory)."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext) -> None:
+    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext) -> None:
+        self._box_id = box_id
         self._nc = nc
         self._js = js
         self._sub: Subscription | None = None
@@ -123,7 +128,7 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
             return
         reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
-        await dead_letter(self._nc, self._js, meta, headers, stored.data or b"", deliveries, reason)
+        await dead_letter(self._box_id, self._nc, self._js, meta, headers, stored.data or b"", deliveries, reason)
         try:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
         except NotFoundError:

@@ -11,6 +11,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from appliance.errors import FleetboxError, retry_after_of
+
 ID = "Fbx-Id"
 MSG_ID = "Nats-Msg-Id"
 TASK = "Fbx-Task"
@@ -134,6 +136,15 @@ class ReplyMeta:
         if self.retry_after_s:
             headers[RETRY_AFTER] = str(self.retry_after_s)
         return headers
+
+    @classmethod
+    def for_error(
+        cls, request_id: str, error: FleetboxError, box: str, *, seq: int = 0, retry_after_s: int | None = None
+    ) -> ReplyMeta:
+        """The final reply that answers a request with `error`, numbered `seq` (after the chunks already sent), with
+        the error's own Retry-After unless `retry_after_s` says otherwise."""
+        retry = retry_after_of(error) if retry_after_s is None else retry_after_s
+        return cls(id=request_id, status=error.status, box=box, seq=seq, final=True, retry_after_s=retry)
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str] | None) -> ReplyMeta:

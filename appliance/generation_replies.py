@@ -20,7 +20,7 @@ from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
 from appliance.delivery import LocalReply, deliver_reply
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, InternalError, retry_after_of
+from appliance.errors import FleetboxError, InternalError
 from runtimes.generate import StepOutput
 
 
@@ -110,10 +110,7 @@ class GenerationReplies:
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
         """An error as the request's last chunk, numbered `seq` (after the chunks already sent)."""
-        reply = ReplyMeta(
-            id=meta.id, status=error.status, box=self._box_id, seq=seq, final=True, retry_after_s=retry_after_of(error)
-        )
-        await self.settle(meta, msg, reply, error.to_json())
+        await self.settle(meta, msg, ReplyMeta.for_error(meta.id, error, self._box_id, seq=seq), error.to_json())
 
     async def settle(self, meta: RequestMeta, msg: Msg, reply: ReplyMeta, body: bytes) -> None:
         """The last chunk or an error: confirmed by its gateway, then the request acked and its blob deleted."""

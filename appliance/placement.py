@@ -276,7 +276,7 @@ class Placement:
         # A 503: until this box tries the load again, a retry gets the same answer (a 507's retry waits for a box).
         failed = self._failed.get(meta.model) if error.status == 503 else None
         retry = max(1, math.ceil(failed[0] - asyncio.get_running_loop().time())) if failed else 0
-        reply = ReplyMeta(id=meta.id, status=error.status, box=self._box.box_id, retry_after_s=retry)
+        reply = ReplyMeta.for_error(meta.id, error, self._box.box_id, retry_after_s=retry)
         await self._box.nc.publish(meta.reply, error.to_json(), headers=reply.headers())
         assert self._box.blobs is not None  # made with the connection
         await self._box.blobs.ack(msg, meta.blob)

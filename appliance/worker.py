@@ -34,7 +34,7 @@ from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed, retry_after_of
+from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -81,7 +81,9 @@ class ModelWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
-        self._dead_letters = DeadLetters(nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
+        self._dead_letters = DeadLetters(
+            box_id, nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name)
+        )
         self._started = time.time()
         self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
@@ -313,8 +315,7 @@ class ModelWorker:
             self.puller.poke()
 
     async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
-        reply = ReplyMeta(id=meta.id, status=error.status, box=self.box_id, retry_after_s=retry_after_of(error))
-        await self._send(meta, msg, error.to_json(), reply)
+        await self._send(meta, msg, error.to_json(), ReplyMeta.for_error(meta.id, error, self.box_id))
 
     async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, reply: ReplyMeta) -> None:
         try:

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import ServiceUnavailable, Unprocessable
 
 
 def test_request_meta_round_trips_through_headers() -> None:
@@ -20,6 +21,15 @@ def test_request_meta_round_trips_through_headers() -> None:
 def test_reply_meta_round_trips_through_headers() -> None:
     meta = ReplyMeta(id="a1", status=413, box="b", queue_ms=1.5, compute_ms=2.25, rows=2, dims=3, usage_tokens=9)
     assert ReplyMeta.from_headers(meta.headers()) == meta
+
+
+def test_an_error_reply_carries_its_status_and_its_retry_after_unless_told_otherwise() -> None:
+    stopping = ServiceUnavailable("box b is stopping", retry_after_s=1)
+    assert ReplyMeta.from_headers(ReplyMeta.for_error("a1", stopping, "b").headers()) == ReplyMeta(
+        id="a1", status=503, box="b", retry_after_s=1
+    )
+    last = ReplyMeta.for_error("a1", Unprocessable("bad"), "b", seq=4, retry_after_s=7)
+    assert (last.status, last.seq, last.final, last.retry_after_s) == (422, 4, True, 7)
 
 
 def test_missing_deadline_is_a_clear_error() -> None:

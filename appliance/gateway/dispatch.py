@@ -201,7 +201,7 @@ class Dispatcher:
 
     def _error_reply(self, request_id: str, error: FleetboxError) -> Reply:
         """A final reply this gateway makes up for a stream its box will not answer."""
-        return Reply(ReplyMeta(id=request_id, status=error.status, box=self.box_id), error.to_json(), error=error)
+        return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
 
     def _cancel_soon(self, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._cancel(request_id))
