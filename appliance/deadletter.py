@@ -5,12 +5,15 @@ the last allowed delivery dead-letters it itself (`DeadLetters`, for the encoder
 workers alike). A request that kills the box holding it (so no worker lives to decide) makes
 JetStream publish a max-deliveries advisory; one box of the fleet (a queue group) takes the
 advisory, moves the message to FBX_DLQ, answers the client and removes it from the queue, so the
-other requests flow on and the client is not left waiting.
+other requests flow on and the client is not left waiting. Either way the request leaves the queue only
+once its gateway confirms the error reply (`deliver_reply`, as every answer): one sent while the gateway
+reconnects is sent again, not lost with the request acked and its client left to wait for a 504.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -22,15 +25,17 @@ from prometheus_client import Counter
 
 from appliance import bus
 from appliance.blobs import Blobs
-from appliance.delivery import retry_delay_s
+from appliance.delivery import deliver_reply, retry_delay_s
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import Unprocessable
+from appliance.tasks import Background
 
 log = logging.getLogger(__name__)
 
 REASON = "Fbx-Dead-Reason"
 DELIVERIES = "Fbx-Deliveries"
 _QUEUE_GROUP = "fbx-dead-letters"
+_STOP_S = 1.0  # how long a stopping box lets the dead letters it is answering finish
 
 
 def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unprocessable:
@@ -42,31 +47,42 @@ def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unproc
 
 
 async def dead_letter(
-    box_id: str,
     nc: NATS,
     js: JetStreamContext,
     meta: RequestMeta,
     headers: dict[str, str],
     body: bytes,
+    *,
     deliveries: int,
     reason: str,
-) -> None:
-    """Keep the request in FBX_DLQ with why, then tell its client."""
+    box_id: str,
+    give_up: Callable[[], bool],
+) -> bool:
+    """Keep the request in FBX_DLQ with why, then tell its client until its gateway confirms it: False if `give_up()`
+    said stop first (the box is stopping), when the request must not be settled as if its client knew."""
     slug = bus.model_slug(meta.model)
     kept = {**headers, REASON: reason[:1000], DELIVERIES: str(deliveries)}
     kept.pop("Nats-Msg-Id", None)  # the DLQ has its own duplicate window; do not collide with it
     await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
+    log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
     error = dead_letter_error(meta, deliveries, reason)
     reply = ReplyMeta.for_error(meta.id, error, box_id)
-    await nc.publish(meta.reply, error.to_json(), headers=reply.headers())
-    log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
+    return await deliver_reply(nc, meta, error.to_json(), reply.headers(), give_up)
 
 
 class DeadLetters:
     """What a worker does with a request its model raised on: another try, or FBX_DLQ after `max_deliver`."""
 
     def __init__(
-        self, box_id: str, nc: NATS, js: JetStreamContext, blobs: Blobs, max_deliver: int, dead_lettered: Counter
+        self,
+        box_id: str,
+        nc: NATS,
+        js: JetStreamContext,
+        blobs: Blobs,
+        max_deliver: int,
+        dead_lettered: Counter,
+        *,
+        stopping: Callable[[], bool],
     ) -> None:
         self._box_id = box_id
         self._nc = nc
@@ -74,6 +90,7 @@ class DeadLetters:
         self._blobs = blobs
         self._max_deliver = max_deliver
         self._dead_lettered = dead_lettered  # the worker's model's count of them
+        self._stopping = stopping  # the worker drains: an error reply no gateway takes is handed back, not retried
 
     async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
         """Nak it for another try after a back-off (maybe on another box), or on its `max_deliver`-th
@@ -92,28 +109,56 @@ class DeadLetters:
                 if len(body) > self._blobs.message_room:  # more than a message carries: the dead letter names the blob
                     reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
                     body, blob = b"", None
-        await dead_letter(self._box_id, self._nc, self._js, meta, dict(msg.headers or {}), body, deliveries, reason)
+        headers = dict(msg.headers or {})
+        told = await dead_letter(
+            self._nc,
+            self._js,
+            meta,
+            headers,
+            body,
+            deliveries=deliveries,
+            reason=reason,
+            box_id=self._box_id,
+            give_up=self._stopping,
+        )
         self._dead_lettered.inc()
+        if not told:
+            # The box is stopping with its client not told: past its last delivery, JetStream's max-deliveries
+            # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it again and answer it.
+            await msg.nak()
+            return
         await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
 
 
 class DeadLetterWatch:
-    """Takes JetStream's max-deliveries advisories for FBX_REQ (one box per advisory)."""
+    """Takes JetStream's max-deliveries advisories for FBX_REQ (one box per advisory).
+
+    Each advisory is settled by a task of its own: nats-py runs one callback at a time per subscription, and
+    a reply waiting for its gateway's confirmation would hold up every other advisory.
+    """
 
     def __init__(self, box_id: str, nc: NATS, js: JetStreamContext) -> None:
         self._box_id = box_id
         self._nc = nc
         self._js = js
         self._sub: Subscription | None = None
+        self._settling = Background("dead letters")
+        self._stopping = False
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(bus.max_deliveries_advisories(), queue=_QUEUE_GROUP, cb=self._on_advisory)
 
     async def stop(self) -> None:
+        self._stopping = True  # a reply no gateway takes is given up on at its next try
         if self._sub is not None:
             await self._sub.unsubscribe()
+        await self._settling.wait(_STOP_S)
+        await self._settling.cancel()
 
     async def _on_advisory(self, msg: Msg) -> None:
+        self._settling.spawn(self._settle(msg))
+
+    async def _settle(self, msg: Msg) -> None:
         try:
             advisory = orjson.loads(msg.data)
             seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
@@ -128,7 +173,20 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
             return
         reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
-        await dead_letter(self._box_id, self._nc, self._js, meta, headers, stored.data or b"", deliveries, reason)
+        told = await dead_letter(
+            self._nc,
+            self._js,
+            meta,
+            headers,
+            stored.data or b"",
+            deliveries=deliveries,
+            reason=reason,
+            box_id=self._box_id,
+            give_up=lambda: self._stopping,
+        )
+        if not told:
+            # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.
+            log.warning("dead-lettered request's client not told: the box is stopping", extra={"request_id": meta.id})
         try:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
         except NotFoundError:

@@ -94,7 +94,10 @@ class GenerateWorker:
         self._capacity = 2 * runtime.decode_batch
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
         self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
-        dead_letters = DeadLetters(box_id, nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name))
+        dead_lettered = metrics.dead_lettered.labels(spec.name)
+        dead_letters = DeadLetters(
+            box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._stopping
+        )
         self._replies = GenerationReplies(
             box_id,
             nc,

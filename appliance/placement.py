@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 
 from appliance import bus
 from appliance.catalog import ModelSpec
+from appliance.delivery import deliver_reply
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, InsufficientMemory, NotFound, ServiceUnavailable, reason_of
 from appliance.fleet import taking_work
@@ -277,6 +278,9 @@ class Placement:
         failed = self._failed.get(meta.model) if error.status == 503 else None
         retry = max(1, math.ceil(failed[0] - asyncio.get_running_loop().time())) if failed else 0
         reply = ReplyMeta.for_error(meta.id, error, self._box.box_id, retry_after_s=retry)
-        await self._box.nc.publish(meta.reply, error.to_json(), headers=reply.headers())
+        # Acked only once its gateway has the answer: one sent while the gateway reconnects is sent again, not lost.
+        if not await deliver_reply(self._box.nc, meta, error.to_json(), reply.headers(), lambda: self._box.draining):
+            await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+            return
         assert self._box.blobs is not None  # made with the connection
         await self._box.blobs.ack(msg, meta.blob)

@@ -81,8 +81,9 @@ class ModelWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
+        dead_lettered = metrics.dead_lettered.labels(spec.name)
         self._dead_letters = DeadLetters(
-            box_id, nc, js, blobs, settings.max_deliver, metrics.dead_lettered.labels(spec.name)
+            box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining
         )
         self._started = time.time()
         self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers

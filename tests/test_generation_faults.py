@@ -198,6 +198,7 @@ async def test_a_generation_whose_body_is_gone_is_dead_lettered_with_why(start_b
         reply = await asyncio.wait_for(replies.get(), 20)
         assert ReplyMeta.from_headers(reply.headers).status == 422
         assert orjson.loads(reply.data)["error"]["code"] == "dead_lettered"
+        await reply.respond(b"")  # confirmed, as a gateway does: only then is the request settled
         dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(bus.model_slug(MODEL)))
         assert "gone-1.never-put" in dead.headers["Fbx-Dead-Reason"]
         await settled(box, worker)

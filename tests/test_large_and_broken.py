@@ -14,10 +14,12 @@ import torch
 from nats.js.errors import NotFoundError
 
 from appliance.app import Box
+from appliance.envelope import ReplyMeta
 from appliance.residency import estimate_bytes
 from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
 from tests.models import YES_NO, save_long_context_encoder, with_config
+from tests.test_worker import acked_only_once_confirmed, publish_raw
 
 
 async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(start_box, http) -> None:
@@ -101,6 +103,25 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
             # Until the box tries the load again (its 30 s back-off): it had no Retry-After (stock-client tester).
             assert 1 <= int(response.headers["Retry-After"]) <= 30, response.headers
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
+
+
+async def test_a_refusal_of_a_model_that_failed_to_load_is_acked_only_once_its_gateway_confirms_it(
+    start_box, nats_server, http, tmp_path
+) -> None:
+    """Review r40: placement's 503 for a model whose load failed was a plain publish, acked at once; sent while its
+    gateway was reconnecting it reached nobody, and the client waited out its deadline for a 504."""
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
+    box = await start_box(default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(box, "/v1/models"), json={"name": "broken", "path": "broken"}) as response:
+        assert response.status == 201
+    nc, replies = await publish_raw(
+        nats_server.url, b'{"input": "x", "model": "broken"}', id="refused-1", model="broken"
+    )
+    try:
+        reply = await acked_only_once_confirmed(box, replies, "broken")
+        assert ReplyMeta.from_headers(reply.headers).status == 503 and b"could not be loaded" in reply.data
+    finally:
+        await nc.close()
 
 
 async def box_with_a_broken_model(start_box, http, tmp_path: Path, encoder_dir: Path) -> Box:

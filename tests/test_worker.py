@@ -18,6 +18,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from appliance import bus
 from appliance.catalog import Catalog
@@ -36,15 +37,35 @@ def counter(box, name: str, model: str = "noop") -> float:
 
 
 async def publish_raw(nats_url: str, body: bytes, **fields: Any) -> tuple[NATS, asyncio.Queue]:
-    """Queue a request for model "noop" as a gateway would, with no gateway: its replies come to the queue."""
+    """Queue a request (for model "noop" unless `fields` say) as a gateway would, with no gateway: its replies come
+    to the queue, none confirmed (a worker sends a reply again until its gateway confirms it)."""
     nc = await nats.connect(nats_url)
     replies: asyncio.Queue = asyncio.Queue()
     await nc.subscribe("test.replies", cb=replies.put)
     now = int(time.time() * 1000)
     envelope = {"task": "embed", "model": "noop", "reply": "test.replies", "deadline_ms": now + 30_000, "sent_ms": now}
     meta = RequestMeta(**(envelope | fields))
-    await nc.jetstream().publish(bus.request_subject("noop"), body, headers=meta.headers())
+    await nc.jetstream().publish(bus.request_subject(bus.model_slug(meta.model)), body, headers=meta.headers())
     return nc, replies
+
+
+async def acked_only_once_confirmed(box, replies: asyncio.Queue, model: str) -> Msg:
+    """A box's error reply its gateway does not confirm (its confirmation lost, as in a NATS failover) is sent
+    again, and the request is held, not acked, until a send of it is confirmed: the first send, then the one
+    confirmed."""
+    first = await asyncio.wait_for(replies.get(), 30)
+    info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug(model)))
+    assert info.num_ack_pending == 1  # not acked while no gateway has confirmed the reply
+    again = await asyncio.wait_for(replies.get(), 30)  # sent again, once the confirmation has not come in time
+    assert again.data == first.data and again.headers == first.headers
+    await again.respond(b"")  # what a gateway does with each reply it takes
+
+    async def acked() -> bool:
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug(model)))
+        return info.num_ack_pending == 0 and (await box.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
+
+    await wait_for(acked, what="the request acked once its reply was confirmed")
+    return first
 
 
 async def test_request_past_its_deadline_is_never_computed(start_box, http) -> None:
@@ -90,9 +111,24 @@ async def test_a_request_whose_blob_is_gone_is_retried_then_dead_lettered_not_he
     reply = await asyncio.wait_for(replies.get(), 20)
     assert ReplyMeta.from_headers(reply.headers).status == 422
     assert b"dead_lettered" in reply.data
+    await reply.respond(b"")  # confirmed, as a gateway does: only then is the request settled
     await wait_for(lambda: box.workers["noop"].held == 0, what="the request let go")
     assert counter(box, "fbx_dead_lettered_requests") == 1
     await nc.close()
+
+
+async def test_a_dead_letter_reply_is_acked_only_once_its_gateway_confirms_it(start_box, nats_server) -> None:
+    """Review r40: a dead-lettered request's 422 was a plain publish, acked at once; sent while its gateway was
+    reconnecting it reached nobody, and the client waited out its deadline for a 504."""
+    box = await start_box(default_model=False, models=[noop_model(fail_on="POISON")], max_deliver=1)
+    nc, replies = await publish_raw(nats_server.url, b'{"input": "POISON", "model": "noop"}', id="poison-1")
+    try:
+        reply = await acked_only_once_confirmed(box, replies, "noop")
+        assert ReplyMeta.from_headers(reply.headers).status == 422 and b"dead_lettered" in reply.data
+        assert ReplyMeta.from_headers(reply.headers).box == box.box_id
+        assert counter(box, "fbx_dead_lettered_requests") == 1
+    finally:
+        await nc.close()
 
 
 async def test_two_workers_on_one_consumer_share_the_work(start_box, http) -> None:
