@@ -27,8 +27,16 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from appliance import bus
-from appliance.envelope import STATUS
-from appliance.errors import BadRequest, FleetboxError, InternalError, NotFound, ServiceUnavailable, error_from_reply
+from appliance.envelope import RETRY_AFTER, STATUS, retry_after_in
+from appliance.errors import (
+    BadRequest,
+    FleetboxError,
+    InternalError,
+    NotFound,
+    ServiceUnavailable,
+    error_from_reply,
+    retry_after_of,
+)
 from appliance.settings import BOX_ID_PATTERN
 from appliance.tasks import Background
 
@@ -75,23 +83,29 @@ class ControlServer:
             if not isinstance(payload, dict):
                 raise BadRequest("control body must be a JSON object")
             result = {"ok": True, "box": self._box_id, **(await handler(payload))}
-            status = 200
+            headers = {STATUS: "200"}
         except FleetboxError as exc:
-            result, status = exc.body(), exc.status
+            result, headers = exc.body(), _error_headers(exc)
         except asyncio.CancelledError:  # the box is stopping: say so, rather than let the caller wait out its 120 s
             if msg.reply:
                 stopping = ServiceUnavailable(
                     f"box {self._box_id} stopped before it finished {verb}; send it again", retry_after_s=1
                 )
                 with suppress(Exception):
-                    await self._nc.publish(msg.reply, orjson.dumps(stopping.body()), headers={STATUS: "503"})
+                    await self._nc.publish(msg.reply, stopping.to_json(), headers=_error_headers(stopping))
             raise
         except Exception as exc:
             log.exception("control verb failed", extra={"verb": verb})
             error = InternalError(f"{verb} failed: {exc!r}")
-            result, status = error.body(), error.status
+            result, headers = error.body(), _error_headers(error)
         if msg.reply:
-            await self._nc.publish(msg.reply, orjson.dumps(result), headers={STATUS: str(status)})
+            await self._nc.publish(msg.reply, orjson.dumps(result), headers=headers)
+
+
+def _error_headers(error: FleetboxError) -> dict[str, str]:
+    """A refused verb's status, and its Retry-After for the HTTP route that passes the error on."""
+    retry = retry_after_of(error)
+    return {STATUS: str(error.status), RETRY_AFTER: str(retry)} if retry else {STATUS: str(error.status)}
 
 
 async def call_box(
@@ -109,5 +123,5 @@ async def call_box(
         raise ServiceUnavailable(f"box {box_id!r} did not answer {verb} within {timeout_s:g}s") from None
     status = int((reply.headers or {}).get(STATUS, "200"))
     if status != 200:
-        raise error_from_reply(status, reply.data)
+        raise error_from_reply(status, reply.data, retry_after_in(reply.headers))
     return orjson.loads(reply.data)

@@ -162,8 +162,13 @@ class ReplyMeta:
             seq=_int(headers, SEQ, default=0),
             final=headers.get(FINAL, "1") != "0",
             blob=headers.get(BLOB) or None,
-            retry_after_s=_optional_int(headers, RETRY_AFTER),
+            retry_after_s=retry_after_in(headers),
         )
+
+
+def retry_after_in(headers: Mapping[str, str] | None) -> int:
+    """An error reply's Retry-After (`Fbx-Retry-After`, seconds), read leniently: 0 when absent or unreadable."""
+    return _optional_int(headers or {}, RETRY_AFTER)
 
 
 def _optional_int(headers: Mapping[str, str], key: str) -> int:

@@ -104,3 +104,31 @@ async def test_a_load_under_way_as_the_box_stops_starts_no_worker(nats_server) -
         go_on.set()
         close.set()
         await client.close()
+
+
+async def test_a_load_a_stopping_box_refuses_tells_the_http_caller_when_to_retry(start_box, nats_server, http) -> None:
+    """Review r40: the box's 503 ("this box is stopping", Retry-After 1) reached `POST /v1/models/{name}/load`
+    without its Retry-After: the control reply carried only the status, and `call_box` rebuilt the error without it."""
+    from tests.conftest import hold, url
+
+    models = [noop_model("late", pinned=False)]
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=models)
+    box = Box(box_settings(nats_server.url, role="worker", box_id="leaving", default_model=False, models=models))
+    await box.start()
+    loaded, go_on = hold(box.residency, "ensure_loaded", after=True)  # loaded, its worker not started yet
+    drained, close = hold(box.door, "close")  # the stop held after its drain, before it stops answering verbs
+    try:
+        load = asyncio.create_task(http.post(url(gateway, "/v1/models/late/load"), json={"box": "leaving"}))
+        await asyncio.wait_for(loaded.wait(), 20)
+        stopping = asyncio.create_task(box.stop())
+        await asyncio.wait_for(drained.wait(), 20)
+        go_on.set()
+        async with await asyncio.wait_for(load, 20) as response:
+            assert response.status == 503
+            assert "this box is stopping" in (await response.json())["error"]["message"]
+            assert response.headers.get("Retry-After") == "1"
+        close.set()
+        await asyncio.wait_for(stopping, 30)
+    finally:
+        go_on.set()
+        close.set()
