@@ -1,11 +1,12 @@
 """Large bodies travel beside the queue: the JetStream object store `fbx_blobs`.
 
-A request body (or a reply) over the blob threshold is put in the store under its request id and
-the message carries only the key (`Fbx-Blob`), so the queue holds small messages whatever clients
-send and NATS's payload limit never meets a client's body. The reader deletes a reply blob once
-read; a request blob is deleted when the request is acked, however it was settled (answered,
-cancelled, refused, dead-lettered: `Blobs.ack`), and the bucket's TTL sweeps up what a crash left
-behind.
+A request body (or a reply) over the blob threshold is put in the store under its request id (a
+reply's also under the box that answers, `bus.reply_blob_key`: two boxes may answer a redelivered
+request) and the message carries only the key (`Fbx-Blob`), so the queue holds small messages whatever
+clients send and NATS's payload limit never meets a client's body. The gateway deletes a reply blob once
+read, or at once for an answer it drops (a second one); a request blob is deleted when the request is
+acked, however it was settled (answered, cancelled, refused, dead-lettered: `Blobs.ack`), and the
+bucket's TTL sweeps up what a crash left behind.
 """
 
 from __future__ import annotations

@@ -85,6 +85,17 @@ def cancel_subject() -> str:
     return "fbx.cancel"
 
 
+def request_blob_key(request_id: str) -> str:
+    """A request body's object in BLOBS_BUCKET: put once, by the gateway that queued it."""
+    return request_id
+
+
+def reply_blob_key(request_id: str, box_id: str) -> str:
+    """A reply body's object in BLOBS_BUCKET, one per box that answers: a redelivered request may be answered by
+    two boxes, and the second's put must not overwrite (and purge the chunks of) the object the gateway reads."""
+    return f"{request_id}.reply.{box_id}"
+
+
 def reply_subject(box_id: str) -> str:
     """Where a gateway waits for its answers; the request carries it in `Fbx-Reply`."""
     return f"fbx.rep.{box_id}"

@@ -324,7 +324,7 @@ class ModelWorker:
             local = self._local_reply is not None and self._local_reply(meta.reply, reply, body)
             if not local:
                 if self._blobs.needed(body):
-                    reply = replace(reply, blob=await self._blobs.put(f"{meta.id}.reply", body))
+                    reply = replace(reply, blob=await self._blobs.put(bus.reply_blob_key(meta.id, self.box_id), body))
                     body = b""
                 if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
                     await msg.nak()  # this box is stopping with the answer undelivered: another box answers it

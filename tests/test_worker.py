@@ -17,10 +17,13 @@ from dataclasses import replace
 from typing import Any
 
 import nats
+import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from appliance import bus
+from appliance.app import Box
 from appliance.catalog import Catalog
 from appliance.configured import configured_specs
 from appliance.delivery import Cancellations
@@ -273,6 +276,54 @@ async def test_gateway_answers_once_when_two_replies_arrive(start_box, nats_serv
     await wait_for(lambda: gateway.metrics.registry.get_sample_value("fbx_ignored_replies_total") == 1,
                    what="the second reply to be dropped")  # fmt: skip
     await nc.close()
+
+
+async def test_a_second_box_answering_a_request_leaves_the_reply_blob_the_gateway_is_reading_whole(
+    start_box, nats_server
+) -> None:
+    """Review r40: every box put a large reply's body under `<id>.reply`. A redelivered request answered by two boxes
+    had the second's put overwrite the object, purging the chunks the gateway was reading for the first answer: its
+    read never finished (or failed, a 500). Here the gateway's read is held once it has found the first answer's
+    object; the redelivery is the request queued again under a new message id, answered by a second box."""
+    from tests.conftest import box_settings, hold
+
+    models = [noop_model()]
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=models)
+    first = Box(box_settings(nats_server.url, role="worker", box_id="first", default_model=False, models=models,
+                             blob_threshold=1024))  # fmt: skip
+    await first.start()
+    try:
+        assert gateway.blobs is not None and gateway.dispatcher is not None
+        store = await gateway.blobs._bucket()
+        found, read_on = hold(store, "get_info", after=True)  # the gateway knows where the chunks are, not read yet
+        body = orjson.dumps({"input": [f"word {i}" for i in range(200)], "model": "noop"})  # 200 rows: 6.4 KB back
+        spec = gateway.catalog.resolve("noop").spec
+        call = asyncio.create_task(gateway.dispatcher.call(
+            spec=spec, task="embed", body=body, timeout_s=30, tokens=200, request_id="twice-1"
+        ))  # fmt: skip
+        await asyncio.wait_for(found.wait(), 20)
+    finally:
+        await first.stop()
+    second = await start_box(role="worker", box_id="second", default_model=False, models=models, blob_threshold=1024)
+    now = int(time.time() * 1000)
+    meta = RequestMeta(id="twice-1", task="embed", model="noop", reply=gateway.dispatcher.reply_subject,
+                       deadline_ms=now + 30_000, sent_ms=now)  # fmt: skip
+    await second.js.publish(bus.request_subject("noop"), body, headers={**meta.headers(), "Nats-Msg-Id": "again"})
+    await wait_for(lambda: gateway.metrics.registry.get_sample_value("fbx_ignored_replies_total") == 1,
+                   what="the second box's answer dropped")  # fmt: skip
+    read_on.set()
+    reply = await asyncio.wait_for(call, 10)
+    assert reply.meta.status == 200 and reply.meta.box == "first" and reply.meta.rows == 200
+    assert len(reply.body) == 200 * reply.meta.dims * 4  # whole: float32 rows
+
+    async def no_blobs_left() -> bool:
+        try:
+            return all(info.deleted for info in await store.list())
+        except NotFoundError:  # nats-py's word for a bucket that never held an object
+            return True
+
+    await wait_for(no_blobs_left, what="both answers' blobs deleted, the one read and the one dropped")
+    assert second.workers["noop"].held == 0
 
 
 def test_cancelled_ids_are_forgotten_in_the_order_they_came_and_kept_bounded() -> None:

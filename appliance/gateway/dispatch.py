@@ -38,6 +38,7 @@ from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
 from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
 from appliance.metrics import Metrics
+from appliance.tasks import Background
 from runtimes import Task
 from runtimes.base import max_decode_batch
 
@@ -123,6 +124,7 @@ class Dispatcher:
         self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
         self._cancels: set[asyncio.Task[None]] = set()  # cancels sent for requests answered without their box
+        self._dropped_blobs = Background("dropped reply blobs")  # deletes of the bodies of replies dropped
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
 
@@ -423,7 +425,7 @@ class Dispatcher:
         if self._blobs.needed(body):
             # Too large to ride the queue: the message carries the object-store key instead.
             try:
-                meta = replace(meta, blob=await self._blobs.put(meta.id, body))
+                meta = replace(meta, blob=await self._blobs.put(bus.request_blob_key(meta.id), body))
             except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
                 log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
                 raise ServiceUnavailable(
@@ -510,6 +512,8 @@ class Dispatcher:
         waiter = self._waiters.get(meta.id)
         if waiter is None or waiter[0].done():
             self._metrics.duplicate_replies.inc()
+            if meta.blob:  # the body of an answer nobody reads (each box puts its own): not left to the bucket's TTL
+                self._dropped_blobs.spawn(self._blobs.delete(meta.blob))
             return
         future, queue = waiter
         now = time.monotonic()
