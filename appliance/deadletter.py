@@ -137,10 +137,11 @@ class DeadLetterWatch:
     a reply waiting for its gateway's confirmation would hold up every other advisory.
     """
 
-    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext) -> None:
+    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext, dead_lettered: Counter) -> None:
         self._box_id = box_id
         self._nc = nc
         self._js = js
+        self._dead_lettered = dead_lettered  # the box's count of them, by model
         self._sub: Subscription | None = None
         self._settling = Background("dead letters")
         self._stopping = False
@@ -184,6 +185,7 @@ class DeadLetterWatch:
             box_id=self._box_id,
             give_up=lambda: self._stopping,
         )
+        self._dead_lettered.labels(meta.model).inc()
         if not told:
             # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.
             log.warning("dead-lettered request's client not told: the box is stopping", extra={"request_id": meta.id})

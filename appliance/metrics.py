@@ -57,7 +57,7 @@ class Metrics:
         )
         self.dead_lettered = Counter(
             "fbx_dead_lettered_requests",
-            "Requests moved to FBX_DLQ after failing every delivery",
+            "Requests this box moved to FBX_DLQ after failing every delivery (or every box holding them died)",
             ["model"],
             registry=r,
         )

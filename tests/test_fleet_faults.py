@@ -241,6 +241,7 @@ async def test_request_no_box_finishes_is_dead_lettered_and_answered(start_box, 
         assert orjson.loads(dead.data)["input"] == "x"
         info = await nc.jetstream().stream_info(bus.REQUEST_STREAM)
         assert info.state.messages == 0  # gone from the queue
+        assert counter(box, "fbx_dead_lettered_requests") == 1  # counted by the box that took the advisory (review r40)
     finally:
         await nc.close()
 
