@@ -67,7 +67,11 @@ class Metrics:
             ["model"],
             registry=r,
         )
-        self.backlog = Gauge("fbx_stream_backlog", "Messages waiting in the request stream", registry=r)
+        self.backlog = Gauge(
+            "fbx_stream_backlog",
+            "Messages in the request stream FBX_REQ: waiting, plus held by a worker and not yet acked",
+            registry=r,
+        )
         self.resident_bytes = Gauge(
             "fbx_resident_model_bytes", "Measured bytes of each resident model", ["model"], registry=r
         )
