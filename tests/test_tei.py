@@ -242,6 +242,10 @@ async def test_info_on_a_fleet_of_two_encoder_models_is_a_422_naming_them(tei_bo
         ("/embed", {"inputs": [[101, 3231, 102]]}, 422, "unsupported_parameter", "`inputs` holds token ids"),
         ("/embed", {"inputs": [101, 3231, 102]}, 422, "unsupported_parameter", "`inputs` holds token ids"),
         ("/embed", {"inputs": ["ok", 3]}, 422, "invalid_input", "input 1"),
+        # These were told they held token ids (stock-client tester h42).
+        ("/embed", {"inputs": [None]}, 422, "invalid_input", "input 0 is not a string"),
+        ("/embed", {"inputs": [{}]}, 422, "invalid_input", "input 0 is not a string"),
+        ("/", {"inputs": "x", "model": 5}, 422, "invalid_input", "`model` must be a model's name, a string, not 5"),
         ("/embed", {"inputs": "x", "prompt_name": "query"}, 422, "unsupported_parameter", "prompt_name"),
         ("/embed", {"inputs": "x", "truncation_direction": "Left"}, 422, "unsupported_parameter", "at its end only"),
         ("/embed", {"inputs": [["a"], ["b"]]}, 422, "invalid_input", "lists of one string are a /predict batch"),

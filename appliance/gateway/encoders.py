@@ -118,13 +118,21 @@ async def _enqueue(
 
 
 def _refuse_token_ids(texts: list[Any], refusal: str) -> None:
-    """Strings only: a list mixing other values is `invalid_input`; token ids alone are refused, saying `refusal`."""
+    """Strings only: token ids (integers, or lists of them) are refused saying `refusal`; anything else that is not
+    a string (a null, an object, a mix) is `invalid_input` naming the first (`[null]` was told it held token ids)."""
     if all(isinstance(text, str) for text in texts):
         return
-    if any(isinstance(text, str) for text in texts):
-        first = next(i for i, text in enumerate(texts) if not isinstance(text, str))
-        raise Unprocessable(f"input {first} is not a string; send a string or a list of strings")
-    raise Unprocessable(refusal, code="unsupported_parameter")
+    if all(_token_ids(text) for text in texts):
+        raise Unprocessable(refusal, code="unsupported_parameter")
+    first = next(i for i, text in enumerate(texts) if not isinstance(text, str))
+    raise Unprocessable(f"input {first} is not a string; send a string or a list of strings")
+
+
+def _token_ids(value: Any) -> bool:
+    """An integer, or a non-empty list of integers: OpenAI's and TEI's token-id inputs."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def estimate_tokens(texts: list[str]) -> int:
@@ -389,7 +397,9 @@ async def tei_root(request: web.Request, served: str | None = None) -> web.Strea
     shape = decode(body, _decoders[TeiShape])
     if shape.query is not None:
         return await rerank_at_root(request, body, served)
-    named = shape.model if isinstance(shape.model, str) and shape.model else None
+    if shape.model is not None and not isinstance(shape.model, str):  # it was told `model` was missing
+        raise Unprocessable(f"`model` must be a model's name, a string, not {orjson.dumps(shape.model).decode()[:40]}")
+    named = shape.model or None
     if served is not None or named is not None:
         task = ctx.catalog.resolve(served or named, None).spec.task  # type: ignore[arg-type]
     else:
