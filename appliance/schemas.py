@@ -384,7 +384,9 @@ class _Sampling(_NullIsDefault, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     """OpenAI `POST /v1/completions` (one prompt, one choice)."""
 
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], msgspec.Meta(min_length=1, max_length=1)]
+    # One prompt: a string, or a list of one. Token ids (a list of integers, or of such lists), OpenAI's and vLLM's
+    # other forms, are read only to be refused by name (the gateway's `_generate`): they were a schema error.
+    prompt: NonEmptyText | Annotated[list[Any], msgspec.Meta(min_length=1)]
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -393,6 +395,21 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def token_ids(self) -> bool:
+        """Whether the prompt is token ids: integers, or lists of them."""
+        if not isinstance(self.prompt, list):
+            return False
+        items = self.prompt[0] if isinstance(self.prompt[0], list) and len(self.prompt) == 1 else self.prompt
+        return bool(items) and all(isinstance(item, int) and not isinstance(item, bool) for item in items)
+
+    def conflict(self) -> str | None:
+        one = isinstance(self.prompt, str) or (len(self.prompt) == 1 and isinstance(self.prompt[0], str))
+        if not one and not self.token_ids():
+            return "`prompt` must be a string, or a list of exactly one string (one prompt a request)"
+        if not isinstance(self.prompt, str) and one and not self.prompt[0]:
+            return "`prompt` 0 is an empty string"
+        return super().conflict()
 
     def refused(self) -> list[str]:
         asked = {"logprobs": self.logprobs is not None, "echo": bool(self.echo), "suffix": bool(self.suffix)}

@@ -234,3 +234,23 @@ async def test_a_max_tokens_over_the_context_is_weighed_as_the_context_by_admiss
     (queue,) = [queue for (model, _), queue in box.dispatcher._admission._queues.items() if model == MODEL]
     *_, (_, _, tokens, cap) = queue.decoder.made
     assert cap == 256 and tokens <= 256  # weighed as the context, not as the 100,000 asked
+
+
+@pytest.mark.parametrize(
+    ("prompt", "status", "code", "said"),
+    [
+        ([1, 2, 3], 422, "unsupported_parameter", "`prompt` holds token ids"),
+        ([[1, 2, 3]], 422, "unsupported_parameter", "`prompt` holds token ids"),
+        (["one", "two"], 422, "invalid_input", "a list of exactly one string"),
+        ([""], 422, "invalid_input", "`prompt` 0 is an empty string"),
+        ([["one"]], 422, "invalid_input", "a list of exactly one string"),
+        (["The quick brown fox"], 200, None, None),
+    ],
+)
+async def test_a_prompt_of_token_ids_is_refused_by_name(box, http, prompt, status, code, said) -> None:
+    """Generation tester: vLLM and the openai SDK's types take token ids as a prompt; fleetbox answered them with a
+    schema error ("Expected `str`, got `int`"), not a refusal naming what it does not take."""
+    got, answer = await post(http, box, "/v1/completions", {**COMPLETION, "prompt": prompt})
+    assert got == status, answer
+    if code is not None:
+        assert answer["error"]["code"] == code and said in answer["error"]["message"], answer

@@ -42,6 +42,11 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     ctx = GatewayContext.of(request)
     body = await read_body(request, ctx.settings)
     parsed = decode(body, _decoders[schema])
+    if isinstance(parsed, CompletionRequest) and parsed.token_ids():
+        raise Unprocessable(
+            "`prompt` holds token ids; fleetbox tokenises the prompt with the model's own tokenizer: send its text",
+            code="unsupported_parameter",
+        )
     refused = parsed.refused()
     if refused:
         several = "; for several choices, send several requests" if {"n", "best_of"} & set(refused) else ""
