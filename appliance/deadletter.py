@@ -46,25 +46,22 @@ def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unproc
     )
 
 
-async def dead_letter(
-    nc: NATS,
-    js: JetStreamContext,
-    meta: RequestMeta,
-    headers: dict[str, str],
-    body: bytes,
-    *,
-    deliveries: int,
-    reason: str,
-    box_id: str,
-    give_up: Callable[[], bool],
-) -> bool:
-    """Keep the request in FBX_DLQ with why, then tell its client until its gateway confirms it: False if `give_up()`
-    said stop first (the box is stopping), when the request must not be settled as if its client knew."""
+async def keep_dead_letter(
+    js: JetStreamContext, meta: RequestMeta, headers: dict[str, str], body: bytes, *, deliveries: int, reason: str
+) -> None:
+    """Keep the request in FBX_DLQ with why."""
     slug = bus.model_slug(meta.model)
     kept = {**headers, REASON: reason[:1000], DELIVERIES: str(deliveries)}
     kept.pop("Nats-Msg-Id", None)  # the DLQ has its own duplicate window; do not collide with it
     await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
+
+
+async def tell_dead_lettered(
+    nc: NATS, meta: RequestMeta, *, deliveries: int, reason: str, box_id: str, give_up: Callable[[], bool]
+) -> bool:
+    """Tell a dead-lettered request's client until its gateway confirms it: False if `give_up()` said stop first
+    (the box is stopping), when the request must not be settled as if its client knew."""
     error = dead_letter_error(meta, deliveries, reason)
     reply = ReplyMeta.for_error(meta.id, error, box_id)
     return await deliver_reply(nc, meta, error.to_json(), reply.headers(), give_up)
@@ -109,24 +106,17 @@ class DeadLetters:
                 if len(body) > self._blobs.message_room:  # more than a message carries: the dead letter names the blob
                     reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
                     body, blob = b"", None
-        headers = dict(msg.headers or {})
-        told = await dead_letter(
-            self._nc,
-            self._js,
-            meta,
-            headers,
-            body,
-            deliveries=deliveries,
-            reason=reason,
-            box_id=self._box_id,
-            give_up=self._stopping,
+        told = await tell_dead_lettered(
+            self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
         )
-        self._dead_lettered.inc()
         if not told:
             # The box is stopping with its client not told: past its last delivery, JetStream's max-deliveries
-            # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it again and answer it.
+            # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it, keep it and answer it. Kept and
+            # counted here as well, it was in FBX_DLQ twice and counted by two boxes (review r41).
             await msg.nak()
             return
+        await keep_dead_letter(self._js, meta, dict(msg.headers or {}), body, deliveries=deliveries, reason=reason)
+        self._dead_lettered.inc()
         await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
 
 
@@ -174,16 +164,9 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
             return
         reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
-        told = await dead_letter(
-            self._nc,
-            self._js,
-            meta,
-            headers,
-            stored.data or b"",
-            deliveries=deliveries,
-            reason=reason,
-            box_id=self._box_id,
-            give_up=lambda: self._stopping,
+        await keep_dead_letter(self._js, meta, headers, stored.data or b"", deliveries=deliveries, reason=reason)
+        told = await tell_dead_lettered(
+            self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping
         )
         self._dead_lettered.labels(meta.model).inc()
         if not told:

@@ -134,6 +134,32 @@ async def test_a_dead_letter_reply_is_acked_only_once_its_gateway_confirms_it(st
         await nc.close()
 
 
+async def test_a_dead_letter_its_stopping_box_could_not_tell_is_kept_and_counted_once(start_box, nats_server) -> None:
+    """Review r41: a worker that dead-lettered a request and stopped before its gateway confirmed the 422 kept it in
+    FBX_DLQ and counted it, then handed it back; JetStream's max-deliveries advisory had another box keep and count it
+    again. Now the box that tells the client keeps and counts it: once."""
+    first = await start_box(box_id="first", default_model=False, models=[noop_model(fail_on="POISON")], max_deliver=1)
+    nc, replies = await publish_raw(nats_server.url, b'{"input": "POISON", "model": "noop"}', id="poison-2")
+    try:
+        told = await asyncio.wait_for(replies.get(), 30)  # the 422, not confirmed: sent again until it is
+        assert ReplyMeta.from_headers(told.headers).box == "first"
+        second = await start_box(box_id="second", default_model=False, max_deliver=1)
+        await first.stop()  # its client never confirmed: handed back, past its last delivery
+        assert counter(first, "fbx_dead_lettered_requests") == 0
+        while (reply := await asyncio.wait_for(replies.get(), 30)).headers.get("Fbx-Box") != "second":
+            pass  # the first box's last sends
+        await reply.respond(b"")  # the advisory's box told the client: confirmed
+
+        async def settled() -> bool:
+            return (await second.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
+
+        await wait_for(settled, what="the request settled by the advisory's box")
+        assert (await second.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 1
+        assert counter(second, "fbx_dead_lettered_requests") == 1
+    finally:
+        await nc.close()
+
+
 async def test_two_workers_on_one_consumer_share_the_work(start_box, http) -> None:
     models = [noop_model(cost_ms=40)]
     first = await start_box(role="worker", box_id="worker-a", default_model=False, models=models, worker_capacity=2)
