@@ -25,7 +25,7 @@ from appliance.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
 )
-from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei_info, tei_models
+from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei, tei_info, tei_models
 from appliance.gateway.auth import IN_FLIGHT, Handler, inference, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
@@ -203,9 +203,9 @@ def build_app(context: GatewayContext) -> web.Application:
             routes.append(_post(path, inference(encoders.create_embeddings)))
         for path in ("/v1/rerank", "/v2/rerank"):
             routes.append(_post(path, inference(encoders.rerank)))
-        routes.append(_post("/rerank", inference(encoders.rerank_at_root)))  # TEI's shape, or Infinity's
-        routes.append(_post("/embed", inference(encoders.embed_tei)))  # TEI's
-        routes.append(_post("/predict", inference(encoders.predict_tei)))  # TEI's
+        routes.append(_post("/rerank", inference(tei.rerank_at_root)))  # TEI's shape, or Infinity's
+        routes.append(_post("/embed", inference(tei.embed_tei)))  # TEI's
+        routes.append(_post("/predict", inference(tei.predict_tei)))  # TEI's
         routes.append(web.get("/info", inference(tei_info.info)))  # TEI's: its one model and limits
         # A TEI base URL per model; the suffixes first: a model name may hold a `/`.
         for method, suffix, handler in tei_models.SUFFIX_ROUTES:
@@ -213,7 +213,7 @@ def build_app(context: GatewayContext) -> web.Application:
             routes.append(route(f"/tei/{{name:.+}}/{suffix}", inference(handler)))
         routes.append(_post("/tei/{name:.+}", inference(tei_models.root)))
         for path in ("/", "/invocations"):  # TEI's: the route of its one model's task
-            routes.append(_post(path, inference(encoders.tei_root)))
+            routes.append(_post(path, inference(tei.tei_root)))
         for path in ("/v1/classify", "/classify"):  # the latter: Infinity's, at its server's root
             routes.append(_post(path, inference(encoders.classify)))
         routes.append(_post("/v1/extract", inference(encoders.extract)))

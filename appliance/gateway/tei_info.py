@@ -17,8 +17,8 @@ from aiohttp import web
 from appliance import __version__
 from appliance.catalog import ModelSpec
 from appliance.gateway.context import GatewayContext
-from appliance.gateway.encoders import tei_model
 from appliance.gateway.http import json_response
+from appliance.gateway.tei import tei_model
 from runtimes import Task
 from runtimes.base import UnsupportedModel
 from runtimes.tasks.classify import labels_from_config

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from appliance.catalog import ModelSpec
 from appliance.errors import Unprocessable
-from appliance.gateway import encoders, tei_info
+from appliance.gateway import tei, tei_info
 from appliance.gateway.admin import named_model
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response, read_body
@@ -24,22 +24,22 @@ def _served(request: web.Request) -> ModelSpec:
 
 async def root(request: web.Request) -> web.StreamResponse:
     """`POST /tei/{name}`: TEI's `POST /`, the route of the model's task."""
-    return await encoders.tei_root(request, _served(request).name)
+    return await tei.tei_root(request, _served(request).name)
 
 
 async def embed(request: web.Request) -> web.Response:
     name = _served(request).name
-    return await encoders.embed_tei(request, await read_body(request, GatewayContext.of(request).settings), name)
+    return await tei.embed_tei(request, await read_body(request, GatewayContext.of(request).settings), name)
 
 
 async def predict(request: web.Request) -> web.Response:
     name = _served(request).name
-    return await encoders.predict_tei(request, await read_body(request, GatewayContext.of(request).settings), name)
+    return await tei.predict_tei(request, await read_body(request, GatewayContext.of(request).settings), name)
 
 
 async def rerank(request: web.Request) -> web.Response:
     name = _served(request).name
-    return await encoders.rerank_at_root(request, await read_body(request, GatewayContext.of(request).settings), name)
+    return await tei.rerank_at_root(request, await read_body(request, GatewayContext.of(request).settings), name)
 
 
 async def info(request: web.Request) -> web.Response:
