@@ -15,15 +15,10 @@ import pytest
 
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
-from appliance.gateway.admission import (
-    GENERATION_ROUND_TOKENS,
-    Admission,
-    DecodeQueue,
-    Decoder,
-    ModelQueue,
-    unmeasured_budget,
-)
+from appliance.gateway.admission import GENERATION_ROUND_TOKENS, Admission, unmeasured_budget
+from appliance.gateway.decode_admission import DecodeQueue, Decoder
 from appliance.gateway.encoders import estimate_tokens
+from appliance.gateway.model_queue import ModelQueue
 from appliance.metrics import Metrics
 
 DEFAULT_BUDGET = unmeasured_budget(Batching(16_384, 256, 0.0, 1))  # the default settings'

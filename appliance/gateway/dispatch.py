@@ -36,7 +36,8 @@ from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
-from appliance.gateway.admission import Admission, ModelQueue, unmeasured_budget
+from appliance.gateway.admission import Admission, unmeasured_budget
+from appliance.gateway.model_queue import ModelQueue
 from appliance.metrics import Metrics
 from appliance.tasks import Background
 from runtimes import Task
