@@ -1,4 +1,4 @@
-"""Publishing requests to the queue and waiting for their answers.
+"""Waiting for the answers to the requests a gateway publishes (`publish.py` puts them on the queue).
 
 One `Dispatcher` per gateway owns the table of reply waiters: a request's future is resolved by
 the first reply carrying its id; any later reply for the same id (a redelivery computed twice) is
@@ -21,14 +21,9 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError
 from nats.nuid import NUID
 
 from appliance import bus
@@ -38,6 +33,7 @@ from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
 from appliance.gateway.admission import Admission, unmeasured_budget
 from appliance.gateway.model_queue import ModelQueue
+from appliance.gateway.publish import Publisher
 from appliance.metrics import Metrics
 from appliance.tasks import Background
 from runtimes import Task
@@ -45,9 +41,6 @@ from runtimes.base import max_decode_batch
 
 log = logging.getLogger(__name__)
 
-_PUBLISH_TIMEOUT_S = 5.0
-_FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
-_STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
 
 
@@ -113,7 +106,6 @@ class Dispatcher:
         # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
         self._box_round = box_round or (lambda model: None)
         self._nc = nc
-        self._js = js
         self._metrics = metrics
         self._blobs = blobs
         self._waiters: dict[str, tuple[asyncio.Future[Reply], ModelQueue]] = {}
@@ -121,6 +113,7 @@ class Dispatcher:
         self._closed: FleetboxError | None = None  # set by `abandon`: what a request arriving after it is told
         self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
+        self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
         self._streams: dict[str, _StreamWaiter] = {}
         self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
@@ -178,7 +171,7 @@ class Dispatcher:
         for request_id, stream in self._streams.items():
             stream.queue.put_nowait(self._error_reply(request_id, error))
         for request_id in awaited:
-            await self._cancel(request_id)
+            await self._publisher.cancel(request_id)
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:
         """A model was just deleted from the catalog: what this gateway awaits for it and is not answered within
@@ -207,7 +200,7 @@ class Dispatcher:
         return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
 
     def _cancel_soon(self, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._cancel(request_id))
+        task = asyncio.get_running_loop().create_task(self._publisher.cancel(request_id))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
@@ -238,7 +231,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 # The client went away (maybe while the publish waited for its ack, as in a failover): a box
                 # that has not started it drops it, and so does any box later.
-                await asyncio.shield(self._cancel(meta.id))
+                await asyncio.shield(self._publisher.cancel(meta.id))
                 raise
             if reply.meta.blob:
                 return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
@@ -264,7 +257,7 @@ class Dispatcher:
             raise self._closed
         # Before admission: cut off from NATS, the work it awaits goes unanswered, and that read as overload (a 429
         # with a Retry-After growing by the second, where a 503 says what is wrong).
-        self._check_connected()
+        self._publisher.check_connected()
         decode_batch = box_decode_batch = None
         boxes = self._holders_per_gateway(spec.name)
         if spec.task is Task.GENERATE:
@@ -368,13 +361,7 @@ class Dispatcher:
         finally:
             queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole, tokens=tokens)
             if not finished:
-                await self._cancel(meta.id)
-
-    async def _cancel(self, request_id: str) -> None:
-        try:
-            await self._nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))
-        except Exception as exc:
-            log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
+                await self._publisher.cancel(meta.id)
 
     def nats_interrupted(self) -> None:
         """Cut off from NATS, or back on it: what was not answered meanwhile says nothing of any model's pace."""
@@ -412,48 +399,11 @@ class Dispatcher:
             elif stream is not None and stream.box is None:
                 stream.queue.put_nowait(self._error_reply(request_id, error))
 
-    def _check_connected(self) -> None:
-        if not self._nc.is_connected:
-            # Refused at once: a publish now would wait in the client's buffer, be answered 503 after the
-            # publish timeout, and still be queued (and computed) once NATS is back, beside the client's retry.
-            raise ServiceUnavailable(
-                "not connected to the request queue (NATS); retry shortly", retry_after_s=_FAILOVER_RETRY_S
-            )
-
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
-        """Queue a request `_accept` took in (it checked the connection, with no wait since)."""
+        """Queue a request `_accept` took in (it checked the connection, with no wait since), and keep what
+        `queue_lost` needs to publish it again while it is awaited."""
         sent = _Sent(spec, body, meta, self._epoch)
-        if self._blobs.needed(body):
-            # Too large to ride the queue: the message carries the object-store key instead.
-            try:
-                meta = replace(meta, blob=await self._blobs.put(bus.request_blob_key(meta.id), body))
-            except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
-                log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
-                raise ServiceUnavailable(
-                    "the request body could not be stored beside the queue (NATS object store); retry shortly",
-                    retry_after_s=_FAILOVER_RETRY_S,
-                ) from None
-            body = b""
-        try:
-            await self._js.publish(
-                bus.request_subject(spec.slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
-            )
-        except APIError as exc:
-            if meta.blob:  # not queued: no box will read or delete its body
-                await self._blobs.delete(meta.blob)
-            if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
-                raise self._admission.overloaded("the request queue is full", self.waiting) from None
-            log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
-            raise ServiceUnavailable(
-                f"the request queue refused the request: {exc.description}", retry_after_s=_FAILOVER_RETRY_S
-            ) from None
-        except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
-            # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
-            # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
-            await self._cancel(meta.id)
-            raise ServiceUnavailable(
-                "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
-            ) from None
+        await self._publisher.publish(spec.slug, body, meta)
         if meta.id in self._waiters or meta.id in self._streams:  # still awaited: its client has not gone
             self._sent[meta.id] = sent
 

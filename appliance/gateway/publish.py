@@ -1,0 +1,93 @@
+"""Putting a gateway's requests, and its cancels, on the queue (`Publisher`).
+
+The one idea: a publish never leaves its client waiting on a queue that cannot take it. Cut off from NATS it is
+refused before it is tried; a stream that refuses it (full) or does not acknowledge it (no leader, a failover) is
+the client's answer now, a 429 or a 503 with a Retry-After, with the request's stored body deleted or a cancel sent
+after it, so no box computes what was already answered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+import orjson
+from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NoStreamResponseError
+
+from appliance import bus
+from appliance.blobs import Blobs
+from appliance.envelope import RequestMeta
+from appliance.errors import FleetboxError, ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+_PUBLISH_TIMEOUT_S = 5.0
+_FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
+_STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
+
+
+class Publisher:
+    """One gateway's publishes to the request stream and cancel subject. `overloaded` makes the 429 for a full
+    stream (`Admission.overloaded`, with the gateway's count of requests awaited)."""
+
+    def __init__(
+        self, nc: NATS, js: JetStreamContext, blobs: Blobs, overloaded: Callable[[str], FleetboxError]
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._blobs = blobs
+        self._overloaded = overloaded
+
+    async def cancel(self, request_id: str) -> None:
+        try:
+            await self._nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))
+        except Exception as exc:
+            log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
+
+    def check_connected(self) -> None:
+        if not self._nc.is_connected:
+            # Refused at once: a publish now would wait in the client's buffer, be answered 503 after the
+            # publish timeout, and still be queued (and computed) once NATS is back, beside the client's retry.
+            raise ServiceUnavailable(
+                "not connected to the request queue (NATS); retry shortly", retry_after_s=_FAILOVER_RETRY_S
+            )
+
+    async def publish(self, slug: str, body: bytes, meta: RequestMeta) -> None:
+        """Queue a request for model `slug` (the caller checked the connection, with no wait since)."""
+        if self._blobs.needed(body):
+            # Too large to ride the queue: the message carries the object-store key instead.
+            try:
+                meta = replace(meta, blob=await self._blobs.put(bus.request_blob_key(meta.id), body))
+            except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
+                log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
+                raise ServiceUnavailable(
+                    "the request body could not be stored beside the queue (NATS object store); retry shortly",
+                    retry_after_s=_FAILOVER_RETRY_S,
+                ) from None
+            body = b""
+        try:
+            await self._js.publish(
+                bus.request_subject(slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
+            )
+        except APIError as exc:
+            if meta.blob:  # not queued: no box will read or delete its body
+                await self._blobs.delete(meta.blob)
+            if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
+                raise self._overloaded("the request queue is full") from None
+            log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
+            raise ServiceUnavailable(
+                f"the request queue refused the request: {exc.description}", retry_after_s=_FAILOVER_RETRY_S
+            ) from None
+        except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
+            # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
+            # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
+            await self.cancel(meta.id)
+            raise ServiceUnavailable(
+                "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
+            ) from None
