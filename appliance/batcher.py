@@ -90,10 +90,6 @@ class Batcher:
         self._formed: dict[int, tuple[int, float | None]] = {}
         self._started: dict[int, float] = {}
 
-    @property
-    def pending_rows(self) -> int:
-        return len(self._pending)
-
     def room(self, within_s: float, *, for_bulk: bool = False) -> int:
         """Rows this batcher could take now and still answer within `within_s`, at the measured cost.
 

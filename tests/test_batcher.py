@@ -232,12 +232,12 @@ async def test_a_batch_formed_ahead_waits_for_a_free_thread_and_counts_as_waitin
         batcher.submit(job([5]))
     batcher.start()
     for _ in range(200):
-        if runtime.started == 2 and batcher.pending_rows == 1:
+        if runtime.started == 2 and batcher.pending_interactive == 1:
             break
         await asyncio.sleep(0.01)
     # Two batches on the device threads, a third formed ahead of them, the fourth row still pending:
     # the room (one row per batch, two slots, before any batch is timed) counts both waiting rows.
-    assert (runtime.started, batcher.pending_rows) == (2, 1)
+    assert (runtime.started, batcher.pending_interactive) == (2, 1)
     assert batcher.room(1.0) == 0
     runtime.gate.set()
     for _ in range(200):

@@ -76,7 +76,7 @@ async def test_request_past_its_deadline_is_never_computed(start_box, http) -> N
     slow = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 10}))
     await wait_for(
         lambda: (
-            box.workers["noop"].batcher.pending_rows == 0
+            box.workers["noop"].batcher.pending_interactive == 0
             and counter(box, "fbx_rows_computed") == 0
             and box.workers["noop"].held == 1
         ),

@@ -97,11 +97,6 @@ def choose_tokens(
     return picks.tolist()
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The next token from one row of (vocab,) logits: argmax, or a draw from the top-p nucleus."""
-    return choose_tokens(logits.unsqueeze(0), [params], [generator])[0]
-
-
 def _penalties(params: SamplingParams, seen: Seen | None) -> Penalties:
     if isinstance(seen, Penalties):
         return seen

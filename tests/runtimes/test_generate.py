@@ -138,11 +138,11 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token(generator) -> None:
 
 def test_a_vanishing_temperature_samples_the_argmax_instead_of_failing() -> None:
     """logits / 1e-300 overflowed to inf and the softmax to nan, failing the step of the whole batch."""
-    from runtimes.tasks.generate import choose_token
+    from runtimes.tasks.generate import choose_tokens
 
     logits = torch.tensor([0.5, 3.0, -2.0, float("-inf")])
     for temperature in (1e-300, 1e-40, 5e-324, 1e-6):
-        assert choose_token(logits, SamplingParams(temperature=temperature), None) == 1
+        assert choose_tokens(logits[None], [SamplingParams(temperature=temperature)], [None]) == [1]
 
 
 def test_cancelled_request_stops_and_the_others_carry_on(generator, reference) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtimes.tasks.generate import SamplingParams, TextStream, choose_token
+from runtimes.tasks.generate import SamplingParams, TextStream, choose_tokens
 
 
 def byte_decode(ids: list[int]) -> str:
@@ -66,18 +66,18 @@ def test_a_stop_string_split_across_tokens_is_found() -> None:
 
 def test_greedy_picks_the_argmax_and_sampling_respects_the_seed() -> None:
     logits = torch.tensor([0.1, 2.0, 1.9, -3.0])
-    assert choose_token(logits, SamplingParams(temperature=0), None) == 1
+    assert choose_tokens(logits[None], [SamplingParams(temperature=0)], [None]) == [1]
     params = SamplingParams(temperature=1.0)
-    draws = [choose_token(logits, params, torch.Generator().manual_seed(7)) for _ in range(3)]
+    draws = [choose_tokens(logits[None], [params], [torch.Generator().manual_seed(7)])[0] for _ in range(3)]
     assert len(set(draws)) == 1
-    many = {choose_token(logits, params, torch.Generator().manual_seed(s)) for s in range(50)}
+    many = {choose_tokens(logits[None], [params], [torch.Generator().manual_seed(s)])[0] for s in range(50)}
     assert many >= {1, 2}
 
 
 def test_top_p_excludes_tokens_outside_the_nucleus() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     params = SamplingParams(temperature=1.0, top_p=0.7)
-    drawn = {choose_token(logits, params, torch.Generator().manual_seed(s)) for s in range(200)}
+    drawn = {choose_tokens(logits[None], [params], [torch.Generator().manual_seed(s)])[0] for s in range(200)}
     assert drawn == {0, 1}
 
 
