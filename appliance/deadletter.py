@@ -49,10 +49,12 @@ def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unproc
 async def keep_dead_letter(
     js: JetStreamContext, meta: RequestMeta, headers: dict[str, str], body: bytes, *, deliveries: int, reason: str
 ) -> None:
-    """Keep the request in FBX_DLQ with why."""
+    """Keep the request in FBX_DLQ with why: once, whichever box keeps it (a worker that stopped before its client
+    was told hands it back, and JetStream's max-deliveries advisory has a box keep it again: FBX_DLQ's duplicate
+    window drops that one)."""
     slug = bus.model_slug(meta.model)
     kept = {**headers, REASON: reason[:1000], DELIVERIES: str(deliveries)}
-    kept.pop("Nats-Msg-Id", None)  # the DLQ has its own duplicate window; do not collide with it
+    kept["Nats-Msg-Id"] = f"dead:{meta.id}"  # not the request's own id, which FBX_REQ's window knows
     await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
 
@@ -106,16 +108,16 @@ class DeadLetters:
                 if len(body) > self._blobs.message_room:  # more than a message carries: the dead letter names the blob
                     reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
                     body, blob = b"", None
+        await keep_dead_letter(self._js, meta, dict(msg.headers or {}), body, deliveries=deliveries, reason=reason)
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
         )
         if not told:
             # The box is stopping with its client not told: past its last delivery, JetStream's max-deliveries
-            # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it, keep it and answer it. Kept and
-            # counted here as well, it was in FBX_DLQ twice and counted by two boxes (review r41).
+            # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it and answer it, and count it:
+            # counted here as well, and kept twice, it was counted by two boxes (review r41).
             await msg.nak()
             return
-        await keep_dead_letter(self._js, meta, dict(msg.headers or {}), body, deliveries=deliveries, reason=reason)
         self._dead_lettered.inc()
         await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
 
