@@ -385,6 +385,8 @@ class Box:
         # listener closes. Idle kept-alive connections stay open till then: closing one a client had just sent a
         # request on dropped that request unanswered.
         self.draining = True
+        if self._dead_letters is not None:
+            await _bounded("dead letters", self._dead_letters.stop_taking())
         if self.placement is not None:
             await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())

@@ -438,7 +438,7 @@ async def test_a_stopping_gateway_answers_every_client_before_it_sends_a_cancel(
     from tests.conftest import hold
 
     box, calls = await _alone_with_six_awaited(nats_server, http)
-    cancelling, go_on = hold(box.dispatcher, "_cancel")
+    cancelling, go_on = hold(box.dispatcher._publisher, "cancel")
     stopping = asyncio.create_task(box.stop())
     try:
         await asyncio.wait_for(cancelling.wait(), 20)
