@@ -30,6 +30,17 @@ LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
 
 
+def another_copy(held: Msg, msg: Msg) -> bool:
+    """Whether `msg` is a second message of a request whose `held` one this box works on, not a redelivery of it: a
+    gateway publishes a request again when the stream it was in was made anew (a nats-server restart without
+    `--durable`), and a box may hold the old copy still."""
+    # Not the stream sequence alone: a stream made anew numbers its messages from 1 again.
+    return (held.metadata.sequence.stream, held.metadata.timestamp) != (
+        msg.metadata.sequence.stream,
+        msg.metadata.timestamp,
+    )
+
+
 def retry_delay_s(msg: Msg) -> float:
     """How long a request that could not be handled waits before its next delivery: 0.1 s, doubling, at most 2 s."""
     deliveries = msg.metadata.num_delivered or 1

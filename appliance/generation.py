@@ -26,7 +26,7 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, keep_alive
+from appliance.delivery import Cancellations, LocalReply, another_copy, keep_alive
 from appliance.envelope import RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -173,7 +173,10 @@ class GenerateWorker:
             log.warning("malformed request message dropped", extra={"error": str(exc)})
             self._spawn(msg.term())
             return
-        if meta.id in self._streams or meta.id in self._preparing:
+        held = self._streams[meta.id].msg if meta.id in self._streams else self._preparing.get(meta.id)
+        if held is not None:  # a redelivery of what this box generates: its keep-alive holds it
+            if another_copy(held, msg):  # published again after the queue was lost: see ModelWorker._on_message
+                self._spawn(msg.ack())
             return
         if self._cancelled.contains(meta.id):  # its client went away while it waited in the queue
             self._metrics.cancelled.labels(self.spec.name).inc()

@@ -32,7 +32,7 @@ from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, deliver_reply, keep_alive
+from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
@@ -198,8 +198,14 @@ class ModelWorker:
             log.warning("malformed request message dropped", extra={"error": str(exc)})
             self._spawn(msg.term())
             return
-        if meta.id in self._held:
-            return  # a redelivery of something this box is already working on
+        held = self._held.get(meta.id)
+        if held is not None:  # a redelivery of something this box is already working on: its keep-alive holds it
+            if another_copy(held.handle if isinstance(held, Job) else held, msg):
+                # The copy its gateway published again after the queue was lost: this box answers from the copy in
+                # hand, so the new one is settled here. Left unacked it came back after each ack_wait_s and was
+                # dead-lettered while its answer was made (review r41).
+                self._spawn(msg.ack())
+            return
         if self._cancelled.contains(meta.id):
             self._metrics.cancelled.labels(self.spec.name).inc()
             self._spawn(self._blobs.ack(msg, meta.blob))

@@ -276,8 +276,11 @@ class Workers:
     async def on_cancel(self, msg: Msg) -> None:
         """A gateway's client went away (`fbx.cancel`): forget its request wherever it waits on this box."""
         try:
-            request_id = str(orjson.loads(msg.data)["id"])
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            cancel = orjson.loads(msg.data)
+            request_id, box = str(cancel["id"]), cancel.get("box")
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return
+        if box is not None and box != self._box_id:  # a second copy another box holds (`Dispatcher._second_copy`)
             return
         self._cancelled.add(request_id)
         for worker in self._table.values():

@@ -33,7 +33,7 @@ from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
 from appliance.gateway.admission import Admission, unmeasured_budget
 from appliance.gateway.model_queue import ModelQueue
-from appliance.gateway.publish import Publisher
+from appliance.gateway.publish import FAILOVER_RETRY_S, Publisher
 from appliance.metrics import Metrics
 from appliance.tasks import Background
 from runtimes import Task
@@ -41,6 +41,9 @@ from runtimes.base import max_decode_batch
 
 log = logging.getLogger(__name__)
 
+# A second box's first chunk of a generation published again is a second copy while the box taken sent a chunk
+# within this (a box starting the answer over after the first died comes after ack_wait_s of its silence).
+_COPY_QUIET_S = 5.0
 _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
 
 
@@ -62,6 +65,8 @@ class _StreamWaiter:
     # time its client then took to read it.
     first_at: float | None = None
     final_at: float | None = None
+    last_at: float = 0.0  # when the last chunk taken came in (monotonic)
+    published_again: bool = False  # `queue_lost` published it again: two boxes may each hold a copy
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,6 +124,7 @@ class Dispatcher:
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
         self._cancels: set[asyncio.Task[None]] = set()  # cancels sent for requests answered without their box
         self._dropped_blobs = Background("dropped reply blobs")  # deletes of the bodies of replies dropped
+        self._republishes = Background("requests published again")  # by `queue_lost`
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
 
@@ -199,8 +205,8 @@ class Dispatcher:
         """A final reply this gateway makes up for a stream its box will not answer."""
         return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
 
-    def _cancel_soon(self, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._publisher.cancel(request_id))
+    def _cancel_soon(self, request_id: str, box: str | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._publisher.cancel(request_id, box))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
@@ -384,15 +390,26 @@ class Dispatcher:
         if lost:
             log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(lost)})
         for sent in lost:
-            task = asyncio.get_running_loop().create_task(self._publish_again(sent))
-            self._cancels.add(task)
-            task.add_done_callback(self._cancels.discard)
+            stream = self._streams.get(sent.meta.id)
+            if stream is not None:
+                stream.published_again = True
+            self._republishes.spawn(self._publish_again(sent))
 
     async def _publish_again(self, sent: _Sent) -> None:
         request_id = sent.meta.id
         try:
             await self._publish(sent.spec, sent.body, sent.meta)
-        except FleetboxError as error:  # the new queue refused it (full, or not answering): the client is told
+        except Exception as exc:  # the new queue refused it (full, not answering, NATS gone again): its client is told
+            error = (
+                exc
+                if isinstance(exc, FleetboxError)
+                else ServiceUnavailable(
+                    "the request queue was lost and the request could not be queued again; retry shortly",
+                    retry_after_s=FAILOVER_RETRY_S,
+                )
+            )
+            if not isinstance(exc, FleetboxError):
+                log.warning("request not published again", extra={"request_id": request_id, "error": repr(exc)})
             waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
             if waiter is not None and not waiter[0].done():
                 waiter[0].set_exception(error)
@@ -425,6 +442,15 @@ class Dispatcher:
             return
         self.take(meta, msg.data)
 
+    def _second_copy(self, request_id: str, stream: _StreamWaiter, box: str) -> bool:
+        """Whether `box`'s first chunk is of a second copy of a generation `queue_lost` published again while the
+        box taken answers it (its chunks still coming): not a box starting the answer over after the first died,
+        which would end a sampled answer as `generation_restarted` (review r41). That box is told to stop."""
+        if not stream.published_again or time.monotonic() - stream.last_at > _COPY_QUIET_S:
+            return False
+        self._cancel_soon(request_id, box)
+        return True
+
     def take(self, meta: ReplyMeta, body: bytes) -> None:
         """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box."""
         stream = self._streams.get(meta.id)
@@ -433,7 +459,7 @@ class Dispatcher:
             if stream.box is None:
                 stream.box = meta.box
             elif stream.box != meta.box or (meta.seq == 0 and stream.next_seq > 0):
-                if meta.seq != 0:
+                if meta.seq != 0 or self._second_copy(meta.id, stream, meta.box):
                     self._metrics.duplicate_replies.inc()
                     return
                 # A box starts the answer over: the first one died (or handed it back) mid-answer, and
@@ -452,7 +478,7 @@ class Dispatcher:
                 )
                 meta, body = replace(meta, status=lost.status, final=True), lost.to_json()
             stream.next_seq = meta.seq + 1
-            now = time.monotonic()
+            now = stream.last_at = time.monotonic()
             if stream.first_at is None:
                 stream.first_at = now
             if meta.final:

@@ -28,7 +28,7 @@ from appliance.errors import FleetboxError, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT_S = 5.0
-_FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
+FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 
 
@@ -44,9 +44,11 @@ class Publisher:
         self._blobs = blobs
         self._overloaded = overloaded
 
-    async def cancel(self, request_id: str) -> None:
+    async def cancel(self, request_id: str, box: str | None = None) -> None:
+        """Every box drops the request (its client went away), or only `box` (a second copy it holds)."""
         try:
-            await self._nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))
+            cancel = {"id": request_id} if box is None else {"id": request_id, "box": box}
+            await self._nc.publish(bus.cancel_subject(), orjson.dumps(cancel))
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
@@ -55,7 +57,7 @@ class Publisher:
             # Refused at once: a publish now would wait in the client's buffer, be answered 503 after the
             # publish timeout, and still be queued (and computed) once NATS is back, beside the client's retry.
             raise ServiceUnavailable(
-                "not connected to the request queue (NATS); retry shortly", retry_after_s=_FAILOVER_RETRY_S
+                "not connected to the request queue (NATS); retry shortly", retry_after_s=FAILOVER_RETRY_S
             )
 
     async def publish(self, slug: str, body: bytes, meta: RequestMeta) -> None:
@@ -68,7 +70,7 @@ class Publisher:
                 log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
                 raise ServiceUnavailable(
                     "the request body could not be stored beside the queue (NATS object store); retry shortly",
-                    retry_after_s=_FAILOVER_RETRY_S,
+                    retry_after_s=FAILOVER_RETRY_S,
                 ) from None
             body = b""
         try:
@@ -82,12 +84,12 @@ class Publisher:
                 raise self._overloaded("the request queue is full") from None
             log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
             raise ServiceUnavailable(
-                f"the request queue refused the request: {exc.description}", retry_after_s=_FAILOVER_RETRY_S
+                f"the request queue refused the request: {exc.description}", retry_after_s=FAILOVER_RETRY_S
             ) from None
         except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
             # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
             # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
             await self.cancel(meta.id)
             raise ServiceUnavailable(
-                "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=_FAILOVER_RETRY_S
+                "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=FAILOVER_RETRY_S
             ) from None
