@@ -167,6 +167,20 @@ class Fleet:
         ]
         return max(rounds, default=None)
 
+    def pace_per_gateway(self, model: str) -> float | None:
+        """The tokens a second the live boxes holding `model` compute, as their heartbeats measure it, shared among
+        the live gateways; None while no holder has measured its pace."""
+        live = [record for record in self.live_boxes() if not record.get("draining")]
+        paces = [
+            float(entry["tokens_per_s"])
+            for record in live
+            for entry in record.get("models", [])
+            if entry.get("name") == model and isinstance(entry.get("tokens_per_s"), int | float)
+        ]
+        if not paces:
+            return None
+        return sum(paces) / max(1, len(taking_work(live, GATEWAY_ROLES)))
+
     def holders_per_gateway(self, model: str) -> Fraction:
         """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live
         gateways, neither counting a draining box, and never less than one box's. A gateway admits a generation

@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 
 from appliance import bus
 from appliance.adapters import AdapterHold
+from appliance.batch_cost import BatchCost
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
@@ -154,16 +155,30 @@ class ModelWorker:
         now = time.monotonic()
         recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
         batching = self.batcher.batching  # as this box runs it: its profile's, or a retune's
-        round_tokens = batching.max_batch_tokens * batching.concurrent_batches  # a gateway's burst bound reads it
+        # What a gateway's burst bound reads: a round of this box's batches, and the pace it works at.
+        pace = {"round_tokens": batching.max_batch_tokens * batching.concurrent_batches, "tokens_per_s": self._pace()}
         if not recent:
-            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held), "round_tokens": round_tokens}
+            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held), **pace}
         return {
             "rps": round(len(recent) / window_s, 2),
             "p50_ms": round(recent[len(recent) // 2], 2),
             "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
             "held": len(self._held),
-            "round_tokens": round_tokens,
+            **pace,
         }
+
+    def _pace(self) -> float | None:
+        """Padded tokens a second this box computes in full batches of the rows it has been seeing, at its
+        measured batch cost (`BatchCost`); None until that cost is trusted."""
+        cost, batching = self.batcher.cost, self.batcher.batching
+        per_row = cost.tokens_per_row
+        if cost.batches < BatchCost.TRUST_AFTER or not per_row:
+            return None
+        tokens = min(batching.max_batch_size, max(1, int(batching.max_batch_tokens // per_row))) * per_row
+        seconds = cost.seconds(tokens)
+        if not seconds or seconds <= 0:
+            return None
+        return round(tokens / seconds * batching.concurrent_batches, 1)
 
     def _room(self, *, for_bulk: bool = False) -> int:
         # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still

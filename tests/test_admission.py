@@ -882,16 +882,42 @@ def test_the_unmeasured_budget_is_a_round_as_a_box_holding_the_model_runs_it() -
     assert unmeasured_budget(catalog, decode_batch=8) == 8 * GENERATION_ROUND_TOKENS
 
 
-async def test_a_gateway_bounds_a_burst_by_the_round_a_box_holding_the_model_runs(start_box) -> None:
-    """The wiring of the rule above: a box's heartbeat says the round its worker runs (its profile's or a retune's
-    batching, here the entry's own), and the gateway's dispatcher reads it from the fleet's heartbeats."""
+async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_the_model_say(start_box, http) -> None:
+    """The wiring of the rules above: a box's heartbeat says the round its worker runs (its profile's or a retune's
+    batching: here a retune's 512 tokens, not the catalog's 16,384) and, once its batch cost is measured, the
+    tokens a second it computes; the gateway's dispatcher reads both from the fleet's heartbeats."""
     from appliance.box_status import heartbeat
-    from appliance.settings import ModelEntry
-    from tests.conftest import wait_for
+    from tests.conftest import noop_model, url, wait_for
 
-    model = ModelEntry(name="small", runtime="noop", pinned=True, max_batch_tokens=512, concurrent_batches=2)
-    box = await start_box(default_model=False, models=[model])
-    (entry,) = [entry for entry in heartbeat(box)["models"] if entry["name"] == "small"]
-    assert entry["round_tokens"] == 1024
-    await wait_for(lambda: box.dispatcher._box_round("small") == 1024, what="the heartbeat to be heard")
-    assert box.dispatcher._box_round("unknown") is None
+    box = await start_box(default_model=False, models=[noop_model("small", cost_ms=5)], heartbeat_s=0.2)
+    box.workers["small"].batcher.retune(Batching(512, 8, 0.0, 1))  # as a profile or a PATCH of the model would
+
+    def entry() -> dict:
+        (small,) = [entry for entry in heartbeat(box)["models"] if entry["name"] == "small"]
+        return small
+
+    assert entry()["round_tokens"] == 512 and entry()["tokens_per_s"] is None  # no batch timed yet
+    for i in range(8):
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "small", "input": f"text {i}"}) as response:
+            assert response.status == 200
+    pace = entry()["tokens_per_s"]
+    assert pace is not None and pace > 0
+    await wait_for(lambda: box.dispatcher._pace("small") is not None, what="the heartbeat to be heard")
+    assert box.dispatcher._box_round("small") == 512
+    assert box.dispatcher._pace("small") == pytest.approx(entry()["tokens_per_s"], rel=0.5)
+    assert box.dispatcher._box_round("unknown") is None and box.dispatcher._pace("unknown") is None
+
+
+def test_a_burst_a_box_clears_within_the_bound_at_its_measured_pace_is_let_in() -> None:
+    """Review r41: held to four of the 2-core profile's 1,024-token rounds, 8 requests of 32 inputs (864 tokens
+    each by the gateway's estimate) sent together had 4 refused, though the box answers them in under a second.
+    With the holders' measured pace (5,000 tokens a second) a round is a quarter of what they do in 10 s."""
+    catalog = Batching(16_384, 256, 2.0, 1)
+    budget = unmeasured_budget(catalog, box_round=1024, pace=5000.0, max_queue_s=10.0)
+    assert budget == 12_500
+    clock = Clock()
+    gate = admission(clock)
+    for i in range(8):
+        queue = gate.admit("m", "interactive", 30.0, 0, weight=864, budget=budget)
+        queue.add(f"r{i}", clock.now, 864, deadline=clock.now + 30.0)
+    assert unmeasured_budget(catalog, box_round=1024, pace=100.0) == 1024  # a slow box: its round, at least

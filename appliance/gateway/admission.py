@@ -49,7 +49,13 @@ def _retry_s(seconds: float) -> int:
 
 
 def unmeasured_budget(
-    batching: Batching, decode_batch: int | None = None, *, box_round: int | None = None, boxes: Fraction = Fraction(1)
+    batching: Batching,
+    decode_batch: int | None = None,
+    *,
+    box_round: int | None = None,
+    boxes: Fraction = Fraction(1),
+    pace: float | None = None,
+    max_queue_s: float = 10.0,
 ) -> int:
     """One round of a model's batches: what `Admission` scales its bound by while the model's rate is not measured.
 
@@ -60,11 +66,19 @@ def unmeasured_budget(
     184 of them waited over the 10 s bound (black-box finding). For a generator, its `decode_batch` requests
     (the fleet's share already) each making `GENERATION_ROUND_TOKENS` tokens (a generation weighs its
     `max_tokens`): a round of its decode batch lasts as long as its longest answers.
+
+    Where the holders have measured their pace (`pace`: the tokens a second they compute, this gateway's share), a
+    round is at least a `_BURST_ROUNDS`th of what they compute in `max_queue_s`: four of the profile's 1,024-token
+    rounds, a fraction of a second of a box's work, refused half of 8 requests of 32 inputs its box answered in
+    under one (review r41), where four rounds of the catalog's were a minute of it.
     """
     if decode_batch is not None:
         return decode_batch * GENERATION_ROUND_TOKENS
     one_box = box_round or batching.max_batch_tokens * batching.concurrent_batches
-    return max(1, math.floor(one_box * boxes))
+    budget = max(1, math.floor(one_box * boxes))
+    if pace:
+        budget = max(budget, math.floor(pace * max_queue_s / _BURST_ROUNDS))
+    return budget
 
 
 class Admission:

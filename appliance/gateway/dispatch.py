@@ -104,12 +104,16 @@ class Dispatcher:
         max_queue_s: float,
         holders_per_gateway: Callable[[str], Fraction] | None = None,
         box_round: Callable[[str], int | None] | None = None,
+        pace: Callable[[str], float | None] | None = None,
     ) -> None:
         self.box_id = box_id
         # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
         self._holders_per_gateway = holders_per_gateway or (lambda model: Fraction(1))
         # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
         self._box_round = box_round or (lambda model: None)
+        # The tokens a second its holders compute, this gateway's share (`Fleet.pace_per_gateway`), None unknown.
+        self._pace = pace or (lambda model: None)
+        self._max_queue_s = max_queue_s
         self._nc = nc
         self._metrics = metrics
         self._blobs = blobs
@@ -271,7 +275,13 @@ class Dispatcher:
             decode_batch = max(1, math.floor(box_decode_batch * boxes))
             budget = unmeasured_budget(spec.batching, decode_batch)
         else:
-            budget = unmeasured_budget(spec.batching, box_round=self._box_round(spec.name), boxes=boxes)
+            budget = unmeasured_budget(
+                spec.batching,
+                box_round=self._box_round(spec.name),
+                boxes=boxes,
+                pace=self._pace(spec.name),
+                max_queue_s=self._max_queue_s,
+            )
         queue = self._admission.admit(
             spec.name,
             priority,
