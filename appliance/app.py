@@ -282,6 +282,7 @@ class Box:
                 holders_per_gateway=self.fleet.holders_per_gateway if self.fleet is not None else None,
                 box_round=self.fleet.box_round if self.fleet is not None else None,
                 pace=self.fleet.pace_per_gateway if self.fleet is not None else None,
+                holders=self.fleet.holders if self.fleet is not None else None,
             )
             await self.dispatcher.start()
         context = GatewayContext(

@@ -921,3 +921,25 @@ def test_a_burst_a_box_clears_within_the_bound_at_its_measured_pace_is_let_in() 
         queue = gate.admit("m", "interactive", 30.0, 0, weight=864, budget=budget)
         queue.add(f"r{i}", clock.now, 864, deadline=clock.now + 30.0)
     assert unmeasured_budget(catalog, box_round=1024, pace=100.0) == 1024  # a slow box: its round, at least
+
+
+@pytest.mark.parametrize(("then", "now", "kept"), [({"a"}, {"a"}, True), ({"a"}, {"b"}, False), (set(), set(), False)])
+def test_a_generators_pace_is_kept_over_a_pause_while_the_same_boxes_hold_it(then, now, kept) -> None:
+    """Generation and regression testers: after any pause over 10 s a warm generator's next burst had a third
+    refused (its pace forgotten: the model may be elsewhere now), though the same boxes held it and answered the
+    burst in half a second. Forgotten only when the boxes holding it changed (or are not known)."""
+    clock = Clock()
+    gate = admission(clock)
+    queue = gate.admit("m", "interactive", 30.0, 0, weight=200, budget=200, decode_batch=4, holders=frozenset(then))
+    assert isinstance(queue, DecodeQueue)
+    for i in range(4):  # four answers of 100 tokens, made at 100 tokens a second
+        queue.add(f"r{i}", clock.now, 200)
+        queue.remove(f"r{i}", clock.now, answered=True)
+    clock.now += 1.0
+    for i in range(4):
+        queue.finish(f"r{i}", clock.now, whole=True, tokens=100)
+    assert queue.decoder.token_s() is not None
+    clock.now += 15.0  # a pause
+    gate.admit("m", "interactive", 30.0, 0, weight=200, budget=200, decode_batch=4, holders=frozenset(now))
+    queue.add("after", clock.now, 200)
+    assert (queue.decoder.token_s() is not None) == kept

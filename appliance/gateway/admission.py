@@ -115,15 +115,18 @@ class Admission:
         budget: int,
         decode_batch: int | None = None,
         box_decode_batch: int | None = None,
+        holders: frozenset[str] | None = None,
     ) -> ModelQueue:
         """The request's model queue, or the 429: it would wait too long to start, or the gateway awaits too many.
 
         `waiting` is how many requests the gateway awaits now; `weight` is the request's, and `budget` the
         weight its model may have awaited while its rate is not measured (`unmeasured_budget`). A generator's
         queue (one with a `decode_batch`: the decode slots it may fill, `box_decode_batch` of them on each box)
-        is a `DecodeQueue`.
+        is a `DecodeQueue`; `holders` the boxes holding it (its pace is kept over a pause while they are the same).
         """
         queue = self._queue(model, priority, decode_batch, box_decode_batch)
+        if holders is not None and isinstance(queue, DecodeQueue):
+            queue.decoder.holders = holders
         self._bound(model, queue, timeout_s, priority, weight, budget)
         if waiting >= self._max_waiting:
             raise self.overloaded(f"this gateway already waits on {waiting} requests", waiting)

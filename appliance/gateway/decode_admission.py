@@ -32,6 +32,8 @@ class Decoder:
     # (slots held meanwhile, on average; seconds; tokens made; its max_tokens) of the last generations made whole
     made: deque[tuple[float, float, int, int]] = field(default_factory=lambda: deque(maxlen=_PACE_SAMPLES))
     last_busy: float = -math.inf  # a generation was last started or made
+    holders: frozenset[str] = frozenset()  # the boxes holding the model, as the fleet's heartbeats say now
+    paced_on: frozenset[str] = frozenset()  # ... as they said when the last answer in `made` was made
     _held: float = 0.0  # slot-seconds held so far (the integral of `len(running)` over time), up to `last_busy`
 
     def _advance(self, now: float) -> None:
@@ -58,6 +60,7 @@ class Decoder:
         started, max_tokens, held_before = entry
         held = self._held - held_before
         if whole and tokens > 1 and now > started and held > 0:  # timed from its first chunk: its other tokens
+            self.paced_on = self.holders
             self.made.append((held / (now - started), now - started, tokens, max(max_tokens, tokens)))
 
     def token_s(self) -> float | None:
@@ -112,7 +115,8 @@ class DecodeQueue(ModelQueue):
     than the slots not held) waits for none; one that waits for a slot waits for as many frees as there are
     requests ahead of it for a slot, at the pace answers have been made (`Decoder.token_s`). Until a
     generation has been made whole there is no such rate (or none lately: after `_DECODER_IDLE_S` with nothing
-    started or awaited the model may be elsewhere now), and one that would wait for a slot is held to rounds of
+    started or awaited the model may be elsewhere now, unless the boxes holding it are those that made the last
+    answers), and one that would wait for a slot is held to rounds of
     the decode batch in tokens, weighing the `max_tokens` of every generation it waits behind, those holding
     slots included, but not its own.
     """
@@ -121,7 +125,10 @@ class DecodeQueue(ModelQueue):
 
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
         decoder = self.decoder
-        if not decoder.running and not self.waiting and now - decoder.last_busy > _DECODER_IDLE_S:
+        idle = not decoder.running and not self.waiting and now - decoder.last_busy > _DECODER_IDLE_S
+        # Kept while the boxes that made those answers still hold it and no other does: a pause of over 10 s had a
+        # warm model's next burst refused by a third, answered in half a second (black-box finding).
+        if idle and (not decoder.holders or decoder.holders != decoder.paced_on):
             decoder.made.clear()
         # Not zero-argument super(): a slots dataclass is a new class, which the compiler's __class__ cell misses.
         super(DecodeQueue, self).add(request_id, now, weight, deadline)

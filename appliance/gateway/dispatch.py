@@ -105,6 +105,7 @@ class Dispatcher:
         holders_per_gateway: Callable[[str], Fraction] | None = None,
         box_round: Callable[[str], int | None] | None = None,
         pace: Callable[[str], float | None] | None = None,
+        holders: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.box_id = box_id
         # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
@@ -113,6 +114,7 @@ class Dispatcher:
         self._box_round = box_round or (lambda model: None)
         # The tokens a second its holders compute, this gateway's share (`Fleet.pace_per_gateway`), None unknown.
         self._pace = pace or (lambda model: None)
+        self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
         self._max_queue_s = max_queue_s
         self._nc = nc
         self._metrics = metrics
@@ -291,6 +293,7 @@ class Dispatcher:
             budget=budget,
             decode_batch=decode_batch,
             box_decode_batch=box_decode_batch,
+            holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
         )
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
