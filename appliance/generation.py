@@ -176,7 +176,10 @@ class GenerateWorker:
         held = self._streams[meta.id].msg if meta.id in self._streams else self._preparing.get(meta.id)
         if held is not None:  # a redelivery of what this box generates: its keep-alive holds it
             if another_copy(held, msg):  # published again after the queue was lost: see ModelWorker._on_message
-                self._spawn(msg.ack())
+                if meta.id in self._streams:
+                    self._streams[meta.id].msg = msg
+                else:
+                    self._preparing[meta.id] = msg
             return
         if self._cancelled.contains(meta.id):  # its client went away while it waited in the queue
             self._metrics.cancelled.labels(self.spec.name).inc()
@@ -213,10 +216,10 @@ class GenerateWorker:
                 if hold is not None:
                     hold.release()
         except FleetboxError as exc:
-            await self._replies.fail(meta, msg, exc)
+            await self._replies.fail(meta, self._preparing.get(meta.id, msg), exc)
             return
         except (ValueError, UnknownAdapter) as exc:
-            await self._replies.fail(meta, msg, Unprocessable(str(exc)))
+            await self._replies.fail(meta, self._preparing.get(meta.id, msg), Unprocessable(str(exc)))
             return
         except Exception as exc:
             # Not the client's doing (its body's blob not read, a NATS hiccup): tried again, maybe elsewhere,
@@ -224,10 +227,10 @@ class GenerateWorker:
             log.error(
                 "generation not admitted", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)}
             )
-            await self._replies.retry_or_dead_letter(meta, msg, exc)
+            await self._replies.retry_or_dead_letter(meta, self._preparing.get(meta.id, msg), exc)
             return
         finally:
-            self._preparing.pop(meta.id, None)
+            msg = self._preparing.pop(meta.id, msg)  # the copy it holds now (`_on_message` may have taken another)
         self._streams[meta.id] = Stream(meta, msg)
         self._idle.clear()
         self._wake.set()

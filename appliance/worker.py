@@ -216,10 +216,14 @@ class ModelWorker:
         held = self._held.get(meta.id)
         if held is not None:  # a redelivery of something this box is already working on: its keep-alive holds it
             if another_copy(held.handle if isinstance(held, Job) else held, msg):
-                # The copy its gateway published again after the queue was lost: this box answers from the copy in
-                # hand, so the new one is settled here. Left unacked it came back after each ack_wait_s and was
-                # dead-lettered while its answer was made (review r41).
-                self._spawn(msg.ack())
+                # The copy its gateway published again when the queue was lost (made anew): the one in hand is in a
+                # stream that is gone, so this box holds the new one instead, keeps it alive and acks it when it
+                # answers. Ignored, it came back after each ack_wait_s and was dead-lettered while its answer was
+                # made (review r41); acked at once, a nak or a crash of this box had nothing left to redeliver (r42).
+                if isinstance(held, Job):
+                    held.handle = msg
+                else:
+                    self._held[meta.id] = msg
             return
         if self._cancelled.contains(meta.id):
             self._metrics.cancelled.labels(self.spec.name).inc()
@@ -292,7 +296,15 @@ class ModelWorker:
         log.error("request not prepared", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(error)})
         await self._retry_or_dead_letter(meta, msg, error)
 
+    def _current(self, request_id: str, msg: Msg) -> Msg:
+        """The message this box holds for a request now: `msg`, or a copy `_on_message` took in its place."""
+        held = self._held.get(request_id)
+        if isinstance(held, Job):
+            return held.handle
+        return held if held is not None else msg
+
     def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
+        msg = self._current(meta.id, msg)
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
             self._let_go(meta.id)
@@ -330,6 +342,7 @@ class ModelWorker:
 
     async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
         """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
+        msg = self._current(meta.id, msg)
         try:
             await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
@@ -340,6 +353,7 @@ class ModelWorker:
         await self._send(meta, msg, error.to_json(), ReplyMeta.for_error(meta.id, error, self.box_id))
 
     async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, reply: ReplyMeta) -> None:
+        msg = self._current(meta.id, msg)
         try:
             # This box's own gateway awaiting it: handed over in-process, as sure as a confirmed reply.
             local = self._local_reply is not None and self._local_reply(meta.reply, reply, body)
