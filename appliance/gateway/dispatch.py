@@ -41,9 +41,6 @@ from runtimes.base import max_decode_batch
 
 log = logging.getLogger(__name__)
 
-# A second box's first chunk of a generation published again is a second copy while the box taken sent a chunk
-# within this (a box starting the answer over after the first died comes after ack_wait_s of its silence).
-_COPY_QUIET_S = 5.0
 _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
 
 
@@ -65,8 +62,6 @@ class _StreamWaiter:
     # time its client then took to read it.
     first_at: float | None = None
     final_at: float | None = None
-    last_at: float = 0.0  # when the last chunk taken came in (monotonic)
-    published_again: bool = False  # `queue_lost` published it again: two boxes may each hold a copy
 
 
 @dataclass(slots=True, frozen=True)
@@ -403,9 +398,6 @@ class Dispatcher:
         if lost:
             log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(lost)})
         for sent in lost:
-            stream = self._streams.get(sent.meta.id)
-            if stream is not None:
-                stream.published_again = True
             self._republishes.spawn(self._publish_again(sent))
 
     async def _publish_again(self, sent: _Sent) -> None:
@@ -455,15 +447,6 @@ class Dispatcher:
             return
         self.take(meta, msg.data)
 
-    def _second_copy(self, request_id: str, stream: _StreamWaiter, box: str) -> bool:
-        """Whether `box`'s first chunk is of a second copy of a generation `queue_lost` published again while the
-        box taken answers it (its chunks still coming): not a box starting the answer over after the first died,
-        which would end a sampled answer as `generation_restarted` (review r41). That box is told to stop."""
-        if not stream.published_again or time.monotonic() - stream.last_at > _COPY_QUIET_S:
-            return False
-        self._cancel_soon(request_id, box)
-        return True
-
     def take(self, meta: ReplyMeta, body: bytes) -> None:
         """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box."""
         stream = self._streams.get(meta.id)
@@ -472,11 +455,16 @@ class Dispatcher:
             if stream.box is None:
                 stream.box = meta.box
             elif stream.box != meta.box or (meta.seq == 0 and stream.next_seq > 0):
-                if meta.seq != 0 or self._second_copy(meta.id, stream, meta.box):
+                if meta.seq != 0:
                     self._metrics.duplicate_replies.inc()
                     return
                 # A box starts the answer over: the first one died (or handed it back) mid-answer, and
-                # JetStream redelivered the request. Its chunks, and no more of the first's, are taken.
+                # JetStream redelivered the request. Its chunks, and no more of the first's, are taken. The first,
+                # if it still generates (a copy of a request this gateway published again when the queue was lost,
+                # pulled by another box: review r41), is told to stop; it tells no other box. Dropping the second
+                # box's chunks instead took a box's handback after a drain for such a copy, and hung (review r42).
+                if stream.box != meta.box:
+                    self._cancel_soon(meta.id, stream.box)
                 stream.box, stream.next_seq, stream.broken, restarted = meta.box, 0, False, True
             if stream.broken:
                 return
@@ -491,7 +479,7 @@ class Dispatcher:
                 )
                 meta, body = replace(meta, status=lost.status, final=True), lost.to_json()
             stream.next_seq = meta.seq + 1
-            now = stream.last_at = time.monotonic()
+            now = time.monotonic()
             if stream.first_at is None:
                 stream.first_at = now
             if meta.final:
