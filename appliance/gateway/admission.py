@@ -68,16 +68,18 @@ def unmeasured_budget(
     `max_tokens`): a round of its decode batch lasts as long as its longest answers.
 
     Where the holders have measured their pace (`pace`: the tokens a second they compute, this gateway's share), a
-    round is at least a `_BURST_ROUNDS`th of what they compute in `max_queue_s`: four of the profile's 1,024-token
-    rounds, a fraction of a second of a box's work, refused half of 8 requests of 32 inputs its box answered in
-    under one (review r41), where four rounds of the catalog's were a minute of it.
+    round is at least a `_BURST_ROUNDS`th of what they compute in half of `max_queue_s`: four of the profile's
+    1,024-token rounds, a fraction of a second of a box's work, refused half of 8 requests of 32 inputs its box
+    answered in under one (review r41), where four rounds of the catalog's were a minute of it. Half: the pace is
+    the device's, at the row sizes it has been seeing, in padded tokens where a request weighs an estimate; a
+    burst unlike them waits longer than it says (review r42).
     """
     if decode_batch is not None:
         return decode_batch * GENERATION_ROUND_TOKENS
     one_box = box_round or batching.max_batch_tokens * batching.concurrent_batches
     budget = max(1, math.floor(one_box * boxes))
     if pace:
-        budget = max(budget, math.floor(pace * max_queue_s / _BURST_ROUNDS))
+        budget = max(budget, math.floor(pace * max_queue_s / (2 * _BURST_ROUNDS)))
     return budget
 
 
