@@ -152,15 +152,19 @@ class GenerateWorker:
         quiet = self.puller.quiet_for(BULK_IDLE_S)
         return self._room() if quiet else 0
 
-    def cancel(self, request_id: str) -> bool:
-        """The gateway's client went away: stop spending tokens on it."""
+    def cancel(self, request_id: str, *, settle: bool = True) -> bool:
+        """The gateway's client went away: stop spending tokens on it, and settle its message. Without `settle`,
+        only stop: another box answers it now (a cancel naming this box), and the message, if it is the live copy,
+        must come back to be answered if that box fails; acked, JetStream removed it while the other box held it,
+        and remembered, this box dropped its next delivery (review r43)."""
         if request_id not in self._streams:
             return False
         self.runtime.cancel(request_id)
         stream = self._forget(request_id)
         assert stream is not None
-        self._metrics.cancelled.labels(self.spec.name).inc()
-        self._spawn(self._blobs.ack(stream.msg, stream.meta.blob))
+        if settle:
+            self._metrics.cancelled.labels(self.spec.name).inc()
+            self._spawn(self._blobs.ack(stream.msg, stream.meta.blob))
         self.puller.poke()
         return True
 

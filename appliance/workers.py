@@ -280,7 +280,10 @@ class Workers:
             request_id, box = str(cancel["id"]), cancel.get("box")
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return
-        if box is not None and box != self._box_id:  # a second copy another box holds (`Dispatcher._second_copy`)
+        if box is not None:  # "stop your answer: another box's is taken" (`Dispatcher.take`), for that box alone
+            if box == self._box_id:
+                for worker in self._table.values():
+                    worker.cancel(request_id, settle=False)
             return
         self._cancelled.add(request_id)
         for worker in self._table.values():

@@ -386,3 +386,42 @@ async def test_a_box_whose_answer_another_box_starts_over_is_told_to_stop(
     finally:
         await chunks.aclose()
         await nc.close()
+
+
+async def test_a_box_told_to_stop_its_answer_leaves_the_request_to_be_given_again(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review r43: a cancel naming a box (another box's answer is taken now) made it ack the message and remember
+    the id for 600 s: JetStream removed the request while the other box held it, or this box dropped its next
+    delivery, and a failure of the other box left the client to its deadline. The box stops generating and leaves
+    the message to JetStream: given again, it is answered. Replies here go to a plain subscriber that confirms
+    each, as a gateway does."""
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=2)
+    nc = await nats.connect(nats_server.url)
+    chunks: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        if msg.reply:  # a final chunk is sent as a request its gateway confirms
+            await msg.respond(b"")
+        await chunks.put(ReplyMeta.from_headers(msg.headers))
+
+    await nc.subscribe("test.gen", cb=gateway)
+    now = int(time.time() * 1000)
+    meta = RequestMeta(id="told-to-stop", task="generate", model="gen", reply="test.gen", deadline_ms=now + 30_000,
+                       sent_ms=now)  # fmt: skip
+    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 200, "stream": True})
+    try:
+        await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+        first = await asyncio.wait_for(chunks.get(), 20)
+        assert (first.box, first.seq) == ("a", 0)
+        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": meta.id, "box": "a"}))
+        while not ((chunk := await asyncio.wait_for(chunks.get(), 20)).seq == 0 and chunk.box == "a"):
+            assert not chunk.final, "the first answer was finished, not stopped"
+        # Its message came back after ack_wait_s (2 s) and this box started the answer over: now it finishes.
+        while not (chunk := await asyncio.wait_for(chunks.get(), 20)).final:
+            pass
+        assert chunk.status == 200
+        assert box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"}) in (None, 0.0)
+    finally:
+        await nc.close()
