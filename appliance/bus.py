@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import logging
 import re
+import time
 from dataclasses import replace
 from datetime import datetime
 
@@ -158,6 +159,11 @@ async def ensure_request_stream(
         num_replicas=replicas,
         duplicate_window=120.0,
         max_consumers=MAX_REQUEST_CONSUMERS,
+        # Numbered from the time it is made (in microseconds), not from 1: a stream made anew after a nats-server
+        # restart without --durable starts above every number the old one reached, so an ack, nak or in-progress
+        # ack a box sends for a message of the old stream finds nothing; numbered from 1, nats-server took it for
+        # the new stream's message of the same numbers (review r43).
+        first_seq=time.time_ns() // 1000,
     )
     try:
         created = await js.add_stream(config)

@@ -425,3 +425,39 @@ async def test_a_box_told_to_stop_its_answer_leaves_the_request_to_be_given_agai
         assert box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"}) in (None, 0.0)
     finally:
         await nc.close()
+
+
+async def test_an_ack_of_a_message_from_a_lost_stream_does_not_settle_a_message_of_the_new_one(nats_server) -> None:
+    """Review r43: a request stream made anew after a restart without --durable was numbered from 1 again, and
+    nats-server took a box's ack of a message it held from the old stream as the ack of the new stream's message of
+    the same numbers: removed while another box held it. Numbered from the time it is made, the new stream starts
+    above the old one's numbers."""
+
+    async def queue() -> tuple[nats.NATS, object]:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        await bus.ensure_request_stream(js, max_msgs=100, max_bytes=2**20, max_age_s=600)
+        await bus.ensure_request_consumers(js, "m", ack_wait_s=30, max_deliver=5, max_ack_pending=100)
+        return nc, js
+
+    def pull(js) -> object:
+        return js.pull_subscribe_bind(bus.consumer_name("m"), stream=bus.REQUEST_STREAM)
+
+    old_nc, old_js = await queue()
+    await old_js.publish(bus.request_subject("m"), b"old")
+    (held,) = await (await pull(old_js)).fetch(1, timeout=5)  # a box holds it
+    await nats_server.stop()
+    await nats_server.start()  # memory storage: the stream is gone
+    nc, js = await queue()
+    try:
+        await js.publish(bus.request_subject("m"), b"new")
+        (taken,) = await (await pull(js)).fetch(1, timeout=5)  # another box holds the new one
+        assert taken.data == b"new"
+        await wait_for(lambda: old_nc.is_connected, what="the first box back on NATS")
+        await held.ack()  # the first box answers what it held, and acks it
+        await old_nc.flush()
+        info = await js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("m"))
+        assert info.num_ack_pending == 1 and (await js.stream_info(bus.REQUEST_STREAM)).state.messages == 1
+    finally:
+        await old_nc.close()
+        await nc.close()
