@@ -245,6 +245,7 @@ class Box:
         it awaits from the old one."""
         assert self.js is not None
         created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
+        self.workers.pull_again()
         if created is not None and created != self._queue_made:
             lost, self._queue_made = self._queue_made is not None, created
             if lost and self.dispatcher is not None:

@@ -77,6 +77,12 @@ class Puller:
         """Room may have grown: consider asking for more."""
         self._wake.set()
 
+    def pull_again(self) -> None:
+        """The server lost the open pull request (a restart; the consumers are made again): ask anew now, not once
+        the lost one would have expired, seconds later."""
+        self._remaining = 0
+        self._wake.set()
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:

@@ -355,7 +355,6 @@ class ModelWorker:
         await self._send(meta, msg, error.to_json(), ReplyMeta.for_error(meta.id, error, self.box_id))
 
     async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, reply: ReplyMeta) -> None:
-        msg = self._current(meta.id, msg)
         try:
             # This box's own gateway awaiting it: handed over in-process, as sure as a confirmed reply.
             local = self._local_reply is not None and self._local_reply(meta.reply, reply, body)
@@ -364,9 +363,12 @@ class ModelWorker:
                     reply = replace(reply, blob=await self._blobs.put(bus.reply_blob_key(meta.id, self.box_id), body))
                     body = b""
                 if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
-                    await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+                    # This box is stopping with the answer undelivered: another box answers it.
+                    await self._current(meta.id, msg).nak()
                     return
-            await self._blobs.ack(msg, meta.blob)
+            # The message held now: a copy published again may have been taken in its place while the reply waited
+            # for its gateway (review r43).
+            await self._blobs.ack(self._current(meta.id, msg), meta.blob)
             self._residency.touch(self.spec.name)  # used: eviction takes the least recently used
             self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
         finally:

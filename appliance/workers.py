@@ -273,6 +273,12 @@ class Workers:
 
     # -- cancels ---------------------------------------------------------------------------------
 
+    def pull_again(self) -> None:
+        """The NATS server restarted and its consumers are made again: every worker asks for work anew."""
+        for worker in self._table.values():
+            worker.puller.pull_again()
+            worker.bulk_puller.pull_again()
+
     async def on_cancel(self, msg: Msg) -> None:
         """A gateway's client went away (`fbx.cancel`): forget its request wherever it waits on this box."""
         try:

@@ -319,7 +319,7 @@ async def test_a_box_holding_a_request_takes_the_copy_published_again_as_the_one
     was ignored unacked (redelivered after each ack_wait_s, then dead-lettered while its answer was made); review
     r42: acked at once, a nak or a crash of the box would have left nothing to redeliver, the one in hand being in
     the stream that was lost. The box holds the copy in its place: kept in progress, acked once answered."""
-    box = await start_box(default_model=False, models=[noop_model(cost_ms=6000)], ack_wait_s=30)
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=15_000)], ack_wait_s=30)
     # Another model's message first, so the one in hand is not number 1 of the old stream as its copy is of the new:
     # an ack of the old message by its numbers would ack the copy (nats-server took it so), and hide the bug.
     await box.js.publish(bus.request_subject("other"), b"{}")
@@ -340,7 +340,7 @@ async def test_a_box_holding_a_request_takes_the_copy_published_again_as_the_one
     async def copy_held() -> bool:
         return await state() == (1, 1)
 
-    await wait_for(copy_held, timeout_s=5, what="the copy published again, pulled and held while computing")
+    await wait_for(copy_held, timeout_s=12, what="the copy published again, pulled and held while computing (15 s)")
     async with await answer as response:
         assert response.status == 200
 
