@@ -248,12 +248,13 @@ class Box:
         self.workers.pull_again()
         if created is not None and created != self._queue_made:
             lost, self._queue_made = self._queue_made is not None, created
+            self.workers.queue_epoch.made = created
             if lost and self.dispatcher is not None:
                 self.dispatcher.queue_lost()
 
     async def _ensure_streams(self) -> None:
         assert self.js is not None
-        self._queue_made = await ensure_queue(self.js, self.settings)
+        self._queue_made = self.workers.queue_epoch.made = await ensure_queue(self.js, self.settings)
 
     async def open_queue(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""

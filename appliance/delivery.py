@@ -12,6 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import datetime
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -28,6 +29,17 @@ _RESEND_S = 0.25  # pause before sending a reply again that no gateway took
 
 LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
+
+
+class QueueEpoch:
+    """When the request stream this box works from was made: a message stored before it is of a stream that is gone
+    (a nats-server restart without --durable), and handing it back (a nak) would reach nobody."""
+
+    def __init__(self) -> None:
+        self.made: datetime | None = None
+
+    def lost(self, msg: Msg) -> bool:
+        return self.made is not None and msg.metadata.timestamp < self.made
 
 
 def another_copy(held: Msg, msg: Msg) -> bool:

@@ -26,12 +26,13 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, another_copy, keep_alive
+from appliance.delivery import Cancellations, LocalReply, QueueEpoch, another_copy, keep_alive
 from appliance.envelope import RequestMeta
 from appliance.errors import (
     FleetboxError,
     GatewayTimeout,
     NotFound,
+    ServiceUnavailable,
     Unprocessable,
     deadline_passed,
 )
@@ -67,8 +68,10 @@ class GenerateWorker:
         js: JetStreamContext,
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
+        queue_epoch: QueueEpoch | None = None,
     ) -> None:
         self.box_id = box_id
+        self._queue_epoch = queue_epoch or QueueEpoch()
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
         self._retired = False  # the model was deleted: whatever still arrives is answered 404
@@ -359,11 +362,19 @@ class GenerateWorker:
             try:
                 if self._streams:
                     await loop.run_in_executor(self._device, self.runtime.clear)
-                held = [stream.msg for stream in self._streams.values()] + preparing
+                held = [(stream.meta, stream.msg, stream.seq) for stream in self._streams.values()]
+                held += [(None, msg, 0) for msg in preparing]
                 self._streams.clear()
-                for msg in held:
-                    if not msg.is_acked:  # an admission answered (an error) just before its cancel
+                for meta, msg, sent in held:
+                    if msg.is_acked:  # an admission answered (an error) just before its cancel
+                        continue
+                    if not self._queue_epoch.lost(msg):
                         await msg.nak()
+                    elif meta is not None and sent:
+                        # Its stream was lost in a NATS restart: nothing would give it to another box, and the
+                        # client has part of its answer (a nak hung it to its deadline: regression tester h44).
+                        await self._replies.fail(meta, msg, _orphaned(self.box_id), seq=sent)
+                    # Lost with nothing of it sent: its gateway published it again in the new stream.
             finally:
                 await cancel_and_wait([self._ticker])
 
@@ -407,3 +418,11 @@ class GenerateWorker:
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks.spawn(coro)
+
+
+def _orphaned(box_id: str) -> ServiceUnavailable:
+    return ServiceUnavailable(
+        f"box {box_id} stopped while generating this answer, and the request queue it came from was lost in a NATS "
+        "restart, so no other box can take it over; send the request again",
+        retry_after_s=1,
+    )

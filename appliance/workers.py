@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
-from appliance.delivery import Cancellations, LocalReply
+from appliance.delivery import Cancellations, LocalReply, QueueEpoch
 from appliance.errors import Conflict, NotFound, ServiceUnavailable
 from appliance.metrics import Metrics
 from appliance.profiles import ProfileBook
@@ -70,6 +70,7 @@ class Workers:
         self._table: dict[str, Worker] = {}
         self.stopping = False  # the box drains its workers (`drain_all`): none starts after that
         self._cancelled = Cancellations()
+        self.queue_epoch = QueueEpoch()  # when the request stream was made, as the box last saw it
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._blobs: Blobs | None = None
@@ -232,6 +233,7 @@ class Workers:
                 self._js,
                 self._cancelled,
                 local_reply=self._local_reply,
+                queue_epoch=self.queue_epoch,
             )
         return ModelWorker(
             self._box_id,

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 
 import nats
 import orjson
@@ -460,4 +461,42 @@ async def test_an_ack_of_a_message_from_a_lost_stream_does_not_settle_a_message_
         assert info.num_ack_pending == 1 and (await js.stream_info(bus.REQUEST_STREAM)).state.messages == 1
     finally:
         await old_nc.close()
+        await nc.close()
+
+
+async def test_a_generation_whose_queue_was_lost_is_answered_an_error_when_its_box_stops(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Regression tester h44: after a nats-server restart without --durable, a box stopping while it generated an
+    answer it had started handed the request back (a nak) into the stream that was gone: nothing gave it to another
+    box and its client waited to its deadline. Now such a request is answered an error the client can retry. The
+    lost stream is made up here (the box is told its stream was made after the message was stored): the restart
+    cannot be timed against a generation of this tiny model."""
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(box_id="a", default_model=False, models=[model], shutdown_grace_s=0)
+    nc = await nats.connect(nats_server.url)
+    chunks: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        if msg.reply:  # a final chunk is sent as a request its gateway confirms
+            await msg.respond(b"")
+        await chunks.put((ReplyMeta.from_headers(msg.headers), msg.data))
+
+    await nc.subscribe("test.orphan", cb=gateway)
+    now = int(time.time() * 1000)
+    meta = RequestMeta(id="orphan", task="generate", model="gen", reply="test.orphan", deadline_ms=now + 30_000,
+                       sent_ms=now)  # fmt: skip
+    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 240, "stream": True})
+    try:
+        await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+        first, _ = await asyncio.wait_for(chunks.get(), 20)
+        assert first.seq == 0 and not first.final
+        box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)  # its stream: made anew
+        await box.stop()
+        while not (last := await asyncio.wait_for(chunks.get(), 10))[0].final:
+            pass
+        reply, data = last
+        assert reply.status == 503 and reply.retry_after_s == 1, data
+        assert orjson.loads(data)["error"]["message"].startswith("box a stopped while generating this answer")
+    finally:
         await nc.close()
