@@ -399,28 +399,20 @@ async def test_a_box_told_to_stop_its_answer_leaves_the_request_to_be_given_agai
     each, as a gateway does."""
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
     box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=2)
-    nc = await nats.connect(nats_server.url)
-    chunks: asyncio.Queue = asyncio.Queue()
-
-    async def gateway(msg) -> None:
-        if msg.reply:  # a final chunk is sent as a request its gateway confirms
-            await msg.respond(b"")
-        await chunks.put(ReplyMeta.from_headers(msg.headers))
-
-    await nc.subscribe("test.gen", cb=gateway)
+    nc, replies = await _gateway_of(nats_server.url, "test.gen")
     now = int(time.time() * 1000)
     meta = RequestMeta(id="told-to-stop", task="generate", model="gen", reply="test.gen", deadline_ms=now + 30_000,
                        sent_ms=now)  # fmt: skip
     body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 200, "stream": True})
     try:
         await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
-        first = await asyncio.wait_for(chunks.get(), 20)
+        first, _ = await asyncio.wait_for(replies.get(), 20)
         assert (first.box, first.seq) == ("a", 0)
         await nc.publish(bus.cancel_subject(), orjson.dumps({"id": meta.id, "box": "a"}))
-        while not ((chunk := await asyncio.wait_for(chunks.get(), 20)).seq == 0 and chunk.box == "a"):
+        while not ((chunk := (await asyncio.wait_for(replies.get(), 20))[0]).seq == 0 and chunk.box == "a"):
             assert not chunk.final, "the first answer was finished, not stopped"
         # Its message came back after ack_wait_s (2 s) and this box started the answer over: now it finishes.
-        while not (chunk := await asyncio.wait_for(chunks.get(), 20)).final:
+        while not (chunk := (await asyncio.wait_for(replies.get(), 20))[0]).final:
             pass
         assert chunk.status == 200
         assert box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"}) in (None, 0.0)
@@ -474,15 +466,7 @@ async def test_a_generation_whose_queue_was_lost_is_answered_an_error_when_its_b
     cannot be timed against a generation of this tiny model."""
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
     box = await start_box(box_id="a", default_model=False, models=[model], shutdown_grace_s=0)
-    nc = await nats.connect(nats_server.url)
-    chunks: asyncio.Queue = asyncio.Queue()
-
-    async def gateway(msg) -> None:
-        if msg.reply:  # a final chunk is sent as a request its gateway confirms
-            await msg.respond(b"")
-        await chunks.put((ReplyMeta.from_headers(msg.headers), msg.data))
-
-    await nc.subscribe("test.orphan", cb=gateway)
+    nc, chunks = await _gateway_of(nats_server.url, "test.orphan")
     now = int(time.time() * 1000)
     meta = RequestMeta(id="orphan", task="generate", model="gen", reply="test.orphan", deadline_ms=now + 30_000,
                        sent_ms=now)  # fmt: skip
@@ -500,3 +484,18 @@ async def test_a_generation_whose_queue_was_lost_is_answered_an_error_when_its_b
         assert orjson.loads(data)["error"]["message"].startswith("box a stopped while generating this answer")
     finally:
         await nc.close()
+
+
+async def _gateway_of(url: str, subject: str) -> tuple[nats.NATS, asyncio.Queue]:
+    """A plain subscriber to `subject` that takes a box's replies as a gateway does (a final one is a request it
+    confirms): the queue gets each reply's (ReplyMeta, body)."""
+    nc = await nats.connect(url)
+    replies: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        if msg.reply:
+            await msg.respond(b"")
+        await replies.put((ReplyMeta.from_headers(msg.headers), msg.data))
+
+    await nc.subscribe(subject, cb=gateway)
+    return nc, replies
