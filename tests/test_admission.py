@@ -923,7 +923,16 @@ def test_a_burst_a_box_clears_within_the_bound_at_its_measured_pace_is_let_in() 
     assert unmeasured_budget(catalog, box_round=1024, pace=100.0) == 1024  # a slow box: its round, at least
 
 
-@pytest.mark.parametrize(("then", "now", "kept"), [({"a"}, {"a"}, True), ({"a"}, {"b"}, False), (set(), set(), False)])
+@pytest.mark.parametrize(
+    ("then", "now", "kept"),
+    [
+        ({"a"}, {"a"}, True),
+        ({"a"}, {"a", "b"}, True),  # a burst had a second box load it: the pace of the first still holds
+        ({"a"}, {"b"}, False),
+        ({"a", "b"}, {"a"}, False),
+        (set(), set(), False),
+    ],
+)
 def test_a_generators_pace_is_kept_over_a_pause_while_the_same_boxes_hold_it(then, now, kept) -> None:
     """Generation and regression testers: after any pause over 10 s a warm generator's next burst had a third
     refused (its pace forgotten: the model may be elsewhere now), though the same boxes held it and answered the

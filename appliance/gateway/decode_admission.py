@@ -126,9 +126,10 @@ class DecodeQueue(ModelQueue):
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
         decoder = self.decoder
         idle = not decoder.running and not self.waiting and now - decoder.last_busy > _DECODER_IDLE_S
-        # Kept while the boxes that made those answers still hold it and no other does: a pause of over 10 s had a
-        # warm model's next burst refused by a third, answered in half a second (black-box finding).
-        if idle and (not decoder.holders or decoder.holders != decoder.paced_on):
+        # Kept while the boxes that made those answers still hold it (and maybe more: a burst has a second box load
+        # it): a pause of over 10 s had a warm model's next burst refused by a third, answered in half a second
+        # (black-box findings h41, h43, h44).
+        if idle and (not decoder.paced_on or not decoder.paced_on <= decoder.holders):
             decoder.made.clear()
         # Not zero-argument super(): a slots dataclass is a new class, which the compiler's __class__ cell misses.
         super(DecodeQueue, self).add(request_id, now, weight, deadline)
