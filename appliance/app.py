@@ -249,6 +249,8 @@ class Box:
         if created is not None and created != self._queue_made:
             lost, self._queue_made = self._queue_made is not None, created
             self.workers.queue_epoch.made = created
+            if lost:
+                self.workers.queue_lost()
             if lost and self.dispatcher is not None:
                 self.dispatcher.queue_lost()
 

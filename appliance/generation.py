@@ -171,6 +171,14 @@ class GenerateWorker:
         self.puller.poke()
         return True
 
+    def queue_lost(self) -> None:
+        """The request stream was made anew (a nats-server restart without --durable): a generation held from the
+        old one that has sent nothing yet is let go, without settling (its message is gone): its gateway publishes
+        it again, and one copy is generated, not two whose later first chunk takes the answer over (review r43)."""
+        for request_id, stream in list(self._streams.items()):
+            if stream.seq == 0 and self._queue_epoch.lost(stream.msg):
+                self.cancel(request_id, settle=False)
+
     # -- intake ----------------------------------------------------------------------------------
 
     def _on_message(self, msg: Msg) -> None:

@@ -275,6 +275,13 @@ class Workers:
 
     # -- cancels ---------------------------------------------------------------------------------
 
+    def queue_lost(self) -> None:
+        """The request stream was made anew: generators let go of what they hold from the old one and have sent
+        nothing of (`GenerateWorker.queue_lost`)."""
+        for worker in self._table.values():
+            if not isinstance(worker, ModelWorker):  # a generator (its module loads torch: not imported here)
+                worker.queue_lost()
+
     def pull_again(self) -> None:
         """The NATS server restarted and its consumers are made again: every worker asks for work anew."""
         for worker in self._table.values():

@@ -499,3 +499,40 @@ async def _gateway_of(url: str, subject: str) -> tuple[nats.NATS, asyncio.Queue]
 
     await nc.subscribe(subject, cb=gateway)
     return nc, replies
+
+
+async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_for_the_copy_published_again(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review r43: after a restart without --durable, a box holding a generation from the old stream that had sent
+    nothing (waiting for a decode slot) kept it while its gateway published it again: two boxes generated it and
+    the later first chunk took the answer over (a sampled stream ended generation_restarted). The box lets it go
+    without settling, and the one running goes on. The lost stream is made up here (the box is told its stream was
+    made after the messages were stored): a generation cannot be held waiting across a real restart of this tiny
+    model; the message it leaves comes back after ack_wait_s here, where in a lost stream its copy is published."""
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1})
+    box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=2)
+    nc, replies = await _gateway_of(nats_server.url, "test.wait")
+    now = int(time.time() * 1000)
+    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 240, "stream": True})
+    try:
+        for request_id in ("running", "waiting"):
+            meta = RequestMeta(id=request_id, task="generate", model="gen", reply="test.wait",
+                               deadline_ms=now + 30_000, sent_ms=now)  # fmt: skip
+            await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+        worker = box.workers["gen"]
+        await wait_for(lambda: set(worker._streams) == {"running", "waiting"}, what="both generations held")
+        assert worker._streams["waiting"].seq == 0  # one decode slot: it waits for it
+        box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)
+        box.workers.queue_lost()
+        assert set(worker._streams) == {"running"}
+        finals: dict[str, int] = {}
+        while len(finals) < 2:  # the running one finishes; the other, given again (2 s), is generated once
+            reply, _ = await asyncio.wait_for(replies.get(), 20)
+            assert reply.id not in finals, "answered twice"
+            if reply.final:
+                finals[reply.id] = reply.status
+        assert finals == {"running": 200, "waiting": 200}
+        assert box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"}) in (None, 0.0)
+    finally:
+        await nc.close()
