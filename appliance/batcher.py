@@ -154,9 +154,26 @@ class Batcher:
         per_row = self.cost.tokens_per_row
         if per_row is None:
             return None
-        rows = max(1, min(self.batching.max_batch_size, int(self.batching.max_batch_tokens // max(1.0, per_row))))
+        rows = self._full_rows(per_row)
         seconds = self.cost.seconds(rows * per_row) or 0.0
         return rows, max(seconds, 1e-4)
+
+    def _full_rows(self, per_row: float) -> int:
+        """The rows of a full batch of rows `per_row` padded tokens long: as many as the token budget holds, within
+        the row cap."""
+        return max(1, min(self.batching.max_batch_size, int(self.batching.max_batch_tokens // max(1.0, per_row))))
+
+    def tokens_per_s(self) -> float | None:
+        """Padded tokens a second this batcher computes in full batches of rows like recent ones, every slot busy,
+        at the measured cost; None until that cost is trusted (what a box's heartbeat tells gateways)."""
+        per_row = self.cost.tokens_per_row
+        if self.cost.batches < BatchCost.TRUST_AFTER or not per_row:
+            return None
+        tokens = self._full_rows(per_row) * per_row
+        seconds = self.cost.seconds(tokens)
+        if not seconds or seconds <= 0:
+            return None
+        return round(tokens / seconds * self.batching.concurrent_batches, 1)
 
     def _waiting_rows(self, *, for_bulk: bool = False) -> int:
         """Rows not yet on the device that a new row waits behind: in batches formed ahead that have not started,

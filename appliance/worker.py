@@ -28,7 +28,6 @@ from nats.js import JetStreamContext
 
 from appliance import bus
 from appliance.adapters import AdapterHold
-from appliance.batch_cost import BatchCost
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
@@ -156,7 +155,10 @@ class ModelWorker:
         recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
         batching = self.batcher.batching  # as this box runs it: its profile's, or a retune's
         # What a gateway's burst bound reads: a round of this box's batches, and the pace it works at.
-        pace = {"round_tokens": batching.max_batch_tokens * batching.concurrent_batches, "tokens_per_s": self._pace()}
+        pace = {
+            "round_tokens": batching.max_batch_tokens * batching.concurrent_batches,
+            "tokens_per_s": self.batcher.tokens_per_s(),
+        }
         if not recent:
             return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held), **pace}
         return {
@@ -166,19 +168,6 @@ class ModelWorker:
             "held": len(self._held),
             **pace,
         }
-
-    def _pace(self) -> float | None:
-        """Padded tokens a second this box computes in full batches of the rows it has been seeing, at its
-        measured batch cost (`BatchCost`); None until that cost is trusted."""
-        cost, batching = self.batcher.cost, self.batcher.batching
-        per_row = cost.tokens_per_row
-        if cost.batches < BatchCost.TRUST_AFTER or not per_row:
-            return None
-        tokens = min(batching.max_batch_size, max(1, int(batching.max_batch_tokens // per_row))) * per_row
-        seconds = cost.seconds(tokens)
-        if not seconds or seconds <= 0:
-            return None
-        return round(tokens / seconds * batching.concurrent_batches, 1)
 
     def _room(self, *, for_bulk: bool = False) -> int:
         # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still
