@@ -17,7 +17,6 @@ import socket
 import time
 from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -124,7 +123,6 @@ class Box:
         self.placement: Placement | None = None
         self._tasks = Background("box")
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
-        self._queue_made: datetime | None = None  # when the request stream was made, as this box last saw it
         self.stream_ok = False
         self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
         self.draining = False
@@ -246,9 +244,9 @@ class Box:
         assert self.js is not None
         created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
         self.workers.pull_again()
-        if created is not None and created != self._queue_made:
-            lost, self._queue_made = self._queue_made is not None, created
-            self.workers.queue_epoch.made = created
+        epoch = self.workers.queue_epoch  # when the request stream was made, as this box last saw it
+        if created is not None and created != epoch.made:
+            lost, epoch.made = epoch.made is not None, created
             if lost:
                 self.workers.queue_lost()
             if lost and self.dispatcher is not None:
@@ -256,7 +254,7 @@ class Box:
 
     async def _ensure_streams(self) -> None:
         assert self.js is not None
-        self._queue_made = self.workers.queue_epoch.made = await ensure_queue(self.js, self.settings)
+        self.workers.queue_epoch.made = await ensure_queue(self.js, self.settings)
 
     async def open_queue(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""
