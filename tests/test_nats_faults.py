@@ -400,15 +400,11 @@ async def test_a_box_told_to_stop_its_answer_leaves_the_request_to_be_given_agai
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
     box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=2)
     nc, replies = await _gateway_of(nats_server.url, "test.gen")
-    now = int(time.time() * 1000)
-    meta = RequestMeta(id="told-to-stop", task="generate", model="gen", reply="test.gen", deadline_ms=now + 30_000,
-                       sent_ms=now)  # fmt: skip
-    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 200, "stream": True})
     try:
-        await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+        await _publish_generation(nc, "told-to-stop", "test.gen", max_tokens=200)
         first, _ = await asyncio.wait_for(replies.get(), 20)
         assert (first.box, first.seq) == ("a", 0)
-        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": meta.id, "box": "a"}))
+        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "told-to-stop", "box": "a"}))
         while not ((chunk := (await asyncio.wait_for(replies.get(), 20))[0]).seq == 0 and chunk.box == "a"):
             assert not chunk.final, "the first answer was finished, not stopped"
         # Its message came back after ack_wait_s (2 s) and this box started the answer over: now it finishes.
@@ -467,12 +463,8 @@ async def test_a_generation_whose_queue_was_lost_is_answered_an_error_when_its_b
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
     box = await start_box(box_id="a", default_model=False, models=[model], shutdown_grace_s=0)
     nc, chunks = await _gateway_of(nats_server.url, "test.orphan")
-    now = int(time.time() * 1000)
-    meta = RequestMeta(id="orphan", task="generate", model="gen", reply="test.orphan", deadline_ms=now + 30_000,
-                       sent_ms=now)  # fmt: skip
-    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 240, "stream": True})
     try:
-        await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+        await _publish_generation(nc, "orphan", "test.orphan", max_tokens=240)
         first, _ = await asyncio.wait_for(chunks.get(), 20)
         assert first.seq == 0 and not first.final
         box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)  # its stream: made anew
@@ -513,13 +505,9 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1})
     box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=2)
     nc, replies = await _gateway_of(nats_server.url, "test.wait")
-    now = int(time.time() * 1000)
-    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": 240, "stream": True})
     try:
         for request_id in ("running", "waiting"):
-            meta = RequestMeta(id=request_id, task="generate", model="gen", reply="test.wait",
-                               deadline_ms=now + 30_000, sent_ms=now)  # fmt: skip
-            await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+            await _publish_generation(nc, request_id, "test.wait", max_tokens=240)
         worker = box.workers["gen"]
 
         def one_running_one_waiting() -> bool:  # one decode slot: whichever was admitted second waits for it
@@ -540,3 +528,11 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
         assert box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"}) in (None, 0.0)
     finally:
         await nc.close()
+
+
+async def _publish_generation(nc: nats.NATS, request_id: str, reply: str, *, max_tokens: int) -> None:
+    """Queue a streamed generation for model "gen" as a gateway would, its replies to `reply` (`_gateway_of`)."""
+    now = int(time.time() * 1000)
+    meta = RequestMeta(id=request_id, task="generate", model="gen", reply=reply, deadline_ms=now + 30_000, sent_ms=now)
+    body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True})
+    await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
