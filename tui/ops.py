@@ -23,7 +23,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from appliance.control import call_box
-from appliance.errors import Conflict, NotFound, ServiceUnavailable, not_resident
+from appliance.errors import Conflict, ServiceUnavailable, not_resident
 from tui.model import BoxState
 
 REACH_TIMEOUT_S = 10.0  # how long an action waits for NATS to come back before it gives up
@@ -70,16 +70,14 @@ class FleetOps:
             return await self._evict_from(model, box)
         targets = self.holders(model)
         # With no holder in the heartbeats, one box is asked all the same: it answers 404 for a model
-        # that does not exist, and evicts one that became resident since its last heartbeat.
-        probing = not targets
+        # that does not exist, and evicts one that became resident since its last heartbeat. A model no
+        # box holds is evicted from every box already: `evicted_from: []`, as POST /v1/models/{name}/evict.
         evicted, name = [], model
         for target in targets or [self._any_box()]:
             result = await self._call(target, "evict", {"model": model})
             name = result.get("model", name)  # its name, where `model` may be an alias
             if result.get("evicted"):
                 evicted.append(target)
-        if probing and not evicted:
-            raise NotFound(f"model {model!r} is not resident on any live box", code="model_not_resident")
         return {"ok": True, "model": name, "evicted_from": evicted}
 
     async def _evict_from(self, model: str, box: str) -> dict[str, Any]:
