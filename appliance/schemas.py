@@ -140,6 +140,30 @@ class TeiPredictRequest(TeiRequest, kw_only=True):
     parameters: PredictParameters | None = None  # huggingface_hub's text_classification sends them
 
 
+class SimilarityInputs(msgspec.Struct, kw_only=True):
+    """TEI's (and huggingface_hub's `sentence_similarity`) `inputs`: one sentence against others."""
+
+    source_sentence: NonEmptyText
+    sentences: Annotated[list[NonEmptyText], msgspec.Meta(min_length=1)]
+
+
+class SimilarityParameters(_NullIsDefault, kw_only=True):
+    """TEI's `parameters` of a similarity request: its truncation and prompt, as at the top level."""
+
+    truncate: bool | None = None
+    truncation_direction: str | None = None
+    prompt_name: str | None = None
+
+
+class TeiSimilarityRequest(TeiRequest, kw_only=True):
+    """TEI's `POST /similarity`: the cosine similarity of `source_sentence` to each of `sentences`, a bare list back;
+    the box queues it as the `EmbeddingRequest` of all of them. `prompt_name` is read only to be refused."""
+
+    inputs: SimilarityInputs
+    prompt_name: str | None = None
+    parameters: SimilarityParameters | None = None
+
+
 class PredictParameters(_NullIsDefault, kw_only=True):
     """huggingface_hub's `text_classification` parameters: `top_k` kept; `function_to_apply` only as "none" (the
     logits), fleetbox scoring as the model's config says (the gateway's `_predict_parameters`)."""
@@ -149,11 +173,12 @@ class PredictParameters(_NullIsDefault, kw_only=True):
 
 
 class TeiShape(msgspec.Struct):
-    """Just enough of a body sent to TEI's `POST /` to pick the route it stands for: the model it names, or a query
-    (a rerank)."""
+    """Just enough of a body sent to TEI's `POST /` to pick the route it stands for: the model it names, a query (a
+    rerank), or `inputs` that are an object (a similarity); `inputs` is kept unparsed."""
 
     model: Any = None
     query: Any = None
+    inputs: msgspec.Raw = msgspec.Raw(b"")
 
 
 class RerankShape(msgspec.Struct):

@@ -67,6 +67,47 @@ async def test_text_classification_at_a_models_tei_url_honours_top_k(fleet, http
     assert [item["score"] for item in logits] == pytest.approx([item["score"] for item in raw["data"][0]], abs=1e-5)
 
 
+@pytest.mark.parametrize("name", [DEFAULT_MODEL_NAME, "bare-encoder"])
+async def test_sentence_similarity_at_a_models_tei_url_is_the_cosine_of_its_embeddings(fleet, http, hub, name) -> None:
+    """huggingface_hub posts `{"inputs": {"source_sentence", "sentences"}}` to the model's URL (TEI's `POST /`); TEI's
+    `/similarity` takes the same body: the cosines of the model's vectors, in the sentences' order."""
+    others = ["It is sunny in Berlin.", "Stock prices fell sharply.", TEXT]
+    scores = await hub(model=url(fleet, f"/tei/{name}")).sentence_similarity(TEXT, other_sentences=others)
+    _, embedded = await post(http, fleet, "/v1/embeddings", {"model": name, "input": [TEXT, *others]})
+    vectors = np.asarray([item["embedding"] for item in embedded["data"]], dtype=np.float64)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    expected = vectors[1:] @ vectors[0]
+    np.testing.assert_allclose(scores, expected, atol=1e-5)
+    assert scores[2] == pytest.approx(1.0, abs=1e-5)
+    if name == DEFAULT_MODEL_NAME:  # real weights: sunny Berlin is nearer than stock prices
+        assert scores[0] > scores[1] + 0.2, scores
+    body = {"inputs": {"source_sentence": TEXT, "sentences": others}, "parameters": {"truncate": True}}
+    for path, sent in ((f"/tei/{name}/similarity", body), ("/similarity", {**body, "model": name})):
+        status, answer = await post(http, fleet, path, sent)
+        assert status == 200, (path, answer)
+        np.testing.assert_allclose(answer, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "code", "names"),
+    [
+        ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}, "model_required", "bare-encoder"),
+        ("/tei/sentiment", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}, "wrong_task", "/v1/classify"),
+        ("/tei/bare-encoder/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, "invalid_input",
+         "sentences"),
+        ("/tei/bare-encoder", {"inputs": {"source_sentence": "", "sentences": ["b"]}}, "invalid_input",
+         "source_sentence"),
+        ("/tei/bare-encoder/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]},
+         "parameters": {"prompt_name": "query"}}, "unsupported_parameter", "prompt_name"),
+        ("/tei/bare-encoder/similarity", {"inputs": ["a", "b"]}, "invalid_input", "inputs"),
+    ],
+)  # fmt: skip
+async def test_similarity_refusals_say_what_to_change(fleet, http, path, body, code, names) -> None:
+    status, answer = await post(http, fleet, path, body)
+    assert (status, answer["error"]["code"]) == (422, code), answer
+    assert names in answer["error"]["message"], answer
+
+
 async def test_info_at_a_models_tei_url_describes_that_model(fleet, http, hub) -> None:
     info = await hub(model=url(fleet, "/tei/sentiment"), provider="hf-inference").get_endpoint_info()
     assert info["model_id"] == "sentiment"

@@ -206,6 +206,7 @@ def build_app(context: GatewayContext) -> web.Application:
         routes.append(_post("/rerank", inference(tei.rerank_at_root)))  # TEI's shape, or Infinity's
         routes.append(_post("/embed", inference(tei.embed_tei)))  # TEI's
         routes.append(_post("/predict", inference(tei.predict_tei)))  # TEI's
+        routes.append(_post("/similarity", inference(tei.similarity_tei)))  # TEI's
         routes.append(web.get("/info", inference(tei_info.info)))  # TEI's: its one model and limits
         # A TEI base URL per model; the suffixes first: a model name may hold a `/`.
         for method, suffix, handler in tei_models.SUFFIX_ROUTES:

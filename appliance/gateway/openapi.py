@@ -27,6 +27,7 @@ from appliance.schemas import (
     TeiEmbedRequest,
     TeiPredictRequest,
     TeiRerankRequest,
+    TeiSimilarityRequest,
 )
 
 _SCHEMAS = (
@@ -35,6 +36,7 @@ _SCHEMAS = (
     TeiRerankRequest,
     TeiEmbedRequest,
     TeiPredictRequest,
+    TeiSimilarityRequest,
     ClassifyRequest,
     ExtractRequest,
     CompletionRequest,
@@ -141,6 +143,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
     for path, summary, schema in (
         ("/embed", "Embeddings (TEI's shape): a list of vectors", "TeiEmbedRequest"),
         ("/predict", "Sequence labels (TEI's shape): one list, or one per input of a batch", "TeiPredictRequest"),
+        ("/similarity", "Cosine similarity of a sentence to others (TEI's shape): a list", "TeiSimilarityRequest"),
     ):
         operation = _operation(summary, schema, _INFERENCE_ERRORS)
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
@@ -152,6 +155,7 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         ("/embed", "TeiEmbedRequest"),
         ("/predict", "TeiPredictRequest"),
         ("/rerank", "TeiRerankRequest"),
+        ("/similarity", "TeiSimilarityRequest"),
     ):
         operation = _operation(f"TEI's POST {suffix or '/'} for the model `name`", schema, _INFERENCE_ERRORS)
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
@@ -160,8 +164,10 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         "get": {**_operation("TEI's info on the model `name`", None, (401, 404, 422)), "parameters": _NAME}
     }
     for path in ("/", "/invocations"):  # TEI's: the route of the named model's task, or of the fleet's one
-        operation = _operation("TEI's route of the model's task: /embed, /predict or /rerank", None, _INFERENCE_ERRORS)
-        tei_bodies = [{"$ref": f"#/components/schemas/Tei{name}Request"} for name in ("Embed", "Predict", "Rerank")]
+        summary = "TEI's route of the model's task: /embed, /predict or /rerank; /similarity for object `inputs`"
+        operation = _operation(summary, None, _INFERENCE_ERRORS)
+        kinds = ("Embed", "Predict", "Rerank", "Similarity")
+        tei_bodies = [{"$ref": f"#/components/schemas/Tei{name}Request"} for name in kinds]
         operation["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": {"oneOf": tei_bodies}}},

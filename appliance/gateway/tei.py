@@ -1,4 +1,4 @@
-"""TEI's API family: `/embed`, `/predict`, `/rerank` and `POST /` (with SageMaker's `/invocations`).
+"""TEI's API family: `/embed`, `/predict`, `/rerank`, `/similarity` and `POST /` (with SageMaker's `/invocations`).
 
 A TEI request is queued as the fleetbox request it stands for (one worker path per task: `encoders.enqueue`), its
 `model` left out meaning the fleet's one model of the task, as a TEI server serves one; its answer is TEI's bare
@@ -33,17 +33,19 @@ from appliance.schemas import (
     EmbeddingRequest,
     RerankRequest,
     RerankShape,
+    SimilarityParameters,
     TeiEmbedRequest,
     TeiPredictRequest,
     TeiRequest,
     TeiRerankRequest,
     TeiShape,
+    TeiSimilarityRequest,
 )
 from runtimes import Task
 
 _decoders: dict[type, msgspec.json.Decoder] = {
     schema: msgspec.json.Decoder(schema)
-    for schema in (TeiRerankRequest, TeiEmbedRequest, TeiPredictRequest, TeiShape, RerankShape)
+    for schema in (TeiRerankRequest, TeiEmbedRequest, TeiPredictRequest, TeiSimilarityRequest, TeiShape, RerankShape)
 }
 
 
@@ -120,12 +122,7 @@ async def embed_tei(request: web.Request, body: bytes | None = None, served: str
             "are a /predict batch)"
         )
     refuse_token_ids(texts, "`inputs` holds token ids; fleetbox tokenises text with the model's own tokenizer")
-    if tei.prompt_name is not None:
-        raise Unprocessable(
-            f"`prompt_name` ({tei.prompt_name!r}): fleetbox applies no sentence-transformers prompts; "
-            "prepend the prompt's text to each input instead",
-            code="unsupported_parameter",
-        )
+    _refuse_prompt(tei.prompt_name)
     meta, reply = await _enqueue_tei(
         request,
         tei,
@@ -137,6 +134,34 @@ async def embed_tei(request: web.Request, body: bytes | None = None, served: str
         normalize=tei.normalize,
     )
     return json_response(np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims), headers=timing(meta))
+
+
+async def similarity_tei(request: web.Request, body: bytes | None = None, served: str | None = None) -> web.Response:
+    """TEI's `/similarity` (huggingface_hub's `sentence_similarity`): the cosine similarity of `source_sentence` to
+    each of `sentences`, a bare list in their order, from the vectors `/v1/embeddings` computes for them (one request,
+    so one batch). `parameters` may carry the truncation and the prompt, as TEI reads them."""
+    if body is None:
+        body = await read_body(request, GatewayContext.of(request).settings)
+    tei = decode(body, _decoders[TeiSimilarityRequest])
+    parameters = tei.parameters or SimilarityParameters()
+    _refuse_prompt(tei.prompt_name or parameters.prompt_name)
+    if parameters.truncate is not None:
+        tei = msgspec.structs.replace(tei, truncate=parameters.truncate)
+    if parameters.truncation_direction is not None:
+        tei = msgspec.structs.replace(tei, truncation_direction=parameters.truncation_direction)
+    texts = [tei.inputs.source_sentence, *tei.inputs.sentences]
+    meta, reply = await _enqueue_tei(request, tei, EmbeddingRequest, Task.EMBED, served, input=texts, normalize=True)
+    vectors = np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims)
+    return json_response(vectors[1:] @ vectors[0], headers=timing(meta))
+
+
+def _refuse_prompt(prompt_name: str | None) -> None:
+    if prompt_name is not None:
+        raise Unprocessable(
+            f"`prompt_name` ({prompt_name!r}): fleetbox applies no sentence-transformers prompts; "
+            "prepend the prompt's text to each input instead",
+            code="unsupported_parameter",
+        )
 
 
 async def predict_tei(request: web.Request, body: bytes | None = None, served: str | None = None) -> web.Response:
@@ -206,13 +231,16 @@ _TEI_ROUTE = {Task.EMBED: embed_tei, Task.CLASSIFY: predict_tei, Task.SCORE: rer
 async def tei_root(request: web.Request, served: str | None = None) -> web.StreamResponse:
     """TEI's `POST /` and `/invocations`: the TEI route of the model's task (`/embed`, `/predict` or `/rerank`), of
     the model the URL serves (`served`: `/tei/{name}`), else the model named, else the fleet's one encoder model of
-    those tasks. huggingface_hub's `InferenceClient` with a TEI URL posts its `feature_extraction` and
-    `text_classification` here."""
+    those tasks; `inputs` that are an object (`source_sentence`, `sentences`) are a `/similarity`, of the fleet's one
+    embedding model if none is named. huggingface_hub's `InferenceClient` with a TEI URL posts its
+    `feature_extraction`, `sentence_similarity` and `text_classification` here."""
     ctx = GatewayContext.of(request)
     body = await read_body(request, ctx.settings)
     shape = decode(body, _decoders[TeiShape])
     if shape.query is not None:
         return await rerank_at_root(request, body, served)
+    if bytes(shape.inputs).startswith(b"{"):  # {source_sentence, sentences}: huggingface_hub's sentence_similarity
+        return await similarity_tei(request, body, served)
     if shape.model is not None and not isinstance(shape.model, str):  # it was told `model` was missing
         raise Unprocessable(f"`model` must be a model's name, a string, not {orjson.dumps(shape.model).decode()[:40]}")
     named = shape.model or None

@@ -42,6 +42,11 @@ async def rerank(request: web.Request) -> web.Response:
     return await tei.rerank_at_root(request, await read_body(request, GatewayContext.of(request).settings), name)
 
 
+async def similarity(request: web.Request) -> web.Response:
+    name = _served(request).name
+    return await tei.similarity_tei(request, await read_body(request, GatewayContext.of(request).settings), name)
+
+
 async def info(request: web.Request) -> web.Response:
     """`GET /tei/{name}/info`: TEI's `GET /info` of the model."""
     spec = _served(request)
@@ -58,5 +63,6 @@ SUFFIX_ROUTES = (
     ("POST", "embed", embed),
     ("POST", "predict", predict),
     ("POST", "rerank", rerank),
+    ("POST", "similarity", similarity),
     ("GET", "info", info),
 )
