@@ -6,7 +6,8 @@ counted and dropped, so the client gets exactly one answer.
 
 Before a request is published, the gateway's admission control (`Admission`, in `admission.py`)
 says whether it may wait at all: a 429 at once, rather than a 504 after its deadline, when it would
-wait too long to start. The dispatcher tells it of every request awaited and every answer.
+wait too long to start. The dispatcher tells it of every request awaited and every answer. A streamed
+answer's chunks are stitched into one by its `StreamWaiter` (`replies.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -30,10 +31,11 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, error_from_reply
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 from appliance.gateway.admission import Admission, unmeasured_budget
 from appliance.gateway.model_queue import ModelQueue
 from appliance.gateway.publish import FAILOVER_RETRY_S, Publisher
+from appliance.gateway.replies import Reply, StreamWaiter
 from appliance.metrics import Metrics
 from appliance.tasks import Background
 from runtimes import Task
@@ -51,19 +53,6 @@ def _deadline(timeout_s: float) -> GatewayTimeout:
     )
 
 
-@dataclass(slots=True)
-class _StreamWaiter:
-    model: str
-    queue: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
-    box: str | None = None  # the box whose chunks are taken
-    next_seq: int = 0  # the chunk expected next from it
-    broken: bool = False  # a chunk went missing: the answer cannot be whole
-    # When the first and the final chunk came in (monotonic): how long the answer held its decode slot, whatever
-    # time its client then took to read it.
-    first_at: float | None = None
-    final_at: float | None = None
-
-
 @dataclass(slots=True, frozen=True)
 class _Sent:
     """A request this gateway published and still awaits: what it needs to publish it again."""
@@ -72,18 +61,6 @@ class _Sent:
     body: bytes
     meta: RequestMeta
     epoch: int  # the dispatcher's count of cuts from NATS when it was published
-
-
-@dataclass(slots=True, frozen=True)
-class Reply:
-    meta: ReplyMeta
-    body: bytes
-    restarted: bool = False  # the first chunk of an answer started over (its box stopped mid-answer)
-    error: FleetboxError | None = None  # this gateway's own error, whole (its Retry-After kept), not a box's reply
-
-    def failure(self) -> FleetboxError:
-        """The error a reply that is not a 200 stands for."""
-        return self.error or error_from_reply(self.meta.status, self.body, self.meta.retry_after_s)
 
 
 class Dispatcher:
@@ -120,7 +97,7 @@ class Dispatcher:
         self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
-        self._streams: dict[str, _StreamWaiter] = {}
+        self._streams: dict[str, StreamWaiter] = {}
         self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
         self._cancels: set[asyncio.Task[None]] = set()  # cancels sent for requests answered without their box
@@ -349,7 +326,7 @@ class Dispatcher:
         queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=new_tokens)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        waiter = _StreamWaiter(spec.name)
+        waiter = StreamWaiter(spec.name)
         finished = whole = restarted = False
         tokens = 0  # made, as the final chunk says
         arrived = time.monotonic()
@@ -451,41 +428,15 @@ class Dispatcher:
         """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box."""
         stream = self._streams.get(meta.id)
         if stream is not None:
-            restarted = False
-            if stream.box is None:
-                stream.box = meta.box
-            elif stream.box != meta.box or (meta.seq == 0 and stream.next_seq > 0):
-                if meta.seq != 0:
-                    self._metrics.duplicate_replies.inc()
-                    return
-                # A box starts the answer over: the first one died (or handed it back) mid-answer, and
-                # JetStream redelivered the request. Its chunks, and no more of the first's, are taken. The first,
-                # if it still generates (a copy of a request this gateway published again when the queue was lost,
-                # pulled by another box: review r41), is told to stop; it tells no other box. Dropping the second
-                # box's chunks instead took a box's handback after a drain for such a copy, and hung (review r42).
-                if stream.box != meta.box:
-                    self._cancel_soon(meta.id, stream.box)
-                stream.box, stream.next_seq, stream.broken, restarted = meta.box, 0, False, True
-            if stream.broken:
-                return
-            if meta.seq != stream.next_seq:
-                # Chunks are published in order on one connection: a gap is a chunk lost in transit
-                # (a NATS failover), and an answer with a hole in it must not pass for a whole one.
-                stream.broken = True
-                lost = ServiceUnavailable(
-                    f"chunk {stream.next_seq} of the answer from box {meta.box} was lost in transit; "
-                    "send the request again",
-                    code="chunk_lost",
-                )
-                meta, body = replace(meta, status=lost.status, final=True), lost.to_json()
-            stream.next_seq = meta.seq + 1
-            now = time.monotonic()
-            if stream.first_at is None:
-                stream.first_at = now
-            if meta.final:
-                stream.final_at = now
-                self._admission.answered(now)
-            stream.queue.put_nowait(Reply(meta, body, restarted))
+            stitched = stream.stitch(meta, body)
+            if stitched.replaced is not None:
+                self._cancel_soon(meta.id, stitched.replaced)
+            if stitched.late:
+                self._metrics.duplicate_replies.inc()
+            if stitched.reply is not None:
+                if stitched.reply.meta.final:
+                    self._admission.answered(stream.final_at or time.monotonic())
+                stream.queue.put_nowait(stitched.reply)
             return
         waiter = self._waiters.get(meta.id)
         if waiter is None or waiter[0].done():

@@ -21,9 +21,9 @@ from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable
 from appliance.gateway.context import REQUEST_ID, GatewayContext
-from appliance.gateway.dispatch import Reply
 from appliance.gateway.encoders import ROUTE_FOR
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
+from appliance.gateway.replies import Reply
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
 
