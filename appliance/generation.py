@@ -89,6 +89,9 @@ class GenerateWorker:
         self._idle.set()
         self._started = time.time()  # a request sent before it waited for this model's load (cold start)
         self._preparing: dict[str, Msg] = {}  # request id -> its message, while admitted (blob, adapter, prompt)
+        # Generations handed back (`hand_back`), naked once a step has dropped them from the runtime: redelivered
+        # here sooner, the runtime still held the id and refused the new copy ("already generating").
+        self._handed_back: list[Msg] = []
         self._wake = asyncio.Event()
         self._tasks = Background(f"generate:{spec.slug}")
         self._stepper: asyncio.Task[None] | None = None
@@ -170,6 +173,22 @@ class GenerateWorker:
             self._spawn(self._blobs.ack(stream.msg, stream.meta.blob))
         self.puller.poke()
         return True
+
+    def hand_back(self, request_id: str) -> bool:
+        """Its gateway lost a chunk of the answer in transit (a NATS failover): stop, and hand the request back (a
+        nak) to be generated again from the start by any box, the gateway replaying what its client has. False when
+        this box does not generate it (it finished, and acked it)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self._handed_back.append(stream.msg)
+        self.cancel(request_id, settle=False)
+        self._wake.set()
+        return True
+
+    def _nak_handed_back(self, msgs: list[Msg]) -> None:
+        for msg in msgs:
+            self._spawn(msg.nak())
 
     def queue_lost(self) -> None:
         """The request stream was made anew (a nats-server restart without --durable): a generation held from the
@@ -257,7 +276,9 @@ class GenerateWorker:
     async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            handed_back, self._handed_back = self._handed_back, []
             if not self.runtime.has_work:
+                self._nak_handed_back(handed_back)  # the runtime holds none of them
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -275,6 +296,8 @@ class GenerateWorker:
                     if stream is not None:
                         self._replies.failed(stream, exc)
                 continue
+            finally:
+                self._nak_handed_back(handed_back)  # this step dropped them from the runtime
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
             self._metrics.batch_size.labels(self.spec.name).observe(len(outputs))
@@ -371,8 +394,9 @@ class GenerateWorker:
                 if self._streams:
                     await loop.run_in_executor(self._device, self.runtime.clear)
                 held = [(stream.meta, stream.msg, stream.seq) for stream in self._streams.values()]
-                held += [(None, msg, 0) for msg in preparing]
+                held += [(None, msg, 0) for msg in [*preparing, *self._handed_back]]
                 self._streams.clear()
+                self._handed_back.clear()
                 for meta, msg, sent in held:
                     if msg.is_acked:  # an admission answered (an error) just before its cancel
                         continue

@@ -297,6 +297,15 @@ class Workers:
             return
         if box is not None:  # "stop your answer: another box's is taken" (`Dispatcher.take`), for that box alone
             if box == self._box_id:
+                if cancel.get("again") is True:  # "...and hand it back": a chunk of it was lost (`Dispatcher.take`)
+                    handed_back = any(
+                        worker.hand_back(request_id)
+                        for worker in self._table.values()
+                        if not isinstance(worker, ModelWorker)
+                    )
+                    if msg.reply:
+                        await msg.respond(orjson.dumps({"handed_back": handed_back}))
+                    return
                 for worker in self._table.values():
                     worker.cancel(request_id, settle=False)
             return

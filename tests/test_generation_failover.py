@@ -97,7 +97,8 @@ async def test_a_stream_that_cannot_be_carried_on_ends_with_a_clear_error(start_
 
 
 async def test_an_answer_with_a_lost_chunk_is_an_error_not_a_shorter_one(start_box, nats_server, http, generator_dir):
-    """Chunks 0 and 2 arrive, 1 never does (lost in a NATS failover): no answer with a hole in it."""
+    """Chunks 0 and 2 arrive, 1 never does (lost in a NATS failover), and 2 is the last: its box has finished and
+    settled the request, so nothing can generate it again: no answer with a hole in it, a 503 at once."""
     model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
     gateway = await start_box(role="gateway", box_id="gateway", default_model=False, models=[model])
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -142,3 +143,58 @@ async def test_sampling_a_request_leaves_out_is_the_models_own(start_box, http, 
     for _ in range(2):
         async with http.post(url(box, "/v1/completions"), json=body) as response:
             assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)
+
+
+async def test_a_stream_that_lost_a_chunk_while_its_box_generates_is_generated_again(
+    start_box, nats_server, http, generator_dir
+):
+    """Chunk 1 is lost in transit (a NATS failover) while its box still generates the answer (chunk 2 is not its
+    last): the gateway asks that box to hand the request back, and the box that pulls it next starts the answer
+    over, replayed as after a box death: the client gets one unbroken answer, where it got a 503 `chunk_lost`."""
+    expected = greedy_text(generator_dir)
+    assert len(expected) >= 6
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    common = {"default_model": False, "models": [model]}
+    gateway = await start_box(role="gateway", box_id="gateway", **common)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    nc = await nats.connect(nats_server.url)
+    asked: asyncio.Queue = asyncio.Queue()
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("tiny-llama"), stream=bus.REQUEST_STREAM)
+        (msg,) = await sub.fetch(1, timeout=10)
+        meta = RequestMeta.from_headers(msg.headers)
+
+        async def hand_back(cancel) -> None:
+            if orjson.loads(cancel.data) == {"id": meta.id, "box": "lossy-box", "again": True}:
+                await msg.nak()
+                await cancel.respond(orjson.dumps({"handed_back": True}))
+                asked.put_nowait(cancel)
+
+        await nc.subscribe(bus.cancel_subject(), cb=hand_back)
+        for seq, text in ((0, expected[:2]), (2, expected[4:6])):  # chunk 1 never arrives
+            reply = ReplyMeta(id=meta.id, status=200, box="lossy-box", seq=seq, final=False)
+            await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
+        await asyncio.wait_for(asked.get(), 10)
+    finally:
+        await nc.close()
+    await start_box(role="worker", box_id="survivor", **common)  # pulls it at once: it was handed back
+    async with await answer as response:
+        assert response.status == 200
+        raw = await response.text()
+    events = [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+    assert not any("error" in event for event in events), events
+    assert "".join(event["choices"][0]["text"] for event in events) == expected
+
+
+async def test_a_lost_chunk_whose_box_does_not_hand_it_back_is_an_error(start_box, nats_server, http, generator_dir):
+    """Chunk 1 is lost while its box generates, and the box does not answer the gateway's ask to hand the request
+    back (it is gone): the client is told the chunk was lost, within the ask's bound, not left to its deadline."""
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    gateway = await start_box(role="gateway", box_id="gateway", default_model=False, models=[model])
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "timeout": 60}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    await a_box_dies_mid_answer(nats_server.url, ["one ", "three", "four"], seqs=[0, 2, 3])
+    async with asyncio.timeout(20), await answer as response:
+        assert response.status == 503
+        assert (await response.json())["error"]["code"] == "chunk_lost"

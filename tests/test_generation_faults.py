@@ -252,3 +252,50 @@ async def test_a_worker_whose_stepping_dies_lets_its_requests_go_to_another_box(
     async with asyncio.timeout(30):
         status, body = await asking
     assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
+
+
+async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_again(
+    start_box, nats_server, http, generator_dir
+) -> None:
+    """A gateway that lost a chunk of a streamed answer asks the box generating it to hand it back (a request on the
+    cancel subject naming the box, `again`): the box stops it, says so, and naks its message; it is generated again
+    from the start (here by the same box, the only one) and the client's stream carries on from the text it had. A
+    box asked for a generation it does not hold says so."""
+    box, worker = await generating_box(start_box, generator_dir)
+    runtime = worker.runtime
+    decode, streamed, asked = runtime._decode, threading.Event(), threading.Event()
+
+    def held_decode():
+        if not asked.is_set() and any(stream.seq > 0 for stream in list(worker._streams.values())):
+            streamed.set()
+            assert asked.wait(_BOUND_S), "the test did not ask for the hand-back"
+        return decode()
+
+    runtime._decode = held_decode
+
+    async def stream_events() -> list:
+        async with http.post(url(box, "/v1/completions"), json=completion(PROMPT, stream=True)) as response:
+            assert response.status == 200
+            raw = await response.text()
+        return [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+
+    events = asyncio.create_task(stream_events())
+    await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
+    (request_id,) = worker._streams
+    nc = await nats.connect(nats_server.url)
+    try:
+        ask = {"id": request_id, "box": box.box_id, "again": True}
+        answer = await nc.request(bus.cancel_subject(), orjson.dumps(ask), timeout=5)
+        assert orjson.loads(answer.data) == {"handed_back": True}
+        assert request_id not in worker._streams
+        asked.set()
+        elsewhere = await nc.request(bus.cancel_subject(), orjson.dumps({**ask, "id": "not-held"}), timeout=5)
+        assert orjson.loads(elsewhere.data) == {"handed_back": False}
+    finally:
+        await nc.close()
+    async with asyncio.timeout(30):
+        chunks = await events
+    assert not any("error" in chunk for chunk in chunks), chunks
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == greedy_text(generator_dir)
+    await settled(box, worker)
+    assert box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL}) == 1

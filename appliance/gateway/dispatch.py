@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -184,9 +184,21 @@ class Dispatcher:
         return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
 
     def _cancel_soon(self, request_id: str, box: str | None = None) -> None:
-        task = asyncio.get_running_loop().create_task(self._publisher.cancel(request_id, box))
+        self._spawn_cancel(self._publisher.cancel(request_id, box))
+
+    def _spawn_cancel(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
+
+    async def _start_over(self, request_id: str, box: str, lost: Reply) -> None:
+        """A chunk of a streamed answer was lost in transit while `box` still generates it: the box is asked to hand
+        the request back, and whichever box pulls it starts the answer over (`StreamWaiter.stitch`); where it cannot
+        (it finished meanwhile, or is gone), the client is told the chunk was lost."""
+        handed_back = await self._publisher.hand_back(request_id, box)
+        stream = self._streams.get(request_id)
+        if not handed_back and stream is not None and stream.broken and stream.box == box:
+            stream.queue.put_nowait(lost)
 
     async def call(
         self,
@@ -433,6 +445,8 @@ class Dispatcher:
                 self._cancel_soon(meta.id, stitched.replaced)
             if stitched.late:
                 self._metrics.duplicate_replies.inc()
+            if stitched.lost is not None:
+                self._spawn_cancel(self._start_over(meta.id, meta.box, stitched.lost))
             if stitched.reply is not None:
                 if stitched.reply.meta.final:
                     self._admission.answered(stream.final_at or time.monotonic())

@@ -28,6 +28,7 @@ from appliance.errors import FleetboxError, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT_S = 5.0
+_HAND_BACK_TIMEOUT_S = 2.0  # a box that holds the generation answers at once; no answer: it is gone
 FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 
@@ -51,6 +52,17 @@ class Publisher:
             await self._nc.publish(bus.cancel_subject(), orjson.dumps(cancel))
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
+
+    async def hand_back(self, request_id: str, box: str) -> bool:
+        """Ask `box` to stop generating `request_id` and hand it back to the queue, to be generated again from the
+        start by any box; True once it says it did (False: it finished it, or did not answer in time)."""
+        payload = orjson.dumps({"id": request_id, "box": box, "again": True})
+        try:
+            answer = await self._nc.request(bus.cancel_subject(), payload, timeout=_HAND_BACK_TIMEOUT_S)
+            return orjson.loads(answer.data).get("handed_back") is True
+        except Exception as exc:  # no box answered (it died, or NATS is away again): the caller says what was lost
+            log.debug("generation not handed back", extra={"request_id": request_id, "error": repr(exc)})
+            return False
 
     def check_connected(self) -> None:
         if not self._nc.is_connected:
