@@ -23,6 +23,7 @@ from appliance.catalog import (
 from appliance.settings import ModelEntry, Settings
 from runtimes import RuntimeKind, Task, UnsupportedModel
 from runtimes.detect import detect_task
+from runtimes.options import option_problems
 
 
 def configured_specs(settings: Settings) -> list[ModelSpec]:
@@ -74,6 +75,10 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
             task = detect_task(path)  # the same detection as registration through the API
         except UnsupportedModel as exc:
             raise UnsupportedModel(f"model {entry.name!r}: {exc}") from None
+    for option, problem in option_problems(task, runtime, entry.options).items():
+        raise ValueError(f"model {entry.name!r}: options.{option} {problem}")
+    if entry.adapter_of is not None and entry.options:
+        raise ValueError(f"model {entry.name!r} is an adapter: it runs with its base's options (set them there)")
     knobs = knobs_given(entry)
     if knobs and (entry.adapter_of is not None or task is Task.GENERATE):  # as a registration through the API
         where = "its base's batches" if entry.adapter_of is not None else "a decode batch set by its options"

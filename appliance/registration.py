@@ -42,6 +42,7 @@ from runtimes.detect import (
     check_loadable,
     detect_task,
 )
+from runtimes.options import option_problems
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _SEQUENCE_TASKS = {Task.SCORE, Task.CLASSIFY}
@@ -135,6 +136,7 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
         if not (asked is detected or {asked, detected} <= _SEQUENCE_TASKS):
             raise Unprocessable(f"the folder holds a model for {detected}, not {asked}", code="wrong_task")
         task = asked
+    check_options(task, RuntimeKind(registration.runtime), registration.options)
     try:
         check_loadable(folder, task, RuntimeKind(registration.runtime), registration.options)
     except ConfigNotJudged as exc:  # this box could not judge it (a child process that timed out): not the folder
@@ -182,6 +184,12 @@ def check_aliases(name: str, aliases: list[str]) -> None:
             raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
         if alias in aliases[:i]:
             raise Unprocessable(f"invalid request: alias {alias!r} is given twice - {where}")
+
+
+def check_options(task: Task, runtime: RuntimeKind, options: dict[str, Any]) -> None:
+    """422 for the first option a model of `task` on `runtime` cannot be run with (`runtimes.options`)."""
+    for name, problem in option_problems(task, runtime, options).items():
+        raise Unprocessable(f"invalid request: options.{name} {problem} - at `$.options.{name}`")
 
 
 def check_integers(numbers: dict[str, Any]) -> None:
@@ -268,6 +276,10 @@ async def register(
         base = catalog.get(registration.adapter_of)  # a name or an alias; the spec keeps the base's name
         if base is None:
             raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
+        if registration.options:
+            raise Unprocessable(
+                f"invalid request: an adapter runs with its base's options (set them on {base.name}) - at `$.options`"
+            )
         if base.adapter_of is not None:
             raise Unprocessable(
                 f"{base.name} is an adapter of {base.adapter_of}; an adapter's base is a model: give adapter_of "

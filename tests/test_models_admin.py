@@ -449,9 +449,44 @@ async def test_registration_judges_aliases_integers_and_the_profile(start_box, h
         status, payload = await call(http, box, "POST", "/v1/models", body)
         assert (status, payload["error"]["code"]) == (422, "invalid_input"), (extra, payload)
         assert words in payload["error"]["message"], (extra, payload)
-    ok = {"aliases": ["n1", "n2"], "profile": "nvidia-h100", "options": {"x": 2**63 - 1}}
+    ok = {"aliases": ["n1", "n2"], "profile": "nvidia-h100", "options": {"onnx_opt_level": "basic"}}
     status, record = await call(http, box, "POST", "/v1/models", {"name": "new", "path": str(encoder_dir), **ok})
     assert status == 201 and record["aliases"] == ["n1", "n2"], record
+
+
+async def test_a_models_options_are_judged_at_registration(
+    start_box, http, encoder_dir, generator_dir, adapter_dirs, tmp_path_factory
+) -> None:
+    """A generator registered with options.max_batch_size "lots" answered every request 500, with 0 or -3 left every
+    request to wait out its deadline (black-box finding): each option is judged by the kind of model that reads it."""
+    from runtimes import Task
+
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    cases = [
+        (generator_dir, {"max_batch_size": "lots"}, "options.max_batch_size must be a whole number"),
+        (generator_dir, {"max_batch_size": 0}, "options.max_batch_size must be at least 1"),
+        (generator_dir, {"max_batch_size": -3}, "options.max_batch_size must be at least 1"),
+        (generator_dir, {"max_batch_size": 1.5}, "options.max_batch_size must be a whole number"),
+        (generator_dir, {"max_prefill_tokens": "x"}, "options.max_prefill_tokens must be a whole number"),
+        (generator_dir, {"max_batch_size": True}, "options.max_batch_size must be a whole number"),
+        (generator_dir, {"onnx_opt_level": "all"}, "not an option of a model for generate"),
+        (encoder_dir, {"onnx_opt_level": "max"}, "options.onnx_opt_level must be one of disabled, basic"),
+        (encoder_dir, {"max_batch_size": 4}, "not an option of a model for embed; its options are cache_dir"),
+    ]
+    for folder, options, words in cases:
+        body = {"name": "m", "path": str(folder), "options": options}
+        status, payload = await call(http, box, "POST", "/v1/models", body)
+        assert (status, payload["error"]["code"]) == (422, "invalid_input"), (options, payload)
+        assert words in payload["error"]["message"], (options, payload)
+        assert f"`$.options.{next(iter(options))}`" in payload["error"]["message"], payload
+    body = {"name": "gen", "path": str(generator_dir), "options": {"max_batch_size": 2, "max_prefill_tokens": 64}}
+    assert (await call(http, box, "POST", "/v1/models", body))[0] == 201
+    status, answer = await call(http, box, "POST", "/v1/completions", {"model": "gen", "prompt": "x", "max_tokens": 2})
+    assert status == 200, answer
+    assert (await call(http, box, "POST", "/v1/models", {"name": "e", "path": str(encoder_dir)}))[0] == 201
+    adapter = {"name": "e:a", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "e", "options": {"seed": 1}}
+    status, payload = await call(http, box, "POST", "/v1/models", adapter)
+    assert status == 422 and "an adapter runs with its base's options" in payload["error"]["message"], payload
 
 
 async def test_a_deleted_or_unknown_adapter_named_base_colon_adapter_is_an_unknown_model(

@@ -71,6 +71,23 @@ def test_batching_knobs_a_model_would_never_use_are_a_settings_error(tmp_path, e
         configured_specs(load_settings(config, default_model=False))
 
 
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ('{ max_batch_size = "lots" }', "options.max_batch_size must be a whole number"),
+        ("{ max_batch_size = 0 }", "options.max_batch_size must be at least 1"),
+        ("{ max_prefill_tokens = 1.5 }", "options.max_prefill_tokens must be a whole number"),
+        ("{ max_batchsize = 4 }", "options.max_batchsize is not an option of a no-op model; its options are .*max_batch_size"),
+    ],
+)
+def test_a_generators_options_are_judged_at_start(tmp_path, options: str, refusal: str) -> None:
+    """A decode batch of "lots" was a 500 on every request, one of 0 a wait to every request's deadline."""
+    config = tmp_path / "box.toml"
+    config.write_text(f'[[models]]\nname = "gen"\nruntime = "noop"\ntask = "generate"\noptions = {options}\n')
+    with pytest.raises(ValueError, match=f"models.0: model 'gen': {refusal}"):
+        configured_specs(load_settings(config, default_model=False))
+
+
 def test_concurrent_batches_must_be_positive() -> None:
     assert ModelEntry(name="m", runtime="noop", concurrent_batches=2).concurrent_batches == 2
     for bad in (0, -1):
