@@ -50,6 +50,10 @@ class MethodNotAllowed(FleetboxError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
+class RequestTimeout(FleetboxError):
+    status, type, code = 408, "invalid_request_error", "body_timeout"
+
+
 class Conflict(FleetboxError):
     status, type, code = 409, "invalid_request_error", "conflict"
 

@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)  # 0: any free port
     role: Role = "all"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    # Request bodies are held in memory while they arrive: the time one may take, and the bytes the box receives at
+    # once (stalled uploads held 16 MB each for as long as their clients liked).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_receiving_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
     max_inputs: int = Field(default=2048, ge=1)
     default_timeout_s: float = Field(default=30.0, gt=0)
     # A generation's deadline covers its whole answer: 30 s cut a 1,000-token answer on a CPU mid-stream.
@@ -204,6 +208,15 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # how long a stopping box lets generations finish; keep SIGTERM-to-exit < 15 s
     shutdown_grace_s: float = Field(default=8.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_body_fits_the_receiving_bytes(self) -> Settings:
+        if self.max_receiving_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_receiving_bytes ({self.max_receiving_bytes}) is less than max_body_bytes "
+                f"({self.max_body_bytes}): a body of the largest size could never be received"
+            )
+        return self
 
     @field_validator("model_roots", mode="before")
     @classmethod

@@ -9,7 +9,8 @@ import zlib
 import pytest
 
 from appliance.catalog import DEFAULT_MODEL_NAME
-from tests.conftest import noop_model, url
+from appliance.gateway.http import RECEIVING
+from tests.conftest import noop_model, url, wait_for
 
 JSON = {"Content-Type": "application/json"}
 EMBED = b'{"input": "x", "model": "all-minilm-l6-v2"}'
@@ -317,3 +318,39 @@ async def test_box_still_serves_after_every_bad_request(default_box, http) -> No
     async with http.get(url(default_box, "/metrics")) as response:
         text = await response.text()
     assert 'fbx_http_requests_total{route="/v1/embeddings",status="500"}' not in text
+
+
+async def test_a_body_that_stops_arriving_is_refused_and_its_bytes_are_let_go(start_box, http) -> None:
+    """Black-box finding: an upload that stopped one byte short held its body in memory as long as its client liked
+    (100 of them took 1.6 GB). A body must arrive within `body_timeout_s` (408), and the box receives at most
+    `max_receiving_bytes` of bodies at once: past it, 429 with a Retry-After, until a stalled one is let go."""
+    box = await start_box(default_model=False, models=[noop_model()], body_timeout_s=1.0, max_body_bytes=1000,
+                          max_receiving_bytes=1500)  # fmt: skip
+    head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", box.http_port)
+    try:
+        writer.write(head + b'{"model": "noop", "input": "')  # and no more
+        await writer.drain()
+        receiving = box.door._runner.app[RECEIVING]
+        await wait_for(lambda: receiving.held == 1000, what="the box to be reading the stalled body")
+        body = {"model": "noop", "input": "x" * 900}
+        async with http.post(url(box, "/v1/embeddings"), json=body) as crowded:
+            assert crowded.status == 429 and crowded.headers["Retry-After"] == "1"
+            assert "max_receiving_bytes" in (await crowded.json())["error"]["message"]
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as small:
+            assert small.status == 200  # what is left of the limit still takes a small body
+        timed_out = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert timed_out.split(b" ")[1] == b"408", timed_out
+        length = int(timed_out.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        assert b'"code":"body_timeout"' in await asyncio.wait_for(reader.readexactly(length), timeout=10)
+    finally:
+        writer.close()
+    async with http.post(url(box, "/v1/embeddings"), json=body) as freed:
+        assert freed.status == 200
+
+
+def test_receiving_bytes_below_one_body_is_a_settings_error() -> None:
+    from appliance.settings import Settings
+
+    with pytest.raises(ValueError, match="a body of the largest size could never be received"):
+        Settings(max_body_bytes=2000, max_receiving_bytes=1000)

@@ -26,11 +26,11 @@ from appliance.errors import (
     ServiceUnavailable,
 )
 from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei, tei_info, tei_models
-from appliance.gateway.auth import IN_FLIGHT, Handler, inference, metrics_guard
+from appliance.gateway.auth import IN_FLIGHT, Handler, inference, may_send_body, metrics_guard
 from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
 from appliance.gateway.dispatch import Dispatcher
-from appliance.gateway.http import json_response
+from appliance.gateway.http import RECEIVING, Receiving, json_response
 from appliance.registration import MODEL_VERBS
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     started = time.perf_counter()
     request_id = request[REQUEST_ID] = ctx.new_request_id()
     try:
+        if (expect := request.get(_UNKNOWN_EXPECT)) is not None:  # in the error shape, logged and counted
+            error = FleetboxError(f"unknown Expect: {expect[:100]!r}; only 100-continue is understood")
+            error.status, error.type, error.code = 417, "invalid_request_error", "expectation_failed"
+            raise error
         if ctx.is_draining() and request.path not in _OPERATIONS:
             # A stopping box takes no new work, even on a connection kept alive from before: the client's retry
             # goes to another box at once, and the box stops as soon as what it took is answered.
@@ -145,19 +149,24 @@ def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelS
 
 # The request's `100 Continue` was not sent: its body may come or not.
 _WITHHELD: web.RequestKey[bool] = web.RequestKey("fbx_continue_withheld", bool)
+# An `Expect` other than 100-continue: answered 417 by the middleware, as every error is.
+_UNKNOWN_EXPECT: web.RequestKey[str] = web.RequestKey("fbx_unknown_expect", str)
 
 
 async def _continue_within_limit(request: web.Request) -> None:
     """`Expect: 100-continue`: the client waits to be told to send its body; told only when its Content-Length is
-    within the limit, else the route answers 413 at once, before the body is sent (curl asks so for any body over
-    1 MB: it uploaded all 9 MB of one, then got the 413). Otherwise as aiohttp's own handler."""
+    within the limit and it presents a key the box takes (if it takes any), else the route answers 413 (or 401) at
+    once, before the body is sent (curl asks so for any body over 1 MB: it uploaded all 9 MB of one, then got the
+    413). Otherwise as aiohttp's own handler."""
     if request.version < HttpVersion11:
         return
     if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers[hdrs.EXPECT]!r}")
-    limit = GatewayContext.of(request).settings.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
+        request[_UNKNOWN_EXPECT] = request.headers[hdrs.EXPECT]
         request[_WITHHELD] = True
+        return
+    limit = GatewayContext.of(request).settings.max_body_bytes
+    if (request.content_length is not None and request.content_length > limit) or not may_send_body(request):
+        request[_WITHHELD] = True  # the route answers 413 (or 401) at once, before the body is sent
         return
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # as aiohttp's own handler: the 100 is not part of the answer's size
@@ -175,6 +184,7 @@ def build_app(context: GatewayContext) -> web.Application:
         handler_args={"auto_decompress": False},
     )
     app[CONTEXT] = context
+    app[RECEIVING] = Receiving(context.settings.max_receiving_bytes)
     app[IN_FLIGHT] = {}
     if context.settings.cors_origin_list:
         app.on_response_prepare.append(cors.add_headers)

@@ -35,6 +35,7 @@ def _check(request: web.Request, keys: Sequence[str], kind: str, others: Sequenc
     if len(headers) > 1:  # which one counts would depend on who reads them (a proxy may add one)
         raise Unauthorized("send one Authorization header, not several")
     scheme, _, token = (headers[0] if headers else "").partition(" ")
+    token = token.lstrip(" ")  # one or more spaces after the scheme (RFC 9110)
     if scheme.lower() != "bearer" or not token:
         raise Unauthorized(f"this route needs an {kind} key: send `Authorization: Bearer <key>`")
     # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the bytes they were.
@@ -44,6 +45,20 @@ def _check(request: web.Request, keys: Sequence[str], kind: str, others: Sequenc
     if _matches(presented, others):
         raise Forbidden(f"this route needs an {kind} key, and the key sent is not one")
     raise Unauthorized(f"the key sent is not valid: this route needs an {kind} key")
+
+
+def may_send_body(request: web.Request) -> bool:
+    """Whether the request presents a key some route of the box takes (or the box takes none): a client asking
+    `Expect: 100-continue` is told to send its body only then, not invited to upload megabytes before its 401."""
+    settings = GatewayContext.of(request).settings
+    keys = settings.api_key_list + settings.admin_key_list
+    if not keys:
+        return True
+    try:
+        _check(request, keys, "API")
+    except (Unauthorized, Forbidden):
+        return False
+    return True
 
 
 def inference(handler: Handler) -> Handler:
@@ -77,7 +92,7 @@ def metrics_guard(handler: Handler) -> Handler:
     async def guarded(request: web.Request) -> web.StreamResponse:
         settings = GatewayContext.of(request).settings
         if settings.metrics_require_key:
-            _check(request, settings.api_key_list + settings.admin_key_list, "API")
+            _check(request, settings.api_key_list + settings.admin_key_list, "API or admin")
         return await handler(request)
 
     return guarded
