@@ -267,12 +267,24 @@ class Placement:
             for puller in pullers:
                 await puller.stop()
 
+    def served(self, name: str) -> None:
+        """`name` was loaded here after all (the `load` verb): a refusal of its requests ends now."""
+        self._failed.pop(name, None)
+        changed = self._changed.get(name)
+        if changed is not None:
+            changed.set()
+
     async def _answer(self, msg: Msg, error: FleetboxError) -> None:
         assert self._box.nc is not None
         try:
             meta = RequestMeta.from_headers(msg.headers)
         except ValueError:
             await msg.term()
+            return
+        if meta.model in self._box.workers:
+            # Loaded here since the refusal began (the `load` verb, a pin): its worker answers it. The refusal's
+            # pull, still open, took the next request before the worker's, and answered it the old error (h50).
+            await msg.nak()
             return
         # A 503: until this box tries the load again, a retry gets the same answer (a 507's retry waits for a box).
         failed = self._failed.get(meta.model) if error.status == 503 else None

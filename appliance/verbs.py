@@ -35,6 +35,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
             raise  # its own status: an adapter (409), a model too big for the budget (507)
         except Exception as exc:
             raise load_failed(spec.name, box.box_id, exc) from None
+        if box.placement is not None:
+            box.placement.served(spec.name)
         resident = box.residency.get(spec.name)
         return {"model": spec.name, "state": "resident", "bytes": resident.nbytes if resident else None}
 
