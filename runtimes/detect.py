@@ -393,6 +393,7 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         check_safetensors_whole(safetensors_files(folder), required=(folder / SAFETENSORS_INDEX).is_file())
         _refuse_missing_layers(folder, _json_object(folder / "config.json"))
         layer_types = judge_config(folder)
+        _refuse_misshapen_weights(folder, _json_object(folder / "config.json"))  # once its class takes the config
         if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them
             refuse_other_layers(layer_types or (), folder)
 
@@ -423,6 +424,43 @@ def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
             f"{field} {layers}, the weights hold {max(found) + 1} layers; transformers would fill the "
             "rest with random values. The folder's config.json and weights do not match"
         )
+
+
+_WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model", "dim")
+_EMBEDDING = re.compile(r"(?:^|\.)(?:word_embeddings|embed_tokens|wte)\.weight$")
+_HEADS = ("classifier.weight", "classifier.out_proj.weight", "score.weight")
+
+
+def _refuse_misshapen_weights(folder: Path, config: Mapping[str, Any]) -> None:
+    """Refuse a config.json whose sizes its weights do not have: a width (`hidden_size`), a vocabulary or a head's
+    label count edited by hand (5 labels in `id2label` for a 3-label head), which every load then failed on (a 503
+    to every request, after a 201: black-box finding). Read from the safetensors headers, without torch: the token
+    embedding's rows and columns, and a classification head's rows."""
+    shapes = _safetensors_shapes(safetensors_files(folder))
+    if not shapes:
+        return
+    width_field = next((name for name in _WIDTH_FIELDS if isinstance(config.get(name), int)), None)
+    expected: list[tuple[str, int, int, str]] = []  # tensor, dimension, size, what config.json says
+    for name, shape in shapes.items():
+        if len(shape) == 2 and _EMBEDDING.search(name):
+            if isinstance(config.get("vocab_size"), int):
+                expected.append((name, 0, config["vocab_size"], f"vocab_size {config['vocab_size']}"))
+            width = "embedding_size" if isinstance(config.get("embedding_size"), int) else width_field
+            if width is not None:
+                expected.append((name, 1, config[width], f"{width} {config[width]}"))
+    labels = config.get("id2label")
+    count = len(labels) if isinstance(labels, dict) and labels else config.get("num_labels")
+    if isinstance(count, int) and not isinstance(count, bool):
+        source = "id2label" if isinstance(labels, dict) and labels else "num_labels"
+        for head in _HEADS:
+            if len(shapes.get(head, ())) == 2:
+                expected.append((head, 0, count, f"{count} labels ({source})"))
+    for name, dim, size, says in expected:
+        if shapes[name][dim] != size:
+            raise UnsupportedModel(
+                f"the weights in {folder} do not match its config.json: {name} is {shapes[name]}, where config.json "
+                f"says {says}; transformers cannot load them. The folder's config.json and weights do not match"
+            )
 
 
 def _json_object(path: Path) -> dict[str, Any]:

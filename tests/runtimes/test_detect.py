@@ -4,6 +4,7 @@ as well, where a config.json transformers' config class refuses is a 422 naming 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -358,3 +359,28 @@ def test_a_task_type_peft_does_not_know_is_refused(adapter_dirs: dict[Task, Path
     (folder / "adapter_config.json").write_text(json.dumps(config | {"task_type": "seq_cls"}))
     with pytest.raises(UnsupportedModel, match="task_type 'seq_cls', which peft does not know"):
         check_adapter_folder(folder, base_task=Task.CLASSIFY, mixed_rows=False)
+
+
+def test_a_config_its_weights_do_not_match_is_refused_naming_the_tensor(
+    tmp_path, encoder_dir, classifier_dir, generator_dir
+) -> None:
+    """Black-box finding: a config.json edited by hand (5 labels in id2label over a 3-label head, another width, another
+    vocabulary) registered 201, then every load failed and every request got a 503 with Retry-After 30. The safetensors
+    headers say the sizes: refused at registration, naming the tensor. The folders as saved pass."""
+    from tests.models import CLASS_LABELS
+    from tests.models import with_config as changed
+
+    five = {str(i): f"label-{i}" for i in range(5)}
+    cases = [
+        (classifier_dir, {"id2label": five, "label2id": {v: int(k) for k, v in five.items()}}, "5 labels (id2label)"),
+        (encoder_dir, {"hidden_size": 64, "intermediate_size": 64}, "hidden_size 64"),
+        (encoder_dir, {"vocab_size": 1000}, "vocab_size 1000"),
+        (generator_dir, {"vocab_size": 1000}, "vocab_size 1000"),
+    ]
+    for index, (source, changes, says) in enumerate(cases):
+        folder = changed(source, tmp_path / f"case-{index}", **changes)
+        with pytest.raises(UnsupportedModel, match=f"do not match its config.json: .* says {re.escape(says)}"):
+            check_loadable(folder, detect_task(folder), RuntimeKind.TORCH, {})
+    assert len(CLASS_LABELS) != 5
+    for source in (classifier_dir, encoder_dir, generator_dir):
+        check_loadable(source, detect_task(source), RuntimeKind.TORCH, {})
