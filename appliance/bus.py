@@ -49,7 +49,10 @@ def model_slug(name: str) -> str:
     """A model name as one NATS subject token and consumer name: lowercase, [a-z0-9_-]."""
     slug = _SLUG_UNSAFE.sub("-", name.lower()).strip("-")
     if not slug:
-        raise ValueError(f"model name {name!r} has no usable characters")
+        raise ValueError(
+            f"model name {name!r} has no character its queue's name can carry: a model's name needs at least one "
+            "ASCII letter or digit (its slug, the NATS subject of its queue, is made of a-z, 0-9, '_' and '-')"
+        )
     return slug
 
 

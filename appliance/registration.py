@@ -298,6 +298,12 @@ async def register(
             )
         if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
             raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
+    elif ADAPTER_SEPARATOR in name and (owner := catalog.get(name.rsplit(ADAPTER_SEPARATOR, 1)[0])) is not None:
+        raise Unprocessable(
+            f"{name!r} is the address of an adapter of {owner.name}: register it with adapter_of {owner.name!r}, "
+            "or give the model a name of its own",
+            code="invalid_name",
+        )
     loop = asyncio.get_running_loop()
     folder, detected = await loop.run_in_executor(None, _judge_folder, registration, settings.roots, base)
     if base is not None:

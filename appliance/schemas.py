@@ -227,8 +227,9 @@ ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_MAX,
 WaitMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
 
 
-class ModelRegistration(msgspec.Struct, kw_only=True):
-    """`POST /v1/models`: a folder under a model root becomes a model (or an adapter) of the fleet."""
+class ModelRegistration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/models`: a folder under a model root becomes a model (or an adapter) of the fleet. A field it does
+    not know is refused, as `PATCH` refuses it: a misspelt `pin` or `alias` was dropped without a word."""
 
     name: ModelName
     path: NonEmptyText

@@ -32,8 +32,10 @@ Dtype = Literal["float32", "float16", "bfloat16", "int8"]
 
 
 BOX_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-# A model's name or alias: what clients send as `model`, shown in logs and headers, so no control characters.
-MODEL_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+# A model's name or alias: what clients send as `model`, shown in logs, headers and the TUI, so no control
+# characters, no invisible or direction-changing ones (a name shown reversed by U+202E), and no space at either end.
+_HIDDEN = r"\x00-\x1f\x7f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
+MODEL_NAME_PATTERN = rf"^[^\s{_HIDDEN}](?:[^{_HIDDEN}]*[^\s{_HIDDEN}])?$"
 MODEL_NAME_MAX = 200
 MAX_ALIASES = 64
 MAX_CONCURRENT_BATCHES = 64

@@ -776,3 +776,28 @@ async def test_batching_knobs_a_model_would_never_use_are_refused_at_registratio
     assert "base model's batches" in body["error"]["message"], body
     del registration["max_batch_size"]
     assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+
+
+async def test_a_registration_names_what_it_cannot_take(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    """Black-box findings: a misspelt field (`pin`, `alias`) was dropped without a word where PATCH refuses it; a name
+    with U+202E (shown reversed) or spaces at its ends registered; `<model>:<x>` without adapter_of registered as a
+    plain model and took that model's adapter address; a name with no ASCII letter was told it had "no usable
+    characters"."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "base", "path": str(encoder_dir)}))[0] == 201
+    cases = [
+        ({"name": "m", "pin": True}, "invalid_input", "unknown field `pin`"),
+        ({"name": "m", "alias": ["x"]}, "invalid_input", "unknown field `alias`"),
+        ({"name": "\u202eevil"}, "invalid_input", "$.name"),
+        ({"name": " padded"}, "invalid_input", "$.name"),
+        ({"name": "padded "}, "invalid_input", "$.name"),
+        ({"name": "m", "aliases": ["a\u200bb"]}, "invalid_input", "$.aliases[0]"),
+        ({"name": "base:mine"}, "invalid_name", "register it with adapter_of 'base'"),
+        ({"name": "ü-модель"}, "invalid_name", "needs at least one ASCII letter or digit"),
+    ]
+    for fields, code, words in cases:
+        status, payload = await call(http, box, "POST", "/v1/models", {"path": str(encoder_dir), **fields})
+        assert (status, payload["error"]["code"]) == (422, code), (fields, payload)
+        assert words in payload["error"]["message"], (fields, payload)
+    for name in ("qwen2.5:0.5b", "a b", "ü-model"):  # a `:` before no model's name, inner spaces, some ASCII
+        assert (await call(http, box, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)}))[0] == 201, name
