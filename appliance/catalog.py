@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from appliance.bus import model_slug
-from appliance.errors import Conflict, NotFound
+from appliance.errors import Conflict, NotFound, shown
 from appliance.settings import ModelEntry, Settings
 from runtimes import ModelSource, RuntimeKind, Task
 
@@ -230,7 +230,7 @@ class Catalog:
     def unknown(self, name: str) -> NotFound:
         """The answer for a `model` no model or adapter is registered under (404), naming those that are."""
         return NotFound(
-            f"model {name!r} does not exist; available models: {', '.join(self.names()) or 'none'}",
+            f"model {shown(name)} does not exist; available models: {', '.join(self.names()) or 'none'}",
             code="model_not_found",
         )
 
@@ -250,7 +250,7 @@ class Catalog:
             if whole:
                 raise self.unknown(requested)
             if adapter is not None:
-                raise NotFound(f"{name!r} is an adapter; it has no adapter {adapter!r}", code="adapter_not_found")
+                raise NotFound(f"{name!r} is an adapter; it has no adapter {shown(adapter)}", code="adapter_not_found")
             base = self.get(spec.adapter_of)
             if base is None:
                 raise NotFound(f"adapter {name!r} has no base model {spec.adapter_of!r}", code="model_not_found")
@@ -263,7 +263,7 @@ class Catalog:
         if adapter_spec is None:
             known = ", ".join(a.name for a in self.adapters_of(spec.name)) or "none"
             raise NotFound(
-                f"model {spec.name!r} has no adapter {adapter!r}; its adapters: {known}", code="adapter_not_found"
+                f"model {spec.name!r} has no adapter {shown(adapter)}; its adapters: {known}", code="adapter_not_found"
             )
         return Resolved(spec, adapter_spec)
 

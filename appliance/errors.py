@@ -30,6 +30,14 @@ class FleetboxError(Exception):
         return orjson.dumps(self.body())
 
 
+def shown(value: str, most: int = 200) -> str:
+    """A client's string as an error message quotes it: its repr, cut at `most` characters (a 1 MB `model` came back
+    whole in its 404: black-box finding)."""
+    if len(value) <= most:
+        return repr(value)
+    return f"{value[:most]!r}... ({len(value)} characters)"
+
+
 class BadRequest(FleetboxError):
     status, type, code = 400, "invalid_request_error", "bad_request"
 

@@ -29,7 +29,7 @@ from appliance.catalog import (
 )
 from appliance.catalog_store import CatalogStore
 from appliance.devices import HARDWARE_SLUG
-from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable
+from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable, shown
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
@@ -275,7 +275,7 @@ async def register(
     if registration.adapter_of is not None:
         base = catalog.get(registration.adapter_of)  # a name or an alias; the spec keeps the base's name
         if base is None:
-            raise NotFound(f"base model {registration.adapter_of!r} does not exist", code="model_not_found")
+            raise NotFound(f"base model {shown(registration.adapter_of)} does not exist", code="model_not_found")
         if registration.options:
             raise Unprocessable(
                 f"invalid request: an adapter runs with its base's options (set them on {base.name}) - at `$.options`"

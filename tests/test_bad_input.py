@@ -73,6 +73,11 @@ async def test_unknown_model_is_404_naming_the_models_that_exist(default_box, ht
     assert status == 404
     assert_error_shape(payload, "model_not_found")
     assert "gpt-17" in payload["error"]["message"] and DEFAULT_MODEL_NAME in payload["error"]["message"]
+    # A name of a million characters is quoted in part, not sent back whole (black-box finding).
+    long = b'{"input": "x", "model": "' + b"m" * 1_000_000 + b'", "adapter": "' + b"a" * 1_000_000 + b'"}'
+    status, payload, _ = await post(http, default_box, long)
+    assert status == 404 and len(payload["error"]["message"]) < 1000, len(payload["error"]["message"])
+    assert "(1000000 characters)" in payload["error"]["message"]
 
 
 async def test_wrong_content_type_is_415(default_box, http) -> None:
