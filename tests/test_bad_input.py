@@ -137,6 +137,26 @@ async def test_a_bad_or_unsupported_content_encoding_is_a_clear_4xx(default_box,
     assert "Content-Encoding" in payload["error"]["message"]
 
 
+async def test_a_gzip_body_is_read_member_by_member_and_nothing_after_it(default_box, http) -> None:
+    """Black-box finding: a body of two gzip members (RFC 1952; `gzip -d` reads both) was a 400, bytes after the gzip
+    data were ignored (200), and of two Content-Encoding headers the first was read and the second ignored."""
+    from multidict import CIMultiDict
+
+    half = len(EMBED) // 2
+    two = gzip.compress(EMBED[:half]) + gzip.compress(EMBED[half:])
+    status, payload, _ = await post(http, default_box, two, {**JSON, "Content-Encoding": "gzip"})
+    assert status == 200 and len(payload["data"]) == 1, payload
+    for coding, body in (("gzip", gzip.compress(EMBED) + b"JUNK"), ("deflate", zlib.compress(EMBED) + b"JUNK")):
+        status, payload, _ = await post(http, default_box, body, {**JSON, "Content-Encoding": coding})
+        assert status == 400 and coding in payload["error"]["message"], (coding, payload)
+    headers = CIMultiDict([*JSON.items(), ("Content-Encoding", "identity"), ("Content-Encoding", "gzip")])
+    status, payload, _ = await post(http, default_box, gzip.compress(EMBED), headers)
+    assert status == 200, payload  # identity, then gzip: one coding
+    headers = CIMultiDict([*JSON.items(), ("Content-Encoding", "gzip"), ("Content-Encoding", "deflate")])
+    status, payload, _ = await post(http, default_box, gzip.compress(EMBED), headers)
+    assert (status, payload["error"]["code"]) == (415, "unsupported_encoding"), payload
+
+
 async def test_a_compressed_body_that_inflates_past_max_body_bytes_is_413(default_box, http) -> None:
     bomb = gzip.compress(b" " * (default_box.settings.max_body_bytes + 1))
     status, payload, _ = await post(http, default_box, bomb, {**JSON, "Content-Encoding": "gzip"})

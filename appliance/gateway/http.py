@@ -78,7 +78,7 @@ RECEIVING = web.AppKey("receiving", Receiving)
 async def read_body(request: web.Request, settings: Settings) -> bytes:
     """The raw JSON body (decompressed, without a BOM), after the media type, encoding and size checks."""
     _check_media_type(request)
-    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower() or "identity"
+    encoding = _content_coding(request)
     if encoding != "identity" and encoding not in _ENCODINGS:
         raise UnsupportedMediaType(
             f"Content-Encoding {encoding!r} is not supported; send the body as gzip, deflate or uncompressed",
@@ -105,6 +105,25 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
     return body.removeprefix(_BOM)
 
 
+def _content_coding(request: web.Request) -> str:
+    """The body's one content coding: `identity` for none. Several (in one header or in several, which a proxy may
+    read otherwise than this box: one header was read, the other ignored) are refused unless all but one are
+    `identity`."""
+    codings = [
+        coding.strip().lower()
+        for header in request.headers.getall(hdrs.CONTENT_ENCODING, [])
+        for coding in header.split(",")
+        if coding.strip()
+    ]
+    codings = [coding for coding in codings if coding != "identity"]
+    if len(codings) > 1:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {', '.join(codings)}: send the body in one coding (gzip, deflate) or uncompressed",
+            code="unsupported_encoding",
+        )
+    return codings[0] if codings else "identity"
+
+
 def _check_media_type(request: web.Request) -> None:
     if hdrs.CONTENT_TYPE not in request.headers:
         raise UnsupportedMediaType("the request has no Content-Type; send Content-Type: application/json")
@@ -120,17 +139,23 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     wbits = _ENCODINGS[encoding]
     if wbits == _ZLIB and body[:1] and body[0] & 0x0F != 8:  # not a zlib header: raw deflate
         wbits = _RAW_DEFLATE
-    inflater = zlib.decompressobj(wbits)
-    try:
-        data = inflater.decompress(body, limit + 1)
-        if len(data) > limit:
-            raise PayloadTooLarge(f"the decompressed request body is larger than the limit of {limit} bytes")
-        data += inflater.flush()
-    except zlib.error as exc:
-        raise BadRequest(f"the body is not valid {encoding} data, as its Content-Encoding says ({exc})") from None
-    if not inflater.eof:
-        raise BadRequest(f"the body is not valid {encoding} data, as its Content-Encoding says (it is cut short)")
-    return data
+    data = b""
+    while True:  # gzip: one member after another, as `gzip -d` reads them (RFC 1952); the rest: one stream
+        inflater = zlib.decompressobj(wbits)
+        try:
+            data += inflater.decompress(body, limit + 1 - len(data))
+            if len(data) > limit:
+                raise PayloadTooLarge(f"the decompressed request body is larger than the limit of {limit} bytes")
+            data += inflater.flush()
+        except zlib.error as exc:
+            raise BadRequest(f"the body is not valid {encoding} data, as its Content-Encoding says ({exc})") from None
+        if not inflater.eof:
+            raise BadRequest(f"the body is not valid {encoding} data, as its Content-Encoding says (it is cut short)")
+        body = inflater.unused_data
+        if not body:
+            return data
+        if wbits != _GZIP:  # bytes after the stream: not the body its coding describes
+            raise BadRequest(f"the body has {len(body)} bytes after its {encoding} data")
 
 
 def _too_large(settings: Settings) -> PayloadTooLarge:
