@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from appliance import __version__, bus
-from appliance.catalog import DEFAULT_MODEL_NAME
+from appliance.catalog import DEFAULT_MODEL_NAME, ModelSpec
 from appliance.devices import device_name
 
 if TYPE_CHECKING:
@@ -38,10 +38,12 @@ def not_ready_reason(box: Box) -> str | None:
     return None
 
 
-def model_state(box: Box, name: str) -> dict[str, Any]:
+def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str, Any]:
     """Where a model is resident in the fleet, from this box's own state and the other boxes' heartbeats (its own
-    heartbeat is up to a beat old: a load that had just failed read "loading", with its `load_error` beside it)."""
-    spec = box.catalog.get(name)
+    heartbeat is up to a beat old: a load that had just failed read "loading", with its `load_error` beside it).
+    `spec`: the model as just changed, where the catalog may not have it yet (a PATCH's answer showed the profile
+    its batching had before)."""
+    spec = spec or box.catalog.get(name)
     if spec is not None and spec.adapter_of is not None:
         return _adapter_state(box, name, spec.adapter_of)
     boxes, nbytes, loading, max_length = [], None, False, None

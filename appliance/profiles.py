@@ -314,8 +314,9 @@ class ProfileBook:
         if not tunable(spec):
             return None
         chosen = self._chosen.get(spec.name)
-        if chosen is not None:
-            return chosen[0].describe(chosen[1])
+        if chosen is not None:  # what runs, with the batching `spec` gets (a PATCH's answer: before it is applied)
+            batching = self._applied(spec, chosen[0], has_adapters).batching
+            return chosen[0].describe(replace(chosen[1], batching=batching))
         key = (spec.slug, spec.profile)
         if key not in self._previews:
             self._previews[key] = choose(spec.slug, self.hardware, self.roots, spec.profile)

@@ -248,9 +248,11 @@ async def test_a_profiled_models_batching_stays_its_profiles(start_box, http, en
         ModelEntry(name="tiny-untuned", path=encoder_dir, task="embed", pinned=True, profile="off"),
     ]
     box = await start_box(default_model=False, models=entries, profiles_dir=tmp_path / "profiles")
-    for name in ("tiny", "tiny-untuned"):
+    for name, profiled in (("tiny", 7), ("tiny-untuned", 3)):
         status, record = await call(http, box, "PATCH", f"/v1/models/{name}", {"max_batch_size": 3})
         assert (status, record["batching"]["max_batch_size"]) == (200, 3), record
+        # The answer's profile is the changed model's, not the one before (black-box finding: it showed the old).
+        assert record["profile"]["max_batch_size"] == profiled, record
     await wait_for(lambda: box.workers["tiny-untuned"].batcher.batching.max_batch_size == 3, what="retuned")
     assert box.workers["tiny"].batcher.batching == Batching(777, 7, 0.5)
     assert (await call(http, box, "GET", "/v1/models/tiny"))[1]["profile"]["max_batch_size"] == 7

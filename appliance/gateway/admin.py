@@ -48,7 +48,7 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
         "batching": asdict(batching),
         "adapter_of": spec.adapter_of,
         "adapters": [a.name for a in ctx.catalog.adapters_of(spec.name)],
-        **ctx.model_state(spec.name),
+        **ctx.model_state(spec.name, spec),
         "stats": _stats(ctx, spec, batching),
     }
 

@@ -31,7 +31,7 @@ class GatewayContext:
     # Whether the box is stopping (it takes no new requests).
     is_draining: Callable[[], bool]
     # Per model name: state, the boxes holding it and its bytes, for GET /v1/models.
-    model_state: Callable[[str], dict[str, Any]]
+    model_state: Callable[..., dict[str, Any]]  # (name, spec=None): box_status.model_state
     # Heartbeat records of the live boxes.
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Raises 507 when a model could never fit this box; None on a gateway-only box.
