@@ -801,3 +801,20 @@ async def test_a_registration_names_what_it_cannot_take(start_box, http, encoder
         assert words in payload["error"]["message"], (fields, payload)
     for name in ("qwen2.5:0.5b", "a b", "ü-model"):  # a `:` before no model's name, inner spaces, some ASCII
         assert (await call(http, box, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)}))[0] == 201, name
+
+
+async def test_a_pin_that_cannot_fit_beside_the_pinned_models_is_refused(start_box, http) -> None:
+    """Black-box finding: with 6 MiB of budget and a 5 MiB model pinned, pinning a second 5 MiB model answered 200,
+    and that model then answered every request 503 for as long as both were pinned. The pin is refused (507), saying
+    why; unpinning the first makes room for it."""
+    models = [noop_model("first", pinned=True, bytes=600), noop_model("second", pinned=False, bytes=600)]
+    box = await start_box(default_model=False, models=models, memory_budget="1000B")
+    status, body = await call(http, box, "POST", "/v1/models/second/pin")
+    assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
+    assert "with 600 bytes pinned" in body["error"]["message"], body
+    assert (await call(http, box, "PATCH", "/v1/models/second", {"pinned": True}))[0] == 507  # the same through PATCH
+    assert (await call(http, box, "POST", "/v1/models/first/pin"))[0] == 200  # pinned already: nothing to judge
+    assert (await call(http, box, "POST", "/v1/models/first/unpin"))[0] == 200
+    await wait_for(lambda: "first" not in box.residency.pinned, what="the unpin applied")
+    status, body = await call(http, box, "POST", "/v1/models/second/pin")
+    assert status == 200 and body["pinned"] is True, body

@@ -87,6 +87,8 @@ async def update_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = named_model(ctx, request)
     update = update_from(decode(await read_body(request, ctx.settings), _json_object))
+    if update.pinned:
+        await _check_pin_fits(ctx, spec)
     spec = await change_model(spec, update, ctx.catalog, ctx.store)
     return json_response(model_record(ctx, spec))
 
@@ -112,8 +114,17 @@ async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     spec = named_model(ctx, request)
     if not pinned:
         refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
+    else:
+        await _check_pin_fits(ctx, spec)
     spec = await ctx.store.update(spec, ModelChange(pinned=pinned))
     return json_response(model_record(ctx, spec))
+
+
+async def _check_pin_fits(ctx: GatewayContext, spec: ModelSpec) -> None:
+    """A model pinned now must fit beside the models pinned on this box, or it is never loaded and each of its
+    requests gets a 503 (black-box finding): 507 now, saying so."""
+    if not spec.pinned and spec.adapter_of is None and ctx.check_fits is not None:
+        await ctx.check_fits(spec)
 
 
 async def _target_box(request: web.Request) -> str | None:
