@@ -95,7 +95,7 @@ def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
         "state": state,
         "boxes": sorted(boxes),
         "bytes": None,
-        "max_model_len": None,
+        "max_model_len": model_state(box, base)["max_model_len"],  # its base's: it runs in it
         "profile": None,
         "load_error": None,
     }

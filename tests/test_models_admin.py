@@ -229,6 +229,8 @@ async def test_lora_adapter_matches_peft_and_differs_from_the_base(
     assert np.allclose(ours, expected, atol=1e-4)
     _, listing = await call(http, box, "GET", "/v1/models/enc")
     assert listing["adapters"] == ["enc:tuned"]
+    _, adapter = await call(http, box, "GET", "/v1/models/enc:tuned")  # it runs in its base: the base's context
+    assert adapter["max_model_len"] == listing["max_model_len"] is not None, (adapter, listing)
 
 
 async def test_two_boxes_see_a_model_registered_on_the_other(start_box, http, encoder_dir, tmp_path_factory) -> None:
