@@ -283,6 +283,7 @@ class Box:
                 max_queue_s=self.settings.max_queue_s,
                 holders_per_gateway=self.fleet.holders_per_gateway if self.fleet is not None else None,
                 box_round=self.fleet.box_round if self.fleet is not None else None,
+                box_round_rows=self.fleet.box_round_rows if self.fleet is not None else None,
                 pace=self.fleet.pace_per_gateway if self.fleet is not None else None,
                 holders=self.fleet.holders if self.fleet is not None else None,
             )

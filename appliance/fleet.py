@@ -154,18 +154,24 @@ class Fleet:
         states = ("resident", "loading") if loading else ("resident",)
         return [record["box"] for record in self.live_boxes() if _holds(record, model, states)]
 
-    def box_round(self, model: str) -> int | None:
+    def box_round(self, model: str, field: str = "round_tokens") -> int | None:
         """The tokens one round of `model`'s batches takes on a box that holds it, as its heartbeat says (its
         profile may batch far smaller than the catalog: 1,024 tokens against 16,384 for the default model on a
-        2-core box); the largest of the live holders', or None while none says."""
+        2-core box); the largest of the live holders', or None while none says. `field` "round_rows": the rows
+        a round holds (`box_round_rows`)."""
         rounds = [
-            int(entry["round_tokens"])
+            int(entry[field])
             for record in self.live_boxes()
             if not record.get("draining")
             for entry in record.get("models", [])
-            if entry.get("name") == model and isinstance(entry.get("round_tokens"), int) and entry["round_tokens"] > 0
+            if entry.get("name") == model and isinstance(entry.get(field), int) and entry[field] > 0
         ]
         return max(rounds, default=None)
+
+    def box_round_rows(self, model: str) -> int | None:
+        """The rows (inputs) one round of `model`'s batches holds on a box that holds it: a round of short inputs is
+        bound by them long before its tokens (`box_round`)."""
+        return self.box_round(model, "round_rows")
 
     def pace_per_gateway(self, model: str) -> float | None:
         """The tokens a second the live boxes holding `model` compute, as their heartbeats measure it, shared among

@@ -115,6 +115,8 @@ class ModelWorker:
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
 
     async def start(self) -> None:
+        if self.spec.runtime is not RuntimeKind.NOOP:  # a no-op model's batches cost what its options say (minutes)
+            await self.batcher.warm_up()
         self.batcher.start()
         await self.puller.start()
         await self.bulk_puller.start()
@@ -157,6 +159,7 @@ class ModelWorker:
         # What a gateway's burst bound reads: a round of this box's batches, and the pace it works at.
         pace = {
             "round_tokens": batching.max_batch_tokens * batching.concurrent_batches,
+            "round_rows": batching.max_batch_size * batching.concurrent_batches,
             "tokens_per_s": self.batcher.tokens_per_s(),
         }
         if not recent:

@@ -6,13 +6,16 @@ under test is the policy, and a simulated second takes no time, so nothing here 
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
+import aiohttp
 import pytest
 
+from appliance.batch_cost import BatchCost
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
 from appliance.gateway.admission import GENERATION_ROUND_TOKENS, Admission, unmeasured_budget
@@ -880,6 +883,11 @@ def test_the_unmeasured_budget_is_a_round_as_a_box_holding_the_model_runs_it() -
     assert unmeasured_budget(catalog, box_round=1024) == 1024
     assert unmeasured_budget(catalog, box_round=1024, boxes=Fraction(3, 2)) == 1536  # 3 holders, 2 gateways
     assert unmeasured_budget(catalog, decode_batch=8) == 8 * GENERATION_ROUND_TOKENS
+    # A round holds its rows, however short they are (black-box finding: 4-row batches, 600 requests let in).
+    assert unmeasured_budget(catalog, per_input=3.0) == 256 * 3
+    assert unmeasured_budget(Batching(16_384, 4, 2.0, 1), per_input=3.0) == 12
+    assert unmeasured_budget(catalog, box_round=1024, box_rows=8, per_input=15.0) == 120
+    assert unmeasured_budget(catalog, box_round=1024, box_rows=8, per_input=500.0) == 1024  # long inputs: tokens bind
 
 
 async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_the_model_say(start_box, http) -> None:
@@ -906,6 +914,49 @@ async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_
     assert box.dispatcher._box_round("small") == 512
     assert box.dispatcher._pace("small") == pytest.approx(entry()["tokens_per_s"], rel=0.5)
     assert box.dispatcher._box_round("unknown") is None and box.dispatcher._pace("unknown") is None
+
+
+async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_the_bound(start_box) -> None:
+    """Black-box finding: a model of 2-row batches (the burst bound counted a round in tokens alone, 16,384 of them:
+    thousands of short requests) let a burst of 600 in whole; they waited up to 30 s against a 10 s bound, and 11
+    ended 504. A round holds its rows: the burst is refused past what starts within the bound, each time."""
+    from appliance.settings import ModelEntry
+    from tests.conftest import url
+
+    slow = ModelEntry(name="rows", runtime="noop", pinned=True, max_batch_size=2, options={"cost_ms": 50})
+    box = await start_box(default_model=False, models=[slow], max_queue_s=2.0)
+    unlimited = aiohttp.TCPConnector(limit=0)  # all 300 at once, as a client with its own pool of connections
+    async with aiohttp.ClientSession(connector=unlimited, timeout=aiohttp.ClientTimeout(total=60)) as http:
+
+        async def one(i: int) -> tuple[int, float]:
+            async with http.post(url(box, "/v1/embeddings"), json={"model": "rows", "input": f"t{i}"}) as response:
+                return response.status, float(response.headers.get("Fbx-Queue-Ms", 0))
+
+        for burst in range(2):  # an idle model, then again once it has answered some
+            outcomes = await asyncio.gather(*(one(i) for i in range(300)))
+            statuses = [status for status, _ in outcomes]
+            assert set(statuses) <= {200, 429} and statuses.count(429) >= 100, (burst, statuses.count(200))
+            assert max(queued for status, queued in outcomes if status == 200) <= 2 * 2000, (burst, outcomes)
+
+
+async def test_a_fresh_box_says_its_pace_before_any_request_and_a_burst_is_let_in(start_box, encoder_dir) -> None:
+    """Black-box finding: a box just started had timed no batch, so a gateway bounded a burst by rounds of its
+    batches alone, rows counted (32 of 200 short requests let in; before rows were counted, 292 of 800). Its worker
+    times a few batches of made-up rows first: its heartbeat says a pace from the start."""
+    from appliance.box_status import heartbeat
+    from appliance.settings import ModelEntry
+    from tests.conftest import wait_for
+
+    enc = ModelEntry(name="enc", path=encoder_dir, task="embed", pinned=True)
+    box = await start_box(default_model=False, models=[enc])
+
+    def pace() -> float | None:
+        (entry,) = [entry for entry in heartbeat(box)["models"] if entry["name"] == "enc"]
+        return entry["tokens_per_s"]
+
+    await wait_for(lambda: pace() is not None, timeout_s=10.0, what="a pace with no request sent")
+    assert pace() > 0 and box.workers["enc"].batcher.cost.batches == BatchCost.TRUST_AFTER
+    assert box.metrics.registry.get_sample_value("fbx_batch_size_count", {"model": "enc"}) in (None, 0.0)
 
 
 def test_a_burst_a_box_clears_within_the_bound_at_its_measured_pace_is_let_in() -> None:

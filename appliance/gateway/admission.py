@@ -53,6 +53,8 @@ def unmeasured_budget(
     decode_batch: int | None = None,
     *,
     box_round: int | None = None,
+    box_rows: int | None = None,
+    per_input: float | None = None,
     boxes: Fraction = Fraction(1),
     pace: float | None = None,
     max_queue_s: float = 10.0,
@@ -63,7 +65,10 @@ def unmeasured_budget(
     weighs its tokens), on each of the `boxes`' worth of holders this gateway may fill: as a box holding it runs
     them (`box_round`, its profile's), else the catalog's knobs. The catalog's alone let a burst of 200 requests
     in against a profile's 1,024-token batches: four rounds of 16,384 tokens were 64 of the box's batches, and
-    184 of them waited over the 10 s bound (black-box finding). For a generator, its `decode_batch` requests
+    184 of them waited over the 10 s bound (black-box finding). A round holds at most `box_rows` inputs (the
+    profile's `max_batch_size` × `concurrent_batches`, else the catalog's), so of inputs of `per_input` tokens it
+    holds no more than that many: counted in tokens alone, a model of 4-row batches let 600 short requests of a
+    burst in, 30 s of its work (black-box finding). For a generator, its `decode_batch` requests
     (the fleet's share already) each making `GENERATION_ROUND_TOKENS` tokens (a generation weighs its
     `max_tokens`): a round of its decode batch lasts as long as its longest answers.
 
@@ -77,6 +82,9 @@ def unmeasured_budget(
     if decode_batch is not None:
         return decode_batch * GENERATION_ROUND_TOKENS
     one_box = box_round or batching.max_batch_tokens * batching.concurrent_batches
+    if per_input is not None:  # a round holds so many rows, however short: inputs of `per_input` tokens fill it first
+        rows = box_rows or batching.max_batch_size * batching.concurrent_batches
+        one_box = min(one_box, max(1, math.ceil(rows * per_input)))
     budget = max(1, math.floor(one_box * boxes))
     if pace:
         budget = max(budget, math.floor(pace * max_queue_s / (2 * _BURST_ROUNDS)))

@@ -76,6 +76,7 @@ class Dispatcher:
         max_queue_s: float,
         holders_per_gateway: Callable[[str], Fraction] | None = None,
         box_round: Callable[[str], int | None] | None = None,
+        box_round_rows: Callable[[str], int | None] | None = None,
         pace: Callable[[str], float | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
     ) -> None:
@@ -84,6 +85,7 @@ class Dispatcher:
         self._holders_per_gateway = holders_per_gateway or (lambda model: Fraction(1))
         # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
         self._box_round = box_round or (lambda model: None)
+        self._box_round_rows = box_round_rows or (lambda model: None)  # and the rows it holds
         # The tokens a second its holders compute, this gateway's share (`Fleet.pace_per_gateway`), None unknown.
         self._pace = pace or (lambda model: None)
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
@@ -208,12 +210,15 @@ class Dispatcher:
         body: bytes,
         timeout_s: float,
         tokens: int,
+        inputs: int = 1,
         adapter: str | None = None,
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> Reply:
         weight = max(1, tokens)
-        queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=weight)
+        queue, meta = self._accept(
+            spec, task, timeout_s, tokens, adapter, priority, request_id, weight=weight, inputs=inputs
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
@@ -244,10 +249,12 @@ class Dispatcher:
         request_id: str | None,
         *,
         weight: int,
+        inputs: int = 1,
     ) -> tuple[ModelQueue, RequestMeta]:
         """Admit a request (or raise the 429) and give it its model's queue and its envelope.
 
-        `weight` is what the request costs its model: its tokens, or a generation's `max_tokens` (see `ModelQueue`).
+        `weight` is what the request costs its model: its tokens, or a generation's `max_tokens` (see `ModelQueue`);
+        `inputs` the rows it takes in a batch (an encoder's).
         """
         if self._closed is not None:
             raise self._closed
@@ -264,6 +271,8 @@ class Dispatcher:
             budget = unmeasured_budget(
                 spec.batching,
                 box_round=self._box_round(spec.name),
+                box_rows=self._box_round_rows(spec.name),
+                per_input=weight / max(1, inputs),
                 boxes=boxes,
                 pace=self._pace(spec.name),
                 max_queue_s=self._max_queue_s,
