@@ -114,14 +114,14 @@ def _check_nats_option(nats: str) -> str:
 def _check_model_argument(model: str) -> str:
     """A verb's MODEL: empty, blank, or a name no model can have (a control character, too long) is a usage
     error; sent on, `models load ""` was asked of a box, which answered as if for a model it did not know."""
-    from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
+    from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_REFERENCE
 
     problem = None
     if not model.strip():
         problem = "names no model; give a model's name or alias, as `fleetbox models list` shows them"
     elif len(model) > MODEL_NAME_MAX:
         problem = f"is longer than {MODEL_NAME_MAX} characters, which no model's name is"
-    elif not re.fullmatch(MODEL_NAME_PATTERN, model):
+    elif not re.fullmatch(MODEL_NAME_REFERENCE, model):
         problem = "has a control character, which no model's name has"
     if problem:
         typer.echo(f"fleetbox: MODEL {model!r} {problem}", err=True)

@@ -181,12 +181,18 @@ class GenerateWorker:
         stream = self._streams.get(request_id)
         if stream is None:
             return False
+        if (stream.msg.metadata.num_delivered or 1) >= self._settings.max_deliver:
+            # Its last delivery: handed back, it would be dead-lettered (a 422 that blames the request) where the
+            # client should hear the chunk was lost (a 503 it may retry). Review r50.
+            return False
         self._handed_back.append(stream.msg)
         self.cancel(request_id, settle=False)
         self._wake.set()
         return True
 
-    def _nak_handed_back(self, msgs: list[Msg]) -> None:
+    def _nak_handed_back(self, count: int) -> None:
+        """Nak the first `count` generations handed back; the rest came during the step and wait for the next."""
+        msgs, self._handed_back = self._handed_back[:count], self._handed_back[count:]
         for msg in msgs:
             self._spawn(msg.nak())
 
@@ -276,9 +282,10 @@ class GenerateWorker:
     async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            handed_back, self._handed_back = self._handed_back, []
+            # Those handed back before this step: naked once it has run (the drain naks them if it is cut short).
+            handing_back = len(self._handed_back)
             if not self.runtime.has_work:
-                self._nak_handed_back(handed_back)  # the runtime holds none of them
+                self._nak_handed_back(handing_back)  # the runtime holds none of them
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -295,9 +302,9 @@ class GenerateWorker:
                     stream = self._forget(request_id)
                     if stream is not None:
                         self._replies.failed(stream, exc)
+                self._nak_handed_back(handing_back)  # this step dropped them from the runtime
                 continue
-            finally:
-                self._nak_handed_back(handed_back)  # this step dropped them from the runtime
+            self._nak_handed_back(handing_back)  # dropped by this step (one cancelled, in a drain, leaves them to it)
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
             self._metrics.batch_size.labels(self.spec.name).observe(len(outputs))

@@ -284,7 +284,9 @@ class Placement:
         if meta.model in self._box.workers:
             # Loaded here since the refusal began (the `load` verb, a pin): its worker answers it. The refusal's
             # pull, still open, took the next request before the worker's, and answered it the old error (h50).
-            await msg.nak()
+            # Handed back after the refusal has stopped (it looks every `_PERIOD_S`): at once, the refusal's own
+            # pull could take it again and again, each a delivery, until it was dead-lettered (review r50).
+            await msg.nak(delay=2 * _PERIOD_S)
             return
         # A 503: until this box tries the load again, a retry gets the same answer (a 507's retry waits for a box).
         failed = self._failed.get(meta.model) if error.status == 503 else None

@@ -223,7 +223,9 @@ class ExtractRequest(_NullIsDefault, kw_only=True):
 
 
 # A model's name or alias, as a [[models]] entry's name is judged.
-ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)]
+# msgspec matches with `re.search`, where `$` also matches before a last newline ("abc\n" was let in): `\Z` ends it.
+_NAME_PATTERN = MODEL_NAME_PATTERN.removesuffix("$") + r"\Z"
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=MODEL_NAME_MAX, pattern=_NAME_PATTERN)]
 WaitMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
 
 

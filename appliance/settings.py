@@ -36,6 +36,9 @@ BOX_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 # characters, no invisible or direction-changing ones (a name shown reversed by U+202E), and no space at either end.
 _HIDDEN = r"\x00-\x1f\x7f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
 MODEL_NAME_PATTERN = rf"^[^\s{_HIDDEN}](?:[^{_HIDDEN}]*[^\s{_HIDDEN}])?$"
+# What a name given to address a model may hold: any name registered before the pattern above was (no control
+# characters), so an older model can still be named to delete or change it.
+MODEL_NAME_REFERENCE = r"[^\x00-\x1f\x7f]+"
 MODEL_NAME_MAX = 200
 MAX_ALIASES = 64
 MAX_CONCURRENT_BATCHES = 64

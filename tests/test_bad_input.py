@@ -348,16 +348,17 @@ async def test_box_still_serves_after_every_bad_request(default_box, http) -> No
 async def test_a_body_that_stops_arriving_is_refused_and_its_bytes_are_let_go(start_box, http) -> None:
     """Black-box finding: an upload that stopped one byte short held its body in memory as long as its client liked
     (100 of them took 1.6 GB). A body must arrive within `body_timeout_s` (408), and the box receives at most
-    `max_receiving_bytes` of bodies at once: past it, 429 with a Retry-After, until a stalled one is let go."""
+    `max_receiving_bytes` of bodies at once, counted as they arrive (counted at their Content-Length, headers alone
+    shut uploads out: review r50): past it, 429 with a Retry-After, until a stalled one is let go."""
     box = await start_box(default_model=False, models=[noop_model()], body_timeout_s=1.0, max_body_bytes=1000,
                           max_receiving_bytes=1500)  # fmt: skip
     head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     reader, writer = await asyncio.open_connection("127.0.0.1", box.http_port)
     try:
-        writer.write(head + b'{"model": "noop", "input": "')  # and no more
+        writer.write(head + b'{"model": "noop", "input": "' + b"x" * 872)  # 900 bytes of 1,000, and no more
         await writer.drain()
         receiving = box.door._runner.app[RECEIVING]
-        await wait_for(lambda: receiving.held == 1000, what="the box to be reading the stalled body")
+        await wait_for(lambda: receiving.held == 900, what="the box to be holding the stalled body's bytes")
         body = {"model": "noop", "input": "x" * 900}
         async with http.post(url(box, "/v1/embeddings"), json=body) as crowded:
             assert crowded.status == 429 and crowded.headers["Retry-After"] == "1"

@@ -299,3 +299,37 @@ async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_a
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == greedy_text(generator_dir)
     await settled(box, worker)
     assert box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL}) == 1
+
+
+async def test_a_generation_on_its_last_delivery_is_not_handed_back(
+    start_box, nats_server, http, generator_dir
+) -> None:
+    """Review r50: handed back on its `max_deliver`-th delivery, a generation was dead-lettered, its client told 422
+    `dead_lettered` (blaming the request) for a lost chunk. The box says no: the gateway answers 503 `chunk_lost`."""
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=1)
+    runtime = worker.runtime
+    decode, streamed, asked = runtime._decode, threading.Event(), threading.Event()
+
+    def held_decode():
+        if not asked.is_set() and any(stream.seq > 0 for stream in list(worker._streams.values())):
+            streamed.set()
+            assert asked.wait(_BOUND_S), "the test did not ask for the hand-back"
+        return decode()
+
+    runtime._decode = held_decode
+    answer = asyncio.create_task(http.post(url(box, "/v1/completions"), json=completion(PROMPT, stream=True)))
+    await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
+    (request_id,) = worker._streams
+    nc = await nats.connect(nats_server.url)
+    try:
+        ask = {"id": request_id, "box": box.box_id, "again": True}
+        reply = await nc.request(bus.cancel_subject(), orjson.dumps(ask), timeout=5)
+        assert orjson.loads(reply.data) == {"handed_back": False}
+        assert request_id in worker._streams  # still generating it
+    finally:
+        asked.set()
+        await nc.close()
+    async with asyncio.timeout(30), await answer as response:
+        assert response.status == 200
+        await response.read()
+    await settled(box, worker)

@@ -45,7 +45,7 @@ async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(
 async def test_a_large_request_whose_client_went_away_leaves_no_blob_behind(start_box, http) -> None:
     """Black-box finding: a client that sent 7 MB bodies and hung up at once left each in the object store for its
     10 min TTL (1.1 GB of nats-server memory in 10 s): the box acked the cancelled request and kept its blob."""
-    box = await start_box(default_model=False, models=[noop_model(cost_ms=500)], max_batch_size=1, blob_threshold=2048)
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=500)], max_batch_size=2, blob_threshold=2048)
 
     async def stored_bytes() -> int:
         try:

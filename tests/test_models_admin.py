@@ -793,6 +793,7 @@ async def test_a_registration_names_what_it_cannot_take(start_box, http, encoder
         ({"name": "\u202eevil"}, "invalid_input", "$.name"),
         ({"name": " padded"}, "invalid_input", "$.name"),
         ({"name": "padded "}, "invalid_input", "$.name"),
+        ({"name": "newline\n"}, "invalid_input", "$.name"),  # `$` matched before a last newline (review r50)
         ({"name": "m", "aliases": ["a\u200bb"]}, "invalid_input", "$.aliases[0]"),
         ({"name": "base:mine"}, "invalid_name", "register it with adapter_of 'base'"),
         ({"name": "ü-модель"}, "invalid_name", "needs at least one ASCII letter or digit"),

@@ -389,6 +389,50 @@ async def test_a_box_whose_answer_another_box_starts_over_is_told_to_stop(
         await nc.close()
 
 
+async def test_a_handed_back_generation_whose_new_first_chunk_is_lost_too_is_not_left_to_its_deadline(
+    start_box, nats_server, generator_dir, monkeypatch
+) -> None:
+    """Review r50: after a lost chunk the gateway asks the box to hand the generation back and waits for a chunk 0 to
+    start the answer over; when that one is lost as well (the same failover), every later chunk was dropped and the
+    client waited out its 300 s deadline for a 504 while a box generated the answer for nobody. Past a bound it is
+    told the chunk was lost, and the boxes are told to stop."""
+    from appliance.gateway import dispatch
+
+    monkeypatch.setattr(dispatch, "_RESTART_WAIT_S", 0.5)
+    model = ModelEntry(name="gen", path=generator_dir, task="generate")
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[model])
+    dispatcher = gateway.dispatcher
+    cancels: asyncio.Queue = asyncio.Queue()
+    nc = await nats.connect(nats_server.url)
+
+    async def on_cancel(msg) -> None:
+        if msg.reply:  # the ask to hand it back: yes
+            await msg.respond(orjson.dumps({"handed_back": True}))
+        cancels.put_nowait(orjson.loads(msg.data))
+
+    await nc.subscribe(bus.cancel_subject(), cb=on_cancel)
+    chunks = dispatcher.stream(
+        spec=gateway.catalog.get("gen"), task="generate", body=b"{}", timeout_s=300, tokens=1, new_tokens=4
+    )
+    first = asyncio.create_task(anext(chunks))
+    await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
+    (request_id,) = dispatcher._streams
+    try:
+        dispatcher.take(ReplyMeta(id=request_id, status=200, box="a", seq=0, final=False), b"one")
+        assert (await first).meta.box == "a"
+        dispatcher.take(ReplyMeta(id=request_id, status=200, box="a", seq=2, final=False), b"three")  # 1 lost
+        assert await asyncio.wait_for(cancels.get(), 5) == {"id": request_id, "box": "a", "again": True}
+        for seq in (1, 2):  # box b generates it again; its chunk 0 is lost
+            dispatcher.take(ReplyMeta(id=request_id, status=200, box="b", seq=seq, final=seq == 2), b"x")
+        async with asyncio.timeout(10):
+            lost = await anext(chunks)
+        assert lost.meta.final and lost.meta.status == 503 and b"chunk_lost" in lost.body, lost
+        assert await asyncio.wait_for(cancels.get(), 5) == {"id": request_id}  # every box stops it
+    finally:
+        await chunks.aclose()
+        await nc.close()
+
+
 async def test_a_box_told_to_stop_its_answer_leaves_the_request_to_be_given_again(
     start_box, nats_server, generator_dir
 ) -> None:

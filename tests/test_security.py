@@ -215,3 +215,10 @@ async def test_a_body_is_asked_for_only_with_a_key_and_odd_expectations_are_erro
                                  metrics_require_key=True)  # fmt: skip
     async with http.get(url(admin_only, "/metrics")) as answer:
         assert answer.status == 401 and "API or admin key" in (await answer.json())["error"]["message"]
+    reader, writer = await asyncio.open_connection("127.0.0.1", admin_only.http_port)
+    try:  # its inference routes are open: a keyless client is asked for its body (review r50)
+        writer.write(head + b"Expect: 100-continue\r\n\r\n")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), timeout=10)).startswith(b"HTTP/1.1 100 Continue")
+    finally:
+        writer.close()

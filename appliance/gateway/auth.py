@@ -51,9 +51,9 @@ def may_send_body(request: web.Request) -> bool:
     """Whether the request presents a key some route of the box takes (or the box takes none): a client asking
     `Expect: 100-continue` is told to send its body only then, not invited to upload megabytes before its 401."""
     settings = GatewayContext.of(request).settings
-    keys = settings.api_key_list + settings.admin_key_list
-    if not keys:
+    if not settings.api_key_list:  # the inference routes are open (an admin body is small: its 401 comes after it)
         return True
+    keys = settings.api_key_list + settings.admin_key_list
     try:
         _check(request, keys, "API")
     except (Unauthorized, Forbidden):

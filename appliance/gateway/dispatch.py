@@ -44,6 +44,7 @@ from runtimes.base import max_decode_batch
 log = logging.getLogger(__name__)
 
 _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
+_RESTART_WAIT_S = 20.0  # for a generation handed back after a lost chunk to send its answer's first chunk again
 
 
 def _deadline(timeout_s: float) -> GatewayTimeout:
@@ -197,10 +198,25 @@ class Dispatcher:
         """A chunk of a streamed answer was lost in transit while `box` still generates it: the box is asked to hand
         the request back, and whichever box pulls it starts the answer over (`StreamWaiter.stitch`); where it cannot
         (it finished meanwhile, or is gone), the client is told the chunk was lost."""
+        restarts = stream.restarts if (stream := self._streams.get(request_id)) is not None else 0
         handed_back = await self._publisher.hand_back(request_id, box)
-        stream = self._streams.get(request_id)
-        if not handed_back and stream is not None and stream.broken and stream.box == box:
+        if stream is None or self._streams.get(request_id) is not stream:
+            return  # answered meanwhile
+        if not handed_back:
+            if stream.broken and stream.box == box:
+                stream.queue.put_nowait(lost)
+            return
+        # The answer must now start over; if no chunk 0 comes (lost too, in the same failover), the client is told.
+        loop = asyncio.get_running_loop()
+        loop.call_later(_RESTART_WAIT_S, self._restart_overdue, request_id, stream, restarts, lost)
+
+    def _restart_overdue(self, request_id: str, stream: StreamWaiter, restarts: int, lost: Reply) -> None:
+        """A generation handed back after a lost chunk has not started over within `_RESTART_WAIT_S`: its new first
+        chunk was lost as well, or no box could take it. Waiting on, its client had a 504 at its deadline while a box
+        generated the answer for nobody (review r50): it gets the chunk's loss now, and the boxes a cancel."""
+        if self._streams.get(request_id) is stream and stream.broken and stream.restarts == restarts:
             stream.queue.put_nowait(lost)
+            self._cancel_soon(request_id)
 
     async def call(
         self,

@@ -51,6 +51,7 @@ class StreamWaiter:
     box: str | None = None  # the box whose chunks are taken
     next_seq: int = 0  # the chunk expected next from it
     broken: bool = False  # a chunk went missing: the answer cannot be whole unless it starts over
+    restarts: int = 0  # the times a box started the answer over
     # When the first and the final chunk came in (monotonic): how long the answer held its decode slot, whatever
     # time its client then took to read it.
     first_at: float | None = None
@@ -72,6 +73,7 @@ class StreamWaiter:
             # handed it back starts over so too, on whichever box pulled it (this one, maybe).
             replaced = self.box if self.box != meta.box else None
             self.box, self.next_seq, self.broken, restarted = meta.box, 0, False, True
+            self.restarts += 1
         if self.broken:
             return Stitched(None, replaced)
         if meta.seq != self.next_seq:
