@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import nats
 import orjson
@@ -352,6 +353,21 @@ async def test_a_box_holding_a_request_takes_the_copy_published_again_as_the_one
     assert box.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) == 1
 
 
+async def a_generation_awaited(start_box, generator_dir, *, timeout_s: float) -> tuple[Any, Any, asyncio.Task, str]:
+    """A gateway-only box awaiting a generation it published, no worker box: the test plays the boxes, its chunks made
+    up and given to the dispatcher directly. Its dispatcher, the chunks, the first being awaited, and the id."""
+    model = ModelEntry(name="gen", path=generator_dir, task="generate")
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[model])
+    dispatcher = gateway.dispatcher
+    chunks = dispatcher.stream(
+        spec=gateway.catalog.get("gen"), task="generate", body=b"{}", timeout_s=timeout_s, tokens=1, new_tokens=4
+    )
+    first = asyncio.create_task(anext(chunks))
+    await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
+    (request_id,) = dispatcher._streams
+    return dispatcher, chunks, first, request_id
+
+
 async def test_a_box_whose_answer_another_box_starts_over_is_told_to_stop(
     start_box, nats_server, generator_dir
 ) -> None:
@@ -360,18 +376,10 @@ async def test_a_box_whose_answer_another_box_starts_over_is_told_to_stop(
     redelivery after a box died does (review r42: dropping it instead hung a box's handback after a drain), and
     the first box, if it still generates, is told to stop by a cancel naming it. The dispatcher is driven directly
     here, its chunks made up: the thing under test is how it takes them."""
-    model = ModelEntry(name="gen", path=generator_dir, task="generate")
-    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[model])
-    dispatcher = gateway.dispatcher
     cancels: asyncio.Queue = asyncio.Queue()
     nc = await nats.connect(nats_server.url)
     await nc.subscribe(bus.cancel_subject(), cb=cancels.put)
-    chunks = dispatcher.stream(
-        spec=gateway.catalog.get("gen"), task="generate", body=b"{}", timeout_s=20, tokens=1, new_tokens=4
-    )
-    first = asyncio.create_task(anext(chunks))
-    await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
-    (request_id,) = dispatcher._streams
+    dispatcher, chunks, first, request_id = await a_generation_awaited(start_box, generator_dir, timeout_s=20)
     try:
         dispatcher.take(ReplyMeta(id=request_id, status=200, box="a", seq=0, final=False), b"one")
         assert (await first).meta.box == "a"
@@ -399,9 +407,6 @@ async def test_a_handed_back_generation_whose_new_first_chunk_is_lost_too_is_not
     from appliance.gateway import dispatch
 
     monkeypatch.setattr(dispatch, "_RESTART_WAIT_S", 0.5)
-    model = ModelEntry(name="gen", path=generator_dir, task="generate")
-    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[model])
-    dispatcher = gateway.dispatcher
     cancels: asyncio.Queue = asyncio.Queue()
     nc = await nats.connect(nats_server.url)
 
@@ -411,12 +416,7 @@ async def test_a_handed_back_generation_whose_new_first_chunk_is_lost_too_is_not
         cancels.put_nowait(orjson.loads(msg.data))
 
     await nc.subscribe(bus.cancel_subject(), cb=on_cancel)
-    chunks = dispatcher.stream(
-        spec=gateway.catalog.get("gen"), task="generate", body=b"{}", timeout_s=300, tokens=1, new_tokens=4
-    )
-    first = asyncio.create_task(anext(chunks))
-    await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
-    (request_id,) = dispatcher._streams
+    dispatcher, chunks, first, request_id = await a_generation_awaited(start_box, generator_dir, timeout_s=300)
     try:
         dispatcher.take(ReplyMeta(id=request_id, status=200, box="a", seq=0, final=False), b"one")
         assert (await first).meta.box == "a"
