@@ -25,10 +25,12 @@ class BatchCost:
 
     def __init__(self) -> None:
         self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums: weight, tokens, seconds, ...
-        self.batches = 0
+        self.batches = 0  # of requests: what the batcher trusts the fit on to shape batches and its room
+        self.samples = 0  # and the warm-up's made-up ones: what the pace a box reports is read from
         self.tokens_per_row: float | None = None  # padded tokens per row of recent batches (EWMA)
 
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+    def observe(self, tokens: int, rows: int, seconds: float, *, made_up: bool = False) -> None:
+        """One batch's cost; `made_up`: a warm-up batch, not one of requests (see `samples`)."""
         predicted = self.seconds(tokens)
         if predicted is not None and self.batches >= self.TRUST_AFTER:
             seconds = min(seconds, 2 * predicted)
@@ -38,7 +40,8 @@ class BatchCost:
         self._y = d * self._y + seconds
         self._xx = d * self._xx + tokens * tokens
         self._xy = d * self._xy + tokens * seconds
-        self.batches += 1
+        self.batches += 0 if made_up else 1
+        self.samples += 1
         per_row = tokens / rows
         self.tokens_per_row = per_row if self.tokens_per_row is None else 0.9 * self.tokens_per_row + 0.1 * per_row
 

@@ -155,9 +155,9 @@ class Batcher:
         return busy[0] + _NEARLY_FREE * within_s
 
     def _full_batch(self) -> tuple[int, float] | None:
-        """(rows, predicted seconds) of a full batch of rows like recent ones; None before a batch ran."""
+        """(rows, predicted seconds) of a full batch of rows like recent ones; None before a batch of requests ran."""
         per_row = self.cost.tokens_per_row
-        if per_row is None:
+        if per_row is None or not self.cost.batches:  # the warm-up's alone: room as an untimed box's
             return None
         rows = self._full_rows(per_row)
         seconds = self.cost.seconds(rows * per_row) or 0.0
@@ -172,7 +172,7 @@ class Batcher:
         """Padded tokens a second this batcher computes in full batches of rows like recent ones, every slot busy,
         at the measured cost; None until that cost is trusted (what a box's heartbeat tells gateways)."""
         per_row = self.cost.tokens_per_row
-        if self.cost.batches < BatchCost.TRUST_AFTER or not per_row:
+        if self.cost.samples < BatchCost.TRUST_AFTER or not per_row:  # the warm-up's batches count here
             return None
         tokens = self._full_rows(per_row) * per_row
         seconds = self.cost.seconds(tokens)
@@ -215,6 +215,7 @@ class Batcher:
         """Time a few full batches of made-up rows before any request, so the box tells gateways its pace from its
         first heartbeat: until it was measured on requests, a gateway bounded a burst by rounds of the box's batches
         alone, and a fresh box let 32 of a burst of 200 short requests in (it answers them all in half a second).
+        They shape no batch and no room: this box batches as an untimed one until requests have been timed.
         Bounded by `_WARM_UP_S`; a runtime that fails on them is left to its requests."""
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -230,10 +231,15 @@ class Batcher:
     def _time_made_up_batch(self, words: int, timed: bool) -> None:
         (row,) = self.runtime.tokenize([" ".join(["word"] * words)])
         rows = min(_WARM_UP_ROWS, self._full_rows(row.length))
-        t0 = time.perf_counter()
-        self.runtime.run([row] * rows)
-        if timed:
-            self.cost.observe(rows * row.length, rows, time.perf_counter() - t0)
+        predicted = getattr(self.runtime, "predicted_s", None)  # the no-op runtime's: what its options say
+        if predicted is not None:
+            seconds = predicted(rows, row.length)
+        else:
+            t0 = time.perf_counter()
+            self.runtime.run([row] * rows)
+            seconds = time.perf_counter() - t0
+        if timed and seconds > 0:
+            self.cost.observe(rows * row.length, rows, seconds, made_up=True)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"batcher:{self.model}")

@@ -115,8 +115,7 @@ class ModelWorker:
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
 
     async def start(self) -> None:
-        if self.spec.runtime is not RuntimeKind.NOOP:  # a no-op model's batches cost what its options say (minutes)
-            await self.batcher.warm_up()
+        await self.batcher.warm_up()
         self.batcher.start()
         await self.puller.start()
         await self.bulk_puller.start()

@@ -97,6 +97,11 @@ class NoopRuntime:
         self.cost = CostModel.from_options(options)
         self._rng = random.Random(self.cost.seed)
 
+    def predicted_s(self, rows: int, longest: int) -> float:
+        """What a batch costs by the options, stalls aside: a box's warm-up reads it rather than sleep it (a no-op
+        model's batch may be set to last minutes)."""
+        return self.cost.compute_s(rows, longest)
+
     def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
         rows = []
         for index, text in enumerate(texts):
