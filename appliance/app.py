@@ -122,6 +122,7 @@ class Box:
         self._control: ControlServer | None = None
         self.placement: Placement | None = None
         self._tasks = Background("box")
+        self._nats_servers = ""  # the NATS URLs it connects to, for its log
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
         self.stream_ok = False
         self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
@@ -200,6 +201,7 @@ class Box:
             )
             await self.natsd.start()
             urls = [self.natsd.url]
+        self._nats_servers = ",".join(urls)
         self.nc = await nats.connect(
             servers=urls,
             user_credentials=str(self.settings.creds) if self.settings.creds else None,
@@ -220,7 +222,9 @@ class Box:
         self.stop_requested.set()
 
     async def _on_nats_error(self, exc: Exception) -> None:
-        log.warning("nats error", extra={"error": repr(exc)})
+        # Which server: a box that cannot reach it keeps trying, and its log is all an operator sees (no HTTP port
+        # before it connects); without the URL a wrong --nats read as a mystery (operator tester h51).
+        log.warning("nats error", extra={"error": repr(exc), "nats": self._nats_servers})
 
     async def _on_disconnect(self) -> None:
         if self.dispatcher is not None:  # and again once back (`_on_reconnect`): the silence meanwhile is no pace

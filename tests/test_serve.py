@@ -323,3 +323,22 @@ async def test_a_box_whose_nats_hangs_still_exits_within_its_bound_and_answers_i
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+async def test_a_box_that_cannot_reach_its_nats_says_which_it_tries(tmp_path, caplog) -> None:
+    """Operator tester: `serve --nats` at a server that is not there kept trying, as documented, but its log lines
+    said only "Connection refused", never the URL: with no HTTP port open yet, the log is all an operator sees."""
+    from appliance.app import Box
+    from appliance.settings import Settings
+
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    box = Box(Settings(port=free_port(), nats=url, state_dir=tmp_path, device="cpu", default_model=False))
+    starting = asyncio.create_task(box.start())
+    try:
+        await wait_for(
+            lambda: any(getattr(r, "nats", None) == url for r in caplog.records if r.getMessage() == "nats error"),
+            what="a log line naming the NATS it tries",
+        )
+    finally:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
