@@ -251,6 +251,7 @@ async def _serve(settings: Settings, tui: bool = False, *, watchdog: bool = Fals
 
 async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog: bool) -> int:
     from appliance.app import Box
+    from appliance.errors import FleetboxError
     from appliance.natsd import NatsPortInUse
 
     box = Box(settings)
@@ -277,6 +278,8 @@ async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog:
         return 1
     except Exception as exc:
         log.error("box failed to start", extra={"error": repr(exc)})
+        if isinstance(exc, FleetboxError):  # its own words, as every other refusal at start says them (h51)
+            typer.echo(f"fleetbox: {exc.message}", err=True)
         await _stop(box, settings, watchdog=watchdog)
         return 1
     # A signal, or the `drain` control verb, ends the box the same way.

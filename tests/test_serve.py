@@ -342,3 +342,15 @@ async def test_a_box_that_cannot_reach_its_nats_says_which_it_tries(tmp_path, ca
     finally:
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
+
+
+async def test_a_start_refused_for_its_memory_budget_says_why_in_one_line(tmp_path, capsys) -> None:
+    """Operator tester: `--memory-budget 10MB` exited 1 with its reason in a JSON log line only, where every other
+    refusal at start prints one `fleetbox: ...` line."""
+    from appliance.cli import _serve
+    from appliance.settings import Settings
+
+    settings = Settings(port=free_port(), nats_port=free_port(), state_dir=tmp_path, device="cpu", memory_budget="10MB")
+    assert await _serve(settings) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetbox: ")]
+    assert "needs about" in line and "budget is" in line, line
