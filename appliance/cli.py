@@ -33,6 +33,22 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: se
 log = logging.getLogger("appliance.cli")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the fleetbox version and exit."),
+    ] = False,
+) -> None:
+    """fleetbox: serve a fleet of small models."""
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="HTTP bind address [FBX_HOST, default 127.0.0.1]")] = None,

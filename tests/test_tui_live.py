@@ -550,3 +550,12 @@ def test_the_tui_command_exits_non_zero_when_the_app_fails(monkeypatch) -> None:
     monkeypatch.setattr(FleetboxApp, "run_async", functools.partialmethod(FleetboxApp.run_async, headless=True))
     result = CliRunner().invoke(cli.app, ["tui", "--nats", "nats://127.0.0.1:1"])
     assert result.exit_code == 1, result.output
+
+
+def test_version_is_printed_by_the_option_and_the_command() -> None:
+    """Operator tester: `fleetbox --version` was a usage error; `fleetbox version` the only way."""
+    from appliance import __version__
+
+    for args in (["--version"], ["version"]):
+        result = CliRunner().invoke(cli.app, args)
+        assert (result.exit_code, result.output) == (0, f"{__version__}\n"), (args, result.output)
