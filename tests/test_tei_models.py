@@ -108,6 +108,15 @@ async def test_similarity_refusals_say_what_to_change(fleet, http, path, body, c
     assert names in answer["error"]["message"], answer
 
 
+async def test_too_many_sentences_are_counted_as_the_client_sent_them(fleet, http) -> None:
+    """Review r50: the source sentence is an input too; the 413 counted it among the sentences."""
+    limit = fleet.settings.max_inputs
+    body = {"inputs": {"source_sentence": "a", "sentences": ["b"] * limit}}
+    status, answer = await post(http, fleet, "/tei/bare-encoder/similarity", body)
+    assert (status, answer["error"]["code"]) == (413, "too_many_inputs"), answer
+    assert answer["error"]["message"].startswith(f"{limit} sentences is more than the limit of {limit - 1}"), answer
+
+
 async def test_info_at_a_models_tei_url_describes_that_model(fleet, http, hub) -> None:
     info = await hub(model=url(fleet, "/tei/sentiment"), provider="hf-inference").get_endpoint_info()
     assert info["model_id"] == "sentiment"

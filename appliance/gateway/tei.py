@@ -16,7 +16,7 @@ from aiohttp import web
 
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta
-from appliance.errors import Unprocessable
+from appliance.errors import PayloadTooLarge, Unprocessable
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.encoders import (
     MODEL_KIND,
@@ -150,6 +150,13 @@ async def similarity_tei(request: web.Request, body: bytes | None = None, served
     if parameters.truncation_direction is not None:
         tei = msgspec.structs.replace(tei, truncation_direction=parameters.truncation_direction)
     texts = [tei.inputs.source_sentence, *tei.inputs.sentences]
+    limit = GatewayContext.of(request).settings.max_inputs
+    if len(texts) > limit:  # said of the sentences the client sent, not of the inputs they are queued as
+        raise PayloadTooLarge(
+            f"{len(tei.inputs.sentences)} sentences is more than the limit of {limit - 1} (the source sentence is one "
+            f"of the {limit} inputs a request may hold)",
+            code="too_many_inputs",
+        )
     meta, reply = await _enqueue_tei(request, tei, EmbeddingRequest, Task.EMBED, served, input=texts, normalize=True)
     vectors = np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims)
     return json_response(vectors[1:] @ vectors[0], headers=timing(meta))
