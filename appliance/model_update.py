@@ -81,7 +81,7 @@ async def change_model(spec: ModelSpec, update: ModelUpdate, catalog: Catalog, s
         )
     aliases = None
     if update.aliases is not None:
-        check_aliases(spec.name, update.aliases)
+        check_aliases(spec.name, update.aliases, catalog)
         aliases = tuple(update.aliases)
         await refuse_taken(aliases, catalog, store, owner=spec.name)
     return await store.update(spec, ModelChange(aliases=aliases, pinned=update.pinned, batching=knobs))

@@ -146,9 +146,9 @@ def _task_for(registration: ModelRegistration, folder: Path) -> Task:
     return task
 
 
-def _check_fields(registration: ModelRegistration) -> None:
+def _check_fields(registration: ModelRegistration, catalog: Catalog) -> None:
     """What the schema cannot say: aliases judged like names, integers the catalog's JSON can hold, a profile."""
-    check_aliases(registration.name, registration.aliases)
+    check_aliases(registration.name, registration.aliases, catalog)
     numbers = {field: getattr(registration, field) for field in ("max_batch_tokens", "max_batch_size")}
     numbers |= {f"options.{key}": value for key, value in registration.options.items()}
     check_integers(numbers)
@@ -171,15 +171,21 @@ def _check_route_safe(name: str, what: str) -> None:
         )
 
 
-def check_aliases(name: str, aliases: list[str]) -> None:
+def check_aliases(name: str, aliases: list[str], catalog: Catalog | None = None) -> None:
     """A model's aliases, beyond each one's length and characters (the schema's `ModelName`): how many, not its
     own name, none twice, each one the routes can tell apart as a name (a registration's, and the new list of
-    `PATCH /v1/models/{name}`)."""
+    `PATCH /v1/models/{name}`), none a model's adapter address (`<model>:<x>`, the model itself included)."""
     if len(aliases) > MAX_ALIASES:
         raise Unprocessable(f"invalid request: at most {MAX_ALIASES} aliases, not {len(aliases)} - at `$.aliases`")
     for i, alias in enumerate(aliases):
         where = f"at `$.aliases[{i}]`"
         _check_route_safe(alias, "alias")
+        prefix = alias.rsplit(ADAPTER_SEPARATOR, 1)[0] if ADAPTER_SEPARATOR in alias else None
+        if prefix is not None and (prefix == name or (catalog is not None and catalog.get(prefix) is not None)):
+            raise Unprocessable(
+                f"invalid request: alias {alias!r} is the address of an adapter of {prefix}; choose another - {where}",
+                code="invalid_name",
+            )
         if alias == name:
             raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
         if alias in aliases[:i]:
@@ -257,7 +263,7 @@ async def register(
         slug = model_slug(name)
     except ValueError as exc:
         raise Unprocessable(str(exc), code="invalid_name") from None
-    _check_fields(registration)
+    _check_fields(registration, catalog)
     _check_route_safe(name, "model name")
     await refuse_taken((name, *registration.aliases), catalog, store)
     holder = catalog.by_slug(slug)

@@ -796,6 +796,8 @@ async def test_a_registration_names_what_it_cannot_take(start_box, http, encoder
         ({"name": "newline\n"}, "invalid_input", "$.name"),  # `$` matched before a last newline (review r50)
         ({"name": "m", "aliases": ["a\u200bb"]}, "invalid_input", "$.aliases[0]"),
         ({"name": "base:mine"}, "invalid_name", "register it with adapter_of 'base'"),
+        ({"name": "m", "aliases": ["base:v2"]}, "invalid_name", "the address of an adapter of base"),
+        ({"name": "m", "aliases": ["m:v2"]}, "invalid_name", "the address of an adapter of m"),
         ({"name": "ü-модель"}, "invalid_name", "needs at least one ASCII letter or digit"),
     ]
     for fields, code, words in cases:
