@@ -35,6 +35,11 @@ def not_ready_reason(box: Box) -> str | None:
                 if spec.name != DEFAULT_MODEL_NAME and box.residency.load_error(spec.name) is not None:
                     continue
                 return f"pinned model {spec.name} is not resident yet"
+            worker = box.workers.get(spec.name)
+            if spec.pinned and spec.adapter_of is None and worker is not None and not worker.pulling.is_set():
+                # Resident, its worker timing its warm-up batches: until then its heartbeat says no pace, and a
+                # gateway bounds a burst by rounds of its batches alone (32 of 200 short requests let in).
+                return f"pinned model {spec.name} is warming up"
     return None
 
 

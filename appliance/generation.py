@@ -92,6 +92,7 @@ class GenerateWorker:
         # Generations handed back (`hand_back`), naked once a step has dropped them from the runtime: redelivered
         # here sooner, the runtime still held the id and refused the new copy ("already generating").
         self._handed_back: list[Msg] = []
+        self.pulling = asyncio.Event()  # as a ModelWorker's: set as it starts
         self._wake = asyncio.Event()
         self._tasks = Background(f"generate:{spec.slug}")
         self._stepper: asyncio.Task[None] | None = None
@@ -116,6 +117,7 @@ class GenerateWorker:
         )
 
     async def start(self) -> None:
+        self.pulling.set()  # before its pullers: nothing to warm up, and a caller of `serve` may wait on it
         self._stepper = asyncio.create_task(self._step_forever(), name=f"generate:{self.spec.slug}")
         self._stepper.add_done_callback(self._stepper_ended)
         in_progress = keep_alive(self._held_messages, self._settings.ack_wait_s)

@@ -113,6 +113,7 @@ class ModelWorker:
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
+        self.pulling = asyncio.Event()  # set once warmed up and pulling: ready for this model (`/readyz`, `serve`)
 
     async def start(self) -> None:
         await self.batcher.warm_up()
@@ -120,6 +121,7 @@ class ModelWorker:
         await self.puller.start()
         await self.bulk_puller.start()
         self._ticker = asyncio.create_task(self._keep_alive(), name=f"in-progress:{self.spec.slug}")
+        self.pulling.set()
         log.info("worker pulling", extra={"model": self.spec.name, "box": self.box_id})
 
     def retune(self, batching: Batching) -> None:

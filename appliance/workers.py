@@ -125,6 +125,7 @@ class Workers:
         worker = self._table.get(spec.name)
         if worker is not None:
             self._residency.touch(spec.name)
+            await worker.pulling.wait()  # another caller starts it (warming up): served once it pulls
             return worker
         registered = spec
         spec = await self._profiled(spec)
@@ -139,6 +140,7 @@ class Workers:
             return await self._undo_load(spec.name, current)
         worker = self._table.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
+            await worker.pulling.wait()
             return worker
         if self.stopping:  # a load that began before the drain: a worker started now would pull, never drained
             raise ServiceUnavailable(f"this box is stopping; load {spec.name} on another box", retry_after_s=1)
@@ -148,6 +150,7 @@ class Workers:
             await worker.start()
         except BaseException:
             del self._table[spec.name]  # not pulling: placement must be free to try again
+            worker.pulling.set()  # callers waiting on it go on (and find it gone)
             await worker.drain()
             raise
         await self._announce()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 
@@ -122,3 +123,37 @@ def test_a_failing_loop_is_logged_once_when_it_starts_and_once_when_it_ends(capl
         ("DEBUG", "reading the thing failed"),
         ("INFO", "reading the thing works again"),
     ]
+
+
+async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up(start_box, http, monkeypatch) -> None:
+    """A box said ready once its pinned model was resident, a moment before its worker had timed its warm-up
+    batches: until then its heartbeat says no pace, and a burst sent then was bounded by rounds of its batches.
+    (At start the port opens once the pinned models' workers pull; a model pinned later is this case.)"""
+    from appliance.batcher import Batcher
+
+    box = await start_box(default_model=False, models=[noop_model(pinned=False)])
+    release = asyncio.Event()
+    warm_up = Batcher.warm_up
+
+    async def held_warm_up(self) -> None:
+        await release.wait()
+        await warm_up(self)
+
+    monkeypatch.setattr(Batcher, "warm_up", held_warm_up)
+    try:
+        async with http.post(url(box, "/v1/models/noop/pin")) as response:
+            assert response.status == 200
+
+        async def warming() -> bool:
+            async with http.get(url(box, "/readyz")) as response:
+                return (await response.json()).get("reason") == "pinned model noop is warming up"
+
+        await wait_for(warming, what="readyz to say the model warms up")
+    finally:
+        release.set()
+
+    async def ready() -> bool:
+        async with http.get(url(box, "/readyz")) as response:
+            return response.status == 200
+
+    await wait_for(ready, what="readyz to say ready once it pulls")
