@@ -129,6 +129,7 @@ class Residency:
         self._in_use = in_use or (lambda name: False)  # whether a model has requests in hand now
         self._resident: dict[str, Resident] = {}
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
+        self._loading_specs: dict[str, ModelSpec] = {}  # what each load in `_loading` loads
         self._evicting: dict[str, asyncio.Event] = {}  # set once the model is gone
         self._room_lock = asyncio.Lock()
         self._reserved: dict[str, int] = {}  # estimated bytes of models being loaded
@@ -177,8 +178,12 @@ class Residency:
             resident.last_used = time.monotonic()
 
     async def check_fits(self, spec: ModelSpec) -> None:
-        """Refuse (507) a model that could never fit, even with every unpinned model evicted."""
-        self._check_fits(spec, await self._estimate(spec))
+        """Refuse (507) a model that could never fit, even with every unpinned model evicted, beside the pinned
+        models loading here too (by their estimates): counting the resident ones only, a second pinned model
+        registered while the first loaded was let in and never loaded (regression tester h53)."""
+        loading = [s for name, s in self._loading_specs.items() if name in self.pinned and name != spec.name]
+        pending = sum([await self._estimate(other) for other in loading])
+        self._check_fits(spec, await self._estimate(spec), pending=pending)
 
     async def _estimate(self, spec: ModelSpec) -> int:
         """The bytes a load of `spec` is judged by: its estimate, or what a refused load of it measured, if more."""
@@ -188,8 +193,8 @@ class Residency:
             return max(estimate, measured[0])
         return estimate
 
-    def _check_fits(self, spec: ModelSpec, need: int, *, measured: bool = False) -> None:
-        held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
+    def _check_fits(self, spec: ModelSpec, need: int, *, measured: bool = False, pending: int = 0) -> None:
+        held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned) + pending
         if need > self.budget_bytes - held:
             size = (
                 f"measured {size_text(need)} loaded (weights and warm-up activations)"
@@ -214,6 +219,7 @@ class Residency:
             return await asyncio.shield(pending)
         future: asyncio.Future[Runtime] = asyncio.get_running_loop().create_future()
         self._loading[spec.name] = future
+        self._loading_specs[spec.name] = spec
         self._load_errors.pop(spec.name, None)
         try:
             runtime = await self._load(spec)
@@ -225,6 +231,7 @@ class Residency:
             raise
         finally:
             self._loading.pop(spec.name, None)
+            self._loading_specs.pop(spec.name, None)
         future.set_result(runtime)
         return runtime
 

@@ -148,7 +148,7 @@ async def test_a_gzip_body_is_read_member_by_member_and_nothing_after_it(default
     assert status == 200 and len(payload["data"]) == 1, payload
     for coding, body in (("gzip", gzip.compress(EMBED) + b"JUNK"), ("deflate", zlib.compress(EMBED) + b"JUNK")):
         status, payload, _ = await post(http, default_box, body, {**JSON, "Content-Encoding": coding})
-        assert status == 400 and coding in payload["error"]["message"], (coding, payload)
+        assert (status, payload["error"]["message"]) == (400, f"the body has 4 bytes after its {coding} data")
     headers = CIMultiDict([*JSON.items(), ("Content-Encoding", "identity"), ("Content-Encoding", "gzip")])
     status, payload, _ = await post(http, default_box, gzip.compress(EMBED), headers)
     assert status == 200, payload  # identity, then gzip: one coding

@@ -804,6 +804,7 @@ async def test_a_registration_names_what_it_cannot_take(start_box, http, encoder
         status, payload = await call(http, box, "POST", "/v1/models", {"path": str(encoder_dir), **fields})
         assert (status, payload["error"]["code"]) == (422, code), (fields, payload)
         assert words in payload["error"]["message"], (fields, payload)
+        assert "regex" not in payload["error"]["message"], payload  # said in words, not as the pattern
     for name in ("qwen2.5:0.5b", "a b", "ü-model"):  # a `:` before no model's name, inner spaces, some ASCII
         assert (await call(http, box, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)}))[0] == 201, name
 
@@ -823,3 +824,25 @@ async def test_a_pin_that_cannot_fit_beside_the_pinned_models_is_refused(start_b
     await wait_for(lambda: "first" not in box.residency.pinned, what="the unpin applied")
     status, body = await call(http, box, "POST", "/v1/models/second/pin")
     assert status == 200 and body["pinned"] is True, body
+
+
+async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, http) -> None:
+    """Regression tester h53: a second pinned model registered while the first still loaded was let in (only the
+    resident pinned models were counted), then never loaded: a 503 to every request for it."""
+    models = [noop_model("first", pinned=False, bytes=600), noop_model("second", pinned=False, bytes=600)]
+    box = await start_box(default_model=False, models=models, memory_budget="1000B")
+    release = asyncio.Event()
+    load = box.residency._load_runtime
+
+    async def held(spec):
+        await release.wait()
+        return await load(spec)
+
+    box.residency._load_runtime = held
+    try:
+        assert (await call(http, box, "POST", "/v1/models/first/pin"))[0] == 200
+        await wait_for(lambda: "first" in box.residency._loading, what="the first pinned model loading")
+        status, body = await call(http, box, "POST", "/v1/models/second/pin")
+        assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
+    finally:
+        release.set()

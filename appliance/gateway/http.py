@@ -41,7 +41,9 @@ _BOM = b"\xef\xbb\xbf"
 # zlib window bits: a gzip header, a zlib header, or raw deflate (some clients send `deflate` without a header).
 _GZIP, _ZLIB, _RAW_DEFLATE = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
 _ENCODINGS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": _ZLIB}
+_GZIP_MAGIC = b"\x1f\x8b"  # how a gzip member starts (RFC 1952)
 # A plain decimal number of seconds: ASCII digits, an optional fraction and exponent; no sign, `_`, nan or inf.
+_NAME_FIELD = re.compile(r"at `(\$\.(?:name|aliases\[\d+\]))`$")  # where a registration's names fail their pattern
 _SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
 
@@ -164,7 +166,7 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         body = inflater.unused_data
         if not body:
             return b"".join(parts)
-        if wbits != _GZIP:  # bytes after the stream: not the body its coding describes
+        if wbits != _GZIP or not body.startswith(_GZIP_MAGIC):  # bytes after the data, not another gzip member
             raise BadRequest(f"the body has {len(body)} bytes after its {encoding} data")
 
 
@@ -177,7 +179,14 @@ def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise Unprocessable(f"invalid request: {exc}") from None
+        message = str(exc)
+        if "matching regex" in message and (name := _NAME_FIELD.search(message)) is not None:
+            # msgspec quotes the pattern (292 characters of it); say what it means (regression tester h53).
+            message = (
+                "a model's name or alias may hold no control, invisible or direction-changing characters, nor "
+                f"begin or end with a space - at `{name.group(1)}`"
+            )
+        raise Unprocessable(f"invalid request: {message}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {_decode_error(body, exc)}", code="invalid_json") from None
     except RecursionError:  # deep nesting, even in a field the schema ignores
