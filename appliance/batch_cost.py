@@ -27,6 +27,7 @@ class BatchCost:
         self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums: weight, tokens, seconds, ...
         self.batches = 0  # of requests: what the batcher trusts the fit on to shape batches and its room
         self.samples = 0  # and the warm-up's made-up ones: what the pace a box reports is read from
+        self.most_rows = 0  # the most rows of a batch seen: the pace is read at no larger a batch (not extrapolated)
         self.tokens_per_row: float | None = None  # padded tokens per row of recent batches (EWMA)
 
     def observe(self, tokens: int, rows: int, seconds: float, *, made_up: bool = False) -> None:
@@ -42,6 +43,7 @@ class BatchCost:
         self._xy = d * self._xy + tokens * seconds
         self.batches += 0 if made_up else 1
         self.samples += 1
+        self.most_rows = max(self.most_rows, rows)
         per_row = tokens / rows
         self.tokens_per_row = per_row if self.tokens_per_row is None else 0.9 * self.tokens_per_row + 0.1 * per_row
 

@@ -173,19 +173,23 @@ class Fleet:
         bound by them long before its tokens (`box_round`)."""
         return self.box_round(model, "round_rows")
 
-    def pace_per_gateway(self, model: str) -> float | None:
+    def pace_per_gateway(self, model: str, field: str = "tokens_per_s") -> float | None:
         """The tokens a second the live boxes holding `model` compute, as their heartbeats measure it, shared among
-        the live gateways; None while no holder has measured its pace."""
+        the live gateways; None while no holder has measured its pace. `field` "rows_per_s": the rows a second."""
         live = [record for record in self.live_boxes() if not record.get("draining")]
         paces = [
-            float(entry["tokens_per_s"])
+            float(entry[field])
             for record in live
             for entry in record.get("models", [])
-            if entry.get("name") == model and isinstance(entry.get("tokens_per_s"), int | float)
+            if entry.get("name") == model and isinstance(entry.get(field), int | float)
         ]
         if not paces:
             return None
         return sum(paces) / max(1, len(taking_work(live, GATEWAY_ROLES)))
+
+    def rows_pace_per_gateway(self, model: str) -> float | None:
+        """The rows a second the holders of `model` compute, this gateway's share (`pace_per_gateway`)."""
+        return self.pace_per_gateway(model, "rows_per_s")
 
     def holders_per_gateway(self, model: str) -> Fraction:
         """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live

@@ -114,9 +114,13 @@ class ModelWorker:
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
         self.pulling = asyncio.Event()  # set once warmed up and pulling: ready for this model (`/readyz`, `serve`)
+        self._warming: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
-        await self.batcher.warm_up()
+        self._warming = asyncio.ensure_future(self.batcher.warm_up())
+        await self._warming
+        if self._draining:  # unloaded while it warmed up (an eviction, a delete): it must not start pulling
+            raise ServiceUnavailable(f"model {self.spec.name} was unloaded while it warmed up", retry_after_s=1)
         self.batcher.start()
         await self.puller.start()
         await self.bulk_puller.start()
@@ -137,6 +141,8 @@ class ModelWorker:
         thread is shared with other models), and one redelivered meanwhile would be computed twice.
         """
         self._draining = True
+        if self._warming is not None:  # its made-up batches end before the runtime may be closed (review r51)
+            await asyncio.gather(self._warming, return_exceptions=True)
         try:
             await self.puller.stop()
             await self.bulk_puller.stop()
@@ -162,6 +168,7 @@ class ModelWorker:
             "round_tokens": batching.max_batch_tokens * batching.concurrent_batches,
             "round_rows": batching.max_batch_size * batching.concurrent_batches,
             "tokens_per_s": self.batcher.tokens_per_s(),
+            "rows_per_s": self.batcher.rows_per_s(),
         }
         if not recent:
             return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held), **pace}

@@ -125,8 +125,7 @@ class Workers:
         worker = self._table.get(spec.name)
         if worker is not None:
             self._residency.touch(spec.name)
-            await worker.pulling.wait()  # another caller starts it (warming up): served once it pulls
-            return worker
+            return await self._started(spec.name, worker)
         registered = spec
         spec = await self._profiled(spec)
         runtime = await self._residency.ensure_loaded(spec)
@@ -140,8 +139,7 @@ class Workers:
             return await self._undo_load(spec.name, current)
         worker = self._table.get(spec.name)  # another caller may have started it while we loaded
         if worker is not None:
-            await worker.pulling.wait()
-            return worker
+            return await self._started(spec.name, worker)
         if self.stopping:  # a load that began before the drain: a worker started now would pull, never drained
             raise ServiceUnavailable(f"this box is stopping; load {spec.name} on another box", retry_after_s=1)
         worker = self._new_worker(spec, runtime)
@@ -149,14 +147,23 @@ class Workers:
         try:
             await worker.start()
         except BaseException:
-            del self._table[spec.name]  # not pulling: placement must be free to try again
             worker.pulling.set()  # callers waiting on it go on (and find it gone)
-            await worker.drain()
+            if self._table.get(spec.name) is worker:  # not taken out (and drained) by an eviction meanwhile
+                del self._table[spec.name]  # not pulling: placement must be free to try again
+                await worker.drain()
             raise
         await self._announce()
         latest = self._catalog.get(spec.name)  # as it is now: a change heard while the worker started is in it
         if latest is not None and latest.batching != registered.batching:  # changed while it loaded or started
             await self.retune(latest)
+        return worker
+
+    async def _started(self, name: str, worker: Worker) -> Worker:
+        """A worker another caller starts (it warms up), once it pulls; it may have been unloaded meanwhile (its start
+        failed, or an eviction took it out): then it is not this box's worker, and not served (review r51)."""
+        await worker.pulling.wait()
+        if self._table.get(name) is not worker:
+            raise ServiceUnavailable(f"model {name} was unloaded while it started on this box", retry_after_s=1)
         return worker
 
     async def _profiled(self, spec: ModelSpec) -> ModelSpec:

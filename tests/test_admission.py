@@ -888,6 +888,10 @@ def test_the_unmeasured_budget_is_a_round_as_a_box_holding_the_model_runs_it() -
     assert unmeasured_budget(Batching(16_384, 4, 2.0, 1), per_input=3.0) == 12
     assert unmeasured_budget(catalog, box_round=1024, box_rows=8, per_input=15.0) == 120
     assert unmeasured_budget(catalog, box_round=1024, box_rows=8, per_input=500.0) == 1024  # long inputs: tokens bind
+    # A pace read off 40-token rows, for 3-token inputs: they go a row each (review r51: 616 of a burst let in).
+    two_rows = Batching(16_384, 2, 2.0, 1)
+    assert unmeasured_budget(two_rows, per_input=3.0, pace=1232.6, max_queue_s=2.0) == 308
+    assert unmeasured_budget(two_rows, per_input=3.0, pace=1232.6, rows_pace=40.0, max_queue_s=2.0) == 30
 
 
 async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_the_model_say(start_box, http) -> None:
@@ -939,7 +943,7 @@ async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_t
             assert max(queued for status, queued in outcomes if status == 200) <= 2 * 2000, (burst, outcomes)
 
 
-async def test_a_fresh_box_says_its_pace_before_any_request_and_a_burst_is_let_in(start_box, encoder_dir) -> None:
+async def test_a_fresh_box_says_its_pace_before_any_request(start_box, encoder_dir) -> None:
     """Black-box finding: a box just started had timed no batch, so a gateway bounded a burst by rounds of its
     batches alone, rows counted (32 of 200 short requests let in; before rows were counted, 292 of 800). Its worker
     times a few batches of made-up rows first: its heartbeat says a pace from the start."""

@@ -366,3 +366,37 @@ def test_cancelled_ids_are_forgotten_in_the_order_they_came_and_kept_bounded() -
     expired = Cancellations(memory_s=0)
     expired.add("gone")
     assert not expired.contains("gone")
+
+
+async def test_a_model_unloaded_while_its_worker_warms_up_leaves_no_worker_pulling(
+    start_box, http, monkeypatch
+) -> None:
+    """Review r51: evicted while its worker timed its warm-up batches, the worker went on to start pulling on a closed
+    runtime, out of the box's table: requests it took were kept in progress for ever (one of three was a 504). Now
+    its start is refused, the load that asked for it says so, and the model is served by a worker of its own."""
+    from appliance.batcher import Batcher
+
+    box = await start_box(default_model=False, models=[noop_model(pinned=False)])
+    release = asyncio.Event()
+    warm_up = Batcher.warm_up
+
+    async def held_warm_up(self) -> None:
+        await release.wait()
+        await warm_up(self)
+
+    monkeypatch.setattr(Batcher, "warm_up", held_warm_up)
+    loading = asyncio.create_task(http.post(url(box, "/v1/models/noop/load")))
+    await wait_for(lambda: box.workers.get("noop") is not None, what="the worker to be warming up")
+    orphan = box.workers.get("noop")
+    evicting = asyncio.create_task(box.residency.evict("noop"))  # its drain waits for the warm-up to end
+    await wait_for(lambda: orphan._draining, what="the worker to be drained")
+    release.set()
+    assert await evicting
+    async with await loading as response:
+        assert response.status == 503, await response.text()
+    assert orphan.batcher._task is None and box.workers.get("noop") is not orphan  # it never started pulling
+    monkeypatch.setattr(Batcher, "warm_up", warm_up)
+    for i in range(3):
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"x{i}"}) as response:
+            assert response.status == 200
+    assert orphan.held == 0

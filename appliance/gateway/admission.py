@@ -57,6 +57,7 @@ def unmeasured_budget(
     per_input: float | None = None,
     boxes: Fraction = Fraction(1),
     pace: float | None = None,
+    rows_pace: float | None = None,
     max_queue_s: float = 10.0,
 ) -> int:
     """One round of a model's batches: what `Admission` scales its bound by while the model's rate is not measured.
@@ -77,7 +78,9 @@ def unmeasured_budget(
     1,024-token rounds, a fraction of a second of a box's work, refused half of 8 requests of 32 inputs its box
     answered in under one (review r41), where four rounds of the catalog's were a minute of it. Half: the pace is
     the device's, at the row sizes it has been seeing, in padded tokens where a request weighs an estimate; a
-    burst unlike them waits longer than it says (review r42).
+    burst unlike them waits longer than it says (review r42). Inputs shorter than those rows go no faster than a
+    row each (`rows_pace`): read in tokens alone, the warm-up's 40-token rows let thousands of 3-token requests
+    of a burst in on a model of 2-row batches (review r51).
     """
     if decode_batch is not None:
         return decode_batch * GENERATION_ROUND_TOKENS
@@ -86,6 +89,8 @@ def unmeasured_budget(
         rows = box_rows or batching.max_batch_size * batching.concurrent_batches
         one_box = min(one_box, max(1, math.ceil(rows * per_input)))
     budget = max(1, math.floor(one_box * boxes))
+    if pace and per_input is not None and rows_pace:  # inputs of `per_input` tokens go at most a row each
+        pace = min(pace, rows_pace * per_input)
     if pace:
         budget = max(budget, math.floor(pace * max_queue_s / (2 * _BURST_ROUNDS)))
     return budget

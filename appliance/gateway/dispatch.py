@@ -79,6 +79,7 @@ class Dispatcher:
         box_round: Callable[[str], int | None] | None = None,
         box_round_rows: Callable[[str], int | None] | None = None,
         pace: Callable[[str], float | None] | None = None,
+        rows_pace: Callable[[str], float | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.box_id = box_id
@@ -89,6 +90,7 @@ class Dispatcher:
         self._box_round_rows = box_round_rows or (lambda model: None)  # and the rows it holds
         # The tokens a second its holders compute, this gateway's share (`Fleet.pace_per_gateway`), None unknown.
         self._pace = pace or (lambda model: None)
+        self._rows_pace = rows_pace or (lambda model: None)  # and the rows a second (`Fleet.rows_pace_per_gateway`)
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
         self._max_queue_s = max_queue_s
         self._nc = nc
@@ -291,6 +293,7 @@ class Dispatcher:
                 per_input=weight / max(1, inputs),
                 boxes=boxes,
                 pace=self._pace(spec.name),
+                rows_pace=self._rows_pace(spec.name),
                 max_queue_s=self._max_queue_s,
             )
         queue = self._admission.admit(
