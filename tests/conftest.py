@@ -76,6 +76,21 @@ async def start_box(nats_server: EmbeddedNats) -> AsyncIterator[BoxFactory]:
         await box.stop()
 
 
+def hold_warm_ups(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Workers started from now on wait in their warm-up until the event returned is set."""
+    from appliance.batcher import Batcher
+
+    release = asyncio.Event()
+    warm_up = Batcher.warm_up
+
+    async def held_warm_up(self: Batcher) -> None:
+        await release.wait()
+        await warm_up(self)
+
+    monkeypatch.setattr(Batcher, "warm_up", held_warm_up)
+    return release
+
+
 def noop_model(name: str = "noop", *, pinned: bool = True, **options: Any) -> ModelEntry:
     """A model on the no-op runtime: the serving path without model cost (or with a set cost)."""
     return ModelEntry(name=name, runtime="noop", pinned=pinned, options=options)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import replace
 
@@ -12,7 +11,7 @@ from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME
 from appliance.logs import FailureStreak
 from appliance.settings import ModelEntry
-from tests.conftest import box_settings, noop_model, url, wait_for
+from tests.conftest import box_settings, hold_warm_ups, noop_model, url, wait_for
 from tests.test_large_and_broken import NOT_ITS_WEIGHTS, folder_that_fails_to_load
 
 
@@ -129,17 +128,8 @@ async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up(start_box, htt
     """A box said ready once its pinned model was resident, a moment before its worker had timed its warm-up
     batches: until then its heartbeat says no pace, and a burst sent then was bounded by rounds of its batches.
     (At start the port opens once the pinned models' workers pull; a model pinned later is this case.)"""
-    from appliance.batcher import Batcher
-
     box = await start_box(default_model=False, models=[noop_model(pinned=False)])
-    release = asyncio.Event()
-    warm_up = Batcher.warm_up
-
-    async def held_warm_up(self) -> None:
-        await release.wait()
-        await warm_up(self)
-
-    monkeypatch.setattr(Batcher, "warm_up", held_warm_up)
+    release = hold_warm_ups(monkeypatch)
     try:
         async with http.post(url(box, "/v1/models/noop/pin")) as response:
             assert response.status == 200

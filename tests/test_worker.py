@@ -28,7 +28,7 @@ from appliance.catalog import Catalog
 from appliance.configured import configured_specs
 from appliance.delivery import Cancellations
 from appliance.envelope import ReplyMeta, RequestMeta
-from tests.conftest import deliveries, in_progress_acks, noop_model, url, wait_for
+from tests.conftest import deliveries, hold_warm_ups, in_progress_acks, noop_model, url, wait_for
 
 NOOP_BODY = {"input": ["one two three"], "model": "noop"}
 NOOP_RAW = b'{"input": "x", "model": "noop"}'
@@ -374,17 +374,8 @@ async def test_a_model_unloaded_while_its_worker_warms_up_leaves_no_worker_pulli
     """Review r51: evicted while its worker timed its warm-up batches, the worker went on to start pulling on a closed
     runtime, out of the box's table: requests it took were kept in progress for ever (one of three was a 504). Now
     its start is refused, the load that asked for it says so, and the model is served by a worker of its own."""
-    from appliance.batcher import Batcher
-
     box = await start_box(default_model=False, models=[noop_model(pinned=False)])
-    release = asyncio.Event()
-    warm_up = Batcher.warm_up
-
-    async def held_warm_up(self) -> None:
-        await release.wait()
-        await warm_up(self)
-
-    monkeypatch.setattr(Batcher, "warm_up", held_warm_up)
+    release = hold_warm_ups(monkeypatch)
     loading = asyncio.create_task(http.post(url(box, "/v1/models/noop/load")))
     await wait_for(lambda: box.workers.get("noop") is not None, what="the worker to be warming up")
     orphan = box.workers.get("noop")
@@ -395,7 +386,7 @@ async def test_a_model_unloaded_while_its_worker_warms_up_leaves_no_worker_pulli
     async with await loading as response:
         assert response.status == 503, await response.text()
     assert orphan.batcher._task is None and box.workers.get("noop") is not orphan  # it never started pulling
-    monkeypatch.setattr(Batcher, "warm_up", warm_up)
+    monkeypatch.undo()  # warm-ups as they are again
     for i in range(3):
         async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"x{i}"}) as response:
             assert response.status == 200
