@@ -254,14 +254,9 @@ async def test_a_worker_whose_stepping_dies_lets_its_requests_go_to_another_box(
     assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
 
 
-async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_again(
-    start_box, nats_server, http, generator_dir
-) -> None:
-    """A gateway that lost a chunk of a streamed answer asks the box generating it to hand it back (a request on the
-    cancel subject naming the box, `again`): the box stops it, says so, and naks its message; it is generated again
-    from the start (here by the same box, the only one) and the client's stream carries on from the text it had. A
-    box asked for a generation it does not hold says so."""
-    box, worker = await generating_box(start_box, generator_dir)
+def hold_decoding_once_a_chunk_is_sent(worker) -> tuple[threading.Event, threading.Event]:
+    """The worker's next decode step after a chunk was sent waits (on the device thread) until the test sets the
+    second event; the first is set when it starts waiting: the generation is held mid-answer."""
     runtime = worker.runtime
     decode, streamed, asked = runtime._decode, threading.Event(), threading.Event()
 
@@ -272,6 +267,18 @@ async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_a
         return decode()
 
     runtime._decode = held_decode
+    return streamed, asked
+
+
+async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_again(
+    start_box, nats_server, http, generator_dir
+) -> None:
+    """A gateway that lost a chunk of a streamed answer asks the box generating it to hand it back (a request on the
+    cancel subject naming the box, `again`): the box stops it, says so, and naks its message; it is generated again
+    from the start (here by the same box, the only one) and the client's stream carries on from the text it had. A
+    box asked for a generation it does not hold says so."""
+    box, worker = await generating_box(start_box, generator_dir)
+    streamed, asked = hold_decoding_once_a_chunk_is_sent(worker)
 
     async def stream_events() -> list:
         async with http.post(url(box, "/v1/completions"), json=completion(PROMPT, stream=True)) as response:
@@ -307,16 +314,7 @@ async def test_a_generation_on_its_last_delivery_is_not_handed_back(
     """Review r50: handed back on its `max_deliver`-th delivery, a generation was dead-lettered, its client told 422
     `dead_lettered` (blaming the request) for a lost chunk. The box says no: the gateway answers 503 `chunk_lost`."""
     box, worker = await generating_box(start_box, generator_dir, max_deliver=1)
-    runtime = worker.runtime
-    decode, streamed, asked = runtime._decode, threading.Event(), threading.Event()
-
-    def held_decode():
-        if not asked.is_set() and any(stream.seq > 0 for stream in list(worker._streams.values())):
-            streamed.set()
-            assert asked.wait(_BOUND_S), "the test did not ask for the hand-back"
-        return decode()
-
-    runtime._decode = held_decode
+    streamed, asked = hold_decoding_once_a_chunk_is_sent(worker)
     answer = asyncio.create_task(http.post(url(box, "/v1/completions"), json=completion(PROMPT, stream=True)))
     await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
     (request_id,) = worker._streams
