@@ -180,16 +180,27 @@ def check_aliases(name: str, aliases: list[str], catalog: Catalog | None = None)
     for i, alias in enumerate(aliases):
         where = f"at `$.aliases[{i}]`"
         _check_route_safe(alias, "alias")
-        prefix = alias.rsplit(ADAPTER_SEPARATOR, 1)[0] if ADAPTER_SEPARATOR in alias else None
-        if prefix is not None and (prefix == name or (catalog is not None and catalog.get(prefix) is not None)):
+        owner = adapter_address_of(alias, catalog, also=name)
+        if owner is not None:
             raise Unprocessable(
-                f"invalid request: alias {alias!r} is the address of an adapter of {prefix}; choose another - {where}",
+                f"invalid request: alias {alias!r} is the address of an adapter of {owner}; choose another - {where}",
                 code="invalid_name",
             )
         if alias == name:
             raise Unprocessable(f"invalid request: alias {alias!r} is the model's own name - {where}")
         if alias in aliases[:i]:
             raise Unprocessable(f"invalid request: alias {alias!r} is given twice - {where}")
+
+
+def adapter_address_of(name: str, catalog: Catalog | None, also: str | None = None) -> str | None:
+    """The model whose adapter address `name` is (`<model>:<x>`, `<model>` registered, or `also`), or None."""
+    if ADAPTER_SEPARATOR not in name:
+        return None
+    prefix = name.rsplit(ADAPTER_SEPARATOR, 1)[0]
+    if prefix == also:
+        return prefix
+    owner = catalog.get(prefix) if catalog is not None else None
+    return owner.name if owner is not None else None
 
 
 def check_options(task: Task, runtime: RuntimeKind, options: dict[str, Any]) -> None:
@@ -304,9 +315,9 @@ async def register(
             )
         if ADAPTER_SEPARATOR in name and not name.startswith(base.name + ADAPTER_SEPARATOR):
             raise Unprocessable(f"an adapter named with ':' must be named {base.name}:<adapter>", code="invalid_name")
-    elif ADAPTER_SEPARATOR in name and (owner := catalog.get(name.rsplit(ADAPTER_SEPARATOR, 1)[0])) is not None:
+    elif (owner := adapter_address_of(name, catalog)) is not None:
         raise Unprocessable(
-            f"{name!r} is the address of an adapter of {owner.name}: register it with adapter_of {owner.name!r}, "
+            f"{name!r} is the address of an adapter of {owner}: register it with adapter_of {owner!r}, "
             "or give the model a name of its own",
             code="invalid_name",
         )
