@@ -28,7 +28,9 @@ def not_ready_reason(box: Box) -> str | None:
         return "draining"
     if box.settings.runs_models:
         for spec in box.catalog:
-            if spec.pinned and spec.adapter_of is None and not box.residency.is_resident(spec.name):
+            if not spec.pinned or spec.adapter_of is not None:
+                continue
+            if not box.residency.is_resident(spec.name):
                 # A pinned model whose load failed here would keep every box out of rotation until
                 # someone unpins it: it stops counting (its record shows `load_error`). The packaged
                 # default model always counts: a box is not ready without it.
@@ -36,7 +38,7 @@ def not_ready_reason(box: Box) -> str | None:
                     continue
                 return f"pinned model {spec.name} is not resident yet"
             worker = box.workers.get(spec.name)
-            if spec.pinned and spec.adapter_of is None and worker is not None and not worker.pulling.is_set():
+            if worker is not None and not worker.pulling.is_set():
                 # Resident, its worker timing its warm-up batches: until then its heartbeat says no pace, and a
                 # gateway bounds a burst by rounds of its batches alone (32 of 200 short requests let in).
                 return f"pinned model {spec.name} is warming up"
