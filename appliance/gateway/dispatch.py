@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -105,7 +105,8 @@ class Dispatcher:
         self._streams: dict[str, StreamWaiter] = {}
         self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
-        self._cancels: set[asyncio.Task[None]] = set()  # cancels sent for requests answered without their box
+        # Cancels sent for requests answered without their box, and asks to hand a generation back (`_start_over`).
+        self._cancels = Background("cancels sent")
         self._dropped_blobs = Background("dropped reply blobs")  # deletes of the bodies of replies dropped
         self._republishes = Background("requests published again")  # by `queue_lost`
         self._nuid = NUID()
@@ -189,12 +190,7 @@ class Dispatcher:
         return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
 
     def _cancel_soon(self, request_id: str, box: str | None = None) -> None:
-        self._spawn_cancel(self._publisher.cancel(request_id, box))
-
-    def _spawn_cancel(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
+        self._cancels.spawn(self._publisher.cancel(request_id, box))
 
     async def _start_over(self, request_id: str, box: str, lost: Reply) -> None:
         """A chunk of a streamed answer was lost in transit while `box` still generates it: the box is asked to hand
@@ -474,7 +470,7 @@ class Dispatcher:
             if stitched.late:
                 self._metrics.duplicate_replies.inc()
             if stitched.lost is not None:
-                self._spawn_cancel(self._start_over(meta.id, meta.box, stitched.lost))
+                self._cancels.spawn(self._start_over(meta.id, meta.box, stitched.lost))
             if stitched.reply is not None:
                 if stitched.reply.meta.final:
                     self._admission.answered(stream.final_at or time.monotonic())
