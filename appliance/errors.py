@@ -74,6 +74,10 @@ class UnsupportedMediaType(FleetboxError):
     status, type, code = 415, "invalid_request_error", "unsupported_media_type"
 
 
+class ExpectationFailed(FleetboxError):
+    status, type, code = 417, "invalid_request_error", "expectation_failed"
+
+
 class Unprocessable(FleetboxError):
     status, type, code = 422, "invalid_request_error", "invalid_input"
 

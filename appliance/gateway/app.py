@@ -18,6 +18,7 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from appliance.catalog import ModelSpec
 from appliance.errors import (
+    ExpectationFailed,
     FleetboxError,
     InternalError,
     MethodNotAllowed,
@@ -52,9 +53,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     request_id = request[REQUEST_ID] = ctx.new_request_id()
     try:
         if (expect := request.get(_UNKNOWN_EXPECT)) is not None:  # in the error shape, logged and counted
-            error = FleetboxError(f"unknown Expect: {expect[:100]!r}; only 100-continue is understood")
-            error.status, error.type, error.code = 417, "invalid_request_error", "expectation_failed"
-            raise error
+            raise ExpectationFailed(f"unknown Expect: {expect[:100]!r}; only 100-continue is understood")
         if ctx.is_draining() and request.path not in _OPERATIONS:
             # A stopping box takes no new work, even on a connection kept alive from before: the client's retry
             # goes to another box at once, and the box stops as soon as what it took is answered.
