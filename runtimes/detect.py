@@ -391,9 +391,11 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     # Only a load through transformers reads the config with its class: a shipped graph or no-op does not.
     if runtime is RuntimeKind.TORCH or (runtime is RuntimeKind.ONNX and shipped is None):
         check_safetensors_whole(safetensors_files(folder), required=(folder / SAFETENSORS_INDEX).is_file())
-        _refuse_missing_layers(folder, _json_object(folder / "config.json"))
+        config = _json_object(folder / "config.json")
+        shapes = _safetensors_shapes(safetensors_files(folder))  # the headers, read once for both checks
+        _refuse_missing_layers(folder, config, shapes)
         layer_types = judge_config(folder)
-        _refuse_misshapen_weights(folder, _json_object(folder / "config.json"))  # once its class takes the config
+        _refuse_misshapen_weights(folder, config, shapes)  # once its class takes the config
         if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them
             refuse_other_layers(layer_types or (), folder)
 
@@ -404,7 +406,7 @@ _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers")
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers?|h)\.(\d+)\.")  # GPT-2's blocks are `h.3.`
 
 
-def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
+def _refuse_missing_layers(folder: Path, config: Mapping[str, Any], shapes: Mapping[str, list[int]]) -> None:
     """Refuse a config.json that describes more layers than the weights hold: transformers would fill the rest
     with random values and the model would answer nonsense. Read from the safetensors headers, without torch; the
     load checks every weight (runtimes/torch_backend.py), this is the case that is cheap to see before it."""
@@ -413,11 +415,7 @@ def _refuse_missing_layers(folder: Path, config: Mapping[str, Any]) -> None:
     layers = config.get(field)
     if not isinstance(layers, int) or isinstance(layers, bool):
         return
-    found = {
-        int(match.group(1))
-        for name in _safetensors_shapes(safetensors_files(folder))
-        if (match := _LAYER_INDEX.search(name))
-    }
+    found = {int(match.group(1)) for name in shapes if (match := _LAYER_INDEX.search(name))}
     if found and max(found) + 1 < layers:
         raise UnsupportedModel(
             f"the weights in {folder} do not cover the model its config.json describes: it says "
@@ -431,12 +429,11 @@ _EMBEDDING = re.compile(r"(?:^|\.)(?:word_embeddings|embed_tokens|wte)\.weight$"
 _HEADS = ("classifier.weight", "classifier.out_proj.weight", "score.weight")
 
 
-def _refuse_misshapen_weights(folder: Path, config: Mapping[str, Any]) -> None:
+def _refuse_misshapen_weights(folder: Path, config: Mapping[str, Any], shapes: Mapping[str, list[int]]) -> None:
     """Refuse a config.json whose sizes its weights do not have: a width (`hidden_size`), a vocabulary or a head's
     label count edited by hand (5 labels in `id2label` for a 3-label head), which every load then failed on (a 503
     to every request, after a 201: black-box finding). Read from the safetensors headers, without torch: the token
     embedding's rows and columns, and a classification head's rows."""
-    shapes = _safetensors_shapes(safetensors_files(folder))
     if not shapes:
         return
     width_field = next((name for name in _WIDTH_FIELDS if isinstance(config.get(name), int)), None)
