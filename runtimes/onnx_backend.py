@@ -27,15 +27,23 @@ import onnxruntime as ort
 
 from runtimes.base import ModelSource, Task, shipped_onnx
 from runtimes.onnx_export import OnnxArtifact, ensure_exported, head_for
+from runtimes.options import ONNX_OPT_LEVELS
 
 DEFAULT_CACHE_DIR = Path("~/.cache/fleetbox/onnx")
 
-_OPT_LEVELS = {
-    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
+# The levels' names are the ones registration judges `onnx_opt_level` by (runtimes/options.py), in their order.
+_OPT_LEVELS = dict(
+    zip(
+        ONNX_OPT_LEVELS,
+        (
+            ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        ),
+        strict=True,
+    )
+)
 _INPUT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 _HIDDEN_OUTPUTS = ("last_hidden_state", "token_embeddings")
 _POOLED_OUTPUTS = ("sentence_embedding", "sentence_embeddings", "embeddings", "embedding", "text_embeds")
