@@ -23,7 +23,7 @@ import typer
 
 from appliance import __version__, fleet_cli
 from appliance.logs import configure_logging
-from appliance.settings import Settings, load_settings, settings_problems
+from appliance.settings import Settings, load_settings, settings_problems, unknown_variables
 from appliance.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -133,6 +133,8 @@ def serve(
     if in_use:
         raise typer.Exit(1)
     configure_logging(settings.log_level, runs_models=settings.runs_models)
+    for warning in unknown_variables(os.environ):
+        log.warning(warning)
     import uvloop
 
     code = uvloop.run(_serve(settings, tui=tui, watchdog=True))
@@ -384,6 +386,8 @@ def tune(
         _refuse_settings(settings_problems(exc))
         raise typer.Exit(2) from None
     _refuse_settings([_device_problem(settings.device)])
+    for warning in unknown_variables(os.environ):
+        typer.echo(f"fleetbox: {warning}", err=True)
     code = run_tune(
         model,
         settings,

@@ -6,6 +6,7 @@ Models come from `[[models]]` tables of the same TOML file.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -98,6 +99,8 @@ class ModelEntry(BaseModel):
     """One `[[models]]` table: a model the box should know at start, judged as `POST /v1/models` judges its
     fields (a typo here is a settings error at start, not a load that fails later)."""
 
+    model_config = ConfigDict(extra="forbid")  # `pined = true` was dropped in silence and the model not pinned
+
     name: ModelName
     path: Path | None = None  # a folder; None only for the no-op runtime
     task: Literal["embed", "score", "classify", "extract", "generate"] | None = None
@@ -131,7 +134,7 @@ class ModelEntry(BaseModel):
 
 class Settings(BaseSettings):
     # inf and nan are no time, size or rate: `FBX_DEFAULT_TIMEOUT_S=inf` was accepted (and only capped later)
-    model_config = SettingsConfigDict(env_prefix="FBX_", extra="ignore", allow_inf_nan=False)
+    model_config = SettingsConfigDict(env_prefix="FBX_", extra="forbid", allow_inf_nan=False)
 
     # HTTP gateway
     host: str = "127.0.0.1"
@@ -356,6 +359,25 @@ class Settings(BaseSettings):
         return self.role in MODEL_ROLES
 
 
+_NOT_SETTINGS = frozenset({"FBX_CONFIG"})  # variables read beside the settings: the TOML file's path
+
+
+def unknown_variables(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """`FBX_MAX_BATCH_TOKEN is not a setting (did you mean FBX_MAX_BATCH_TOKENS?)` for each `FBX_*` variable that
+    names no setting: the environment source reads only its fields' variables, so a misspelt one did nothing."""
+    known = {f"FBX_{field.upper()}" for field in Settings.model_fields} | _NOT_SETTINGS
+    return [
+        f"{name} is not a setting{_did_you_mean(name, known)}; ignored"
+        for name in sorted(environ)
+        if name.startswith("FBX_") and name not in known
+    ]
+
+
+def _did_you_mean(name: str, known: set[str] | list[str]) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _keys(raw: str | None) -> list[str]:
     return [key.strip() for key in (raw or "").split(",") if key.strip()]
 
@@ -414,9 +436,13 @@ def settings_problems(exc: BaseException) -> list[str]:
         given = error.get("input")
         if error["type"] == "string_pattern_mismatch" and where in _PATTERN_RULES:
             message = _PATTERN_RULES[where]
+        if error["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted"
+            fields = ModelEntry.model_fields if error["loc"][0] == "models" else Settings.model_fields
+            message = f"not a setting{_did_you_mean(str(error['loc'][-1]), list(fields))}"
         secret = where in _SECRET_FIELDS  # keys are never printed, not even in a refusal
         if (
             not secret
+            and error["type"] != "extra_forbidden"
             and isinstance(given, str | int | float)
             and not isinstance(given, bool)
             and str(given) not in message

@@ -601,6 +601,37 @@ async def test_evict_from_a_named_box_that_does_not_hold_it_or_runs_no_models_sa
     assert status == 200 and body["evicted_from"] == ["holder"]
 
 
+async def test_evict_of_a_model_still_loading_is_a_conflict_saying_so(start_box, http) -> None:
+    """An eviction while the model loads found nothing resident: a 404 `not resident` with the box named (or a 200
+    evicting nothing through the CLI), and the model then loaded all the same."""
+    box = await start_box(box_id="loader", default_model=False, models=[noop_model("a", pinned=False)])
+    release = hold_loads(box)
+    loading = asyncio.create_task(call(http, box, "POST", "/v1/models/a/load"))
+    try:
+        await wait_for(lambda: box.residency.is_loading("a"), what="the model loading")
+        status, body = await call(http, box, "POST", "/v1/models/a/evict", {"box": "loader"})
+        assert (status, body["error"]["code"]) == (409, "conflict"), body
+        assert body["error"]["message"] == "model a is loading on box loader; evict it once it is loaded"
+    finally:
+        release.set()
+    assert (await loading)[0] == 200
+    status, body = await call(http, box, "POST", "/v1/models/a/evict", {"box": "loader"})
+    assert (status, body["evicted_from"]) == (200, ["loader"])
+
+
+def hold_loads(box) -> asyncio.Event:
+    """Loads on `box` wait until the event returned is set (a model stays `loading` as long as a test needs)."""
+    release = asyncio.Event()
+    load = box.residency._load_runtime
+
+    async def held(spec):
+        await release.wait()
+        return await load(spec)
+
+    box.residency._load_runtime = held
+    return release
+
+
 async def consumers_of(box, slug: str) -> list[str]:
     """Which of the model's two consumers exist on the request stream."""
     made = []
@@ -831,14 +862,7 @@ async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, ht
     resident pinned models were counted), then never loaded: a 503 to every request for it."""
     models = [noop_model("first", pinned=False, bytes=600), noop_model("second", pinned=False, bytes=600)]
     box = await start_box(default_model=False, models=models, memory_budget="1000B")
-    release = asyncio.Event()
-    load = box.residency._load_runtime
-
-    async def held(spec):
-        await release.wait()
-        return await load(spec)
-
-    box.residency._load_runtime = held
+    release = hold_loads(box)
     try:
         assert (await call(http, box, "POST", "/v1/models/first/pin"))[0] == 200
         await wait_for(lambda: "first" in box.residency._loading, what="the first pinned model loading")

@@ -14,7 +14,14 @@ from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
 from appliance.configured import configured_specs
 from appliance.natsd import free_port
-from appliance.settings import MAX_CONCURRENT_BATCHES, ModelEntry, Settings, load_settings, memory_budget_bytes
+from appliance.settings import (
+    MAX_CONCURRENT_BATCHES,
+    ModelEntry,
+    Settings,
+    load_settings,
+    memory_budget_bytes,
+    unknown_variables,
+)
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
@@ -234,6 +241,25 @@ def test_each_bad_setting_is_one_line_naming_the_field_and_the_value(tmp_path) -
     assert result.output.splitlines() == [
         "fleetbox: bad settings: port: Input should be less than or equal to 65535 (got 70000)",
         "fleetbox: bad settings: replicas: Input should be greater than or equal to 1 (got 0)",
+    ]
+
+
+def test_a_misspelt_key_of_the_config_file_is_refused_with_the_setting_it_is_near(tmp_path) -> None:
+    config = tmp_path / "box.toml"
+    config.write_text('max_body_byte = 5\n[[models]]\nname = "fast"\nruntime = "noop"\npined = true\n')
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--config", str(config)])
+    assert result.exit_code == 2
+    assert sorted(result.output.splitlines()) == [
+        "fleetbox: bad settings: max_body_byte: not a setting (did you mean max_body_bytes?)",
+        "fleetbox: bad settings: models.0.pined: not a setting (did you mean pinned?)",
+    ]
+
+
+def test_an_fbx_variable_that_is_no_setting_is_named_with_the_one_it_is_near() -> None:
+    environ = {"FBX_MAX_BATCH_TOKEN": "512", "FBX_PORT": "1", "FBX_CONFIG": "box.toml", "FBX_ZZZZ": "1", "HOME": "/"}
+    assert unknown_variables(environ) == [
+        "FBX_MAX_BATCH_TOKEN is not a setting (did you mean FBX_MAX_BATCH_TOKENS?); ignored",
+        "FBX_ZZZZ is not a setting; ignored",
     ]
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -22,6 +22,8 @@ from nats.errors import Error as NatsError
 from appliance.connect import NO_AUTH, NatsAuth
 
 log = logging.getLogger(__name__)
+
+_REFUSALS_PER_SERVER = 2  # refusals in a row from each server after which a bounded first connect gives up
 
 
 class NatsUnreachable(ConnectionError):
@@ -64,15 +66,22 @@ async def dial(
     The first connect tries for `give_up_after_s`, then raises `NatsUnreachable` naming the last
     reason (the CLI's one-shot verbs); with None it tries for ever (the TUI), telling `on_problem`
     each reason so that the screen can show it. nats-py itself would retry a first connect for
-    ever in silence.
+    ever in silence. A bounded connect gives up at once when every server has refused twice in a
+    row (nothing listens there: waiting out the bound only delays the one line that says so).
     """
     urls = [url.strip() for url in servers.split(",") if url.strip()]
     if not urls:  # nats-py would loop for ever over an empty server list
         raise NatsUnreachable(servers, "no NATS URL given")
     problems: list[str] = []  # the last one only
+    refusals = 0  # in a row
+    all_refused = asyncio.Event()
 
     async def failed(exc: Exception) -> None:  # nats-py prints errors itself otherwise
+        nonlocal refusals
         problems[:] = [connect_problem(exc)]
+        refusals = refusals + 1 if isinstance(exc, ConnectionRefusedError) else 0
+        if refusals >= _REFUSALS_PER_SERVER * len(urls):
+            all_refused.set()
         if on_problem is not None:
             on_problem(problems[0])
 
@@ -93,7 +102,10 @@ async def dial(
     )
     try:  # not wait_for: on Python 3.11 it can swallow a cancel (the TUI quitting while it dials)
         async with asyncio.timeout(give_up_after_s):
-            await connecting
+            if give_up_after_s is None:
+                await connecting
+            else:
+                await _first_of(connecting, all_refused.wait())
     except asyncio.CancelledError:
         await _close_quietly(nc)
         raise
@@ -104,6 +116,22 @@ async def dial(
     except Exception as exc:  # a URL nats-py cannot parse, a credentials file it cannot use
         await _close_quietly(nc)
         raise NatsUnreachable(servers, connect_problem(exc)) from None
+
+
+async def _first_of(connecting: Coroutine[Any, Any, None], refused: Coroutine[Any, Any, bool]) -> None:
+    """Await the connect, or raise TimeoutError as the bound would once every server refused."""
+    connect_task = asyncio.ensure_future(connecting)
+    refused_task = asyncio.ensure_future(refused)
+    try:
+        done, _ = await asyncio.wait((connect_task, refused_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused_task.cancel()
+        if not connect_task.done():
+            connect_task.cancel()
+            await asyncio.gather(connect_task, return_exceptions=True)
+    if connect_task not in done:
+        raise TimeoutError
+    connect_task.result()
 
 
 async def connect(servers: str, auth: NatsAuth = NO_AUTH, *, give_up_after_s: float | None = 10.0) -> NATS:
