@@ -331,6 +331,7 @@ class Box:
         if spec is None:
             self.residency.pinned.discard(name)
             self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it
+            self.workers.adapter_deleted()  # and its generations still waiting for a decode slot are answered 404
             if self.residency.is_resident(name):
                 self._spawn(self.workers.evict(name))
             return

@@ -54,6 +54,7 @@ def decode_generation(body: bytes) -> ChatRequest | CompletionRequest:
 
 def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionRequest) -> Any:
     """The prompt's token ids: the chat rendered with the model's template, or the completion's text."""
+    truncate, keep = request.prompt_cut()
     try:
         if isinstance(request, ChatRequest):
             controls = TemplateControls(
@@ -62,8 +63,10 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
                 variables=request.chat_template_kwargs or {},
             )
             messages = [template_message(m) for m in request.messages]
-            return runtime.apply_chat_template(messages, truncate=request.truncate, controls=controls)
-        return runtime.tokenize([request.text()], truncate=request.truncate)[0].ids
+            ids = runtime.apply_chat_template(messages, truncate=truncate, controls=controls)
+        else:
+            ids = runtime.tokenize([request.text()], truncate=truncate)[0].ids
+        return ids if keep is None else ids[-keep:]
     except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
         chat = isinstance(request, ChatRequest)
         what = "the conversation, rendered with the model's chat template," if chat else "the prompt"

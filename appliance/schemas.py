@@ -9,7 +9,7 @@ its real default, and `_NullIsDefault` puts the default back after decoding.
 from __future__ import annotations
 
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -288,8 +288,9 @@ class ToolCall(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # OpenAI's content parts: text only (these are text models). `null`: an assistant turn of tool calls.
-    content: str | list[TextPart] | None
+    # OpenAI's content parts: text only (these are text models). `null`, or left out: an assistant turn of tool calls
+    # (the openai SDK and vLLM send one so; left out of another role's message, it is refused as OpenAI does).
+    content: str | list[TextPart] | msgspec.UnsetType | None = msgspec.UNSET
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's
     tool_call_id: str | None = None  # a tool turn's: the call it answers
@@ -300,10 +301,14 @@ class ChatMessage(msgspec.Struct, kw_only=True):
             raise ValueError(f"tool_calls is only allowed in an assistant message, not a {self.role} one")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError(f"tool_call_id is only allowed in a tool message, not a {self.role} one")
+        if self.content is msgspec.UNSET:
+            if self.role != "assistant":
+                raise ValueError(f"a {self.role} message needs its content")
+            self.content = None
 
     def text(self) -> str:
         """The content as one string: parts joined by newlines (as vLLM joins them), `null` as empty."""
-        if self.content is None:
+        if self.content is None or self.content is msgspec.UNSET:
             return ""
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
@@ -324,6 +329,8 @@ DEFAULT_MAX_TOKENS = 256  # a generation's length limit when the request gives n
 
 
 class _Sampling(_NullIsDefault, kw_only=True):
+    _ADDS_SPECIAL_TOKENS: ClassVar[bool] = True  # the prompt's tokens as fleetbox (and vLLM by default) make them
+
     model: str
     max_tokens: Positive | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # None: the model's own default
@@ -341,6 +348,8 @@ class _Sampling(_NullIsDefault, kw_only=True):
     n: Positive | None = 1  # above 1: refused (`refused`), as the other features fleetbox does not implement
     user: str | None = None
     truncate: bool | None = False
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds, as `truncate`); it was ignored (h62)
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     adapter: str | None = None
     timeout: Timeout | None = None
     # OpenAI fields fleetbox does not implement: accepted at their "off" value only (`refused`).
@@ -364,6 +373,11 @@ class _Sampling(_NullIsDefault, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    logits_processors: list[Any] | None = None
+    prompt_embeds: Any = None
+    add_special_tokens: bool | None = None  # off its route's default (true for a completion, false for a chat)
 
     def new_tokens(self) -> int:
         """The most tokens the answer may have: `max_tokens`, else `DEFAULT_MAX_TOKENS`."""
@@ -381,7 +395,17 @@ class _Sampling(_NullIsDefault, kw_only=True):
         """Why fields that are each valid cannot go together, or None."""
         if self.stream_options is not None and not self.stream:
             return 'stream_options is only allowed with "stream": true'
+        if self.truncate_prompt_tokens == 0:
+            return "truncate_prompt_tokens must be -1 (as many as the context holds) or at least 1"
         return None
+
+    def prompt_cut(self) -> tuple[bool, int | None]:
+        """Whether a prompt longer than the context is cut (from the left) rather than refused, and the most of its
+        last tokens it keeps (`truncate_prompt_tokens`), if it says."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return bool(self.truncate), None
+        return True, (keep if keep > 0 else None)
 
     def refused(self) -> list[str]:
         """The fields asking for what fleetbox does not do (tools, structured output, logprobs, ...): a 422 each,
@@ -403,6 +427,11 @@ class _Sampling(_NullIsDefault, kw_only=True):
             "bad_words": bool(self.bad_words),
             "prompt_logprobs": self.prompt_logprobs is not None,
             "use_beam_search": bool(self.use_beam_search),
+            "return_tokens_as_token_ids": bool(self.return_tokens_as_token_ids),
+            "return_token_ids": bool(self.return_token_ids),
+            "logits_processors": bool(self.logits_processors),
+            "prompt_embeds": self.prompt_embeds is not None,
+            "add_special_tokens": self.add_special_tokens not in (None, self._ADDS_SPECIAL_TOKENS),
         }
         guided = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
         asked |= {name: getattr(self, name) is not None for name in guided}
@@ -466,6 +495,9 @@ class ChatRequest(_Sampling, kw_only=True):
     # vLLM's, refused: a template of the client's own (vLLM too, unless its server trusts them), and echo.
     chat_template: str | None = None
     echo: bool | None = False
+    documents: list[Any] | None = None  # vLLM's: documents for a RAG template; not handed over, so refused
+
+    _ADDS_SPECIAL_TOKENS: ClassVar[bool] = False  # the template writes them
 
     def conflict(self) -> str | None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -485,6 +517,7 @@ class ChatRequest(_Sampling, kw_only=True):
             "audio": self.audio is not None,
             "web_search_options": self.web_search_options is not None,
             "moderation": self.moderation is not None,
+            "documents": bool(self.documents),
         }
         return super().refused() + [name for name, on in asked.items() if on]
 

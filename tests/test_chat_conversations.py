@@ -124,6 +124,19 @@ async def test_tool_calls_outside_an_assistant_turn_are_a_422(echo_box, http) ->
     assert "tool_call_id is only allowed in a tool message" in body["error"]["message"]
 
 
+def test_an_assistant_turn_of_tool_calls_may_leave_its_content_out(echoed: Render) -> None:
+    """As the openai SDK's types and vLLM allow it (h62: a 422 `missing required field content`); it reaches the
+    template as the same turn with `content` null."""
+    without = [TOOL_TURNS[0], {"role": "assistant", "tool_calls": [CALL]}, TOOL_TURNS[2]]
+    assert echoed(messages=without) == echoed(messages=TOOL_TURNS)
+
+
+async def test_a_message_of_another_role_without_content_is_a_422(echo_box, http) -> None:
+    status, body = await chat(http, echo_box, messages=[{"role": "user"}])
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+    assert "a user message needs its content" in body["error"]["message"], body
+
+
 async def test_chat_template_kwargs_reach_the_template_through_the_box(echo_box, http, echo_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -64,6 +64,12 @@ async def post(http, box, route: str, body: dict) -> tuple[int, dict]:
         ("/v1/completions", {"skip_special_tokens": False, "use_beam_search": True}, "skip_special_tokens, use_beam"),
         # vLLM's chat fields, answered 200 as if not sent: a template of the client's own, and echo.
         ("/v1/chat/completions", {"chat_template": "{{ messages }}", "echo": True}, "chat_template, echo"),
+        # vLLM's extensions found ignored (h62's review of the rest): the answer's form, the prompt's tokens.
+        ("/v1/completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
+        ("/v1/chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
+        ("/v1/chat/completions", {"documents": [{"title": "t", "text": "x"}]}, "documents"),
+        ("/v1/completions", {"logits_processors": ["x"], "prompt_embeds": "AAAA"}, "logits_processors, prompt_embeds"),
         # A chat's conversation on the completions route: the box rendered it as a chat, under a completion's shape.
         ("/v1/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
     ],
@@ -79,8 +85,23 @@ async def test_a_parameter_fleetbox_does_not_implement_is_refused_by_name(box, h
 async def test_vllm_extensions_at_their_off_values_are_answered(box, http) -> None:
     off = {"ignore_eos": False, "min_tokens": 0, "stop_token_ids": [], "include_stop_str_in_output": False}
     off |= {"skip_special_tokens": True, "guided_json": None, "use_beam_search": False}
-    status, body = await post(http, box, "/v1/completions", COMPLETION | off)
+    off |= {"return_tokens_as_token_ids": False, "return_token_ids": False, "logits_processors": []}
+    status, body = await post(http, box, "/v1/completions", COMPLETION | off | {"add_special_tokens": True})
     assert status == 200, body
+    status, body = await post(http, box, "/v1/chat/completions", CHAT | off | {"add_special_tokens": False})
+    assert status == 200, body
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(box, http) -> None:
+    """vLLM's `truncate_prompt_tokens` was taken and ignored (h62): the whole prompt was generated from."""
+    long = COMPLETION | {"prompt": "one two three four five six seven eight", "temperature": 0}
+    _, whole = await post(http, box, "/v1/completions", long)
+    status, cut = await post(http, box, "/v1/completions", long | {"truncate_prompt_tokens": 3})
+    assert status == 200 and cut["usage"]["prompt_tokens"] == 3 < whole["usage"]["prompt_tokens"], (cut, whole)
+    status, same = await post(http, box, "/v1/completions", long | {"truncate_prompt_tokens": -1})
+    assert status == 200 and same["usage"] == whole["usage"], same
+    status, body = await post(http, box, "/v1/completions", long | {"truncate_prompt_tokens": 0})
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
 
 
 async def test_a_completion_that_names_messages_in_a_value_is_a_completion(box, http) -> None:
