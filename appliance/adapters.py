@@ -22,9 +22,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from appliance.catalog import ModelSpec
+from appliance.errors import ServiceUnavailable
 from appliance.metrics import Metrics
 from runtimes import UnknownAdapter
-from runtimes.base import AdapterHost, AdapterInUse
+from runtimes.base import AdapterConflict, AdapterHost, AdapterInUse
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class BaseAdapters:
             entry.retired = True  # deleted while this request waited for another load: it has it, then it goes
         self._in_flight.add(entry)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._host.load_adapter, key, spec.path)
+            await self._load_beside_others(entry)
         finally:
             self._in_flight.discard(entry)
         self._entries[key] = entry
@@ -149,6 +150,33 @@ class BaseAdapters:
         self._metrics.loads.labels(spec.name).inc()
         log.info("adapter loaded", extra={"model": self._base, "adapter": spec.name})
         return entry
+
+    async def _load_beside_others(self, entry: LoadedAdapter) -> None:
+        """Load the entry's adapter; where adapters loaded here are in its way (`AdapterConflict`: peft wraps a module
+        one way for them and another for it), unload those no request holds and load it then. One held keeps it
+        out for now: a 503 to retry, not the 422 of an adapter trained for another base (h62: two valid adapters
+        refused each other, whichever loaded second)."""
+        load = self._host.load_adapter
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, load, entry.key, entry.spec.path)
+            return
+        except AdapterConflict as conflict:
+            in_the_way = [self._entries[key] for key in conflict.adapters if key in self._entries]
+            if len(in_the_way) < len(conflict.adapters) or any(other.holders for other in in_the_way):
+                raise self._kept_out(entry, in_the_way) from None
+            for other in in_the_way:
+                if not await self._unload(other, "adapter_conflict"):
+                    raise self._kept_out(entry, in_the_way) from None
+        await loop.run_in_executor(self._executor, load, entry.key, entry.spec.path)
+
+    def _kept_out(self, entry: LoadedAdapter, in_the_way: list[LoadedAdapter]) -> ServiceUnavailable:
+        names = ", ".join(sorted({other.spec.name for other in in_the_way})) or "another adapter"
+        return ServiceUnavailable(
+            f"LoRA adapter {entry.spec.name} cannot be loaded on {self._base} beside {names}, which requests are "
+            "using now (peft wraps a module they share one way for them and another for it); try again once they end",
+            retry_after_s=1,
+        )
 
     def _new_key(self) -> str:
         """A runtime name no load on this base had: not the adapter's name, which another load may still use."""

@@ -43,7 +43,7 @@ from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
-from appliance.worker import hold_adapter
+from appliance.worker import RecentAnswers, hold_adapter
 from runtimes import UnknownAdapter
 from runtimes.generate import GenerateRuntime, StepOutput
 
@@ -85,6 +85,7 @@ class GenerateWorker:
         self._catalog = catalog
         self._blobs = blobs
         self._streams: dict[str, Stream] = {}
+        self._answered = RecentAnswers()
         self._idle = asyncio.Event()  # set whenever no stream is active, for drain
         self._idle.set()
         self._started = time.time()  # a request sent before it waited for this model's load (cold start)
@@ -149,8 +150,10 @@ class GenerateWorker:
         adapter load (one at a time per base) or prompt rendering can outlast `ack_wait` too."""
         return [stream.msg for stream in self._streams.values()] + list(self._preparing.values())
 
-    def stats(self) -> dict[str, float]:
-        return {"held": self.held, "active": self.runtime.active}
+    def stats(self, window_s: float = 10.0) -> dict[str, float]:
+        """As a ModelWorker's, for the heartbeat: answers/s and whole-generation p50/p99 (ms) over `window_s`
+        (they were left out: `fleetbox models list` showed a busy generator idle, h62), and the decode batch."""
+        return {**self._answered.summary(window_s), "held": self.held, "active": self.runtime.active}
 
     def _room(self) -> int:
         return max(0, min(self._capacity, self._settings.worker_capacity) - self.held)
@@ -383,6 +386,8 @@ class GenerateWorker:
         if output.finished:
             self._forget(output.request_id)
         await self._replies.send(stream, output, step_ms)
+        if output.finished:
+            self._answered.add(stream.meta)
 
     # -- stop ------------------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ class ModelWorker:
             box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining
         )
         self._started = time.time()
-        self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms) of recent answers
+        self._answered = RecentAnswers()
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
         self._holds: dict[str, AdapterHold] = {}  # request id -> the adapter kept loaded for it
         self._tasks = Background(f"worker:{spec.slug}")
@@ -160,8 +160,6 @@ class ModelWorker:
 
     def stats(self, window_s: float = 10.0) -> dict[str, float]:
         """Requests/s and end-to-end p50/p99 (ms) over the last `window_s`, for the heartbeat."""
-        now = time.monotonic()
-        recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
         batching = self.batcher.batching  # as this box runs it: its profile's, or a retune's
         # What a gateway's burst bound reads: a round of this box's batches, and the pace it works at.
         pace = {
@@ -170,15 +168,7 @@ class ModelWorker:
             "tokens_per_s": self.batcher.tokens_per_s(),
             "rows_per_s": self.batcher.rows_per_s(),
         }
-        if not recent:
-            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "held": len(self._held), **pace}
-        return {
-            "rps": round(len(recent) / window_s, 2),
-            "p50_ms": round(recent[len(recent) // 2], 2),
-            "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
-            "held": len(self._held),
-            **pace,
-        }
+        return {**self._answered.summary(window_s), "held": len(self._held), **pace}
 
     def _room(self, *, for_bulk: bool = False) -> int:
         # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still
@@ -370,7 +360,7 @@ class ModelWorker:
             # for its gateway (review r43).
             await self._blobs.ack(self._current(meta.id, msg), meta.blob)
             self._residency.touch(self.spec.name)  # used: eviction takes the least recently used
-            self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
+            self._answered.add(meta)
         finally:
             self._let_go(meta.id)
             self.puller.poke()
@@ -390,6 +380,29 @@ class ModelWorker:
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks.spawn(coro)
+
+
+class RecentAnswers:
+    """When a worker's recent answers came and how long each took from its gateway's send: the heartbeat's
+    requests/s and end-to-end p50/p99 of a model, which `fleetbox models list` and the TUI show."""
+
+    def __init__(self) -> None:
+        self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms)
+
+    def add(self, meta: RequestMeta) -> None:
+        self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
+
+    def summary(self, window_s: float) -> dict[str, float]:
+        """Requests/s and p50/p99 (ms) over the last `window_s`; zeros when none came."""
+        now = time.monotonic()
+        recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
+        if not recent:
+            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
+        return {
+            "rps": round(len(recent) / window_s, 2),
+            "p50_ms": round(recent[len(recent) // 2], 2),
+            "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
+        }
 
 
 async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> AdapterHold:

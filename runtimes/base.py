@@ -52,6 +52,15 @@ class UnsupportedModel(ValueError):
     """A model folder fleetbox cannot serve (architecture, missing files, or an adapter that does not fit)."""
 
 
+class AdapterConflict(UnsupportedModel):
+    """An adapter that fits the base but not beside `adapters` resident on it: peft wraps a module one way for them
+    (a LoRA layer, a `modules_to_save` copy, trainable tokens) and another way for it. It loads once they are gone."""
+
+    def __init__(self, message: str, adapters: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.adapters = adapters
+
+
 class AdapterInUse(ValueError):
     """An adapter's unload refused while a request runs with it (a generation): try again once it ends."""
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from runtimes.base import UnknownAdapter, UnsupportedModel
+from runtimes.base import AdapterConflict, UnknownAdapter, UnsupportedModel
 from runtimes.detect import check_adapter_folder
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
@@ -105,6 +105,8 @@ class LoraAdapters:
             first = self._peft is None
             if first:
                 self._tree = _module_tree(self._base)
+            else:
+                self._refuse_beside_others(name, path)
             self._before_change()
             config: Any = None
             try:
@@ -192,6 +194,32 @@ class LoraAdapters:
         self._unwrap_empty_copies()
         self._alias_gaps()
 
+    def _refuse_beside_others(self, name: str, path: Path) -> None:
+        """Raise `AdapterConflict` when the adapter in `path` needs a module wrapped one way (a LoRA layer, a
+        `modules_to_save` copy, trainable tokens) that resident adapters have wrapped another way: peft cannot have
+        both, and refused it with its own words ("Target module ModulesToSaveWrapper is not supported"), which read as
+        an adapter trained for another base, and served whichever of the two loaded first (h62)."""
+        aliased = {(id(module), alias) for module, alias in self._aliases}
+        wrapped = {
+            module_name: (kind, {a for a in adapters if (id(module), a) not in aliased})
+            for module_name, module in self._peft.named_modules()
+            if (found := _wrapping(module)) is not None
+            for kind, adapters in [found]
+        }
+        in_the_way: dict[str, set[str]] = {}
+        for module_name, kind in _modules_adapted(path).items():
+            other_kind, adapters = wrapped.get(module_name, (kind, set()))
+            if other_kind != kind and adapters:
+                in_the_way.setdefault(module_name.removeprefix("base_model.model."), set()).update(adapters)
+        if in_the_way:
+            where, adapters = next(iter(in_the_way.items()))
+            raise AdapterConflict(
+                f"LoRA adapter {name!r} cannot be loaded beside adapter(s) {', '.join(sorted(adapters))} on this "
+                f"base: it adapts {where} in a way peft cannot combine with theirs (a LoRA layer, a modules_to_save "
+                "copy or trainable tokens)",
+                tuple(sorted(set().union(*in_the_way.values()))),
+            )
+
     def _alias_gaps(self) -> None:
         """Give each `modules_to_save` wrapper the base's own module under every resident adapter it has no copy
         of, so a mixed batch finds one for each row's adapter (peft's would raise KeyError)."""
@@ -205,14 +233,15 @@ class LoraAdapters:
                         self._aliases.append((module, name))
 
     def _unwrap_empty_copies(self) -> None:
-        """Put back the base's own module where a `modules_to_save` wrapper holds no adapter's copy any more: one a
-        refused load left (a generator adapter's norm copies) failed every mixed batch, base rows included."""
-        from peft.utils.other import ModulesToSaveWrapper
-
+        """Put back the base's own module where a wrapper holds no adapter's weights any more: a `modules_to_save`
+        wrapper a refused load left (a generator adapter's norm copies) failed every mixed batch, base rows included;
+        a LoRA layer or trainable-tokens wrapper left by an unloaded adapter kept out an adapter that copies the
+        module (peft cannot wrap a wrapper)."""
         for module_name, module in list(self._peft.named_modules()):
-            if isinstance(module, ModulesToSaveWrapper) and not module.modules_to_save:
+            found = _wrapping(module)
+            if found is not None and not found[1]:
                 parent_name, _, attribute = module_name.rpartition(".")
-                setattr(self._peft.get_submodule(parent_name), attribute, module.original_module)
+                setattr(self._peft.get_submodule(parent_name), attribute, _unwrapped(module))
 
     def _drop_aliases(self) -> None:
         for module, name in self._aliases:
@@ -275,10 +304,17 @@ _MIXABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2
 
 def _refuse_unmixable(model: torch.nn.Module, name: str, path: Path) -> None:
     """Refuse a `modules_to_save` copy of a module peft cannot switch per row (a LayerNorm, a head made of
-    several layers): every call on the base, whichever adapter its rows use, would fail."""
-    from peft.utils.other import ModulesToSaveWrapper
+    several layers), or trainable tokens: every call on the base, whichever adapter its rows use, would fail."""
+    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 
     for module_name, module in model.named_modules():
+        if isinstance(module, TrainableTokensWrapper) and name in module.token_adapter.trainable_tokens_delta:
+            # peft's mixed batch fails with it and another adapter's rows ("Length of `adapter_names` should be the
+            # same as the number of inputs"), every row of the decode batch with it.
+            raise UnsupportedModel(
+                f"LoRA adapter {path} trains tokens of {module_name} (trainable_token_indices), which peft cannot "
+                "switch per row of a batch that has other adapters' rows; save it without trainable tokens"
+            )
         if isinstance(module, ModulesToSaveWrapper) and name in module.modules_to_save:
             if not isinstance(module.original_module, _MIXABLE):
                 kind = type(module.original_module).__name__
@@ -304,6 +340,62 @@ def _refuse_unplaced(model: torch.nn.Module, name: str, path: Path) -> None:
             f"LoRA adapter {path} has {len(unplaced)} weights this base has no place for (such as "
             f"{unplaced[0].removeprefix('base_model.model.')}): it was trained on {why or 'another model'}"
         )
+
+
+_LORA_MARKERS = (
+    ".lora_A.",
+    ".lora_B.",
+    ".lora_embedding_A",
+    ".lora_embedding_B",
+    ".lora_magnitude_vector",
+    ".base_layer.",
+)
+_TOKENS_MARKER = ".token_adapter."
+
+
+def _wrapping(module: torch.nn.Module) -> tuple[str, set[str]] | None:
+    """How peft wrapped this module, if it did: `lora`, `copy` (modules_to_save) or `tokens`, and for which adapters."""
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
+
+    if isinstance(module, LoraLayer):
+        return "lora", {name for layers in LoraLayer.adapter_layer_names for name in getattr(module, layers)}
+    if isinstance(module, ModulesToSaveWrapper):
+        return "copy", set(module.modules_to_save)
+    if isinstance(module, TrainableTokensWrapper):
+        return "tokens", set(module.token_adapter.trainable_tokens_delta)
+    return None
+
+
+def _unwrapped(module: Any) -> torch.nn.Module:
+    """The base's own module inside a peft wrapper (see `_wrapping`)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    return module.get_base_layer() if isinstance(module, LoraLayer) else module.original_module
+
+
+def _modules_adapted(path: Path) -> dict[str, str]:
+    """The modules an adapter's saved weights adapt, by their peft name, and how (as `_wrapping` says it)."""
+    weights = path / "adapter_model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as saved:
+            keys = list(saved.keys())
+    else:
+        from peft.utils import load_peft_weights
+
+        keys = list(load_peft_weights(str(path), device="cpu"))
+    adapted = {}
+    for key in keys:
+        lora = next((marker for marker in _LORA_MARKERS if marker in key), None)
+        if lora is not None:
+            adapted[key.split(lora)[0]] = "lora"
+        elif _TOKENS_MARKER in key:
+            adapted[key.split(_TOKENS_MARKER)[0]] = "tokens"
+        else:
+            adapted[key.rpartition(".")[0]] = "copy"
+    return adapted
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:

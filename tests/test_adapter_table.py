@@ -163,3 +163,27 @@ async def test_an_adapter_deleted_while_a_request_waits_for_another_load_is_not_
     await wait_for(lambda: "a" not in table.names(), what="the deleted adapter to leave the table")
     await wait_for(lambda: len(generator.adapters) == (0 if ahead == "the same adapter" else 1), what="unloads")
     table.close()
+
+
+async def test_an_adapter_in_the_way_of_another_is_unloaded_when_idle_and_a_503_while_in_use(
+    generator: GenerateRuntime, model_dirs: dict[Task, Path], executor: ThreadPoolExecutor, tmp_path: Path
+) -> None:
+    """Two valid adapters peft cannot hold together (a copy of embed_tokens, a LoRA on it): the second was a 422
+    `bad_adapter` ("does not fit this base"), whichever loaded second (h62). Now the one in the way is unloaded
+    when no request holds it, and a request for the other waits for nothing; while one holds it, a 503 to retry."""
+    from appliance.errors import ServiceUnavailable
+    from tests.models import make_adapter
+
+    base_dir = model_dirs[Task.GENERATE]
+    copy = make_adapter(Task.GENERATE, base_dir, tmp_path / "copy", seed=61, modules_to_save=["embed_tokens"])
+    lora = make_adapter(Task.GENERATE, base_dir, tmp_path / "lora", seed=62, target_modules=["q_proj", "embed_tokens"])
+    table = BaseAdapters("base", generator, 8, executor, Metrics())
+    held = await table.acquire(adapter_spec("copy", copy, Task.GENERATE), hold=True)
+    with pytest.raises(ServiceUnavailable, match="cannot be loaded on base beside copy, which requests are using"):
+        await table.acquire(adapter_spec("lora", lora, Task.GENERATE), hold=False)
+    table.release(held)
+    entry = await table.acquire(adapter_spec("lora", lora, Task.GENERATE), hold=False)
+    assert table.names() == ["lora"] and generator.adapters == (entry.key,)
+    await table.acquire(adapter_spec("copy", copy, Task.GENERATE), hold=False)  # and back: it is the one in the way
+    assert table.names() == ["copy"]
+    table.close()

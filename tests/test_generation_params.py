@@ -275,3 +275,15 @@ async def test_a_prompt_of_token_ids_is_refused_by_name(box, http, prompt, statu
     assert got == status, answer
     if code is not None:
         assert answer["error"]["code"] == code and said in answer["error"]["message"], answer
+
+
+async def test_a_generators_answers_are_in_its_heartbeat_stats_as_an_encoders_are(box, http) -> None:
+    """`fleetbox models list` and the TUI read req/s and p50/p99 from the heartbeat: a generator's were left out, so a
+    busy generator showed idle (h62)."""
+    assert box.workers.stats(MODEL)["rps"] == 0.0
+    for _ in range(3):
+        status, body = await post(http, box, "/v1/completions", COMPLETION)
+        assert status == 200, body
+    stats = box.workers.stats(MODEL)
+    assert stats["rps"] == 0.3, stats  # 3 answers in the 10 s window
+    assert stats["p99_ms"] >= stats["p50_ms"] > 0, stats

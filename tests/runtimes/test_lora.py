@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtimes import ModelSource, Task, load_runtime
-from runtimes.base import UnknownAdapter, UnsupportedModel
+from runtimes.base import AdapterConflict, UnknownAdapter, UnsupportedModel
 from runtimes.generate import GenerateRuntime, SamplingParams
 from tests.models import make_adapter, save_roberta_classifier
 
@@ -668,5 +668,59 @@ def test_a_generator_adapter_refused_next_to_others_leaves_them_and_the_base_ser
         for name, folder in (("plain", adapter_dirs[task]), ("headed", headed)):
             reference = _peft_reference(task, base_dir, folder)
             assert [o.token_id for o in outputs[name]] == greedy_reference(reference, prompt, 4), name
+    finally:
+        runtime.close()
+
+
+def test_adapters_that_wrap_one_module_two_ways_refuse_each_other_as_a_conflict_and_load_once_it_is_gone(
+    model_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """A `modules_to_save` copy of embed_tokens (or lm_head) and a LoRA on it each load alone, but peft cannot wrap
+    the module both ways: the second was refused with peft's words, as an adapter for another base, whichever came
+    second (h62). It is an `AdapterConflict` naming the adapter in the way; once that is unloaded it loads, and
+    answers as it does alone: a LoRA layer left empty by an unloaded adapter is unwrapped, where it kept a copy out
+    for good."""
+    task, base_dir = Task.GENERATE, model_dirs[Task.GENERATE]
+    folders = {
+        "embed-copy": make_adapter(task, base_dir, tmp_path / "ec", seed=51, modules_to_save=["embed_tokens"]),
+        "embed-lora": make_adapter(task, base_dir, tmp_path / "el", seed=52, target_modules=["q_proj", "embed_tokens"]),
+        "head-copy": make_adapter(task, base_dir, tmp_path / "hc", seed=53, modules_to_save=["lm_head"]),
+        "head-lora": make_adapter(task, base_dir, tmp_path / "hl", seed=54, target_modules=["q_proj", "lm_head"]),
+        "plain": make_adapter(task, base_dir, tmp_path / "plain", seed=55),
+    }
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    runtime = load_runtime(ModelSource(base_dir, task))
+    try:
+        prompt = prompt_ids(runtime, "The quick brown fox")
+        runtime.load_adapter("plain", folders["plain"])
+        pairs = [("embed-copy", "embed-lora"), ("embed-lora", "embed-copy"), ("head-lora", "head-copy")]
+        for first, second in pairs:
+            runtime.load_adapter(first, folders[first])
+            with pytest.raises(AdapterConflict, match=f"beside adapter\\(s\\) {first} ") as refused:
+                runtime.load_adapter(second, folders[second])
+            assert refused.value.adapters == (first,)
+            runtime.evict_adapter(first)
+            runtime.load_adapter(second, folders[second])
+            outputs = drive(runtime, {0: [(second, prompt, greedy, second), ("plain", prompt, greedy, "plain")]})
+            for name in (second, "plain"):
+                reference = greedy_reference(_peft_reference(task, base_dir, folders[name]), prompt, 4)
+                assert [o.token_id for o in outputs[name]] == reference, (first, second, name)
+            runtime.evict_adapter(second)
+        assert runtime.adapters == ("plain",)
+    finally:
+        runtime.close()
+
+
+def test_a_generator_refuses_an_adapter_with_trainable_tokens(model_dirs: dict[Task, Path], tmp_path: Path) -> None:
+    """peft's mixed batch failed every row of a decode batch that held it and another adapter's rows (h62's
+    trainable-tokens adapter served alone only)."""
+    task, base_dir = Task.GENERATE, model_dirs[Task.GENERATE]
+    tokens = make_adapter(task, base_dir, tmp_path / "tokens", seed=56, trainable_token_indices=[3, 5])
+    runtime = load_runtime(ModelSource(base_dir, task))
+    try:
+        runtime.load_adapter("plain", make_adapter(task, base_dir, tmp_path / "plain", seed=57))
+        with pytest.raises(UnsupportedModel, match="trainable_token_indices"):
+            runtime.load_adapter("tokens", tokens)
+        assert runtime.adapters == ("plain",)
     finally:
         runtime.close()
