@@ -23,6 +23,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
 from appliance import box_status, bus
@@ -63,6 +64,7 @@ from appliance.workers import Workers
 log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
+_MISSING_LOOKS = 3  # looks of the stream monitor in a row that find the request stream or consumers gone
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 
 
@@ -285,6 +287,7 @@ class Box:
                 self.blobs,
                 max_waiting=self.settings.max_waiting,
                 max_queue_s=self.settings.max_queue_s,
+                max_timeout_s=self.settings.max_timeout_s,
                 holders_per_gateway=self.fleet.holders_per_gateway if self.fleet is not None else None,
                 box_round=self.fleet.box_round if self.fleet is not None else None,
                 box_round_rows=self.fleet.box_round_rows if self.fleet is not None else None,
@@ -351,10 +354,13 @@ class Box:
                 self._spawn(self.workers.serve(spec))
 
     async def _watch_stream(self) -> None:
-        """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After."""
+        """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After, and make the request
+        stream or a model's consumers again when they are gone on a server that is up (deleted by hand, say)."""
         assert self.js is not None
         streak = FailureStreak(log, "reading the request stream's state")
+        short = 0  # periods in a row the stream or some consumers were missing
         while True:
+            missing = False
             try:
                 info = await self.js.stream_info(bus.REQUEST_STREAM)
                 self.stream_ok = True
@@ -363,9 +369,19 @@ class Box:
                 self.metrics.backlog.set(self.backlog)
                 if self.dispatcher is not None:
                     self.dispatcher.backlog = info.state.messages
+                missing = info.state.consumer_count < 2 * sum(1 for spec in self.catalog if spec.adapter_of is None)
+            except NotFoundError:
+                self.stream_ok = False
+                missing = True
             except Exception as exc:
                 self.stream_ok = False
                 streak.failed(exc)
+            # Two looks apart: a model deleted on another box loses its consumers before this catalog hears of it.
+            short = short + 1 if missing else 0
+            if short >= _MISSING_LOOKS and (self._restoring is None or self._restoring.done()):
+                log.warning("request stream or consumers missing; making them again")
+                self._restoring = self._spawn(self._restore())
+                short = 0
             await asyncio.sleep(_MONITOR_PERIOD_S)
 
     # -- control ---------------------------------------------------------------------------------

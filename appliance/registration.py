@@ -205,7 +205,7 @@ def adapter_address_of(name: str, catalog: Catalog | None, also: str | None = No
 
 def check_options(task: Task, runtime: RuntimeKind, options: dict[str, Any]) -> None:
     """422 for the first option a model of `task` on `runtime` cannot be run with (`runtimes.options`)."""
-    for name, problem in option_problems(task, runtime, options).items():
+    for name, problem in option_problems(task, runtime, options, not_here=frozenset({"cache_dir"})).items():
         raise Unprocessable(f"invalid request: options.{name} {problem} - at `$.options.{name}`")
 
 

@@ -226,6 +226,15 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _replicas_need_a_cluster(self) -> Settings:
+        if self.replicas > 1 and not self.nats:  # the server refused the stream: "box failed to start: ServerError()"
+            raise ValueError(
+                f"replicas ({self.replicas}) needs a NATS cluster of at least that many servers; the embedded "
+                "server is one: join a cluster with --nats, or leave replicas at 1"
+            )
+        return self
+
     @field_validator("model_roots", mode="before")
     @classmethod
     def _roots_from_text(cls, value: object) -> object:
@@ -445,8 +454,14 @@ def settings_problems(exc: BaseException) -> list[str]:
             and error["type"] != "extra_forbidden"
             and isinstance(given, str | int | float)
             and not isinstance(given, bool)
-            and str(given) not in message
+            and not _names(message, given)
         ):
             message += f" (got {given!r})"
         lines.append(f"{where}: {message}")
     return lines
+
+
+def _names(message: str, given: str | int | float) -> bool:
+    """Whether a message names the value given, as a rule of ours does (quoted, or in brackets); pydantic's "greater
+    than 0" does not name a 0 given."""
+    return f"'{given}'" in message or f"({given})" in message

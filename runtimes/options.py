@@ -81,9 +81,12 @@ def known_options(task: Task, runtime: RuntimeKind) -> Mapping[str, Option]:
     return _GENERATOR if task is Task.GENERATE else _ENCODER
 
 
-def option_problems(task: Task, runtime: RuntimeKind, options: Mapping[str, Any]) -> dict[str, str]:
-    """Each option of `options` that a model of `task` on `runtime` cannot be run with, and why."""
-    known = known_options(task, runtime)
+def option_problems(
+    task: Task, runtime: RuntimeKind, options: Mapping[str, Any], *, not_here: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """Each option of `options` that a model of `task` on `runtime` cannot be run with, and why; `not_here` are
+    options the caller refuses on its own (the API's `cache_dir`), left out of the options a refusal lists."""
+    known = {name: option for name, option in known_options(task, runtime).items() if name not in not_here}
     problems = {}
     for name, value in options.items():
         option = known.get(name)

@@ -255,6 +255,16 @@ async def test_passed_deadline_is_504_with_a_clear_message(default_box, http) ->
     assert "deadline" in payload["error"]["message"]
 
 
+async def test_a_504_whose_deadline_the_box_capped_does_not_advise_raising_it(start_box, http) -> None:
+    """`"timeout": 10` under `max_timeout_s` 0.3: the 504 said to raise the deadline, which the client had asked
+    for already (auditor h61)."""
+    box = await start_box(default_model=False, models=[noop_model("slow", cost_ms=1000)], max_timeout_s=0.3)
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "slow", "input": "x", "timeout": 10}) as response:
+        assert response.status == 504
+        message = (await response.json())["error"]["message"]
+    assert message.startswith("no answer within the request's deadline of 0.3s; that is this box's longest"), message
+
+
 @pytest.mark.parametrize(
     "request_head",
     [

@@ -580,3 +580,24 @@ async def _publish_generation(nc: nats.NATS, request_id: str, reply: str, *, max
     meta = RequestMeta(id=request_id, task="generate", model="gen", reply=reply, deadline_ms=now + 30_000, sent_ms=now)
     body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True})
     await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+
+
+async def test_a_request_stream_or_consumer_deleted_by_hand_is_made_again_and_requests_are_answered(
+    start_box, http
+) -> None:
+    """Deleted with the `nats` CLI (as an operator might, to apply a changed stream setting): the stream stayed gone,
+    every request a 503 until the box restarted, and a deleted consumer left `/readyz` ready and every request of
+    its model waiting to its deadline (auditor h61). The box's stream monitor makes them again."""
+    box = await start_box(default_model=False, models=[noop_model("q")])
+    body = {"model": "q", "input": "hello", "timeout": 20}
+
+    async def answered() -> bool:
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status == 200
+
+    await box.js.delete_consumer(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug("q"), "interactive"))
+    async with asyncio.timeout(15):
+        assert await answered()  # it waits for the consumer made again, not to its deadline
+    await box.js.delete_stream(bus.REQUEST_STREAM)  # a request is refused (503) until the stream is made again
+    await wait_for(answered, what="requests answered after the stream was deleted")
+    assert (await box.js.stream_info(bus.REQUEST_STREAM)).state.consumer_count == 2

@@ -354,3 +354,18 @@ async def test_a_start_refused_for_its_memory_budget_says_why_in_one_line(tmp_pa
     assert await _serve(settings) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetbox: ")]
     assert "needs about" in line and "budget is" in line, line
+
+
+async def test_streams_jetstream_refuses_are_named_with_its_reason_in_one_line(nats_server, tmp_path, capsys) -> None:
+    """Three replicas on a single server: the box exited 1 with `"error":"ServerError()"` in its log, which named
+    neither replicas nor a cluster (auditor h61); the server's own words now make a `fleetbox: ...` line."""
+    from appliance.cli import _serve
+    from appliance.settings import Settings
+
+    settings = Settings(nats=nats_server.url, port=free_port(), state_dir=tmp_path, device="cpu", replicas=3)
+    assert await _serve(settings) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetbox: ")]
+    assert (
+        line
+        == "fleetbox: JetStream refused the box's streams or buckets: replicas > 1 not supported in non-clustered mode"
+    )

@@ -244,6 +244,13 @@ def test_each_bad_setting_is_one_line_naming_the_field_and_the_value(tmp_path) -
     ]
 
 
+def test_a_value_the_rule_names_too_is_still_shown(tmp_path, monkeypatch) -> None:
+    """`Input should be greater than 0` holds a 0, so a 0 given was not shown (auditor h61)."""
+    monkeypatch.setenv("FBX_DEFAULT_TIMEOUT_S", "0")
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path)])
+    assert result.output == "fleetbox: bad settings: default_timeout_s: Input should be greater than 0 (got '0')\n"
+
+
 def test_a_misspelt_key_of_the_config_file_is_refused_with_the_setting_it_is_near(tmp_path) -> None:
     config = tmp_path / "box.toml"
     config.write_text('max_body_byte = 5\n[[models]]\nname = "fast"\nruntime = "noop"\npined = true\n')
@@ -253,6 +260,14 @@ def test_a_misspelt_key_of_the_config_file_is_refused_with_the_setting_it_is_nea
         "fleetbox: bad settings: max_body_byte: not a setting (did you mean max_body_bytes?)",
         "fleetbox: bad settings: models.0.pined: not a setting (did you mean pinned?)",
     ]
+
+
+def test_replicas_without_a_cluster_to_join_is_a_settings_error(tmp_path) -> None:
+    """The embedded server is one server: its stream refused, the box exited 1 saying `ServerError()` (h61)."""
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--replicas", "3"])
+    assert result.exit_code == 2
+    assert "replicas (3) needs a NATS cluster of at least that many servers" in result.output, result.output
+    assert Settings(nats="nats://h1:4222", replicas=3).replicas == 3
 
 
 def test_an_fbx_variable_that_is_no_setting_is_named_with_the_one_it_is_near() -> None:

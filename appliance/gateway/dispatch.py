@@ -47,11 +47,12 @@ _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computin
 _RESTART_WAIT_S = 20.0  # for a generation handed back after a lost chunk to send its answer's first chunk again
 
 
-def _deadline(timeout_s: float) -> GatewayTimeout:
-    return GatewayTimeout(
-        f"no answer within the request's deadline of {timeout_s:g}s; "
-        "raise it with the `timeout` field or header, or retry later",
-    )
+def _deadline(timeout_s: float, max_timeout_s: float) -> GatewayTimeout:
+    if timeout_s >= max_timeout_s:  # raising it cannot help: the box's cap set it (auditor h61)
+        advice = "that is this box's longest (its `max_timeout_s`); retry later, or ask for less work a request"
+    else:
+        advice = "raise it with the `timeout` field or header, or retry later"
+    return GatewayTimeout(f"no answer within the request's deadline of {timeout_s:g}s; {advice}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +76,7 @@ class Dispatcher:
         *,
         max_waiting: int,
         max_queue_s: float,
+        max_timeout_s: float = math.inf,
         holders_per_gateway: Callable[[str], Fraction] | None = None,
         box_round: Callable[[str], int | None] | None = None,
         box_round_rows: Callable[[str], int | None] | None = None,
@@ -93,6 +95,7 @@ class Dispatcher:
         self._rows_pace = rows_pace or (lambda model: None)  # and the rows a second (`Fleet.rows_pace_per_gateway`)
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
         self._max_queue_s = max_queue_s
+        self._max_timeout_s = max_timeout_s  # every request's deadline is at most this
         self._nc = nc
         self._metrics = metrics
         self._blobs = blobs
@@ -242,7 +245,7 @@ class Dispatcher:
                 try:
                     reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    raise _deadline(timeout_s) from None
+                    raise _deadline(timeout_s, self._max_timeout_s) from None
             except asyncio.CancelledError:
                 # The client went away (maybe while the publish waited for its ack, as in a failover): a box
                 # that has not started it drops it, and so does any box later.
@@ -373,7 +376,7 @@ class Dispatcher:
                     try:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
                     except TimeoutError:
-                        raise _deadline(timeout_s) from None
+                        raise _deadline(timeout_s, self._max_timeout_s) from None
                     started = waiter.first_at or time.monotonic()  # when its first chunk came
                     if meta.id in queue.waiting:
                         self._metrics.first_token_ms.labels(spec.name).observe((started - arrived) * 1000)
