@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _MONITOR_PERIOD_S = 1.0
 _MISSING_LOOKS = 3  # looks of the stream monitor in a row that find the request stream or consumers gone
+_MISSING_LOOKS_MOST = 300  # ... and at most this many while the restores do not make them (the server refuses)
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 
 
@@ -358,7 +359,8 @@ class Box:
         stream or a model's consumers again when they are gone on a server that is up (deleted by hand, say)."""
         assert self.js is not None
         streak = FailureStreak(log, "reading the request stream's state")
-        short = 0  # periods in a row the stream or some consumers were missing
+        short = 0  # looks in a row that found the stream or some consumers missing
+        looks = _MISSING_LOOKS  # how many make a restore: doubled while restores do not help (a consumer limit)
         while True:
             missing = False
             try:
@@ -376,12 +378,13 @@ class Box:
             except Exception as exc:
                 self.stream_ok = False
                 streak.failed(exc)
-            # Two looks apart: a model deleted on another box loses its consumers before this catalog hears of it.
+            # Not at the first look: a model deleted on another box loses its consumers before this catalog hears.
             short = short + 1 if missing else 0
-            if short >= _MISSING_LOOKS and (self._restoring is None or self._restoring.done()):
+            looks = looks if missing else _MISSING_LOOKS
+            if short >= looks and (self._restoring is None or self._restoring.done()):
                 log.warning("request stream or consumers missing; making them again")
                 self._restoring = self._spawn(self._restore())
-                short = 0
+                short, looks = 0, min(2 * looks, _MISSING_LOOKS_MOST)
             await asyncio.sleep(_MONITOR_PERIOD_S)
 
     # -- control ---------------------------------------------------------------------------------
