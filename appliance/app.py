@@ -309,6 +309,7 @@ class Box:
             is_draining=lambda: self.draining,
             model_state=partial(box_status.model_state, self),
             live_boxes=self.fleet.live_boxes if self.fleet else list,
+            without_workers_s=self.fleet.without_workers_s if self.fleet else float,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
             open_queue=self.open_queue,
             delete_model=self.delete_model,
@@ -361,20 +362,23 @@ class Box:
         streak = FailureStreak(log, "reading the request stream's state")
         short = 0  # looks in a row that found the stream or some consumers missing
         looks = _MISSING_LOOKS  # how many make a restore: doubled while restores do not help (a consumer limit)
+        gone = False  # the stream itself was found missing
         while True:
             missing = False
             try:
                 info = await self.js.stream_info(bus.REQUEST_STREAM)
-                self.stream_ok = True
+                self.stream_ok, gone = True, False
                 streak.succeeded()
                 self.backlog = info.state.messages
                 self.metrics.backlog.set(self.backlog)
                 if self.dispatcher is not None:
                     self.dispatcher.backlog = info.state.messages
-                missing = info.state.consumer_count < 2 * sum(1 for spec in self.catalog if spec.adapter_of is None)
+                bases = sum(1 for spec in self.catalog if spec.adapter_of is None)
+                missing = info.state.consumer_count < len(bus.PRIORITIES) * bases
             except NotFoundError:
-                self.stream_ok = False
-                missing = True
+                if not gone and self.dispatcher is not None:
+                    self.dispatcher.nats_interrupted()  # what it published before now was in the stream deleted
+                self.stream_ok, missing, gone = False, True, True
             except Exception as exc:
                 self.stream_ok = False
                 streak.failed(exc)
@@ -382,10 +386,17 @@ class Box:
             short = short + 1 if missing else 0
             looks = looks if missing else _MISSING_LOOKS
             if short >= looks and (self._restoring is None or self._restoring.done()):
-                log.warning("request stream or consumers missing; making them again")
-                self._restoring = self._spawn(self._restore())
+                log.warning(
+                    "request queue missing; making it again", extra={"missing": "stream" if gone else "consumers"}
+                )
+                # A stream made anew is a lost queue (its requests published again); consumers are only made again.
+                self._restoring = self._spawn(self._restore() if gone else self._reopen_queues())
                 short, looks = 0, min(2 * looks, _MISSING_LOOKS_MOST)
             await asyncio.sleep(_MONITOR_PERIOD_S)
+
+    async def _reopen_queues(self) -> None:
+        assert self.js is not None
+        await open_catalogued_queues(self.js, self.settings, self.catalog)
 
     # -- control ---------------------------------------------------------------------------------
 

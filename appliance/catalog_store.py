@@ -35,7 +35,6 @@ from appliance.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 _UPDATE_TRIES = 8  # a change reads the model and writes it back; this many times when others write in between
-_BUCKET_READ_S = 10.0  # reading the whole catalog bucket for a deletion: past this, what was read
 _UPDATE_BACKOFF_S = 0.005  # before try n it waits a random part of this times 2**n (0.64 s at most, before the last)
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write (a delete) finds a newer revision
 
@@ -94,12 +93,10 @@ class CatalogStore:
             except KeyWrongLastSequenceError:
                 pass  # already registered (by another box, or before a restart): the bucket wins
         self._watcher = watcher = await self._kv.watchall()
-        # The watcher replays every current key, then a None marker: the catalog is complete after it. A model
-        # missing from the replay is not forgotten: a bucket another box is making again after a NATS restart
-        # may be replayed before that box has written it back, and a removal here is a deletion to listeners.
-        async for entry in watcher:
-            if entry is None:
-                break
+        # The watcher replays every current key: the catalog is complete after it. A model missing from the replay
+        # is not forgotten: a bucket another box is making again after a NATS restart may be replayed before that
+        # box has written it back, and a removal here is a deletion to listeners.
+        for entry in await bus.replay(self._js, bus.MODELS_BUCKET, watcher):
             self._apply(entry)
         self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
 
@@ -288,23 +285,12 @@ class CatalogStore:
         `KeyValue.keys()`: its watcher may end its replay early (nats.py #842, #995), and a clean-clone CI run
         missed an adapter registered a moment before, left in the bucket without its base. For deletions: rare."""
         assert self._kv is not None
-        last = (await self._js.stream_info(f"KV_{bus.MODELS_BUCKET}")).state.last_seq
-        entries: dict[str, bytes] = {}
-        if last:
-            watcher = await self._kv.watchall()
-            try:
-                async with asyncio.timeout(_BUCKET_READ_S):
-                    async for entry in watcher:
-                        if entry is None:  # the replay's end, as the watcher judges it: read on to `last`
-                            continue
-                        entries[entry.key] = entry.value or b""  # a delete's marker has no value
-                        if entry.revision is not None and entry.revision >= last:
-                            break
-            except TimeoutError:
-                log.warning("catalog bucket not read to its end", extra={"model": base, "entries": len(entries)})
-            finally:
-                await watcher.stop()
-        specs = [ModelSpec.from_json(value) for value in entries.values() if value]
+        watcher = await self._kv.watchall()
+        try:
+            entries = {entry.key: entry.value for entry in await bus.replay(self._js, bus.MODELS_BUCKET, watcher)}
+        finally:
+            await watcher.stop()
+        specs = [ModelSpec.from_json(value) for value in entries.values() if value]  # a delete's marker has none
         return [spec for spec in specs if spec.adapter_of == base]
 
     async def delete(self, spec: ModelSpec) -> None:

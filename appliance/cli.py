@@ -120,7 +120,11 @@ def serve(
     _refuse_settings(
         [
             _host_problem("host", settings.host),
-            *([] if settings.nats_urls else [_host_problem("nats_host", settings.nats_host)]),
+            *(
+                []
+                if settings.nats_urls
+                else [_host_problem("nats_host", settings.nats_host), _replicas_problem(settings)]
+            ),
             *([_device_problem(settings.device)] if settings.runs_models else []),
             *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
             fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
@@ -148,6 +152,17 @@ def _refuse_settings(problems: list[str | None]) -> None:
         typer.echo(f"fleetbox: bad settings: {problem}", err=True)
     if problems_given:
         raise typer.Exit(2)
+
+
+def _replicas_problem(settings: Settings) -> str | None:
+    """The embedded server is one server: a stream of more replicas was refused (the box exited saying `ServerError()`,
+    auditor h61). Judged by `serve` only: `tune` reads the same config file and runs no NATS."""
+    if settings.replicas == 1:
+        return None
+    return (
+        f"replicas: {settings.replicas} needs a NATS cluster of at least that many servers; the embedded server is "
+        "one: join a cluster with --nats, or leave replicas at 1"
+    )
 
 
 def _device_problem(device: str) -> str | None:

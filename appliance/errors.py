@@ -123,6 +123,14 @@ def not_resident(model: str, box: str) -> NotFound:
     return NotFound(f"model {model} is not resident on box {box}", code="model_not_resident")
 
 
+def not_evicted(model: str, box: str, answer: dict[str, Any]) -> FleetboxError:
+    """Why the `evict` verb on a box named evicted nothing: the model loads there (an eviction then did nothing, and
+    said so as a 200), or it is not resident there. Evicting from every box skips both."""
+    if answer.get("loading"):
+        return Conflict(f"model {model} is loading on box {box}; evict it once it is loaded")
+    return not_resident(model, box)
+
+
 def deadline_passed(request_id: str) -> GatewayTimeout:
     return GatewayTimeout(f"request {request_id} passed its deadline while queued; it was not computed")
 

@@ -24,8 +24,9 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
+from appliance.errors import Conflict
 from appliance.logs import FailureStreak
-from appliance.settings import GATEWAY_ROLES
+from appliance.settings import GATEWAY_ROLES, MODEL_ROLES
 from appliance.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -55,22 +56,42 @@ class Fleet:
         self._boxes: dict[str, dict[str, Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._watcher: KeyValue.KeyWatcher | None = None
+        self._beating = False
+        self._workers_seen_at = time.monotonic()  # the last heartbeat of a box taking model work (or the start)
 
     async def start(self) -> None:
         self._kv = await open_boxes_bucket(self._js, self._ttl_s, self._replicas)
         self._watcher = watcher = await self._kv.watchall()
         seen = set()
-        async for entry in watcher:
-            if entry is None:
-                break
+        for entry in await bus.replay(self._js, bus.BOXES_BUCKET, watcher):
             seen.add(entry.key)
             self._apply(entry)
         for gone in set(self._boxes) - seen:  # removed while nobody watched (before a reopen)
             del self._boxes[gone]
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
+            await self._refuse_a_twin(self._snapshot().get("started"))
+            self._beating = True  # from now the record under this id is this box's: its stop deletes it
             await self.beat()
             self._tasks.append(asyncio.create_task(self._beat_forever(), name="heartbeat"))
+
+    async def _refuse_a_twin(self, started: object) -> None:
+        """Raise `Conflict` when another live box beats under this box's id: two boxes shared one heartbeat and one
+        set of control subjects, and one `fleetbox box drain` stopped both (operator tester h60). A record of this id
+        from another start is a box that died moments ago (it lives a TTL) unless it beats again meanwhile."""
+        record = self._boxes.get(self.box_id)
+        if record is None or record.get("started") == started:
+            return
+        loop = asyncio.get_running_loop()
+        seen, until = record.get("ts"), loop.time() + 2.5 * self._period_s
+        while loop.time() < until:
+            await asyncio.sleep(self._period_s / 4)
+            current = self._boxes.get(self.box_id)
+            if current is not None and current.get("started") != started and current.get("ts") != seen:
+                raise Conflict(
+                    f"box id {self.box_id} is taken: another live box of the fleet beats under it; give this box "
+                    "another --box-id (or stop that box)"
+                )
 
     async def reopen(self) -> None:
         """After a reconnect: a NATS server that restarted lost this bucket (it lives in memory), and
@@ -88,7 +109,7 @@ class Fleet:
 
     async def beat(self) -> None:
         """Publish this box's record now (also called on state changes, so others see them at once)."""
-        if self._kv is None or self._snapshot is None:
+        if self._kv is None or self._snapshot is None or not self._beating:  # not before `_refuse_a_twin` passed
             return
         record = {**self._snapshot(), "box": self.box_id, "ts": time.time()}
         try:
@@ -124,6 +145,13 @@ class Fleet:
             return held.value == self.box_id.encode()
         return True
 
+    def without_workers_s(self) -> float:
+        """Seconds since a live box taking model work was last heard of (or since this box started): 0 while one is
+        live. A gateway queues requests through a worker's restart, and refuses them once none has come back."""
+        if taking_work(self.live_boxes(), MODEL_ROLES):
+            return 0.0
+        return time.monotonic() - self._workers_seen_at
+
     async def release(self, what: str) -> None:
         """Give back this box's claim on `what` once it is done (a load finished, or failed): the heartbeat says
         the rest, and another box need not wait out the TTL to load the model again after an eviction here."""
@@ -144,6 +172,8 @@ class Fleet:
             record = orjson.loads(entry.value)
             if isinstance(record, dict):
                 self._boxes[entry.key] = record
+                if taking_work([record], MODEL_ROLES):
+                    self._workers_seen_at = time.monotonic()
 
     def live_boxes(self) -> list[dict[str, Any]]:
         now = time.time()
@@ -206,7 +236,7 @@ class Fleet:
         """Stop beating and take this box's record out of `fbx_boxes`; cut off from NATS, the record is left to
         its TTL (the delete would wait out the shutdown step's bound for nothing)."""
         await self._stop_tasks()
-        if connected and self._kv is not None and self._snapshot is not None:
+        if connected and self._kv is not None and self._beating:  # not a twin's record (`_refuse_a_twin`)
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
 

@@ -226,15 +226,6 @@ class Settings(BaseSettings):
             )
         return self
 
-    @model_validator(mode="after")
-    def _replicas_need_a_cluster(self) -> Settings:
-        if self.replicas > 1 and not self.nats:  # the server refused the stream: "box failed to start: ServerError()"
-            raise ValueError(
-                f"replicas ({self.replicas}) needs a NATS cluster of at least that many servers; the embedded "
-                "server is one: join a cluster with --nats, or leave replicas at 1"
-            )
-        return self
-
     @field_validator("model_roots", mode="before")
     @classmethod
     def _roots_from_text(cls, value: object) -> object:
@@ -383,7 +374,7 @@ def unknown_variables(environ: dict[str, str] | os._Environ[str]) -> list[str]:
 
 
 def _did_you_mean(name: str, known: set[str] | list[str]) -> str:
-    close = difflib.get_close_matches(name, sorted(known), n=1)
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)  # FBX_FOO is no near miss of FBX_ROLE
     return f" (did you mean {close[0]}?)" if close else ""
 
 

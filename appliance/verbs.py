@@ -46,8 +46,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         _runs_models(box)
         if spec.name in box.residency.pinned:
             raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")
-        if box.residency.is_loading(spec.name):  # not resident yet: an eviction now did nothing and said so as a 200
-            raise Conflict(f"model {spec.name} is loading on box {box.box_id}; evict it once it is loaded")
+        if box.residency.is_loading(spec.name):  # not resident yet: a caller naming this box is told (409)
+            return {"model": spec.name, "evicted": False, "loading": True}
         return {"model": spec.name, "evicted": await box.workers.evict(spec.name)}
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:

@@ -105,12 +105,13 @@ class LoraAdapters:
             first = self._peft is None
             if first:
                 self._tree = _module_tree(self._base)
-            else:
-                self._refuse_beside_others(name, path)
             self._before_change()
             config: Any = None
             try:
-                config = LoraConfig.from_pretrained(str(path))  # judged by check_adapter_folder above
+                read = LoraConfig.from_pretrained(str(path))  # judged by check_adapter_folder above
+                if not first:
+                    self._refuse_beside_others(name, path, read)  # before anything is injected: nothing to undo
+                config = read
                 # The weights come from the file: created as a plain LoRA, so no initialisation ever touches the base.
                 config.init_lora_weights = True
                 config.inference_mode = True
@@ -194,29 +195,32 @@ class LoraAdapters:
         self._unwrap_empty_copies()
         self._alias_gaps()
 
-    def _refuse_beside_others(self, name: str, path: Path) -> None:
+    def _refuse_beside_others(self, name: str, path: Path, config: Any) -> None:
         """Raise `AdapterConflict` when the adapter in `path` needs a module wrapped one way (a LoRA layer, a
-        `modules_to_save` copy, trainable tokens) that resident adapters have wrapped another way: peft cannot have
-        both, and refused it with its own words ("Target module ModulesToSaveWrapper is not supported"), which read as
-        an adapter trained for another base, and served whichever of the two loaded first (h62)."""
-        aliased = {(id(module), alias) for module, alias in self._aliases}
+        `modules_to_save` copy, trainable tokens) where resident adapters have wrapped it, or a module in it or
+        around it, another way: peft cannot have both, and refused it with its own words ("Target module
+        ModulesToSaveWrapper is not supported"), which read as an adapter trained for another base, and served
+        whichever of the two loaded first (h62). Trainable tokens also stand in the way of any adapter that trains
+        none there (peft looks every resident adapter up in their wrapper). Called with the aliases dropped."""
         wrapped = {
-            module_name: (kind, {a for a in adapters if (id(module), a) not in aliased})
-            for module_name, module in self._peft.named_modules()
-            if (found := _wrapping(module)) is not None
-            for kind, adapters in [found]
+            module_name: found for module_name, module in self._peft.named_modules() if (found := _wrapping(module))
         }
+        heads = _TASK_HEADS.get(str(config.task_type), ())  # what peft copies for the task, saved or not
+        adapted = _modules_adapted(path, (*(config.modules_to_save or ()), *heads))
         in_the_way: dict[str, set[str]] = {}
-        for module_name, kind in _modules_adapted(path).items():
-            other_kind, adapters = wrapped.get(module_name, (kind, set()))
-            if other_kind != kind and adapters:
-                in_the_way.setdefault(module_name.removeprefix("base_model.model."), set()).update(adapters)
+        for module_name, kind in adapted.items():
+            for other_name, (other_kind, adapters) in wrapped.items():
+                if adapters and other_kind != kind and _overlap(module_name, other_name):
+                    in_the_way.setdefault(module_name, set()).update(adapters)
+        for other_name, (other_kind, adapters) in wrapped.items():
+            if other_kind == "tokens" and adapters and adapted.get(other_name) != "tokens":
+                in_the_way.setdefault(other_name, set()).update(adapters)
         if in_the_way:
             where, adapters = next(iter(in_the_way.items()))
             raise AdapterConflict(
                 f"LoRA adapter {name!r} cannot be loaded beside adapter(s) {', '.join(sorted(adapters))} on this "
-                f"base: it adapts {where} in a way peft cannot combine with theirs (a LoRA layer, a modules_to_save "
-                "copy or trainable tokens)",
+                f"base: it adapts {where.removeprefix('base_model.model.')} in a way peft cannot combine with theirs "
+                "(a LoRA layer, a modules_to_save copy or trainable tokens)",
                 tuple(sorted(set().union(*in_the_way.values()))),
             )
 
@@ -351,6 +355,12 @@ _LORA_MARKERS = (
     ".base_layer.",
 )
 _TOKENS_MARKER = ".token_adapter."
+# The heads peft puts in `modules_to_save` for a task type (its PeftModelFor... classes), as the config may not say.
+_TASK_HEADS = {
+    "SEQ_CLS": ("classifier", "score"),
+    "TOKEN_CLS": ("classifier", "score"),
+    "QUESTION_ANS": ("qa_outputs",),
+}
 
 
 def _wrapping(module: torch.nn.Module) -> tuple[str, set[str]] | None:
@@ -374,8 +384,10 @@ def _unwrapped(module: Any) -> torch.nn.Module:
     return module.get_base_layer() if isinstance(module, LoraLayer) else module.original_module
 
 
-def _modules_adapted(path: Path) -> dict[str, str]:
-    """The modules an adapter's saved weights adapt, by their peft name, and how (as `_wrapping` says it)."""
+def _modules_adapted(path: Path, modules_to_save: Sequence[str]) -> dict[str, str]:
+    """The modules an adapter's saved weights adapt, by their peft name, and how (as `_wrapping` says it). A copy's
+    weights name the layers inside the module copied (`classifier.dense.weight`): the module is the outermost one
+    whose name ends with an entry of `modules_to_save`, as peft picks it."""
     weights = path / "adapter_model.safetensors"
     if weights.is_file():
         from safetensors import safe_open
@@ -394,8 +406,22 @@ def _modules_adapted(path: Path) -> dict[str, str]:
         elif _TOKENS_MARKER in key:
             adapted[key.split(_TOKENS_MARKER)[0]] = "tokens"
         else:
-            adapted[key.rpartition(".")[0]] = "copy"
+            adapted[_copied_module(key.rpartition(".")[0], modules_to_save)] = "copy"
     return adapted
+
+
+def _copied_module(module_name: str, modules_to_save: Sequence[str]) -> str:
+    parts = module_name.split(".")
+    for end in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:end])
+        if any(prefix == entry or prefix.endswith(f".{entry}") for entry in modules_to_save):
+            return prefix
+    return module_name
+
+
+def _overlap(one: str, other: str) -> bool:
+    """Whether two modules are one, or one holds the other."""
+    return one == other or one.startswith(f"{other}.") or other.startswith(f"{one}.")
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:

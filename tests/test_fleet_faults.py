@@ -15,6 +15,8 @@ import pytest
 from appliance import bus
 from appliance.app import Box
 from appliance.envelope import RequestMeta
+from appliance.errors import Conflict
+from appliance.gateway import context
 from appliance.settings import ModelEntry
 from tests.conftest import box_settings, noop_model, url, wait_for
 
@@ -466,3 +468,54 @@ async def test_a_request_that_reaches_the_queue_after_a_stopping_box_gave_up_is_
         body = await response.json()
         assert (response.status, body["error"]["code"]) == (503, "unavailable"), body
         assert "is stopping" in body["error"]["message"]
+
+
+async def test_a_gateway_with_no_worker_for_a_while_answers_503_at_once(start_box, http, monkeypatch) -> None:
+    """Operator tester h60: a gateway-only fleet (or one whose last worker died) queued each request, which waited out
+    its deadline (a 504 after 30 s) while `/v1/models` showed no box to run it. Past a heartbeat's TTL and a grace
+    (here 0, and a TTL of 1 s) with no worker, a 503 at once; once a worker joins, requests are answered."""
+    monkeypatch.setattr(context, "NO_WORKER_GRACE_S", 0.0)
+    models = [noop_model("a", pinned=False)]
+    gateway = await start_box(role="gateway", box_id="door", default_model=False, models=models, heartbeat_ttl_s=1.0)
+    body = {"model": "a", "input": "x", "timeout": 2}  # queued within the grace: a 504 after 2 s
+
+    async def refused_at_once() -> bool:
+        started = time.monotonic()
+        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
+            if response.status != 503:
+                return False
+            assert response.headers["Retry-After"] == "2"
+            assert "no box in the fleet runs models" in (await response.json())["error"]["message"]
+        return time.monotonic() - started < 1
+
+    await wait_for(refused_at_once, what="a 503 at once with no worker past the TTL")
+    await start_box(role="worker", box_id="runner", default_model=False, models=models)
+
+    async def answered() -> bool:
+        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
+            return response.status == 200
+
+    await wait_for(answered, what="a request answered once a worker joined")
+
+
+async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_its_record(start_box, http) -> None:
+    """Operator tester h60: two boxes under one `--box-id` shared a heartbeat and control subjects, and one `fleetbox
+    box drain` stopped both. The second is refused at start, and its stop does not delete the live box's record."""
+    first = await start_box(box_id="twin", default_model=False, models=[noop_model()])
+    with pytest.raises(Conflict, match="box id twin is taken: another live box of the fleet beats under it"):
+        await start_box(box_id="twin", default_model=False, models=[noop_model()])
+    await asyncio.sleep(2 * first.settings.heartbeat_s)
+    assert [record["box"] for record in first.fleet.live_boxes()] == ["twin"]
+    assert first.fleet.live_boxes()[0]["started"] == first.started_at
+
+
+async def test_a_box_restarted_under_the_id_of_one_that_died_moments_ago_starts(start_box, nats_server) -> None:
+    """The record a SIGKILLed box left lives a TTL: a restart under its id (a container's fixed id) is not a twin."""
+    dead = Box(box_settings(nats_server.url, box_id="phoenix", default_model=False, models=[noop_model()]))
+    await dead.start()
+    await dead.fleet._stop_tasks()  # it beats no more, its record left to the TTL, as after a SIGKILL
+    try:
+        again = await start_box(box_id="phoenix", default_model=False, models=[noop_model()])
+        assert again.fleet.live_boxes()[0]["started"] == again.started_at
+    finally:
+        await dead.stop()

@@ -601,3 +601,21 @@ async def test_a_request_stream_or_consumer_deleted_by_hand_is_made_again_and_re
     await box.js.delete_stream(bus.REQUEST_STREAM)  # a request is refused (503) until the stream is made again
     await wait_for(answered, what="requests answered after the stream was deleted")
     assert (await box.js.stream_info(bus.REQUEST_STREAM)).state.consumer_count == 2
+
+
+async def test_requests_queued_in_a_request_stream_deleted_by_hand_are_published_again(start_box, http) -> None:
+    """Regression tester h63: the stream came back, but what waited in the deleted one was never published again
+    (that is done after a NATS restart, on a reconnect): each such request waited out its deadline for a 504."""
+    box = await start_box(default_model=False, models=[noop_model("q", cost_ms=1500)], worker_capacity=1)
+    body = {"model": "q", "input": "hello", "timeout": 30}
+
+    async def status() -> int:
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status
+
+    sent = [asyncio.create_task(status()) for _ in range(3)]
+    await wait_for(lambda: box.dispatcher is not None and box.dispatcher.waiting == 3, what="three requests awaited")
+    await asyncio.sleep(0.2)  # one taken by the box, two waiting in the stream
+    await box.js.delete_stream(bus.REQUEST_STREAM)
+    async with asyncio.timeout(25):
+        assert await asyncio.gather(*sent) == [200, 200, 200]

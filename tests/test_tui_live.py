@@ -325,6 +325,14 @@ def test_one_shot_commands_name_an_unreachable_nats_and_exit_1() -> None:
 
 def test_connect_problems_are_named_in_words() -> None:
     assert connect_problem(ConnectionRefusedError(111, "Connect call failed")) == "connection refused"
+    # A host of several addresses, each refusing (review r60: a 10 s wait, and no "connection refused").
+    both = OSError(
+        "Multiple exceptions: [Errno 111] Connect call failed ('::1', 1, 0, 0), [Errno 111] Connect call ..."
+    )
+    assert connect_problem(both) == "connection refused"
+    assert connect_problem(OSError("Multiple exceptions: [Errno 111] Connect call ..., [Errno 113] No route")) != (
+        "connection refused"
+    )
     assert connect_problem(socket.gaierror(-2, "Name or service not known")).startswith("host not found")
     assert connect_problem(TimeoutError()) == "no answer"
 

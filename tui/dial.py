@@ -10,7 +10,9 @@ reconnects for ever.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import re
 import socket
 import ssl
 from collections.abc import Callable, Coroutine
@@ -34,9 +36,18 @@ class NatsUnreachable(ConnectionError):
         self.reason = reason
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether nothing listens where the connection went: at each of a host's addresses, when it has several (asyncio
+    then raises `OSError("Multiple exceptions: [Errno 111] ..., [Errno 111] ...")`, `localhost` on many systems)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    numbers = re.findall(r"\[Errno (\d+)\]", str(exc)) if str(exc).startswith("Multiple exceptions: ") else []
+    return bool(numbers) and all(int(number) == errno.ECONNREFUSED for number in numbers)
+
+
 def connect_problem(exc: BaseException) -> str:
     """Why a connection attempt failed, in words an operator acts on."""
-    if isinstance(exc, ConnectionRefusedError):
+    if refused(exc):
         return "connection refused"
     if isinstance(exc, socket.gaierror):
         return f"host not found ({exc.strerror})"
@@ -79,7 +90,7 @@ async def dial(
     async def failed(exc: Exception) -> None:  # nats-py prints errors itself otherwise
         nonlocal refusals
         problems[:] = [connect_problem(exc)]
-        refusals = refusals + 1 if isinstance(exc, ConnectionRefusedError) else 0
+        refusals = refusals + 1 if refused(exc) else 0
         if refusals >= _REFUSALS_PER_SERVER * len(urls):
             all_refused.set()
         if on_problem is not None:

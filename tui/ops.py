@@ -23,7 +23,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from appliance.control import call_box
-from appliance.errors import Conflict, ServiceUnavailable, not_resident
+from appliance.errors import Conflict, ServiceUnavailable, not_evicted
 from tui.model import BoxState
 
 REACH_TIMEOUT_S = 10.0  # how long an action waits for NATS to come back before it gives up
@@ -86,7 +86,7 @@ class FleetOps:
             raise Conflict(f"box {box} is a {known.role}; it runs no models")
         result = await self._call(box, "evict", {"model": model})
         if not result.get("evicted"):
-            raise not_resident(result.get("model", model), box)
+            raise not_evicted(result.get("model", model), box, result)
         return {"ok": True, "model": result.get("model", model), "evicted_from": [box]}
 
     async def drain(self, box: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from appliance.catalog import Batching, ModelChange, ModelSpec
 from appliance.control import call_box
-from appliance.errors import ServiceUnavailable, not_resident
+from appliance.errors import ServiceUnavailable, not_evicted
 from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
@@ -154,8 +154,8 @@ async def evict_model(request: web.Request) -> web.Response:
         result = await call_box(ctx.nc, target, "evict", {"model": spec.name})
         if result.get("evicted"):
             evicted.append(target)
-    if box is not None and not evicted:  # as `fleetbox models evict --box` says it
-        raise not_resident(spec.name, box)
+        elif box is not None:  # as `fleetbox models evict --box` says it
+            raise not_evicted(spec.name, box, result)
     return json_response({"id": spec.name, "evicted_from": evicted})
 
 

@@ -12,9 +12,12 @@ from nats.nuid import NUID
 
 from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
+from appliance.errors import ServiceUnavailable
 from appliance.gateway.dispatch import Dispatcher
 from appliance.metrics import Metrics
 from appliance.settings import Settings
+
+NO_WORKER_GRACE_S = 10.0  # past a heartbeat's TTL: how long a gateway queues requests for a worker to come back
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +37,8 @@ class GatewayContext:
     model_state: Callable[..., dict[str, Any]]  # (name, spec=None): box_status.model_state
     # Heartbeat records of the live boxes.
     live_boxes: Callable[[], list[dict[str, Any]]]
+    # Seconds since a live box taking model work was last heard of (`Fleet.without_workers_s`).
+    without_workers_s: Callable[[], float]
     # Raises 507 when a model could never fit this box; None on a gateway-only box.
     check_fits: Callable[[ModelSpec], Awaitable[None]] | None
     # A registered model's queue consumers made (raises the server's refusal).
@@ -45,6 +50,22 @@ class GatewayContext:
     @staticmethod
     def of(request: web.Request) -> GatewayContext:
         return request.app[CONTEXT]
+
+    def refuse_without_workers(self) -> None:
+        """503 at once when no box in the fleet has run models for a while: queued, the request waited out its deadline
+        (a 504 after 30 s) while `/v1/models` already showed no box to run it (operator tester h60). Through a
+        worker's restart (its heartbeat gone less than `NO_WORKER_GRACE_S` ago) requests are queued, for the worker
+        that comes back; a box that runs models itself never refuses."""
+        if self.settings.runs_models:
+            return
+        gone_s = self.without_workers_s()
+        if gone_s <= self.settings.heartbeat_ttl_s + NO_WORKER_GRACE_S:
+            return
+        raise ServiceUnavailable(
+            f"no box in the fleet runs models (none has sent a heartbeat for {gone_s:.0f} s); start one with "
+            "--role worker or all",
+            retry_after_s=2,
+        )
 
     def new_request_id(self) -> str:
         """The id a request carries through the queue, the logs and the `Fbx-Request-Id` header."""

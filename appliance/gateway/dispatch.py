@@ -49,7 +49,7 @@ _RESTART_WAIT_S = 20.0  # for a generation handed back after a lost chunk to sen
 
 def _deadline(timeout_s: float, max_timeout_s: float) -> GatewayTimeout:
     if timeout_s >= max_timeout_s:  # raising it cannot help: the box's cap set it (auditor h61)
-        advice = "that is this box's longest (its `max_timeout_s`); retry later, or ask for less work a request"
+        advice = "that is this box's longest (its `max_timeout_s`); retry later, or send less work per request"
     else:
         advice = "raise it with the `timeout` field or header, or retry later"
     return GatewayTimeout(f"no answer within the request's deadline of {timeout_s:g}s; {advice}")

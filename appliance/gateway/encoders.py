@@ -90,6 +90,7 @@ async def enqueue(
             f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )
+    ctx.refuse_without_workers()
     reply = await ctx.dispatcher.call(
         spec=resolved.spec,
         task=task.value,

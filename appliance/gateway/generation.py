@@ -73,6 +73,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     # with Retry-After 60 for answers made in a second, black-box finding). Before any box has loaded it, as sent.
     context = ctx.model_state(resolved.spec.name)["max_model_len"]
     new_tokens = parsed.new_tokens() if context is None else min(parsed.new_tokens(), context)
+    ctx.refuse_without_workers()
     chunks = ctx.dispatcher.stream(
         spec=resolved.spec,
         task=Task.GENERATE.value,
