@@ -344,6 +344,8 @@ async def test_openapi_lists_the_metrics_keys_and_only_the_routes_a_worker_box_s
     for path in ("/v1/embeddings", "/v1/models"):
         async with http.get(url(worker, path)) as response:
             assert response.status == 404
+            # It says why (h60: "no such route" on a worker's port left the operator guessing).
+            assert "runs models only (--role worker)" in (await response.json())["error"]["message"]
 
 
 async def test_box_still_serves_after_every_bad_request(default_box, http) -> None:

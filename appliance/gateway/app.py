@@ -62,7 +62,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except FleetboxError as exc:
         response = _error_response(exc)
     except web.HTTPException as exc:
-        response = _error_response(_from_http_exception(exc))
+        response = _error_response(_from_http_exception(exc, serves_api=ctx.settings.serves_http))
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         response = _error_response(InternalError("internal error; see the box's log"))
@@ -98,7 +98,13 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     return response
 
 
-def _from_http_exception(exc: web.HTTPException) -> FleetboxError:
+def _from_http_exception(exc: web.HTTPException, *, serves_api: bool = True) -> FleetboxError:
+    if exc.status == 404 and not serves_api:  # a worker's port: its operations only (h60: "no such route" puzzled)
+        return NotFound(
+            "no such route on this box: it runs models only (--role worker) and serves no inference or admin API; "
+            "send requests to a gateway (--role gateway or all)",
+            code="route_not_found",
+        )
     if exc.status == 404:
         return NotFound("no such route; see /openapi.json for the API", code="route_not_found")
     if exc.status == 405:
