@@ -49,6 +49,7 @@ import torch
 
 from runtimes.base import AdapterConflict, UnknownAdapter, UnsupportedModel
 from runtimes.detect import check_adapter_folder
+from runtimes.lora_layout import in_the_way, modules_adapted, unwrapped, wrapped_modules, wrapping
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 _MIXING = object()  # `_serving` after a load, an eviction or a mixed call: adapter layers on, any adapter active
@@ -196,32 +197,18 @@ class LoraAdapters:
         self._alias_gaps()
 
     def _refuse_beside_others(self, name: str, path: Path, config: Any) -> None:
-        """Raise `AdapterConflict` when the adapter in `path` needs a module wrapped one way (a LoRA layer, a
-        `modules_to_save` copy, trainable tokens) where resident adapters have wrapped it, or a module in it or
-        around it, another way: peft cannot have both, and refused it with its own words ("Target module
+        """Raise `AdapterConflict` when resident adapters have wrapped a module the adapter in `path` needs wrapped
+        another way (`lora_layout.in_the_way`): peft refused it with its own words ("Target module
         ModulesToSaveWrapper is not supported"), which read as an adapter trained for another base, and served
-        whichever of the two loaded first (h62). Trainable tokens also stand in the way of any adapter that trains
-        none there (peft looks every resident adapter up in their wrapper). Called with the aliases dropped."""
-        wrapped = {
-            module_name: found for module_name, module in self._peft.named_modules() if (found := _wrapping(module))
-        }
-        heads = _TASK_HEADS.get(str(config.task_type), ())  # what peft copies for the task, saved or not
-        adapted = _modules_adapted(path, (*(config.modules_to_save or ()), *heads))
-        in_the_way: dict[str, set[str]] = {}
-        for module_name, kind in adapted.items():
-            for other_name, (other_kind, adapters) in wrapped.items():
-                if adapters and other_kind != kind and _overlap(module_name, other_name):
-                    in_the_way.setdefault(module_name, set()).update(adapters)
-        for other_name, (other_kind, adapters) in wrapped.items():
-            if other_kind == "tokens" and adapters and adapted.get(other_name) != "tokens":
-                in_the_way.setdefault(other_name, set()).update(adapters)
-        if in_the_way:
-            where, adapters = next(iter(in_the_way.items()))
+        whichever of the two loaded first (h62). Called with the aliases dropped."""
+        blocked = in_the_way(wrapped_modules(self._peft), modules_adapted(path, config))
+        if blocked:
+            where, adapters = next(iter(blocked.items()))
             raise AdapterConflict(
                 f"LoRA adapter {name!r} cannot be loaded beside adapter(s) {', '.join(sorted(adapters))} on this "
                 f"base: it adapts {where.removeprefix('base_model.model.')} in a way peft cannot combine with theirs "
                 "(a LoRA layer, a modules_to_save copy or trainable tokens)",
-                tuple(sorted(set().union(*in_the_way.values()))),
+                tuple(sorted(set().union(*blocked.values()))),
             )
 
     def _alias_gaps(self) -> None:
@@ -242,10 +229,10 @@ class LoraAdapters:
         a LoRA layer or trainable-tokens wrapper left by an unloaded adapter kept out an adapter that copies the
         module (peft cannot wrap a wrapper)."""
         for module_name, module in list(self._peft.named_modules()):
-            found = _wrapping(module)
+            found = wrapping(module)
             if found is not None and not found[1]:
                 parent_name, _, attribute = module_name.rpartition(".")
-                setattr(self._peft.get_submodule(parent_name), attribute, _unwrapped(module))
+                setattr(self._peft.get_submodule(parent_name), attribute, unwrapped(module))
 
     def _drop_aliases(self) -> None:
         for module, name in self._aliases:
@@ -344,84 +331,6 @@ def _refuse_unplaced(model: torch.nn.Module, name: str, path: Path) -> None:
             f"LoRA adapter {path} has {len(unplaced)} weights this base has no place for (such as "
             f"{unplaced[0].removeprefix('base_model.model.')}): it was trained on {why or 'another model'}"
         )
-
-
-_LORA_MARKERS = (
-    ".lora_A.",
-    ".lora_B.",
-    ".lora_embedding_A",
-    ".lora_embedding_B",
-    ".lora_magnitude_vector",
-    ".base_layer.",
-)
-_TOKENS_MARKER = ".token_adapter."
-# The heads peft puts in `modules_to_save` for a task type (its PeftModelFor... classes), as the config may not say.
-_TASK_HEADS = {
-    "SEQ_CLS": ("classifier", "score"),
-    "TOKEN_CLS": ("classifier", "score"),
-    "QUESTION_ANS": ("qa_outputs",),
-}
-
-
-def _wrapping(module: torch.nn.Module) -> tuple[str, set[str]] | None:
-    """How peft wrapped this module, if it did: `lora`, `copy` (modules_to_save) or `tokens`, and for which adapters."""
-    from peft.tuners.lora.layer import LoraLayer
-    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
-
-    if isinstance(module, LoraLayer):
-        return "lora", {name for layers in LoraLayer.adapter_layer_names for name in getattr(module, layers)}
-    if isinstance(module, ModulesToSaveWrapper):
-        return "copy", set(module.modules_to_save)
-    if isinstance(module, TrainableTokensWrapper):
-        return "tokens", set(module.token_adapter.trainable_tokens_delta)
-    return None
-
-
-def _unwrapped(module: Any) -> torch.nn.Module:
-    """The base's own module inside a peft wrapper (see `_wrapping`)."""
-    from peft.tuners.lora.layer import LoraLayer
-
-    return module.get_base_layer() if isinstance(module, LoraLayer) else module.original_module
-
-
-def _modules_adapted(path: Path, modules_to_save: Sequence[str]) -> dict[str, str]:
-    """The modules an adapter's saved weights adapt, by their peft name, and how (as `_wrapping` says it). A copy's
-    weights name the layers inside the module copied (`classifier.dense.weight`): the module is the outermost one
-    whose name ends with an entry of `modules_to_save`, as peft picks it."""
-    weights = path / "adapter_model.safetensors"
-    if weights.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(weights), "pt") as saved:
-            keys = list(saved.keys())
-    else:
-        from peft.utils import load_peft_weights
-
-        keys = list(load_peft_weights(str(path), device="cpu"))
-    adapted = {}
-    for key in keys:
-        lora = next((marker for marker in _LORA_MARKERS if marker in key), None)
-        if lora is not None:
-            adapted[key.split(lora)[0]] = "lora"
-        elif _TOKENS_MARKER in key:
-            adapted[key.split(_TOKENS_MARKER)[0]] = "tokens"
-        else:
-            adapted[_copied_module(key.rpartition(".")[0], modules_to_save)] = "copy"
-    return adapted
-
-
-def _copied_module(module_name: str, modules_to_save: Sequence[str]) -> str:
-    parts = module_name.split(".")
-    for end in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:end])
-        if any(prefix == entry or prefix.endswith(f".{entry}") for entry in modules_to_save):
-            return prefix
-    return module_name
-
-
-def _overlap(one: str, other: str) -> bool:
-    """Whether two modules are one, or one holds the other."""
-    return one == other or one.startswith(f"{other}.") or other.startswith(f"{one}.")
 
 
 def _adapter_bytes(model: torch.nn.Module, name: str) -> int:
