@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -45,7 +46,7 @@ from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
-from appliance.errors import ServiceUnavailable
+from appliance.errors import Conflict, ServiceUnavailable
 from appliance.fleet import Fleet, taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
@@ -249,15 +250,30 @@ class Box:
         """Make again what the NATS server lost; if that was the request stream, the gateway publishes again what
         it awaits from the old one."""
         assert self.js is not None
-        created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
+        try:
+            created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
+        except Conflict as exc:  # its id taken while it was cut off (`Fleet._refuse_a_twin`): the other box stays
+            self._nats_gone(f"{exc.message}; this box stops")
+            return
         self.workers.pull_again()
+        if created is not None:
+            self._queue_made(created)
+
+    def _queue_made(self, created: datetime, *, seen_gone: bool = True) -> None:
+        """The request stream, as made at `created`: one made anew since this box last saw it lost what was queued
+        in the old one, which the gateway publishes again (and the workers let go). `seen_gone`: this box's epoch of
+        publishes was cut when the old stream was found gone; else it is cut now (another box made it again first)."""
         epoch = self.workers.queue_epoch  # when the request stream was made, as this box last saw it
-        if created is not None and created != epoch.made:
-            lost, epoch.made = epoch.made is not None, created
-            if lost:
-                self.workers.queue_lost()
-            if lost and self.dispatcher is not None:
-                self.dispatcher.queue_lost()
+        if created == epoch.made:
+            return
+        lost, epoch.made = epoch.made is not None, created
+        if not lost:
+            return
+        self.workers.queue_lost()
+        if self.dispatcher is not None:
+            if not seen_gone:
+                self.dispatcher.nats_interrupted()
+            self.dispatcher.queue_lost()
 
     async def _ensure_streams(self) -> None:
         assert self.js is not None
@@ -367,6 +383,8 @@ class Box:
             missing = False
             try:
                 info = await self.js.stream_info(bus.REQUEST_STREAM)
+                # Made anew by another box's monitor (or a hand) since this box looked: its lost requests published.
+                self._queue_made(info.created, seen_gone=gone)
                 self.stream_ok, gone = True, False
                 streak.succeeded()
                 self.backlog = info.state.messages

@@ -132,14 +132,15 @@ async def replay(
     nats-py's marker for the replay's end (a None) can come before the replay has ended (nats.py #842, #995):
     taken at its word, `fleetbox models list` printed an empty catalog about 1 run in 20 (operator tester h60).
     Past `timeout_s`, what was read is returned, as the marker's word was before."""
-    state = (await js.stream_info(f"KV_{bucket}")).state
+    stream = f"KV_{bucket}"
+    state = (await js.stream_info(stream)).state
     entries: list[KeyValue.Entry] = []
     try:
         async with asyncio.timeout(timeout_s):
             async for entry in watcher:
                 if entry is None:
-                    if not state.messages:  # nothing to replay: the marker is the end
-                        break
+                    if not state.messages or not await _holds(js, stream, state.last_seq):
+                        break  # nothing to replay, or its last message compacted away: the marker is the end
                     continue
                 entries.append(entry)
                 if entry.revision is not None and entry.revision >= state.last_seq:
@@ -147,6 +148,16 @@ async def replay(
     except TimeoutError:
         log.warning("bucket not replayed to its end", extra={"bucket": bucket, "entries": len(entries)})
     return entries
+
+
+async def _holds(js: JetStreamContext, stream: str, seq: int) -> bool:
+    """Whether the stream still holds its message `seq` (`nats kv compact` removes a deletion's marker, and the
+    stream's last sequence then names a message no replay delivers: review r61)."""
+    try:
+        await js.get_msg(stream, seq)
+    except NotFoundError:
+        return False
+    return True
 
 
 async def ensure_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:

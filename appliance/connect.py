@@ -29,6 +29,7 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 from appliance import bus
 from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
+from appliance.errors import Conflict
 from appliance.fleet import Fleet
 from appliance.settings import Settings
 
@@ -183,6 +184,8 @@ async def restore_after_reconnect(
             if fleet is not None:
                 await fleet.reopen()
             return created
+        except Conflict:
+            raise  # another live box beats under this box's id now: no retry makes it this box's again
         except Exception as exc:
             log.warning("restoring streams after a reconnect failed; retrying", extra={"error": repr(exc)})
             await asyncio.sleep(1.0)

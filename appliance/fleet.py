@@ -70,6 +70,7 @@ class Fleet:
             del self._boxes[gone]
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
+            self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
             await self._refuse_a_twin(self._snapshot().get("started"))
             self._beating = True  # from now the record under this id is this box's: its stop deletes it
             await self.beat()

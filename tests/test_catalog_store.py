@@ -321,3 +321,22 @@ async def test_a_replay_whose_end_marker_comes_early_is_read_to_the_buckets_last
         assert [e.key for e in early] == ["a", "c", "b"]
     finally:
         await client.close()
+
+
+async def test_a_replay_ends_at_once_when_the_buckets_last_message_was_compacted_away(nats_server) -> None:
+    """`nats kv compact` (purge_deletes) removes a deletion's marker, and the stream's last sequence then names a
+    message no replay delivers: every catalog open waited out the 10 s bound (review r61)."""
+    client = await nats.connect(nats_server.url)
+    try:
+        js = client.jetstream()
+        kv = await bus.ensure_bucket(js, KeyValueConfig(bucket="fbx_compacted", history=1))
+        await kv.put("a", b"a")
+        await kv.put("b", b"b")
+        await kv.delete("b")
+        await kv.purge_deletes(olderthan=-1)
+        watcher = await kv.watchall()
+        async with asyncio.timeout(3):
+            assert [(e.key, e.value) for e in await bus.replay(js, "fbx_compacted", watcher)] == [("a", b"a")]
+        await watcher.stop()
+    finally:
+        await client.close()

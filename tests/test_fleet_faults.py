@@ -5,6 +5,7 @@ fails on every delivery ends in FBX_DLQ with a clear answer while the rest flow 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable
 
@@ -498,15 +499,29 @@ async def test_a_gateway_with_no_worker_for_a_while_answers_503_at_once(start_bo
     await wait_for(answered, what="a request answered once a worker joined")
 
 
-async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_its_record(start_box, http) -> None:
+async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_its_record(
+    start_box, nats_server
+) -> None:
     """Operator tester h60: two boxes under one `--box-id` shared a heartbeat and control subjects, and one `fleetbox
-    box drain` stopped both. The second is refused at start, and its stop does not delete the live box's record."""
+    box drain` stopped both. The second is refused at start, never writes under the id, and its stop does not
+    delete the live box's record (watched for: the live box would write it again within a beat)."""
     first = await start_box(box_id="twin", default_model=False, models=[noop_model()])
-    with pytest.raises(Conflict, match="box id twin is taken: another live box of the fleet beats under it"):
-        await start_box(box_id="twin", default_model=False, models=[noop_model()])
-    await asyncio.sleep(2 * first.settings.heartbeat_s)
-    assert [record["box"] for record in first.fleet.live_boxes()] == ["twin"]
-    assert first.fleet.live_boxes()[0]["started"] == first.started_at
+    twin = Box(box_settings(nats_server.url, box_id="twin", default_model=False, models=[noop_model()]))
+    kv = await first.js.key_value(bus.BOXES_BUCKET)
+    watcher = await kv.watch("twin", include_history=False)
+    try:
+        with pytest.raises(Conflict, match="box id twin is taken: another live box of the fleet beats under it"):
+            await twin.start()
+        await twin.stop()
+        written = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                async for entry in watcher:
+                    if entry is not None:
+                        written.append((entry.operation, orjson.loads(entry.value)["started"] if entry.value else None))
+        assert written and all(written_by == (None, first.started_at) for written_by in written), written
+    finally:
+        await watcher.stop()
 
 
 async def test_a_box_restarted_under_the_id_of_one_that_died_moments_ago_starts(start_box, nats_server) -> None:
@@ -519,3 +534,25 @@ async def test_a_box_restarted_under_the_id_of_one_that_died_moments_ago_starts(
         assert again.fleet.live_boxes()[0]["started"] == again.started_at
     finally:
         await dead.stop()
+
+
+async def test_a_box_back_on_nats_whose_id_another_box_took_stops(start_box) -> None:
+    """Review r61: cut off past its heartbeat's TTL while another box started under its id, a box's restore on its
+    return was refused 30 times, then it went on pulling and answering control verbs, out of the fleet's sight."""
+    box = await start_box(box_id="taken", default_model=False, models=[noop_model()])
+    kv = await box.js.key_value(bus.BOXES_BUCKET)
+
+    async def another_box_beats() -> None:
+        while True:
+            record = {"box": "taken", "role": "all", "started": 1.0, "ts": time.time()}
+            await kv.put("taken", orjson.dumps(record))
+            await asyncio.sleep(box.settings.heartbeat_s / 4)
+
+    beating = asyncio.create_task(another_box_beats())
+    try:
+        await asyncio.sleep(box.settings.heartbeat_s / 2)
+        async with asyncio.timeout(10):
+            await box._restore()
+        assert box.stop_requested.is_set() and "box id taken is taken" in (box.failure or ""), box.failure
+    finally:
+        beating.cancel()

@@ -607,15 +607,36 @@ async def test_requests_queued_in_a_request_stream_deleted_by_hand_are_published
     """Regression tester h63: the stream came back, but what waited in the deleted one was never published again
     (that is done after a NATS restart, on a reconnect): each such request waited out its deadline for a 504."""
     box = await start_box(default_model=False, models=[noop_model("q", cost_ms=1500)], worker_capacity=1)
+    assert await answers_across_a_stream_deletion(http, box) == [200, 200, 200]
+
+
+async def answers_across_a_stream_deletion(http, gateway: Box) -> list[int]:
+    """The statuses of three requests for the slow model `q` sent to `gateway`, the request stream deleted while one
+    is computed and two wait in it."""
     body = {"model": "q", "input": "hello", "timeout": 30}
 
     async def status() -> int:
-        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
             return response.status
 
     sent = [asyncio.create_task(status()) for _ in range(3)]
-    await wait_for(lambda: box.dispatcher is not None and box.dispatcher.waiting == 3, what="three requests awaited")
-    await asyncio.sleep(0.2)  # one taken by the box, two waiting in the stream
-    await box.js.delete_stream(bus.REQUEST_STREAM)
+    await wait_for(lambda: gateway.dispatcher is not None and gateway.dispatcher.waiting == 3, what="three awaited")
+    await asyncio.sleep(0.2)  # one taken by a box, two waiting in the stream
+    await gateway.js.delete_stream(bus.REQUEST_STREAM)
     async with asyncio.timeout(25):
-        assert await asyncio.gather(*sent) == [200, 200, 200]
+        return await asyncio.gather(*sent)
+
+
+async def test_a_gateway_whose_stream_another_box_made_again_publishes_its_requests_again(start_box, http) -> None:
+    """Review r61: only the box whose own monitor made the deleted stream again published what it awaited; a gateway
+    that found the stream already made anew (by a worker box, here the only one that makes it) lost its requests to
+    504s. A stream made since the box last saw it is a lost queue, whoever made it."""
+    models = [noop_model("q", cost_ms=1500, pinned=True)]
+    gateway = await start_box(role="gateway", box_id="door", default_model=False, models=models)
+    await start_box(role="worker", box_id="maker", default_model=False, models=models, worker_capacity=1)
+
+    async def never() -> None:
+        return None
+
+    gateway._reopen_queues = gateway._restore = never  # the worker makes it again; the gateway only sees it made
+    assert await answers_across_a_stream_deletion(http, gateway) == [200, 200, 200]
