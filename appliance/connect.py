@@ -187,7 +187,7 @@ async def restore_after_reconnect(
         except Conflict:
             raise  # another live box beats under this box's id now: no retry makes it this box's again
         except Exception as exc:
-            log.warning("restoring streams after a reconnect failed; retrying", extra={"error": repr(exc)})
+            log.warning("restoring streams failed; retrying", extra={"error": repr(exc)})
             await asyncio.sleep(1.0)
     return None
 

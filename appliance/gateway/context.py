@@ -62,8 +62,7 @@ class GatewayContext:
         if gone_s <= self.settings.heartbeat_ttl_s + NO_WORKER_GRACE_S:
             return
         raise ServiceUnavailable(
-            f"no box in the fleet runs models (none has sent a heartbeat for {gone_s:.0f} s); start one with "
-            "--role worker or all",
+            f"no box in the fleet runs models (none for {gone_s:.0f} s); start one with --role worker or all",
             retry_after_s=2,
         )
 
