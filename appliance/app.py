@@ -424,9 +424,11 @@ class Box:
     # -- stop ------------------------------------------------------------------------------------
 
     def _in_use(self, model: str) -> bool:
-        """Whether this box's worker for `model` has requests in hand (an eviction prefers an idle model)."""
+        """Whether this box's worker for `model` has requests in hand, or is still starting (an eviction prefers an
+        idle model): a model just loaded for waiting requests was evicted for the next load before its worker pulled,
+        its largest-model requests starved round after round (residency tester h65)."""
         worker = self.workers.get(model)
-        return worker is not None and worker.held > 0
+        return worker is None or not worker.pulling.is_set() or worker.held > 0
 
     def _other_workers(self) -> list[str]:
         """Live boxes besides this one that compute (and are not draining): who may answer what it hands back."""

@@ -109,6 +109,13 @@ class ServiceUnavailable(FleetboxError):
         super().__init__(message, code=code, headers=headers)
 
 
+class UnloadedWhileStarting(ServiceUnavailable):
+    """A model evicted or deleted while its worker started (warmed up): no load failed, so no back-off."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=1)
+
+
 class GatewayTimeout(FleetboxError):
     status, type, code = 504, "timeout_error", "deadline_exceeded"
 

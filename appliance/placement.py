@@ -23,7 +23,14 @@ from appliance import bus
 from appliance.catalog import ModelSpec
 from appliance.delivery import deliver_reply
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, InsufficientMemory, NotFound, ServiceUnavailable, reason_of
+from appliance.errors import (
+    FleetboxError,
+    InsufficientMemory,
+    NotFound,
+    ServiceUnavailable,
+    UnloadedWhileStarting,
+    reason_of,
+)
 from appliance.fleet import taking_work
 from appliance.logs import FailureStreak
 from appliance.puller import Puller
@@ -183,6 +190,8 @@ class Placement:
             await self._serve(spec, claimed)
         except NotFound as exc:  # deleted (or registered again elsewhere) while it loaded: nothing failed
             log.info("model deleted while it loaded", extra={"model": spec.name, "error": exc.message})
+        except UnloadedWhileStarting as exc:  # evicted for another load: its requests still wait, and a pass loads it
+            log.info("model unloaded while it started", extra={"model": spec.name, "error": exc.message})
         except Exception as exc:
             error = self._load_error(spec, exc)
             current = self._box.catalog.get(spec.name)

@@ -34,7 +34,7 @@ from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable, Unprocessable, deadline_passed
+from appliance.errors import FleetboxError, ServiceUnavailable, UnloadedWhileStarting, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -120,7 +120,7 @@ class ModelWorker:
         self._warming = asyncio.ensure_future(self.batcher.warm_up())
         await self._warming
         if self._draining:  # unloaded while it warmed up (an eviction, a delete): it must not start pulling
-            raise ServiceUnavailable(f"model {self.spec.name} was unloaded while it warmed up", retry_after_s=1)
+            raise UnloadedWhileStarting(f"model {self.spec.name} was unloaded while it warmed up")
         self.batcher.start()
         await self.puller.start()
         await self.bulk_puller.start()

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
 from appliance.delivery import Cancellations, LocalReply, QueueEpoch
-from appliance.errors import Conflict, NotFound, ServiceUnavailable
+from appliance.errors import Conflict, NotFound, ServiceUnavailable, UnloadedWhileStarting
 from appliance.metrics import Metrics
 from appliance.profiles import ProfileBook
 from appliance.residency import Residency
@@ -163,7 +163,7 @@ class Workers:
         failed, or an eviction took it out): then it is not this box's worker, and not served (review r51)."""
         await worker.pulling.wait()
         if self._table.get(name) is not worker:
-            raise ServiceUnavailable(f"model {name} was unloaded while it started on this box", retry_after_s=1)
+            raise UnloadedWhileStarting(f"model {name} was unloaded while it started on this box")
         return worker
 
     async def _profiled(self, spec: ModelSpec) -> ModelSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from appliance import bus
 from appliance.bus import model_slug
+from appliance.errors import UnloadedWhileStarting
 from tests.conftest import noop_model, url, wait_for
 
 
@@ -65,3 +66,23 @@ async def test_a_box_that_could_never_hold_a_model_leaves_its_load_to_a_larger_b
     await wait_for(lambda: any(r.get("draining") for r in small.fleet.live_boxes()), what="the large box draining")
     assert await small.placement._could_fit(spec)
     large.draining = False
+
+
+async def test_a_model_loaded_for_waiting_requests_is_not_an_idle_victim_until_it_pulls(start_box) -> None:
+    """Residency tester h65: a model just loaded for waiting requests counted as idle until its worker pulled, so the
+    next model's load evicted it in its warm-up, round after round, and its requests starved; that eviction was then
+    taken for a failed load, its requests refused 503 for the 30 s back-off."""
+    models = [noop_model("a", pinned=False), noop_model("b", pinned=False)]
+    box = await start_box(default_model=False, models=models)
+    await box.workers.serve(box.catalog.get("a"))
+    assert not box._in_use("a")  # pulling, nothing in hand: the first to go
+    await box.residency.ensure_loaded(box.catalog.get("b"))  # loaded, its worker not started yet
+    assert box._in_use("b")
+
+    async def evicted_in_its_warm_up(spec):
+        raise UnloadedWhileStarting(f"model {spec.name} was unloaded while it warmed up")
+
+    box.workers.serve = evicted_in_its_warm_up
+    assert box.placement is not None
+    await box.placement._load(box.catalog.get("b"), claimed=False)
+    assert "b" not in box.placement._failed and "b" not in box.placement.refusing  # no back-off, no refusal
