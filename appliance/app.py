@@ -349,6 +349,8 @@ class Box:
     def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
         if self.placement is not None:
             self.placement.forget_failure(name, spec)  # deleted or registered again: a load is a new try
+            if spec is None or not spec.pinned:
+                self.placement.memory_freed()  # a pin let go: a load refused for memory may fit now
         if spec is None:
             self.residency.pinned.discard(name)
             self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it

@@ -78,6 +78,7 @@ class Placement:
         self._failed: dict[str, tuple[float, ModelSpec]] = {}
         self.refusing: set[str] = set()  # models whose waiting requests this box answers with its load error
         self._changed: dict[str, asyncio.Event] = {}  # set when what a load of a model refused here depends on changes
+        self._for_memory: set[str] = set()  # models whose load failed for memory: a pin let go is a new try
 
     @property
     def loading(self) -> set[str]:
@@ -202,6 +203,8 @@ class Placement:
                 return
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
             self._failed[spec.name] = (asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S, spec)
+            if isinstance(exc, InsufficientMemory):
+                self._for_memory.add(spec.name)
             self._loading.discard(spec.name)  # no longer on its way here (before the refusing): other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
@@ -231,6 +234,17 @@ class Placement:
         changed = self._changed.get(name)
         if changed is not None:
             changed.set()
+
+    def memory_freed(self) -> None:
+        """A model was unpinned or deleted: a load refused for memory is no reason to wait out the back-off, nor to
+        answer its requests with the refusal (they read `... with 66 MiB pinned` for 30 s after the pins were gone,
+        residency tester h65); a pass tries it again."""
+        for name in self._for_memory:
+            self._failed.pop(name, None)
+            changed = self._changed.get(name)
+            if changed is not None:
+                changed.set()
+        self._for_memory.clear()
 
     async def _refuse(self, spec: ModelSpec, error: FleetboxError) -> None:
         """Answer the requests waiting for a model that failed to load, until the next load attempt here, until

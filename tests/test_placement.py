@@ -86,3 +86,18 @@ async def test_a_model_loaded_for_waiting_requests_is_not_an_idle_victim_until_i
     assert box.placement is not None
     await box.placement._load(box.catalog.get("b"), claimed=False)
     assert "b" not in box.placement._failed and "b" not in box.placement.refusing  # no back-off, no refusal
+
+
+async def test_a_load_refused_for_pinned_memory_is_tried_again_once_a_pin_is_let_go(start_box, http) -> None:
+    """Residency tester h65: the refusal (`... with 600 B pinned`) went on for the 30 s back-off after the pin was
+    gone, and the requests were answered with it."""
+    models = [noop_model("pinned", pinned=True, bytes=600), noop_model("m", pinned=False, bytes=600)]
+    box = await start_box(default_model=False, models=models, memory_budget="1000B")
+    assert await _embed(http, box, "m", 10.0) == 503
+    async with http.post(url(box, "/v1/models/pinned/unpin")) as response:
+        assert response.status == 200
+
+    async def answered() -> bool:
+        return await _embed(http, box, "m", 5.0) == 200
+
+    await wait_for(answered, timeout_s=10.0, what="the model loaded once the pin was let go, before the 30 s back-off")
