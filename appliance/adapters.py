@@ -55,6 +55,11 @@ class AdapterHold:
     def key(self) -> str:
         return self._entry.key
 
+    @property
+    def loaded(self) -> LoadedAdapter:
+        """The load held: `retired` once the adapter is deleted or registered again on another folder."""
+        return self._entry
+
     def release(self) -> None:
         if self._adapters is not None:
             self._adapters.release(self._entry)

@@ -354,12 +354,13 @@ class Box:
         if spec is None:
             self.residency.pinned.discard(name)
             self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it
-            self.workers.adapter_deleted()  # and its generations still waiting for a decode slot are answered 404
+            self.workers.adapters_retired()  # and its generations still waiting for a decode slot are answered 404
             if self.residency.is_resident(name):
                 self._spawn(self.workers.evict(name))
             return
         if spec.adapter_of is not None:
             self.residency.retire_adapter(name, keep=spec)  # registered again on another folder
+            self.workers.adapters_retired()  # its generations waiting for a slot are admitted again with the new one
             if self.settings.runs_models and not self.draining:
                 self._spawn(self.workers.reload_for_adapters(spec.adapter_of))  # a base a profile put on ONNX
         if spec.pinned:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -20,6 +20,9 @@ from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
 from appliance.delivery import LocalReply, deliver_reply
 from appliance.envelope import ReplyMeta, RequestMeta
+
+if TYPE_CHECKING:
+    from appliance.adapters import LoadedAdapter
 from appliance.errors import FleetboxError, InternalError
 from runtimes.generate import StepOutput
 
@@ -32,6 +35,7 @@ class Stream:
     msg: Msg
     seq: int = 0
     tokens: int = 0
+    adapter: LoadedAdapter | None = None  # the LoRA adapter's load it runs with
 
 
 class GenerationReplies:

@@ -292,12 +292,13 @@ class Workers:
             if not isinstance(worker, ModelWorker):  # a generator (its module loads torch: not imported here)
                 worker.queue_lost()
 
-    def adapter_deleted(self) -> None:
-        """An adapter left the catalog: generators answer the requests for it still waiting for a decode slot
-        (`GenerateWorker.adapter_deleted`); an encoder looks its adapter up at each batch."""
+    def adapters_retired(self) -> None:
+        """An adapter left the catalog or was registered again on another folder: generators answer or hand back the
+        requests for it still waiting for a decode slot (`GenerateWorker.adapters_retired`); an encoder looks its
+        adapter up at each batch."""
         for worker in self._table.values():
             if not isinstance(worker, ModelWorker):
-                worker.adapter_deleted()
+                worker.adapters_retired()
 
     def pull_again(self) -> None:
         """The NATS server restarted and its consumers are made again: every worker asks for work anew."""

@@ -137,3 +137,39 @@ async def test_a_generation_waiting_for_a_decode_slot_when_its_adapter_is_delete
     async with asyncio.timeout(30):
         status, answer = await generating
     assert status == 200, answer
+
+
+async def test_a_generation_waiting_for_a_slot_when_its_adapter_is_registered_anew_runs_the_new_one(
+    start_box, http, generator_dir, adapter_dirs, second_generator_adapter_dir
+) -> None:
+    """Review r60: an adapter registered again on another folder (heard as one change, as after a watch that missed
+    the deletion) left a generation waiting for a decode slot to run the old weights. It is handed back and admitted
+    again with the new registration."""
+    from appliance.configured import spec_from_entry
+    from runtimes import Task
+
+    adapter = f"{MODEL}:lora"
+    base = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1})
+    old = ModelEntry(name=adapter, path=second_generator_adapter_dir, adapter_of=MODEL)
+    roots = [generator_dir.parent, second_generator_adapter_dir.parent, adapter_dirs[Task.GENERATE].parent]
+    box = await start_box(default_model=False, models=[base, old], model_roots=roots)
+    body = {"prompt": "Alice", "max_tokens": 8, "temperature": 0, "timeout": 30}
+    _, before = await whole(http, box, body | {"model": adapter})
+    worker = box.workers[MODEL]
+    entered, release = hold_decoding(worker.runtime)
+    generating = asyncio.create_task(whole(http, box, body | {"model": MODEL}))
+    await wait_for(entered.is_set, what="the base's generation to hold the one decode slot")
+    waiting = asyncio.create_task(whole(http, box, body | {"model": adapter}))
+    await wait_for(lambda: len(worker._streams) == 2, what="the adapter's request to wait for the slot")
+    try:
+        new = spec_from_entry(old.model_copy(update={"path": adapter_dirs[Task.GENERATE]}), box.settings)
+        kv = await box.js.key_value(bus.MODELS_BUCKET)
+        await kv.put(new.slug, new.to_json())  # the same name on another folder, as one change
+        await wait_for(lambda: len(worker._streams) == 1, what="the adapter's request handed back")
+    finally:
+        release.set()
+    async with asyncio.timeout(30):
+        (status, answer), (base_status, _) = await asyncio.gather(waiting, generating)
+    assert status == 200 and base_status == 200, answer
+    _, after = await whole(http, box, body | {"model": adapter})
+    assert answer["choices"][0]["text"] == after["choices"][0]["text"] != before["choices"][0]["text"]
