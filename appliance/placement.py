@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -68,6 +69,16 @@ def fits_no_box(model: str, need_bytes: int, largest: tuple[str, int]) -> Insuff
     )
 
 
+@dataclass(slots=True, frozen=True)
+class _Failure:
+    """A load of a model that failed here: not tried again before `until` (loop time), unless what it depends on
+    changes (its registration `spec`; memory, `for_memory`: a pin let go)."""
+
+    until: float
+    spec: ModelSpec
+    for_memory: bool = False
+
+
 class Placement:
     def __init__(self, box: Box) -> None:
         self._box = box
@@ -75,10 +86,9 @@ class Placement:
         self._loading: set[str] = set()
         self._loads = Background("placement")
         # A model that failed to load is retried later, not hammered: when, and the registration whose load failed.
-        self._failed: dict[str, tuple[float, ModelSpec]] = {}
+        self._failed: dict[str, _Failure] = {}
         self.refusing: set[str] = set()  # models whose waiting requests this box answers with its load error
         self._changed: dict[str, asyncio.Event] = {}  # set when what a load of a model refused here depends on changes
-        self._for_memory: set[str] = set()  # models whose load failed for memory: a pin let go is a new try
 
     @property
     def loading(self) -> set[str]:
@@ -110,7 +120,7 @@ class Placement:
             if spec.adapter_of is not None or spec.name in box.workers or spec.name in self._loading:
                 continue
             failed = self._failed.get(spec.name)
-            if failed is not None and failed[0] > asyncio.get_running_loop().time():
+            if failed is not None and failed.until > asyncio.get_running_loop().time():
                 continue
             waiting = await self._waiting(spec.slug, self._holders(spec.name))
             if waiting == 0 or not self._should_load(spec.name, waiting) or not await self._could_fit(spec):
@@ -202,9 +212,8 @@ class Placement:
                 self._box.residency.forget_load_error(spec.name, current)
                 return
             log.error("loading a model requests wait for failed", extra={"model": spec.name, "error": error.message})
-            self._failed[spec.name] = (asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S, spec)
-            if isinstance(exc, InsufficientMemory):
-                self._for_memory.add(spec.name)
+            until = asyncio.get_running_loop().time() + _RETRY_AFTER_FAILURE_S
+            self._failed[spec.name] = _Failure(until, spec, for_memory=isinstance(exc, InsufficientMemory))
             self._loading.discard(spec.name)  # no longer on its way here (before the refusing): other boxes may try
             if not (self._box.fleet and self._box.fleet.holders(spec.name)):
                 # No box can answer them: say why now rather than let them wait out their deadlines.
@@ -228,7 +237,7 @@ class Placement:
         change of aliases or batching, or the catalog replayed after a reconnect, is the same failing model."""
         self._box.residency.forget_load_error(name, spec)  # a failed load of any path (pinned, the `load` verb)
         failed = self._failed.get(name)
-        if failed is None or (spec is not None and spec.load_key() == failed[1].load_key()):
+        if failed is None or (spec is not None and spec.load_key() == failed.spec.load_key()):
             return
         del self._failed[name]
         changed = self._changed.get(name)
@@ -239,12 +248,11 @@ class Placement:
         """A model was unpinned or deleted: a load refused for memory is no reason to wait out the back-off, nor to
         answer its requests with the refusal (they read `... with 66 MiB pinned` for 30 s after the pins were gone,
         residency tester h65); a pass tries it again."""
-        for name in self._for_memory:
-            self._failed.pop(name, None)
+        for name in [name for name, failed in self._failed.items() if failed.for_memory]:
+            del self._failed[name]
             changed = self._changed.get(name)
             if changed is not None:
                 changed.set()
-        self._for_memory.clear()
 
     async def _refuse(self, spec: ModelSpec, error: FleetboxError) -> None:
         """Answer the requests waiting for a model that failed to load, until the next load attempt here, until
@@ -313,7 +321,7 @@ class Placement:
             return
         # A 503: until this box tries the load again, a retry gets the same answer (a 507's retry waits for a box).
         failed = self._failed.get(meta.model) if error.status == 503 else None
-        retry = max(1, math.ceil(failed[0] - asyncio.get_running_loop().time())) if failed else 0
+        retry = max(1, math.ceil(failed.until - asyncio.get_running_loop().time())) if failed else 0
         reply = ReplyMeta.for_error(meta.id, error, self._box.box_id, retry_after_s=retry)
         # Acked only once its gateway has the answer: one sent while the gateway reconnects is sent again, not lost.
         if not await deliver_reply(self._box.nc, meta, error.to_json(), reply.headers(), lambda: self._box.draining):

@@ -296,23 +296,23 @@ _MIXABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2
 def _refuse_unmixable(model: torch.nn.Module, name: str, path: Path) -> None:
     """Refuse a `modules_to_save` copy of a module peft cannot switch per row (a LayerNorm, a head made of
     several layers), or trainable tokens: every call on the base, whichever adapter its rows use, would fail."""
-    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
-
     for module_name, module in model.named_modules():
-        if isinstance(module, TrainableTokensWrapper) and name in module.token_adapter.trainable_tokens_delta:
+        how, adapters = wrapping(module) or ("", set())
+        if name not in adapters:
+            continue
+        if how == "tokens":
             # peft's mixed batch fails with it and another adapter's rows ("Length of `adapter_names` should be the
             # same as the number of inputs"), every row of the decode batch with it.
             raise UnsupportedModel(
                 f"LoRA adapter {path} trains tokens of {module_name} (trainable_token_indices), which peft cannot "
                 "switch per row of a batch that has other adapters' rows; save it without trainable tokens"
             )
-        if isinstance(module, ModulesToSaveWrapper) and name in module.modules_to_save:
-            if not isinstance(module.original_module, _MIXABLE):
-                kind = type(module.original_module).__name__
-                raise UnsupportedModel(
-                    f"LoRA adapter {path} saves its own copy of {module_name} ({kind}), which peft cannot switch "
-                    "per row of a batch; only Linear, Embedding and Conv modules may be in modules_to_save"
-                )
+        if how == "copy" and not isinstance(module.original_module, _MIXABLE):
+            kind = type(module.original_module).__name__
+            raise UnsupportedModel(
+                f"LoRA adapter {path} saves its own copy of {module_name} ({kind}), which peft cannot switch "
+                "per row of a batch; only Linear, Embedding and Conv modules may be in modules_to_save"
+            )
 
 
 def _refuse_unplaced(model: torch.nn.Module, name: str, path: Path) -> None:

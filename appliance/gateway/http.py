@@ -43,8 +43,8 @@ _GZIP, _ZLIB, _RAW_DEFLATE = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBIT
 _ENCODINGS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": _ZLIB}
 _GZIP_MAGIC = b"\x1f\x8b"  # how a gzip member starts (RFC 1952)
 # A plain decimal number of seconds: ASCII digits, an optional fraction and exponent; no sign, `_`, nan or inf.
-_NAME_FIELD = re.compile(r"at `(\$\.(?:name|aliases\[\d+\]))`$")  # where a registration's names fail their pattern
 _SECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+_NAME_FIELD = re.compile(r"at `(\$\.(?:name|aliases\[\d+\]))`$")  # where a registration's names fail their pattern
 
 
 class Receiving:
