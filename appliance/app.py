@@ -33,8 +33,11 @@ from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
 from appliance.connect import (
+    NatsInTheClear,
+    asks_for_tls,
     delete_model,
     ensure_queue,
+    in_the_clear,
     open_catalogued_queues,
     open_model_queue,
     restore_after_reconnect,
@@ -127,6 +130,7 @@ class Box:
         self.placement: Placement | None = None
         self._tasks = Background("box")
         self._nats_servers = ""  # the NATS URLs it connects to, for its log
+        self._wants_tls = False  # a TLS option or a tls:// URL given: a server in the clear is refused
         self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
         self.stream_ok = False
         self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
@@ -206,10 +210,12 @@ class Box:
             await self.natsd.start()
             urls = [self.natsd.url]
         self._nats_servers = ",".join(urls)
+        tls = tls_context(self.settings)
+        self._wants_tls = asks_for_tls(urls, tls)
         self.nc = await nats.connect(
             servers=urls,
             user_credentials=str(self.settings.creds) if self.settings.creds else None,
-            tls=tls_context(self.settings),
+            tls=tls,
             name=f"fleetbox-{self.box_id}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -217,7 +223,18 @@ class Box:
             disconnected_cb=self._on_disconnect,
             reconnected_cb=self._on_reconnect,
         )
+        if self._in_the_clear():
+            server = self._server_url()
+            await self.nc.close()
+            raise NatsInTheClear(server)
         self.js = self.nc.jetstream()
+
+    def _in_the_clear(self) -> bool:
+        return self._wants_tls and self.nc is not None and in_the_clear(self.nc)
+
+    def _server_url(self) -> str:
+        url = self.nc.connected_url if self.nc is not None else None
+        return f"{url.scheme}://{url.netloc}" if url is not None else self._nats_servers
 
     def _nats_gone(self, why: str) -> None:
         """The embedded nats-server is gone for good: stop, with an error exit (`failure`) for a supervisor."""
@@ -239,6 +256,9 @@ class Box:
         log.warning("nats disconnected")
 
     async def _on_reconnect(self) -> None:
+        if self._in_the_clear():  # a server of the cluster without TLS: no more traffic in the clear than came already
+            self._nats_gone(str(NatsInTheClear(self._server_url())))
+            return
         log.info("nats reconnected")
         if self.dispatcher is not None:
             # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.

@@ -312,9 +312,13 @@ async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog:
     except Exception as exc:
         from nats.js.errors import APIError as JetStreamAPIError
 
+        from appliance.connect import NatsInTheClear
+
         log.error("box failed to start", extra={"error": repr(exc)})
         if isinstance(exc, FleetboxError):  # its own words, as every other refusal at start says them (h51)
             typer.echo(f"fleetbox: {exc.message}", err=True)
+        elif isinstance(exc, NatsInTheClear):
+            typer.echo(f"fleetbox: {exc}", err=True)
         elif isinstance(exc, JetStreamAPIError):  # its repr is `ServerError()`: the server's words are its description
             typer.echo(f"fleetbox: JetStream refused the box's streams or buckets: {exc.description}", err=True)
         await _stop(box, settings, watchdog=watchdog)

@@ -86,6 +86,34 @@ def client_tls(ca: Path | None, cert: Path | None, key: Path | None) -> ssl.SSLC
     return context
 
 
+class NatsInTheClear(Exception):
+    """A NATS server answered without TLS where TLS was asked for; the message says which and how to fix it."""
+
+    reason = (
+        "the server does not speak TLS, though TLS is asked for (--tls-ca, --tls-cert or a tls:// URL):"
+        " refusing to talk to it in the clear; give the server a tls block, or drop the TLS options"
+    )
+
+    def __init__(self, server: str) -> None:
+        super().__init__(f"NATS at {server}: {self.reason}")
+
+
+def asks_for_tls(urls: list[str], tls: ssl.SSLContext | None) -> bool:
+    """Whether the operator asked for TLS: a client TLS context, or a `tls://` URL."""
+    return tls is not None or any(url.strip().lower().startswith("tls://") for url in urls)
+
+
+def in_the_clear(nc: Any) -> bool:
+    """Whether `nc` is connected over plain TCP.
+
+    nats-py starts TLS only when the server's INFO asks for it: given a CA, a client certificate or
+    a `tls://` URL, it still talks in the clear to a server without TLS, where the Go client refuses
+    ("secure connection not available"). nats-py has no public word of it: its TCP transport's
+    writer does (a websocket transport has none, and is not judged here)."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    return writer is not None and writer.get_extra_info("ssl_object") is None
+
+
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """A box's client TLS, from its settings (see `client_tls`)."""
     return client_tls(settings.tls_ca, settings.tls_cert, settings.tls_key)

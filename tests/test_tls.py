@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from appliance import cli
 from appliance.app import Box
-from appliance.connect import NatsAuth, client_tls
+from appliance.connect import NatsAuth, NatsInTheClear, client_tls
 from appliance.natsd import EmbeddedNats, free_port
 from tests.conftest import box_settings, noop_model, wait_for
 from tui import commands
@@ -179,3 +179,47 @@ def test_bad_tls_files_are_a_one_line_usage_error(pki, tmp_path) -> None:
     result = CliRunner().invoke(cli.app, ["serve", "--nats", "tls://127.0.0.1:1", "--tls-ca", str(absent)])
     assert result.exit_code == 2
     assert result.output == f"fleetbox: bad settings: tls-ca: {absent} does not exist\n"
+
+
+async def test_tls_asked_for_is_never_dropped_for_a_server_in_the_clear(pki, nats_server, monkeypatch) -> None:
+    """nats-py starts TLS only when the server asks for it: with a CA given, or a tls:// URL, it talked to a server
+    without TLS in the clear, and the box and the CLI said nothing (tester h63). Without TLS asked for, the CLI
+    says at once that no box ever started there (it waited out its whole attach timeout)."""
+    monkeypatch.setattr(commands, "ATTACH_TIMEOUT_S", 300.0)
+    plain = f"nats://127.0.0.1:{nats_server.port}"
+    box = Box(box_settings(plain, default_model=False, models=[noop_model("alpha")], tls_ca=pki.ca))
+    with pytest.raises(NatsInTheClear, match="does not speak TLS, though TLS is asked for"):
+        await box.start()
+    await box.stop()
+
+    def models_list(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(cli.app, ["models", "list", *args])
+        return result.exit_code, result.output
+
+    reason = f"{NatsInTheClear.reason}\n"
+    for args in (["--nats", plain, "--tls-ca", str(pki.ca)], ["--nats", f"tls://127.0.0.1:{nats_server.port}"]):
+        code, output = await asyncio.to_thread(models_list, *args)
+        assert (code, output) == (1, f"fleetbox: cannot reach NATS at {args[1]}: {reason}"), args
+    no_tls = asyncio.to_thread(models_list, "--nats", plain)  # no TLS asked for: it reads the fleet
+    code, output = await asyncio.wait_for(no_tls, 60)
+    assert (code, output) == (1, f"fleetbox: no fleet at {plain} yet: no box has started there\n")
+
+
+async def test_a_box_whose_nats_comes_back_without_tls_stops(pki, tmp_path) -> None:
+    """The server it reconnects to (another of a cluster's, or one restarted without its tls block) is not talked
+    to in the clear either: the box stops with the reason."""
+    port = free_port()
+    tls_args = ("--tls", "--tlscert", str(pki.server_cert), "--tlskey", str(pki.server_key))
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=port, extra_args=tls_args)
+    await server.start()
+    box = Box(box_settings(f"tls://127.0.0.1:{port}", default_model=False, models=[], tls_ca=pki.ca))
+    try:
+        await box.start()
+        await server.stop()
+        server = EmbeddedNats(store_dir=tmp_path / "nats", port=port)
+        await server.start()
+        await asyncio.wait_for(box.stop_requested.wait(), 30)
+        assert box.failure is not None and "does not speak TLS, though TLS is asked for" in box.failure
+    finally:
+        await box.stop()
+        await server.stop()

@@ -24,6 +24,7 @@ from tui.ops import REACH_TIMEOUT_S
 from tui.source import NatsSource
 
 ATTACH_TIMEOUT_S = REACH_TIMEOUT_S  # how long a one-shot command waits for NATS, then for the fleet's state
+NO_FLEET_S = 2.0  # how long it waits for a fleet's first box where none ever started (one may be starting)
 
 
 @asynccontextmanager
@@ -36,7 +37,7 @@ async def attached(servers: str, auth: NatsAuth, timeout_s: float | None = None)
     await source.start()
     try:
         try:
-            await source.attached(timeout_s)
+            await source.attached(timeout_s, no_fleet_s=min(NO_FLEET_S, timeout_s))
         except TimeoutError:
             raise TimeoutError(source.waiting_for or f"no fleet answered at {servers}") from None
         yield source

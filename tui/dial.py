@@ -21,7 +21,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from appliance.connect import NO_AUTH, NatsAuth
+from appliance.connect import NO_AUTH, NatsAuth, NatsInTheClear, asks_for_tls, in_the_clear
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ async def dial(
     except Exception as exc:  # a URL nats-py cannot parse, a credentials file it cannot use
         await _close_quietly(nc)
         raise NatsUnreachable(servers, connect_problem(exc)) from None
+    if asks_for_tls(urls, auth.tls) and in_the_clear(nc):
+        await _close_quietly(nc)
+        raise NatsUnreachable(servers, NatsInTheClear.reason)
 
 
 async def _first_of(connecting: Coroutine[Any, Any, None], refused: Coroutine[Any, Any, bool]) -> None:

@@ -91,6 +91,7 @@ class NatsSource:
         self._known: dict[str, BoxState] = {}
         self._gone_at: dict[str, float] = {}
         self._attached = asyncio.Event()
+        self._no_fleet_since: float | None = None  # when its heartbeat bucket was first found missing, if it still is
         self._attach_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._dial_to: tuple[str, NatsAuth] | None = None  # connect in start(), for `dialing`
@@ -129,10 +130,15 @@ class NatsSource:
         self._reason = problem
         self._problem = f"{problem}; retrying…"
 
-    async def attached(self, timeout_s: float) -> None:
-        """Wait until the heartbeats and the catalog are read (for the CLI); raises TimeoutError."""
+    async def attached(self, timeout_s: float, *, no_fleet_s: float | None = None) -> None:
+        """Wait until the heartbeats and the catalog are read (for the CLI); raises TimeoutError, after
+        `no_fleet_s` already when no box ever started on this NATS (no heartbeat bucket that long)."""
         async with asyncio.timeout(timeout_s):
-            await self._attached.wait()
+            while not self._attached.is_set():
+                since = self._no_fleet_since
+                if no_fleet_s is not None and since is not None and time.monotonic() - since >= no_fleet_s:
+                    raise TimeoutError
+                await asyncio.sleep(0.1)
         if self._queue is None:
             self._queue = await self._read_queue()
 
@@ -233,9 +239,14 @@ class NatsSource:
         """The bucket `name`, once it exists; meanwhile the status line says what is missing."""
         while True:
             try:
-                return await self._js.key_value(name)
+                bucket = await self._js.key_value(name)
+                if name == bus.BOXES_BUCKET:
+                    self._no_fleet_since = None
+                return bucket
             except BucketNotFoundError:
                 self._waiting_for = missing
+                if name == bus.BOXES_BUCKET and self._no_fleet_since is None:
+                    self._no_fleet_since = time.monotonic()
             except _READ_ERRORS as exc:
                 self._waiting_for = f"cannot read the fleet: {exc!r}"
             await asyncio.sleep(1.0)
