@@ -138,6 +138,7 @@ class Box:
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
         self.started_at = time.time()
+        self.ready = False  # its start finished: a box refused at start (a twin of a live box id) never was
         self.door = HttpDoor(settings.host, settings.port)
 
     @property
@@ -197,6 +198,7 @@ class Box:
         if self.natsd is not None:
             self._spawn(self.natsd.supervise(self._nats_gone))
         await self.fleet.beat()
+        self.ready = True
         log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
 
     async def _connect(self) -> None:
@@ -464,7 +466,7 @@ class Box:
         Every step that talks to NATS is bounded: a connection that stops taking writes (a server
         that hangs) must not keep a stopping box alive past its SIGTERM budget.
         """
-        log.info("box stopping", extra={"box": self.box_id})
+        log.info("box stopping", extra={"box": self.box_id, "ready": self.ready})
         # The gateway answers new requests 503, each with its connection closed (`/readyz` says why), until the
         # listener closes. Idle kept-alive connections stay open till then: closing one a client had just sent a
         # request on dropped that request unanswered.
@@ -507,7 +509,7 @@ class Box:
         self._cpu_executor.shutdown(wait=False, cancel_futures=True)
         if self.natsd is not None:
             await self.natsd.stop()
-        log.info("box stopped", extra={"box": self.box_id})
+        log.info("box stopped", extra={"box": self.box_id, "ready": self.ready})
 
 
 async def _bounded(step: str, awaitable: Awaitable[Any], timeout_s: float = 0.0) -> None:

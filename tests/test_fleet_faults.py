@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable
 
@@ -500,7 +501,7 @@ async def test_a_gateway_with_no_worker_for_a_while_answers_503_at_once(start_bo
 
 
 async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_its_record(
-    start_box, nats_server
+    start_box, nats_server, caplog
 ) -> None:
     """Operator tester h60: two boxes under one `--box-id` shared a heartbeat and control subjects, and one `fleetbox
     box drain` stopped both. The second is refused at start, never writes under the id, and its stop does not
@@ -512,7 +513,11 @@ async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_it
     try:
         with pytest.raises(Conflict, match="box id twin is taken: another live box of the fleet beats under it"):
             await twin.start()
-        await twin.stop()
+        with caplog.at_level(logging.INFO, logger="appliance.app"):
+            await twin.stop()
+        stops = [(r.message, r.box, r.ready) for r in caplog.records if r.message.startswith("box stop")]
+        assert stops == [("box stopping", "twin", False), ("box stopped", "twin", False)]  # not the live box's stop
+        assert first.ready
         written = []
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(0.5):
