@@ -284,6 +284,10 @@ class GenerateWorker:
                     raise self._deleted_error("queued")
                 if self._adapter_gone(meta):  # deleted while the prompt was rendered: `adapters_retired` missed it
                     raise self._adapter_deleted_error(meta)
+                while hold is not None and hold.loaded.retired:  # registered again meanwhile: the new one it is
+                    hold.release()
+                    hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter)
+                    loaded = hold.loaded
                 adapter = hold.key if hold is not None else None
                 self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)
             finally:

@@ -173,3 +173,46 @@ async def test_a_generation_waiting_for_a_slot_when_its_adapter_is_registered_an
     assert status == 200 and base_status == 200, answer
     _, after = await whole(http, box, body | {"model": adapter})
     assert answer["choices"][0]["text"] == after["choices"][0]["text"] != before["choices"][0]["text"]
+
+
+async def test_a_generation_admitted_as_its_adapter_is_registered_anew_runs_the_new_one(
+    start_box, http, generator_dir, adapter_dirs, second_generator_adapter_dir, monkeypatch
+) -> None:
+    """A generation whose prompt was being rendered when its adapter was registered again on another folder is not in
+    the decode table `adapters_retired` hands back from: it ran the old weights (planning item after review r60). It
+    takes the new registration once its prompt is ready."""
+    from appliance import generation
+    from appliance.configured import spec_from_entry
+    from runtimes import Task
+
+    adapter = f"{MODEL}:lora"
+    base = ModelEntry(name=MODEL, path=generator_dir, task="generate", pinned=True)
+    old = ModelEntry(name=adapter, path=second_generator_adapter_dir, adapter_of=MODEL)
+    roots = [generator_dir.parent, second_generator_adapter_dir.parent, adapter_dirs[Task.GENERATE].parent]
+    box = await start_box(default_model=False, models=[base, old], model_roots=roots)
+    body = {"model": adapter, "prompt": "Alice", "max_tokens": 8, "temperature": 0, "timeout": 30}
+    _, before = await whole(http, box, body)
+    rendering, release = threading.Event(), threading.Event()
+    render = generation.prompt_ids
+
+    def held_render(runtime, request):
+        rendering.set()
+        release.wait(_BOUND_S)
+        return render(runtime, request)
+
+    monkeypatch.setattr(generation, "prompt_ids", held_render)
+    admitted = asyncio.create_task(whole(http, box, body))
+    try:
+        await wait_for(rendering.is_set, what="the generation's prompt being rendered")
+        new = spec_from_entry(old.model_copy(update={"path": adapter_dirs[Task.GENERATE]}), box.settings)
+        kv = await box.js.key_value(bus.MODELS_BUCKET)
+        await kv.put(new.slug, new.to_json())  # the same name on another folder, as one change
+        await wait_for(lambda: box.catalog.get(adapter).path == new.path, what="the new registration heard")
+    finally:
+        release.set()
+    async with asyncio.timeout(30):
+        status, answer = await admitted
+    assert status == 200, answer
+    monkeypatch.setattr(generation, "prompt_ids", render)
+    _, after = await whole(http, box, body)
+    assert answer["choices"][0]["text"] == after["choices"][0]["text"] != before["choices"][0]["text"]
