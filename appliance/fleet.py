@@ -71,7 +71,9 @@ class Fleet:
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
-            await self._refuse_a_twin(self._snapshot().get("started"))
+            started = self._snapshot().get("started")
+            await self._refuse_a_twin(started)
+            await self._take_id(started)
             self._beating = True  # from now the record under this id is this box's: its stop deletes it
             await self.beat()
             self._tasks.append(asyncio.create_task(self._beat_forever(), name="heartbeat"))
@@ -89,10 +91,36 @@ class Fleet:
             await asyncio.sleep(self._period_s / 4)
             current = self._boxes.get(self.box_id)
             if current is not None and current.get("started") != started and current.get("ts") != seen:
-                raise Conflict(
-                    f"box id {self.box_id} is taken: another live box of the fleet beats under it; give this box "
-                    "another --box-id (or stop that box)"
-                )
+                raise _taken(self.box_id)
+
+    async def _take_id(self, started: object) -> None:
+        """Write this box's first record under its id only over the record judged by `_refuse_a_twin` (none, a dead
+        box's, or its own): two boxes started under one id at the same moment both saw none, and both beat on."""
+        assert self._kv is not None and self._snapshot is not None
+        for _ in range(3):
+            try:
+                entry: KeyValue.Entry | None = await self._kv.get(self.box_id)
+            except KeyNotFoundError:  # none, or deleted
+                entry = None
+            if entry is not None and entry.value and _started(entry.value) == started:  # its own (a reopen)
+                return
+            record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
+            try:
+                if entry is None:
+                    await self._kv.create(self.box_id, record)
+                else:
+                    await self._kv.update(self.box_id, record, last=entry.revision)
+                return
+            except KeyWrongLastSequenceError:  # written since it was read: by a live box, unless only deleted
+                try:
+                    written = await self._kv.get(self.box_id)
+                except KeyNotFoundError:
+                    continue  # a dead box's record aged out, or its stop deleted it: free
+                if written.value and _started(written.value) != started:
+                    raise _taken(self.box_id) from None
+            except NatsError as exc:  # the periodic beat writes it; a NATS hiccup is no reason to fail the start
+                log.warning("first heartbeat not written", extra={"error": repr(exc)})
+                return
 
     async def reopen(self) -> None:
         """After a reconnect: a NATS server that restarted lost this bucket (it lives in memory), and
@@ -240,6 +268,20 @@ class Fleet:
         if connected and self._kv is not None and self._beating:  # not a twin's record (`_refuse_a_twin`)
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
+
+
+def _taken(box_id: str) -> Conflict:
+    return Conflict(
+        f"box id {box_id} is taken: another live box of the fleet beats under it; give this box another --box-id"
+        " (or stop that box)"
+    )
+
+
+def _started(value: bytes) -> object:
+    """The `started` of a heartbeat record (None when unreadable)."""
+    with suppress(orjson.JSONDecodeError, AttributeError):
+        return orjson.loads(value).get("started")
+    return None
 
 
 def taking_work(records: list[dict[str, Any]], roles: tuple[str, ...]) -> list[dict[str, Any]]:
