@@ -285,7 +285,7 @@ async def _serve(settings: Settings, tui: bool = False, *, watchdog: bool = Fals
 async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog: bool) -> int:
     from appliance.app import Box
     from appliance.errors import FleetboxError
-    from appliance.natsd import NatsPortInUse
+    from appliance.natsd import EmbeddedNatsRefused
 
     box = Box(settings)
     starting = asyncio.create_task(box.start())
@@ -298,7 +298,7 @@ async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog:
         return 0
     try:
         starting.result()
-    except NatsPortInUse as exc:  # taken since the check before the start
+    except EmbeddedNatsRefused as exc:  # its port taken since the check before the start, its store unusable
         typer.echo(f"fleetbox: {exc.strerror}", err=True)
         await _stop(box, settings, watchdog=watchdog)
         return 1

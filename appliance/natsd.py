@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,16 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-class NatsPortInUse(OSError):
-    """Another process listens on the embedded server's port; the message says what to do instead."""
+class EmbeddedNatsRefused(OSError):
+    """The embedded server cannot start where it was asked to; the message says why and what to do instead."""
+
+
+class NatsPortInUse(EmbeddedNatsRefused):
+    """Another process listens on the embedded server's port."""
+
+
+class NatsStoreUnusable(EmbeddedNatsRefused):
+    """The state dir cannot hold the embedded server's store: not a folder, not writable, or another box's."""
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -104,6 +113,7 @@ class EmbeddedNats:
     host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = ()
     process: asyncio.subprocess.Process | None = None
+    _store_lock: int | None = field(default=None, init=False, repr=False)  # the open lock file while it runs
 
     @property
     def log_file(self) -> Path:
@@ -114,7 +124,7 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     async def start(self, timeout_s: float = 15.0) -> None:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._hold_store()
         args = [
             nats_server_binary(),
             "--jetstream",
@@ -137,6 +147,37 @@ class EmbeddedNats:
             preexec_fn=(lambda: _die_with(parent)) if sys.platform == "linux" else None,
         )
         await self._wait_ready(timeout_s)
+
+    def _hold_store(self) -> None:
+        """Make the store's folder and lock it for this server. Two boxes given one --state-dir ran two servers on
+        one JetStream store, which corrupted it: each lost a registration it had answered 201 (tester h73). A
+        state dir that is a file or read-only was a bare `NotADirectoryError` in the log."""
+        if self._store_lock is not None:
+            return
+        try:
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self.store_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise NatsStoreUnusable(
+                exc.errno or errno.EIO,
+                f"the embedded nats-server cannot keep its store in {self.store_dir}: {exc.strerror or exc}; "
+                "give a writable --state-dir",
+            ) from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go by the kernel however the box ends
+        except OSError:
+            os.close(lock)
+            raise NatsStoreUnusable(
+                errno.EBUSY,
+                f"the embedded nats-server's store {self.store_dir} is in use by another box; give each box its "
+                "own --state-dir, or join that box's server with --nats",
+            ) from None
+        self._store_lock = lock
+
+    def _let_go_of_store(self) -> None:
+        lock, self._store_lock = self._store_lock, None
+        if lock is not None:
+            os.close(lock)
 
     async def _wait_ready(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -186,6 +227,7 @@ class EmbeddedNats:
     async def stop(self, timeout_s: float = 5.0) -> None:
         process, self.process = self.process, None
         if process is None or process.returncode is not None:
+            self._let_go_of_store()
             return
         process.terminate()
         try:
@@ -194,3 +236,4 @@ class EmbeddedNats:
             log.warning("nats-server did not stop in time; killing it")
             os.killpg(process.pid, 9)
             await process.wait()
+        self._let_go_of_store()

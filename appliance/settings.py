@@ -132,12 +132,18 @@ class ModelEntry(BaseModel):
         return self
 
 
+MAX_NATS_SECONDS = 365 * 24 * 3600.0  # a year: NATS durations are int64 nanoseconds (292 years), and more is no setting
+MAX_COUNT = 2**53  # NATS counts and sizes are int64; JSON numbers stay exact up to here
+MAX_DELIVER = 1000  # deliveries of one request: past a handful, a failing request is poison, not bad luck
+MAX_ACK_PENDING = 1_000_000
+
+
 class Settings(BaseSettings):
     # inf and nan are no time, size or rate: `FBX_DEFAULT_TIMEOUT_S=inf` was accepted (and only capped later)
     model_config = SettingsConfigDict(env_prefix="FBX_", extra="forbid", allow_inf_nan=False)
 
     # HTTP gateway
-    host: str = "127.0.0.1"
+    host: str = Field(default="127.0.0.1", min_length=1)  # empty would listen on every interface
     port: int = Field(default=8080, ge=0, le=65535)  # 0: any free port
     role: Role = "all"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
@@ -156,7 +162,7 @@ class Settings(BaseSettings):
     # NATS
     nats: str | None = None  # comma-separated URLs; None starts the embedded server
     nats_port: int = Field(default=4222, ge=1, le=65535)  # a real port: the box connects to it (no 0 here)
-    nats_host: str = "127.0.0.1"
+    nats_host: str = Field(default="127.0.0.1", min_length=1)  # empty: every interface, and no address to dial
     creds: Path | None = None  # NATS credentials (JWT + nkey) file
     tls_ca: Path | None = None
     tls_cert: Path | None = None
@@ -171,13 +177,15 @@ class Settings(BaseSettings):
     blob_threshold: int = Field(default=512 * 1024, ge=1)  # bodies above this travel in the object store fbx_blobs
 
     # Stream FBX_REQ bounds (discard-new: a full queue is an immediate 429)
-    stream_max_msgs: int = Field(default=100_000, ge=1)
-    stream_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1)
-    stream_max_age_s: float = Field(default=600.0, gt=0)
+    # Upper bounds are what NATS takes (int64 counts, durations in int64 nanoseconds) with sane room: a value past
+    # them passed here and every model's queue was refused by the server (tester h73).
+    stream_max_msgs: int = Field(default=100_000, ge=1, le=MAX_COUNT)
+    stream_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1, le=MAX_COUNT)
+    stream_max_age_s: float = Field(default=600.0, gt=0, le=MAX_NATS_SECONDS)
     # Consumer req_<slug>
-    ack_wait_s: float = Field(default=10.0, gt=0)  # a dead box's requests come back after this: inside the deadline
-    max_deliver: int = Field(default=5, ge=1)
-    max_ack_pending: int = Field(default=10_000, ge=1)
+    ack_wait_s: float = Field(default=10.0, gt=0, le=MAX_NATS_SECONDS)  # a dead box's requests come back after this
+    max_deliver: int = Field(default=5, ge=1, le=MAX_DELIVER)
+    max_ack_pending: int = Field(default=10_000, ge=1, le=MAX_ACK_PENDING)
 
     # Worker and batcher defaults (a profile or a model entry overrides them)
     max_batch_tokens: int = Field(default=16_384, ge=1)
@@ -202,8 +210,8 @@ class Settings(BaseSettings):
     cold_backlog: int = Field(default=32, ge=1)
 
     # Fleet
-    heartbeat_s: float = Field(default=1.0, gt=0)
-    heartbeat_ttl_s: float = Field(default=5.0, gt=0)
+    heartbeat_s: float = Field(default=1.0, gt=0, le=MAX_NATS_SECONDS)
+    heartbeat_ttl_s: float = Field(default=5.0, gt=0, le=MAX_NATS_SECONDS)
 
     # Security: comma-separated keys; none set means the routes are open
     api_keys: str | None = None
@@ -225,6 +233,14 @@ class Settings(BaseSettings):
                 f"({self.max_body_bytes}): a body of the largest size could never be received"
             )
         return self
+
+    @field_validator("state_dir", "creds", "tls_ca", "tls_cert", "tls_key", "profiles_dir", mode="before")
+    @classmethod
+    def _paths_not_blank(cls, value: object) -> object:
+        # Path("") is the working directory: `FBX_STATE_DIR=` (an unset variable in a compose file) put the store there
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty; give a path")
+        return value
 
     @field_validator("model_roots", mode="before")
     @classmethod

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.natsd import EmbeddedNats, free_port
+from appliance.natsd import EmbeddedNats, NatsStoreUnusable, free_port
 from tests.conftest import box_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,3 +133,24 @@ async def test_a_server_that_will_not_start_again_makes_its_box_give_up(tmp_path
         squatter.close()
         watch.cancel()
         await server.stop()
+
+
+async def test_one_store_is_one_servers_and_a_state_dir_that_cannot_hold_it_is_said(tmp_path: Path) -> None:
+    """Tester h73: two boxes given one --state-dir ran two nats-servers on one JetStream store, which corrupted it
+    (each lost a registration it had answered 201); a state dir that was a file failed as a bare NotADirectoryError."""
+    store = tmp_path / "state" / "nats"
+    first = EmbeddedNats(store_dir=store, port=free_port())
+    second = EmbeddedNats(store_dir=store, port=free_port())
+    await first.start()
+    try:
+        with pytest.raises(NatsStoreUnusable, match=f"store {store} is in use by another box; give each box its own"):
+            await second.start()
+        assert second.process is None  # no server started on the store
+    finally:
+        await first.stop()
+    await second.start()  # let go of with its server
+    await second.stop()
+    (tmp_path / "file").write_text("")
+    on_a_file = EmbeddedNats(store_dir=tmp_path / "file" / "nats", port=free_port())
+    with pytest.raises(NatsStoreUnusable, match=r"cannot keep its store in .*: Not a directory; give a writable"):
+        await on_a_file.start()

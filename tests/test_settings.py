@@ -7,6 +7,7 @@ import socket
 import pydantic
 import pytest
 import torch
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from appliance import cli
@@ -222,6 +223,16 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         ([], {"FBX_DEFAULT_TIMEOUT_S": "inf"}),  # accepted, then only capped by max_timeout_s
         ([], {"FBX_DEFAULT_TIMEOUT_S": "nan"}),
         ([], {"FBX_HEARTBEAT_TTL_S": "inf"}),
+        # Past what NATS takes: the box started, /readyz ready, and every model's queue was refused (tester h73)
+        ([], {"FBX_ACK_WAIT_S": "1e12"}),
+        ([], {"FBX_MAX_DELIVER": "99999999999999999999"}),
+        ([], {"FBX_MAX_ACK_PENDING": "99999999999999999999"}),
+        ([], {"FBX_STREAM_MAX_AGE_S": "1e12"}),
+        ([], {"FBX_STREAM_MAX_MSGS": "99999999999999999999"}),
+        ([], {"FBX_HEARTBEAT_TTL_S": "1e12"}),
+        ([], {"FBX_HOST": ""}),  # an unset variable in `-e FBX_HOST=$X`: the API listened on every interface
+        ([], {"FBX_NATS_HOST": ""}),  # the embedded server on every interface, then 'did not listen' after 15 s
+        ([], {"FBX_TLS_CA": ""}),
     ],
 )
 def test_serve_refuses_bad_settings_with_exit_2(args: list[str], env: dict[str, str], tmp_path, monkeypatch) -> None:
@@ -469,3 +480,10 @@ def test_a_cors_origin_written_otherwise_than_a_browser_sends_it_is_refused(orig
         "http://[::1]:8000",
         "chrome-extension://abc",
     ]
+
+
+def test_a_blank_state_dir_is_no_working_directory(monkeypatch) -> None:
+    """`FBX_STATE_DIR=` put the store (and the catalog of a durable box) in the working directory (tester h73)."""
+    monkeypatch.setenv("FBX_STATE_DIR", " ")
+    with pytest.raises(ValidationError, match="state_dir\n  Value error, is empty; give a path"):
+        Settings()
