@@ -169,7 +169,7 @@ class Box:
         self.workers.attach(self.nc, self.js, self.blobs)
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable, registers=True)
         self.store.on_change(self._on_catalog_change)
-        await when_jetstream_answers(lambda: self.store.open(configured_specs(s)))
+        await when_jetstream_answers(lambda: self.store.open(configured_specs(s), judged=True))
         await open_catalogued_queues(self.js, s, self.catalog, when_jetstream_answers)
         self.stream_ok = True
         self.fleet = Fleet(

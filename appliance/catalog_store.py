@@ -74,7 +74,11 @@ class CatalogStore:
         """Call `listener(name, spec)` after every change; spec is None for a removal."""
         self._listeners.append(listener)
 
-    async def open(self, configured: list[ModelSpec]) -> None:
+    async def open(self, configured: list[ModelSpec], *, judged: bool = False) -> None:
+        """Follow the bucket, after adding the `configured` models it lacks. `judged` (a box's start, its config
+        file's models): one whose name or alias another model holds, or whose slug another model has, is refused
+        (`Conflict`), as `POST /v1/models` refuses it; one the bucket holds already that the config file describes
+        otherwise is logged (the bucket wins)."""
         self._kv = await bus.ensure_bucket(
             self._js,
             KeyValueConfig(
@@ -87,18 +91,59 @@ class CatalogStore:
         self._bucket_made = await self._made()
         if self._names is not None:
             await self._names.open()
-        for spec in configured:
-            try:
-                await self._kv.create(spec.slug, spec.to_json())
-            except KeyWrongLastSequenceError:
-                pass  # already registered (by another box, or before a restart): the bucket wins
         self._watcher = watcher = await self._kv.watchall()
         # The watcher replays every current key: the catalog is complete after it. A model missing from the replay
         # is not forgotten: a bucket another box is making again after a NATS restart may be replayed before that
         # box has written it back, and a removal here is a deletion to listeners.
         for entry in await bus.replay(self._js, bus.MODELS_BUCKET, watcher):
             self._apply(entry)
+        for spec in configured:  # judged against the whole catalog; what they add comes through the watch again
+            await self._add_configured(spec, judged)
         self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
+
+    async def _add_configured(self, spec: ModelSpec, judged: bool) -> None:
+        """Add a model of a box's config file unless the bucket holds it (by another box, or before a restart: the
+        bucket wins). Judged, it may take no name, alias or slug of another model: a `[[models]]` entry with
+        another model's alias took the alias over on every box, unsaid, and its deletion left the alias to no one
+        (tester h73)."""
+        assert self._kv is not None
+        held = self.catalog.by_slug(spec.slug) if judged else None  # a reopen writes back what this box knew
+        if held is not None:
+            if held.name != spec.name:
+                raise self._config_refused(spec, f"its slug {spec.slug!r} is model {held.name!r}'s")
+            if held != spec:
+                log.warning(
+                    "a model of the config file differs from the fleet's catalog, which stands (change it with"
+                    " PATCH /v1/models/{name}, or delete it and restart)",
+                    extra={"model": spec.name, "differing": _differing(spec, held)},
+                )
+            return
+        claims: list[Claim] = []
+        if judged:
+            for name in (spec.name, *spec.aliases):
+                holder = self.catalog.get(name)
+                if holder is not None:
+                    held_as = "its name" if holder.name == name else "an alias"
+                    raise self._config_refused(spec, f"{name!r} is taken: model {holder.name!r} has it as {held_as}")
+            if self._names is not None:  # a registration of one of its names under way on another box
+                try:
+                    claims = await self._names.claim(spec.name, spec.aliases)
+                except Conflict as exc:
+                    raise self._config_refused(spec, exc.message) from None
+        try:
+            revision = await self._kv.create(spec.slug, spec.to_json())
+        except KeyWrongLastSequenceError:  # created meanwhile (a box with the same config starting): it stands
+            if self._names is not None:
+                await self._names.give_back(claims)
+            return
+        self._added(spec, revision)
+
+    @staticmethod
+    def _config_refused(spec: ModelSpec, why: str) -> Conflict:
+        return Conflict(
+            f"model {spec.name!r} of this box's config: {why}; rename it in the config, or delete that model",
+            code="model_exists",
+        )
 
     async def reopen(self) -> None:
         """After a reconnect: watch afresh. A bucket that survived is the truth (this box may have missed
@@ -335,3 +380,9 @@ class CatalogStore:
             with suppress(Exception):  # its consumer may be gone with the server that held it
                 await self._watcher.stop()
             self._watcher = None
+
+
+def _differing(configured: ModelSpec, held: ModelSpec) -> list[str]:
+    """The fields in which the catalog's entry differs from the config file's."""
+    ours, theirs = orjson.loads(configured.to_json()), orjson.loads(held.to_json())
+    return sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))

@@ -6,6 +6,7 @@ another box acts, by wrapping the store's KV call (the call itself is the real o
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from appliance.catalog import Catalog, ModelChange, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import spec_from_entry
 from appliance.connect import restore_after_reconnect
+from appliance.errors import Conflict
 from appliance.natsd import EmbeddedNats, free_port
 from appliance.settings import Settings
 from tests.conftest import box_settings, noop_model, url, wait_for
@@ -340,3 +342,41 @@ async def test_a_replay_ends_at_once_when_the_buckets_last_message_was_compacted
         await watcher.stop()
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("configured", "refusal"),
+    [
+        (spec("newm", "e1"), "model 'newm' of this box's config: 'e1' is taken: model 'enc' has it as an alias"),
+        (spec("e1"), "model 'e1' of this box's config: 'e1' is taken: model 'enc' has it as an alias"),
+        (spec("newm", "enc"), "model 'newm' of this box's config: 'enc' is taken: model 'enc' has it as its name"),
+        (spec("ENC"), "model 'ENC' of this box's config: its slug 'enc' is model 'enc''s"),
+    ],
+)
+async def test_a_config_model_may_take_no_name_alias_or_slug_another_model_holds(
+    two_stores, configured: ModelSpec, refusal: str
+) -> None:
+    """Tester h73: a `[[models]]` entry with another model's alias took the alias over on every box, unsaid (its
+    deletion then left the alias to no one); one whose slug another model had was dropped, its requests 404."""
+    registered, starting = two_stores
+    await registered.create(spec("enc", "e1"))
+    await starting.close()
+    with pytest.raises(Conflict) as refused:
+        await starting.open([configured], judged=True)
+    assert refused.value.message.startswith(refusal), refused.value.message
+    assert starting.catalog.get(configured.name) is None or configured.name in ("e1", "enc")
+
+
+async def test_a_config_model_the_catalog_holds_otherwise_stands_as_the_catalog_has_it(two_stores, caplog) -> None:
+    first, restarted = two_stores
+    await first.close()
+    await first.open([spec("enc", "e1")], judged=True)
+    await restarted.close()
+    with caplog.at_level(logging.WARNING, logger="appliance.catalog_store"):
+        await restarted.open([spec("enc", "e1")], judged=True)  # a restart with the same config: nothing to say
+        assert not caplog.records
+        await restarted.close()
+        await restarted.open([spec("enc", "e2")], judged=True)
+    assert restarted.catalog.get("enc").aliases == ("e1",)
+    (warning,) = caplog.records
+    assert "differs from the fleet's catalog, which stands" in warning.message and warning.differing == ["aliases"]
