@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
 from appliance.delivery import Cancellations, LocalReply, QueueEpoch
@@ -128,6 +129,7 @@ class Workers:
             return await self._started(spec.name, worker)
         registered = spec
         spec = await self._profiled(spec)
+        terms = await self._queue_terms(spec)  # before the load: what is judged after it stands until the start
         runtime = await self._residency.ensure_loaded(spec)
         current = self._catalog.get(spec.name)
         resident = self._residency.get(spec.name)
@@ -142,7 +144,7 @@ class Workers:
             return await self._started(spec.name, worker)
         if self.stopping:  # a load that began before the drain: a worker started now would pull, never drained
             raise ServiceUnavailable(f"this box is stopping; load {spec.name} on another box", retry_after_s=1)
-        worker = self._new_worker(spec, runtime)
+        worker = self._new_worker(spec, runtime, terms)
         self._table[spec.name] = worker  # before it starts: a caller meanwhile finds it rather than start another
         try:
             await worker.start()
@@ -224,7 +226,32 @@ class Workers:
             and bool(self._catalog.adapters_of(registered.name))
         )
 
-    def _new_worker(self, spec: ModelSpec, runtime: Runtime) -> Worker:
+    async def _queue_terms(self, spec: ModelSpec) -> Settings:
+        """This box's settings with the ack wait and deliveries of the model's consumer, which keeps the values it
+        was made with (configuration.md): a worker counting deliveries by a `max_deliver` raised since answered a
+        failing request 'each box holding it stopped answering' (tester h73), and one keeping requests alive by a
+        longer `ack_wait_s` would have them redelivered while it computes them."""
+        if self._js is None:
+            return self._settings
+        try:
+            config = (await self._js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(spec.slug))).config
+        except Exception as exc:  # NATS away, or the consumer being made again: the box's own settings
+            log.debug("model's queue terms not read", extra={"model": spec.name, "error": repr(exc)})
+            return self._settings
+        kept = {"ack_wait_s": config.ack_wait, "max_deliver": config.max_deliver}
+        differing = {
+            key: value for key, value in kept.items() if value and value > 0 and value != getattr(self._settings, key)
+        }
+        if not differing:
+            return self._settings
+        log.warning(
+            "the model's queue was made with other values than this box's settings; its worker follows the queue"
+            " (configuration.md: a changed value applies once its consumers are made again)",
+            extra={"model": spec.name, **{f"queue_{key}": value for key, value in differing.items()}},
+        )
+        return self._settings.model_copy(update=differing)
+
+    def _new_worker(self, spec: ModelSpec, runtime: Runtime, settings: Settings) -> Worker:
         assert self._nc is not None
         if spec.task is Task.GENERATE:
             from appliance.generation import GenerateWorker  # torch and transformers: only a box that generates
@@ -234,7 +261,7 @@ class Workers:
                 self._nc,
                 spec,
                 runtime,  # type: ignore[arg-type]
-                self._settings,
+                settings,
                 self._metrics,
                 self._device_executor,
                 self._residency,
@@ -250,7 +277,7 @@ class Workers:
             self._nc,
             spec,
             runtime,
-            self._settings,
+            settings,
             self._metrics,
             self._device_executor,
             self._cpu_executor,

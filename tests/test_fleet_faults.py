@@ -16,10 +16,11 @@ import pytest
 
 from appliance import bus
 from appliance.app import Box
+from appliance.connect import ensure_queue
 from appliance.envelope import RequestMeta
 from appliance.errors import Conflict
 from appliance.gateway import context
-from appliance.settings import ModelEntry
+from appliance.settings import ModelEntry, Settings
 from tests.conftest import box_settings, noop_model, url, wait_for
 
 
@@ -577,3 +578,25 @@ async def test_a_box_back_on_nats_whose_id_another_box_took_stops(start_box) -> 
         assert box.stop_requested.is_set() and "box id taken is taken" in (box.failure or ""), box.failure
     finally:
         beating.cancel()
+
+
+async def test_a_worker_counts_deliveries_by_its_queues_max_deliver_not_its_own_setting(
+    start_box, nats_server, http, caplog
+) -> None:
+    """Tester h73: max_deliver raised between restarts leaves the consumer at its old value (configuration.md), and
+    the worker, counting by its own setting, answered a request its model failed on with 'no box finished it: each
+    box holding it stopped answering' instead of the model's error."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        await ensure_queue(nc.jetstream(), Settings())
+        await bus.ensure_request_consumers(nc.jetstream(), "noop", ack_wait_s=10, max_deliver=2, max_ack_pending=100)
+    finally:
+        await nc.close()
+    with caplog.at_level(logging.WARNING, logger="appliance.workers"):
+        box = await start_box(default_model=False, models=[noop_model(fail_on="POISON")], max_deliver=4)
+    (warning,) = [r for r in caplog.records if r.message.startswith("the model's queue was made with other values")]
+    assert warning.queue_max_deliver == 2
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "POISON", "timeout": 20}) as r:
+        assert r.status == 422, await r.text()
+    dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject("noop"))
+    assert dead.headers["Fbx-Dead-Reason"].startswith("RuntimeError('a poison input"), dead.headers
