@@ -186,6 +186,7 @@ async def ensure_request_stream(
         pass
     else:
         await _raise_consumer_limit(js, info.config)
+        _say_kept(info.config, file_storage=file_storage, replicas=replicas)
         return info.created
     config = StreamConfig(
         name=REQUEST_STREAM,
@@ -214,6 +215,24 @@ async def ensure_request_stream(
         if exc.err_code != 10058:  # stream name already in use
             raise
     return (await js.stream_info(REQUEST_STREAM)).created
+
+
+def _say_kept(config: StreamConfig, *, file_storage: bool, replicas: int) -> None:
+    """An existing request stream keeps its storage and replicas whatever this box's settings: say so where they
+    differ (a state dir switched from --durable, or --replicas raised on a running fleet, was silent: tester h73)."""
+    wanted = {"storage": "file" if file_storage else "memory", "replicas": replicas}
+    kept = {"storage": _storage_name(config.storage), "replicas": config.num_replicas or 1}
+    if kept != wanted:
+        log.warning(
+            "the request stream keeps the storage and replicas it was made with, not this box's settings"
+            " (configuration.md: delete the stream to apply them)",
+            extra={"stream": REQUEST_STREAM, "kept": kept, "settings": wanted},
+        )
+
+
+def _storage_name(storage: StorageType | str | None) -> str:
+    value = storage.value if isinstance(storage, StorageType) else storage
+    return value or "file"  # JetStream's default
 
 
 async def _raise_consumer_limit(js: JetStreamContext, config: StreamConfig) -> None:

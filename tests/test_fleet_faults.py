@@ -600,3 +600,23 @@ async def test_a_worker_counts_deliveries_by_its_queues_max_deliver_not_its_own_
         assert r.status == 422, await r.text()
     dead = await box.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject("noop"))
     assert dead.headers["Fbx-Dead-Reason"].startswith("RuntimeError('a poison input"), dead.headers
+
+
+async def test_a_request_stream_kept_with_other_storage_or_replicas_is_said(nats_server, caplog) -> None:
+    """Tester h73: a state dir switched from --durable to memory, or --replicas raised on a running fleet, kept the
+    stream as it was made, unsaid."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        await ensure_queue(nc.jetstream(), Settings())
+        with caplog.at_level(logging.WARNING, logger="appliance.bus"):
+            await ensure_queue(nc.jetstream(), Settings())  # the same settings: nothing to say
+            assert not caplog.records
+            await ensure_queue(nc.jetstream(), Settings(durable=True))
+        (warning,) = caplog.records
+        assert warning.message.startswith("the request stream keeps the storage and replicas it was made with")
+        assert (warning.kept, warning.settings) == (
+            {"storage": "memory", "replicas": 1},
+            {"storage": "file", "replicas": 1},
+        )
+    finally:
+        await nc.close()
