@@ -409,6 +409,12 @@ async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, 
     """A request's LoRA adapter made resident on its base model and held there for the request until it is
     released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime."""
     adapter = _adapter_spec(catalog, base, name)
+    if not adapter.path.is_dir():  # the box's fault, not the request's: a 422 `bad_adapter` blamed the client (h73)
+        raise ServiceUnavailable(
+            f"adapter {adapter.name}: its folder {adapter.path} does not exist on this box (moved or deleted since it"
+            " was registered); put it back, or register the adapter again",
+            code="adapter_folder_missing",
+        )
     try:
         return await residency.hold_adapter(base.name, adapter)
     except (UnsupportedModel, UnknownAdapter) as exc:

@@ -42,6 +42,10 @@ def import_model_libraries() -> None:
 
 def load_runtime(source: ModelSource) -> Runtime:
     if source.runtime is not RuntimeKind.NOOP:
+        if not source.path.is_dir():  # transformers would take the path for a hub repo id and say so
+            raise FileNotFoundError(
+                f"the model folder {source.path} does not exist (moved or deleted since it was registered?)"
+            )
         import_model_libraries()
     if source.runtime is RuntimeKind.NOOP:
         from runtimes.noop import NoopRuntime

@@ -871,3 +871,30 @@ async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, ht
         assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
     finally:
         release.set()
+
+
+async def test_a_folder_moved_or_deleted_since_its_registration_is_said_and_no_client_error(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path
+) -> None:
+    """Tester h73: a model whose folder went away was a 503 reading `Repo id must be in the form 'repo_name' ...`
+    (transformers took the path for a hub id), and an adapter's a 422 `bad_adapter`, blaming the client."""
+    base, adapter = tmp_path / "enc", tmp_path / "enc-tuned"
+    shutil.copytree(encoder_dir, base)
+    shutil.copytree(adapter_dirs[Task.EMBED], adapter)
+    box = await start_box(default_model=False, model_roots=[tmp_path])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "enc", "path": str(base)}))[0] == 201
+    registration = {"name": "enc:tuned", "path": str(adapter), "adapter_of": "enc"}
+    assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+    shutil.rmtree(adapter)
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "enc:tuned", "input": "x"})
+    assert (status, body["error"]["code"]) == (503, "adapter_folder_missing"), body
+    assert f"its folder {adapter} does not exist on this box" in body["error"]["message"]
+    await call(http, box, "POST", "/v1/models/enc/evict", headers=ADMIN)
+    await wait_for(lambda: "enc" not in box.workers, what="the base evicted")
+    shutil.rmtree(base)
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": "x"})
+    assert status == 503, body
+    assert (
+        f"the model folder {base} does not exist (moved or deleted since it was registered?)"
+        in body["error"]["message"]
+    ), body
