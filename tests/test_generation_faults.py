@@ -11,6 +11,7 @@ requests share that step is fixed, not left to timing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -331,3 +332,34 @@ async def test_a_generation_on_its_last_delivery_is_not_handed_back(
         assert response.status == 200
         await response.read()
     await settled(box, worker)
+
+
+async def test_a_client_gone_mid_stream_is_no_server_error(start_box, generator_dir, http, monkeypatch, caplog) -> None:
+    """Tester h70: a write after the client hung up (aiohttp's ClientConnectionResetError, 'Cannot write to closing
+    transport', raised when it comes before the handler's cancel) was logged as an unhandled error and counted a
+    500. The write that meets the closed connection is made to raise just that, at the second event."""
+    from aiohttp import ClientConnectionResetError
+
+    from appliance.gateway import generation
+
+    box, _ = await generating_box(start_box, generator_dir)
+    send, events = generation._event, []
+
+    async def closing_event(response, payload):
+        events.append(payload)
+        if len(events) == 2:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        await send(response, payload)
+
+    monkeypatch.setattr(generation, "_event", closing_event)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True}
+    with caplog.at_level(logging.WARNING):
+        async with http.post(url(box, "/v1/completions"), json=body) as response:
+            assert response.status == 200
+            await response.read()
+    route = {"route": "/v1/completions"}
+    sample = box.metrics.registry.get_sample_value
+    assert sample("fbx_http_requests_total", route | {"status": "499"}) == 1
+    assert sample("fbx_http_requests_total", route | {"status": "500"}) is None
+    assert not [r for r in caplog.records if r.message == "unhandled error"]
+    await wait_for(lambda: not box.workers[MODEL].runtime.has_work, what="the generation to stop")

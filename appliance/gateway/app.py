@@ -29,7 +29,7 @@ from appliance.errors import (
 from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei, tei_info, tei_models
 from appliance.gateway.auth import IN_FLIGHT, Handler, inference, may_send_body, metrics_guard
 from appliance.gateway.auth import admin as admin_only
-from appliance.gateway.context import CONTEXT, REQUEST_ID, GatewayContext
+from appliance.gateway.context import CLIENT_GONE, CONTEXT, REQUEST_ID, GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.http import RECEIVING, Receiving, json_response
 from appliance.registration import MODEL_VERBS
@@ -41,6 +41,8 @@ def _route_label(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
 
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's word, in the metrics and the log, for a client that hung up mid-stream
 
 # Answered while a box drains: the probes and the metrics.
 _OPERATIONS = frozenset({"/healthz", "/readyz", "/health", "/metrics"})
@@ -68,7 +70,8 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = _error_response(InternalError("internal error; see the box's log"))
     route = _route_label(request)
     elapsed_ms = (time.perf_counter() - started) * 1000
-    ctx.metrics.requests.labels(route, str(response.status)).inc()
+    status = CLIENT_CLOSED_REQUEST if request.get(CLIENT_GONE) else response.status
+    ctx.metrics.requests.labels(route, str(status)).inc()
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
@@ -82,7 +85,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # client's next request on it was lost; it gets that request's 503 instead.
         response.force_close()
     # One line per request: failures at INFO (5xx at WARNING), successes at DEBUG to keep the hot path cheap.
-    level = logging.WARNING if response.status >= 500 else logging.INFO if response.status >= 400 else logging.DEBUG
+    level = logging.WARNING if status >= 500 else logging.INFO if status >= 400 else logging.DEBUG
     if log.isEnabledFor(level):
         log.log(
             level,
@@ -91,7 +94,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
                 "request_id": request_id,
                 "method": request.method,
                 "route": route,
-                "status": response.status,
+                "status": status,
                 "ms": round(elapsed_ms, 2),
             },
         )

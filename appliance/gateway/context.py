@@ -73,3 +73,4 @@ class GatewayContext:
 
 CONTEXT: web.AppKey[GatewayContext] = web.AppKey("fleetbox", GatewayContext)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("fbx_request_id", str)  # the request id the middleware set
+CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("fbx_client_gone", bool)  # it hung up mid-stream: a 499

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable
-from appliance.gateway.context import REQUEST_ID, GatewayContext
+from appliance.gateway.context import CLIENT_GONE, REQUEST_ID, GatewayContext
 from appliance.gateway.encoders import ROUTE_FOR
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.gateway.replies import Reply
@@ -172,6 +172,27 @@ async def _whole(chunks: AsyncIterator[Reply], shape: _Shape) -> web.Response:
 
 
 async def _stream(request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape) -> web.StreamResponse:
+    opened = _Opened()
+    try:
+        return await _send(request, chunks, shape, opened)
+    except ConnectionResetError:  # aiohttp's "Cannot write to closing transport": a client gone mid-stream
+        if opened.response is None:
+            raise
+        # Not a server error (it was a logged traceback and a 500 in the metrics: tester h70); the generation
+        # stops as the caller closes `chunks`.
+        request[CLIENT_GONE] = True
+        return opened.response
+
+
+class _Opened:
+    """The stream's response once its headers are sent."""
+
+    response: web.StreamResponse | None = None
+
+
+async def _send(
+    request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape, opened: _Opened
+) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     first = True
     resume = _Resume()
@@ -182,7 +203,7 @@ async def _stream(request: web.Request, chunks: AsyncIterator[Reply], shape: _Sh
             if chunk.meta.status != 200:
                 raise chunk.failure()
             if response is None:
-                response = await _open(request)
+                response = opened.response = await _open(request)
             body = orjson.loads(chunk.body)
             text = resume.new_text(body.get("text") or "")
             if text is None and not chunk.meta.final:
@@ -197,7 +218,7 @@ async def _stream(request: web.Request, chunks: AsyncIterator[Reply], shape: _Sh
             raise  # nothing sent yet: an ordinary HTTP error
         await _event(response, error.body())
     if response is None:
-        response = await _open(request)
+        response = opened.response = await _open(request)
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
