@@ -129,6 +129,19 @@ def _check_model_argument(model: str) -> str:
     return model
 
 
+def _check_new_model_name(name: str) -> str:
+    """A new model's NAME: beyond what any MODEL argument must be, the rule a box registers a name by (no space at
+    either end, no invisible character); asked of a box, it answered with its schema's regular expression."""
+    from tui.ops import new_name_problem
+
+    _check_model_argument(name)
+    problem = new_name_problem(name)
+    if problem:
+        typer.echo(f"fleetbox: NAME {name!r} {problem}", err=True)
+        raise typer.Exit(2)
+    return name
+
+
 def _check_box_id(box: str | None) -> str | None:
     """A box id given as an argument or `--box`: one no box can have (empty, a `.`) is a usage error, where
     `--box ""` was taken as no box given."""
@@ -281,7 +294,7 @@ def models_update(
 @models_app.command("register")
 @_reaches_the_fleet
 def models_register(
-    name: Annotated[str, typer.Argument(help="the new model's name", callback=_check_model_argument)],
+    name: Annotated[str, typer.Argument(help="the new model's name", callback=_check_new_model_name)],
     path: Annotated[str, typer.Argument(help="its folder, on the box: under one of the box's model roots")],
     fleet: FleetAccess,
     task: Annotated[

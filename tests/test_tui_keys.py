@@ -16,14 +16,16 @@ import pytest
 from rich.console import Console
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Footer, Input, Static
 from textual.widgets._footer import FooterKey
+from textual.widgets.data_table import ColumnKey
 
 from appliance.errors import Forbidden
-from tests.tui_fake import FakeSource, fleet_view
+from runtimes.base import Task
+from tests.tui_fake import FakeSource, MiB, fleet_view, resident, spec
 from tui.app import FleetboxApp
 from tui.dialogs import Choose, Confirm, KeysHelp, RegisterForm
-from tui.model import FleetView
+from tui.model import FleetView, model_rows
 from tui.screens import EventsScreen, FleetScreen
 
 
@@ -213,3 +215,207 @@ def test_models_json_has_null_latencies_where_the_table_shows_none_and_float_rat
     assert isinstance(cold["rps"], float) and cold["rps"] == 0.0
     assert all(isinstance(row["rps"], float) for row in rows.values())
     assert isinstance(rows["all-minilm-l6-v2"]["p99_ms"], float)
+
+
+class Tailored(FakeSource):
+    """The fake fleet's last view, changed by `change`: a fleet with what one test needs (many models, adapters)."""
+
+    def __init__(self, change: Callable[[FleetView], FleetView], steps: int = 30) -> None:
+        super().__init__(steps)
+        self._change = change
+
+    def view_now(self) -> FleetView:
+        return self._change(super().view_now())
+
+
+def test_an_adapter_is_listed_under_its_base_on_the_screen_and_in_models_list() -> None:
+    """Rows were sorted by name: an adapter of `cls` named `tui-lora` showed under whatever model preceded it."""
+    catalog = (
+        spec("cls", Task.CLASSIFY),
+        spec("enc", Task.EMBED),
+        spec("enc-lora", Task.EMBED, adapter_of="enc"),
+        spec("sentence-transformers/all-minilm", Task.EMBED),
+        spec("tui-lora", Task.CLASSIFY, adapter_of="cls"),
+        spec("a-lora", Task.CLASSIFY, adapter_of="cls"),
+        spec("orphan-lora", Task.EMBED, adapter_of="gone"),
+    )
+    expected = ["cls", "a-lora", "tui-lora", "enc", "enc-lora", "orphan-lora", "sentence-transformers/all-minilm"]
+    assert [row.name for row in model_rows(replace(fleet_view(29), catalog=catalog))] == expected
+    app = FleetboxApp(Tailored(lambda view: replace(view, catalog=catalog)), refresh_s=0)
+    shown: list[list[str]] = []
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.press("2")
+        shown.append([row.key.value or "" for row in app.screen.query_one(DataTable).ordered_rows])
+
+    drive(app, script)
+    assert shown == [expected]
+
+
+def test_the_events_screen_stays_on_the_newest_event_as_events_arrive() -> None:
+    """The selection followed the event it was on, so the newest events arrived above the view, hidden; on the
+    newest it now stays on the newest (watching, or coming back to the screen), and on an older one it stays there."""
+    from tui.events import Event
+
+    app = FleetboxApp(FakeSource(), refresh_s=0)
+
+    def add(count: int, what: str) -> None:
+        for n in range(count):
+            app.events.add(Event(float(n), "register", f"{what}{n}", f"{what}{n} registered (embed)"))
+        app.tick()
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.press("4")
+        table = app.screen.query_one(DataTable)
+        assert table.cursor_row == 0
+        add(30, "w")  # watched
+        await pilot.pause()
+        assert (table.cursor_row, table.scroll_y) == (0, 0)
+        assert "w29 registered" in str(app.screen.query_one("#detail", Static).visual)
+        await pilot.press("1")
+        add(30, "x")  # while another screen is shown
+        await pilot.press("4")
+        await pilot.pause()
+        table = app.screen.query_one(DataTable)
+        assert (table.cursor_row, table.scroll_y) == (0, 0)
+        assert "x29 registered" in str(app.screen.query_one("#detail", Static).visual)
+        await pilot.press("down", "down")  # on an older event, it stays on that one
+        add(3, "y")
+        await pilot.pause()
+        assert "x27 registered" in str(app.screen.query_one("#detail", Static).visual)
+
+    drive(app, script)
+
+
+def test_the_box_detail_shows_every_model_or_says_how_many_more() -> None:
+    """The detail showed four models and cut the rest in silence; now what does not fit is counted and named."""
+    many = tuple(resident(f"model-{n:02d}", 10 * MiB, float(n)) for n in range(20))
+
+    def loaded(view: FleetView) -> FleetView:
+        return replace(view, boxes=(replace(view.boxes[0], models=many), *view.boxes[1:]))
+
+    app = FleetboxApp(Tailored(loaded), refresh_s=0)
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.pause()
+        detail = app.screen.query_one("#detail", Static)
+        lines = str(detail.visual).splitlines()
+        assert len(lines) <= detail.content_region.height, "lines cut by the panel's height"
+        shown = [n for n in range(20) if any(f"model-{n:02d}:" in line for line in lines)]
+        more = [line for line in lines if "more:" in line]
+        assert len(more) == 1 and f"… {20 - len(shown)} more: model-{len(shown):02d}," in more[0], lines
+        assert shown == list(range(len(shown))) and len(shown) >= 4
+
+    drive(app, script)
+
+
+def test_models_list_shows_every_column_at_80_columns() -> None:
+    """At 80 columns p99 and errors were gone and task and state cut (`classi…`); the names fold instead."""
+    from tui.commands import print_rows
+    from tui.model import ModelRow
+
+    rows = [
+        ModelRow("sentence-transformers/all-MiniLM-L6-v2", "embed", "torch", None, True, "resident",
+                 ("box-a", "box-b"), 1, 12, 3.0, 12.5, 130.2, 3),
+        ModelRow("cls", "classify", "torch", None, False, "resident", ("box-a",), 1, 0, 103.4, 2.5, 1234.0, 1234),
+        ModelRow("tui-lora", "classify", "torch", "cls", False, "cold", (), 1, 0, 0.0, 0.0, 0.0, 0),
+    ]  # fmt: skip
+    out = io.StringIO()
+    print_rows(rows, Console(file=out, width=80, force_terminal=True, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[0].split() == ["model", "task", "state", "on", "pin", "queue", "req/s", "p50ms", "p99ms", "err"]
+    assert lines[-2].split()[1:] == ["classify", "resident", "box-a", "0", "103", "2.5", "1234", "1234"], lines
+    assert lines[-1].split() == ["↳", "tui-lora", "classify", "cold", "-", "0", "-", "-", "-", "0"], lines
+
+
+def test_the_register_form_says_in_one_line_why_a_name_cannot_be_a_model_name() -> None:
+    """A 250-character name was sent to a box, whose answer quoted its schema (``of length <= 200 - at `$.name` ``)
+    and the notification repeated the name over the form's buttons; now the form says it, and no box is asked."""
+    app = FleetboxApp(FakeSource(), refresh_s=0)
+    said: list[str] = []
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.press("2", "r")
+        form = app.screen
+        assert isinstance(form, RegisterForm)
+        form.query_one("#name", Input).value = "m" * 250
+        form.query_one("#path", Input).value = "/srv/models/m"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        said.append(str(form.query_one("#problem", Static).visual))
+        form.query_one("#name", Input).value = "a\u200bb"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        said.append(str(form.query_one("#problem", Static).visual))
+        assert app.screen is form
+
+    drive(app, script)
+    assert said == [
+        "refused: the name is longer than 200 characters",
+        "refused: the name has a control or invisible character (U+200B), which a model's name may not have",
+    ]
+    assert app.source.ops.calls == []
+
+
+def test_the_evict_confirmation_says_when_another_box_still_holds_the_model() -> None:
+    """It always said "Requests for it wait for a load", even with the model resident on another box."""
+    app = FleetboxApp(FakeSource(steps=20), refresh_s=0)  # all-minilm-l6-v2 on gpu-a and gpu-b
+    asked: list[str] = []
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.press("2", "home", "e")  # all-minilm-l6-v2, held by two boxes: which one?
+        assert isinstance(app.screen, Choose)
+        await pilot.press("down", "enter")  # gpu-a-7f3k2q
+        assert isinstance(app.screen, Confirm)
+        asked.append(str(app.screen.query_one(".title", Static).visual))
+        await pilot.press("n", "e", "enter")  # all boxes
+        assert isinstance(app.screen, Confirm)
+        asked.append(str(app.screen.query_one(".title", Static).visual))
+        await pilot.press("n")
+
+    drive(app, script)
+    assert asked == [
+        "Evict all-minilm-l6-v2 from gpu-a-7f3k2q? gpu-b-19ab4c still holds it.",
+        "Evict all-minilm-l6-v2 from every box holding it? Requests for it wait for a load.",
+    ]
+
+
+@pytest.mark.parametrize("screen", ["1", "2", "4"])
+def test_a_full_table_fits_80_columns_beside_its_scrollbar(screen: str) -> None:
+    """At 80×24 with more rows than fit, the Models table's last column was cut (`er`) under a horizontal scrollbar,
+    and the Events kind `reconnect` showed as `reconnec`."""
+    from tui.events import Event
+
+    def crowded(view: FleetView) -> FleetView:
+        boxes = tuple(replace(view.boxes[0], box=f"gpu-{n:02d}-7f3k2qxyz") for n in range(30))
+        catalog = tuple(spec(f"a-model-with-a-long-name-{n:02d}", Task.EMBED) for n in range(30))
+        return replace(view, boxes=boxes, catalog=catalog)
+
+    app = FleetboxApp(Tailored(crowded), refresh_s=0)
+
+    async def script(pilot: Pilot) -> None:
+        for n in range(30):
+            app.events.add(Event(float(n), "reconnect", "nats", "reconnected"))
+        await pilot.press(screen)
+        app.tick()
+        await pilot.pause()
+        table = app.screen.query_one(DataTable)
+        assert table.show_vertical_scrollbar
+        if screen == "4":  # the text column is as wide as the longest event by design; the kind is whole
+            assert table.columns[ColumnKey("kind")].width >= len("reconnect")
+            return
+        assert table.virtual_size.width <= table.scrollable_content_region.width
+        assert not table.show_horizontal_scrollbar
+
+    drive(app, script)
+
+
+def test_the_status_line_of_a_fleet_out_of_reach_fits_80_columns() -> None:
+    """`…retrying…  showing the` was all 80 columns showed of an outage: the age of the view was cut."""
+    from tui.screens.base import status_line
+
+    view = replace(fleet_view(29), connected=False, problem="connection refused", stale_since=fleet_view(17).taken_at)
+    for screen in ("Fleet", "Models", "Queue", "Events"):
+        shown = status_line(view, screen).plain[:80]
+        assert "cannot reach NATS: connection refused" in shown and "as of 12s ago" in shown, shown

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -435,7 +436,7 @@ async def test_a_nats_outage_keeps_the_fleet_as_last_seen_and_an_action_fails_in
             assert [(r.name, r.state) for r in model_rows(view)] == [("alpha", "resident")]
             assert view.stale_since is not None
             status = str(app.screen.query_one("#status", Static).visual)
-            assert "NATS" in status and "showing the fleet as of" in status
+            assert "NATS" in status and "fleet as of" in status
             assert str(app.screen.query_one(DataTable).get_row(box.box_id)[0]).startswith("?")
 
             await pilot.press("2", "p")  # unpin alpha, while NATS is down (refused after REACH_TIMEOUT_S: 1 s)
@@ -457,6 +458,89 @@ async def test_a_nats_outage_keeps_the_fleet_as_last_seen_and_an_action_fails_in
             kinds = [e.kind for e in app.events.newest_first()]
             assert "outage" in kinds and "reconnect" in kinds
             assert (await model(http, box, "alpha"))["pinned"] is True  # the unpin never ran
+    finally:
+        await source.stop()
+
+
+async def test_a_nats_server_that_stops_answering_is_out_of_reach_and_an_action_then_is_never_sent(
+    start_box, nats_server, http, monkeypatch
+) -> None:
+    """A hung server (SIGSTOP) keeps the connection up: the TUI called every box dead and every model cold, and an
+    unpin pressed then ran when the server woke. Now the view is the fleet as last seen, the status line says
+    `no answer`, and the action fails within the bound, unsent."""
+    monkeypatch.setattr(ops, "REACH_TIMEOUT_S", 1.0)
+    box = await start_box(default_model=False, models=[noop_model("alpha")], box_id="tui-hung")
+    nc = await connect(nats_server.url)
+    source = NatsSource(nc, address=nats_server.url, own_connection=True, period_s=0.2)
+    await source.start()
+    app = FleetboxApp(source, refresh_s=0.2)
+    assert nats_server.process is not None
+    try:
+        async with app.run_test(size=(80, 24)) as pilot:
+
+            async def attached() -> bool:
+                return app.view.stale_since is None and [b.box for b in app.view.boxes] == [box.box_id]
+
+            await wait_for(attached, 10.0, "the box on screen")
+            os.kill(nats_server.process.pid, signal.SIGSTOP)
+            try:
+
+                async def out_of_reach() -> bool:
+                    return not app.view.connected
+
+                await wait_for(out_of_reach, 10.0, "the TUI seeing NATS not answering")
+                view = app.view
+                assert view.stale_since is not None and view.problem == "no answer"
+                assert [b.box for b in view.boxes] == [box.box_id] and view.boxes[0].status != "dead"
+                assert [(r.name, r.state) for r in model_rows(view)] == [("alpha", "resident")]
+                await pilot.pause()
+                status = str(app.screen.query_one("#status", Static).visual)
+                assert "cannot reach NATS: no answer" in status and "fleet as of" in status, status
+                assert str(app.screen.query_one(DataTable).get_row(box.box_id)[0]).startswith("?")
+
+                await pilot.press("2", "p")  # unpin alpha, while NATS does not answer
+
+                async def refused() -> bool:
+                    return any(
+                        e.kind == "error" and f"cannot reach NATS at {nats_server.url}: no answer" in e.text
+                        for e in app.events.newest_first()
+                    )
+
+                await wait_for(refused, 8.0, "the unpin refused in bounded time")
+            finally:
+                os.kill(nats_server.process.pid, signal.SIGCONT)
+
+            async def fresh() -> bool:
+                return app.view.connected and app.view.stale_since is None and app.view.boxes[0].status == "live"
+
+            await wait_for(fresh, 30.0, "the fleet read again once NATS answers")
+            assert (await model(http, box, "alpha"))["pinned"] is True  # the unpin never ran
+            assert not any("TimeoutError" in e.text for e in app.events.newest_first())
+            assert any(e.kind == "outage" and "(no answer)" in e.text for e in app.events.newest_first())
+    finally:
+        await source.stop()
+
+
+async def test_stopping_the_source_after_nats_went_away_raises_nothing(nats_server) -> None:
+    """Quitting `fleetbox tui` once NATS was gone printed `fleetbox: Connection lost` and exited 1: closing the
+    connection raised it, from a reconnect that had failed."""
+    source = NatsSource.dialing(nats_server.url, period_s=0.2)
+    problems: list[str] = []
+    said = source._connect_failed
+    source._connect_failed = lambda problem: (problems.append(problem), said(problem))  # type: ignore[method-assign]
+    await source.start()
+    try:
+
+        async def waiting_for_a_fleet() -> bool:
+            return "no fleet at" in (source.view().waiting_for or "")
+
+        await wait_for(waiting_for_a_fleet, 10.0, "the source connected")
+        await nats_server.stop()
+
+        async def refused() -> bool:
+            return problems.count("connection refused") >= 3
+
+        await wait_for(refused, 10.0, "reconnects refused")
     finally:
         await source.stop()
 
@@ -525,6 +609,10 @@ def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
         (["box", "drain", " "], "fleetbox: box id ' ' is not 1 to 64 letters"),
         (["models", "delete", ""], "fleetbox: MODEL '' names no model"),
         (["models", "register", "", "/m"], "fleetbox: MODEL '' names no model"),
+        # A box was asked, and answered with its schema's regular expression (exit 1).
+        (["models", "register", "abc ", "/m"], "fleetbox: NAME 'abc ' starts or ends with a space"),
+        (["models", "register", "a\u200bb", "/m"], "has a control or invisible character (U+200B)"),
+        (["models", "register", "a\tb", "/m"], "has a control character"),
         (["models", "register", "m", "/m", "--task", "embedding"], "--task: 'embedding' is not one of embed, score"),
         (["models", "register", "m", "/m", "--dtype", "fp8"], "--dtype: 'fp8' is not one of float32, float16"),
         (["models", "register", "m", "/m", "--runtime", "noop"], "--runtime: 'noop' is not one of torch, onnx"),

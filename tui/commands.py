@@ -88,26 +88,35 @@ def print_rows(rows: list[ModelRow], console: Console | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:
         console = Console(file=console.file, width=_UNBOUNDED, no_color=True, highlight=False)
-    console.print(rows_as_table(rows))
+        console.print(rows_as_table(rows))
+        return
+    console.print(rows_as_table(rows, console.width))
 
 
 _UNBOUNDED = 10_000  # columns: wider than any row
 
 
-def rows_as_table(rows: list[ModelRow]) -> Table:
-    table = Table(box=None, header_style="bold")
-    # A narrow terminal folds names (models, boxes) onto more lines, never cuts them; the figures give way.
-    longest = max((len(row.name) + 2 for row in rows), default=5)
-    for column in ("model", "task", "state", "on", "pinned", "queue", "req/s", "p50 ms", "p99 ms", "errors"):
-        named = column in ("model", "on")
-        table.add_column(
-            column,
-            justify="right" if column in ("queue", "req/s", "p50 ms", "p99 ms") else "left",
-            overflow="fold" if named else "ellipsis",
-            min_width=min(longest, 24) if column == "model" else 6 if column == "on" else None,
-        )
-    for row in rows:
-        table.add_row(
+# (header, justify) per column; the headers are short so that every column fits 80 columns.
+_COLUMNS = (
+    ("model", "left"),
+    ("task", "left"),
+    ("state", "left"),
+    ("on", "left"),
+    ("pin", "left"),
+    ("queue", "right"),
+    ("req/s", "right"),
+    ("p50ms", "right"),
+    ("p99ms", "right"),
+    ("err", "right"),
+)
+_MODEL, _ON = 0, 3  # the named columns: they fold onto more lines on a narrow terminal; the others keep their width
+_LEAST_NAMED = 8  # columns a named column keeps however narrow the terminal (then the figures give way)
+
+
+def rows_as_table(rows: list[ModelRow], width: int | None = None) -> Table:
+    """The models as a table `width` columns wide at most (None: as wide as the rows need)."""
+    cells = [
+        (
             row.name if row.adapter_of is None else f"↳ {row.name}",
             row.task,
             row.state,
@@ -119,4 +128,32 @@ def rows_as_table(rows: list[ModelRow]) -> Table:
             fmt.ms(row.p99_ms),
             str(row.errors),
         )
+        for row in rows
+    ]
+    widths = [max([len(header), *(len(cell[index]) for cell in cells)]) for index, (header, _) in enumerate(_COLUMNS)]
+    if width is not None:
+        widths[_MODEL], widths[_ON] = _share(
+            width - sum(widths) + widths[_MODEL] + widths[_ON] - 2 * (len(_COLUMNS) - 1), widths[_MODEL], widths[_ON]
+        )
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for index, (header, justify) in enumerate(_COLUMNS):
+        named = index in (_MODEL, _ON)
+        table.add_column(
+            header,
+            justify=justify,  # type: ignore[arg-type]
+            overflow="fold" if named else "ellipsis",
+            no_wrap=not named,
+            width=widths[index],
+        )
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
+
+
+def _share(room: int, model: int, on: int) -> tuple[int, int]:
+    """The widths of the model and box columns in `room` columns: each as wide as its widest cell where both fit,
+    else the boxes a third of the room and the names the rest (folding)."""
+    if model + on <= room:
+        return model, on
+    on = max(min(on, room // 3), _LEAST_NAMED)
+    return max(min(model, room - on), _LEAST_NAMED), on

@@ -12,12 +12,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
+
+from tui.format import short_name
+from tui.ops import new_name_problem
 
 TASKS = ("embed", "score", "classify", "extract", "generate")
 T = TypeVar("T")
@@ -194,8 +198,13 @@ class RegisterForm(Dialog[dict | None]):
         name = self.query_one("#name", Input).value.strip()
         path = self.query_one("#path", Input).value.strip()
         if not name or not path:
-            self._say("[b]a name and a path are needed[/]")
+            self._say(Text("a name and a path are needed", style="bold"))
             self.query_one("#name" if not name else "#path", Input).focus()
+            return
+        problem = new_name_problem(name)
+        if problem:  # said here in one line, as the CLI says it; no box is asked
+            self._say(Text.assemble(("refused: ", "bold"), f"the name {problem}"))
+            self.query_one("#name", Input).focus()
             return
         registration: dict[str, str] = {"name": name, "path": path}
         task = self.query_one("#task", Select).value
@@ -205,7 +214,7 @@ class RegisterForm(Dialog[dict | None]):
         if isinstance(base, str):
             registration["adapter_of"] = base
         self._sending = True
-        self._say(f"[dim]registering {name}…[/]")
+        self._say(Text(f"registering {short_name(name, 40)}…", style="dim"))
         self.run_worker(self._send(registration), group="register", exit_on_error=False)
 
     async def _send(self, registration: dict[str, str]) -> None:
@@ -216,10 +225,10 @@ class RegisterForm(Dialog[dict | None]):
         if refused is None:
             self.answer(registration)
         elif not self._answered:  # not cancelled meanwhile
-            self._say(f"[b]refused:[/] {refused}")
+            self._say(Text.assemble(("refused: ", "bold"), refused))
 
-    def _say(self, markup: str) -> None:
-        self.query_one("#problem", Label).update(markup)
+    def _say(self, text: Text) -> None:
+        self.query_one("#problem", Label).update(text)  # Text, not markup: a box's message may hold brackets
 
     def action_cancel(self) -> None:
         self.answer(None)

@@ -74,8 +74,9 @@ class EventLog:
         if not view.connected:
             if self._connected_once and self._down_since is None:
                 self._down_since = view.taken_at
+                why = f" ({view.problem})" if view.problem else ""  # "no answer": a hung server keeps the connection
                 self.add(Event(view.taken_at, "outage", view.address,
-                               f"lost the connection to NATS at {view.address}; retrying, and showing the fleet "
+                               f"lost NATS at {view.address}{why}; retrying, and showing the fleet "
                                "as last seen meanwhile"))  # fmt: skip
             return
         self._connected_once = True

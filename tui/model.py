@@ -8,6 +8,7 @@ a fake without the screens knowing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,8 +202,22 @@ class ModelRow:
     errors: int
 
 
+def listing_order(catalog: Sequence[ModelSpec]) -> list[ModelSpec]:
+    """Models by name, each followed by its adapters (by name): a screen shows an adapter under its base. An
+    adapter whose base is not a model of the catalog stands among the models."""
+    bases = {spec.name for spec in catalog if spec.adapter_of is None}
+    adapters: dict[str, list[ModelSpec]] = {}
+    tops = []
+    for spec in sorted(catalog, key=lambda s: s.name):
+        if spec.adapter_of in bases:
+            adapters.setdefault(spec.adapter_of, []).append(spec)
+        else:
+            tops.append(spec)
+    return [each for spec in tops for each in (spec, *adapters.get(spec.name, ()))]
+
+
 def model_rows(view: FleetView) -> list[ModelRow]:
-    """Join the catalog with the heartbeats and the queue: one row per model, sorted by name.
+    """Join the catalog with the heartbeats and the queue: one row per model, in `listing_order`.
 
     Latency percentiles of a model held by several boxes are the worst box's (percentiles of
     different boxes cannot be merged from summaries); errors add each box's count to the
@@ -218,7 +233,7 @@ def model_rows(view: FleetView) -> list[ModelRow]:
             slug = subject.rsplit(".", 1)[-1]
             dead[slug] = dead.get(slug, 0) + count
     rows = []
-    for spec in sorted(view.catalog, key=lambda s: s.name):
+    for spec in listing_order(view.catalog):
         if spec.adapter_of is None:
             holders = [(b, m) for b in view.boxes if b.usable for m in b.models if m.name == spec.name]
         else:  # an adapter lives inside its base model, on the boxes that loaded it there

@@ -7,27 +7,49 @@ update, register, delete) go to any live box, preferring one on this host for re
 on the box that answers); `load` goes to the live worker with the most free memory unless a box
 is named; `evict` without a box evicts from every box holding the model.
 
-A verb is sent only while NATS is connected: nats-py would hold a request published during an
-outage and send it on reconnecting, so an action taken then would run, unannounced, long after
-its operator was told nothing. While NATS is down an action waits for it at most
+A verb is sent only once NATS is connected and answers: nats-py would hold a request published
+during an outage and send it on reconnecting, and a server that hangs (SIGSTOP) with the
+connection up would read it when it wakes, so an action taken then would run, unannounced, long
+after its operator was told nothing. While NATS is out of reach an action waits for it at most
 `REACH_TIMEOUT_S` (the bound of the CLI's connect), then fails with the CLI's words.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 
+from appliance import bus
 from appliance.control import call_box
 from appliance.errors import Conflict, ServiceUnavailable, not_evicted
+from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 from tui.model import BoxState
 
 REACH_TIMEOUT_S = 10.0  # how long an action waits for NATS to come back before it gives up
 _CONNECTED_POLL_S = 0.1
+_LEAST_ANSWER_S = 0.5  # the least time a connected server is given to answer, however little is left of the bound
+
+
+def new_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a new model (the rule of `POST /v1/models`), in words for one line; None if it can.
+
+    Checked before a box is asked: the box's answer quotes its schema (a regular expression, `$.name`)."""
+    if not name.strip():
+        return "is empty"
+    if len(name) > MODEL_NAME_MAX:
+        return f"is longer than {MODEL_NAME_MAX} characters"
+    if re.fullmatch(MODEL_NAME_PATTERN, name):
+        return None
+    hidden = next((c for c in name if not re.fullmatch(MODEL_NAME_PATTERN, f"a{c}a")), None)
+    if hidden is not None:
+        return f"has a control or invisible character (U+{ord(hidden):04X}), which a model's name may not have"
+    return "starts or ends with a space, which a model's name may not"
 
 
 class FleetOps:
@@ -133,18 +155,30 @@ class FleetOps:
         return (local or live)[0].box
 
     async def _call(self, box: str, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
-        await self._connected()
+        await self._answering()
         return await call_box(self._nc, box, verb, payload, timeout_s=self._timeout_s)
 
-    async def _connected(self) -> None:
-        """Return once NATS is connected; raise after `reach_timeout_s` without it (nothing is sent)."""
-        if self._nc.is_connected:
-            return
+    async def _answering(self) -> None:
+        """Return once NATS is connected and answers; raise after `reach_timeout_s` without it (nothing is sent).
+
+        The answer asked for is a read the TUI makes each period anyway (the request stream's info), so it
+        needs no permission more. Not `nc.flush(timeout)`: on a timeout it cancels its PONG's waiter, and the
+        late PONG then stops the connection's read loop for good (nats-py 2.16)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._reach_timeout_s
         try:
-            async with asyncio.timeout(self._reach_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 # Polled: the reconnect callback belongs to whoever made the connection (the box, embedded).
                 while not self._nc.is_connected:  # noqa: ASYNC110
                     await asyncio.sleep(_CONNECTED_POLL_S)
         except TimeoutError:
             why = self._why_unreachable() or f"no connection within {self._reach_timeout_s:g} s"
             raise ServiceUnavailable(f"cannot reach NATS at {self._address}: {why}") from None
+        try:
+            await self._nc.jetstream(timeout=max(deadline - loop.time(), _LEAST_ANSWER_S)).stream_info(
+                bus.REQUEST_STREAM
+            )
+        except TimeoutError:
+            raise ServiceUnavailable(f"cannot reach NATS at {self._address}: no answer") from None
+        except NatsError:  # no such stream (yet), no JetStream: answers all the same
+            return

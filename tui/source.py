@@ -11,7 +11,9 @@ A box that stops heartbeating is kept in the view for a while, marked `dead` (it
 out) or `left` (its record was deleted by a clean stop), so an operator sees that it went. But
 while NATS itself is out of reach (and until the fleet is read again after it returns) no
 heartbeat can arrive: then the view keeps the boxes and the catalog as last seen, unjudged, and
-says since when (`FleetView.stale_since`), rather than calling every box dead.
+says since when (`FleetView.stale_since`), rather than calling every box dead. Out of reach
+includes a server that keeps the connection up but stops answering (hung, or SIGSTOP): the
+queue poll, a request each period, is what notices, when it times out.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class NatsSource:
         self._dial_to: tuple[str, NatsAuth] | None = None  # connect in start(), for `dialing`
         self._problem: str | None = None  # why the connection is down, while it is
         self._reason: str | None = None  # the same, without "retrying…"
+        self._silent = False  # a read of the connected server timed out, and none was answered since
         self._reconnects_read = nc.stats["reconnects"]  # the fleet was read after this many reconnects
         self._fresh_at: float | None = None  # when the view was last judged from a connected, attached fleet
         self.ops = FleetOps(nc, self._current_boxes, address=address, why_unreachable=lambda: self._reason)
@@ -140,32 +143,51 @@ class NatsSource:
                     raise TimeoutError
                 await asyncio.sleep(0.1)
         if self._queue is None:
-            self._queue = await self._read_queue()
+            try:
+                self._queue = await self._read_queue()
+            except TimeoutError:
+                self._queue = QueueState(stream=None, error="NATS did not answer the queue read")
 
     @property
     def waiting_for(self) -> str | None:
         return self._waiting_for
 
+    def _reachable(self) -> bool:
+        """Whether NATS is connected and answers (a hung server keeps the connection up for minutes)."""
+        return self._nc.is_connected and not self._silent
+
     def _stale(self) -> bool:
-        """Whether heartbeats cannot be arriving: NATS is down, or the fleet is not (yet again) read."""
-        return not self._nc.is_connected or self._fleet is None or self._nc.stats["reconnects"] != self._reconnects_read
+        """Whether heartbeats cannot be arriving: NATS is out of reach, or the fleet is not (yet again) read."""
+        return not self._reachable() or self._fleet is None or self._nc.stats["reconnects"] != self._reconnects_read
 
     def view(self) -> FleetView:
         now = self._clock()
         stale = self._stale()
         if not stale:
             self._fresh_at = now
+        stale_since = self._fresh_at if stale else None
         return FleetView(
             address=self.address,
             taken_at=now,
             boxes=tuple(self._boxes(now)),
             catalog=tuple(sorted(self._catalog, key=lambda s: s.name)),
             queue=self._queue,
-            connected=self._nc.is_connected,
+            connected=self._reachable(),
             waiting_for=self._waiting_for,
-            problem=None if self._nc.is_connected else self._problem,
-            stale_since=self._fresh_at if stale else None,
+            problem=self._why_out_of_reach(showing_the_last_seen=stale_since is not None),
+            stale_since=stale_since,
         )
+
+    def _why_out_of_reach(self, *, showing_the_last_seen: bool) -> str | None:
+        """Why NATS is out of reach, or None; without "retrying…" where the view says it shows the fleet as last
+        seen (the status line has 80 columns for both)."""
+        if not self._nc.is_connected:
+            reason, problem = self._reason, self._problem
+        elif self._silent:
+            reason, problem = "no answer", "no answer; retrying…"
+        else:
+            return None
+        return reason if showing_the_last_seen and reason else problem
 
     def _current_boxes(self) -> Sequence[BoxState]:
         return self._boxes(self._clock())
@@ -229,11 +251,15 @@ class NatsSource:
         self._attached.set()
 
     async def _drop_readers(self) -> None:
+        """Stop watching the heartbeats and the catalog; NATS gone meanwhile is no failure."""
         fleet, store, self._fleet, self._store = self._fleet, self._store, None, None
-        if fleet is not None:
-            await fleet.stop()
-        if store is not None:
-            await store.close()
+        for stop in (fleet.stop if fleet else None, store.close if store else None):
+            if stop is None:
+                continue
+            try:
+                await stop()
+            except _READ_ERRORS as exc:
+                log.debug("stopping a reader of the fleet failed", extra={"error": repr(exc)})
 
     async def _bucket(self, name: str, missing: str) -> KeyValue:
         """The bucket `name`, once it exists; meanwhile the status line says what is missing."""
@@ -252,32 +278,45 @@ class NatsSource:
             await asyncio.sleep(1.0)
 
     async def _follow(self) -> None:
-        """Poll the queue each period; after a reconnect, read the fleet afresh.
+        """Poll the queue each period; after a reconnect, or a spell of no answer, read the fleet afresh.
 
         A NATS server that restarted may have lost the buckets (memory storage) and with them
         this reader's watches; the boxes recreate them, and attaching again waits until they do.
+        A poll that times out means the server does not answer: the view is then stale (as when
+        the connection is down) until a poll is answered again.
         """
         while True:
             if self._nc.is_connected:
                 if self._nc.stats["reconnects"] != self._reconnects_read:
-                    await self._reattach()
-                self._queue = await self._read_queue()
+                    await self._reattach("reconnected to NATS")
+                try:
+                    queue = await self._read_queue()
+                except TimeoutError:
+                    self._silent = True
+                else:
+                    self._queue = queue
+                    if self._silent:
+                        self._silent = False
+                        await self._reattach("NATS answers again")
             await asyncio.sleep(self._period_s)
 
-    async def _reattach(self) -> None:
+    async def _reattach(self, why: str) -> None:
         await cancel_and_wait([self._attach_task])
         self._attached.clear()
-        self._waiting_for = "reconnected to NATS; reading the fleet again…"
+        self._waiting_for = f"{why}; reading the fleet again…"
         await self._drop_readers()
         self._reconnects_read = self._nc.stats["reconnects"]  # stays stale until attached: _fleet is None
         self._attach_task = asyncio.create_task(self._attach(), name="tui-attach")
 
     async def _read_queue(self) -> QueueState:
+        """The stream and its consumers; raises TimeoutError when NATS does not answer."""
         try:
             info = await self._js.stream_info(bus.REQUEST_STREAM)
             consumers = await self._js.consumers_info(bus.REQUEST_STREAM)
         except NotFoundError:
             return QueueState(stream=None, error=f"stream {bus.REQUEST_STREAM} does not exist yet")
+        except TimeoutError:
+            raise
         except _READ_ERRORS as exc:
             return QueueState(stream=None, error=repr(exc))
         try:
@@ -309,17 +348,16 @@ class NatsSource:
         )
 
     async def stop(self) -> None:
+        """Stop reading, and close the connection if it is this source's own; NATS gone meanwhile is no failure
+        (closing a connection whose reconnects failed raises `Connection lost`: quitting the TUI then exited 1)."""
         await cancel_and_wait([self._follow_task, self._attach_task])
-        if self._fleet is not None:
-            await self._fleet.stop()
-        if self._store is not None:
-            await self._store.close()
+        await self._drop_readers()
         if self._own:
             try:
                 async with asyncio.timeout(3.0):  # not wait_for: on Python 3.11 it can swallow a cancel
                     await self._nc.close()
-            except TimeoutError:
-                log.debug("closing the TUI's NATS connection timed out")
+            except _READ_ERRORS as exc:
+                log.debug("closing the TUI's NATS connection failed", extra={"error": repr(exc)})
 
 
 def _stream_state(info: Any) -> StreamState:

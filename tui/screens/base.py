@@ -88,8 +88,8 @@ def status_line(view: FleetView, screen: str) -> Text:
         live = sum(1 for b in view.boxes if b.usable)
         backlog = view.queue.stream.messages if view.queue and view.queue.stream else 0
         line.append(f" {fmt.count(live, 'box')} · {fmt.count(len(view.catalog), 'model')} · backlog {backlog} ")
-    if view.stale_since is not None:
-        line.append(f" showing the fleet as of {fmt.age(view.taken_at - view.stale_since)} ago ", style="yellow")
+    if view.stale_since is not None:  # short, so that it and the reason fit 80 columns
+        line.append(f" fleet as of {fmt.age(view.taken_at - view.stale_since)} ago ", style="yellow")
     line.append(f" {view.address}", style="dim")
     return line
 
@@ -100,7 +100,7 @@ class DataScreen(Screen[None]):
     TITLE: ClassVar[str] = ""
     DEFAULT_CSS = """
     DataScreen #status { height: 1; }
-    DataScreen DataTable { height: 1fr; }
+    DataScreen DataTable { height: 1fr; width: 100%; }  /* not auto: its scrollbar then takes from its columns */
     DataScreen .detail {
         height: auto; max-height: 7; border-top: solid $primary; padding: 0 1;
         text-wrap: nowrap; text-overflow: ellipsis;
@@ -137,11 +137,17 @@ class DataScreen(Screen[None]):
 
 
 def confirm_evict(screen: DataScreen, model: str, box: str | None) -> None:
+    """Ask before evicting `model` from `box` (None: from every box holding it), saying what becomes of its requests."""
     where = f"from {box}" if box else "from every box holding it"
     fleet_app = screen.fleet_app
+    others = [holder for holder in fleet_app.source.ops.holders(model) if box and holder != box]
+    if others:
+        after = f"{', '.join(others)} still {'holds' if len(others) == 1 else 'hold'} it."
+    else:
+        after = "Requests for it wait for a load."
 
     def answered(yes: bool | None) -> None:
         if yes:
             fleet_app.act(f"evict {model} {where}", lambda: fleet_app.source.ops.evict(model, box))
 
-    screen.app.push_screen(Confirm(f"Evict {model} {where}? Requests for it wait for a load.", yes="Evict"), answered)
+    screen.app.push_screen(Confirm(f"Evict {model} {where}? {after}", yes="Evict"), answered)

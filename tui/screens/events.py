@@ -1,6 +1,8 @@
 """The Events screen: what happened in the fleet since the TUI attached, newest first.
 
-A row is cut at the screen's edge; the panel below it holds the selected event's whole text, wrapped.
+With the selection on the newest event it stays there as events arrive (the view stays at the top); on
+an older one it stays on that one. A row is cut at the screen's edge; the panel below it holds the
+selected event's whole text, wrapped.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class EventsScreen(DataScreen):
             "events",
             [
                 ("time", "time", 8),
-                ("what", "kind", 8),
+                ("what", "kind", 9),  # "reconnect"
                 ("", "text", None),
             ],
         )
@@ -60,7 +62,11 @@ class EventsScreen(DataScreen):
             (key, (fmt.clock(event.at), Text(event.kind, style=_KIND_STYLE.get(event.kind, "")), event.text))
             for key, event in self._shown.items()
         ]
-        sync_rows(self.table(), rows)
+        table = self.table()
+        on_the_newest = table.cursor_row <= 0  # then it stays on the newest, as a log being watched does
+        sync_rows(table, rows)
+        if on_the_newest and table.row_count:
+            table.move_cursor(row=0, animate=False)
         self._render_detail()
 
     def _render_detail(self) -> None:

@@ -21,6 +21,7 @@ _UNKNOWN_MARK = "?"  # NATS is out of reach: the box's state now is not known
 
 class FleetScreen(DataScreen):
     TITLE = "Fleet"
+    DEFAULT_CSS = "FleetScreen #detail { max-height: 50%; }"  # `_detail_lines` decides, this only bounds it
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("d", "drain", "Drain", tooltip="drain the box: stop pulling, finish, exit"),
         Binding("l", "load", "Load", tooltip="load a model on this box"),
@@ -28,15 +29,15 @@ class FleetScreen(DataScreen):
     ]
 
     def body(self) -> ComposeResult:
-        # Widths add up to 80 columns with the cells' padding; the detail below has the full figures.
+        # Widths add up to 78 columns with the cells' padding (80 less a scrollbar); the detail has the full figures.
         yield make_table(
             "boxes",
             [
-                ("box", "box", 16),
+                ("box", "box", 15),
                 ("role", "role", 7),
                 ("dev", "dev", 6),
                 ("memory", "memory", 10),
-                ("models", "models", 11),
+                ("models", "models", 10),
                 ("req/s", "rps", 5),
                 ("p99ms", "p99", 5),
                 ("beat", "beat", 4),
@@ -54,7 +55,7 @@ class FleetScreen(DataScreen):
         if view.stale_since is not None:  # the last state known, not judged now: no colour claims it
             style, mark = "dim", _UNKNOWN_MARK
         name = Text.assemble((mark + " ", style), (box.box, style if box.usable else "dim"))
-        name.truncate(16, overflow="ellipsis")
+        name.truncate(15, overflow="ellipsis")
         devices = Text(",".join(d.device for d in box.devices) or "-")
         devices.truncate(6, overflow="ellipsis")
         resident = [m.name for m in box.models if m.state == "resident"]
@@ -62,7 +63,7 @@ class FleetScreen(DataScreen):
         models = Text(
             f"{len(resident)}" + (f"+{loading}↑" if loading else "") + (f" {resident[0]}" if resident else "")
         )
-        models.truncate(11, overflow="ellipsis")
+        models.truncate(10, overflow="ellipsis")
         beat = box.status if box.status in ("dead", "left") else fmt.age(view.taken_at - box.ts)
         return (
             name,
@@ -93,7 +94,13 @@ class FleetScreen(DataScreen):
         ]
         for device in box.devices:
             lines.append(Text.assemble(f"{device.name}  ", fmt.usage(device.used_bytes, device.budget_bytes, 10)))
-        for model in box.models:
+        # What does not fit is counted and named on the last line, never cut in silence.
+        shown, more = list(box.models), []
+        room = self._detail_lines() - len(lines)
+        if len(shown) > room:
+            fits = max(room - 1, 0)
+            shown, more = shown[:fits], shown[fits:]
+        for model in shown:
             size = fmt.human_bytes(model.nbytes)
             pin = " pinned" if model.pinned else ""
             lines.append(
@@ -104,7 +111,14 @@ class FleetScreen(DataScreen):
                     overflow="ellipsis",
                 )
             )
+        if more:
+            names = ", ".join(m.name for m in more)
+            lines.append(Text(f"  … {len(more)} more: {names}", style="dim", no_wrap=True, overflow="ellipsis"))
         detail.update(Text("\n").join(lines))
+
+    def _detail_lines(self) -> int:
+        """How many lines the detail shows: two fifths of the screen, less its rule (8 at 24 rows)."""
+        return max(1, self.size.height * 2 // 5 - 1)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._render_detail(self.fleet_app.view)

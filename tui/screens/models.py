@@ -161,7 +161,8 @@ class ModelsScreen(DataScreen):
 
         async def register(registration: dict[str, Any]) -> str | None:
             # The form waits for the answer: a refusal is shown in it, so nothing has to be typed again.
-            return await self.fleet_app.attempt(f"register {registration['name']}", lambda: ops.register(registration))
+            what = f"register {fmt.short_name(registration['name'], 40)}"  # a notification, not a wall of name
+            return await self.fleet_app.attempt(what, lambda: ops.register(registration))
 
         self.app.push_screen(RegisterForm(bases, register))
 
