@@ -26,9 +26,10 @@ import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from appliance.catalog import Batching, ModelSpec
+from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, Dtype
 from runtimes import RuntimeKind, Task
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,29 @@ class Profile:
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"profile {path} is not valid: {exc!r}") from exc
+
+    def problem(self, *, on_cpu: bool) -> str | None:
+        """Why a box cannot run this profile, or None: knobs out of the bounds a registration is held to, or a
+        precision its runtime or hardware lacks. A file edited by hand (or by an older tune) with
+        `max_batch_size = 0` was taken as it was, and every request to the model waited to its deadline (tester
+        h72); a float16 ONNX profile on a CPU stopped the box at start."""
+        if self.max_batch_tokens < 1 or self.max_batch_size < 1:
+            return "max_batch_tokens and max_batch_size must be at least 1"
+        if not 0 <= self.max_wait_ms <= MAX_WAIT_MS:
+            return f"max_wait_ms must be 0 to {MAX_WAIT_MS:g}"
+        if not 1 <= self.concurrent_batches <= MAX_CONCURRENT_BATCHES:
+            return f"concurrent_batches must be 1 to {MAX_CONCURRENT_BATCHES}"
+        if self.threads is not None and self.threads < 1:
+            return "threads must be at least 1"
+        if self.dtype not in get_args(Dtype):
+            return f"dtype {self.dtype!r} is not one of {', '.join(get_args(Dtype))}"
+        if self.runtime == RuntimeKind.TORCH.value and self.dtype == "int8":
+            return "int8 needs the onnx runtime; torch runs float32, float16 or bfloat16"
+        if self.runtime == RuntimeKind.ONNX.value and self.dtype == "float16" and on_cpu:
+            return "float16 ONNX graphs run on a GPU only"
+        if self.runtime == RuntimeKind.ONNX.value and self.dtype == "int8" and not on_cpu:
+            return "int8 ONNX graphs run on a CPU only"
+        return None
 
     def to_toml(self) -> str:
         lines = [
@@ -232,10 +256,15 @@ def choose(model_slug: str, hardware: str, roots: list[Path], wanted: str = PROF
 
 def _read_choice(match: str, hardware: str, path: Path) -> Choice:
     try:
-        return Choice(match, hardware, Profile.read(path))
+        profile = Profile.read(path)
     except (OSError, ValueError) as exc:  # a broken file must not stop a box: serve with the defaults
         log.warning("profile unreadable; using defaults", extra={"file": str(path), "error": repr(exc)})
         return Choice("default", hardware)
+    problem = profile.problem(on_cpu=_cpu_cores_of(hardware) is not None)
+    if problem is not None:
+        log.warning("profile not usable here; using defaults", extra={"file": str(path), "error": problem})
+        return Choice("default", hardware)
+    return Choice(match, hardware, profile)
 
 
 def apply(spec: ModelSpec, choice: Choice, *, cores: int | None = None, has_adapters: bool = False) -> ModelSpec:

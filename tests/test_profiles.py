@@ -3,6 +3,7 @@ profile changes in a model's settings, and a real box applying one and showing i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -144,6 +145,33 @@ def test_profile_off_forced_and_unreadable(tmp_path: Path) -> None:
     assert forced.match == "forced" and forced.profile is not None and forced.profile.max_batch_size == 8
     (root / SLUG / "cpu-2c.toml").write_text("runtime = [not toml")
     assert choose(SLUG, "cpu-2c", [root]).match == "default"  # a broken file must not stop a box
+
+
+@pytest.mark.parametrize(
+    ("hardware", "knobs", "problem"),
+    [
+        ("cpu-2c", {"max_batch_size": 0}, "max_batch_tokens and max_batch_size must be at least 1"),
+        ("cpu-2c", {"max_wait_ms": 100_000.0}, "max_wait_ms must be 0 to 1000"),
+        ("cpu-2c", {"concurrent_batches": 0}, "concurrent_batches must be 1 to 64"),
+        ("cpu-2c", {"runtime": "torch", "dtype": "int8"}, "int8 needs the onnx runtime"),
+        ("cpu-2c", {"dtype": "int4"}, "dtype 'int4' is not one of float32, float16, bfloat16, int8"),
+        ("cpu-2c", {"dtype": "float16"}, "float16 ONNX graphs run on a GPU only"),
+        ("nvidia-l4", {"dtype": "int8"}, "int8 ONNX graphs run on a CPU only"),
+    ],
+)
+def test_a_profile_a_box_cannot_run_gives_way_to_the_defaults(
+    tmp_path: Path, caplog, hardware: str, knobs: dict, problem: str
+) -> None:
+    """Tester h72: a profile's knobs were taken as the file had them: `max_batch_size = 0` or `max_wait_ms = 100000`
+    left every request to wait to its deadline, torch with int8 was a 503 `KeyError('int8')`, and a float16 ONNX
+    profile on a CPU stopped the box at start. Judged as a registration is, it is logged and the defaults serve."""
+    root = write(tmp_path, profile(hardware, **knobs))
+    with caplog.at_level(logging.WARNING, logger="appliance.profiles"):
+        choice = choose(SLUG, hardware, [root])
+    assert choice.match == "default" and choice.profile is None
+    (warning,) = caplog.records
+    assert warning.message == "profile not usable here; using defaults" and warning.error.startswith(problem)
+    assert choose(SLUG, hardware, [write(tmp_path, profile(hardware))]).match == "exact"  # a sound one applies
 
 
 def test_models_a_profile_cannot_fit_keep_their_settings(tmp_path: Path) -> None:
