@@ -96,6 +96,15 @@ class EncoderRuntime:
         )
         getattr(self.backend, "start_peak", lambda: None)()
         output = self.backend.forward(*pad([row] * _WARMUP_ROWS, self.tokenizer.pad_id))
+        expected = self._output_shape(_WARMUP_ROWS, self.tokenizer.max_length)
+        if expected is not None and tuple(output.shape) not in expected:
+            # A shipped ONNX graph that is not the folder's model (an encoder's graph in a reranker's folder, a
+            # head of another label count) answered made-up scores, or failed each request as the client's 422.
+            raise UnsupportedModel(
+                f"the model's output for {_WARMUP_ROWS} inputs has the shape {tuple(output.shape)}, where its"
+                f" folder's {self.task.value} model gives {' or '.join(str(shape) for shape in expected)};"
+                " is its ONNX file this folder's model?"
+            )
         measured = getattr(self.backend, "peak_activation_bytes", lambda: None)()
         if measured is not None:
             return measured
@@ -103,6 +112,10 @@ class EncoderRuntime:
         # a few times over (attention and feed-forward intermediates are of that order).
         width = self._hidden_size or output.shape[-1]
         return int(_WARMUP_ROWS * self.tokenizer.max_length * width * 4 * 8)
+
+    def _output_shape(self, rows: int, length: int) -> list[tuple[int, ...]] | None:
+        """The shapes the model's output may have for `rows` inputs of `length` tokens; None: not judged."""
+        return None
 
     def close(self) -> None:
         self.backend.close()
@@ -138,6 +151,9 @@ class ScoreRuntime(EncoderRuntime):
         self.head = ScoreHead.from_config(json.loads((source.path / "config.json").read_text()), source.path)
         self.info = self._measure()
 
+    def _output_shape(self, rows: int, length: int) -> list[tuple[int, ...]] | None:
+        return [(rows, 1)]  # one relevance logit per pair
+
     def tokenize_pairs(
         self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True, most_document_tokens: int | None = None
     ) -> list[Tokenized]:
@@ -162,6 +178,9 @@ class ClassifyRuntime(EncoderRuntime):
         self.head = ClassifyHead.from_folder(source.path)
         self.info = self._measure(labels=self.head.labels)
 
+    def _output_shape(self, rows: int, length: int) -> list[tuple[int, ...]] | None:
+        return [(rows, len(self.head.labels))]
+
 
 class ExtractRuntime(EncoderRuntime):
     """Token classification: rows carry character offsets, the output is label logits per token."""
@@ -172,6 +191,9 @@ class ExtractRuntime(EncoderRuntime):
         super().__init__(source, backend)
         self.head = ExtractHead.from_folder(source.path)
         self.info = self._measure(labels=self.head.labels)
+
+    def _output_shape(self, rows: int, length: int) -> list[tuple[int, ...]] | None:
+        return [(rows, length, len(self.head.labels))]
 
     def tokenize(self, texts: Sequence[str], *, truncate: bool = True) -> list[Tokenized]:
         return self.tokenizer.tokenize(texts, truncate=truncate, with_offsets=True)

@@ -8,6 +8,7 @@ classifier and cache tests use the tiny random-weight BERTs of conftest.py, whic
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -23,7 +24,7 @@ from appliance.errors import Unprocessable
 from appliance.jobs import EmbedJobs
 from appliance.schemas import EmbeddingRequest
 from runtimes import ModelSource, Runtime, RuntimeKind, Task, load_runtime, onnx_export
-from runtimes.base import pad
+from runtimes.base import UnsupportedModel, pad
 from runtimes.onnx_backend import GraphSession, OnnxBackend, SessionConfig
 from runtimes.onnx_export import ExportError, Forward, content_hash, ensure_exported
 from runtimes.tokenizer import TextTokenizer
@@ -382,3 +383,31 @@ def test_a_graph_that_pools_by_itself_is_not_pooled_again(encoder_dir: Path, tmp
         runtime.close()
         reference.close()
     assert similarity.min() >= 0.9999
+
+
+def test_a_shipped_graph_whose_output_is_not_the_folders_model_is_refused_at_load(
+    encoder_dir: Path, classifier_dir: Path, cross_encoder_dir: Path, tmp_path: Path
+) -> None:
+    """Tester h72: a reranker's folder with an encoder's graph answered made-up scores, and a classifier's with a
+    graph of another label count answered one label, or failed every request (an IndexError, dead-lettered as the
+    client's 422). The warm-up's output is judged against the folder's model."""
+    graphs = {}
+    for task, folder in ((Task.EMBED, encoder_dir), (Task.CLASSIFY, classifier_dir)):
+        exported = load_runtime(onnx_source(folder, tmp_path / "cache", task))
+        graphs[task] = exported.backend.artifact.path  # type: ignore[attr-defined]
+        exported.close()
+    labels = len(json.loads((classifier_dir / "config.json").read_text())["id2label"])
+    cases = [
+        (cross_encoder_dir, Task.SCORE, graphs[Task.EMBED], "where its folder's score model gives (8, 1)"),
+        (cross_encoder_dir, Task.SCORE, graphs[Task.CLASSIFY], f"has the shape (8, {labels}), where"),
+        (classifier_dir, Task.CLASSIFY, graphs[Task.EMBED], f"where its folder's classify model gives (8, {labels})"),
+    ]
+    for folder, task, graph, said in cases:
+        with pytest.raises(UnsupportedModel, match=re.escape(said)):
+            load_runtime(onnx_source(folder, tmp_path / "cache", task, options={"onnx_file": str(graph)}))
+    shipped = load_runtime(
+        onnx_source(
+            classifier_dir, tmp_path / "cache", Task.CLASSIFY, options={"onnx_file": str(graphs[Task.CLASSIFY])}
+        )
+    )
+    shipped.close()  # the folder's own graph loads
