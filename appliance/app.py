@@ -71,6 +71,7 @@ _MONITOR_PERIOD_S = 1.0
 _MISSING_LOOKS = 3  # looks of the stream monitor in a row that find the request stream or consumers gone
 _MISSING_LOOKS_MOST = 300  # ... and at most this many while the restores do not make them (the server refuses)
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
+_FORGET_METRICS_S = 30.0  # a deleted model's series stay this long (its eviction, under way, still counts in them)
 
 
 def new_box_id() -> str:
@@ -368,12 +369,19 @@ class Box:
         if self.fleet is not None:
             await self.fleet.beat()
 
+    def _forget_metrics(self, name: str) -> None:
+        registered = self.catalog.get(name)
+        if registered is None or registered.name != name:  # not registered again meanwhile
+            self.metrics.forget(name)
+
     def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
         if self.placement is not None:
             self.placement.forget_failure(name, spec)  # deleted or registered again: a load is a new try
             if spec is None or not spec.pinned:
                 self.placement.memory_freed()  # a pin let go: a load refused for memory may fit now
         if spec is None:
+            # Its series go a while after it (its eviction, under way, still counts): scraped meanwhile as they were.
+            asyncio.get_running_loop().call_later(_FORGET_METRICS_S, self._forget_metrics, name)
             self.residency.pinned.discard(name)
             self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it
             self.workers.adapters_retired()  # and its generations still waiting for a decode slot are answered 404
