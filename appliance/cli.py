@@ -123,7 +123,11 @@ def serve(
             *(
                 []
                 if settings.nats_urls
-                else [_host_problem("nats_host", settings.nats_host), _replicas_problem(settings)]
+                else [
+                    _host_problem("nats_host", settings.nats_host),
+                    _replicas_problem(settings),
+                    _ports_problem(settings),
+                ]
             ),
             *([_device_problem(settings.device)] if settings.runs_models else []),
             *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
@@ -162,6 +166,17 @@ def _replicas_problem(settings: Settings) -> str | None:
     return (
         f"replicas: {settings.replicas} needs a NATS cluster of at least that many servers; the embedded server is "
         "one: join a cluster with --nats, or leave replicas at 1"
+    )
+
+
+def _ports_problem(settings: Settings) -> str | None:
+    """The HTTP port and the embedded server's are two: one for both read `port P is in use` (by its own server,
+    started first: tester h73)."""
+    if settings.port != settings.nats_port:
+        return None
+    return (
+        f"port: {settings.port} is also the embedded nats-server's port (nats_port); give the HTTP port and"
+        " --nats-port different ports"
     )
 
 

@@ -404,7 +404,8 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     settings_cls: type[Settings] = Settings
     if config_file is not None:
         if not config_file.is_file():
-            raise FileNotFoundError(f"config file {config_file} does not exist")
+            what = "is a folder, not a file" if config_file.is_dir() else "does not exist"
+            raise FileNotFoundError(f"config file {config_file} {what}")
         config = SettingsConfigDict(**{**Settings.model_config, "toml_file": config_file})
         settings_cls = type("Settings", (Settings,), {"model_config": config})
     try:

@@ -487,3 +487,18 @@ def test_a_blank_state_dir_is_no_working_directory(monkeypatch) -> None:
     monkeypatch.setenv("FBX_STATE_DIR", " ")
     with pytest.raises(ValidationError, match="state_dir\n  Value error, is empty; give a path"):
         Settings()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--port", "4555", "--nats-port", "4555"], "port: 4555 is also the embedded nats-server's port"),
+        (["--config", "/"], "config file / is a folder, not a file"),
+    ],
+)
+def test_one_port_for_both_servers_or_a_folder_for_the_config_is_said_so(args, said, tmp_path) -> None:
+    """Tester h73: the first read 'port 4555 on 127.0.0.1 is in use' (by the box's own nats-server, started first),
+    the second 'config file / does not exist'."""
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"fleetbox: bad settings: {said}") and len(result.output.splitlines()) == 1
