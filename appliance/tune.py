@@ -73,10 +73,20 @@ class TuneResult:
 
     @property
     def speedup(self) -> float:
-        """The chosen's throughput (its worst run, if noisy) over the default's median run."""
+        """The chosen's median run over the default's: like with like. The chosen's worst run (its score, when
+        noisy) over the default's median made the default's own settings slower than themselves (0.85x)."""
         if self.chosen is None or self.default.median_throughput <= 0:
             return 0.0
-        return self.chosen.throughput / self.default.median_throughput
+        return self.chosen.median_throughput / self.default.median_throughput
+
+    @property
+    def beats_default(self) -> bool:
+        """Whether the chosen settings do better than the default's by the objective, median runs on both sides.
+        A profile that does not is not worth writing: a box without one runs the defaults."""
+        chosen, default = self.chosen, self.default
+        if chosen is None or chosen.candidate == default.candidate:
+            return False
+        return not default.ok or self.config.objective.better(chosen.by_median, default.by_median)
 
     @property
     def rejected(self) -> dict[Engine, Quality]:
@@ -173,15 +183,17 @@ class Tuner:
         """`search` (the tuner) or `grid` (every candidate of the space, for the benchmark)."""
         c = self.config
         self._started = time.perf_counter()
-        self._on_status("loading the fp32 torch reference")
-        reference_runtime = self._runtime(DEFAULT_ENGINE)
-        self._reference_key = _runtime_key(DEFAULT_ENGINE)
-        self._reference = Reference.build(reference_runtime, c.task)
-        self._requests = make_requests(reference_runtime, c.task, c.load.requests, c.load.seed, c.load.sample)
         baseline = Candidate(DEFAULT_ENGINE, c.default_batching)
         stopped = None
         finalists: list[Candidate] = []
         try:
+            if self._stopping:  # Ctrl-C before the tune began: not even the reference is worth loading
+                raise SearchStopped("interrupted")
+            self._on_status("loading the fp32 torch reference")
+            reference_runtime = self._runtime(DEFAULT_ENGINE)
+            self._reference_key = _runtime_key(DEFAULT_ENGINE)
+            self._reference = Reference.build(reference_runtime, c.task)
+            self._requests = make_requests(reference_runtime, c.task, c.load.requests, c.load.seed, c.load.sample)
             self.evaluate(baseline, "default")
             if strategy == "grid":
                 self._grid(engines if engines is not None else list(c.space.engines))
@@ -258,15 +270,18 @@ class Tuner:
         trial.measurements.append(first)
         if stage == "confirm":
             self._confirmed.add(candidate)
-        if stage == "confirm" and len(trial.measured) > 1:
-            trial.noisy = _disagree(trial.measured, self.config.max_spread)
-        elif first.ok and first.spread > self.config.max_spread and self._budget_left(stage):
-            # Its windows disagree: measure it once more; two runs that disagree too mean noise.
-            second = self._measure(runtime, candidate)
-            trial.measurements.append(second)
-            trial.noisy = _disagree(trial.measured, self.config.max_spread)
-        # The trial keeps the stage that found it; the line shown says which stage measured it just now.
-        self._on_trial(trial, stage if quality.passed else trial.stage)
+        try:
+            if stage == "confirm" and len(trial.measured) > 1:
+                trial.noisy = _disagree(trial.measured, self.config.max_spread)
+            elif first.ok and first.spread > self.config.max_spread and self._budget_left(stage) and not self._stopping:
+                # Its windows disagree: measure it once more; two runs that disagree too mean noise.
+                second = self._measure(runtime, candidate)
+                trial.measurements.append(second)
+                trial.noisy = _disagree(trial.measured, self.config.max_spread)
+        finally:
+            # Shown even when a Ctrl-C cut its second run short: it has a run, so it may be chosen. The trial
+            # keeps the stage that found it; the line shown says which stage measured it just now.
+            self._on_trial(trial, stage if quality.passed else trial.stage)
         return trial
 
     def _measure(self, runtime: Runtime | None, candidate: Candidate) -> Measurement:

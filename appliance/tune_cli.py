@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
 import logging
 import shlex
 import signal
@@ -18,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
-from appliance.catalog import Batching, Catalog, default_batching
+from appliance.bus import model_slug
+from appliance.catalog import Batching, Catalog, ModelSpec, default_batching
 from appliance.configured import configured_specs
 from appliance.devices import cpu_cores
 from appliance.profiles import SHIPPED_PROFILES_DIR, tunable
@@ -26,8 +28,8 @@ from appliance.settings import Settings
 from appliance.tune import TuneConfig, Tuner, TuneResult
 from appliance.tune_load import Load, read_sample
 from appliance.tune_search import OBJECTIVES, Objective, Trial, default_space
-from runtimes import Task
-from runtimes.detect import detect_task
+from runtimes import RuntimeKind, Task
+from runtimes.detect import WEIGHT_FILES, detect_task
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,19 +41,53 @@ class ModelToTune:
 
 
 def resolve_model(model: str, settings: Settings, name: str | None = None) -> ModelToTune:
-    """A model name or alias the box knows (its config file, the default model), or a model folder."""
+    """A model name or alias the box knows (its config file, the default model), or a model folder.
+
+    Everything that would fail the tune at its end (a name no profile folder can be made of) or at its
+    first load (no torch weights) is refused here, before anything runs."""
     spec = Catalog(configured_specs(settings)).get(model)
     if spec is not None:
         if not tunable(spec):
-            raise ValueError(f"{spec.name} ({spec.task}, {spec.runtime}) is not an encoder model fleetbox can tune")
-        return ModelToTune(name or spec.name, spec.path, spec.task, spec.batching)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"{model!r} is neither a model the box knows nor a model folder")
-    task = detect_task(path)
-    if task is Task.GENERATE:
-        raise ValueError(f"{path} is a generator; fleetbox tunes encoder models (embed, score, classify, extract)")
-    return ModelToTune(name or path.resolve().name, path.resolve(), task, default_batching(settings))
+            raise ValueError(_why_not_tunable(spec))
+        target = ModelToTune(name or spec.name, spec.path, spec.task, spec.batching)
+    else:
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"{model!r} is neither a model the box knows nor a model folder")
+        task = detect_task(path)
+        if task is Task.GENERATE:
+            raise ValueError(f"{path} is a generator; fleetbox tunes encoder models (embed, score, classify, extract)")
+        target = ModelToTune(name or path.resolve().name, path.resolve(), task, default_batching(settings))
+    try:
+        model_slug(target.name)
+    except ValueError:
+        given = f"--name {name!r}" if name is not None else f"the folder's name {target.name!r} (give one with --name)"
+        raise ValueError(
+            f"{given} has no ASCII letter or digit: a model's name needs one, for its queue and its profile's folder"
+        ) from None
+    if not any((target.path / weights).is_file() for weights in WEIGHT_FILES):
+        graphs = sorted(graph.name for graph in target.path.glob("*.onnx"))
+        found = f"; it holds {', '.join(graphs)}" if graphs else ""
+        raise ValueError(
+            f"{target.path} has no torch weights to tune from (model.safetensors or pytorch_model.bin, whole or "
+            f"sharded{found}): the tuner checks each engine against fp32 torch and exports its ONNX engines from them. "
+            "Add them to tune it; served with options.onnx_file, a graph runs as it is, without a profile"
+        )
+    return target
+
+
+def _why_not_tunable(spec: ModelSpec) -> str:
+    """The one reason `tunable` says no, in the operator's words."""
+    if spec.options.get("onnx_file"):
+        return (
+            f"{spec.name} serves its own ONNX graph (options.onnx_file {spec.options['onnx_file']}), which no profile "
+            "applies to; fleetbox tunes a model from its torch weights: tune its folder, and serve it without onnx_file"
+        )
+    if spec.adapter_of is not None:
+        return f"{spec.name} is an adapter of {spec.adapter_of}, which runs with its base's settings: tune the base"
+    if spec.runtime not in (RuntimeKind.TORCH, RuntimeKind.ONNX):
+        return f"{spec.name} runs on the {spec.runtime} runtime; fleetbox tunes models on torch or ONNX"
+    return f"{spec.name} is a {spec.task} model; fleetbox tunes encoder models (embed, score, classify, extract)"
 
 
 def default_load(device: str, objective: str, concurrency: int | None, window_s: float | None) -> Load:
@@ -93,67 +129,96 @@ def run_tune(
     if objective not in OBJECTIVES:
         return refuse(f"--objective must be one of {', '.join(OBJECTIVES)}")
     root = out or settings.profiles_dir or SHIPPED_PROFILES_DIR
-    if write:
-        from appliance.tune_report import check_writable
+    with contextlib.ExitStack() as folder:
+        if write:
+            from appliance.tune_report import writable_folder
 
-        try:
-            check_writable(root)
-        except OSError as exc:
-            return refuse(f"cannot write profiles to {root}: {exc.strerror or exc}")
-    _quiet_libraries()
-    try:
-        target = resolve_model(model, settings, name)
-    except (ValueError, FileNotFoundError) as exc:
-        return refuse(str(exc))
-    from appliance.devices import resolve_device
-
-    chosen_device = resolve_device(device or settings.device)
-    load = default_load(chosen_device, objective, concurrency, window_s)
-    if inputs is not None:
-        try:
-            load = replace(load, sample=read_sample(inputs, target.task), sample_source=inputs.name)
-        except (OSError, ValueError) as exc:
-            return refuse(f"--inputs: {exc}")
-    config = TuneConfig(
-        name=target.name,
-        path=target.path,
-        task=target.task,
-        space=default_space(chosen_device, cpu_cores(), quick=quick),
-        default_batching=target.batching,
-        device=chosen_device,
-        budget_s=budget_minutes * 60,
-        objective=Objective(objective, slo_p99_ms),
-        load=load,
-        cache_dir=settings.state_dir / "onnx",  # the cache a box on this machine reads: it exports once
-    )
-    with CtrlC(console) as ctrl_c:
-        try:
-            result = tune_with_progress(config, console, ctrl_c)
-            if ctrl_c.aborted:  # the second Ctrl-C came during a measurement
-                raise KeyboardInterrupt
-            if result.chosen is None:
-                passed = [t for t in result.trials if t.quality.passed and t.measurements]
-                if not passed:
-                    return refuse("no candidate measured passed the quality gate; nothing written", 1)
-                why = passed[0].measurements[-1].error
-                return refuse(f"no candidate could be measured ({why}); nothing written", 1)
-            console.print(summary(result), markup=False, highlight=False)
-            if not write:
-                sys.stdout.write(result.profile(note).to_toml())
-                return 0
-            from appliance.tune_report import write_outputs
-
-            command = shlex.join(["fleetbox", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else None
             try:
-                written = write_outputs(result, root, note, command)
-            except OSError as exc:  # the folder was writable when the tune started: print what it found
-                sys.stdout.write(result.profile(note).to_toml())
-                return refuse(f"cannot write profiles to {root}: {exc}; the profile is printed above", 1)
-        except KeyboardInterrupt:
-            return refuse("aborted by a second Ctrl-C; nothing written", 130)
-    for path in written:
-        console.print(f"wrote {path}", markup=False, highlight=False)
-    return 0
+                folder.enter_context(writable_folder(root))
+            except OSError as exc:
+                return refuse(f"cannot write profiles to {root}: {exc.strerror or exc}")
+        _quiet_libraries()
+        try:
+            target = resolve_model(model, settings, name)
+        except (ValueError, FileNotFoundError) as exc:
+            return refuse(str(exc))
+        from appliance.devices import resolve_device
+
+        chosen_device = resolve_device(device or settings.device)
+        load = default_load(chosen_device, objective, concurrency, window_s)
+        if inputs is not None:
+            try:
+                load = replace(load, sample=read_sample(inputs, target.task), sample_source=inputs.name)
+            except (OSError, ValueError) as exc:
+                return refuse(f"--inputs: {exc}")
+        config = TuneConfig(
+            name=target.name,
+            path=target.path,
+            task=target.task,
+            space=default_space(chosen_device, cpu_cores(), quick=quick),
+            default_batching=target.batching,
+            device=chosen_device,
+            budget_s=budget_minutes * 60,
+            objective=Objective(objective, slo_p99_ms),
+            load=load,
+            cache_dir=settings.state_dir / "onnx",  # the cache a box on this machine reads: it exports once
+        )
+        with CtrlC(console) as ctrl_c:
+            try:
+                result = tune_with_progress(config, console, ctrl_c)
+                if ctrl_c.aborted:  # the second Ctrl-C came during a measurement
+                    raise KeyboardInterrupt
+                # An interrupted tune that writes nothing exits as an interrupted command does (130, as a second
+                # Ctrl-C); one that keeps the best so far has done its work (0).
+                failed = 130 if result.stopped == "interrupted" else 1
+                if result.chosen is None:
+                    if not any(t.ok for t in result.trials) and result.stopped == "interrupted":
+                        return refuse("interrupted before anything was measured; nothing written", failed)
+                    passed = [t for t in result.trials if t.quality.passed and t.measurements]
+                    if not passed:
+                        return refuse("no candidate measured passed the quality gate; nothing written", failed)
+                    why = passed[0].measurements[-1].error
+                    return refuse(f"no candidate could be measured ({why}); nothing written", failed)
+                console.print(summary(result), markup=False, highlight=False)
+                if not write:
+                    sys.stdout.write(result.profile(note).to_toml())
+                    if not result.beats_default:  # said, not refused: a dry run prints what it found
+                        defaults = "nothing measured beat the default settings: the profile above is the defaults"
+                        console.print(f"fleetbox tune: {defaults}", markup=False, highlight=False)
+                    return 0
+                if not result.beats_default:
+                    return refuse(
+                        f"nothing measured beat the default settings ({_how_it_ended(result)}); no profile written: "
+                        "a box runs a model with its defaults when no profile applies",
+                        failed,
+                    )
+                from appliance.tune_report import better_profile_there, write_outputs
+
+                better = better_profile_there(result, root)
+                if better is not None:
+                    sys.stdout.write(result.profile(note).to_toml())
+                    return refuse(
+                        f"{better[0]} records a speedup of {better[1]:.2f}x, above this tune's {result.speedup:.2f}x: "
+                        "kept, and the new profile is printed above; remove that file to replace it",
+                        1,
+                    )
+                command = shlex.join(["fleetbox", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else None
+                try:
+                    written = write_outputs(result, root, note, command)
+                except OSError as exc:  # the folder was writable when the tune started: print what it found
+                    sys.stdout.write(result.profile(note).to_toml())
+                    return refuse(f"cannot write profiles to {root}: {exc}; the profile is printed above", 1)
+            except KeyboardInterrupt:
+                return refuse("aborted by a second Ctrl-C; nothing written", 130)
+        for path in written:
+            console.print(f"wrote {path}", markup=False, highlight=False)
+        return 0
+
+
+def _how_it_ended(result: TuneResult) -> str:
+    measured = sum(1 for t in result.trials if t.ok)
+    ended = f"stopped: {result.stopped}" if result.stopped else "the search ran to its end"
+    return f"{measured} candidate{'s' if measured != 1 else ''} measured, {ended}"
 
 
 class CtrlC:
@@ -181,6 +246,8 @@ class CtrlC:
 
     def watch(self, tuner: Tuner) -> None:
         self._tuner = tuner
+        if self._presses:  # pressed while the tune was being set up: it stops before it begins
+            tuner.stop()
 
     def __enter__(self) -> CtrlC:
         self._previous = signal.signal(signal.SIGINT, self._pressed)
@@ -262,14 +329,24 @@ def summary(result: TuneResult) -> str:
     chosen, default = result.chosen, result.default
     assert chosen is not None
     runs = len(default.measured)
-    return (
-        f"chosen: {chosen.candidate.label}: {chosen.throughput:.1f} inputs/s, p50 {chosen.p50_ms:.1f} ms, "
-        f"p99 {chosen.p99_ms:.1f} ms ({chosen.quality.describe()})\n"
+    default_line = (
         f"default: {default.candidate.label}: {default.median_throughput:.1f} inputs/s, "
         f"p99 {default.median_p99_ms:.1f} ms{f' (median of {runs} runs)' if runs > 1 else ''}\n"
-        f"speedup {result.speedup:.2f}x; {len([t for t in result.trials if t.measurements])} candidates measured in "
+    )
+    count = len([t for t in result.trials if t.measurements])
+    measured = (
+        f"{count} candidate{'s' if count != 1 else ''} measured in "
         f"{result.measure_seconds:.0f} s ({result.wall_seconds:.0f} s in all"
         f"{', stopped: ' + result.stopped if result.stopped else ''})"
+    )
+    if chosen.candidate == default.candidate:  # its own speedup would only say how noisy its runs were
+        return f"best: the default settings\n{default_line}{measured}"
+    noisy = f", noisy: its worst of {len(chosen.measured)} runs" if chosen.noisy else ""
+    return (
+        f"chosen: {chosen.candidate.label}: {chosen.throughput:.1f} inputs/s, p50 {chosen.p50_ms:.1f} ms, "
+        f"p99 {chosen.p99_ms:.1f} ms ({chosen.quality.describe()}{noisy})\n"
+        f"{default_line}"
+        f"speedup {result.speedup:.2f}x (median runs); {measured}"
     )
 
 

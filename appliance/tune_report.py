@@ -8,8 +8,10 @@ of them with the chosen and the default marked.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,20 +49,69 @@ def write_outputs(result: TuneResult, root: Path, note: str | None = None, comma
     return [toml, md, png]
 
 
-def check_writable(root: Path) -> None:
+@contextlib.contextmanager
+def writable_folder(root: Path) -> Iterator[None]:
+    """`check_writable(root)` now, and the folders it made taken away again at the end if they are still empty:
+    a tune that fails, is aborted or finds nothing worth writing leaves no empty folder behind."""
+    made = check_writable(root)
+    try:
+        yield
+    finally:
+        if made is not None:
+            remove_if_empty(root, made)
+
+
+def check_writable(root: Path) -> Path | None:
     """Create `root` if missing and prove a file can be written in it; raises OSError saying why not.
 
     Checked before a tune starts, so that a folder that cannot take the results does not cost the
-    whole tune.
+    whole tune. Returns the outermost folder it made (None: `root` was there).
     """
     import errno
     import tempfile
 
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "it is a file, not a folder", str(root))
+    missing = [folder for folder in (root, *root.parents) if not folder.exists()]
+    made = missing[-1] if missing else None
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=root):
-        pass
+    try:
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError:
+        if made is not None:
+            remove_if_empty(root, made)
+        raise
+    return made
+
+
+def remove_if_empty(root: Path, made: Path) -> None:
+    """Remove `root` and its parents up to `made`, innermost first, as long as each is empty."""
+    for folder in (root, *root.parents):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (a profile was written there, or by another hand), or gone already
+            return
+        if folder == made:
+            return
+
+
+def better_profile_there(result: TuneResult, root: Path) -> tuple[Path, float] | None:
+    """The profile this tune would replace and its recorded speedup, when that is higher than this tune's.
+
+    A short or unlucky tune must not silently replace a better profile (a 0.01-minute tune replaced a
+    committed 7.9x ONNX profile with the defaults). An unreadable file, or one without a speedup, is replaced.
+    """
+    import tomllib
+
+    path = profile_path(root, result.slug, result.hardware)
+    try:
+        recorded = tomllib.loads(path.read_text()).get("measured", {}).get("speedup")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(recorded, int | float) and math.isfinite(recorded) and recorded > round(result.speedup, 3):
+        return path, float(recorded)
+    return None
 
 
 def plot(result: TuneResult, path: Path) -> None:
@@ -149,7 +200,8 @@ def report(result: TuneResult, png_name: str, note: str | None = None, command: 
         lines.append(_result_row("**chosen**", result.chosen))
         lines += [
             "",
-            f"The chosen settings give **{result.speedup:.2f}×** the default's throughput under the same load"
+            f"The chosen settings give **{result.speedup:.2f}×** the default's throughput under the same load "
+            "(median runs of both)"
             + ("" if m["slo_met"] else f" (no candidate met {slo}; the lowest p99 was chosen)")
             + ".",
         ]

@@ -106,6 +106,11 @@ class Trial:
         values = [m.p99_ms for m in self.measured]
         return float(np.median(values)) if values else float("inf")
 
+    @property
+    def by_median(self) -> Trial:
+        """The same runs judged by their median, noisy or not: how two trials are compared like with like."""
+        return Trial(self.candidate, self.quality, self.stage, self.measured)
+
     def _latency(self, values: list[float]) -> float:
         return float("inf") if not values else max(values) if self.noisy else float(np.median(values))
 
@@ -129,6 +134,10 @@ class Objective:
         if self.kind == "latency":
             return (self.meets_slo(trial), -trial.p99_ms, trial.throughput)
         return (self.meets_slo(trial), trial.throughput, -trial.p99_ms)
+
+    def better(self, a: Trial, b: Trial) -> bool:
+        """Whether `best` takes `a` over `b`; a tie keeps `b`."""
+        return self.best([b, a]) is a
 
     def best(self, trials: list[Trial]) -> Trial | None:
         """The best trial that passed the gate, within the SLO; if none is within it, the lowest p99.
