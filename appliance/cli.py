@@ -414,6 +414,9 @@ def tune(
         Path | None,
         typer.Option(help="requests of your own traffic, one a line (a request body, or a line of text)"),
     ] = None,
+    force: Annotated[
+        bool, typer.Option(help="write over a profile of this hardware that records a higher speedup")
+    ] = False,
 ) -> None:
     """Find the fastest settings of MODEL on this machine that keep its answers; write its profile (docs/tuning.md)."""
     from appliance.tune_cli import run_tune
@@ -441,6 +444,7 @@ def tune(
         name=name,
         note=note,
         inputs=inputs,
+        force=force,
     )
     raise typer.Exit(code)
 

@@ -116,6 +116,7 @@ def run_tune(
     name: str | None = None,
     note: str | None = None,
     inputs: Path | None = None,
+    force: bool = False,
 ) -> int:
     from rich.console import Console
 
@@ -194,12 +195,12 @@ def run_tune(
                     )
                 from appliance.tune_report import better_profile_there, write_outputs
 
-                better = better_profile_there(result, root)
+                better = None if force else better_profile_there(result, root)
                 if better is not None:
                     sys.stdout.write(result.profile(note).to_toml())
                     return refuse(
                         f"{better[0]} records a speedup of {better[1]:.2f}x, above this tune's {result.speedup:.2f}x: "
-                        "kept, and the new profile is printed above; remove that file to replace it",
+                        "kept, and the new profile is printed above; --force writes over it",
                         1,
                     )
                 command = shlex.join(["fleetbox", *sys.argv[1:]]) if sys.argv[1:2] == ["tune"] else None

@@ -193,6 +193,10 @@ def test_a_profile_that_records_a_higher_speedup_is_kept(
     assert f"fleetbox tune: {existing} records a speedup of 7.89x, above this tune's 1.50x: kept" in result.output
     assert existing.read_text() == before and sorted(p.name for p in existing.parent.iterdir()) == [existing.name]
     assert "max_batch_size = 32" in result.stdout  # the new profile, printed rather than lost
+    assert "--force writes over it" in result.output
+    result = CliRunner().invoke(app, [*args, "--force"])
+    assert result.exit_code == 0, result.output
+    assert "max_batch_size = 32" in existing.read_text()  # written over, as asked
 
     existing.write_text(kept + "max_wait_ms = 5.0\n\n[measured]\nspeedup = 1.2\n")
     result = CliRunner().invoke(app, args)
