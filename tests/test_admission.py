@@ -274,6 +274,39 @@ def test_what_a_model_has_shown_outlasts_an_idle_gap() -> None:
     assert max(o.wait_s for o in burst if o.status == 200) <= 10.0
 
 
+def test_a_request_sent_while_a_large_one_runs_is_let_in_on_what_the_model_took_in_lately() -> None:
+    """Tester h70: on an idle fleet, a request of one input sent 0.15 s after one of 100 was refused 429 (1 in 90 of
+    the small requests of a light soak): the last busy spell, one small request, was all the model had shown, and a
+    round of its 8-row batches is 96 tokens. The most a spell answered in the last minute (the 100 inputs) counts."""
+    clock = Clock()
+    gate = admission(clock)
+    round_of_rows, large, small = 96, 1200, 12
+
+    def spell(weight: int, seconds: float) -> None:
+        queue = gate.admit("m", "interactive", 30.0, 0, weight=weight, budget=round_of_rows)
+        queue.add(f"r{clock.now}", clock.now, weight)
+        clock.now += seconds
+        queue.remove(f"r{clock.now - seconds}", clock.now, answered=True)
+
+    spell(large, 0.3)
+    clock.now += 3.0
+    spell(small, 0.02)
+    clock.now += 3.0
+    queue = gate.admit("m", "interactive", 30.0, 0, weight=large, budget=round_of_rows)  # alone: it goes
+    queue.add("large", clock.now, large)
+    clock.now += 0.15
+    gate.admit("m", "interactive", 30.0, 1, weight=small, budget=round_of_rows)  # was a 429
+    clock.now += 60.0
+    queue.remove("large", clock.now, answered=True)
+    clock.now += 3.0
+    spell(small, 0.02)
+    clock.now += 61.0  # a minute on: only the last spell is remembered, and the gate is as strict as before
+    queue.add("large", clock.now, large)
+    clock.now += 0.15
+    with pytest.raises(TooManyRequests):
+        gate.admit("m", "interactive", 30.0, 1, weight=small, budget=round_of_rows)
+
+
 def test_a_lone_short_request_answered_fast_does_not_open_the_gate_to_heavy_work() -> None:
     """14 tokens answered in 2 ms is a pace of 7,000 tokens a second; the same model takes 0.85 s for 1,760."""
     clock = Clock()

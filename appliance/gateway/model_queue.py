@@ -24,6 +24,9 @@ _BATCH_GAP_S = 0.005
 _BATCH_S = 0.05
 # What arrives within this long of a busy spell's first request came with it (clients sent it at once): a burst.
 _BURST_S = 0.1
+# How long the most weight a busy spell answered is remembered, as what the model has shown it can take in: the
+# last spell's alone (one small request) held a request sent while a large one ran to a round of rows (tester h70).
+_SHOWN_MEMORY_S = 60.0
 
 
 @dataclass(slots=True)
@@ -43,8 +46,8 @@ class ModelQueue:
     closed (one batch answered at once is no rate). Idle time does not dilute it; a stall does, so a queue that
     stops being answered stops admitting. A spell that starts after an idle gap forgets the old spans: the model
     may be elsewhere now, or reloading. What outlasts the gap is the last spell's pace (the weight answered in
-    it ÷ its whole length, a floor on how fast the model went then) and how much it answered, used only to admit
-    more than the rounds of batches a burst gets.
+    it ÷ its whole length, a floor on how fast the model went then), how much it answered, and the most a spell
+    answered in the last minute, used only to admit more than the rounds of batches a burst gets.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -58,6 +61,8 @@ class ModelQueue:
     _spell_done: int = 0  # weight answered in this busy spell
     _pace: float = 0.0  # weight per second over the last busy spell, from its first request to its last one gone
     _shown: int = 0  # weight answered in the last busy spell
+    _most_shown: int = 0  # the most weight a busy spell answered in the `_SHOWN_MEMORY_S` before `_most_shown_at`
+    _most_shown_at: float = -math.inf  # when that spell ended
     _waited: float = 0.0  # how long the last request answered had waited: the span of answers the queue ahead took
 
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
@@ -84,6 +89,8 @@ class ModelQueue:
             self._count(entry[1], now)
         if not self.waiting and now > self._spell_began:
             self._pace, self._shown = self._spell_done / (now - self._spell_began), self._spell_done
+            if self._spell_done >= self._most_shown or now - self._most_shown_at > _SHOWN_MEMORY_S:
+                self._most_shown, self._most_shown_at = self._spell_done, now
 
     def _count(self, weight: int, now: float) -> None:
         if self._since is None:  # the spell's first answer starts the clock
@@ -127,11 +134,13 @@ class ModelQueue:
         """The weight the model is known to start within `seconds`, for when the estimate is not trusted yet.
 
         At the current rate; or at the pace of the last busy spell, or of this one so far (the weight it
-        answered ÷ the time since its first request), but no more than twice what that spell answered: a
-        lone short request answered in a few milliseconds shows a pace, not that the model would clear a
-        thousand times its work at it (a slow start, as TCP's, each answer letting in at most twice its weight).
+        answered ÷ the time since its first request), but no more than twice what that spell answered, or the
+        most a spell answered in the last minute: a lone short request answered in a few milliseconds shows a
+        pace, not that the model would clear a thousand times its work at it (a slow start, as TCP's, each answer
+        letting in at most twice its weight), while a large request it took in a moment ago shows what it can.
         """
-        shown = min(self._pace * seconds, 2.0 * self._shown)
+        recent = self._most_shown if now - self._most_shown_at <= _SHOWN_MEMORY_S else 0
+        shown = min(self._pace * seconds, 2.0 * max(self._shown, recent))
         if self.waiting and self._spell_done and now > self._spell_began:
             pace = self._spell_done / (now - self._spell_began)
             shown = max(shown, min(pace * seconds, 2.0 * self._spell_done))
