@@ -122,6 +122,14 @@ class Placement:
             failed = self._failed.get(spec.name)
             if failed is not None and failed.until > asyncio.get_running_loop().time():
                 continue
+            if spec.pinned and box.residency.load_error(spec.name) is not None:
+                # Every box that runs models holds a pinned model: one whose load failed (at start, or at its pin)
+                # is tried again after the back-off, not only once requests wait (tester h73: a pinned model whose
+                # folder came back stayed cold).
+                if await self._could_fit(spec):
+                    self._loading.add(spec.name)
+                    self._loads.spawn(self._load(spec, claimed=False))
+                continue
             waiting = await self._waiting(spec.slug, self._holders(spec.name))
             if waiting == 0 or not self._should_load(spec.name, waiting) or not await self._could_fit(spec):
                 continue

@@ -3,9 +3,12 @@ load it was for (a reload after an eviction, or after a delete and a new registr
 
 from __future__ import annotations
 
+import shutil
+
 from appliance import bus
 from appliance.bus import model_slug
 from appliance.errors import UnloadedWhileStarting
+from appliance.settings import ModelEntry
 from tests.conftest import noop_model, url, wait_for
 
 
@@ -101,3 +104,23 @@ async def test_a_load_refused_for_pinned_memory_is_tried_again_once_a_pin_is_let
         return await _embed(http, box, "m", 5.0) == 200
 
     await wait_for(answered, timeout_s=10.0, what="the model loaded once the pin was let go, before the 30 s back-off")
+
+
+async def test_a_pinned_model_whose_load_failed_is_tried_again_without_a_request(
+    start_box, encoder_dir, tmp_path, monkeypatch
+) -> None:
+    """Tester h73: a pinned model whose folder was broken at start stayed cold after the folder was mended, until a
+    request came for it. Pinned means held on every box that runs models: it is tried again after the back-off."""
+    from appliance import placement
+
+    monkeypatch.setattr(placement, "_RETRY_AFTER_FAILURE_S", 0.5)
+    folder = tmp_path / "enc"
+    shutil.copytree(encoder_dir, folder)
+    weights = folder / "model.safetensors"
+    kept = weights.rename(tmp_path / "model.safetensors")  # a folder whose weights are gone: its load fails
+    model = ModelEntry(name="enc", path=folder, pinned=True)
+    box = await start_box(default_model=False, models=[model], model_roots=[tmp_path])
+    assert "enc" not in box.workers and box.residency.load_error("enc") is not None
+    kept.rename(weights)
+    await wait_for(lambda: "enc" in box.workers, 20.0, "the pinned model loaded once its folder was mended")
+    assert box.residency.load_error("enc") is None
