@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+import aiohttp
 import nats
 import orjson
 import torch
@@ -363,3 +364,29 @@ async def test_a_client_gone_mid_stream_is_no_server_error(start_box, generator_
     assert sample("fbx_http_requests_total", route | {"status": "500"}) is None
     assert not [r for r in caplog.records if r.message == "unhandled error"]
     await wait_for(lambda: not box.workers[MODEL].runtime.has_work, what="the generation to stop")
+
+
+async def test_a_client_that_hangs_up_is_counted_499(start_box, generator_dir) -> None:
+    """Tester h74: a client gone mid-stream cancels its handler, and the request was counted under no status at
+    all (api.md says 499). The stream is cut after its first event, as an impatient client does."""
+    box, worker = await generating_box(start_box, generator_dir)
+    entered, release = threading.Event(), threading.Event()
+    decode = worker.runtime._decode
+
+    def held_decode():
+        entered.set()
+        release.wait(20)
+        return decode()
+
+    worker.runtime._decode = held_decode
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url(box, "/v1/completions"), json=body) as response:
+                assert response.status == 200
+                await wait_for(entered.is_set, what="the generation to hold its first decode step")
+        sample = box.metrics.registry.get_sample_value
+        route = {"route": "/v1/completions", "status": "499"}
+        await wait_for(lambda: sample("fbx_http_requests_total", route) == 1, what="the hang-up counted 499")
+    finally:
+        release.set()

@@ -10,6 +10,7 @@ with its request id and answered 500, the only path to one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +36,16 @@ from appliance.gateway.http import RECEIVING, Receiving, json_response
 from appliance.registration import MODEL_VERBS
 
 log = logging.getLogger(__name__)
+
+
+def _count(request: web.Request, status: int, started: float) -> tuple[str, float]:
+    """Count the request under its route and status; its route and milliseconds."""
+    ctx = GatewayContext.of(request)
+    route = _route_label(request)
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    ctx.metrics.requests.labels(route, str(status)).inc()
+    ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
+    return route, elapsed_ms
 
 
 def _route_label(request: web.Request) -> str:
@@ -65,14 +76,16 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = _error_response(exc)
     except web.HTTPException as exc:
         response = _error_response(_from_http_exception(exc, serves_api=ctx.settings.serves_http))
+    except asyncio.CancelledError:  # its client hung up (`handler_cancellation`): counted, as nginx does, 499
+        route, elapsed_ms = _count(request, CLIENT_CLOSED_REQUEST, started)
+        extra = {"request_id": request_id, "route": route, "status": CLIENT_CLOSED_REQUEST, "ms": round(elapsed_ms, 2)}
+        log.info("request", extra=extra)
+        raise
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         response = _error_response(InternalError("internal error; see the box's log"))
-    route = _route_label(request)
-    elapsed_ms = (time.perf_counter() - started) * 1000
     status = CLIENT_CLOSED_REQUEST if request.get(CLIENT_GONE) else response.status
-    ctx.metrics.requests.labels(route, str(status)).inc()
-    ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
+    route, elapsed_ms = _count(request, status, started)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
     if request.get(_WITHHELD) and not response.prepared:
