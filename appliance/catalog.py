@@ -224,6 +224,16 @@ class Catalog:
     def get(self, name: str) -> ModelSpec | None:
         return self._by_name.get(name) or self._by_name.get(self._by_alias.get(name, ""))
 
+    def adapter_address_owner(self, name: str, also: str | None = None) -> str | None:
+        """The model whose adapter address `name` is (`<model>:<x>`, `<model>` registered here, or `also`), or None."""
+        if ADAPTER_SEPARATOR not in name:
+            return None
+        prefix = name.rsplit(ADAPTER_SEPARATOR, 1)[0]
+        if prefix == also:
+            return prefix
+        owner = self.get(prefix)
+        return owner.name if owner is not None else None
+
     def by_slug(self, slug: str) -> ModelSpec | None:
         return next((spec for spec in self._by_name.values() if spec.slug == slug), None)
 

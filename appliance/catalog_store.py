@@ -27,7 +27,7 @@ from nats.js.errors import (
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
-from appliance.catalog import Catalog, ModelChange, ModelSpec
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelChange, ModelSpec
 from appliance.errors import Conflict, NotFound
 from appliance.names import Claim, NameClaims
 from appliance.tasks import cancel_and_wait
@@ -114,7 +114,7 @@ class CatalogStore:
             if held != spec:
                 log.warning(
                     "a model of the config file differs from the fleet's catalog, which stands (change it with"
-                    " PATCH /v1/models/{name}, or delete it and restart)",
+                    " PATCH /v1/models/{name} where PATCH can, else delete it and restart)",
                     extra={"model": spec.name, "differing": _differing(spec, held)},
                 )
             return
@@ -125,6 +125,9 @@ class CatalogStore:
                 if holder is not None:
                     held_as = "its name" if holder.name == name else "an alias"
                     raise self._config_refused(spec, f"{name!r} is taken: model {holder.name!r} has it as {held_as}")
+                owner = self.catalog.adapter_address_owner(name) if spec.adapter_of is None else None
+                if owner is not None:  # `POST /v1/models` refuses it 422; taken, it kept that adapter out (h74)
+                    raise self._config_refused(spec, f"{name!r} is the address of an adapter of {owner}")
             if self._names is not None:  # a registration of one of its names under way on another box
                 try:
                     claims = await self._names.claim(spec.name, spec.aliases)
@@ -140,10 +143,11 @@ class CatalogStore:
 
     @staticmethod
     def _config_refused(spec: ModelSpec, why: str) -> Conflict:
-        return Conflict(
-            f"model {spec.name!r} of this box's config: {why}; rename it in the config, or delete that model",
-            code="model_exists",
-        )
+        if spec.name == DEFAULT_MODEL_NAME:  # no config file to rename it in (tester h74)
+            what, instead = f"the packaged default model {spec.name}", "start the box with default_model = false"
+        else:
+            what, instead = f"model {spec.name!r} of this box's config", "rename it in the config"
+        return Conflict(f"{what}: {why}; {instead}, or delete that model", code="model_exists")
 
     async def reopen(self) -> None:
         """After a reconnect: watch afresh. A bucket that survived is the truth (this box may have missed

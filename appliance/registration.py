@@ -194,13 +194,7 @@ def check_aliases(name: str, aliases: list[str], catalog: Catalog | None = None)
 
 def adapter_address_of(name: str, catalog: Catalog | None, also: str | None = None) -> str | None:
     """The model whose adapter address `name` is (`<model>:<x>`, `<model>` registered, or `also`), or None."""
-    if ADAPTER_SEPARATOR not in name:
-        return None
-    prefix = name.rsplit(ADAPTER_SEPARATOR, 1)[0]
-    if prefix == also:
-        return prefix
-    owner = catalog.get(prefix) if catalog is not None else None
-    return owner.name if owner is not None else None
+    return (catalog or Catalog()).adapter_address_owner(name, also)
 
 
 def check_options(task: Task, runtime: RuntimeKind, options: dict[str, Any]) -> None:

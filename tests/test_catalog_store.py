@@ -19,7 +19,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from appliance import bus
 from appliance.app import Box
-from appliance.catalog import Catalog, ModelChange, ModelSpec
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelChange, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import spec_from_entry
 from appliance.connect import restore_after_reconnect
@@ -351,6 +351,16 @@ async def test_a_replay_ends_at_once_when_the_buckets_last_message_was_compacted
         (spec("e1"), "model 'e1' of this box's config: 'e1' is taken: model 'enc' has it as an alias"),
         (spec("newm", "enc"), "model 'newm' of this box's config: 'enc' is taken: model 'enc' has it as its name"),
         (spec("ENC"), "model 'ENC' of this box's config: its slug 'enc' is model 'enc''s"),
+        # an adapter's address: POST refuses it 422, and taken it kept that adapter from being registered (h74)
+        (
+            spec("newm", "enc:tuned"),
+            "model 'newm' of this box's config: 'enc:tuned' is the address of an adapter of enc",
+        ),
+        (
+            replace(spec(DEFAULT_MODEL_NAME), aliases=("e1",)),
+            f"the packaged default model {DEFAULT_MODEL_NAME}: 'e1' is taken: model 'enc' has it as an alias; start the"
+            " box with default_model = false, or delete that model",
+        ),
     ],
 )
 async def test_a_config_model_may_take_no_name_alias_or_slug_another_model_holds(
