@@ -31,6 +31,7 @@ from typing import Any, get_args
 from appliance.catalog import Batching, ModelSpec
 from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, Dtype
 from runtimes import RuntimeKind, Task
+from runtimes.options import ONNX_OPT_LEVELS
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,10 @@ class Profile:
             return f"dtype {self.dtype!r} is not one of {', '.join(get_args(Dtype))}"
         if self.runtime == RuntimeKind.TORCH.value and self.dtype == "int8":
             return "int8 needs the onnx runtime; torch runs float32, float16 or bfloat16"
+        if self.runtime == RuntimeKind.ONNX.value and self.dtype == "bfloat16":
+            return "bfloat16 is torch's only; the onnx runtime runs float32, float16 or int8"
+        if self.onnx_opt_level is not None and self.onnx_opt_level not in ONNX_OPT_LEVELS:
+            return f"onnx_opt_level {self.onnx_opt_level!r} is not one of {', '.join(ONNX_OPT_LEVELS)}"
         if self.runtime == RuntimeKind.ONNX.value and self.dtype == "float16" and on_cpu:
             return "float16 ONNX graphs run on a GPU only"
         if self.runtime == RuntimeKind.ONNX.value and self.dtype == "int8" and not on_cpu:

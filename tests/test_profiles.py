@@ -157,6 +157,8 @@ def test_profile_off_forced_and_unreadable(tmp_path: Path) -> None:
         ("cpu-2c", {"dtype": "int4"}, "dtype 'int4' is not one of float32, float16, bfloat16, int8"),
         ("cpu-2c", {"dtype": "float16"}, "float16 ONNX graphs run on a GPU only"),
         ("nvidia-l4", {"dtype": "int8"}, "int8 ONNX graphs run on a CPU only"),
+        ("cpu-2c", {"dtype": "bfloat16"}, "bfloat16 is torch's only"),  # stopped the box at start (h74)
+        ("cpu-2c", {"onnx_opt_level": "bogus"}, "onnx_opt_level 'bogus' is not one of disabled, basic"),
     ],
 )
 def test_a_profile_a_box_cannot_run_gives_way_to_the_defaults(
