@@ -1,6 +1,6 @@
 """A generator's chat prompts: a conversation rendered into prompt ids with the model's own template.
 
-The one idea: the template is transformers' to run (its tokenizer, loaded on the first chat request),
+The one idea: the template is transformers' to run (its tokenizer, loaded with the model),
 with control tokens typed inside a message (`<|im_end|>`, say) kept as plain text where transformers
 can, so a user cannot close their turn and speak as the system. A template that raises is a `ChatTemplateError`,
 the model's fault or the conversation's, told apart so the caller answers each as it should.
@@ -67,10 +67,16 @@ class ChatPrompts:
     def __init__(self, folder: Path, tokenizer: TextTokenizer) -> None:
         self._folder = folder
         self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
-        self._chat: Any = None  # transformers tokenizer, loaded on first chat request
-        # apply_chat_template's own arguments, in the transformers installed: read by `_chat_tokenizer`.
-        self._arguments: frozenset[str] = frozenset()
         self._lock = threading.Lock()
+        # Read with the model, not at the first chat: a folder moved away after the load made every chat a
+        # dead-lettered 422 naming a hub repo id (tester h74), while completions went on.
+        from transformers import AutoTokenizer
+
+        self._chat: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        # apply_chat_template's own arguments, in the transformers installed. Read from the signature, not listed
+        # here: a variable named as one would change the call, and each transformers release may add some.
+        arguments = inspect.signature(self._chat.apply_chat_template).parameters.values()
+        self._arguments = frozenset(p.name for p in arguments if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
     def render(
         self,
@@ -110,18 +116,6 @@ class ChatPrompts:
         return np.asarray(rendered[-limit:], dtype=np.int64)
 
     def _chat_tokenizer(self) -> Any:
-        with self._lock:
-            if self._chat is None:
-                from transformers import AutoTokenizer
-
-                chat = AutoTokenizer.from_pretrained(str(self._folder), local_files_only=True, trust_remote_code=False)
-                if not chat.chat_template:
-                    raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
-                # Read from the signature, not listed here: a variable named as one would change the call, and
-                # each transformers release may add some.
-                arguments = inspect.signature(chat.apply_chat_template).parameters.values()
-                self._arguments = frozenset(
-                    p.name for p in arguments if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-                )
-                self._chat = chat
-            return self._chat
+        if not self._chat.chat_template:
+            raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
+        return self._chat

@@ -11,6 +11,7 @@ that writes each message it is given as JSON.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -171,3 +172,17 @@ async def test_what_would_change_the_call_is_a_422_at_the_box(echo_box, http) ->
     status, body = await chat(http, echo_box, continue_final_message=True)
     assert (status, body["error"]["code"]) == (422, "invalid_input"), body
     assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in body["error"]["message"]
+
+
+async def test_a_generators_folder_moved_away_after_its_load_still_chats(start_box, http, generator_dir, tmp_path):
+    """Tester h74: the chat template's tokenizer was read from the folder at the first chat, so a folder moved away
+    after the load made every chat a 422 dead-lettered after five deliveries (`Repo id must be in the form ...`),
+    while completions went on. It is read with the model."""
+    folder = tmp_path / "gen"
+    shutil.copytree(generator_dir, folder)
+    model = ModelEntry(name="gen", path=folder, task="generate", pinned=True)
+    box = await start_box(default_model=False, models=[model], model_roots=[tmp_path])
+    folder.rename(tmp_path / "moved")
+    body = {"model": "gen", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    async with http.post(url(box, "/v1/chat/completions"), json=body) as response:
+        assert response.status == 200, await response.text()
