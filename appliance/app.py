@@ -40,8 +40,10 @@ from appliance.connect import (
     in_the_clear,
     open_catalogued_queues,
     open_model_queue,
+    refuse_plain_servers,
     restore_after_reconnect,
     settle_model_queue,
+    shown_url,
     tls_context,
     when_jetstream_answers,
 )
@@ -200,7 +202,7 @@ class Box:
             self._spawn(self.natsd.supervise(self._nats_gone))
         await self.fleet.beat()
         self.ready = True
-        log.info("box ready", extra={"box": self.box_id, "nats": self.nats_url, "http_port": self.http_port})
+        log.info("box ready", extra={"box": self.box_id, "nats": shown_url(self.nats_url), "http_port": self.http_port})
 
     async def _connect(self) -> None:
         urls = self.settings.nats_urls
@@ -212,9 +214,10 @@ class Box:
             )
             await self.natsd.start()
             urls = [self.natsd.url]
-        self._nats_servers = ",".join(urls)
+        self._nats_servers = shown_url(",".join(urls))
         tls = tls_context(self.settings)
         self._wants_tls = asks_for_tls(urls, tls)
+        await refuse_plain_servers(urls, tls)
         self.nc = await nats.connect(
             servers=urls,
             user_credentials=str(self.settings.creds) if self.settings.creds else None,
@@ -237,7 +240,7 @@ class Box:
 
     def _server_url(self) -> str:
         url = self.nc.connected_url if self.nc is not None else None
-        return f"{url.scheme}://{url.netloc}" if url is not None else self._nats_servers
+        return shown_url(f"{url.scheme}://{url.netloc}") if url is not None else self._nats_servers
 
     def _nats_gone(self, why: str) -> None:
         """The embedded nats-server is gone for good: stop, with an error exit (`failure`) for a supervisor."""

@@ -19,7 +19,9 @@ from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+import orjson
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -96,6 +98,40 @@ class NatsInTheClear(Exception):
 
     def __init__(self, server: str) -> None:
         super().__init__(f"NATS at {server}: {self.reason}")
+
+
+def shown_url(url: str) -> str:
+    """A NATS URL (or a comma-separated list of them) without user and password, for messages and logs."""
+    return ",".join(re.sub(r"^([a-z]+://)?[^@/]*@", r"\1", part.strip()) for part in url.split(","))
+
+
+async def refuse_plain_servers(urls: list[str], tls: ssl.SSLContext | None, timeout_s: float = 5.0) -> None:
+    """With TLS asked for, read each server's INFO before nats-py connects, and raise `NatsInTheClear` for one that
+    does not require TLS: nats-py would send it the CONNECT (a user and password of the URL, say) in the clear
+    before `in_the_clear` could refuse it (tester h74). A server that cannot be read now is left to nats-py (and
+    to `in_the_clear` after the connect); so is a websocket URL."""
+    if not asks_for_tls(urls, tls):
+        return
+    for url in urls:
+        parsed = urlparse(url.strip() if "://" in url else f"nats://{url.strip()}")
+        if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
+            continue
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port or 4222)
+                try:
+                    line = await reader.readline()  # a server that wants the TLS handshake first says nothing
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError):
+            continue
+        if line.startswith(b"INFO "):
+            try:
+                info = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                continue
+            if not info.get("tls_required"):
+                raise NatsInTheClear(shown_url(url))
 
 
 def asks_for_tls(urls: list[str], tls: ssl.SSLContext | None) -> bool:

@@ -7,6 +7,7 @@ client certificate; nats-server verifies the client's; `fleetbox` runs as a subp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -223,3 +224,40 @@ async def test_a_box_whose_nats_comes_back_without_tls_stops(pki, tmp_path) -> N
     finally:
         await box.stop()
         await server.stop()
+
+
+async def test_a_plain_server_is_refused_before_anything_is_sent_to_it(pki, tmp_path) -> None:
+    """Tester h74: the refusal came after nats-py had connected, so the server had the CONNECT, a password of the
+    URL included, in the clear; and the refusal printed the password. A plain look-alike server records what it
+    is sent: nothing."""
+    received = bytearray()
+
+    async def plain_nats(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"fake","version":"2.10.0","max_payload":1048576,"proto":1}\r\n')
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(4096):
+                received.extend(chunk)
+        writer.close()
+
+    server = await asyncio.start_server(plain_nats, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    secret = f"nats://fleetuser:s3cret@127.0.0.1:{port}"
+    try:
+        box = Box(box_settings(secret, default_model=False, models=[], tls_ca=pki.ca))
+        with pytest.raises(NatsInTheClear) as refused:
+            await box.start()
+        await box.stop()
+        assert "s3cret" not in str(refused.value) and f"127.0.0.1:{port}" in str(refused.value)
+
+        def models_list() -> tuple[int, str]:
+            result = CliRunner().invoke(cli.app, ["models", "list", "--nats", secret.replace("nats:", "tls:")])
+            return result.exit_code, result.output
+
+        code, output = await asyncio.to_thread(models_list)
+        assert code == 1 and "does not speak TLS" in output and "s3cret" not in output, output
+        await asyncio.sleep(0.2)  # anything sent after the INFO has arrived by now
+        assert b"s3cret" not in received and b"CONNECT" not in received, bytes(received)
+    finally:
+        server.close()
+        await server.wait_closed()

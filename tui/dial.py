@@ -21,7 +21,15 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from appliance.connect import NO_AUTH, NatsAuth, NatsInTheClear, asks_for_tls, in_the_clear
+from appliance.connect import (
+    NO_AUTH,
+    NatsAuth,
+    NatsInTheClear,
+    asks_for_tls,
+    in_the_clear,
+    refuse_plain_servers,
+    shown_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +40,7 @@ class NatsUnreachable(ConnectionError):
     """The first connection to NATS did not come about; the message says where and why."""
 
     def __init__(self, servers: str, reason: str) -> None:
-        super().__init__(f"cannot reach NATS at {servers}: {reason}")
+        super().__init__(f"cannot reach NATS at {shown_url(servers)}: {reason}")
         self.reason = reason
 
 
@@ -99,6 +107,10 @@ async def dial(
     async def quiet(*_: Any) -> None:
         return None
 
+    try:
+        await refuse_plain_servers(urls, auth.tls)
+    except NatsInTheClear:
+        raise NatsUnreachable(servers, NatsInTheClear.reason) from None
     connecting = nc.connect(
         servers=urls,
         user_credentials=str(auth.creds) if auth.creds else None,
