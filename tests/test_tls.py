@@ -17,13 +17,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats
 import pytest
 from typer.testing import CliRunner
 
 from appliance import cli
 from appliance.app import Box
 from appliance.connect import NatsAuth, NatsInTheClear, client_tls
-from appliance.natsd import EmbeddedNats, free_port
+from appliance.natsd import EmbeddedNats, free_port, nats_server_binary
 from tests.conftest import box_settings, noop_model, wait_for
 from tui import commands
 from tui.source import NatsSource
@@ -261,3 +262,33 @@ async def test_a_plain_server_is_refused_before_anything_is_sent_to_it(pki, tmp_
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_nats_without_jetstream_is_said_to_have_no_fleet_at_once(tmp_path, monkeypatch) -> None:
+    """Tester h74: `models list` against a nats-server without JetStream waited out its 10 s attach bound, then said
+    `cannot read the fleet: ServiceUnavailableError()`."""
+    monkeypatch.setattr(commands, "ATTACH_TIMEOUT_S", 300.0)
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(nats_server_binary(), "-a", "127.0.0.1", "-p", str(port))
+    try:
+        nc = await wait_for_nats(f"nats://127.0.0.1:{port}")
+        await nc.close()
+
+        def models_list() -> tuple[int, str]:
+            result = CliRunner().invoke(cli.app, ["models", "list", "--nats", f"nats://127.0.0.1:{port}"])
+            return result.exit_code, result.output
+
+        code, output = await asyncio.wait_for(asyncio.to_thread(models_list), 60)
+        said = f"fleetbox: no fleet at nats://127.0.0.1:{port}: JetStream does not answer there (no -js?)\n"
+        assert (code, output) == (1, said)
+    finally:
+        server.terminate()
+        await server.wait()
+
+
+async def wait_for_nats(url: str) -> nats.NATS:
+    for _ in range(100):
+        with contextlib.suppress(Exception):
+            return await nats.connect(url, allow_reconnect=False, connect_timeout=1)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no nats-server at {url}")

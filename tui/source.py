@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from appliance import bus
@@ -272,6 +273,10 @@ class NatsSource:
             except BucketNotFoundError:
                 self._waiting_for = missing
                 if name == bus.BOXES_BUCKET and self._no_fleet_since is None:
+                    self._no_fleet_since = time.monotonic()
+            except (ServiceUnavailableError, NoRespondersError):  # no JetStream here: no fleet either (tester h74)
+                self._waiting_for = f"no fleet at {self.address}: JetStream does not answer there (no -js?)"
+                if self._no_fleet_since is None:
                     self._no_fleet_since = time.monotonic()
             except _READ_ERRORS as exc:
                 self._waiting_for = f"cannot read the fleet: {exc!r}"
