@@ -330,8 +330,10 @@ def summary(result: TuneResult) -> str:
     chosen, default = result.chosen, result.default
     assert chosen is not None
     runs = len(default.measured)
+    # Figures as the profile records them (to 2 places), then shortened: printed from the unrounded value, 368.2500001
+    # read 368.3 on the console and 368.2 in the profile (a clean-clone CI run of the tune test).
     default_line = (
-        f"default: {default.candidate.label}: {default.median_throughput:.1f} inputs/s, "
+        f"default: {default.candidate.label}: {round(default.median_throughput, 2):.1f} inputs/s, "
         f"p99 {default.median_p99_ms:.1f} ms{f' (median of {runs} runs)' if runs > 1 else ''}\n"
     )
     count = len([t for t in result.trials if t.measurements])
@@ -344,7 +346,7 @@ def summary(result: TuneResult) -> str:
         return f"best: the default settings\n{default_line}{measured}"
     noisy = f", noisy: its worst of {len(chosen.measured)} runs" if chosen.noisy else ""
     return (
-        f"chosen: {chosen.candidate.label}: {chosen.throughput:.1f} inputs/s, p50 {chosen.p50_ms:.1f} ms, "
+        f"chosen: {chosen.candidate.label}: {round(chosen.throughput, 2):.1f} inputs/s, p50 {chosen.p50_ms:.1f} ms, "
         f"p99 {chosen.p99_ms:.1f} ms ({chosen.quality.describe()}{noisy})\n"
         f"{default_line}"
         f"speedup {result.speedup:.2f}x (median runs); {measured}"
