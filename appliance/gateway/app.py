@@ -38,14 +38,18 @@ from appliance.registration import MODEL_VERBS
 log = logging.getLogger(__name__)
 
 
-def _count(request: web.Request, status: int, started: float) -> tuple[str, float]:
-    """Count the request under its route and status; its route and milliseconds."""
+def _count(request: web.Request, status: int, started: float) -> None:
+    """Count the request under its route and status, and log it in one line: failures at INFO (5xx at WARNING),
+    successes at DEBUG to keep the hot path cheap."""
     ctx = GatewayContext.of(request)
     route = _route_label(request)
     elapsed_ms = (time.perf_counter() - started) * 1000
     ctx.metrics.requests.labels(route, str(status)).inc()
     ctx.metrics.request_ms.labels(route).observe(elapsed_ms)
-    return route, elapsed_ms
+    level = logging.WARNING if status >= 500 else logging.INFO if status >= 400 else logging.DEBUG
+    if log.isEnabledFor(level):
+        extra = {"request_id": request[REQUEST_ID], "method": request.method, "route": route, "status": status}
+        log.log(level, "request", extra=extra | {"ms": round(elapsed_ms, 2)})
 
 
 def _route_label(request: web.Request) -> str:
@@ -77,15 +81,12 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except web.HTTPException as exc:
         response = _error_response(_from_http_exception(exc, serves_api=ctx.settings.serves_http))
     except asyncio.CancelledError:  # its client hung up (`handler_cancellation`): counted, as nginx does, 499
-        route, elapsed_ms = _count(request, CLIENT_CLOSED_REQUEST, started)
-        extra = {"request_id": request_id, "route": route, "status": CLIENT_CLOSED_REQUEST, "ms": round(elapsed_ms, 2)}
-        log.info("request", extra=extra)
+        _count(request, CLIENT_CLOSED_REQUEST, started)
         raise
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         response = _error_response(InternalError("internal error; see the box's log"))
-    status = CLIENT_CLOSED_REQUEST if request.get(CLIENT_GONE) else response.status
-    route, elapsed_ms = _count(request, status, started)
+    _count(request, CLIENT_CLOSED_REQUEST if request.get(CLIENT_GONE) else response.status, started)
     if not response.prepared:  # a stream has sent its headers already
         response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
     if request.get(_WITHHELD) and not response.prepared:
@@ -97,20 +98,6 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # elsewhere. Not after a stream, whose headers went out keep-alive before the drain: closed under it, the
         # client's next request on it was lost; it gets that request's 503 instead.
         response.force_close()
-    # One line per request: failures at INFO (5xx at WARNING), successes at DEBUG to keep the hot path cheap.
-    level = logging.WARNING if status >= 500 else logging.INFO if status >= 400 else logging.DEBUG
-    if log.isEnabledFor(level):
-        log.log(
-            level,
-            "request",
-            extra={
-                "request_id": request_id,
-                "method": request.method,
-                "route": route,
-                "status": status,
-                "ms": round(elapsed_ms, 2),
-            },
-        )
     return response
 
 

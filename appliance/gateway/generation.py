@@ -172,55 +172,41 @@ async def _whole(chunks: AsyncIterator[Reply], shape: _Shape) -> web.Response:
 
 
 async def _stream(request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape) -> web.StreamResponse:
-    opened = _Opened()
-    try:
-        return await _send(request, chunks, shape, opened)
-    except ConnectionResetError:  # aiohttp's "Cannot write to closing transport": a client gone mid-stream
-        if opened.response is None:
-            raise
-        # Not a server error (it was a logged traceback and a 500 in the metrics: tester h70); the generation
-        # stops as the caller closes `chunks`.
-        request[CLIENT_GONE] = True
-        return opened.response
-
-
-class _Opened:
-    """The stream's response once its headers are sent."""
-
-    response: web.StreamResponse | None = None
-
-
-async def _send(
-    request: web.Request, chunks: AsyncIterator[Reply], shape: _Shape, opened: _Opened
-) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     first = True
     resume = _Resume()
     try:
-        async for chunk in chunks:
-            if chunk.restarted:
-                resume.restart()
-            if chunk.meta.status != 200:
-                raise chunk.failure()
+        try:
+            async for chunk in chunks:
+                if chunk.restarted:
+                    resume.restart()
+                if chunk.meta.status != 200:
+                    raise chunk.failure()
+                if response is None:
+                    response = await _open(request)
+                body = orjson.loads(chunk.body)
+                text = resume.new_text(body.get("text") or "")
+                if text is None and not chunk.meta.final:
+                    continue  # the new box is still catching up with what the client has already seen
+                finish = body.get("finish_reason") if chunk.meta.final else None
+                await _event(response, shape.chunk(text, finish, first=first))
+                first = False
+                if chunk.meta.final and shape.include_usage:
+                    await _event(response, shape.usage_chunk(_usage(body)))
+        except FleetboxError as error:
             if response is None:
-                response = opened.response = await _open(request)
-            body = orjson.loads(chunk.body)
-            text = resume.new_text(body.get("text") or "")
-            if text is None and not chunk.meta.final:
-                continue  # the new box is still catching up with what the client has already seen
-            finish = body.get("finish_reason") if chunk.meta.final else None
-            await _event(response, shape.chunk(text, finish, first=first))
-            first = False
-            if chunk.meta.final and shape.include_usage:
-                await _event(response, shape.usage_chunk(_usage(body)))
-    except FleetboxError as error:
+                raise  # nothing sent yet: an ordinary HTTP error
+            await _event(response, error.body())
         if response is None:
-            raise  # nothing sent yet: an ordinary HTTP error
-        await _event(response, error.body())
-    if response is None:
-        response = opened.response = await _open(request)
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+            response = await _open(request)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # aiohttp's "Cannot write to closing transport": a client gone mid-stream
+        if response is None:
+            raise
+        # Not a server error (it was a logged traceback and a 500 in the metrics: tester h70); the generation
+        # stops as the caller closes `chunks`.
+        request[CLIENT_GONE] = True
     return response
 
 
