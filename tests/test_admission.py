@@ -18,7 +18,7 @@ import pytest
 from appliance.batch_cost import BatchCost
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
-from appliance.gateway.admission import GENERATION_ROUND_TOKENS, Admission, unmeasured_budget
+from appliance.gateway.admission import GENERATION_ROUND_TOKENS, Admission, paced_round, unmeasured_budget
 from appliance.gateway.decode_admission import DecodeQueue, Decoder
 from appliance.gateway.encoders import estimate_tokens
 from appliance.gateway.model_queue import ModelQueue
@@ -305,6 +305,40 @@ def test_a_request_sent_while_a_large_one_runs_is_let_in_on_what_the_model_took_
     clock.now += 0.15
     with pytest.raises(TooManyRequests):
         gate.admit("m", "interactive", 30.0, 1, weight=small, budget=round_of_rows)
+
+
+def test_a_flood_on_a_model_its_holders_have_timed_is_held_to_their_pace_in_rows_and_tokens() -> None:
+    """Tester h70 again: on an idle box of the 2-core profile (8-row batches), one input sent 0.15 s after 100 long
+    ones was refused 429 in 4 of 4 rounds. Held to one round as a flood, and that round reckoned in rows of the
+    short input alone (7 tokens a row), the long request already filled it. The rows are those of the work
+    awaited, and what the holders compute in half the bound is let in for a flood as for a burst; a flood of
+    short inputs is still held to the rows they go at."""
+    clock = Clock()
+    gate = admission(clock)
+    catalog, pace, rows_pace = Batching(16_384, 256, 2.0, 1), 6_000.0, 70.0  # the profile's: 8 rows, 1,024 tokens
+
+    def admit(request_id: str, weight: int, inputs: int) -> None:
+        per_input = gate.per_input("m", "interactive", weight, inputs)
+        paced = paced_round(pace, rows_pace, per_input)
+        budget = unmeasured_budget(
+            catalog, box_round=1024, box_rows=8, per_input=per_input, pace=pace, rows_pace=rows_pace
+        )
+        queue = gate.admit("m", "interactive", 30.0, 0, weight=weight, budget=budget, paced=paced)
+        queue.add(request_id, clock.now, weight, rows=inputs)
+
+    admit("large", 8_700, 100)  # alone: it goes
+    clock.now += 0.15
+    assert gate.per_input("m", "interactive", 7, 1) == pytest.approx(8_707 / 101)
+    admit("small", 7, 1)  # was a 429: 1.4 s of the holders' work awaited, against a bound of 10 s
+    clock.now += 3.0
+    gate.forget("m")
+    admit("short0", 7, 1)
+    clock.now += 0.15
+    with pytest.raises(TooManyRequests):  # 420 rows at 70 a second: 6 s of work, more than half the bound
+        for i in range(1, 420):
+            admit(f"short{i}", 7, 1)
+            clock.now += 0.001
+    assert 100 < i < 400, i
 
 
 def test_a_lone_short_request_answered_fast_does_not_open_the_gate_to_heavy_work() -> None:
@@ -974,6 +1008,31 @@ async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_t
             statuses = [status for status, _ in outcomes]
             assert set(statuses) <= {200, 429} and statuses.count(429) >= 100, (burst, statuses.count(200))
             assert max(queued for status, queued in outcomes if status == 200) <= 2 * 2000, (burst, outcomes)
+
+
+async def test_a_short_request_sent_while_a_long_one_runs_on_an_idle_box_is_answered(start_box, http) -> None:
+    """Tester h70's repro through a box: each round one small request alone, a pause, 100 long inputs, and 0.15 s
+    later one short input, on a model of 8-row batches. The short one was refused 429 in every round."""
+    from appliance.settings import ModelEntry
+    from tests.conftest import url
+
+    rows = ModelEntry(
+        name="rows", runtime="noop", pinned=True, max_batch_size=8, options={"cost_ms": 5, "cost_per_token_us": 100}
+    )
+    box = await start_box(default_model=False, models=[rows])
+    long_inputs = [" ".join(f"word{i}x{j}" for j in range(60)) for i in range(100)]
+
+    async def embed(text: str | list[str]) -> int:
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "rows", "input": text}) as response:
+            return response.status
+
+    for _ in range(2):
+        assert await embed("warm") == 200
+        await asyncio.sleep(1.0)
+        large = asyncio.ensure_future(embed(long_inputs))
+        await asyncio.sleep(0.15)
+        assert await embed("The cat sat on the mat.") == 200
+        assert await large == 200
 
 
 async def test_a_fresh_box_says_its_pace_before_any_request(start_box, encoder_dir) -> None:

@@ -89,11 +89,16 @@ def unmeasured_budget(
         rows = box_rows or batching.max_batch_size * batching.concurrent_batches
         one_box = min(one_box, max(1, math.ceil(rows * per_input)))
     budget = max(1, math.floor(one_box * boxes))
-    if pace and per_input is not None and rows_pace:  # inputs of `per_input` tokens go at most a row each
+    return max(budget, paced_round(pace, rows_pace, per_input, max_queue_s))
+
+
+def paced_round(pace: float | None, rows_pace: float | None, per_input: float | None, max_queue_s: float = 10.0) -> int:
+    """A round by the holders' measured pace: a `_BURST_ROUNDS`th of the tokens they compute in half of
+    `max_queue_s` (0 where no pace is known; see `unmeasured_budget`), inputs of `per_input` tokens going at most
+    `rows_pace` rows a second."""
+    if pace and per_input is not None and rows_pace:
         pace = min(pace, rows_pace * per_input)
-    if pace:
-        budget = max(budget, math.floor(pace * max_queue_s / (2 * _BURST_ROUNDS)))
-    return budget
+    return math.floor(pace * max_queue_s / (2 * _BURST_ROUNDS)) if pace else 0
 
 
 class Admission:
@@ -128,6 +133,7 @@ class Admission:
         *,
         weight: int,
         budget: int,
+        paced: int = 0,
         decode_batch: int | None = None,
         box_decode_batch: int | None = None,
         holders: frozenset[str] | None = None,
@@ -135,14 +141,15 @@ class Admission:
         """The request's model queue, or the 429: it would wait too long to start, or the gateway awaits too many.
 
         `waiting` is how many requests the gateway awaits now; `weight` is the request's, and `budget` the
-        weight its model may have awaited while its rate is not measured (`unmeasured_budget`). A generator's
+        weight its model may have awaited while its rate is not measured (`unmeasured_budget`), `paced` the part of
+        it its holders' measured pace gives (`paced_round`). A generator's
         queue (one with a `decode_batch`: the decode slots it may fill, `box_decode_batch` of them on each box)
         is a `DecodeQueue`; `holders` the boxes holding it (its pace is kept over a pause while they are the same).
         """
         queue = self._queue(model, priority, decode_batch, box_decode_batch)
         if holders is not None and isinstance(queue, DecodeQueue):
             queue.decoder.holders = holders
-        self._bound(model, queue, timeout_s, priority, weight, budget)
+        self._bound(model, queue, timeout_s, priority, weight, budget, paced)
         if waiting >= self._max_waiting:
             raise self.overloaded(f"this gateway already waits on {waiting} requests", waiting)
         return queue
@@ -161,6 +168,15 @@ class Admission:
     def waiting_for(self, model: str) -> int:
         """The requests for `model` this gateway awaits, every priority (a generation: until its answer starts)."""
         return sum(len(queue.waiting) for (name, _), queue in self._queues.items() if name == model)
+
+    def per_input(self, model: str, priority: str, weight: int, inputs: int) -> float:
+        """The tokens an input weighs in the work `model`'s queue would await with a request of `weight` over
+        `inputs` joined: what a round of rows holds is judged on all of it. On the new request's alone, one short
+        input sent while 100 long ones were awaited read as a queue of 101 short rows, refused (tester h70)."""
+        queue = self._queues.get((model, priority))
+        if queue is None or not queue.waiting:
+            return weight / max(1, inputs)
+        return (queue.weight + weight) / max(1, queue.rows + inputs)
 
     def forget(self, model: str) -> list[ModelQueue]:
         """A deleted model's queues, taken out of the reckoning (their requests are answered by the caller)."""
@@ -186,7 +202,9 @@ class Admission:
             queue.decoder.box_slots = box_decode_batch
         return queue
 
-    def _bound(self, model: str, queue: ModelQueue, timeout_s: float, priority: str, weight: int, budget: int) -> None:
+    def _bound(
+        self, model: str, queue: ModelQueue, timeout_s: float, priority: str, weight: int, budget: int, paced: int
+    ) -> None:
         """429 when a new request would wait longer than the queue bound (or its own deadline) to start.
 
         Batch-priority work is meant to wait behind interactive work, so only its deadline bounds it.
@@ -196,8 +214,10 @@ class Admission:
         within the bound (`ModelQueue.room`) if that is more; batch priority gets those rounds times its
         deadline ÷ `max_queue_s` (a bulk job with a long deadline is not a flood), interactive work with a
         deadline short of `max_queue_s` those rounds times deadline ÷ `max_queue_s` (a burst of 200 with 5 s
-        deadlines was let in whole and 197 ended 504, black-box finding). A request alone always goes. Its
-        Retry-After is 1: the rate is soon measured, or the burst answered.
+        deadlines was let in whole and 197 ended 504, black-box finding). Where the holders have timed their batches
+        (`paced`), what they compute in half the bound is let in for a flood as for a burst: held to one round, a
+        short request sent while a long one ran on an idle box was refused (tester h70). A request alone always
+        goes. Its Retry-After is 1: the rate is soon measured, or the burst answered.
 
         A generation's deadline covers its answer too: it must start in time to be made, with an answer's length to
         spare (batch generations with 300 s deadlines were let in to start at 290 s, then at 293 s against an
@@ -218,13 +238,15 @@ class Admission:
                 why = f"what this gateway awaits for it would take about {wait_s:.0f}s to start, over {limit:g}s"
                 self._refuse(model, why, retry)
             return
-        rounds = _BURST_ROUNDS if queue.together(now) else 1
+        scale = 1.0
         if priority == BATCH and not generation:
-            rounds *= max(1.0, limit / self._max_queue_s)
+            scale = max(1.0, limit / self._max_queue_s)
         elif priority != BATCH:  # the rounds meant to start within the bound, fewer for a deadline short of it
-            rounds *= min(1.0, limit / self._max_queue_s)
+            scale = min(1.0, limit / self._max_queue_s)
+        rounds = (_BURST_ROUNDS if queue.together(now) else 1) * scale
+        allowed = max(budget * rounds, paced * _BURST_ROUNDS * scale, queue.room(now, limit))
         held = queue.held(weight)
-        if held is not None and held > max(budget * rounds, queue.room(now, limit)):
+        if held is not None and held > allowed:
             generating = len(queue.decoder.running) if isinstance(queue, DecodeQueue) else 0
             also = f" and {generating} generating" if generating else ""
             # Not "would wait too long": nothing is known of its pace yet (the box may clear them in a blink).

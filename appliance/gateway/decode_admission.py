@@ -123,7 +123,7 @@ class DecodeQueue(ModelQueue):
 
     decoder: Decoder = field(default_factory=Decoder)
 
-    def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
+    def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf, rows: int = 1) -> None:
         decoder = self.decoder
         idle = not decoder.running and not self.waiting and now - decoder.last_busy > _DECODER_IDLE_S
         # Kept while the boxes that made those answers still hold it (and maybe more: a burst has a second box load
@@ -132,7 +132,7 @@ class DecodeQueue(ModelQueue):
         if idle and (not decoder.paced_on or not decoder.paced_on <= decoder.holders):
             decoder.made.clear()
         # Not zero-argument super(): a slots dataclass is a new class, which the compiler's __class__ cell misses.
-        super(DecodeQueue, self).add(request_id, now, weight, deadline)
+        super(DecodeQueue, self).add(request_id, now, weight, deadline, rows)
 
     def remove(self, request_id: str, now: float, *, answered: bool) -> None:
         entry = self.waiting.get(request_id)

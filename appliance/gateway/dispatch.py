@@ -32,7 +32,7 @@ from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
-from appliance.gateway.admission import Admission, unmeasured_budget
+from appliance.gateway.admission import Admission, paced_round, unmeasured_budget
 from appliance.gateway.model_queue import ModelQueue
 from appliance.gateway.publish import FAILOVER_RETRY_S, Publisher
 from appliance.gateway.replies import Reply, StreamWaiter
@@ -239,7 +239,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
-        with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight, timeout_s):
+        with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight, timeout_s, inputs):
             try:
                 await self._publish(spec, body, meta)
                 try:
@@ -280,19 +280,23 @@ class Dispatcher:
         self._publisher.check_connected()
         decode_batch = box_decode_batch = None
         boxes = self._holders_per_gateway(spec.name)
+        paced = 0
         if spec.task is Task.GENERATE:
             box_decode_batch = max_decode_batch(spec.options)
             decode_batch = max(1, math.floor(box_decode_batch * boxes))
             budget = unmeasured_budget(spec.batching, decode_batch)
         else:
+            per_input = self._admission.per_input(spec.name, priority, weight, inputs)
+            pace, rows_pace = self._pace(spec.name), self._rows_pace(spec.name)
+            paced = paced_round(pace, rows_pace, per_input, self._max_queue_s)
             budget = unmeasured_budget(
                 spec.batching,
                 box_round=self._box_round(spec.name),
                 box_rows=self._box_round_rows(spec.name),
-                per_input=weight / max(1, inputs),
+                per_input=per_input,
                 boxes=boxes,
-                pace=self._pace(spec.name),
-                rows_pace=self._rows_pace(spec.name),
+                pace=pace,
+                rows_pace=rows_pace,
                 max_queue_s=self._max_queue_s,
             )
         queue = self._admission.admit(
@@ -302,6 +306,7 @@ class Dispatcher:
             self.waiting,
             weight=weight,
             budget=budget,
+            paced=paced,
             decode_batch=decode_batch,
             box_decode_batch=box_decode_batch,
             holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
@@ -323,13 +328,21 @@ class Dispatcher:
 
     @contextlib.contextmanager
     def _awaiting(
-        self, table: dict[str, Any], request_id: str, waiter: Any, queue: ModelQueue, weight: int, timeout_s: float
+        self,
+        table: dict[str, Any],
+        request_id: str,
+        waiter: Any,
+        queue: ModelQueue,
+        weight: int,
+        timeout_s: float,
+        rows: int = 1,
     ) -> Iterator[None]:
-        """Count a request as awaited (by its model's queue, and by a stopping box) while the block runs."""
+        """Count a request (of `rows` inputs) as awaited (by its model's queue, and by a stopping box) while the
+        block runs."""
         table[request_id] = waiter
         self._none_awaited.clear()
         now = time.monotonic()
-        queue.add(request_id, now, weight, deadline=now + timeout_s)
+        queue.add(request_id, now, weight, deadline=now + timeout_s, rows=rows)
         try:
             yield
         finally:

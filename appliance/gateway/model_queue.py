@@ -52,6 +52,8 @@ class ModelQueue:
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
     weight: int = 0  # of the work waiting
+    rows: int = 0  # of the work waiting: its inputs (an encoder's)
+    _rows_of: dict[str, int] = field(default_factory=dict)  # id -> inputs, where more than one
     spans: deque[tuple[float, float, int]] = field(default_factory=deque)  # (ended, seconds, weight answered)
     _since: float | None = None  # the open span began (None: nothing answered yet in this busy spell)
     _done: int = 0  # weight answered in the open span
@@ -65,8 +67,9 @@ class ModelQueue:
     _most_shown_at: float = -math.inf  # when that spell ended
     _waited: float = 0.0  # how long the last request answered had waited: the span of answers the queue ahead took
 
-    def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf) -> None:
-        """A request sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has passed."""
+    def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf, rows: int = 1) -> None:
+        """A request of `rows` inputs sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has
+        passed."""
         if not self.waiting:
             self._since, self._done = None, 0
             self._spell_began, self._spell_done = now, 0
@@ -75,6 +78,9 @@ class ModelQueue:
                 self.spans.clear()
         self.waiting[request_id] = (now, weight)
         self.weight += weight
+        self.rows += rows
+        if rows != 1:
+            self._rows_of[request_id] = rows
         heapq.heappush(self._deadlines, (-deadline, request_id))
 
     def remove(self, request_id: str, now: float, *, answered: bool) -> None:
@@ -83,6 +89,7 @@ class ModelQueue:
         if entry is None:
             return
         self.weight -= entry[1]
+        self.rows -= self._rows_of.pop(request_id, 1)
         if answered:
             self._spell_done += entry[1]
             self._waited = now - entry[0]
