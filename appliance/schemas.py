@@ -290,7 +290,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # OpenAI's content parts: text only (these are text models). `null`, or left out: an assistant turn of tool calls
     # (the openai SDK and vLLM send one so; left out of another role's message, it is refused as OpenAI does).
-    content: str | list[TextPart] | msgspec.UnsetType | None = msgspec.UNSET
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | msgspec.UnsetType | None = msgspec.UNSET
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's
     tool_call_id: str | None = None  # a tool turn's: the call it answers
@@ -301,6 +301,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
             raise ValueError(f"tool_calls is only allowed in an assistant message, not a {self.role} one")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError(f"tool_call_id is only allowed in a tool message, not a {self.role} one")
+        if self.tool_call_id is None and self.role == "tool":  # the call it answers: OpenAI's 400 too (tester h81)
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.content is msgspec.UNSET:
             if self.role != "assistant":
                 raise ValueError(f"a {self.role} message needs its content")

@@ -65,7 +65,6 @@ class ChatPrompts:
     """Renders conversations for one model folder; thread-safe."""
 
     def __init__(self, folder: Path, tokenizer: TextTokenizer) -> None:
-        self._folder = folder
         self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
         self._lock = threading.Lock()
         # Read with the model, not at the first chat: a folder moved away after the load made every chat a
@@ -117,5 +116,6 @@ class ChatPrompts:
 
     def _chat_tokenizer(self) -> Any:
         if not self._chat.chat_template:
-            raise UnsupportedModel(f"{self._folder} has no chat template; use plain completions")
+            # Not the folder: a client has no business with the box's paths (tester h81).
+            raise UnsupportedModel("the model has no chat template; use plain completions (/v1/completions)")
         return self._chat

@@ -840,6 +840,9 @@ def test_a_generation_is_let_in_only_with_an_answers_length_to_spare_before_its_
     gate.admit("m", "batch", 31.0, 1, weight=100, budget=50, decode_batch=1)  # 10 s to wait, 10 to answer, 10 spare
     with pytest.raises(TooManyRequests):
         gate.admit("m", "batch", 29.0, 1, weight=100, budget=50, decode_batch=1)
+    with pytest.raises(TooManyRequests) as refused:  # tester h81: "about 10s to start, over 0s" read as no bound
+        gate.admit("m", "interactive", 18.0, 1, weight=100, budget=50, decode_batch=1)
+    assert "to start, over the 0s its 18s deadline leaves to start an answer of about 10s" in refused.value.message
 
 
 @pytest.mark.parametrize(("max_tokens", "admitted"), [(16, True), (1000, False)])

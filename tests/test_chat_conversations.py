@@ -125,6 +125,16 @@ async def test_tool_calls_outside_an_assistant_turn_are_a_422(echo_box, http) ->
     assert "tool_call_id is only allowed in a tool message" in body["error"]["message"]
 
 
+async def test_a_tool_turn_without_its_call_id_and_an_empty_list_of_parts_are_a_422(echo_box, http) -> None:
+    """Tester h81: both were answered 200 (the list read as empty text), where OpenAI answers 400."""
+    untied = [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}]
+    status, body = await chat(http, echo_box, messages=untied)
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+    assert "a tool message needs the tool_call_id" in body["error"]["message"]
+    status, body = await chat(http, echo_box, messages=[{"role": "user", "content": []}])
+    assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+
+
 def test_an_assistant_turn_of_tool_calls_may_leave_its_content_out(echoed: Render) -> None:
     """As the openai SDK's types and vLLM allow it (h62: a 422 `missing required field content`); it reaches the
     template as the same turn with `content` null."""

@@ -84,3 +84,21 @@ async def test_a_python_error_inside_the_template_is_a_400_at_once(start_box, ht
     assert (status, body["error"]["code"]) == (400, "chat_template_error"), body
     assert "TypeError" in body["error"]["message"]
     assert counted(box, "fbx_redelivered_requests_total", "adds") == 0
+
+
+async def test_a_generator_without_a_chat_template_is_a_422_that_names_no_path(
+    start_box, http, generator_dir, tmp_path
+) -> None:
+    """Tester h81: the 422 named the model's folder on the box, a path no client has any business with."""
+    import orjson
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(generator_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = orjson.loads((folder / "tokenizer_config.json").read_bytes())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    box = await start_box(default_model=False, models=[ModelEntry(name="plain", path=folder, task="generate")])
+    status, body = await chat(http, box, "plain")
+    assert (status, body["error"]["code"]) == (422, "no_chat_template"), body
+    assert str(tmp_path) not in body["error"]["message"] and "/v1/completions" in body["error"]["message"], body

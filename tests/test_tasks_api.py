@@ -269,7 +269,7 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     async with http.post(url(task_box, "/v1/chat/completions"), json=body) as response:
         assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/event-stream")
+        assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"  # tester h81: read as latin-1
         assert response.headers["Fbx-Request-Id"] == response.headers["X-Request-Id"]  # OpenAI's SDK reads the latter
         raw = await response.text()
     events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]

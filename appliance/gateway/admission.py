@@ -224,9 +224,14 @@ class Admission:
         estimate of 287 s, and cut), and a batch job's rounds are not scaled by it.
         """
         limit = timeout_s if priority == BATCH else min(self._max_queue_s, timeout_s)
+        over = f"over {limit:g}s"
         generation = isinstance(queue, DecodeQueue)
         if generation:  # and an answer's length of slack: the estimate may be off by a slot's free
-            limit = max(0.0, min(limit, timeout_s - 2 * queue.answer_s(weight)))
+            answer_s = queue.answer_s(weight)
+            if timeout_s - 2 * answer_s < limit:  # said so: "over 0s" read as a bound of nothing (tester h81)
+                limit = max(0.0, timeout_s - 2 * answer_s)
+                answer = f"an answer of about {answer_s:.0f}s"
+                over = f"over the {limit:.0f}s its {timeout_s:g}s deadline leaves to start {answer}"
         now = self._clock()
         wait_s = queue.wait_s(now)
         if wait_s is not None:
@@ -235,7 +240,7 @@ class Admission:
                 # dropped at its deadline, whichever is sooner (a generation may wait on slots alone).
                 gone_s = queue.latest_deadline() - now if queue.waiting else math.inf
                 retry = _retry_s(min(wait_s, gone_s) - limit)
-                why = f"what this gateway awaits for it would take about {wait_s:.0f}s to start, over {limit:g}s"
+                why = f"what this gateway awaits for it would take about {wait_s:.0f}s to start, {over}"
                 self._refuse(model, why, retry)
             return
         scale = 1.0

@@ -52,7 +52,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
         several = "; for several choices, send several requests" if {"n", "best_of"} & set(refused) else ""
         raise Unprocessable(
             f"{', '.join(refused)}: not supported by this server (fleetbox generates one choice of plain text, "
-            "without tools, structured output, log probabilities, audio, web search, predicted outputs, "
+            "without tools, structured output, log probabilities, audio, web search, "
             "moderation, a chat template of the request's own, or vLLM's guided decoding and token controls); "
             f"leave them out{several}",
             code="unsupported_parameter",
@@ -245,7 +245,7 @@ class _Resume:
 
 async def _open(request: web.Request) -> web.StreamResponse:
     request_id = request[REQUEST_ID]
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     headers |= {"Fbx-Request-Id": request_id, "X-Request-Id": request_id}
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
