@@ -314,10 +314,11 @@ class Box:
         assert self.js is not None
         await settle_model_queue(self.js, self.settings, self.catalog, spec.slug)
 
-    async def delete_model(self, spec: ModelSpec) -> None:
-        """Take a model out of the fleet: `DELETE /v1/models/{name}` and the `delete` verb."""
+    async def delete_model(self, spec: ModelSpec) -> list[str]:
+        """Take a model out of the fleet: `DELETE /v1/models/{name}` and the `delete` verb. Returns the adapters
+        deleted with it (registered on another box while the deletion was judged)."""
         assert self.js is not None and self.store is not None
-        await delete_model(self.js, self.settings, self.catalog, self.store, spec)
+        return await delete_model(self.js, self.settings, self.catalog, self.store, spec)
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None

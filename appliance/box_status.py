@@ -88,10 +88,12 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
 
 
 def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
-    """An adapter is resident on the boxes whose heartbeat lists it loaded on its base."""
+    """An adapter is resident on the boxes whose heartbeat lists it loaded on its base; on this box, as it holds it
+    now (its own heartbeat, up to a beat old, had an adapter deleted and registered again at once resident)."""
     boxes = {
         record["box"]
         for record in (box.fleet.live_boxes() if box.fleet else [])
+        if record.get("box") != box.box_id
         for model in record.get("models", [])
         if model.get("name") == base and name in (model.get("adapters") or ())
     }

@@ -275,10 +275,11 @@ async def settle_model_queue(js: JetStreamContext, settings: Settings, catalog: 
 
 async def delete_model(
     js: JetStreamContext, settings: Settings, catalog: Catalog, store: CatalogStore, spec: ModelSpec
-) -> None:
+) -> list[str]:
     """Take a model out of the fleet: out of the catalog (every gateway then answers what it awaits for it 404),
     its consumers removed, and what waits in its queue dropped, up to the moment of the deletion, so nothing of
-    it sits in the stream or is taken up by a model registered under its slug next."""
+    it sits in the stream or is taken up by a model registered under its slug next. Returns the adapters deleted
+    with it: registered on another box while the deletion was judged."""
     try:
         sent_before: int | None = await bus.next_request_sequence(js)
     except NatsError as exc:
@@ -286,17 +287,23 @@ async def delete_model(
         sent_before = None
     await store.delete(spec)
     if spec.adapter_of is not None:
-        return  # an adapter runs on its base's queue
+        return []  # an adapter runs on its base's queue
     # An adapter registered on another box while this deletion was judged (the route refuses a base with the
     # adapters it knows of) would be left without a base, and inherited by a model registered under the name next.
-    for adapter in await store.adapters_in_bucket(spec.name):
+    # Said in the answer: its registration was answered 201 (tester h80).
+    adapters = await store.adapters_in_bucket(spec.name)
+    for adapter in adapters:
         await store.delete(adapter)
+    if adapters:
+        names = [adapter.name for adapter in adapters]
+        log.warning("adapters deleted with their base", extra={"model": spec.name, "adapters": names})
     await settle_model_queue(js, settings, catalog, spec.slug)
     if sent_before is not None:  # bounded: what a registration of the slug made since is sent is kept
         try:
             await bus.purge_requests(js, spec.slug, sent_before=sent_before)
         except NatsError as exc:  # they expire with the stream's max age
             log.warning("deleted model's requests not purged", extra={"model": spec.name, "error": repr(exc)})
+    return [adapter.name for adapter in adapters]
 
 
 async def when_jetstream_answers(step: Callable[[], Awaitable[Any]]) -> None:

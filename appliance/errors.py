@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from runtimes.base import ModelFolderMissing, UnsupportedModel
+
 
 class FleetboxError(Exception):
     status: int = 500
@@ -121,8 +123,12 @@ class GatewayTimeout(FleetboxError):
 
 
 def reason_of(exc: BaseException) -> str:
-    """What went wrong, for a client or an operator: a fleetbox error's own message, else the exception's repr."""
-    return exc.message if isinstance(exc, FleetboxError) else repr(exc)
+    """What went wrong, for a client or an operator: a fleetbox error's own message, a runtime's of a model it cannot
+    serve or find (whose message says it all: as a repr it read `FileNotFoundError('the model folder ...')`, tester
+    h80), else the exception's repr."""
+    if isinstance(exc, FleetboxError):
+        return exc.message
+    return str(exc) if isinstance(exc, (UnsupportedModel, ModelFolderMissing)) else repr(exc)
 
 
 def not_resident(model: str, box: str) -> NotFound:

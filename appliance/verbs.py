@@ -77,8 +77,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         """`DELETE /v1/models/{name}` over NATS (the TUI and CLI): a base only once its adapters are gone."""
         spec = _model(box, payload)
         box.catalog.check_deletable(spec)
-        await box.delete_model(spec)
-        return {"model": spec.name, "deleted": True}
+        adapters = await box.delete_model(spec)
+        return {"model": spec.name, "deleted": True} | ({"adapters_deleted": adapters} if adapters else {})
 
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""

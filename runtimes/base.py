@@ -52,6 +52,10 @@ class UnsupportedModel(ValueError):
     """A model folder fleetbox cannot serve (architecture, missing files, or an adapter that does not fit)."""
 
 
+class ModelFolderMissing(FileNotFoundError):
+    """The folder a model was registered with is not there (moved or deleted since); the message names it."""
+
+
 class AdapterConflict(UnsupportedModel):
     """An adapter that fits the base but not beside `adapters` resident on it: peft wraps a module one way for them
     (a LoRA layer, a `modules_to_save` copy, trainable tokens) and another way for it. It loads once they are gone."""

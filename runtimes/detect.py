@@ -96,6 +96,8 @@ def detect_task(folder: Path) -> Task:
     model_type = config.get("model_type") or ""
     if not isinstance(model_type, str):
         raise UnsupportedModel(f"{config_file}: model_type must be a string, not {json.dumps(model_type)}")
+    if not model_type:  # transformers cannot build a model without it; "BertModel is not supported" hid why (h80)
+        raise UnsupportedModel(f'{config_file} has no model_type (e.g. "bert"); transformers needs it')
     _check_sizes(config, config_file)
     task = _task_from(architectures, model_type, config, sentence_transformers=(folder / "modules.json").is_file())
     if task is None:

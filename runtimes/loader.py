@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from runtimes.base import ModelSource, Runtime, RuntimeKind, Task
+from runtimes.base import ModelFolderMissing, ModelSource, Runtime, RuntimeKind, Task
 
 _imports_lock = threading.Lock()
 _imported = False
@@ -43,7 +43,7 @@ def import_model_libraries() -> None:
 def load_runtime(source: ModelSource) -> Runtime:
     if source.runtime is not RuntimeKind.NOOP:
         if not source.path.is_dir():  # transformers would take the path for a hub repo id and say so
-            raise FileNotFoundError(
+            raise ModelFolderMissing(
                 f"the model folder {source.path} does not exist (moved or deleted since it was registered?)"
             )
         import_model_libraries()

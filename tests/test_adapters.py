@@ -80,6 +80,27 @@ async def test_a_deleted_adapter_is_unloaded_and_its_name_registered_again_serve
     assert again["data"] == expected_second["data"]
 
 
+async def test_an_adapter_registered_again_at_once_after_its_deletion_is_not_said_resident(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """Tester h80: the 201 of the new registration said `resident` on this box: the box read its own heartbeat,
+    up to a beat old, which still listed the deleted adapter loaded."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    await register_adapter(http, box, "cls:c", classifier_adapters[2])
+    assert (await classify(http, box, "cls:c"))[0] == 200
+
+    def heard_loaded() -> bool:
+        records = [record for record in box.fleet.live_boxes() if record["box"] == box.box_id]
+        return any("cls:c" in (model.get("adapters") or ()) for record in records for model in record["models"])
+
+    await wait_for(heard_loaded, what="the box's heartbeat to list the adapter loaded")
+    assert (await call(http, box, "DELETE", "/v1/models/cls:c"))[0] == 200
+    body = {"name": "cls:c", "path": str(classifier_adapters[2]), "adapter_of": "cls"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert status == 201, answer
+    assert (answer["state"], answer["boxes"]) == ("cold", []), answer
+
+
 async def test_adapters_in_use_are_not_evicted_for_another(
     start_box, http, classifier_dir, classifier_adapters
 ) -> None:
@@ -303,7 +324,7 @@ async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is
     assert (await call(http, here, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
     await register_adapter(http, here, "cls:b", classifier_adapters[1])
     await wait_for(lambda: there.catalog.get("cls") is not None, what="the other box to know the base again")
-    await there.delete_model(there.catalog.get("cls"))
+    assert await there.delete_model(there.catalog.get("cls")) == ["cls:b"]  # said (its registration was a 201)
     assert await there.store.adapters_in_bucket("cls") == []
     await wait_for(lambda: here.catalog.get("cls:b") is None, what="the adapter to leave the catalog")
 

@@ -97,8 +97,11 @@ async def delete_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = named_model(ctx, request)
     ctx.catalog.check_deletable(spec)
-    await ctx.delete_model(spec)
-    return json_response({"id": spec.name, "object": "model", "deleted": True})
+    adapters = await ctx.delete_model(spec)
+    answer: dict[str, Any] = {"id": spec.name, "object": "model", "deleted": True}
+    if adapters:  # registered on another box while this deletion was judged
+        answer["adapters_deleted"] = adapters
+    return json_response(answer)
 
 
 async def pin_model(request: web.Request) -> web.Response:

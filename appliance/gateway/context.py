@@ -44,7 +44,7 @@ class GatewayContext:
     # A registered model's queue consumers made (raises the server's refusal).
     open_queue: Callable[[ModelSpec], Awaitable[None]]
     # A model out of the catalog, its consumers removed and its queued requests dropped.
-    delete_model: Callable[[ModelSpec], Awaitable[None]]
+    delete_model: Callable[[ModelSpec], Awaitable[list[str]]]
     ids: NUID = field(default_factory=NUID)  # request ids: unique across gateways (random prefix per NUID)
 
     @staticmethod

@@ -85,6 +85,7 @@ def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:
         ("null", "must hold a JSON object, not null"),
         ('{"architectures": [null]}', r"architectures must be a list of class names .* not \[null\]"),
         ('{"architectures": "BertModel"}', 'architectures must be a list of class names .* not "BertModel"'),
+        ('{"architectures": ["BertModel"]}', r'has no model_type \(e\.g\. "bert"\)'),  # h80
         (
             '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", "num_labels": "x"}',
             "num_labels must be a whole number",
