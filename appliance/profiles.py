@@ -213,14 +213,14 @@ class Choice:
         }
 
 
-def available(roots: list[Path], model_slug: str) -> dict[str, Path]:
-    """Hardware slug -> profile file for one model; an earlier root wins over a later one."""
-    found: dict[str, Path] = {}
+def available(roots: list[Path], model_slug: str) -> dict[str, list[Path]]:
+    """Hardware slug -> profile files for one model, an earlier root's first (it wins, if it is usable)."""
+    found: dict[str, list[Path]] = {}
     for root in roots:
         folder = root / model_slug
         if folder.is_dir():
             for path in sorted(folder.glob("*.toml")):
-                found.setdefault(path.stem, path)
+                found.setdefault(path.stem, []).append(path)
     return found
 
 
@@ -250,26 +250,30 @@ def choose(model_slug: str, hardware: str, roots: list[Path], wanted: str = PROF
         if wanted not in files:
             log.warning("forced profile missing; using defaults", extra={"model": model_slug, "profile": wanted})
             return Choice("default", hardware)
-        return _read_choice("forced", hardware, files[wanted])
+        return _first_usable("forced", hardware, files[wanted])
     if hardware in files:
-        return _read_choice("exact", hardware, files[hardware])
+        return _first_usable("exact", hardware, files[hardware])
     near = nearest_hardware(hardware, list(files))
     if near is not None:
-        return _read_choice("nearest", hardware, files[near])
+        return _first_usable("nearest", hardware, files[near])
     return Choice("default", hardware)
 
 
-def _read_choice(match: str, hardware: str, path: Path) -> Choice:
-    try:
-        profile = Profile.read(path)
-    except (OSError, ValueError) as exc:  # a broken file must not stop a box: serve with the defaults
-        log.warning("profile unreadable; using defaults", extra={"file": str(path), "error": repr(exc)})
-        return Choice("default", hardware)
-    problem = profile.problem(on_cpu=_cpu_cores_of(hardware) is not None)
-    if problem is not None:
-        log.warning("profile not usable here; using defaults", extra={"file": str(path), "error": problem})
-        return Choice("default", hardware)
-    return Choice(match, hardware, profile)
+def _first_usable(match: str, hardware: str, paths: list[Path]) -> Choice:
+    """The first of one hardware's profile files (an earlier root's first) a box can run, else the defaults: an
+    operator's broken file in `profiles_dir` gave way to the defaults, not to the shipped profile beside it."""
+    for path in paths:
+        try:
+            profile = Profile.read(path)
+        except (OSError, ValueError) as exc:  # a broken file must not stop a box
+            log.warning("profile unreadable; not applied", extra={"file": str(path), "error": repr(exc)})
+            continue
+        problem = profile.problem(on_cpu=_cpu_cores_of(hardware) is not None)
+        if problem is not None:
+            log.warning("profile not usable here; not applied", extra={"file": str(path), "error": problem})
+            continue
+        return Choice(match, hardware, profile)
+    return Choice("default", hardware)
 
 
 def apply(spec: ModelSpec, choice: Choice, *, cores: int | None = None, has_adapters: bool = False) -> ModelSpec:

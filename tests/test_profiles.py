@@ -147,6 +147,19 @@ def test_profile_off_forced_and_unreadable(tmp_path: Path) -> None:
     assert choose(SLUG, "cpu-2c", [root]).match == "default"  # a broken file must not stop a box
 
 
+def test_an_operators_profile_a_box_cannot_use_gives_way_to_the_shipped_one(tmp_path: Path) -> None:
+    """A broken or unusable file in `profiles_dir` gave way to the defaults, though the shipped profile for the same
+    hardware sat in the root after it (planning note of tester h72's round)."""
+    shipped = write(tmp_path / "shipped", profile("cpu-2c", max_batch_size=8))
+    operators = write(tmp_path / "operator", profile("cpu-2c", max_batch_size=0))
+    choice = choose(SLUG, "cpu-2c", [operators, shipped])
+    assert choice.match == "exact" and choice.profile is not None and choice.profile.max_batch_size == 8
+    (operators / SLUG / "cpu-2c.toml").write_text("runtime = [not toml")
+    assert choose(SLUG, "cpu-2c", [operators, shipped]).profile == choice.profile
+    sound = write(tmp_path / "sound", profile("cpu-2c", max_batch_size=4))
+    assert choose(SLUG, "cpu-2c", [sound, shipped]).profile.path == sound / SLUG / "cpu-2c.toml"  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("hardware", "knobs", "problem"),
     [
@@ -172,7 +185,7 @@ def test_a_profile_a_box_cannot_run_gives_way_to_the_defaults(
         choice = choose(SLUG, hardware, [root])
     assert choice.match == "default" and choice.profile is None
     (warning,) = caplog.records
-    assert warning.message == "profile not usable here; using defaults" and warning.error.startswith(problem)
+    assert warning.message == "profile not usable here; not applied" and warning.error.startswith(problem)
     assert choose(SLUG, hardware, [write(tmp_path, profile(hardware))]).match == "exact"  # a sound one applies
 
 
