@@ -117,6 +117,7 @@ def heartbeat(box: Box) -> dict[str, Any]:
             "name": r.spec.name,
             "bytes": r.nbytes,
             "max_length": r.runtime.info.max_length,
+            "dimensions": r.runtime.info.dimensions,  # an embedder's width, for gateways to judge `dimensions`
             "pinned": r.spec.name in box.residency.pinned,
             "state": "resident",
             "adapters": box.residency.adapter_names(r.spec.name),

@@ -131,6 +131,12 @@ def reason_of(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, (UnsupportedModel, ModelFolderMissing)) else repr(exc)
 
 
+def too_many_dimensions(dimensions: int, width: int) -> Unprocessable:
+    """`dimensions` past the model's width: said by the worker, or by a gateway that knows the width from a holder's
+    heartbeat before it admits the request (else a 429 told the client to retry what could never be answered)."""
+    return Unprocessable(f"dimensions={dimensions} is more than this model's {width}", code="invalid_dimensions")
+
+
 def not_resident(model: str, box: str) -> NotFound:
     """An evict from a named box that does not hold the model (the HTTP route and the CLI alike)."""
     return NotFound(f"model {model} is not resident on box {box}", code="model_not_resident")

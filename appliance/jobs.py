@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 
 from appliance.envelope import ReplyMeta
-from appliance.errors import PayloadTooLarge, Unprocessable
+from appliance.errors import PayloadTooLarge, Unprocessable, too_many_dimensions
 from appliance.schemas import ClassifyRequest, EmbeddingRequest, ExtractRequest, RerankRequest
 from appliance.work import Job
 from runtimes import InputTooLong, Runtime, Task, Tokenized
@@ -71,9 +71,7 @@ class EmbedJobs(_EncoderJobs):
     def check(self, request: EmbeddingRequest, runtime: Runtime) -> None:
         width = runtime.info.dimensions
         if request.dimensions is not None and width is not None and request.dimensions > width:
-            raise Unprocessable(
-                f"dimensions={request.dimensions} is more than this model's {width}", code="invalid_dimensions"
-            )
+            raise too_many_dimensions(request.dimensions, width)
         if request.normalize is False and runtime.info.unit_only:
             raise Unprocessable(
                 "normalize: false cannot be honoured: this model's network normalises its vectors itself",

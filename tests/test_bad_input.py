@@ -60,6 +60,26 @@ async def test_bad_bodies_get_clear_client_errors(default_box, http, body, statu
     assert_error_shape(payload, code)
 
 
+async def test_dimensions_past_a_held_models_width_are_refused_before_they_are_queued(default_box, http) -> None:
+    """Tester h70: judged by the worker only, such a request was admitted or refused 429 first (a retry of what can
+    never be answered, 7 of 116 times in a soak). The width a holder's heartbeat says is judged at the gateway."""
+    from appliance import bus
+
+    def said_width() -> bool:
+        entries = [entry for record in default_box.fleet.live_boxes() for entry in record["models"]]
+        return any(entry["name"] == DEFAULT_MODEL_NAME and entry.get("dimensions") == 384 for entry in entries)
+
+    await wait_for(said_width, what="the default model's width in a heartbeat")
+    before = await bus.next_request_sequence(default_box.js)
+    body = b'{"input": "x", "model": "all-minilm-l6-v2", "dimensions": 385}'
+    status, answer, _ = await post(http, default_box, body)
+    assert (status, answer["error"]["code"]) == (422, "invalid_dimensions"), answer
+    assert answer["error"]["message"] == "dimensions=385 is more than this model's 384"
+    assert await bus.next_request_sequence(default_box.js) == before  # never queued
+    status, answer, _ = await post(http, default_box, body.replace(b"385", b"384"))
+    assert status == 200 and await bus.next_request_sequence(default_box.js) == before + 1, answer
+
+
 async def test_token_ids_are_refused_saying_what_to_send(default_box, http) -> None:
     """LangChain's OpenAIEmbeddings sends tiktoken's ids by default: ids of another tokenizer would embed as noise,
     and the schema error (`Expected str, got array`) did not say what to do."""

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from appliance.catalog import Resolved
 from appliance.envelope import ReplyMeta
-from appliance.errors import PayloadTooLarge, Unprocessable, error_from_reply
+from appliance.errors import PayloadTooLarge, Unprocessable, error_from_reply, too_many_dimensions
 from appliance.gateway.context import REQUEST_ID, GatewayContext
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.schemas import (
@@ -90,6 +90,8 @@ async def enqueue(
             f"send it to {ROUTE_FOR[resolved.spec.task]}",
             code="wrong_task",
         )
+    if isinstance(parsed, EmbeddingRequest) and parsed.dimensions is not None:
+        _check_width(ctx, resolved.spec.name, parsed.dimensions)
     ctx.refuse_without_workers()
     reply = await ctx.dispatcher.call(
         spec=resolved.spec,
@@ -105,6 +107,20 @@ async def enqueue(
     if reply.meta.status != 200:
         raise error_from_reply(reply.meta.status, reply.body, reply.meta.retry_after_s)
     return parsed, resolved, reply.meta, reply.body
+
+
+def _check_width(ctx: GatewayContext, model: str, dimensions: int) -> None:
+    """A 422 now for `dimensions` past the width the live boxes holding `model` say in their heartbeats (one width:
+    while a re-registration on another folder spreads, they may differ, and the worker judges). Judged after
+    admission, under load the request was refused 429, to be retried for ever (tester h70)."""
+    widths = {
+        entry.get("dimensions")
+        for record in ctx.live_boxes()
+        for entry in record.get("models", [])
+        if entry.get("name") == model and entry.get("state") == "resident"
+    }
+    if len(widths) == 1 and isinstance(width := next(iter(widths)), int) and dimensions > width:
+        raise too_many_dimensions(dimensions, width)
 
 
 def refuse_token_ids(texts: list[Any], refusal: str) -> None:
