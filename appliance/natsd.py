@@ -16,6 +16,7 @@ import errno
 import fcntl
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,14 +43,32 @@ _HANDED_OUT: set[int] = set()  # the ports `free_port` gave this process
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, never one this process was given before: two asked for in a row, neither bound yet, could
-    be the same (a CI run's box found its HTTP port taken by its own embedded nats-server)."""
+    be the same (a CI run's box found its HTTP port taken by its own embedded nats-server). Drawn below the
+    kernel's range for outgoing connections where it says it: a port of that range, free when asked, was taken by
+    some client's connection before the `fleetbox serve` it was for had started (a suite run on a busy machine)."""
+    below = _ephemeral_start()
     while True:
+        port = random.randrange(_LOWEST_DRAWN, below) if below > _LOWEST_DRAWN + 1000 else 0
         with socket.socket() as sock:
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # in use: draw again
             port = int(sock.getsockname()[1])
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+_LOWEST_DRAWN = 20_000  # well clear of the well-known and registered ports services listen on by default
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's range of ports for outgoing connections starts (Linux); 0 when it does not say."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 _PR_SET_PDEATHSIG = 1
