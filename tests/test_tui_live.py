@@ -573,6 +573,23 @@ def test_evict_from_a_named_box_says_when_it_is_a_gateway_or_does_not_hold_the_m
     assert sent == ["w"]  # the gateway is never asked
 
 
+def test_a_verb_for_any_box_goes_to_one_beating_on_time_before_a_late_one() -> None:
+    """Planning note: `models delete` asked the first live box by name, a frozen one (only late until its heartbeat
+    expires) included, and waited the verb's 120 s for it."""
+    from dataclasses import replace
+
+    from tui.model import BoxState
+
+    beating = {"role": "all", "ts": time.time()}
+    boxes = [
+        replace(BoxState.from_heartbeat({"box": "a-frozen", **beating}), status="late"),
+        BoxState.from_heartbeat({"box": "b-fine", **beating}),
+    ]
+    fleet_ops = ops.FleetOps(None, lambda: boxes)  # type: ignore[arg-type]
+    assert [box.box for box in fleet_ops.live()] == ["b-fine", "a-frozen"]
+    assert fleet_ops._any_box() == "b-fine" and fleet_ops.holders("x") == []
+
+
 def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
     """`--nats ""` (or blanks, or bare commas) used to spin for ever; `FBX_NATS=` still means the default."""
     for value in ("", " ", ","):

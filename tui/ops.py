@@ -126,7 +126,9 @@ class FleetOps:
     # -- choosing a box ---------------------------------------------------------------------------
 
     def live(self) -> list[BoxState]:
-        return sorted((b for b in self._boxes() if b.usable), key=lambda b: b.box)
+        """The boxes a verb may go to, those beating on time first: a box frozen (SIGSTOP, a hung host) is only late
+        until its heartbeat expires, and a `models delete` sent to it waited out the verb's two minutes."""
+        return sorted((b for b in self._boxes() if b.usable), key=lambda b: (b.status != "live", b.box))
 
     def workers(self) -> list[BoxState]:
         return [b for b in self.live() if b.runs_models]
