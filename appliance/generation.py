@@ -93,6 +93,11 @@ class GenerateWorker:
         # Generations handed back (`hand_back`), naked once a step has dropped them from the runtime: redelivered
         # here sooner, the runtime still held the id and refused the new copy ("already generating").
         self._handed_back: list[Msg] = []
+        # Ids let go (`cancel`) that the runtime holds until its next step, and copies of them delivered meanwhile,
+        # taken in after it: admitted at once, the runtime refused such a copy ("already generating"), a 422 to a
+        # generation its gateway published again after a NATS restart (tester h85).
+        self._letting_go: set[str] = set()
+        self._parked: list[Msg] = []
         self.pulling = asyncio.Event()  # as a ModelWorker's: set as it starts
         self._wake = asyncio.Event()
         self._tasks = Background(f"generate:{spec.slug}")
@@ -170,7 +175,7 @@ class GenerateWorker:
         and remembered, this box dropped its next delivery (review r43)."""
         if request_id not in self._streams:
             return False
-        self.runtime.cancel(request_id)
+        self._stop_in_runtime(request_id)
         stream = self._forget(request_id)
         assert stream is not None
         if settle:
@@ -188,12 +193,17 @@ class GenerateWorker:
             if stream.tokens:
                 continue
             if self._adapter_gone(stream.meta):
-                self.runtime.cancel(request_id)
+                self._stop_in_runtime(request_id)
                 self._forget(request_id)
                 self._spawn(self._replies.fail(stream.meta, stream.msg, self._adapter_deleted_error(stream.meta)))
             elif stream.adapter is not None and stream.adapter.retired:
                 self.hand_back(request_id)
         self.puller.poke()
+
+    def _stop_in_runtime(self, request_id: str) -> None:
+        """Have the runtime drop it at its next step; a copy delivered before then waits for it (`_stepped`)."""
+        self.runtime.cancel(request_id)
+        self._letting_go.add(request_id)
 
     def _adapter_gone(self, meta: RequestMeta) -> bool:
         adapter = self._catalog.get(meta.adapter) if meta.adapter is not None else None
@@ -219,6 +229,15 @@ class GenerateWorker:
         self.cancel(request_id, settle=False)
         self._wake.set()
         return True
+
+    def _stepped(self, handing_back: int, let_go: set[str]) -> None:
+        """A step has run, or the runtime holds nothing: the first `handing_back` generations handed back and the ids
+        in `let_go` (both as they were before it) are out of it: those are naked, and copies of these taken in."""
+        self._nak_handed_back(handing_back)
+        self._letting_go -= let_go
+        parked, self._parked = self._parked, []
+        for msg in parked:
+            self._on_message(msg)
 
     def _nak_handed_back(self, count: int) -> None:
         """Nak the first `count` generations handed back; the rest came during the step and wait for the next."""
@@ -250,6 +269,10 @@ class GenerateWorker:
                     self._streams[meta.id].msg = msg
                 else:
                     self._preparing[meta.id] = msg
+            return
+        if meta.id in self._letting_go:  # the runtime drops its old copy at its next step: this one comes in after
+            self._parked.append(msg)
+            self._wake.set()
             return
         if self._cancelled.contains(meta.id):  # its client went away while it waited in the queue
             self._metrics.cancelled.labels(self.spec.name).inc()
@@ -321,9 +344,9 @@ class GenerateWorker:
         loop = asyncio.get_running_loop()
         while True:
             # Those handed back before this step: naked once it has run (the drain naks them if it is cut short).
-            handing_back = len(self._handed_back)
+            handing_back, let_go = len(self._handed_back), set(self._letting_go)
             if not self.runtime.has_work:
-                self._nak_handed_back(handing_back)  # the runtime holds none of them
+                self._stepped(handing_back, let_go)  # the runtime holds none of them
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -340,9 +363,9 @@ class GenerateWorker:
                     stream = self._forget(request_id)
                     if stream is not None:
                         self._replies.failed(stream, exc)
-                self._nak_handed_back(handing_back)  # this step dropped them from the runtime
+                self._stepped(handing_back, let_go)  # this step dropped them from the runtime
                 continue
-            self._nak_handed_back(handing_back)  # dropped by this step (one cancelled, in a drain, leaves them to it)
+            self._stepped(handing_back, let_go)  # dropped by this step (one cancelled, in a drain, leaves them to it)
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
             self._metrics.batch_size.labels(self.spec.name).observe(len(outputs))
@@ -441,9 +464,11 @@ class GenerateWorker:
                 if self._streams:
                     await loop.run_in_executor(self._device, self.runtime.clear)
                 held = [(stream.meta, stream.msg, stream.seq) for stream in self._streams.values()]
-                held += [(None, msg, 0) for msg in [*preparing, *self._handed_back]]
+                held += [(None, msg, 0) for msg in [*preparing, *self._handed_back, *self._parked]]
                 self._streams.clear()
                 self._handed_back.clear()
+                self._parked.clear()
+                self._letting_go.clear()
                 for meta, msg, sent in held:
                     if msg.is_acked:  # an admission answered (an error) just before its cancel
                         continue

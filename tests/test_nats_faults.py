@@ -574,12 +574,64 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
         await nc.close()
 
 
-async def _publish_generation(nc: nats.NATS, request_id: str, reply: str, *, max_tokens: int) -> None:
+async def test_a_copy_published_again_before_the_runtime_dropped_the_old_one_is_generated_once_not_refused(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Tester h85 (3 of 3 runs): the copy its gateway published again reached the box that had let the old one go
+    before the runtime's next step dropped it: refused as "already generating", its client had a 422. The copy
+    waits for that step. The device thread is held here so the copy surely comes first."""
+    import threading
+
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1})
+    box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=5)
+    nc, replies = await _gateway_of(nats_server.url, "test.copy")
+    held = threading.Event()
+    try:
+        for request_id in ("running", "waiting"):
+            await _publish_generation(nc, request_id, "test.copy", max_tokens=240)
+        worker = box.workers["gen"]
+
+        def one_running_one_waiting() -> bool:
+            return sorted(stream.seq > 0 for stream in worker._streams.values()) == [False, True]
+
+        await wait_for(one_running_one_waiting, what="one generation running, the other waiting for the slot")
+        (waiting,) = [request_id for request_id, stream in worker._streams.items() if stream.seq == 0]
+        holding = worker._device.submit(held.wait, 20)  # no step until the copy is in
+        await wait_for(holding.running, what="the device thread held between two steps")
+        box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)
+        box.workers.queue_lost()
+        # As its gateway publishes it again: into a new stream, where the old one's Nats-Msg-Id does not dedupe it.
+        await _publish_generation(nc, waiting, "test.copy", max_tokens=240, msg_id=f"{waiting}-again")
+        consumer = bus.consumer_name(bus.model_slug("gen"), "interactive")
+
+        async def copy_delivered() -> bool:
+            return (await box.js.consumer_info(bus.REQUEST_STREAM, consumer)).num_ack_pending == 3
+
+        await wait_for(copy_delivered, what="the copy delivered to the box")
+        await asyncio.sleep(0.5)  # and taken in (no step meanwhile: the device thread waits)
+        held.set()
+        finals: dict[str, int] = {}
+        while len(finals) < 2:
+            reply, body = await asyncio.wait_for(replies.get(), 30)
+            assert reply.id not in finals, "answered twice"
+            if reply.final:
+                finals[reply.id] = reply.status
+                assert reply.status == 200, body
+        assert finals == {"running": 200, "waiting": 200}
+    finally:
+        held.set()
+        await nc.close()
+
+
+async def _publish_generation(
+    nc: nats.NATS, request_id: str, reply: str, *, max_tokens: int, msg_id: str | None = None
+) -> None:
     """Queue a streamed generation for model "gen" as a gateway would, its replies to `reply` (`_gateway_of`)."""
     now = int(time.time() * 1000)
     meta = RequestMeta(id=request_id, task="generate", model="gen", reply=reply, deadline_ms=now + 30_000, sent_ms=now)
     body = orjson.dumps({"model": "gen", "prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True})
-    await nc.jetstream().publish(bus.request_subject("gen"), body, headers=meta.headers())
+    headers = meta.headers() | ({"Nats-Msg-Id": msg_id} if msg_id else {})
+    await nc.jetstream().publish(bus.request_subject("gen"), body, headers=headers)
 
 
 async def test_a_request_stream_or_consumer_deleted_by_hand_is_made_again_and_requests_are_answered(
