@@ -182,6 +182,7 @@ class Box:
             period_s=s.heartbeat_s,
             ttl_s=s.heartbeat_ttl_s,
             replicas=s.replicas,
+            on_taken=self._id_taken,
         )
         await when_jetstream_answers(self.fleet.start)
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
@@ -248,6 +249,13 @@ class Box:
         self.failure = why
         self.stop_requested.set()
 
+    def _id_taken(self, why: str) -> None:
+        """Another box beats under this box's id (it took it while this one was cut off or frozen): this one stops,
+        with an error exit, and leaves the id to it."""
+        log.error("box stopping: its id is another box's now", extra={"error": why})
+        self.failure = f"{why}; this box stops"
+        self.stop_requested.set()
+
     async def _on_nats_error(self, exc: Exception) -> None:
         # Which server: a box that cannot reach it keeps trying, and its log is all an operator sees (no HTTP port
         # before it connects); without the URL a wrong --nats read as a mystery (operator tester h51).
@@ -279,7 +287,7 @@ class Box:
         try:
             created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
         except Conflict as exc:  # its id taken while it was cut off (`Fleet._refuse_a_twin`): the other box stays
-            self._nats_gone(f"{exc.message}; this box stops")
+            self._id_taken(exc.message)
             return
         self.workers.pull_again()
         if created is not None:

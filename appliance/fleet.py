@@ -44,6 +44,7 @@ class Fleet:
         period_s: float,
         ttl_s: float,
         replicas: int = 1,
+        on_taken: Callable[[str], None] | None = None,
     ) -> None:
         self._js = js
         self.box_id = box_id
@@ -57,6 +58,10 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._watcher: KeyValue.KeyWatcher | None = None
         self._beating = False
+        self._on_taken = on_taken  # told why when another box beats under this box's id now
+        self._started: object = None  # this box's `started`, which its records carry
+        self._revision: int | None = None  # of this box's last record: a beat writes over that alone (`_write`)
+        self._beat_lock = asyncio.Lock()
         self._workers_seen_at = time.monotonic()  # the last heartbeat of a box taking model work (or the start)
 
     async def start(self) -> None:
@@ -71,7 +76,7 @@ class Fleet:
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
-            started = self._snapshot().get("started")
+            self._started = started = self._snapshot().get("started")
             await self._refuse_a_twin(started)
             await self._take_id(started)
             self._beating = True  # from now the record under this id is this box's: its stop deletes it
@@ -103,13 +108,14 @@ class Fleet:
             except KeyNotFoundError:  # none, or deleted
                 entry = None
             if entry is not None and entry.value and _started(entry.value) == started:  # its own (a reopen)
+                self._revision = entry.revision
                 return
             record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
             try:
                 if entry is None:
-                    await self._kv.create(self.box_id, record)
+                    self._revision = await self._kv.create(self.box_id, record)
                 else:
-                    await self._kv.update(self.box_id, record, last=entry.revision)
+                    self._revision = await self._kv.update(self.box_id, record, last=entry.revision)
                 return
             except KeyWrongLastSequenceError:  # written since it was read: by a live box, unless only deleted
                 try:
@@ -126,6 +132,7 @@ class Fleet:
         """After a reconnect: a NATS server that restarted lost this bucket (it lives in memory), and
         its watch with it. Make the bucket again if it is gone, and watch it afresh."""
         await self._stop_tasks()
+        self._revision = None
         await self.start()
 
     async def _stop_tasks(self) -> None:
@@ -140,13 +147,39 @@ class Fleet:
         """Publish this box's record now (also called on state changes, so others see them at once)."""
         if self._kv is None or self._snapshot is None or not self._beating:  # not before `_refuse_a_twin` passed
             return
-        record = {**self._snapshot(), "box": self.box_id, "ts": time.time()}
-        try:
-            await self._kv.put(self.box_id, orjson.dumps(record))
-        except Exception as exc:
-            self._heartbeats.failed(exc)
-        else:
-            self._heartbeats.succeeded()
+        async with self._beat_lock:  # one write at a time: each over the last
+            record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
+            try:
+                self._revision = await self._write(record)
+            except Conflict as exc:
+                self._beating = False  # nor its stop deletes the other box's record
+                log.error("another box beats under this box's id", extra={"error": exc.message})
+                if self._on_taken is not None:
+                    self._on_taken(exc.message)
+            except Exception as exc:
+                self._heartbeats.failed(exc)
+            else:
+                self._heartbeats.succeeded()
+
+    async def _write(self, record: bytes) -> int:
+        """Write this box's record over its last one only, and say its revision; `Conflict` when another box's
+        record is there now. A box frozen past its TTL (SIGSTOP, a paused VM) whose id a box started meanwhile
+        took wrote over that box's record when it woke, and both beat on: every request computed twice (h82)."""
+        assert self._kv is not None
+        for _ in range(3):
+            if self._revision is not None:
+                with suppress(KeyWrongLastSequenceError):
+                    return int(await self._kv.update(self.box_id, record, last=self._revision))
+            try:
+                entry = await self._kv.get(self.box_id)
+            except KeyNotFoundError:  # aged out while this box was cut off or frozen, or deleted: no box took it
+                with suppress(KeyWrongLastSequenceError):
+                    return int(await self._kv.create(self.box_id, record))
+                continue
+            if entry.value and _started(entry.value) != self._started:
+                raise _taken(self.box_id)
+            self._revision = entry.revision  # its own, written by a beat whose answer was lost
+        raise RuntimeError("this box's heartbeat record kept changing under it")
 
     async def _beat_forever(self) -> None:
         while True:

@@ -530,6 +530,26 @@ async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_it
         await watcher.stop()
 
 
+async def test_a_box_whose_id_another_box_took_while_it_was_frozen_stops_when_it_wakes(start_box, nats_server) -> None:
+    """Tester h82: a worker SIGSTOPped past its heartbeat TTL, a new worker started under its id, and the old one
+    woke (SIGCONT) with its NATS connection intact: it wrote over the new box's record and both beat on, every
+    request computed twice, `models list` showing one box. Here the new box's record is written as its start
+    writes it (the old box's aged out); the old box's next beat finds it and stops the old box, leaving it be."""
+    frozen = await start_box(box_id="sleeper", default_model=False, models=[noop_model()])
+    nc = await nats.connect(nats_server.url)
+    kv = await nc.jetstream().key_value(bus.BOXES_BUCKET)
+    await frozen.fleet._stop_tasks()  # frozen: it beats no more (and watches no more)
+    await kv.delete("sleeper")  # its record aged out
+    newcomer = {"box": "sleeper", "started": frozen.started_at + 30, "ts": time.time(), "role": "all", "models": []}
+    await kv.create("sleeper", orjson.dumps(newcomer))
+    await frozen.fleet.beat()  # it wakes: its timer's beat comes first
+    assert frozen.stop_requested.is_set() and "box id sleeper is taken" in (frozen.failure or "")
+    assert orjson.loads((await kv.get("sleeper")).value)["started"] == newcomer["started"]  # not written over
+    await frozen.stop()
+    assert orjson.loads((await kv.get("sleeper")).value)["started"] == newcomer["started"]  # nor deleted by its stop
+    await nc.close()
+
+
 async def test_two_boxes_started_under_one_id_at_the_same_moment_are_not_both_let_in(nats_server) -> None:
     """Both saw no record under the id and both beat on (a planning item since tester h64): the first record is
     written only over what was judged, so one of them is refused."""
