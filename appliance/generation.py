@@ -221,6 +221,9 @@ class GenerateWorker:
         stream = self._streams.get(request_id)
         if stream is None:
             return False
+        if self.from_lost_queue(request_id):  # no nak brings it back: its gateway publishes it again (`Workers`)
+            self.cancel(request_id, settle=False)
+            return True
         if (stream.msg.metadata.num_delivered or 1) >= self._settings.max_deliver:
             # Its last delivery: handed back, it would be dead-lettered (a 422 that blames the request) where the
             # client should hear the chunk was lost (a 503 it may retry). Review r50.
@@ -229,6 +232,12 @@ class GenerateWorker:
         self.cancel(request_id, settle=False)
         self._wake.set()
         return True
+
+    def from_lost_queue(self, request_id: str) -> bool:
+        """Whether this box generates `request_id` from a request stream made anew since (a restart of a nats-server
+        without --durable): its message went with the old stream."""
+        stream = self._streams.get(request_id)
+        return stream is not None and self._queue_epoch.lost(stream.msg)
 
     def _stepped(self, handing_back: int, let_go: set[str]) -> None:
         """A step has run, or the runtime holds nothing: the first `handing_back` generations handed back and the ids

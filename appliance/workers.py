@@ -343,13 +343,13 @@ class Workers:
         if box is not None:  # "stop your answer: another box's is taken" (`Dispatcher.take`), for that box alone
             if box == self._box_id:
                 if cancel.get("again") is True:  # "...and hand it back": a chunk of it was lost (`Dispatcher.take`)
-                    handed_back = any(
-                        worker.hand_back(request_id)
-                        for worker in self._table.values()
-                        if not isinstance(worker, ModelWorker)
-                    )
+                    generators = [worker for worker in self._table.values() if not isinstance(worker, ModelWorker)]
+                    # From a request stream lost since: the gateway publishes it again, where a nak brought nothing
+                    # back and the client had a 503 `chunk_lost` after 20 s (tester h85).
+                    lost = any(worker.from_lost_queue(request_id) for worker in generators)
+                    handed_back = any(worker.hand_back(request_id) for worker in generators)
                     if msg.reply:
-                        await msg.respond(orjson.dumps({"handed_back": handed_back}))
+                        await msg.respond(orjson.dumps({"handed_back": handed_back, "publish_again": lost}))
                     return
                 for worker in self._table.values():
                     worker.cancel(request_id, settle=False)

@@ -17,7 +17,7 @@ import orjson
 from appliance import bus
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.settings import ModelEntry
-from tests.conftest import url
+from tests.conftest import url, wait_for
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
@@ -180,6 +180,60 @@ async def test_a_stream_that_lost_a_chunk_while_its_box_generates_is_generated_a
         await nc.close()
     await start_box(role="worker", box_id="survivor", **common)  # pulls it at once: it was handed back
     async with await answer as response:
+        assert response.status == 200
+        raw = await response.text()
+    events = [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+    assert not any("error" in event for event in events), events
+    assert "".join(event["choices"][0]["text"] for event in events) == expected
+
+
+async def test_a_stream_that_lost_a_chunk_from_a_lost_queue_is_published_again_and_generated_again(
+    start_box, nats_server, http, generator_dir
+):
+    """Tester h85: after a restart of an embedded nats-server (a queue in memory), chunks sent before the gateway was
+    back were lost; the box handed the request back with a nak, but its message had gone with the old stream, and
+    the client had a 503 `chunk_lost` after 20 s. The box says so, and the gateway publishes the request again."""
+    expected = greedy_text(generator_dir)
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    common = {"default_model": False, "models": [model]}
+    gateway = await start_box(role="gateway", box_id="gateway", **common)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    nc = await nats.connect(nats_server.url)
+    asked: asyncio.Queue = asyncio.Queue()
+    try:
+        sub = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("tiny-llama"), stream=bus.REQUEST_STREAM)
+        (msg,) = await sub.fetch(1, timeout=10)
+        meta = RequestMeta.from_headers(msg.headers)
+
+        async def hand_back(cancel) -> None:
+            if orjson.loads(cancel.data) == {"id": meta.id, "box": "lossy-box", "again": True}:
+                await cancel.respond(orjson.dumps({"handed_back": True, "publish_again": True}))
+                asked.put_nowait(cancel)
+
+        await nc.subscribe(bus.cancel_subject(), cb=hand_back)
+
+        async def send(seq: int, text: str) -> None:
+            reply = ReplyMeta(id=meta.id, status=200, box="lossy-box", seq=seq, final=False)
+            await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
+
+        await send(0, expected[:2])
+        await gateway.js.delete_stream(bus.REQUEST_STREAM)  # lost, as in a restart: the gateway's box makes it again
+
+        async def made_again() -> bool:
+            try:
+                await gateway.js.stream_info(bus.REQUEST_STREAM)
+            except nats.js.errors.NotFoundError:
+                return False
+            return True
+
+        await wait_for(made_again, what="the request stream made again")
+        await send(2, expected[4:6])  # chunk 1 never arrives
+        await asyncio.wait_for(asked.get(), 10)
+    finally:
+        await nc.close()
+    await start_box(role="worker", box_id="survivor", **common)
+    async with asyncio.timeout(15), await answer as response:
         assert response.status == 200
         raw = await response.text()
     events = [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]

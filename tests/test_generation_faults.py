@@ -295,11 +295,11 @@ async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_a
     try:
         ask = {"id": request_id, "box": box.box_id, "again": True}
         answer = await nc.request(bus.cancel_subject(), orjson.dumps(ask), timeout=5)
-        assert orjson.loads(answer.data) == {"handed_back": True}
+        assert orjson.loads(answer.data) == {"handed_back": True, "publish_again": False}
         assert request_id not in worker._streams
         asked.set()
         elsewhere = await nc.request(bus.cancel_subject(), orjson.dumps({**ask, "id": "not-held"}), timeout=5)
-        assert orjson.loads(elsewhere.data) == {"handed_back": False}
+        assert orjson.loads(elsewhere.data) == {"handed_back": False, "publish_again": False}
     finally:
         await nc.close()
     async with asyncio.timeout(30):
@@ -324,7 +324,7 @@ async def test_a_generation_on_its_last_delivery_is_not_handed_back(
     try:
         ask = {"id": request_id, "box": box.box_id, "again": True}
         reply = await nc.request(bus.cancel_subject(), orjson.dumps(ask), timeout=5)
-        assert orjson.loads(reply.data) == {"handed_back": False}
+        assert orjson.loads(reply.data) == {"handed_back": False, "publish_again": False}
         assert request_id in worker._streams  # still generating it
     finally:
         asked.set()

@@ -623,6 +623,37 @@ async def test_a_copy_published_again_before_the_runtime_dropped_the_old_one_is_
         await nc.close()
 
 
+async def test_a_box_asked_to_hand_back_a_generation_from_a_lost_queue_says_to_publish_it_again(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Tester h85: a chunk lost after an embedded nats-server restart; the box handed the generation back with a nak,
+    which brought nothing back (its message went with the old stream): its client had a 503 `chunk_lost` after
+    20 s. The box stops generating it and says so: its gateway publishes it again (test_generation_failover)."""
+    import threading
+
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(box_id="a", default_model=False, models=[model])
+    nc, _ = await _gateway_of(nats_server.url, "test.lost")
+    worker, held = box.workers["gen"], threading.Event()
+    worker._device.submit(held.wait, 20)  # no step: what is admitted stays held, however fast this machine
+    try:
+        await _publish_generation(nc, "r", "test.lost", max_tokens=240)
+        await wait_for(lambda: "r" in worker._streams, what="the generation admitted")
+        ask = orjson.dumps({"id": "r", "box": "a", "again": True})
+        answer = orjson.loads((await nc.request(bus.cancel_subject(), ask, timeout=5)).data)
+        assert answer == {"handed_back": True, "publish_again": False}  # its stream is the live one: a nak will do
+        await _publish_generation(nc, "s", "test.lost", max_tokens=240)
+        await wait_for(lambda: "s" in worker._streams, what="another admitted")
+        box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)  # its stream: made anew since
+        ask = orjson.dumps({"id": "s", "box": "a", "again": True})
+        answer = orjson.loads((await nc.request(bus.cancel_subject(), ask, timeout=5)).data)
+        assert answer == {"handed_back": True, "publish_again": True}
+        assert "s" not in worker._streams
+    finally:
+        held.set()
+        await nc.close()
+
+
 async def _publish_generation(
     nc: nats.NATS, request_id: str, reply: str, *, max_tokens: int, msg_id: str | None = None
 ) -> None:

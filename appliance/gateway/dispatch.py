@@ -200,13 +200,15 @@ class Dispatcher:
         the request back, and whichever box pulls it starts the answer over (`StreamWaiter.stitch`); where it cannot
         (it finished meanwhile, or is gone), the client is told the chunk was lost."""
         restarts = stream.restarts if (stream := self._streams.get(request_id)) is not None else 0
-        handed_back = await self._publisher.hand_back(request_id, box)
+        handed_back, publish_again = await self._publisher.hand_back(request_id, box)
         if stream is None or self._streams.get(request_id) is not stream:
             return  # answered meanwhile
         if not handed_back:
             if stream.broken and stream.box == box:
                 stream.queue.put_nowait(lost)
             return
+        if publish_again and (sent := self._sent.get(request_id)) is not None:  # its message went with a lost queue
+            self._republishes.spawn(self._publish_again(sent))
         # The answer must now start over; if no chunk 0 comes (lost too, in the same failover), the client is told.
         loop = asyncio.get_running_loop()
         loop.call_later(_RESTART_WAIT_S, self._restart_overdue, request_id, stream, restarts, lost)

@@ -53,16 +53,18 @@ class Publisher:
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
 
-    async def hand_back(self, request_id: str, box: str) -> bool:
+    async def hand_back(self, request_id: str, box: str) -> tuple[bool, bool]:
         """Ask `box` to stop generating `request_id` and hand it back to the queue, to be generated again from the
-        start by any box; True once it says it did (False: it finished it, or did not answer in time)."""
+        start by any box: whether it says it did (not: it finished it, or did not answer in time), and whether the
+        request must be published again (its message went with a request stream lost since)."""
         payload = orjson.dumps({"id": request_id, "box": box, "again": True})
         try:
-            answer = await self._nc.request(bus.cancel_subject(), payload, timeout=_HAND_BACK_TIMEOUT_S)
-            return orjson.loads(answer.data).get("handed_back") is True
+            reply = await self._nc.request(bus.cancel_subject(), payload, timeout=_HAND_BACK_TIMEOUT_S)
+            answer = orjson.loads(reply.data)
+            return answer.get("handed_back") is True, answer.get("publish_again") is True
         except Exception as exc:  # no box answered (it died, or NATS is away again): the caller says what was lost
             log.debug("generation not handed back", extra={"request_id": request_id, "error": repr(exc)})
-            return False
+            return False, False
 
     def check_connected(self) -> None:
         if not self._nc.is_connected:
