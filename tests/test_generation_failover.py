@@ -13,6 +13,7 @@ import shutil
 
 import nats
 import orjson
+import pytest
 
 from appliance import bus
 from appliance.envelope import ReplyMeta, RequestMeta
@@ -145,12 +146,11 @@ async def test_sampling_a_request_leaves_out_is_the_models_own(start_box, http, 
             assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)
 
 
-async def test_a_stream_that_lost_a_chunk_while_its_box_generates_is_generated_again(
-    start_box, nats_server, http, generator_dir
-):
-    """Chunk 1 is lost in transit (a NATS failover) while its box still generates the answer (chunk 2 is not its
-    last): the gateway asks that box to hand the request back, and the box that pulls it next starts the answer
-    over, replayed as after a box death: the client gets one unbroken answer, where it got a 503 `chunk_lost`."""
+async def a_chunk_lost_then_handed_back(start_box, nats_server, http, generator_dir, *, queue_lost: bool):
+    """A gateway box; "lossy-box" takes the request and its chunk 1 never reaches the gateway (chunk 2 does, not its
+    last); asked to hand the request back, it does (a nak), or, with `queue_lost`, says its message went with the
+    request stream (deleted meanwhile, as a restart of a nats-server without --durable loses it): publish it again.
+    Then a worker box joins. The events of the streamed answer, and the text expected."""
     expected = greedy_text(generator_dir)
     assert len(expected) >= 6
     model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
@@ -167,58 +167,10 @@ async def test_a_stream_that_lost_a_chunk_while_its_box_generates_is_generated_a
 
         async def hand_back(cancel) -> None:
             if orjson.loads(cancel.data) == {"id": meta.id, "box": "lossy-box", "again": True}:
-                await msg.nak()
-                await cancel.respond(orjson.dumps({"handed_back": True}))
+                if not queue_lost:
+                    await msg.nak()
+                await cancel.respond(orjson.dumps({"handed_back": True, "publish_again": queue_lost}))
                 asked.put_nowait(cancel)
-
-        await nc.subscribe(bus.cancel_subject(), cb=hand_back)
-        for seq, text in ((0, expected[:2]), (2, expected[4:6])):  # chunk 1 never arrives
-            reply = ReplyMeta(id=meta.id, status=200, box="lossy-box", seq=seq, final=False)
-            await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
-        await asyncio.wait_for(asked.get(), 10)
-    finally:
-        await nc.close()
-    await start_box(role="worker", box_id="survivor", **common)  # pulls it at once: it was handed back
-    async with await answer as response:
-        assert response.status == 200
-        raw = await response.text()
-    events = [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
-    assert not any("error" in event for event in events), events
-    assert "".join(event["choices"][0]["text"] for event in events) == expected
-
-
-async def test_a_stream_that_lost_a_chunk_from_a_lost_queue_is_published_again_and_generated_again(
-    start_box, nats_server, http, generator_dir
-):
-    """Tester h85: after a restart of an embedded nats-server (a queue in memory), chunks sent before the gateway was
-    back were lost; the box handed the request back with a nak, but its message had gone with the old stream, and
-    the client had a 503 `chunk_lost` after 20 s. The box says so, and the gateway publishes the request again."""
-    expected = greedy_text(generator_dir)
-    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
-    common = {"default_model": False, "models": [model]}
-    gateway = await start_box(role="gateway", box_id="gateway", **common)
-    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
-    nc = await nats.connect(nats_server.url)
-    asked: asyncio.Queue = asyncio.Queue()
-    try:
-        sub = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("tiny-llama"), stream=bus.REQUEST_STREAM)
-        (msg,) = await sub.fetch(1, timeout=10)
-        meta = RequestMeta.from_headers(msg.headers)
-
-        async def hand_back(cancel) -> None:
-            if orjson.loads(cancel.data) == {"id": meta.id, "box": "lossy-box", "again": True}:
-                await cancel.respond(orjson.dumps({"handed_back": True, "publish_again": True}))
-                asked.put_nowait(cancel)
-
-        await nc.subscribe(bus.cancel_subject(), cb=hand_back)
-
-        async def send(seq: int, text: str) -> None:
-            reply = ReplyMeta(id=meta.id, status=200, box="lossy-box", seq=seq, final=False)
-            await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
-
-        await send(0, expected[:2])
-        await gateway.js.delete_stream(bus.REQUEST_STREAM)  # lost, as in a restart: the gateway's box makes it again
 
         async def made_again() -> bool:
             try:
@@ -227,16 +179,35 @@ async def test_a_stream_that_lost_a_chunk_from_a_lost_queue_is_published_again_a
                 return False
             return True
 
-        await wait_for(made_again, what="the request stream made again")
-        await send(2, expected[4:6])  # chunk 1 never arrives
+        await nc.subscribe(bus.cancel_subject(), cb=hand_back)
+        for seq, text in ((0, expected[:2]), (2, expected[4:6])):  # chunk 1 never arrives
+            reply = ReplyMeta(id=meta.id, status=200, box="lossy-box", seq=seq, final=False)
+            await nc.publish(meta.reply, orjson.dumps({"text": text}), headers=reply.headers())
+            if seq == 0 and queue_lost:
+                await gateway.js.delete_stream(bus.REQUEST_STREAM)  # the gateway's box makes it again
+                await wait_for(made_again, what="the request stream made again")
         await asyncio.wait_for(asked.get(), 10)
     finally:
         await nc.close()
-    await start_box(role="worker", box_id="survivor", **common)
+    await start_box(role="worker", box_id="survivor", **common)  # pulls it at once: it was handed back
     async with asyncio.timeout(15), await answer as response:
         assert response.status == 200
         raw = await response.text()
-    events = [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")]
+    return [orjson.loads(line[6:]) for line in raw.split("\n\n") if line.startswith("data: {")], expected
+
+
+@pytest.mark.parametrize("queue_lost", [False, True])
+async def test_a_stream_that_lost_a_chunk_while_its_box_generates_is_generated_again(
+    start_box, nats_server, http, generator_dir, queue_lost: bool
+):
+    """Chunk 1 is lost in transit (a NATS failover) while its box still generates the answer: the gateway asks that
+    box to hand the request back, and the box that pulls it next starts the answer over, replayed as after a box
+    death: the client gets one unbroken answer, where it got a 503 `chunk_lost`. With `queue_lost` (tester h85): a
+    restart of an embedded nats-server had taken the request's message with the old stream, so the nak brought
+    nothing back, and the client had the 503 after 20 s; the box says so, and the gateway publishes it again."""
+    events, expected = await a_chunk_lost_then_handed_back(
+        start_box, nats_server, http, generator_dir, queue_lost=queue_lost
+    )
     assert not any("error" in event for event in events), events
     assert "".join(event["choices"][0]["text"] for event in events) == expected
 
