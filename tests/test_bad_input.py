@@ -100,12 +100,13 @@ async def test_unknown_model_is_404_naming_the_models_that_exist(default_box, ht
     assert "(1000000 characters)" in payload["error"]["message"]
 
 
-async def test_wrong_content_type_is_415(default_box, http) -> None:
-    status, payload, _ = await post(
-        http, default_box, b'{"input": "x", "model": "all-minilm-l6-v2"}', {"Content-Type": "text/plain"}
-    )
+@pytest.mark.parametrize("sent", ["text/plain", "application/json, text/plain"])
+async def test_wrong_content_type_is_415_naming_what_was_sent(default_box, http, sent: str) -> None:
+    """Tester h84: a Content-Type aiohttp cannot parse was said to be application/octet-stream, sent by nobody."""
+    status, payload, _ = await post(http, default_box, EMBED, {"Content-Type": sent})
     assert status == 415
     assert_error_shape(payload, "unsupported_media_type")
+    assert payload["error"]["message"] == f"expected Content-Type: application/json, got {sent}"
 
 
 async def test_a_missing_content_type_is_415_saying_none_was_given(default_box, http) -> None:

@@ -137,7 +137,9 @@ def _check_media_type(request: web.Request) -> None:
     if hdrs.CONTENT_TYPE not in request.headers:
         raise UnsupportedMediaType("the request has no Content-Type; send Content-Type: application/json")
     if request.content_type != "application/json":
-        raise UnsupportedMediaType(f"expected Content-Type: application/json, got {request.content_type or 'none'}")
+        # The header as sent: one aiohttp cannot parse reads as application/octet-stream, a type no client sent (h84).
+        sent = request.headers[hdrs.CONTENT_TYPE].strip()[:100] or "none"
+        raise UnsupportedMediaType(f"expected Content-Type: application/json, got {sent}")
     charset = request.charset
     if charset is not None and charset.lower() not in _UTF8:
         raise UnsupportedMediaType(f"the body must be UTF-8 JSON; charset={charset} is not accepted")
