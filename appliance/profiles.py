@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from appliance.catalog import Batching, ModelSpec
-from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, Dtype
+from appliance.settings import MAX_BATCH_SIZE, MAX_BATCH_TOKENS, MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, Dtype
 from runtimes import RuntimeKind, Task
 from runtimes.options import ONNX_OPT_LEVELS
 
@@ -118,8 +118,8 @@ class Profile:
         precision its runtime or hardware lacks. A file edited by hand (or by an older tune) with
         `max_batch_size = 0` was taken as it was, and every request to the model waited to its deadline (tester
         h72); a float16 ONNX profile on a CPU stopped the box at start."""
-        if self.max_batch_tokens < 1 or self.max_batch_size < 1:
-            return "max_batch_tokens and max_batch_size must be at least 1"
+        if not (1 <= self.max_batch_tokens <= MAX_BATCH_TOKENS and 1 <= self.max_batch_size <= MAX_BATCH_SIZE):
+            return f"max_batch_tokens must be 1 to {MAX_BATCH_TOKENS} and max_batch_size 1 to {MAX_BATCH_SIZE}"
         if not 0 <= self.max_wait_ms <= MAX_WAIT_MS:
             return f"max_wait_ms must be 0 to {MAX_WAIT_MS:g}"
         if not 1 <= self.concurrent_batches <= MAX_CONCURRENT_BATCHES:

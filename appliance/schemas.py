@@ -13,7 +13,14 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from appliance.settings import MAX_CONCURRENT_BATCHES, MAX_WAIT_MS, MODEL_NAME_MAX, MODEL_NAME_PATTERN
+from appliance.settings import (
+    MAX_BATCH_SIZE,
+    MAX_BATCH_TOKENS,
+    MAX_CONCURRENT_BATCHES,
+    MAX_WAIT_MS,
+    MODEL_NAME_MAX,
+    MODEL_NAME_PATTERN,
+)
 
 # At least a millisecond: a deadline of 1e-9 s (or a denormal) is no deadline a request could meet, only a 504.
 MIN_TIMEOUT_S = 0.001
@@ -21,6 +28,8 @@ Timeout = Annotated[float, msgspec.Meta(ge=MIN_TIMEOUT_S, description="seconds b
 # JSON integers have no size limit: a count past 64 bits (`max_tokens` of 400 digits) overflowed admission's float
 # arithmetic, a 500. No count a request or a model means is near it.
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+BatchTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_TOKENS)]
+BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH_SIZE)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 # What torch's generators take: a signed 64-bit integer.
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1, description="a signed 64-bit integer")]
@@ -241,8 +250,8 @@ class ModelRegistration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     pinned: bool = False
     aliases: list[ModelName] = msgspec.field(default_factory=list)
     dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32"
-    max_batch_tokens: Positive | None = None
-    max_batch_size: Positive | None = None
+    max_batch_tokens: BatchTokens | None = None
+    max_batch_size: BatchSize | None = None
     max_wait_ms: WaitMs | None = None
     concurrent_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONCURRENT_BATCHES)] | None = None
     # Which tuning profile applies: "auto", "off", or a hardware slug such as "cpu-16c" (docs/tuning.md).
@@ -257,8 +266,8 @@ class ModelUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     aliases: list[ModelName] | None = None
     pinned: bool | None = None
-    max_batch_tokens: Positive | None = None
-    max_batch_size: Positive | None = None
+    max_batch_tokens: BatchTokens | None = None
+    max_batch_size: BatchSize | None = None
     max_wait_ms: WaitMs | None = None
 
 

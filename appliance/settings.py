@@ -43,6 +43,10 @@ MODEL_NAME_REFERENCE = r"[^\x00-\x1f\x7f]+"
 MODEL_NAME_MAX = 200
 MAX_ALIASES = 64
 MAX_CONCURRENT_BATCHES = 64
+# A batch's bounds: past them a value is a slip (a PATCH of max_batch_tokens 10**18 was taken, h84), and admission's
+# rounds of batches, counted from them, would let any burst in.
+MAX_BATCH_TOKENS = 1 << 22
+MAX_BATCH_SIZE = 1 << 16
 MAX_WAIT_MS = 1000.0  # a batch's wait for company past a second only ever delays it: the bound on max_wait_ms
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -110,8 +114,8 @@ class ModelEntry(BaseModel):
     dtype: Dtype = "float32"
     options: dict[str, Any] = Field(default_factory=dict)
     adapter_of: str | None = None  # the base model's name, for a LoRA adapter
-    max_batch_tokens: int | None = Field(default=None, ge=1)
-    max_batch_size: int | None = Field(default=None, ge=1)
+    max_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_BATCH_TOKENS)
+    max_batch_size: int | None = Field(default=None, ge=1, le=MAX_BATCH_SIZE)
     max_wait_ms: float | None = Field(default=None, ge=0, le=MAX_WAIT_MS)
     concurrent_batches: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_BATCHES)
     profile: str = "auto"  # tuning profile: "auto" (this hardware's, or the nearest), "off", or a hardware slug
@@ -188,8 +192,8 @@ class Settings(BaseSettings):
     max_ack_pending: int = Field(default=10_000, ge=1, le=MAX_ACK_PENDING)
 
     # Worker and batcher defaults (a profile or a model entry overrides them)
-    max_batch_tokens: int = Field(default=16_384, ge=1)
-    max_batch_size: int = Field(default=256, ge=1)
+    max_batch_tokens: int = Field(default=16_384, ge=1, le=MAX_BATCH_TOKENS)
+    max_batch_size: int = Field(default=256, ge=1, le=MAX_BATCH_SIZE)
     max_wait_ms: float = Field(default=0.0, ge=0, le=MAX_WAIT_MS)  # how long an idle device waits for company
     # batches of one model on the device at once; bounded as a model's own `concurrent_batches` is
     concurrent_batches: int = Field(default=1, ge=1, le=MAX_CONCURRENT_BATCHES)

@@ -178,6 +178,8 @@ async def test_what_changes_what_is_loaded_is_refused_by_name(start_box, http) -
         ([], 422, "invalid_input", "Expected `object`"),
         ({"max_batch_size": 0}, 422, "invalid_input", "$.max_batch_size"),
         ({"max_batch_tokens": 2**64}, 422, "invalid_input", "$.max_batch_tokens"),
+        ({"max_batch_tokens": 10**18}, 422, "invalid_input", "<= 4194304 - at `$.max_batch_tokens`"),  # h84: taken
+        ({"max_batch_size": 10**6}, 422, "invalid_input", "<= 65536 - at `$.max_batch_size`"),
         ({"max_wait_ms": 5000}, 422, "invalid_input", "$.max_wait_ms"),
         ({"pinned": "yes"}, 422, "invalid_input", "$.pinned"),
     ]

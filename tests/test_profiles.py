@@ -163,7 +163,7 @@ def test_an_operators_profile_a_box_cannot_use_gives_way_to_the_shipped_one(tmp_
 @pytest.mark.parametrize(
     ("hardware", "knobs", "problem"),
     [
-        ("cpu-2c", {"max_batch_size": 0}, "max_batch_tokens and max_batch_size must be at least 1"),
+        ("cpu-2c", {"max_batch_size": 0}, "max_batch_tokens must be 1 to 4194304 and max_batch_size 1 to 65536"),
         ("cpu-2c", {"max_wait_ms": 100_000.0}, "max_wait_ms must be 0 to 1000"),
         ("cpu-2c", {"concurrent_batches": 0}, "concurrent_batches must be 1 to 64"),
         ("cpu-2c", {"runtime": "torch", "dtype": "int8"}, "int8 needs the onnx runtime"),
