@@ -105,6 +105,9 @@ class GenerateWorker:
         self._ticker: asyncio.Task[None] | None = None
         # Room for the decode batch and as many again waiting to join it; the rest stays in the queue for other boxes.
         self._capacity = 2 * runtime.decode_batch
+        # Read at each scrape: which box generates what (no metric said: tester h85).
+        metrics.generations.labels(spec.name, "running").set_function(self._running)
+        metrics.generations.labels(spec.name, "waiting").set_function(lambda: self.held - self._running())
         self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
         self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
         dead_lettered = metrics.dead_lettered.labels(spec.name)
@@ -490,6 +493,9 @@ class GenerateWorker:
                     # Lost with nothing of it sent: its gateway published it again in the new stream.
             finally:
                 await cancel_and_wait([self._ticker])
+
+    def _running(self) -> int:
+        return sum(1 for stream in self._streams.values() if stream.tokens)
 
     def _deleted(self) -> bool:
         """The catalog no longer holds this model: deleted, or its name registered again on another folder."""

@@ -99,6 +99,18 @@ class Metrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
             registry=r,
         )
+        self.generations = Gauge(
+            "fbx_generations",
+            "Generations this box holds: running (a token made) or waiting (for a decode slot, or being admitted)",
+            ["model", "state"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "fbx_stream_errors",
+            "Streamed answers this gateway ended with an error event after their first chunk (their status was 200)",
+            ["model", "code"],
+            registry=r,
+        )
         self.loads = Counter("fbx_model_loads", "Model loads", ["model"], registry=r)
         self.load_seconds = Histogram(
             "fbx_model_load_seconds",

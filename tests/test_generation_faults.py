@@ -170,6 +170,9 @@ async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_ans
     await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
     second = asyncio.create_task(answer_text(http, box, OTHER))
     await wait_for(lambda: len(worker._streams) == 2, what="the second request to wait for the next step")
+    sample = box.metrics.registry.get_sample_value
+    assert sample("fbx_generations", {"model": MODEL, "state": "running"}) == 1
+    assert sample("fbx_generations", {"model": MODEL, "state": "waiting"}) == 1
     second_queued.set()
 
     async with asyncio.timeout(30):
@@ -182,6 +185,9 @@ async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_ans
     assert body["choices"][0]["text"] == greedy_text(generator_dir, OTHER)
     assert failed == [1]
     await settled(box, worker)
+    # The error event, after a 200 and the first chunks: counted and logged (tester h85: neither said it).
+    assert sample("fbx_stream_errors_total", {"model": MODEL, "code": "internal_error"}) == 1
+    assert sample("fbx_generations", {"model": MODEL, "state": "running"}) == 0
     assert not box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": MODEL})
 
 

@@ -10,6 +10,7 @@ but in the last. An error before the first chunk is an ordinary HTTP error; one 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -26,6 +27,8 @@ from appliance.gateway.http import decode, json_response, read_body, request_pri
 from appliance.gateway.replies import Reply
 from appliance.schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
+
+log = logging.getLogger(__name__)
 
 _decoders = {ChatRequest: msgspec.json.Decoder(ChatRequest), CompletionRequest: msgspec.json.Decoder(CompletionRequest)}
 
@@ -196,6 +199,9 @@ async def _stream(request: web.Request, chunks: AsyncIterator[Reply], shape: _Sh
         except FleetboxError as error:
             if response is None:
                 raise  # nothing sent yet: an ordinary HTTP error
+            # Counted and logged: the request's own line says 200, sent before the error (tester h85).
+            GatewayContext.of(request).metrics.stream_errors.labels(shape.model, error.code).inc()
+            log.info("stream ended with an error", extra={"request_id": request[REQUEST_ID], "error": error.message})
             await _event(response, error.body())
         if response is None:
             response = await _open(request)
