@@ -303,8 +303,9 @@ def test_a_request_sent_while_a_large_one_runs_is_let_in_on_what_the_model_took_
     clock.now += 61.0  # a minute on: only the last spell is remembered, and the gate is as strict as before
     queue.add("large", clock.now, large)
     clock.now += 0.15
-    with pytest.raises(TooManyRequests):
+    with pytest.raises(TooManyRequests) as refused:
         gate.admit("m", "interactive", 30.0, 1, weight=small, budget=round_of_rows)
+    assert "this gateway already awaits 1 request for it, as much as" in refused.value.message  # not "1 requests"
 
 
 def test_a_flood_on_a_model_its_holders_have_timed_is_held_to_their_pace_in_rows_and_tokens() -> None:

@@ -255,7 +255,8 @@ class Admission:
             generating = len(queue.decoder.running) if isinstance(queue, DecodeQueue) else 0
             also = f" and {generating} generating" if generating else ""
             # Not "would wait too long": nothing is known of its pace yet (the box may clear them in a blink).
-            why = f"this gateway already awaits {len(queue.waiting)} requests for it{also}"
+            count = len(queue.waiting)
+            why = f"this gateway already awaits {count} request{'s' if count != 1 else ''} for it{also}"
             self._refuse(model, f"{why}, as much as it lets wait before it has timed the model's answers", 1)
 
     def _refuse(self, model: str, why: str, retry: int) -> None:
