@@ -222,3 +222,22 @@ async def test_a_body_is_asked_for_only_with_a_key_and_odd_expectations_are_erro
         assert (await asyncio.wait_for(reader.readline(), timeout=10)).startswith(b"HTTP/1.1 100 Continue")
     finally:
         writer.close()
+
+
+async def test_an_idle_kept_alive_connection_is_closed(start_box, monkeypatch) -> None:
+    """Tester h84: an idle kept-alive connection was still open after 400 s (aiohttp's 3,630 s), and 19,990 of them
+    reached the box's open-files limit. The box closes one after `KEEPALIVE_S` (75 s; half a second here)."""
+    from appliance.gateway import door
+
+    monkeypatch.setattr(door, "KEEPALIVE_S", 0.5)
+    box = await start_box(default_model=False, models=[noop_model()])
+    reader, writer = await asyncio.open_connection("127.0.0.1", box.http_port)
+    try:
+        writer.write(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{box.http_port}\r\n\r\n".encode())
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200"), "the request answered, the connection kept"
+        async with asyncio.timeout(10):
+            while await reader.read(65536):  # the rest of the answer, then the server's close
+                pass
+    finally:
+        writer.close()
