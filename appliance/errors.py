@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from runtimes.base import ModelFolderMissing, UnsupportedModel
+from runtimes.base import UnsupportedModel
 
 
 class FleetboxError(Exception):
@@ -124,11 +124,13 @@ class GatewayTimeout(FleetboxError):
 
 def reason_of(exc: BaseException) -> str:
     """What went wrong, for a client or an operator: a fleetbox error's own message, a runtime's of a model it cannot
-    serve or find (whose message says it all: as a repr it read `FileNotFoundError('the model folder ...')`, tester
-    h80), else the exception's repr."""
+    serve, or of a file it cannot read (whose message says it all: as a repr it read `FileNotFoundError('the model
+    folder ...')`, tester h80), else the exception's repr."""
     if isinstance(exc, FleetboxError):
         return exc.message
-    return str(exc) if isinstance(exc, (UnsupportedModel, ModelFolderMissing)) else repr(exc)
+    # A file the load could not read says so itself (transformers' "Error no file named model.safetensors found in
+    # directory ...", an OSError: a repr around it, h86).
+    return str(exc) if isinstance(exc, (UnsupportedModel, OSError)) else repr(exc)
 
 
 def too_many_dimensions(dimensions: int, width: int) -> Unprocessable:

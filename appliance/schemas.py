@@ -312,8 +312,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
             raise ValueError(f"tool_call_id is only allowed in a tool message, not a {self.role} one")
         if self.tool_call_id is None and self.role == "tool":  # the call it answers: OpenAI's 400 too (tester h81)
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        if self.content is msgspec.UNSET:
-            if self.role != "assistant":
+        if self.content is msgspec.UNSET or self.content is None:
+            if self.role != "assistant":  # null too, as OpenAI refuses it (h86: answered 200, read as "")
                 raise ValueError(f"a {self.role} message needs its content")
             self.content = None
 

@@ -142,8 +142,9 @@ def test_an_assistant_turn_of_tool_calls_may_leave_its_content_out(echoed: Rende
     assert echoed(messages=without) == echoed(messages=TOOL_TURNS)
 
 
-async def test_a_message_of_another_role_without_content_is_a_422(echo_box, http) -> None:
-    status, body = await chat(http, echo_box, messages=[{"role": "user"}])
+@pytest.mark.parametrize("turn", [{"role": "user"}, {"role": "user", "content": None}])  # null: h86, a 200
+async def test_a_message_of_another_role_without_content_is_a_422(echo_box, http, turn: dict) -> None:
+    status, body = await chat(http, echo_box, messages=[turn])
     assert (status, body["error"]["code"]) == (422, "invalid_input"), body
     assert "a user message needs its content" in body["error"]["message"], body
 

@@ -873,6 +873,22 @@ async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, ht
         release.set()
 
 
+async def test_weights_removed_since_the_registration_are_said_without_an_exception_repr(
+    start_box, http, encoder_dir, tmp_path
+) -> None:
+    """Tester h86: the 503 read `... could not be loaded on box B: OSError('Error no file named model.safetensors
+    ...')`: transformers' own words are the reason, without the repr around them."""
+    folder = tmp_path / "enc"
+    shutil.copytree(encoder_dir, folder)
+    box = await start_box(default_model=False, model_roots=[tmp_path])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "enc", "path": str(folder)}))[0] == 201
+    (folder / "model.safetensors").unlink()
+    status, body = await call(http, box, "POST", "/v1/embeddings", {"model": "enc", "input": "x"})
+    assert status == 503, body
+    reason = body["error"]["message"].split(f"could not be loaded on box {box.box_id}: ", 1)[1]
+    assert "model.safetensors" in reason and not reason.startswith("OSError("), body
+
+
 async def test_a_folder_moved_or_deleted_since_its_registration_is_said_and_no_client_error(
     start_box, http, encoder_dir, adapter_dirs, tmp_path
 ) -> None:
