@@ -90,12 +90,9 @@ class GenerateWorker:
         self._idle.set()
         self._started = time.time()  # a request sent before it waited for this model's load (cold start)
         self._preparing: dict[str, Msg] = {}  # request id -> its message, while admitted (blob, adapter, prompt)
-        # Generations handed back (`hand_back`), naked once a step has dropped them from the runtime: redelivered
-        # here sooner, the runtime still held the id and refused the new copy ("already generating").
-        self._handed_back: list[Msg] = []
-        # Ids let go (`cancel`) that the runtime holds until its next step, and copies of them delivered meanwhile,
-        # taken in after it: admitted at once, the runtime refused such a copy ("already generating"), a 422 to a
-        # generation its gateway published again after a NATS restart (tester h85).
+        # Ids let go (`cancel`, `hand_back`) that the runtime holds until its next step, and copies of them delivered
+        # meanwhile, taken in after it: admitted at once, the runtime refused such a copy ("already generating"), a
+        # 422 to a generation its gateway published again after a NATS restart (tester h85).
         self._letting_go: set[str] = set()
         self._parked: list[Msg] = []
         self.pulling = asyncio.Event()  # as a ModelWorker's: set as it starts
@@ -231,9 +228,8 @@ class GenerateWorker:
             # Its last delivery: handed back, it would be dead-lettered (a 422 that blames the request) where the
             # client should hear the chunk was lost (a 503 it may retry). Review r50.
             return False
-        self._handed_back.append(stream.msg)
         self.cancel(request_id, settle=False)
-        self._wake.set()
+        self._spawn(stream.msg.nak())  # redelivered here before the runtime's next step, it waits for it (`_parked`)
         return True
 
     def from_lost_queue(self, request_id: str) -> bool:
@@ -242,20 +238,13 @@ class GenerateWorker:
         stream = self._streams.get(request_id)
         return stream is not None and self._queue_epoch.lost(stream.msg)
 
-    def _stepped(self, handing_back: int, let_go: set[str]) -> None:
-        """A step has run, or the runtime holds nothing: the first `handing_back` generations handed back and the ids
-        in `let_go` (both as they were before it) are out of it: those are naked, and copies of these taken in."""
-        self._nak_handed_back(handing_back)
+    def _stepped(self, let_go: set[str]) -> None:
+        """A step has run, or the runtime holds nothing: the ids in `let_go` (as they were before it) are out of it,
+        and copies of them delivered meanwhile are taken in."""
         self._letting_go -= let_go
         parked, self._parked = self._parked, []
         for msg in parked:
             self._on_message(msg)
-
-    def _nak_handed_back(self, count: int) -> None:
-        """Nak the first `count` generations handed back; the rest came during the step and wait for the next."""
-        msgs, self._handed_back = self._handed_back[:count], self._handed_back[count:]
-        for msg in msgs:
-            self._spawn(msg.nak())
 
     def queue_lost(self) -> None:
         """The request stream was made anew (a nats-server restart without --durable): a generation held from the
@@ -355,10 +344,9 @@ class GenerateWorker:
     async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            # Those handed back before this step: naked once it has run (the drain naks them if it is cut short).
-            handing_back, let_go = len(self._handed_back), set(self._letting_go)
+            let_go = set(self._letting_go)  # before this step: out of the runtime once it has run
             if not self.runtime.has_work:
-                self._stepped(handing_back, let_go)  # the runtime holds none of them
+                self._stepped(let_go)  # the runtime holds none of them
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -375,9 +363,9 @@ class GenerateWorker:
                     stream = self._forget(request_id)
                     if stream is not None:
                         self._replies.failed(stream, exc)
-                self._stepped(handing_back, let_go)  # this step dropped them from the runtime
+                self._stepped(let_go)  # this step dropped them from the runtime
                 continue
-            self._stepped(handing_back, let_go)  # dropped by this step (one cancelled, in a drain, leaves them to it)
+            self._stepped(let_go)  # dropped by this step
             elapsed_ms = (time.perf_counter() - started) * 1000
             self._metrics.compute_ms.labels(self.spec.name).observe(elapsed_ms)
             self._metrics.batch_size.labels(self.spec.name).observe(len(outputs))
@@ -476,9 +464,8 @@ class GenerateWorker:
                 if self._streams:
                     await loop.run_in_executor(self._device, self.runtime.clear)
                 held = [(stream.meta, stream.msg, stream.seq) for stream in self._streams.values()]
-                held += [(None, msg, 0) for msg in [*preparing, *self._handed_back, *self._parked]]
+                held += [(None, msg, 0) for msg in [*preparing, *self._parked]]
                 self._streams.clear()
-                self._handed_back.clear()
                 self._parked.clear()
                 self._letting_go.clear()
                 for meta, msg, sent in held:
