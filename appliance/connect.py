@@ -294,8 +294,8 @@ async def delete_model(
     adapters = await store.adapters_in_bucket(spec.name)
     for adapter in adapters:
         await store.delete(adapter)
-    if adapters:
-        names = [adapter.name for adapter in adapters]
+    names = [adapter.name for adapter in adapters]
+    if names:
         log.warning("adapters deleted with their base", extra={"model": spec.name, "adapters": names})
     await settle_model_queue(js, settings, catalog, spec.slug)
     if sent_before is not None:  # bounded: what a registration of the slug made since is sent is kept
@@ -303,7 +303,7 @@ async def delete_model(
             await bus.purge_requests(js, spec.slug, sent_before=sent_before)
         except NatsError as exc:  # they expire with the stream's max age
             log.warning("deleted model's requests not purged", extra={"model": spec.name, "error": repr(exc)})
-    return [adapter.name for adapter in adapters]
+    return names
 
 
 async def when_jetstream_answers(step: Callable[[], Awaitable[Any]]) -> None:
