@@ -344,7 +344,6 @@ class Box:
                 box_round=self.fleet.box_round if self.fleet is not None else None,
                 box_round_rows=self.fleet.box_round_rows if self.fleet is not None else None,
                 pace=self.fleet.pace_per_gateway if self.fleet is not None else None,
-                rows_pace=self.fleet.rows_pace_per_gateway if self.fleet is not None else None,
                 holders=self.fleet.holders if self.fleet is not None else None,
             )
             await self.dispatcher.start()

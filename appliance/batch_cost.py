@@ -7,6 +7,9 @@ second peak and lets the box reckon the room it has in time (see `batcher.py`).
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
+
 
 class BatchCost:
     """Seconds a batch takes on this device: a fixed cost plus a cost per padded token, fitted to the batches run.
@@ -69,3 +72,51 @@ class BatchCost:
         slope = (self._xy / self._w - mean_x * mean_y) / spread
         fixed = mean_y - slope * mean_x
         return None if slope < 0 or fixed < 0 else (fixed, slope)
+
+
+@dataclass(frozen=True, slots=True)
+class PaceLine:
+    """A box's batch cost as its heartbeat tells gateways, so each can reckon the box's pace at the row length of
+    the work it awaits: a pace read at the rows the box last ran (256 tokens long after a flood of long inputs) held
+    a short request, sent while 100 medium inputs were awaited on an idle fleet, to 12 rows a second where the box
+    goes 50, a 429 for half a minute (tester h86). Never reckoned at rows longer than the box ran lately
+    (`row_tokens`): the line is fitted on them, and attention costs more than linearly past them."""
+
+    fixed_s: float  # a batch's fixed cost
+    token_s: float  # and its cost a padded token (0 where the batches seen cannot tell the two apart)
+    rows: int  # the most rows a batch holds: the row cap, and no more than the largest batch timed
+    tokens: int  # the padded tokens a batch holds
+    slots: int  # batches the box runs at once
+    row_tokens: float  # padded tokens a row of recent batches
+
+    def at(self, per_row: float) -> tuple[float, float] | None:
+        """(padded tokens, rows) a second in full batches of rows `per_row` tokens long (no longer than
+        `row_tokens`), every slot busy; None for a line that says nothing."""
+        per_row = max(1.0, min(per_row, self.row_tokens))
+        rows = max(1, min(self.rows, int(self.tokens // per_row)))
+        seconds = self.fixed_s + self.token_s * rows * per_row
+        if not seconds > 0:
+            return None
+        return rows * per_row / seconds * self.slots, rows / seconds * self.slots
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: object) -> PaceLine | None:
+        """The line a heartbeat says, or None where it says none (an older box) or something unusable."""
+        if not isinstance(record, dict):
+            return None
+        try:
+            line = cls(
+                fixed_s=float(record["fixed_s"]),
+                token_s=float(record["token_s"]),
+                rows=int(record["rows"]),
+                tokens=int(record["tokens"]),
+                slots=int(record["slots"]),
+                row_tokens=float(record["row_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return None
+        usable = min(line.fixed_s, line.token_s) >= 0 and min(line.rows, line.tokens, line.slots) >= 1
+        return line if usable and line.row_tokens >= 1 and math.isfinite(line.fixed_s + line.token_s) else None

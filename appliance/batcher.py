@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from appliance.batch_cost import BatchCost
+from appliance.batch_cost import BatchCost, PaceLine
 from appliance.catalog import Batching
 from appliance.envelope import BATCH
 from appliance.errors import InternalError, deadline_passed
@@ -168,30 +168,20 @@ class Batcher:
         the row cap."""
         return max(1, min(self.batching.max_batch_size, int(self.batching.max_batch_tokens // max(1.0, per_row))))
 
-    def tokens_per_s(self) -> float | None:
-        """Padded tokens a second this batcher computes in full batches of rows like recent ones, every slot busy,
-        at the measured cost; None until that cost is trusted (what a box's heartbeat tells gateways)."""
-        pace = self._pace()
-        return None if pace is None else round(pace[0], 1)
-
-    def rows_per_s(self) -> float | None:
-        """Rows a second, as `tokens_per_s`: a gateway weighs short inputs by the rows they take (a row of 3 tokens
-        holds a batch's row as one of 40 does), which a pace in tokens alone overstated (review r51)."""
-        pace = self._pace()
-        return None if pace is None else round(pace[1], 1)
-
-    def _pace(self) -> tuple[float, float] | None:
-        """(tokens, rows) a second in full batches, every slot busy; a full batch no larger than the largest timed
-        (the warm-up's are 16 rows: read at 256, a GPU's near-flat cost of small batches made a pace far too high)."""
+    def pace_line(self) -> PaceLine | None:
+        """The measured cost as a box's heartbeat tells gateways (`PaceLine`), None until it is trusted: a full batch
+        no larger than the largest timed (the warm-up's are 16 rows: read at 256, a GPU's near-flat cost of small
+        batches made a pace far too high)."""
         per_row = self.cost.tokens_per_row
         if self.cost.samples < BatchCost.TRUST_AFTER or not per_row:  # the warm-up's batches count here
             return None
-        rows = min(self._full_rows(per_row), max(1, self.cost.most_rows))
-        seconds = self.cost.seconds(rows * per_row)
-        if not seconds or seconds <= 0:
-            return None
-        slots = self.batching.concurrent_batches
-        return rows * per_row / seconds * slots, rows / seconds * slots
+        batching = self.batching
+        rows = min(batching.max_batch_size, max(1, self.cost.most_rows))
+        fit = self.cost.fit()
+        if fit is None:  # the batches seen cannot tell fixed cost from tokens: a shorter row is reckoned no cheaper
+            full_rows = min(rows, self._full_rows(per_row))
+            fit = (self.cost.seconds(full_rows * per_row) or 0.0, 0.0)
+        return PaceLine(*fit, rows, batching.max_batch_tokens, batching.concurrent_batches, per_row)
 
     def _waiting_rows(self, *, for_bulk: bool = False) -> int:
         """Rows not yet on the device that a new row waits behind: in batches formed ahead that have not started,

@@ -24,6 +24,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
+from appliance.batch_cost import PaceLine
 from appliance.errors import Conflict
 from appliance.logs import FailureStreak
 from appliance.settings import GATEWAY_ROLES, MODEL_ROLES
@@ -265,23 +266,25 @@ class Fleet:
         bound by them long before its tokens (`box_round`)."""
         return self.box_round(model, "round_rows")
 
-    def pace_per_gateway(self, model: str, field: str = "tokens_per_s") -> float | None:
-        """The tokens a second the live boxes holding `model` compute, as their heartbeats measure it, shared among
-        the live gateways; None while no holder has measured its pace. `field` "rows_per_s": the rows a second."""
+    def pace_per_gateway(self, model: str, per_row: float) -> tuple[float, float] | None:
+        """(tokens, rows) a second the live boxes holding `model` compute in rows of `per_row` tokens, as their
+        heartbeats' batch cost says (`PaceLine`; an older box's pace at the rows it ran lately), shared among the
+        live gateways; None while no holder has measured its pace."""
         live = [record for record in self.live_boxes() if not record.get("draining")]
-        paces = [
-            float(entry[field])
-            for record in live
-            for entry in record.get("models", [])
-            if entry.get("name") == model and isinstance(entry.get(field), int | float)
-        ]
-        if not paces:
+        tokens = rows = 0.0
+        measured = False
+        for record in live:
+            for entry in record.get("models", []):
+                if entry.get("name") != model:
+                    continue
+                line = PaceLine.from_json(entry.get("batch_cost"))
+                pace = line.at(per_row) if line is not None else _pace_said(entry)
+                if pace is not None:
+                    tokens, rows, measured = tokens + pace[0], rows + pace[1], True
+        if not measured:
             return None
-        return sum(paces) / max(1, len(taking_work(live, GATEWAY_ROLES)))
-
-    def rows_pace_per_gateway(self, model: str) -> float | None:
-        """The rows a second the holders of `model` compute, this gateway's share (`pace_per_gateway`)."""
-        return self.pace_per_gateway(model, "rows_per_s")
+        gateways = max(1, len(taking_work(live, GATEWAY_ROLES)))
+        return tokens / gateways, rows / gateways
 
     def holders_per_gateway(self, model: str) -> Fraction:
         """The boxes' worth of `model` one gateway may fill: the live boxes holding it shared among the live
@@ -321,6 +324,14 @@ def taking_work(records: list[dict[str, Any]], roles: tuple[str, ...]) -> list[d
     """The heartbeat records of boxes in one of `roles` that are not draining: those that take new work of that
     kind (a draining box finishes what it has and takes nothing new)."""
     return [record for record in records if record.get("role") in roles and not record.get("draining")]
+
+
+def _pace_said(entry: dict[str, Any]) -> tuple[float, float] | None:
+    """An older box's pace, read at the rows it ran lately: (tokens, rows) a second, where its heartbeat says both."""
+    tokens, rows = entry.get("tokens_per_s"), entry.get("rows_per_s")
+    if isinstance(tokens, int | float) and isinstance(rows, int | float) and tokens > 0 and rows > 0:
+        return float(tokens), float(rows)
+    return None
 
 
 def _holds(record: dict[str, Any], model: str, states: tuple[str, ...]) -> bool:

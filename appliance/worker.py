@@ -162,11 +162,14 @@ class ModelWorker:
         """Requests/s and end-to-end p50/p99 (ms) over the last `window_s`, for the heartbeat."""
         batching = self.batcher.batching  # as this box runs it: its profile's, or a retune's
         # What a gateway's burst bound reads: a round of this box's batches, and the pace it works at.
+        line = self.batcher.pace_line()
+        now = None if line is None else line.at(line.row_tokens)  # at the rows it ran lately
         pace = {
             "round_tokens": batching.max_batch_tokens * batching.concurrent_batches,
             "round_rows": batching.max_batch_size * batching.concurrent_batches,
-            "tokens_per_s": self.batcher.tokens_per_s(),
-            "rows_per_s": self.batcher.rows_per_s(),
+            "tokens_per_s": None if now is None else round(now[0], 1),
+            "rows_per_s": None if now is None else round(now[1], 1),
+            "batch_cost": None if line is None else line.to_json(),  # the pace at any row length (`PaceLine`)
         }
         return {**self._answered.summary(window_s), "held": len(self._held), **pace}
 

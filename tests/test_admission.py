@@ -15,7 +15,7 @@ from fractions import Fraction
 import aiohttp
 import pytest
 
-from appliance.batch_cost import BatchCost
+from appliance.batch_cost import BatchCost, PaceLine
 from appliance.catalog import Batching
 from appliance.errors import TooManyRequests
 from appliance.gateway.admission import GENERATION_ROUND_TOKENS, Admission, paced_round, unmeasured_budget
@@ -986,9 +986,10 @@ async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_
     pace = entry()["tokens_per_s"]
     assert pace is not None and pace > 0
     await wait_for(lambda: box.dispatcher._box_round("small") == 512, what="the heartbeat after the retune heard")
-    assert box.dispatcher._pace("small") is not None
-    assert box.dispatcher._pace("small") == pytest.approx(entry()["tokens_per_s"], rel=0.5)
-    assert box.dispatcher._box_round("unknown") is None and box.dispatcher._pace("unknown") is None
+    row_tokens = entry()["batch_cost"]["row_tokens"]
+    assert box.dispatcher._pace("small", row_tokens) is not None
+    assert box.dispatcher._pace("small", row_tokens)[0] == pytest.approx(entry()["tokens_per_s"], rel=0.5)
+    assert box.dispatcher._box_round("unknown") is None and box.dispatcher._pace("unknown", 10.0) is None
 
 
 async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_the_bound(start_box) -> None:
@@ -1037,6 +1038,61 @@ async def test_a_short_request_sent_while_a_long_one_runs_on_an_idle_box_is_answ
         await asyncio.sleep(0.15)
         assert await embed("The cat sat on the mat.") == 200
         assert await large == 200
+
+
+async def test_a_short_request_sent_after_a_flood_of_long_inputs_is_answered(start_box, http) -> None:
+    """Tester h86: right after a flood of long inputs, h70's repro was refused 429 again (4 of 4 runs, for about half
+    a minute): the holders' heartbeats said their pace at the rows they had run last, 256 tokens long, and the
+    gateway held 100 medium inputs to the rows a second of those. A heartbeat says the box's batch cost, and the
+    gateway reckons the pace at the rows it awaits (here 8 rows of 62 tokens in 15 ms; of 512, in 87 ms)."""
+    from appliance.settings import ModelEntry
+    from tests.conftest import url, wait_for
+
+    costs = {"cost_ms": 5, "cost_per_token_us": 20}
+    rows = ModelEntry(name="rows", runtime="noop", pinned=True, max_batch_size=8, options=costs)
+    box = await start_box(default_model=False, models=[rows])
+
+    async def embed(text: str | list[str]) -> int:
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "rows", "input": text}) as response:
+            return response.status
+
+    def beat() -> float:
+        (record,) = [record for record in box.fleet.live_boxes() if record["box"] == box.box_id]
+        return float(record["ts"])
+
+    words = [" ".join(["wrd"] * count) for count in (600, 60)]  # a token a word, as the gateway reckons it too
+    assert await embed([words[0]] * 160) == 200  # 20 batches of 512-token rows
+    flooded = beat()
+    await wait_for(lambda: beat() > flooded, what="a heartbeat after the flood")
+    assert await embed("warm") == 200  # the last busy spell, a small one: it shows no pace worth going by
+    await asyncio.sleep(0.3)
+    medium = asyncio.ensure_future(embed([words[1]] * 700))
+    await asyncio.sleep(0.12)  # not part of a burst with it
+    assert await embed("The cat sat on the mat.") == 200  # 1.3 s of the box's work awaited: was a 429
+    assert await medium == 200
+
+
+def test_a_pace_line_reckons_shorter_rows_at_their_cost_and_longer_ones_at_the_rows_it_ran() -> None:
+    """The line a heartbeat says (`PaceLine`): from batches of 512-token rows, rows of 62 tokens go at their own
+    cost (not at 512-token rows' rows a second), rows longer than those run are not reckoned cheaper per token
+    than they were (a fitted line says nothing past them), and a line from batches of one size assumes no
+    shorter row costs less."""
+    fixed, per_token = 0.005, 20e-6
+    cost = BatchCost()
+    for index in range(30):  # full batches of 8 rows of 512 tokens, a few partial ones
+        rows = 8 if index % 3 else 5
+        cost.observe(rows * 512, rows, fixed + per_token * rows * 512)
+    line = PaceLine(*cost.fit(), 8, 16_384, 1, 512.0)
+    tokens, rows_s = line.at(62.0)
+    assert rows_s == pytest.approx(8 / (fixed + per_token * 8 * 62), rel=0.01)
+    assert tokens == pytest.approx(rows_s * 62)
+    assert line.at(2000.0) == line.at(512.0)
+    flat = PaceLine(fixed + per_token * 8 * 512, 0.0, 8, 16_384, 1, 512.0)
+    assert flat.at(62.0)[1] == pytest.approx(flat.at(512.0)[1])  # 8 rows a batch either way, no faster
+    assert flat.at(1.0)[1] == flat.at(62.0)[1]
+    assert PaceLine.from_json(line.to_json()) == line
+    for bad in (None, [], {"fixed_s": 1}, {**line.to_json(), "rows": 0}, {**line.to_json(), "token_s": "x"}):
+        assert PaceLine.from_json(bad) is None
 
 
 async def test_a_fresh_box_says_its_pace_before_any_request(start_box, encoder_dir) -> None:

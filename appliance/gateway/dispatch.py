@@ -80,8 +80,7 @@ class Dispatcher:
         holders_per_gateway: Callable[[str], Fraction] | None = None,
         box_round: Callable[[str], int | None] | None = None,
         box_round_rows: Callable[[str], int | None] | None = None,
-        pace: Callable[[str], float | None] | None = None,
-        rows_pace: Callable[[str], float | None] | None = None,
+        pace: Callable[[str, float], tuple[float, float] | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.box_id = box_id
@@ -90,9 +89,9 @@ class Dispatcher:
         # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
         self._box_round = box_round or (lambda model: None)
         self._box_round_rows = box_round_rows or (lambda model: None)  # and the rows it holds
-        # The tokens a second its holders compute, this gateway's share (`Fleet.pace_per_gateway`), None unknown.
-        self._pace = pace or (lambda model: None)
-        self._rows_pace = rows_pace or (lambda model: None)  # and the rows a second (`Fleet.rows_pace_per_gateway`)
+        # The tokens and rows a second its holders compute in rows so long, this gateway's share
+        # (`Fleet.pace_per_gateway`), None unknown.
+        self._pace = pace or (lambda model, per_row: None)
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
         self._max_queue_s = max_queue_s
         self._max_timeout_s = max_timeout_s  # every request's deadline is at most this
@@ -289,7 +288,7 @@ class Dispatcher:
             budget = unmeasured_budget(spec.batching, decode_batch)
         else:
             per_input = self._admission.per_input(spec.name, priority, weight, inputs)
-            pace, rows_pace = self._pace(spec.name), self._rows_pace(spec.name)
+            pace, rows_pace = self._pace(spec.name, per_input) or (None, None)
             paced = paced_round(pace, rows_pace, per_input, self._max_queue_s)
             budget = unmeasured_budget(
                 spec.batching,
