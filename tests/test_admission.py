@@ -321,9 +321,7 @@ def test_a_flood_on_a_model_its_holders_have_timed_is_held_to_their_pace_in_rows
     def admit(request_id: str, weight: int, inputs: int) -> None:
         per_input = gate.per_input("m", "interactive", weight, inputs)
         paced = paced_round(pace, rows_pace, per_input)
-        budget = unmeasured_budget(
-            catalog, box_round=1024, box_rows=8, per_input=per_input, pace=pace, rows_pace=rows_pace
-        )
+        budget = unmeasured_budget(catalog, box_round=1024, box_rows=8, per_input=per_input)
         queue = gate.admit("m", "interactive", 30.0, 0, weight=weight, budget=budget, paced=paced)
         queue.add(request_id, clock.now, weight, rows=inputs)
 
@@ -961,8 +959,9 @@ def test_the_unmeasured_budget_is_a_round_as_a_box_holding_the_model_runs_it() -
     assert unmeasured_budget(catalog, box_round=1024, box_rows=8, per_input=500.0) == 1024  # long inputs: tokens bind
     # A pace read off 40-token rows, for 3-token inputs: they go a row each (review r51: 616 of a burst let in).
     two_rows = Batching(16_384, 2, 2.0, 1)
-    assert unmeasured_budget(two_rows, per_input=3.0, pace=1232.6, max_queue_s=2.0) == 308
-    assert unmeasured_budget(two_rows, per_input=3.0, pace=1232.6, rows_pace=40.0, max_queue_s=2.0) == 30
+    assert unmeasured_budget(two_rows, per_input=3.0) == 6
+    assert paced_round(1232.6, None, 3.0, max_queue_s=2.0) == 308
+    assert paced_round(1232.6, 40.0, 3.0, max_queue_s=2.0) == 30
 
 
 async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_the_model_say(start_box, http) -> None:
@@ -1121,14 +1120,15 @@ def test_a_burst_a_box_clears_within_the_bound_at_its_measured_pace_is_let_in() 
     each by the gateway's estimate) sent together had 4 refused, though the box answers them in under a second.
     With the holders' measured pace (5,000 tokens a second) a round is a quarter of what they do in 5 s."""
     catalog = Batching(16_384, 256, 2.0, 1)
-    budget = unmeasured_budget(catalog, box_round=1024, pace=5000.0, max_queue_s=10.0)
-    assert budget == 6_250
+    budget, paced = unmeasured_budget(catalog, box_round=1024), paced_round(5000.0, None, None, max_queue_s=10.0)
+    assert (budget, paced) == (1024, 6_250)
     clock = Clock()
     gate = admission(clock)
     for i in range(8):
-        queue = gate.admit("m", "interactive", 30.0, 0, weight=864, budget=budget)
+        queue = gate.admit("m", "interactive", 30.0, 0, weight=864, budget=budget, paced=paced)
         queue.add(f"r{i}", clock.now, 864, deadline=clock.now + 30.0)
-    assert unmeasured_budget(catalog, box_round=1024, pace=100.0) == 1024  # a slow box: its round, at least
+    with pytest.raises(TooManyRequests):  # a slow box: its rounds, at least, and no more
+        gate.admit("m", "interactive", 30.0, 0, weight=864, budget=budget, paced=paced_round(100.0, None, None))
 
 
 @pytest.mark.parametrize(

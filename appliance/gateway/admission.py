@@ -56,9 +56,6 @@ def unmeasured_budget(
     box_rows: int | None = None,
     per_input: float | None = None,
     boxes: Fraction = Fraction(1),
-    pace: float | None = None,
-    rows_pace: float | None = None,
-    max_queue_s: float = 10.0,
 ) -> int:
     """One round of a model's batches: what `Admission` scales its bound by while the model's rate is not measured.
 
@@ -71,16 +68,8 @@ def unmeasured_budget(
     holds no more than that many: counted in tokens alone, a model of 4-row batches let 600 short requests of a
     burst in, 30 s of its work (black-box finding). For a generator, its `decode_batch` requests
     (the fleet's share already) each making `GENERATION_ROUND_TOKENS` tokens (a generation weighs its
-    `max_tokens`): a round of its decode batch lasts as long as its longest answers.
-
-    Where the holders have measured their pace (`pace`: the tokens a second they compute, this gateway's share), a
-    round is at least a `_BURST_ROUNDS`th of what they compute in half of `max_queue_s`: four of the profile's
-    1,024-token rounds, a fraction of a second of a box's work, refused half of 8 requests of 32 inputs its box
-    answered in under one (review r41), where four rounds of the catalog's were a minute of it. Half: the pace is
-    the device's, at the row sizes it has been seeing, in padded tokens where a request weighs an estimate; a
-    burst unlike them waits longer than it says (review r42). Inputs shorter than those rows go no faster than a
-    row each (`rows_pace`): read in tokens alone, the warm-up's 40-token rows let thousands of 3-token requests
-    of a burst in on a model of 2-row batches (review r51).
+    `max_tokens`): a round of its decode batch lasts as long as its longest answers. Where the holders have
+    measured their pace, `Admission` lets in at least what they compute in half the bound (`paced_round`).
     """
     if decode_batch is not None:
         return decode_batch * GENERATION_ROUND_TOKENS
@@ -88,14 +77,18 @@ def unmeasured_budget(
     if per_input is not None:  # a round holds so many rows, however short: inputs of `per_input` tokens fill it first
         rows = box_rows or batching.max_batch_size * batching.concurrent_batches
         one_box = min(one_box, max(1, math.ceil(rows * per_input)))
-    budget = max(1, math.floor(one_box * boxes))
-    return max(budget, paced_round(pace, rows_pace, per_input, max_queue_s))
+    return max(1, math.floor(one_box * boxes))
 
 
 def paced_round(pace: float | None, rows_pace: float | None, per_input: float | None, max_queue_s: float = 10.0) -> int:
-    """A round by the holders' measured pace: a `_BURST_ROUNDS`th of the tokens they compute in half of
-    `max_queue_s` (0 where no pace is known; see `unmeasured_budget`), inputs of `per_input` tokens going at most
-    `rows_pace` rows a second."""
+    """A round by the holders' measured pace (`pace`: the tokens a second they compute in rows of `per_input` tokens,
+    this gateway's share): a `_BURST_ROUNDS`th of what they compute in half of `max_queue_s`, 0 where no pace is
+    known. Four of the profile's 1,024-token rounds, a fraction of a second of a box's work, refused half of 8
+    requests of 32 inputs its box answered in under one (review r41), where four rounds of the catalog's were a
+    minute of it. Half: the pace is the device's, in padded tokens where a request weighs an estimate; a burst
+    unlike the rows it has timed waits longer than it says (review r42). Inputs of `per_input` tokens go no faster
+    than `rows_pace` rows a second: read in tokens alone, the warm-up's 40-token rows let thousands of 3-token
+    requests of a burst in on a model of 2-row batches (review r51)."""
     if pace and per_input is not None and rows_pace:
         pace = min(pace, rows_pace * per_input)
     return math.floor(pace * max_queue_s / (2 * _BURST_ROUNDS)) if pace else 0

@@ -296,9 +296,6 @@ class Dispatcher:
                 box_rows=self._box_round_rows(spec.name),
                 per_input=per_input,
                 boxes=boxes,
-                pace=pace,
-                rows_pace=rows_pace,
-                max_queue_s=self._max_queue_s,
             )
         queue = self._admission.admit(
             spec.name,
