@@ -501,6 +501,29 @@ async def test_a_gateway_with_no_worker_for_a_while_answers_503_at_once(start_bo
     await wait_for(answered, what="a request answered once a worker joined")
 
 
+async def test_a_gateway_queueing_for_a_worker_to_come_back_refuses_what_it_cannot_queue_with_a_503(
+    start_box, http
+) -> None:
+    """Fleet tester h82: with every worker dead, requests past what the gateway queues for the grace got a 429 "this
+    gateway already awaits 60 requests", `Retry-After: 1`: nothing was overloaded, no box held the model. They get
+    a 503 that says so; what was queued waits for a worker (here none comes: a 504 at the deadline)."""
+    models = [ModelEntry(name="a", runtime="noop", max_batch_size=2)]  # rounds of 2 rows: a handful is queued
+    gateway = await start_box(role="gateway", box_id="door", default_model=False, models=models, heartbeat_ttl_s=1.0)
+
+    async def embed(i: int) -> tuple[int, dict[str, str], dict]:
+        body = {"model": "a", "input": f"x{i}", "timeout": 2}
+        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
+            return response.status, dict(response.headers), await response.json()
+
+    outcomes = await asyncio.gather(*(embed(i) for i in range(20)))
+    statuses = sorted(status for status, _, _ in outcomes)
+    assert set(statuses) == {503, 504}, statuses
+    for status, headers, body in outcomes:
+        if status == 503:
+            assert "held by no live box now" in body["error"]["message"], body
+            assert headers["Retry-After"] == "2"
+
+
 async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_its_record(
     start_box, nats_server, caplog
 ) -> None:

@@ -31,7 +31,7 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, TooManyRequests
 from appliance.gateway.admission import Admission, paced_round, unmeasured_budget
 from appliance.gateway.model_queue import ModelQueue
 from appliance.gateway.publish import FAILOVER_RETRY_S, Publisher
@@ -93,6 +93,7 @@ class Dispatcher:
         # (`Fleet.pace_per_gateway`), None unknown.
         self._pace = pace or (lambda model, per_row: None)
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
+        self._knows_holders = holders is not None  # without a fleet (a test's dispatcher), none is known of
         self._max_queue_s = max_queue_s
         self._max_timeout_s = max_timeout_s  # every request's deadline is at most this
         self._nc = nc
@@ -297,18 +298,22 @@ class Dispatcher:
                 per_input=per_input,
                 boxes=boxes,
             )
-        queue = self._admission.admit(
-            spec.name,
-            priority,
-            timeout_s,
-            self.waiting,
-            weight=weight,
-            budget=budget,
-            paced=paced,
-            decode_batch=decode_batch,
-            box_decode_batch=box_decode_batch,
-            holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
-        )
+        try:
+            queue = self._admission.admit(
+                spec.name,
+                priority,
+                timeout_s,
+                self.waiting,
+                weight=weight,
+                budget=budget,
+                paced=paced,
+                decode_batch=decode_batch,
+                box_decode_batch=box_decode_batch,
+                holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
+            )
+        except TooManyRequests:
+            self._refuse_unheld(spec.name)
+            raise
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
         meta = RequestMeta(
@@ -447,6 +452,19 @@ class Dispatcher:
                 waiter[0].set_exception(error)
             elif stream is not None and stream.box is None:
                 stream.queue.put_nowait(self._error_reply(request_id, error))
+
+    def _refuse_unheld(self, model: str) -> None:
+        """A refusal while no live box holds `model` is not overload: nothing answers it (its boxes restarting, or one
+        loading it). Said as a 429 "already awaits 60 requests", `Retry-After: 1`, with every worker dead (tester
+        h82); a 503 saying so, as a gateway past the grace without workers answers."""
+        if not self._knows_holders or self._holders(model):
+            return
+        count = self._admission.waiting_for(model)
+        raise ServiceUnavailable(
+            f"model {model} is held by no live box now (its boxes restarting, or one loading it), and this gateway "
+            f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
+            retry_after_s=2,
+        )
 
     async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
         """Queue a request `_accept` took in (it checked the connection, with no wait since), and keep what
