@@ -77,22 +77,38 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
     context = ctx.model_state(resolved.spec.name)["max_model_len"]
     new_tokens = parsed.new_tokens() if context is None else min(parsed.new_tokens(), context)
     ctx.refuse_without_workers()
-    chunks = ctx.dispatcher.stream(
-        spec=resolved.spec,
-        task=Task.GENERATE.value,
-        body=body,
-        timeout_s=request_timeout(request, parsed.timeout, ctx.settings, generation=True),
-        tokens=len(body) // 4,
-        new_tokens=new_tokens,
-        adapter=resolved.adapter.name if resolved.adapter else None,
-        priority=request_priority(request),
-        request_id=request[REQUEST_ID],
-    )
+    timeout_s = request_timeout(request, parsed.timeout, ctx.settings, generation=True)
+    deadline = time.monotonic() + timeout_s
+
+    def generate(request_id: str | None) -> AsyncIterator[Reply]:
+        return ctx.dispatcher.stream(
+            spec=resolved.spec,
+            task=Task.GENERATE.value,
+            body=body,
+            timeout_s=deadline - time.monotonic(),
+            tokens=len(body) // 4,
+            new_tokens=new_tokens,
+            adapter=resolved.adapter.name if resolved.adapter else None,
+            priority=request_priority(request),
+            request_id=request_id,
+        )
+
     include_usage = bool(parsed.stream and parsed.stream_options and parsed.stream_options.include_usage)
     shape = _Shape(chat=chat, model=resolved.name, include_usage=include_usage)
-    async with aclosing(chunks):
-        if parsed.stream:
+    if parsed.stream:
+        async with aclosing(generate(request[REQUEST_ID])) as chunks:
             return await _stream(request, chunks, shape)
+    try:
+        async with aclosing(generate(request[REQUEST_ID])) as chunks:
+            return await _whole(chunks, shape)
+    except FleetboxError as error:
+        # A chunk lost in transit that its box could not make again (it had finished: tester h86, a NATS restart):
+        # nothing has reached this client yet, so the answer is made again, once, under a new id.
+        if error.code != "chunk_lost" or deadline - time.monotonic() <= 0:
+            raise
+    again = ctx.new_request_id()
+    log.info("generation published again: a chunk was lost", extra={"request_id": request[REQUEST_ID], "as": again})
+    async with aclosing(generate(again)) as chunks:
         return await _whole(chunks, shape)
 
 
