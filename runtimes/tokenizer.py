@@ -41,29 +41,38 @@ _FIXED_PADDING_INDEX = {"mpnet": 1}
 
 
 def model_max_length(folder: Path) -> int:
-    """The longest input the model accepts, as sentence-transformers would truncate it."""
+    """The longest input the model accepts, as sentence-transformers would truncate it, within its position table: a
+    `max_seq_length` of 512 over 128 positions was taken as said, and the load's warm-up at 512 tokens failed, every
+    request a 503 after a 201 (tester h88; sentence-transformers itself fails on inputs past 128 tokens there)."""
+    positions = _positions(folder)
     st_config = folder / "sentence_bert_config.json"
     if st_config.is_file():
         value = json.loads(st_config.read_text()).get("max_seq_length")
         if isinstance(value, int) and value > 0:
-            return value
-    limits: list[int] = []
+            return min(value, positions or value)
+    limits = [positions] if positions else []
     tok_config = folder / "tokenizer_config.json"
     if tok_config.is_file():
         value = json.loads(tok_config.read_text()).get("model_max_length")
         if isinstance(value, int) and 0 < value < 1_000_000:
             limits.append(value)
-    config = folder / "config.json"
-    if config.is_file():
-        values = json.loads(config.read_text())
-        model_type = values.get("model_type")
-        value = values.get(_positions_field(model_type), values.get("max_position_embeddings"))
-        if isinstance(value, int) and value > 0:
-            if model_type in _POSITIONS_AFTER_PADDING:
-                pad = _FIXED_PADDING_INDEX.get(model_type, values.get("pad_token_id"))
-                value -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
-            limits.append(max(1, value))
     return min(limits) if limits else _FALLBACK_MAX_LENGTH
+
+
+def _positions(folder: Path) -> int | None:
+    """The tokens the model's position table holds, as its config.json says; None where it does not say."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    values = json.loads(config.read_text())
+    model_type = values.get("model_type")
+    value = values.get(_positions_field(model_type), values.get("max_position_embeddings"))
+    if not isinstance(value, int) or value <= 0:
+        return None
+    if model_type in _POSITIONS_AFTER_PADDING:
+        pad = _FIXED_PADDING_INDEX.get(model_type, values.get("pad_token_id"))
+        value -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
+    return max(1, value)
 
 
 def _positions_field(model_type: object) -> str:

@@ -277,6 +277,11 @@ def test_a_folder_is_cut_to_the_positions_it_has_after_its_padding_offset(
     model_class(config).save_pretrained(tmp_path)
     copy_bert_tokenizer(tmp_path)  # says model_max_length 512: the position table is what bounds it
     assert model_max_length(tmp_path) == 64
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": 512}')  # more than it holds (tester h88)
+    assert model_max_length(tmp_path) == 64
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": 32}')  # less: sentence-transformers' cut
+    assert model_max_length(tmp_path) == 32
+    (tmp_path / "sentence_bert_config.json").unlink()
     runtime = load_runtime(ModelSource(tmp_path, Task.EMBED))
     rows = runtime.tokenize(["word " * 200])
     assert rows[0].length == 64
