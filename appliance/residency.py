@@ -27,7 +27,7 @@ from appliance.catalog import ModelSpec
 from appliance.errors import InsufficientMemory, reason_of
 from appliance.metrics import Metrics
 from appliance.settings import memory_budget_bytes
-from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime
+from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime, released_together
 from runtimes.base import SAFETENSORS_INDEX, AdapterHost, safetensors_files, shipped_onnx
 
 log = logging.getLogger(__name__)
@@ -395,5 +395,7 @@ class Residency:
         return True
 
     async def close(self) -> None:
-        for name in list(self._resident):
-            await self.evict(name, reason="shutdown")
+        """The box stopping: every model unloaded, their memory collected once after the last."""
+        with released_together():
+            for name in list(self._resident):
+                await self.evict(name, reason="shutdown")

@@ -15,6 +15,7 @@ from runtimes.base import (
     UnsupportedModel,
 )
 from runtimes.loader import load_runtime
+from runtimes.release import released_together
 
 __all__ = [
     "InputTooLong",
@@ -27,4 +28,5 @@ __all__ = [
     "UnknownAdapter",
     "UnsupportedModel",
     "load_runtime",
+    "released_together",
 ]

@@ -19,6 +19,7 @@ import torch
 
 from runtimes.base import HEAD_MODULES, ModelSource, Task, UnsupportedModel
 from runtimes.lora import LoraAdapters
+from runtimes.release import release as release_memory
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,9 @@ class TorchBackend:
 
 
 def release(device: torch.device) -> None:
-    """After the last reference to a model is dropped: collect it (modules hold cycles), return CUDA's cache."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    """After the last reference to a model is dropped: collect it (modules hold cycles), return CUDA's cache; once
+    for models closed together (`runtimes.release.released_together`)."""
+    release_memory(device.type)
 
 
 # transformers builds a model on the meta device through process-wide hooks, then ties and fills its weights: two
