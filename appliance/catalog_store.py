@@ -61,7 +61,7 @@ class CatalogStore:
         self._file_storage = file_storage
         self._kv: KeyValue | None = None
         # Only a box registers and deletes models; a reader (the TUI) must not create the claims' bucket.
-        self._names = NameClaims(js, replicas=replicas) if registers else None
+        self._names = NameClaims(js, replicas=replicas, lists=self._lists) if registers else None
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
         self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
@@ -69,6 +69,19 @@ class CatalogStore:
         # box wrote (or looked up) a newer one, and a late word must not undo the newer.
         self._revisions: dict[str, int] = {}
         self._bucket_made: Any = None  # when the bucket this box follows was made: another one is a remade bucket
+
+    async def _lists(self, model: str, name: str) -> bool:
+        """Whether `model` has `name` as its name or an alias, as the bucket holds it now (this box's catalog may
+        not have heard of a change made elsewhere yet); True where the bucket cannot be read."""
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(bus.model_slug(model))
+        except KeyNotFoundError:
+            return False
+        except NatsError:
+            return True
+        spec = ModelSpec.from_json(entry.value) if entry.value else None
+        return spec is not None and spec.name == model and name in (spec.name, *spec.aliases)
 
     def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:
         """Call `listener(name, spec)` after every change; spec is None for a removal."""

@@ -29,7 +29,7 @@ write only at the revisions read before it: a claim renewed meanwhile belongs to
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from nats.errors import Error as NatsError
@@ -67,10 +67,19 @@ class Claim:
 class NameClaims:
     """KV bucket `fbx_names`: one short-lived key per name or alias being taken, held by the model taking it."""
 
-    def __init__(self, js: JetStreamContext, *, replicas: int = 1) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        replicas: int = 1,
+        lists: Callable[[str, str], Awaitable[bool]] | None = None,
+    ) -> None:
         self._js = js
         self._replicas = replicas
         self._kv: KeyValue | None = None
+        # Whether a model (first) lists a name (second) as its name or an alias, as the bucket says: a claim its
+        # holder does not list is a change in flight, or one cut short whose claim lapses (`_taken` says which).
+        self._lists = lists
 
     async def open(self) -> None:
         """Find or create the bucket: in memory whatever `durable` says, since a claim matters for minutes only."""
@@ -120,7 +129,7 @@ class NameClaims:
             except KeyNotFoundError:
                 continue  # given back or lapsed since
             if held.value is None or held.value.decode() != owner or held.revision is None:
-                raise Conflict(self._taken(owner, name, held.value), code="model_exists")
+                raise Conflict(await self._taken(owner, name, held.value), code="model_exists")
             own = earlier is not None and not earlier.taken_over and earlier.revision == held.revision
             try:
                 return Claim(name, await self._kv.update(key, owner.encode(), last=held.revision), taken_over=not own)
@@ -131,13 +140,20 @@ class NameClaims:
             code="model_exists",
         )
 
-    @staticmethod
-    def _taken(owner: str, name: str, holder: bytes | None) -> str:
-        """The refusal of `owner`'s claim on `name`, naming the model that holds it."""
+    async def _taken(self, owner: str, name: str, holder: bytes | None) -> str:
+        """The refusal of `owner`'s claim on `name`, naming the model that holds it. One its holder does not list
+        is a registration or change of it still in flight, or cut short (changes of one model's aliases racing each
+        other leave the claim they took from each other to its TTL): "delete it first" named a model that did not
+        exist, or did not have the alias (tester h89)."""
         what = "model name" if name == owner else "alias"
         if not holder:
             return f"{what} {name!r} was being taken by another registration meanwhile; register again"
         holder_name = holder.decode()
+        if self._lists is not None and not await self._lists(holder_name, name):
+            return (
+                f"{what} {name!r} is being taken by a registration or change of model {holder_name!r}, in flight or "
+                f"cut short (then free within {CLAIM_TTL_S / 60:.0f} minutes of it); try again shortly"
+            )
         held_as = "its name" if holder_name == name else "an alias"
         return f"{what} {name!r} is taken by model {holder_name!r} as {held_as} (registered meanwhile); delete it first"
 

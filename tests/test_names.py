@@ -263,3 +263,22 @@ async def test_a_change_racing_a_delete_leaves_no_claim_of_the_deleted_model(
     await deleting
     assert await entry_of(first, "m") is None and first.catalog.get("m") is None
     await claim_elsewhere(nc, "c", "y", "m")
+
+
+async def test_a_claim_its_holder_does_not_list_is_refused_as_in_flight_not_as_taken(
+    two_boxes: tuple[NATS, CatalogStore, CatalogStore],
+) -> None:
+    """Tester h89: changes of one model's aliases racing each other left a claim on an alias the model did not have
+    (to the claims' TTL), and a registration of it was told "taken by model 'a' as an alias ...; delete it first",
+    where a had no such alias (or no longer existed). The refusal says a change of a holds it, in flight or cut
+    short; an alias a has is still "taken"."""
+    nc, first, second = two_boxes
+    await registered(first, second, spec("a", "y"))
+    await claim_elsewhere(nc, "a", "x")  # a change of a in flight, or one cut short: a does not list x
+    with pytest.raises(Conflict, match="'x' is being taken by a registration or change of model 'a', in flight or cut"):
+        await second.create(spec("c", "x"))
+    with pytest.raises(Conflict, match="alias 'y' is taken by model 'a' as an alias"):
+        await second.create(spec("d", "y"))
+    with pytest.raises(Conflict, match="'z' is being taken by a registration or change of model 'gone'"):
+        await claim_elsewhere(nc, "gone", "z")
+        await second.create(spec("e", "z"))
