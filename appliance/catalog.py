@@ -287,8 +287,12 @@ class Catalog:
     def adapters_of(self, base: str) -> list[ModelSpec]:
         return [spec for spec in self._by_name.values() if spec.adapter_of == base]
 
-    def check_deletable(self, spec: ModelSpec) -> None:
-        """A base model goes after its adapters (409): deleting it would leave them serving nothing."""
+    def check_deletable(self, spec: ModelSpec, named: str) -> None:
+        """A model is deleted by its own name, not an alias (409): an alias that had meanwhile become another
+        model's deleted that model (tester h89). A base model goes after its adapters (409): deleting it would
+        leave them serving nothing."""
+        if named != spec.name:
+            raise Conflict(f"{named!r} is an alias of model {spec.name!r}; delete a model by its own name")
         adapters = self.adapters_of(spec.name)
         if adapters:
             raise Conflict(

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def control_verbs(box: Box) -> dict[str, Handler]:
     async def load(payload: dict[str, Any]) -> dict[str, Any]:
-        spec = _model(box, payload)
+        spec = await _model(box, payload)
         _runs_models(box)
         if box.draining:  # a box going away takes no new model: it would pull for it as it drains
             raise Conflict(f"box {box.box_id} is draining; load {spec.name} on another box")
@@ -41,7 +41,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         return {"model": spec.name, "state": "resident", "bytes": resident.nbytes if resident else None}
 
     async def evict(payload: dict[str, Any]) -> dict[str, Any]:
-        spec = _model(box, payload)
+        spec = await _model(box, payload)
         refuse_adapter(spec, "evict")
         _runs_models(box)
         if spec.name in box.residency.pinned:
@@ -52,12 +52,12 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec = await box.store.update(_model(box, payload), ModelChange(pinned=True))
+        spec = await box.store.update(await _model(box, payload), ModelChange(pinned=True))
         return {"model": spec.name, "pinned": True}
 
     async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec = _model(box, payload)
+        spec = await _model(box, payload)
         refuse_adapter(spec, "unpin")
         spec = await box.store.update(spec, ModelChange(pinned=False))
         return {"model": spec.name, "pinned": False}
@@ -65,7 +65,9 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def update(payload: dict[str, Any]) -> dict[str, Any]:
         """`PATCH /v1/models/{name}` over NATS (the CLI): `{"model": NAME, "change": {...}}`, judged on this box."""
         assert box.store is not None
-        spec = await change_model(_model(box, payload), update_from(payload.get("change")), box.catalog, box.store)
+        spec = await change_model(
+            await _model(box, payload), update_from(payload.get("change")), box.catalog, box.store
+        )
         return {
             "model": spec.name,
             "aliases": list(spec.aliases),
@@ -75,8 +77,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def delete(payload: dict[str, Any]) -> dict[str, Any]:
         """`DELETE /v1/models/{name}` over NATS (the TUI and CLI): a base only once its adapters are gone."""
-        spec = _model(box, payload)
-        box.catalog.check_deletable(spec)
+        spec = await _model(box, payload)
+        box.catalog.check_deletable(spec, named=payload["model"])
         adapters = await box.delete_model(spec)
         return {"model": spec.name, "deleted": True} | ({"adapters_deleted": adapters} if adapters else {})
 
@@ -110,11 +112,12 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     }
 
 
-def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
+async def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
+    """The model a verb names, looked up in the catalog's bucket when this box has not heard of it yet."""
     name = payload.get("model")
     if not isinstance(name, str) or not name:
         raise Unprocessable('name a model: {"model": NAME}')
-    spec = box.catalog.get(name)
+    spec = await box.store.find(name) if box.store is not None else box.catalog.get(name)
     if spec is None:
         raise box.catalog.unknown(name)
     return spec

@@ -914,3 +914,40 @@ async def test_a_folder_moved_or_deleted_since_its_registration_is_said_and_no_c
         f"could not be loaded on box {box.box_id}: the model folder {base} does not exist"
         " (moved or deleted since it was registered?)"
     ), body
+
+
+async def test_a_model_registered_on_another_box_is_found_before_this_box_hears_of_it(
+    start_box, http, encoder_dir, tmp_path_factory
+) -> None:
+    """Tester h89: a DELETE sent to box b within a few milliseconds of a's 201 (before b's watch brought the model)
+    answered 404 "does not exist", and the model stayed registered (3 of 10 runs). An admin route or verb that does
+    not find the model in its box's catalog looks in the catalog's bucket first. Here b never hears."""
+    from appliance.control import call_box
+    from appliance.tasks import cancel_and_wait
+
+    roots = [tmp_path_factory.getbasetemp()]
+    first = await start_box(box_id="a", default_model=False, model_roots=roots)
+    second = await start_box(box_id="b", default_model=False, model_roots=roots)
+    await cancel_and_wait([second.store._task])  # b hears nothing from here on
+    for name in ("m1", "m2"):
+        assert (await call(http, first, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)}))[0] == 201
+    assert second.catalog.get("m1") is None
+    status, record = await call(http, second, "GET", "/v1/models/m1")
+    assert (status, record["id"]) == (200, "m1"), record
+    deleted = {"id": "m1", "object": "model", "deleted": True}
+    assert await call(http, second, "DELETE", "/v1/models/m1") == (200, deleted)
+    answer = await call_box(first.nc, "b", "delete", {"model": "m2"}, timeout_s=10)
+    assert answer["deleted"] and answer["model"] == "m2", answer
+    await wait_for(lambda: not {"m1", "m2"} & set(first.catalog.names()), what="both deletions heard on a")
+
+
+async def test_a_model_is_deleted_by_its_name_not_an_alias(start_box, http, encoder_dir, tmp_path_factory) -> None:
+    """Tester h89: `DELETE /v1/models/{alias}` deleted the model, and a name that had meanwhile become another
+    model's alias deleted that other model. A model is deleted by its own name (409 naming it)."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    registration = {"name": "jm", "path": str(encoder_dir), "aliases": ["jm-alias"]}
+    assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+    status, body = await call(http, box, "DELETE", "/v1/models/jm-alias")
+    assert status == 409 and "'jm-alias' is an alias of model 'jm'" in body["error"]["message"], body
+    assert box.catalog.get("jm") is not None
+    assert (await call(http, box, "DELETE", "/v1/models/jm"))[0] == 200

@@ -68,8 +68,18 @@ async def register_model(request: web.Request) -> web.Response:
     return json_response(model_record(ctx, spec), status=201)
 
 
-def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
-    """The model the route's `{name}` names (a name or an alias), else its 404."""
+async def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
+    """The model the route's `{name}` names (a name or an alias), else its 404: looked up in the catalog's bucket
+    when this box has not heard of it yet (`CatalogStore.find`)."""
+    name = request.match_info["name"]
+    spec = await ctx.store.find(name)
+    if spec is None:
+        raise ctx.catalog.unknown(name)
+    return spec
+
+
+def known_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
+    """The model the route's `{name}` names, as this box's catalog holds it (an inference route's: no lookup)."""
     name = request.match_info["name"]
     spec = ctx.catalog.get(name)
     if spec is None:
@@ -79,13 +89,13 @@ def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
 
 async def get_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    return json_response(model_record(ctx, named_model(ctx, request)))
+    return json_response(model_record(ctx, await named_model(ctx, request)))
 
 
 async def update_model(request: web.Request) -> web.Response:
     """`PATCH /v1/models/{name}`: aliases, the pin, batching knobs, changed in place (appliance/model_update.py)."""
     ctx = GatewayContext.of(request)
-    spec = named_model(ctx, request)
+    spec = await named_model(ctx, request)
     update = update_from(decode(await read_body(request, ctx.settings), _json_object))
     if update.pinned:
         await _check_pin_fits(ctx, spec)
@@ -95,8 +105,8 @@ async def update_model(request: web.Request) -> web.Response:
 
 async def delete_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = named_model(ctx, request)
-    ctx.catalog.check_deletable(spec)
+    spec = await named_model(ctx, request)
+    ctx.catalog.check_deletable(spec, named=request.match_info["name"])
     adapters = await ctx.delete_model(spec)
     answer: dict[str, Any] = {"id": spec.name, "object": "model", "deleted": True}
     if adapters:  # registered on another box while this deletion was judged
@@ -114,7 +124,7 @@ async def unpin_model(request: web.Request) -> web.Response:
 
 async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = named_model(ctx, request)
+    spec = await named_model(ctx, request)
     if not pinned:
         refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
     else:
@@ -138,7 +148,7 @@ async def _target_box(request: web.Request) -> str | None:
 
 async def load_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = named_model(ctx, request)
+    spec = await named_model(ctx, request)
     box = await _target_box(request)
     if box is None:
         box = _choose_box(ctx)
@@ -148,7 +158,7 @@ async def load_model(request: web.Request) -> web.Response:
 
 async def evict_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
-    spec = named_model(ctx, request)
+    spec = await named_model(ctx, request)
     refuse_adapter(spec, "evict")
     box = await _target_box(request)
     boxes = [box] if box is not None else ctx.model_state(spec.name)["boxes"]

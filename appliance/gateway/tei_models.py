@@ -12,14 +12,14 @@ from aiohttp import web
 from appliance.catalog import ModelSpec
 from appliance.errors import Unprocessable
 from appliance.gateway import tei, tei_info
-from appliance.gateway.admin import named_model
+from appliance.gateway.admin import known_model
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response, read_body
 from runtimes import Task
 
 
 def _served(request: web.Request) -> ModelSpec:
-    return named_model(GatewayContext.of(request), request)
+    return known_model(GatewayContext.of(request), request)
 
 
 async def root(request: web.Request) -> web.StreamResponse:
