@@ -36,6 +36,19 @@ class MalformedHttpFilter(logging.Filter):
         return not isinstance(error, HttpProcessingError)
 
 
+class LoadReportFilter(logging.Filter):
+    """transformers' report of each checkpoint's missing and unused weights (a table, in ANSI bold) at WARNING: a
+    bare encoder's unused pooler warned on every load (tester h89). The box judges a folder's weights itself (one
+    the model uses missing is refused, a head it does not have is said: runtimes/torch_backend.py), so the table is
+    a DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" not in str(record.msg):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 # Libraries whose INFO and DEBUG lines say nothing an operator acts on. The ONNX export alone logged ~115 INFO
 # lines from onnx_ir's graph passes ("Removed 186 unused nodes"), 449 more at DEBUG, around fleetbox's one line.
 THIRD_PARTY_AT_WARNING = (
@@ -72,6 +85,9 @@ def configure_logging(level: str, *, runs_models: bool = False) -> None:
     for noisy in THIRD_PARTY_AT_WARNING:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
+    loads = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(existing, LoadReportFilter) for existing in loads.filters):
+        loads.addFilter(LoadReportFilter())
     # An ONNX export says, four times, that torchvision's detection ops are not registered: nothing fleetbox uses.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     logging.captureWarnings(True)  # a library's `warnings.warn` is a JSON line (logger `py.warnings`), not raw text
