@@ -333,9 +333,12 @@ class CatalogStore:
         meanwhile answered 404 while the model stayed registered (tester h89, 3 of 10). What the lookup finds is
         applied here at once. An alias this box has not heard of is not looked up: the bucket's keys are slugs."""
         spec = self.catalog.get(name)
-        slug = bus.model_slug(name)
-        if spec is not None or self._kv is None or not slug:
+        if spec is not None or self._kv is None:
             return spec
+        try:
+            slug = bus.model_slug(name)
+        except ValueError:  # no model may have such a name
+            return None
         try:
             await self._look_again(slug)
         except NatsError as exc:

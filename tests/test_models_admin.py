@@ -932,6 +932,8 @@ async def test_a_model_registered_on_another_box_is_found_before_this_box_hears_
     for name in ("m1", "m2"):
         assert (await call(http, first, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)}))[0] == 201
     assert second.catalog.get("m1") is None
+    status, record = await call(http, second, "GET", "/v1/models/\u00e0)")  # no model may have it: no lookup
+    assert (status, record["error"]["code"]) == (404, "model_not_found"), record
     status, record = await call(http, second, "GET", "/v1/models/m1")
     assert (status, record["id"]) == (200, "m1"), record
     deleted = {"id": "m1", "object": "model", "deleted": True}

@@ -241,7 +241,9 @@ async def test_models_register_and_delete_commands_change_the_catalog(
     code, out, err = await fleetbox("models", "register", "elsewhere", "/etc", *nats)
     assert code == 1 and "outside the model roots" in err and out == ""
 
-    code, out, err = await fleetbox("models", "delete", "t1", *nats)
+    code, out, err = await fleetbox("models", "delete", "t1", *nats)  # by its own name only (tester h89)
+    assert code == 1 and "'t1' is an alias of model 'tiny'; delete a model by its own name" in err, err
+    code, out, err = await fleetbox("models", "delete", "tiny", *nats)
     assert code == 0, err
     assert json.loads(out) == {"ok": True, "box": box.box_id, "model": "tiny", "deleted": True}
     assert (await model(http, box, "tiny"))["error"]["code"] == "model_not_found"
