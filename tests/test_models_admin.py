@@ -953,3 +953,40 @@ async def test_a_model_is_deleted_by_its_name_not_an_alias(start_box, http, enco
     assert status == 409 and "'jm-alias' is an alias of model 'jm'" in body["error"]["message"], body
     assert box.catalog.get("jm") is not None
     assert (await call(http, box, "DELETE", "/v1/models/jm"))[0] == 200
+
+
+async def test_nats_not_answering_an_admin_step_is_a_503_and_a_deletion_outlasts_a_slow_consumer(
+    start_box, http, encoder_dir, tmp_path_factory, monkeypatch
+) -> None:
+    """Tester h87 (a 3-server cluster): a registration while the cluster had no quorum answered 500 (NATS's
+    NoRespondersError); a DELETE right after its registration answered 500 after 5 s, its consumer's delete timing
+    out, though the model was deleted. The first is a 503 to retry; the second tries the consumers again."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    create = box.store.create
+
+    async def no_quorum(*args, **kwargs):
+        raise NoRespondersError
+
+    monkeypatch.setattr(box.store, "create", no_quorum)
+    async with http.post(url(box, "/v1/models"), json={"name": "m", "path": str(encoder_dir)}) as response:
+        body = await response.json()
+        assert (response.status, response.headers["Retry-After"]) == (503, "2"), body
+        assert "NATS JetStream did not answer" in body["error"]["message"]
+    monkeypatch.setattr(box.store, "create", create)
+    assert (await call(http, box, "POST", "/v1/models", {"name": "m", "path": str(encoder_dir)}))[0] == 201
+    delete_consumers, slow = bus.delete_request_consumers, [NatsTimeout()]
+
+    async def slow_once(js, slug):
+        if slow:
+            raise slow.pop()
+        await delete_consumers(js, slug)
+
+    monkeypatch.setattr(bus, "delete_request_consumers", slow_once)
+    assert await call(http, box, "DELETE", "/v1/models/m") == (200, {"id": "m", "object": "model", "deleted": True})
+    assert not slow
+    for priority in bus.PRIORITIES:
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(model_slug("m"), priority))

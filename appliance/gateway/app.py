@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from aiohttp import HttpVersion11, hdrs, web
+from nats.errors import Error as NatsError
 
 from appliance.catalog import ModelSpec
 from appliance.errors import (
@@ -33,6 +34,7 @@ from appliance.gateway.auth import admin as admin_only
 from appliance.gateway.context import CLIENT_GONE, CONTEXT, REQUEST_ID, GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.http import RECEIVING, Receiving, json_response
+from appliance.gateway.publish import FAILOVER_RETRY_S
 from appliance.registration import MODEL_VERBS
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,16 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except asyncio.CancelledError:  # its client hung up (`handler_cancellation`): counted, as nginx does, 499
         _count(request, CLIENT_CLOSED_REQUEST, started)
         raise
+    except NatsError as exc:
+        # NATS or JetStream did not answer a step outside the request path's own handling (the catalog's, an admin
+        # route's) in a failover or a quorum lost: a 503 to retry, not a 500 (tester h87: a registration then).
+        log.warning("NATS did not answer", extra={"path": request.path, "error": f"{exc!r}: {exc}"})
+        response = _error_response(
+            ServiceUnavailable(
+                "NATS JetStream did not answer (a server failing over, or a cluster without a quorum); retry shortly",
+                retry_after_s=FAILOVER_RETRY_S,
+            )
+        )
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         response = _error_response(InternalError("internal error; see the box's log"))
