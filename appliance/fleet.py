@@ -161,6 +161,16 @@ class Fleet:
                 self._heartbeats.failed(exc)
             else:
                 self._heartbeats.succeeded()
+            if self._blind():  # nothing known of the workers meanwhile: their absence is counted from sight again
+                self._workers_seen_at = time.monotonic()
+
+    def _blind(self) -> bool:
+        """Whether this box's view of the heartbeats is stale: its own record, written each beat, is not among the
+        live ones it sees (its beats fail, or its watch is cut: a NATS failover, a quorum lost, a restart). Then the
+        workers' records age out too, and a gateway-only box said "no box in the fleet runs models" with three
+        workers up, until 4 s after the cluster was back (tester h87)."""
+        record = self._boxes.get(self.box_id)
+        return record is None or time.time() - float(record.get("ts", 0)) > self._ttl_s
 
     async def _write(self, record: bytes) -> int:
         """Write this box's record over its last one only, and say its revision; `Conflict` when another box's
@@ -209,9 +219,13 @@ class Fleet:
         return True
 
     def without_workers_s(self) -> float:
-        """Seconds since a live box taking model work was last heard of (or since this box started): 0 while one is
-        live. A gateway queues requests through a worker's restart, and refuses them once none has come back."""
+        """Seconds since a live box taking model work was last heard of (or since this box started, or last saw the
+        heartbeats): 0 while one is live, or while this box does not see its own (`_blind`). A gateway queues
+        requests through a worker's restart, and refuses them once none has come back."""
         if taking_work(self.live_boxes(), MODEL_ROLES):
+            return 0.0
+        if self._beating and self._blind():
+            self._workers_seen_at = time.monotonic()
             return 0.0
         return time.monotonic() - self._workers_seen_at
 

@@ -501,6 +501,30 @@ async def test_a_gateway_with_no_worker_for_a_while_answers_503_at_once(start_bo
     await wait_for(answered, what="a request answered once a worker joined")
 
 
+async def test_a_gateway_that_cannot_see_the_heartbeats_does_not_say_no_box_runs_models(
+    start_box, http, monkeypatch
+) -> None:
+    """Tester h87: through a NATS quorum loss or a whole cluster's restart, gateway-only boxes answered 503 "no box in
+    the fleet runs models" with three workers up, for seconds after the cluster was back: their own view of the
+    heartbeats had gone stale with everyone's. A box that does not see its own heartbeat knows nothing of the
+    workers: it says nothing of them. Here the gateway's watch of the heartbeats is cut (TTL 1 s, no grace)."""
+    monkeypatch.setattr(context, "NO_WORKER_GRACE_S", 0.0)
+    models = [noop_model("a")]
+    common = {"default_model": False, "models": models, "heartbeat_ttl_s": 1.0, "heartbeat_s": 0.2}
+    gateway = await start_box(role="gateway", box_id="door", **common)
+    await start_box(role="worker", box_id="runner", **common)
+    await wait_for(lambda: gateway.fleet.holders("a"), what="the worker seen")
+    (watch,) = [task for task in gateway.fleet._tasks if task.get_name() == "fleet-watch"]
+    watch.cancel()
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 3.0  # past the TTL: every record the gateway holds, its own too, is stale
+    while loop.time() < until:
+        async with http.post(url(gateway, "/v1/embeddings"), json={"model": "a", "input": "x"}) as response:
+            assert response.status == 200, await response.text()
+        await asyncio.sleep(0.1)
+    assert not gateway.fleet.holders("a") and gateway.fleet.without_workers_s() == 0.0
+
+
 async def test_a_gateway_queueing_for_a_worker_to_come_back_refuses_what_it_cannot_queue_with_a_503(
     start_box, http
 ) -> None:
