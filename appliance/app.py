@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 _MONITOR_PERIOD_S = 1.0
 _MISSING_LOOKS = 3  # looks of the stream monitor in a row that find the request stream or consumers gone
 _MISSING_LOOKS_MOST = 300  # ... and at most this many while the restores do not make them (the server refuses)
+_STREAM_LOOK_S = 2.0  # the stream monitor's look at the request stream: longer is no answer (no leader)
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 _FORGET_METRICS_S = 30.0  # a deleted model's series stay this long (its eviction, under way, still counts in them)
 
@@ -425,11 +426,15 @@ class Box:
         gone = False  # the stream itself was found missing
         while True:
             missing = False
+            looked_at = time.monotonic()
             try:
-                info = await self.js.stream_info(bus.REQUEST_STREAM)
+                # Bounded below JetStream's 5 s: a look waiting out an election said the stream was there meanwhile.
+                info = await asyncio.wait_for(self.js.stream_info(bus.REQUEST_STREAM), _STREAM_LOOK_S)
                 # Made anew by another box's monitor (or a hand) since this box looked: its lost requests published.
                 self._queue_made(info.created, seen_gone=gone)
                 self.stream_ok, gone = True, False
+                if self.dispatcher is not None:
+                    self.dispatcher.stream_answered(looked_at)
                 streak.succeeded()
                 self.backlog = info.state.messages
                 self.metrics.backlog.set(self.backlog)

@@ -147,3 +147,39 @@ async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up(start_box, htt
             return response.status == 200
 
     await wait_for(ready, what="readyz to say ready once it pulls")
+
+
+async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(start_box, http, monkeypatch) -> None:
+    """Tester h87 (a 3-server cluster): through 4-6 s leader elections and 25 s of quorum loss `/readyz` said ready
+    while every request got 503: the monitor's look at the stream waited out JetStream's 5 s timeout, and publishes
+    failing said nothing to it. A publish without an answer, or a look over 2 s, is not ready; an answered look
+    makes it ready again."""
+    import asyncio
+
+    from nats.errors import TimeoutError as NatsTimeout
+
+    box = await start_box(default_model=False, models=[noop_model("a")])
+
+    async def reason() -> str | None:
+        async with http.get(url(box, "/readyz")) as response:
+            return (await response.json()).get("reason") if response.status == 503 else None
+
+    publish = box.dispatcher._publisher._js.publish
+
+    async def no_leader(*args, **kwargs):
+        raise NatsTimeout
+
+    monkeypatch.setattr(box.dispatcher._publisher._js, "publish", no_leader)
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "a", "input": "x"}) as response:
+        assert response.status == 503
+    assert await reason() == "stream FBX_REQ is not answering publishes (a NATS failover?)"
+    monkeypatch.setattr(box.dispatcher._publisher._js, "publish", publish)
+    await wait_for(lambda: box.dispatcher.queue_unanswered_since is None, what="an answered look at the stream")
+    assert await reason() is None
+
+    async def hung(*args, **kwargs):
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(box.js, "stream_info", hung)
+    await wait_for(lambda: not box.stream_ok, timeout_s=10.0, what="a look over its bound read as no answer")
+    assert await reason() == "stream FBX_REQ is not available"

@@ -128,6 +128,15 @@ class Dispatcher:
         self._admission.backlog = messages
 
     @property
+    def queue_unanswered_since(self) -> float | None:
+        """Since when (monotonic) the request stream has not answered this gateway's publishes; None: it does."""
+        return self._publisher.unanswered_since
+
+    def stream_answered(self, looked_at: float) -> None:
+        """The box's look at the request stream, begun at `looked_at`, was answered (`Publisher.stream_answered`)."""
+        self._publisher.stream_answered(looked_at)
+
+    @property
     def waiting(self) -> int:
         return len(self._waiters) + len(self._streams)
 

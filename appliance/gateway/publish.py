@@ -9,6 +9,7 @@ after it, so no box computes what was already answered.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -44,6 +45,8 @@ class Publisher:
         self._js = js
         self._blobs = blobs
         self._overloaded = overloaded
+        # Since when the stream has not answered a publish (None: the last one was answered), for `/readyz`.
+        self.unanswered_since: float | None = None
 
     async def cancel(self, request_id: str, box: str | None = None) -> None:
         """Every box drops the request (its client went away), or only `box` (a second copy it holds)."""
@@ -65,6 +68,11 @@ class Publisher:
         except Exception as exc:  # no box answered (it died, or NATS is away again): the caller says what was lost
             log.debug("generation not handed back", extra={"request_id": request_id, "error": repr(exc)})
             return False, False
+
+    def stream_answered(self, looked_at: float) -> None:
+        """The stream answered a look begun at `looked_at` (monotonic): publishes that failed before it are past."""
+        if self.unanswered_since is not None and self.unanswered_since <= looked_at:
+            self.unanswered_since = None
 
     def check_connected(self) -> None:
         if not self._nc.is_connected:
@@ -91,6 +99,7 @@ class Publisher:
             await self._js.publish(
                 bus.request_subject(slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
             )
+            self.unanswered_since = None
         except APIError as exc:
             if meta.blob:  # not queued: no box will read or delete its body
                 await self._blobs.delete(meta.blob)
@@ -101,6 +110,8 @@ class Publisher:
                 f"the request queue refused the request: {exc.description}", retry_after_s=FAILOVER_RETRY_S
             ) from None
         except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
+            if self.unanswered_since is None:
+                self.unanswered_since = time.monotonic()
             # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
             # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
             await self.cancel(meta.id)
