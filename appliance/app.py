@@ -204,7 +204,9 @@ class Box:
             self._spawn(self.natsd.supervise(self._nats_gone))
         await self.fleet.beat()
         self.ready = True
-        log.info("box ready", extra={"box": self.box_id, "nats": shown_url(self.nats_url), "http_port": self.http_port})
+        # The server it is connected to, of those it was given (the first named one said nothing: tester h87).
+        nats = shown_url(str(self.nc.connected_url.geturl()) if self.nc.connected_url else self.nats_url)
+        log.info("box ready", extra={"box": self.box_id, "nats": nats, "http_port": self.http_port})
 
     async def _connect(self) -> None:
         urls = self.settings.nats_urls

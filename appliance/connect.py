@@ -336,7 +336,8 @@ async def when_jetstream_answers(step: Callable[[], Awaitable[Any]]) -> None:
         except Exception as exc:
             if not _jetstream_not_ready(exc) or loop.time() >= deadline:
                 raise
-            log.warning("JetStream is not ready yet; retrying", extra={"error": repr(exc)})
+            # Its words as well as its type: "BadRequestError()" hid "no suitable peers for placement" for 60 s (h87).
+            log.warning("JetStream is not ready yet; retrying", extra={"error": f"{exc!r}: {exc}"})
             await asyncio.sleep(1.0)
 
 

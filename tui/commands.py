@@ -39,7 +39,9 @@ async def attached(servers: str, auth: NatsAuth, timeout_s: float | None = None)
         try:
             await source.attached(timeout_s, no_fleet_s=min(NO_FLEET_S, timeout_s))
         except TimeoutError:
-            raise TimeoutError(source.waiting_for or f"no fleet answered at {servers}") from None
+            # Not the view's "…; retrying…": the TUI retries, a command stops here (tester h87 read on, for it).
+            why = (source.waiting_for or "").removesuffix("; retrying…")
+            raise TimeoutError(why or f"no fleet answered at {servers}") from None
         yield source
     finally:
         await source.stop()
