@@ -24,9 +24,9 @@ def not_ready_reason(box: Box) -> str | None:
         return "not connected to NATS"
     if not box.stream_ok:
         return f"stream {bus.REQUEST_STREAM} is not available"
-    if box.dispatcher is not None and box.dispatcher.queue_unanswered_since is not None:
-        # Publishes failing (no stream leader: an election, a quorum lost) while a look at the stream had not timed
-        # out yet: `/readyz` said ready through 4-6 s elections and 25 s of quorum loss, every request a 503 (h87).
+    if box.dispatcher is not None and box.dispatcher.queue_unanswered():
+        # Publishes failing or waiting (no stream leader: an election, a quorum lost), which a look at the stream may
+        # not see: `/readyz` said ready through 4-6 s elections and 25 s of quorum loss, every request a 503 (h87).
         return f"stream {bus.REQUEST_STREAM} is not answering publishes (a NATS failover?)"
     if box.draining:
         return "draining"

@@ -152,11 +152,15 @@ async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up(start_box, htt
 async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(start_box, http, monkeypatch) -> None:
     """Tester h87 (a 3-server cluster): through 4-6 s leader elections and 25 s of quorum loss `/readyz` said ready
     while every request got 503: the monitor's look at the stream waited out JetStream's 5 s timeout, and publishes
-    failing said nothing to it. A publish without an answer, or a look over 2 s, is not ready; an answered look
-    makes it ready again."""
+    failing said nothing to it. Then (h92) a quorum lost with the stream's leader alive: looks were answered and
+    publishes not, and each look made it ready again; and a publish waits 5 s before it fails. Not ready: a publish
+    that failed unanswered (until one is answered, or a look after a quiet while), one waiting over 2 s, or a look
+    over 2 s."""
     import asyncio
 
     from nats.errors import TimeoutError as NatsTimeout
+
+    from appliance.gateway import publish as publish_module
 
     box = await start_box(default_model=False, models=[noop_model("a")])
 
@@ -164,18 +168,43 @@ async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(st
         async with http.get(url(box, "/readyz")) as response:
             return (await response.json()).get("reason") if response.status == 503 else None
 
-    publish = box.dispatcher._publisher._js.publish
+    async def embed() -> int:
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "a", "input": "x"}) as response:
+            return response.status
+
+    js = box.dispatcher._publisher._js
+    publish, released = js.publish, asyncio.Event()
 
     async def no_leader(*args, **kwargs):
         raise NatsTimeout
 
-    monkeypatch.setattr(box.dispatcher._publisher._js, "publish", no_leader)
-    async with http.post(url(box, "/v1/embeddings"), json={"model": "a", "input": "x"}) as response:
-        assert response.status == 503
-    assert await reason() == "stream FBX_REQ is not answering publishes (a NATS failover?)"
-    monkeypatch.setattr(box.dispatcher._publisher._js, "publish", publish)
-    await wait_for(lambda: box.dispatcher.queue_unanswered_since is None, what="an answered look at the stream")
+    async def waiting(*args, **kwargs):
+        await released.wait()
+        raise NatsTimeout
+
+    not_answering = "stream FBX_REQ is not answering publishes (a NATS failover?)"
+    monkeypatch.setattr(js, "publish", no_leader)
+    assert await embed() == 503
+    assert await reason() == not_answering
+    await asyncio.sleep(2.5)  # looks at the stream answered meanwhile (its leader alive): not enough
+    assert await reason() == not_answering
+    monkeypatch.setattr(js, "publish", publish)
+    assert await embed() == 200 and await reason() is None  # a publish answered
+    monkeypatch.setattr(js, "publish", no_leader)
+    assert await embed() == 503
+    monkeypatch.setattr(publish_module, "_QUIET_S", 0.5)  # no traffic since: an answered look after a quiet while
+    monkeypatch.setattr(js, "publish", publish)
+    await wait_for(lambda: not box.dispatcher.queue_unanswered(), what="a look after the quiet while")
     assert await reason() is None
+    monkeypatch.setattr(js, "publish", waiting)
+    sent = asyncio.ensure_future(embed())
+    try:
+        await wait_for(lambda: box.dispatcher.queue_unanswered(), timeout_s=10.0, what="a publish waiting over 2 s")
+        assert await reason() == not_answering
+    finally:
+        released.set()
+    assert await sent == 503
+    monkeypatch.setattr(js, "publish", publish)
 
     async def hung(*args, **kwargs):
         await asyncio.sleep(30)

@@ -127,10 +127,9 @@ class Dispatcher:
     def backlog(self, messages: int) -> None:
         self._admission.backlog = messages
 
-    @property
-    def queue_unanswered_since(self) -> float | None:
-        """Since when (monotonic) the request stream has not answered this gateway's publishes; None: it does."""
-        return self._publisher.unanswered_since
+    def queue_unanswered(self) -> bool:
+        """Whether the request stream does not answer this gateway's publishes now (`Publisher.unanswered`)."""
+        return self._publisher.unanswered(time.monotonic())
 
     def stream_answered(self, looked_at: float) -> None:
         """The box's look at the request stream, begun at `looked_at`, was answered (`Publisher.stream_answered`)."""

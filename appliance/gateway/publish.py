@@ -29,6 +29,8 @@ from appliance.errors import FleetboxError, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 _PUBLISH_TIMEOUT_S = 5.0
+_SLOW_PUBLISH_S = 2.0  # a publish unanswered this long: the stream is not answering (for `/readyz`)
+_QUIET_S = 2 * _PUBLISH_TIMEOUT_S  # after a publish failed, a look at the stream says it answers only this long after
 _HAND_BACK_TIMEOUT_S = 2.0  # a box that holds the generation answers at once; no answer: it is gone
 FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
@@ -45,8 +47,10 @@ class Publisher:
         self._js = js
         self._blobs = blobs
         self._overloaded = overloaded
-        # Since when the stream has not answered a publish (None: the last one was answered), for `/readyz`.
-        self.unanswered_since: float | None = None
+        # For `/readyz`: the publishes under way (request id -> monotonic start), and when the last one the stream did
+        # not answer (no leader) ended, None once one is answered.
+        self._publishing: dict[str, float] = {}
+        self._unanswered_at: float | None = None
 
     async def cancel(self, request_id: str, box: str | None = None) -> None:
         """Every box drops the request (its client went away), or only `box` (a second copy it holds)."""
@@ -69,10 +73,19 @@ class Publisher:
             log.debug("generation not handed back", extra={"request_id": request_id, "error": repr(exc)})
             return False, False
 
+    def unanswered(self, now: float) -> bool:
+        """Whether the request stream does not answer this gateway's publishes now: the last one failed for want of
+        an answer, or one has waited over `_SLOW_PUBLISH_S` (a publish waits out 5 s before it fails: `/readyz` said
+        ready for them, tester h92)."""
+        oldest = min(self._publishing.values(), default=now)
+        return self._unanswered_at is not None or now - oldest > _SLOW_PUBLISH_S
+
     def stream_answered(self, looked_at: float) -> None:
-        """The stream answered a look begun at `looked_at` (monotonic): publishes that failed before it are past."""
-        if self.unanswered_since is not None and self.unanswered_since <= looked_at:
-            self.unanswered_since = None
+        """The stream answered a look begun at `looked_at` (monotonic). It answers looks without a quorum when its
+        leader lives, and publishes not (`/readyz` said ready for half of such an outage, tester h92): the look
+        counts only after `_QUIET_S` with no publish failing; a publish answered counts at once."""
+        if self._unanswered_at is not None and looked_at - self._unanswered_at >= _QUIET_S:
+            self._unanswered_at = None
 
     def check_connected(self) -> None:
         if not self._nc.is_connected:
@@ -95,11 +108,12 @@ class Publisher:
                     retry_after_s=FAILOVER_RETRY_S,
                 ) from None
             body = b""
+        self._publishing[meta.id] = time.monotonic()
         try:
             await self._js.publish(
                 bus.request_subject(slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
             )
-            self.unanswered_since = None
+            self._unanswered_at = None
         except APIError as exc:
             if meta.blob:  # not queued: no box will read or delete its body
                 await self._blobs.delete(meta.blob)
@@ -110,11 +124,12 @@ class Publisher:
                 f"the request queue refused the request: {exc.description}", retry_after_s=FAILOVER_RETRY_S
             ) from None
         except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
-            if self.unanswered_since is None:
-                self.unanswered_since = time.monotonic()
+            self._unanswered_at = time.monotonic()
             # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
             # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
             await self.cancel(meta.id)
             raise ServiceUnavailable(
                 "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=FAILOVER_RETRY_S
             ) from None
+        finally:
+            self._publishing.pop(meta.id, None)
