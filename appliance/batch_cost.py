@@ -32,6 +32,7 @@ class BatchCost:
         self.samples = 0  # and the warm-up's made-up ones: what the pace a box reports is read from
         self.most_rows = 0  # the most rows of a batch seen: the pace is read at no larger a batch (not extrapolated)
         self.tokens_per_row: float | None = None  # padded tokens per row of recent batches (EWMA)
+        self._shape: tuple[float, float] | None = None  # the last fit the batches told apart (`line`)
 
     def observe(self, tokens: int, rows: int, seconds: float, *, made_up: bool = False) -> None:
         """One batch's cost; `made_up`: a warm-up batch, not one of requests (see `samples`)."""
@@ -49,6 +50,22 @@ class BatchCost:
         self.most_rows = max(self.most_rows, rows)
         per_row = tokens / rows
         self.tokens_per_row = per_row if self.tokens_per_row is None else 0.9 * self.tokens_per_row + 0.1 * per_row
+        self._shape = self.fit() or self._shape
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds a batch, seconds a padded token): the fit, or where the batches of late are all of one size
+        (a flood of like inputs, full batches) the last fit that told the two apart, scaled to what these batches
+        take; None where none ever did. Without it, a pace reckoned after such a flood took every batch as fixed
+        cost, and short requests sent next were refused (tester h92, 1 run of 5)."""
+        fit = self.fit()
+        if fit is not None or self._shape is None or self._w == 0:
+            return fit
+        fixed, slope = self._shape
+        predicted = fixed + slope * self._x / self._w
+        if predicted <= 0:
+            return None
+        scale = self._y / self._w / predicted  # what these batches take over what the last fit said they would
+        return fixed * scale, slope * scale
 
     def seconds(self, tokens: float) -> float | None:
         """Predicted seconds for a batch of `tokens` padded tokens; None before any batch ran."""

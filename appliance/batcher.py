@@ -177,8 +177,8 @@ class Batcher:
             return None
         batching = self.batching
         rows = min(batching.max_batch_size, max(1, self.cost.most_rows))
-        fit = self.cost.fit()
-        if fit is None:  # the batches seen cannot tell fixed cost from tokens: a shorter row is reckoned no cheaper
+        fit = self.cost.line()
+        if fit is None:  # no batches ever told fixed cost from tokens: a shorter row is reckoned no cheaper
             full_rows = min(rows, self._full_rows(per_row))
             fit = (self.cost.seconds(full_rows * per_row) or 0.0, 0.0)
         return PaceLine(*fit, rows, batching.max_batch_tokens, batching.concurrent_batches, per_row)

@@ -1094,6 +1094,28 @@ def test_a_pace_line_reckons_shorter_rows_at_their_cost_and_longer_ones_at_the_r
         assert PaceLine.from_json(bad) is None
 
 
+def test_a_flood_of_like_batches_keeps_the_shape_of_the_cost_measured_before_it() -> None:
+    """Tester h92: after a flood of like inputs every recent batch was full and of one size, the fit of fixed and
+    per-token cost could not tell them apart, and the pace took each batch as all fixed cost: 8 short rows as slow as
+    8 long ones, 9 of 10 short requests sent next refused 429 (1 run of 5). The last fit's shape is kept, scaled to
+    what the flood's batches take."""
+    fixed, per_token = 0.005, 20e-6
+    cost = BatchCost()
+    for index in range(10):  # the warm-up's: two sizes
+        tokens = 16 * (40 if index % 2 else 12)
+        cost.observe(tokens, 16, fixed + per_token * tokens, made_up=True)
+    for _ in range(200):  # the flood's: all of 8 rows of 256 tokens, 10% slower than the warm-up said
+        cost.observe(2048, 8, 1.1 * (fixed + per_token * 2048))
+    assert cost.fit() is None
+    kept_fixed, kept_per_token = cost.line()
+    assert kept_fixed > 0 and kept_per_token > 0  # a shape, not all fixed cost
+    assert kept_fixed + kept_per_token * 2048 == pytest.approx(1.1 * (fixed + per_token * 2048), rel=0.01)
+    line = PaceLine(kept_fixed, kept_per_token, 8, 16_384, 1, 256.0)
+    assert line.at(10.0)[1] > 5 * line.at(256.0)[1]  # short rows at their cost, not at the long rows' pace
+    flat = PaceLine(cost.seconds(2048), 0.0, 8, 16_384, 1, 256.0)  # what the batcher reckoned without it
+    assert flat.at(10.0)[1] == pytest.approx(flat.at(256.0)[1])
+
+
 async def test_a_fresh_box_says_its_pace_before_any_request(start_box, encoder_dir) -> None:
     """Black-box finding: a box just started had timed no batch, so a gateway bounded a burst by rounds of its
     batches alone, rows counted (32 of 200 short requests let in; before rows were counted, 292 of 800). Its worker
