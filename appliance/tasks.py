@@ -59,10 +59,12 @@ class Background:
             # means: 49 warnings of them in a tester's session of documented races (h89). Anything else warns.
             expected = isinstance(exc, NotFound | UnloadedWhileStarting)
             # str as well as the type: a NATS error's repr is "BadRequestError()", its str says what and why.
+            # Which step, too: "TimeoutError(): nats: timeout" alone named nothing to look at (tester h92).
+            step = getattr(task.get_coro(), "__qualname__", None) or task.get_name()
             log.log(
                 logging.INFO if expected else logging.WARNING,
                 "background step ended: the model is gone" if expected else "background step failed",
-                extra={"owner": self._owner, "error": f"{exc!r}: {exc}"},
+                extra={"owner": self._owner, "step": step, "error": f"{exc!r}: {exc}"},
             )
 
     async def wait(self, timeout_s: float | None = None) -> None:

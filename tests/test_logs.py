@@ -126,3 +126,5 @@ async def test_a_background_step_ended_by_its_models_deletion_is_not_a_warning(c
     levels = [(record.levelname, record.getMessage()) for record in caplog.records if record.name == "appliance.tasks"]
     gone = ("INFO", "background step ended: the model is gone")
     assert levels == [gone, gone, ("WARNING", "background step failed")]
+    steps = {record.step for record in caplog.records if record.name == "appliance.tasks"}
+    assert steps == {"test_a_background_step_ended_by_its_models_deletion_is_not_a_warning.<locals>.fails"}
