@@ -205,7 +205,7 @@ class Box:
         await self.fleet.beat()
         self.ready = True
         # The server it is connected to, of those it was given (the first named one said nothing: tester h87).
-        nats = shown_url(str(self.nc.connected_url.geturl()) if self.nc.connected_url else self.nats_url)
+        nats = shown_url(self.nc.connected_url.geturl() if self.nc.connected_url else self.nats_url)
         log.info("box ready", extra={"box": self.box_id, "nats": nats, "http_port": self.http_port})
 
     async def _connect(self) -> None:

@@ -71,16 +71,14 @@ class CatalogStore:
         self._bucket_made: Any = None  # when the bucket this box follows was made: another one is a remade bucket
 
     async def _lists(self, model: str, name: str) -> bool:
-        """Whether `model` has `name` as its name or an alias, as the bucket holds it now (this box's catalog may
-        not have heard of a change made elsewhere yet); True where the bucket cannot be read."""
-        assert self._kv is not None
+        """Whether `model` has `name` as its name or an alias, as the bucket holds it now (looked up and applied
+        here, as `still_holds` does: this box's catalog may not have heard of a change made elsewhere yet); True
+        where the bucket cannot be read."""
         try:
-            entry = await self._kv.get(bus.model_slug(model))
-        except KeyNotFoundError:
-            return False
+            entry = await self._look_again(bus.model_slug(model))
         except NatsError:
             return True
-        spec = ModelSpec.from_json(entry.value) if entry.value else None
+        spec = self.catalog.get(model) if entry is not None else None
         return spec is not None and spec.name == model and name in (spec.name, *spec.aliases)
 
     def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:

@@ -224,8 +224,7 @@ class Fleet:
         requests through a worker's restart, and refuses them once none has come back."""
         if taking_work(self.live_boxes(), MODEL_ROLES):
             return 0.0
-        if self._beating and self._blind():
-            self._workers_seen_at = time.monotonic()
+        if self._beating and self._blind():  # each beat meanwhile moves `_workers_seen_at` on (`beat`)
             return 0.0
         return time.monotonic() - self._workers_seen_at
 
