@@ -289,7 +289,7 @@ class Box:
         assert self.js is not None
         try:
             created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
-        except Conflict as exc:  # its id taken while it was cut off (`Fleet._refuse_a_twin`): the other box stays
+        except Conflict as exc:  # its id taken while it was cut off (`Fleet._take_id`): the other box stays
             self._id_taken(exc.message)
             return
         self.workers.pull_again()

@@ -78,39 +78,31 @@ class Fleet:
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
             self._started = started = self._snapshot().get("started")
-            await self._refuse_a_twin(started)
             await self._take_id(started)
             self._beating = True  # from now the record under this id is this box's: its stop deletes it
             await self.beat()
             self._tasks.append(asyncio.create_task(self._beat_forever(), name="heartbeat"))
 
-    async def _refuse_a_twin(self, started: object) -> None:
-        """Raise `Conflict` when another live box beats under this box's id: two boxes shared one heartbeat and one
-        set of control subjects, and one `fleetbox box drain` stopped both (operator tester h60). A record of this id
-        from another start is a box that died moments ago (it lives a TTL) unless it beats again meanwhile."""
-        record = self._boxes.get(self.box_id)
-        if record is None or record.get("started") == started:
-            return
-        loop = asyncio.get_running_loop()
-        seen, until = record.get("ts"), loop.time() + 2.5 * self._period_s
-        while loop.time() < until:
-            await asyncio.sleep(self._period_s / 4)
-            current = self._boxes.get(self.box_id)
-            if current is not None and current.get("started") != started and current.get("ts") != seen:
-                raise _taken(self.box_id)
-
     async def _take_id(self, started: object) -> None:
-        """Write this box's first record under its id only over the record judged by `_refuse_a_twin` (none, a dead
-        box's, or its own): two boxes started under one id at the same moment both saw none, and both beat on."""
+        """Write this box's first record under its id, over none, a dead box's, or its own (a reopen); raise
+        `Conflict` when another live box beats under it: two boxes shared one heartbeat and one set of control
+        subjects, and one `fleetbox box drain` stopped both (operator tester h60). The record judged is the one read
+        from the bucket and the write is made over that revision alone: judged from the watch, two boxes started
+        under one id at the same moment could each see none, and one wrote over the other's fresh record (h64)."""
         assert self._kv is not None and self._snapshot is not None
         for _ in range(3):
             try:
                 entry: KeyValue.Entry | None = await self._kv.get(self.box_id)
             except KeyNotFoundError:  # none, or deleted
                 entry = None
-            if entry is not None and entry.value and _started(entry.value) == started:  # its own (a reopen)
-                self._revision = entry.revision
+            except NatsError as exc:  # the periodic beat writes it; a NATS hiccup is no reason to fail the start
+                log.warning("first heartbeat not written", extra={"error": repr(exc)})
                 return
+            if entry is not None and entry.value:
+                if _started(entry.value) == started:  # its own (a reopen)
+                    self._revision = entry.revision
+                    return
+                await self._refuse_a_live_twin(entry.value)
             record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
             try:
                 if entry is None:
@@ -118,16 +110,24 @@ class Fleet:
                 else:
                     self._revision = await self._kv.update(self.box_id, record, last=entry.revision)
                 return
-            except KeyWrongLastSequenceError:  # written since it was read: by a live box, unless only deleted
-                try:
-                    written = await self._kv.get(self.box_id)
-                except KeyNotFoundError:
-                    continue  # a dead box's record aged out, or its stop deleted it: free
-                if written.value and _started(written.value) != started:
-                    raise _taken(self.box_id) from None
-            except NatsError as exc:  # the periodic beat writes it; a NATS hiccup is no reason to fail the start
+            except KeyWrongLastSequenceError:  # written since it was read: judged afresh on the next pass
+                continue
+            except NatsError as exc:
                 log.warning("first heartbeat not written", extra={"error": repr(exc)})
                 return
+        raise _taken(self.box_id)  # written over three times while this box judged it: boxes beat under it
+
+    async def _refuse_a_live_twin(self, value: bytes) -> None:
+        """Raise `Conflict` unless the record `value` of another start is a box that died moments ago (a record
+        lives a TTL): it is a live box's if a newer beat of another start comes within two and a half periods."""
+        seen = _ts(value)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 2.5 * self._period_s
+        while loop.time() < until:
+            await asyncio.sleep(self._period_s / 4)
+            current = self._boxes.get(self.box_id)
+            if current is not None and current.get("started") != self._started and _ts(current) > seen:
+                raise _taken(self.box_id)
 
     async def reopen(self) -> None:
         """After a reconnect: a NATS server that restarted lost this bucket (it lives in memory), and
@@ -146,7 +146,7 @@ class Fleet:
 
     async def beat(self) -> None:
         """Publish this box's record now (also called on state changes, so others see them at once)."""
-        if self._kv is None or self._snapshot is None or not self._beating:  # not before `_refuse_a_twin` passed
+        if self._kv is None or self._snapshot is None or not self._beating:  # not before `_take_id` judged no twin
             return
         async with self._beat_lock:  # one write at a time: each over the last
             record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
@@ -314,7 +314,7 @@ class Fleet:
         """Stop beating and take this box's record out of `fbx_boxes`; cut off from NATS, the record is left to
         its TTL (the delete would wait out the shutdown step's bound for nothing)."""
         await self._stop_tasks()
-        if connected and self._kv is not None and self._beating:  # not a twin's record (`_refuse_a_twin`)
+        if connected and self._kv is not None and self._beating:  # not a twin's record (`_take_id`)
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
 
@@ -324,6 +324,13 @@ def _taken(box_id: str) -> Conflict:
         f"box id {box_id} is taken: another live box of the fleet beats under it; give this box another --box-id"
         " (or stop that box)"
     )
+
+
+def _ts(record: bytes | dict[str, Any]) -> float:
+    """When a heartbeat record was written (0 when unreadable)."""
+    with suppress(orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return float((orjson.loads(record) if isinstance(record, bytes) else record).get("ts", 0))
+    return 0.0
 
 
 def _started(value: bytes) -> object:

@@ -613,6 +613,48 @@ async def test_two_boxes_started_under_one_id_at_the_same_moment_are_not_both_le
             await box.stop()
 
 
+async def test_a_box_whose_twin_wrote_its_record_after_the_watch_was_read_is_refused(nats_server, monkeypatch) -> None:
+    """CI (stop 23): two boxes started under one id at the same moment were both let in, 1 run of many. The twin
+    check read the watch, which showed no record yet, and the first write then read the bucket, found the other
+    box's fresh record and wrote over it. Here the other box's record lands just after this box's watch was read
+    (its first look in the bucket), and that box beats on: this box is refused and the record stays the other's."""
+    from nats.js.kv import KeyValue
+
+    nc = await nats.connect(nats_server.url)
+    box = Box(box_settings(nats_server.url, box_id="gemini", default_model=False, models=[]))
+    other = {"box": "gemini", "started": 1.0, "role": "all", "models": []}
+    looks: list[str] = []
+    plain_get = KeyValue.get
+
+    async def get_after_the_other_box_wrote(self: KeyValue, key: str, *args: object, **kwargs: object):
+        if key == "gemini" and not looks:
+            looks.append(key)
+            await self.create(key, orjson.dumps({**other, "ts": time.time()}))
+        return await plain_get(self, key, *args, **kwargs)
+
+    async def the_other_box_beats() -> None:
+        while True:
+            await asyncio.sleep(box.settings.heartbeat_s / 4)
+            if looks:
+                kv = await nc.jetstream().key_value(bus.BOXES_BUCKET)
+                await kv.put("gemini", orjson.dumps({**other, "ts": time.time()}))
+
+    monkeypatch.setattr(KeyValue, "get", get_after_the_other_box_wrote)
+    beating = asyncio.create_task(the_other_box_beats())
+    try:
+        with pytest.raises(Conflict, match="box id gemini is taken"):
+            await box.start()
+        assert looks
+        kv = await nc.jetstream().key_value(bus.BOXES_BUCKET)
+        assert orjson.loads((await plain_get(kv, "gemini")).value)["started"] == 1.0
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+        await box.stop()
+        await nc.close()
+
+
 async def test_a_box_restarted_under_the_id_of_one_that_died_moments_ago_starts(start_box, nats_server) -> None:
     """The record a SIGKILLed box left lives a TTL: a restart under its id (a container's fixed id) is not a twin."""
     dead = Box(box_settings(nats_server.url, box_id="phoenix", default_model=False, models=[noop_model()]))
