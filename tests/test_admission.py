@@ -998,7 +998,7 @@ async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_t
     from appliance.settings import ModelEntry
     from tests.conftest import url
 
-    slow = ModelEntry(name="rows", runtime="noop", pinned=True, max_batch_size=2, options={"cost_ms": 50})
+    slow = ModelEntry(name="rows", runtime="noop", pinned=True, max_batch_size=2, options={"cost_ms": 200})
     box = await start_box(default_model=False, models=[slow], max_queue_s=2.0)
     unlimited = aiohttp.TCPConnector(limit=0)  # all 300 at once, as a client with its own pool of connections
     async with aiohttp.ClientSession(connector=unlimited, timeout=aiohttp.ClientTimeout(total=60)) as http:
@@ -1011,7 +1011,9 @@ async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_t
             outcomes = await asyncio.gather(*(one(i) for i in range(300)))
             statuses = [status for status, _ in outcomes]
             assert set(statuses) <= {200, 429} and statuses.count(429) >= 100, (burst, statuses.count(200))
-            assert max(queued for status, queued in outcomes if status == 200) <= 2 * 2000, (burst, outcomes)
+            # Let in whole, the last of the 300 would wait 150 batches of 0.2 s: 30 s. The margin over the 2 s bound
+            # is for a loaded CI machine (4.06 s seen at twice the bound, 2.5 s on a quiet one).
+            assert max(queued for status, queued in outcomes if status == 200) <= 3 * 2000, (burst, outcomes)
 
 
 async def test_a_short_request_sent_while_a_long_one_runs_on_an_idle_box_is_answered(start_box, http) -> None:
