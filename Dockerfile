@@ -1,6 +1,6 @@
 # fleetbox for an NVIDIA GPU node (L4, RTX Pro 6000, H100/H200): one box per GPU.
 #
-#   docker build -t fleetbox:0.1.0 .
+#   docker build -t fleetbox:0.1.0 --build-arg FLEETBOX_BUILD=$(git rev-parse --short=12 HEAD) .
 #   docker run --gpus device=0 --init -p 8080:8080 -v fleetbox-state:/var/lib/fleetbox fleetbox:0.1.0
 #
 # CUDA 13 throughout: onnxruntime-gpu from PyPI is built against CUDA 13 and cuDNN 9, and torch
@@ -11,6 +11,8 @@ FROM ${CUDA_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+# The commit the image is built from, which each box says (its heartbeat, /info, `fleetbox version`).
+ARG FLEETBOX_BUILD=""
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -48,7 +50,8 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/fleetbox --she
 
 # Models are read from local folders only: never reach for a hub at run time. Tuning profiles are
 # read from the repository's profiles/ (docs/tuning.md): the installed package does not carry them.
-ENV FBX_HOST=0.0.0.0 \
+ENV FLEETBOX_BUILD=${FLEETBOX_BUILD} \
+    FBX_HOST=0.0.0.0 \
     FBX_STATE_DIR=/var/lib/fleetbox \
     FBX_PROFILES_DIR=/src/profiles \
     HF_HUB_OFFLINE=1 \

@@ -29,6 +29,7 @@ from nats.nuid import NUID
 
 from appliance import box_status, bus
 from appliance.blobs import Blobs
+from appliance.build import build_id
 from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
@@ -142,6 +143,7 @@ class Box:
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
         self.started_at = time.time()
+        self.build = build_id()  # read once here: a git checkout's commit costs a subprocess
         self.ready = False  # its start finished: a box refused at start (a twin of a live box id) never was
         self.door = HttpDoor(settings.host, settings.port)
 

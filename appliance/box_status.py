@@ -139,6 +139,7 @@ def heartbeat(box: Box) -> dict[str, Any]:
         "host": socket.gethostname(),
         "role": box.settings.role,
         "version": __version__,
+        "build": box.build,
         "started": box.started_at,
         "uptime_s": round(time.time() - box.started_at, 1),
         "draining": box.draining,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 import typer
 
 from appliance import __version__, fleet_cli
+from appliance.build import build_id
 from appliance.logs import configure_logging
 from appliance.settings import Settings, load_settings, settings_problems, unknown_variables
 from appliance.tasks import cancel_and_wait
@@ -33,9 +34,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: se
 log = logging.getLogger("appliance.cli")
 
 
+def _version() -> str:
+    build = build_id()
+    return f"{__version__} (build {build})" if build else __version__
+
+
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(__version__)
+        typer.echo(_version())
         raise typer.Exit()
 
 
@@ -364,8 +370,8 @@ app.add_typer(fleet_cli.box_app, name="box")
 
 @app.command()
 def version() -> None:
-    """Print the fleetbox version."""
-    typer.echo(__version__)
+    """Print the fleetbox version, and the commit it was built from when that is known."""
+    typer.echo(_version())
 
 
 def _finite(value: float | None) -> float | None:

@@ -13,6 +13,7 @@ from sentence_transformers import SentenceTransformer
 
 import appliance
 from appliance.app import Box
+from appliance.build import build_id
 from appliance.catalog import DEFAULT_MODEL_NAME, default_model_path
 from tests.conftest import box_settings, box_with_models, start_nats, url
 from tests.models import CLASS_LABELS
@@ -217,7 +218,7 @@ async def test_info_describes_the_fleets_one_model_as_huggingface_hub_reads_it(t
         "auto_truncate": True,
         "tokenization_workers": None,
         "version": appliance.__version__,
-        "sha": None,
+        "sha": build_id(),
         "docker_label": None,
     }
 

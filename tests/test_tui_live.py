@@ -670,7 +670,9 @@ def test_the_tui_command_exits_non_zero_when_the_app_fails(monkeypatch) -> None:
 def test_version_is_printed_by_the_option_and_the_command() -> None:
     """Operator tester: `fleetbox --version` was a usage error; `fleetbox version` the only way."""
     from appliance import __version__
+    from appliance.build import build_id
 
+    said = f"{__version__} (build {build_id()})" if build_id() else __version__
     for args in (["--version"], ["version"]):
         result = CliRunner().invoke(cli.app, args)
-        assert (result.exit_code, result.output) == (0, f"{__version__}\n"), (args, result.output)
+        assert (result.exit_code, result.output) == (0, f"{said}\n"), (args, result.output)

@@ -63,6 +63,7 @@ def box(
         host=box_id.rsplit("-", 1)[0],
         role=role,
         version="0.1.0",
+        build="5552098b1c3e",
         ts=ts,
         uptime_s=7384.0,
         draining=status == "draining",

@@ -45,6 +45,7 @@ class BoxState:
     host: str
     role: str
     version: str
+    build: str
     ts: float  # when the box wrote this heartbeat (its clock)
     uptime_s: float
     draining: bool
@@ -89,6 +90,7 @@ class BoxState:
             host=str(record.get("host", "")),
             role=str(record.get("role", "")),
             version=str(record.get("version", "")),
+            build=str(record.get("build") or ""),
             ts=float(record.get("ts") or 0.0),
             uptime_s=float(record.get("uptime_s") or 0.0),
             draining=draining,

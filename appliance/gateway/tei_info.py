@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance import __version__
+from appliance.build import build_id
 from appliance.catalog import ModelSpec
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response
@@ -53,7 +54,7 @@ async def model_info(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
         "auto_truncate": True,  # an encoder request's `truncate` is true unless it says otherwise
         "tokenization_workers": None,  # each box tokenises in its batcher's threads: no pool of TEI's kind
         "version": __version__,
-        "sha": None,
+        "sha": build_id(),  # the commit of fleetbox's code (`appliance.build`), as TEI says its own
         "docker_label": None,
     }
 

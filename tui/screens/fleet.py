@@ -86,7 +86,8 @@ class FleetScreen(DataScreen):
         lines = [
             Text.assemble(
                 (box.box, "bold"),
-                f"  {status} · host {box.host or '?'} · v{box.version or '?'} · up {fmt.age(box.uptime_s)}"
+                f"  {status} · host {box.host or '?'} · v{box.version or '?'}{f' ({box.build})' if box.build else ''}"
+                f" · up {fmt.age(box.uptime_s)}"
                 f" · http :{box.http_port or '-'} · sees backlog {box.backlog}",
                 no_wrap=True,
                 overflow="ellipsis",
