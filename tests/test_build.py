@@ -25,7 +25,8 @@ def test_a_checkout_says_its_commit_and_whether_it_has_changes(fresh_build_id, m
     if not (ROOT / ".git").exists():  # an installed copy: nothing to say
         assert fresh_build_id() is None
         return
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    git = ["git", "-c", f"safe.directory={ROOT}", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     said = fresh_build_id()
     assert said is not None and head.stdout.startswith(said.removesuffix("+dirty")) and len(said) >= 12
 
