@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import KeyNotFoundError
 
 from appliance import bus
 from appliance.envelope import RETRY_AFTER, STATUS, retry_after_in
@@ -38,7 +39,7 @@ from appliance.errors import (
     retry_after_of,
 )
 from appliance.settings import BOX_ID_PATTERN
-from appliance.tasks import Background
+from appliance.tasks import Background, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,30 @@ class ControlServer:
             await self._nc.publish(msg.reply, orjson.dumps(result), headers=headers)
 
 
+async def _until_it_stops_beating(nc: NATS, box_id: str, every_s: float = 1.0) -> None:
+    """Return once the heartbeat record of `box_id`, seen while its verb runs, is gone (a record lives a TTL past
+    the last beat): a box frozen (SIGSTOP, a paused VM) or cut off keeps its control subscription on the server,
+    and the caller waited out the whole 120 s of a verb (tester h82). Never returns while no record was seen (a box
+    that has not beaten yet), nor when the bucket cannot be read: the verb's own timeout stands then."""
+    seen = False
+    while True:
+        try:
+            kv = await nc.jetstream().key_value(bus.BOXES_BUCKET)
+            break
+        except Exception:  # no bucket yet, or NATS slow to say: asked again
+            await asyncio.sleep(every_s)
+    while True:
+        try:
+            await kv.get(box_id)
+            seen = True
+        except KeyNotFoundError:
+            if seen:
+                return
+        except Exception:  # the bucket unreadable a moment (a failover): no judgement from it
+            pass
+        await asyncio.sleep(every_s)
+
+
 def _error_headers(error: FleetboxError) -> dict[str, str]:
     """A refused verb's status, and its Retry-After for the HTTP route that passes the error on."""
     retry = retry_after_of(error)
@@ -115,8 +140,22 @@ async def call_box(
     not_found = NotFound(f"box {box_id!r} is not connected to the fleet", code="box_not_found")
     if not _BOX_ID.fullmatch(box_id):
         raise not_found  # no box can have that id (a space, a dot, a wildcard would also break the subject)
+    asking = asyncio.ensure_future(
+        nc.request(bus.control_subject(box_id, verb), orjson.dumps(payload or {}), timeout=timeout_s)
+    )
+    beats = asyncio.ensure_future(_until_it_stops_beating(nc, box_id))
     try:
-        reply = await nc.request(bus.control_subject(box_id, verb), orjson.dumps(payload or {}), timeout=timeout_s)
+        await asyncio.wait((asking, beats), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left = asking if not asking.done() else None
+        await cancel_and_wait((beats, left))
+    if left is not None:
+        raise ServiceUnavailable(
+            f"box {box_id!r} left the fleet before it answered {verb} (its heartbeat record is gone: it stopped or "
+            "died, or is frozen or cut off); it may have done it or not"
+        )
+    try:
+        reply = asking.result()
     except NoRespondersError:
         raise not_found from None
     except NatsTimeout:

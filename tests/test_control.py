@@ -43,6 +43,28 @@ async def test_a_verb_naming_no_model_or_an_unknown_one_says_which_in_its_code(s
         await call_box(box.nc, box.box_id, "evict", {}, timeout_s=5)
 
 
+async def test_a_verb_to_a_box_that_stops_beating_is_answered_503_once_its_heartbeat_is_gone(start_box) -> None:
+    """Tester h82 (N3): a verb sent to a frozen box (SIGSTOP) waited out the whole 120 s control timeout, its
+    subscription still on the server. Here the box's load waits for room, its heartbeat stops and its record ages
+    out (deleted, as the bucket's TTL would): the caller is answered 503 then, long before the verb's 60 s."""
+    from appliance import bus
+
+    box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)])
+    assert box.nc is not None and box.fleet is not None
+    room = box.residency._room_lock
+    await room.acquire()  # the load waits for room in the box's memory for as long as the test holds it
+    try:
+        load = asyncio.create_task(call_box(box.nc, box.box_id, "load", {"model": "cold"}, timeout_s=60))
+        await wait_for(lambda: box.residency.is_loading("cold"), 10, "the load to wait for room")
+        await box.fleet._stop_tasks()  # frozen: it beats no more
+        kv = await box.nc.jetstream().key_value(bus.BOXES_BUCKET)
+        await kv.delete(box.box_id)  # its record aged out
+        with pytest.raises(ServiceUnavailable, match="left the fleet before it answered load"):
+            await asyncio.wait_for(load, 20)
+    finally:
+        room.release()
+
+
 async def test_a_verb_cut_short_by_the_box_stopping_is_answered_503(nats_server) -> None:
     """A `load` running when its box stopped got no answer: the caller waited out the whole 120 s control timeout,
     then heard the box "did not answer", though it had exited within seconds."""
