@@ -371,12 +371,14 @@ class CatalogStore:
         specs = [ModelSpec.from_json(value) for value in entries.values() if value]  # a delete's marker has none
         return [spec for spec in specs if spec.adapter_of == base]
 
-    async def delete(self, spec: ModelSpec) -> None:
+    async def delete(self, spec: ModelSpec) -> bool:
         """Take the model out of the bucket, as the bucket holds it: the claims of that entry's name and aliases
         are given back first, then the entry is deleted only at the revision read (a change written meanwhile,
-        with an alias it claimed, is read again and its claims given back too)."""
+        with an alias it claimed, is read again and its claims given back too). False when it was not there to
+        delete: another deletion took it a moment before (two DELETEs at once were both answered 200)."""
         assert self._kv is not None
         known = self._revisions.get(spec.slug, 0)
+        deleted = False
         for _ in range(_UPDATE_TRIES + 1):
             try:
                 entry = await self._kv.get(spec.slug)
@@ -392,6 +394,7 @@ class CatalogStore:
                 await self._names.release(spec.name, (spec.name, *current.aliases))
             try:
                 await self._kv.delete(spec.slug, last=entry.revision)
+                deleted = True
                 break
             except BadRequestError as exc:
                 if exc.err_code != _WRONG_LAST_SEQUENCE:
@@ -406,6 +409,7 @@ class CatalogStore:
             await self._look_again(spec.slug)
         if self._revisions.get(spec.slug, 0) == known and self.catalog.remove(spec.name) is not None:
             self._notify(spec.name, None)
+        return deleted
 
     async def close(self) -> None:
         await cancel_and_wait([self._task])

@@ -31,7 +31,7 @@ from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableEr
 from appliance import bus
 from appliance.catalog import Catalog, ModelSpec
 from appliance.catalog_store import CatalogStore
-from appliance.errors import Conflict
+from appliance.errors import Conflict, NotFound
 from appliance.fleet import Fleet
 from appliance.settings import Settings
 
@@ -286,7 +286,8 @@ async def delete_model(
     except NatsError as exc:
         log.warning("request stream not read before a deletion", extra={"model": spec.name, "error": repr(exc)})
         sent_before = None
-    await store.delete(spec)
+    if not await store.delete(spec):
+        raise NotFound(f"model {spec.name} was deleted a moment ago, by another request", code="model_not_found")
     if spec.adapter_of is not None:
         return []  # an adapter runs on its base's queue
     # An adapter registered on another box while this deletion was judged (the route refuses a base with the

@@ -123,6 +123,16 @@ async def test_a_change_outrun_four_times_by_changes_on_another_box_still_lands(
     assert changed.pinned is outrun[-1].pinned  # made over the others' writes, not in place of them
 
 
+async def test_a_delete_says_whether_it_deleted_the_model_or_found_it_gone(two_stores) -> None:
+    a, b = two_stores
+    await a.create(spec("twice"))
+    await wait_for(lambda: b.catalog.get("twice") is not None, what="b to see twice")
+    as_b_knows_it = b.catalog.get("twice")
+    assert await a.delete(a.catalog.get("twice")) is True
+    assert await b.delete(as_b_knows_it) is False  # deleted a moment before, on another box
+    assert b.catalog.get("twice") is None
+
+
 async def test_a_delete_does_not_take_away_a_registration_made_since_on_another_box(two_stores) -> None:
     a, b = two_stores
     await a.create(spec("d"))
@@ -269,9 +279,10 @@ async def test_requests_sent_before_a_deletion_are_dropped_even_if_the_name_is_r
     await wait_for(lambda: box.dispatcher.waiting == 3, what="the requests to wait at the gateway")
     delete = box.store.delete
 
-    async def delete_then_registered_again(deleted: ModelSpec) -> None:
-        await delete(deleted)
+    async def delete_then_registered_again(deleted: ModelSpec) -> bool:
+        done = await delete(deleted)
         await box.store.create(deleted)  # the same name again, on another box say, before the purge
+        return done
 
     box.store.delete = delete_then_registered_again
     async with http.delete(url(box, "/v1/models/gone")) as response:

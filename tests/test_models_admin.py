@@ -172,6 +172,18 @@ async def test_pin_load_evict_and_delete(start_box, http) -> None:
     assert (await call(http, box, "POST", "/v1/models/ghost/load"))[0] == 404
 
 
+async def test_of_two_deletes_of_one_model_at_once_one_deletes_it_and_the_other_is_a_404(start_box, http) -> None:
+    """Both were answered 200 (a planning item since tester h89), though one of them deleted nothing: the second
+    found the bucket's entry gone. As a DELETE sent after the first one's answer, it is a 404."""
+    box = await start_box(default_model=False, models=[noop_model("a", pinned=False), noop_model("b", pinned=False)])
+    for name in ("a", "b"):  # two models, each sent two DELETEs at once
+        answers = await asyncio.gather(*(call(http, box, "DELETE", f"/v1/models/{name}") for _ in range(2)))
+        assert sorted(status for status, _ in answers) == [200, 404], answers
+        (refused,) = [body for status, body in answers if status == 404]
+        assert refused["error"]["code"] == "model_not_found", refused
+        assert box.catalog.get(name) is None
+
+
 async def test_concurrent_requests_for_a_cold_model_cause_one_load(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model("cold", pinned=False)])
     assert not box.residency.is_resident("cold")
