@@ -69,6 +69,7 @@ class Workers:
         self._local_reply = local_reply
         self._announce = announce  # tells the fleet at once (a heartbeat) that a model came or went
         self._table: dict[str, Worker] = {}
+        self._terms_said: set[tuple[str, tuple[tuple[str, float], ...]]] = set()  # (model, values) warned of once
         self.stopping = False  # the box drains its workers (`drain_all`): none starts after that
         self._cancelled = Cancellations()
         self.queue_epoch = QueueEpoch()  # when the request stream was made, as the box last saw it
@@ -244,6 +245,10 @@ class Workers:
         }
         if not differing:
             return self._settings
+        said = (spec.name, tuple(sorted(differing.items())))
+        if said in self._terms_said:  # two loads at once (the start's and a request's), or loaded again
+            return self._settings.model_copy(update=differing)
+        self._terms_said.add(said)
         log.warning(
             "the model's queue was made with other values than this box's settings; its worker follows the queue"
             " (configuration.md: a changed value applies once its consumers are made again)",
