@@ -45,7 +45,9 @@ async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(
 async def test_a_large_request_whose_client_went_away_leaves_no_blob_behind(start_box, http) -> None:
     """Black-box finding: a client that sent 7 MB bodies and hung up at once left each in the object store for its
     10 min TTL (1.1 GB of nats-server memory in 10 s): the box acked the cancelled request and kept its blob."""
-    box = await start_box(default_model=False, models=[noop_model(cost_ms=500)], max_batch_size=2, blob_threshold=2048)
+    box = await start_box(
+        default_model=False, models=[noop_model(cost_ms=500)], max_batch_size=1, max_wait_ms=0, blob_threshold=2048
+    )
 
     async def stored_bytes() -> int:
         try:
@@ -54,7 +56,9 @@ async def test_a_large_request_whose_client_went_away_leaves_no_blob_behind(star
             return 0
 
     first = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}))
-    await asyncio.sleep(0.1)  # the model is busy with it for 0.5 s
+    # The model is busy with it for 0.5 s, alone: a sleep of 0.1 s here let a loaded machine batch the large
+    # request with it (computed, not cancelled: 2 runs of 9 with both cores busy).
+    await wait_for(lambda: box.workers["noop"].held == 1, what="the first request to be held")
     large = {"model": "noop", "input": ["word " * 2000]}  # 10 KB: over the threshold
     gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json=large))
 
