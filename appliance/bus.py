@@ -43,6 +43,7 @@ BLOBS_BUCKET = "fbx_blobs"
 # 2.15 otherwise limits a stream to 1,000 consumers (500 models).
 MAX_REQUEST_CONSUMERS = 8192
 
+_JUST_MADE_LOOKS = 20  # looks, a quarter of a second apart, for a stream another box has just made
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9_-]+")
 
 
@@ -214,6 +215,13 @@ async def ensure_request_stream(
         # Another box created it between our look and our create: that is the same stream.
         if exc.err_code != 10058:  # stream name already in use
             raise
+    # Made by another box a moment ago: on a fresh cluster its info may be "not found" for a moment after the
+    # create said it exists (3 boxes started with a 3-server cluster, 1 run of 4 on a loaded machine).
+    for _ in range(_JUST_MADE_LOOKS):
+        try:
+            return (await js.stream_info(REQUEST_STREAM)).created
+        except NotFoundError:
+            await asyncio.sleep(0.25)
     return (await js.stream_info(REQUEST_STREAM)).created
 
 

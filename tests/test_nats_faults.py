@@ -460,6 +460,33 @@ async def test_a_box_told_to_stop_its_answer_leaves_the_request_to_be_given_agai
         await nc.close()
 
 
+async def test_a_request_stream_another_box_just_made_is_looked_up_again_until_it_is_found(nats_server) -> None:
+    """Auditor h93, a 3-server cluster started with three boxes at once (1 run of 4 on a loaded machine): a box's
+    create of the stream was refused as made already by another box, and its look right after said "stream not
+    found", failing the start. Here the looks at the stream say it is not there twice, as that cluster's did."""
+    from nats.js.errors import NotFoundError
+
+    limits = {"max_msgs": 100, "max_bytes": 2**20, "max_age_s": 600}
+    made, late = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
+    try:
+        created = await bus.ensure_request_stream(made.jetstream(), **limits)  # another box made it
+        js = late.jetstream()
+        look, looks = js.stream_info, []
+
+        async def lagging_look(name: str, *args: Any, **kwargs: Any) -> Any:
+            looks.append(name)
+            if len(looks) <= 2:
+                raise NotFoundError(code=404, err_code=10059, description="stream not found")
+            return await look(name, *args, **kwargs)
+
+        js.stream_info = lagging_look  # type: ignore[method-assign]
+        assert await bus.ensure_request_stream(js, **limits) == created
+        assert len(looks) == 3
+    finally:
+        await made.close()
+        await late.close()
+
+
 async def test_an_ack_of_a_message_from_a_lost_stream_does_not_settle_a_message_of_the_new_one(nats_server) -> None:
     """Review r43: a request stream made anew after a restart without --durable was numbered from 1 again, and
     nats-server took a box's ack of a message it held from the old stream as the ack of the new stream's message of
