@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import subprocess
 import sys
@@ -175,7 +176,11 @@ async def test_retry_after_follows_how_fast_the_backlog_drains(start_box) -> Non
     retry_after = [value for outcome in outcomes for value in outcome.retry_after]
     assert len(retry_after) > 100  # the excess was refused at once
     late = retry_after[len(retry_after) // 2 :]  # once the gateway has seen answers arrive for a while
-    assert max(late) <= 3, sorted(set(late))
+    # The backlog's 20 drain at the pace answers came, 40 a second on a quiet machine (3 s allowed: six times
+    # it); a loaded one answered slower, and said so (8 s at about 8 answers a second): the bound follows.
+    answered = sorted(o.sent_at + o.latency_s for o in outcomes if o.status == 200)
+    pace = (len(answered) - 1) / max(answered[-1] - answered[0], 1e-3)
+    assert max(late) <= max(3, math.ceil(3 * 20 / pace)), (sorted(set(late)), pace)
     assert {o.status for o in outcomes} == {200, 429}
 
 
