@@ -303,6 +303,7 @@ class ModelWorker:
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
             self._let_go(meta.id)
+            self._metrics.cancelled.labels(self.spec.name).inc()  # as a cancel of one held or still queued is
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         job = Job(meta=meta, rows=rows, params=params, handle=msg)

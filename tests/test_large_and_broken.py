@@ -77,6 +77,32 @@ async def test_a_large_request_whose_client_went_away_leaves_no_blob_behind(star
     assert box.metrics.cancelled.labels("noop")._value.get() == 1  # it was cancelled, not computed
 
 
+async def test_a_large_request_cancelled_while_its_body_is_fetched_is_counted_cancelled(start_box, http) -> None:
+    """Auditor h93: a cancel that came while a box fetched a request's body from the object store dropped it
+    unstarted (right), but counted it nowhere: `fbx_cancelled_requests` said 0 where the other ways a box drops a
+    gone client's request count it. Here the fetch waits until the cancel has reached the box."""
+    box = await start_box(default_model=False, models=[noop_model()], blob_threshold=2048)
+    worker = box.workers["noop"]
+    fetching, go_on = asyncio.Event(), asyncio.Event()
+    fetch = worker._blobs.get
+
+    async def fetch_held_back(name: str) -> bytes:
+        fetching.set()
+        await go_on.wait()
+        return await fetch(name)
+
+    worker._blobs.get = fetch_held_back  # type: ignore[method-assign]
+    gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": ["word " * 2000]}))
+    await asyncio.wait_for(fetching.wait(), 10)
+    (request_id,) = list(worker._held)
+    gone.cancel()  # the client hangs up while the box fetches its body
+    await wait_for(lambda: worker._cancelled.contains(request_id), what="the cancel to reach the box")
+    go_on.set()
+    await wait_for(lambda: request_id not in worker._held, what="the box to drop it")
+    assert box.metrics.cancelled.labels("noop")._value.get() == 1
+    assert box.metrics.rows_computed.labels("noop")._value.get() == 0
+
+
 # What a load says of the folder below; its weights are whole, only they are not this model's.
 NOT_ITS_WEIGHTS = "do not cover the model its config.json describes"
 
