@@ -107,10 +107,10 @@ async def test_expired_job_is_answered_with_504_and_never_computed() -> None:
 async def test_a_lone_row_never_waits_for_company_past_its_deadline() -> None:
     """A long max_wait_ms must not outlive a request: the batch starts at the row's deadline at the latest."""
     started = time.monotonic()
-    _, done = await run_batcher([job([5], timeout_s=0.3)], Batching(16384, 64, max_wait_ms=1000))
+    _, done = await run_batcher([job([5], timeout_s=0.3)], Batching(16384, 64, max_wait_ms=10_000))
     waited = time.monotonic() - started
     assert len(done) == 1
-    assert waited < 0.9, waited  # waiting out max_wait_ms would take 1 s
+    assert waited < 5.0, waited  # waiting out max_wait_ms would take 10 s
 
 
 async def test_a_batch_holds_one_adapter() -> None:
