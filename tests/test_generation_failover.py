@@ -145,10 +145,15 @@ async def test_a_draining_generator_finishes_its_answers_and_acks_them(start_box
     worker_box = await start_box(role="worker", box_id="worker", **common)
     worker = worker_box.workers["tiny-llama"]
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    taken, on_message = asyncio.Event(), worker.puller._on_message
+
+    def seen_taken(msg) -> None:  # the moment the worker holds it: a poll could miss an answer of milliseconds
+        on_message(msg)
+        taken.set()
+
+    worker.puller._on_message = seen_taken
     answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
-    async with asyncio.timeout(20):
-        while not worker.held:  # noqa: ASYNC110 (tighter than wait_for's polling: the answer takes milliseconds)
-            await asyncio.sleep(0.001)
+    await asyncio.wait_for(taken.wait(), 20)
     await worker.drain()
     async with await answer as response:
         assert response.status == 200
