@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 _UPDATE_TRIES = 8  # a change reads the model and writes it back; this many times when others write in between
 _UPDATE_BACKOFF_S = 0.005  # before try n it waits a random part of this times 2**n (0.64 s at most, before the last)
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when a conditional write (a delete) finds a newer revision
+_ONE_READ_S = 2.0  # a one-off read's consumer is removed this long after its watcher stops
 
 
 class CatalogStore:
@@ -361,9 +362,11 @@ class CatalogStore:
         """The adapters of `base` the bucket holds now, those a box has not heard of yet included (a registration
         on another box racing the base's deletion). Reads every entry up to the bucket's last revision, not
         `KeyValue.keys()`: its watcher may end its replay early (nats.py #842, #995), and a clean-clone CI run
-        missed an adapter registered a moment before, left in the bucket without its base. For deletions: rare."""
+        missed an adapter registered a moment before, left in the bucket without its base. For deletions: rare.
+        Its consumer goes seconds after the read: at nats-py's 5 minutes, each deletion left one on the catalog's
+        stream, and a burst of them reached the stream's 1,000 (tester h94: then a DELETE was 503)."""
         assert self._kv is not None
-        watcher = await self._kv.watchall()
+        watcher = await self._kv.watchall(inactive_threshold=_ONE_READ_S)
         try:
             entries = {entry.key: entry.value for entry in await bus.replay(self._js, bus.MODELS_BUCKET, watcher)}
         finally:

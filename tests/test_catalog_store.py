@@ -133,6 +133,26 @@ async def test_a_delete_says_whether_it_deleted_the_model_or_found_it_gone(two_s
     assert b.catalog.get("twice") is None
 
 
+async def test_the_read_of_a_deleted_bases_adapters_leaves_no_consumer_behind(start_box) -> None:
+    """Soak tester h94: each deletion of a base model left one consumer on the catalog's stream for nats-py's
+    5 minutes (its one-off read of the bucket); a burst of deletions reached the stream's 1,000 consumers, and a
+    DELETE was then a 503 after the model had gone, leaving its request consumers for good."""
+    box = await start_box(default_model=False, models=[noop_model("kept")])
+    assert box.store is not None and box.js is not None
+
+    async def consumers() -> int:
+        return (await box.js.stream_info(f"KV_{bus.MODELS_BUCKET}")).state.consumer_count
+
+    before = await consumers()
+    for _ in range(3):
+        assert await box.store.adapters_in_bucket("kept") == []
+
+    async def none_left() -> bool:
+        return await consumers() == before
+
+    await wait_for(none_left, 15.0, "the reads' consumers to go")
+
+
 async def test_a_delete_does_not_take_away_a_registration_made_since_on_another_box(two_stores) -> None:
     a, b = two_stores
     await a.create(spec("d"))
