@@ -23,6 +23,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.nuid import NUID
@@ -42,6 +43,7 @@ from appliance.connect import (
     open_catalogued_queues,
     open_model_queue,
     refuse_plain_servers,
+    remove_leftover_queues,
     restore_after_reconnect,
     settle_model_queue,
     shown_url,
@@ -177,6 +179,10 @@ class Box:
         self.store.on_change(self._on_catalog_change)
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s), judged=True))
         await open_catalogued_queues(self.js, s, self.catalog, when_jetstream_answers)
+        try:
+            await remove_leftover_queues(self.js, self.catalog)
+        except NatsError as exc:  # a sweep for leftovers: the next box to start tries again
+            log.warning("leftover queues not looked for", extra={"error": repr(exc)})
         self.stream_ok = True
         self.fleet = Fleet(
             self.js,

@@ -77,6 +77,14 @@ def consumer_name(slug: str, priority: str = INTERACTIVE) -> str:
     return f"bulk_{slug}" if priority == BATCH else f"req_{slug}"
 
 
+def slug_of_consumer(name: str) -> str | None:
+    """The model slug of a request consumer's name (`consumer_name`'s inverse); None for any other consumer."""
+    for prefix in ("req_", "bulk_"):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix) :]
+    return None
+
+
 def dead_letter_subject(slug: str) -> str:
     return f"fbx.dlq.{slug}"
 

@@ -14,8 +14,9 @@ import logging
 import re
 import ssl
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, KeyNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from appliance import bus
 from appliance.catalog import Catalog, ModelSpec
@@ -42,6 +43,10 @@ _SETTLE_TRIES = 3  # a deleted model's consumers not removed (JetStream not answ
 
 _JETSTREAM_SETTLE_S = 60.0  # how long a starting box waits for a NATS cluster's JetStream to answer
 _RESTORE_ATTEMPTS = 30  # after a reconnect, seconds (about) to keep trying to restore streams and buckets
+# A request consumer of no catalogued model is a deleted model's leftover once this old: younger, it may be a
+# registration's on another box whose catalog entry is being written.
+_LEFTOVER_AGE_S = 60.0
+_CONSUMERS_PAGE = 256  # what one consumer listing of JetStream's API holds
 
 
 @dataclass(slots=True, frozen=True)
@@ -231,6 +236,42 @@ async def open_catalogued_queues(
             if _jetstream_not_ready(exc):  # not a refusal: JetStream cannot answer yet, so the whole step is retried
                 raise
             log.error("model's queue not made", extra={"model": spec.name, "error": exc.description or repr(exc)})
+
+
+async def remove_leftover_queues(js: JetStreamContext, catalog: Catalog) -> list[str]:
+    """Remove the request consumers of models the catalog's bucket no longer holds, made over a minute ago: a
+    deletion whose consumer removal JetStream refused (its consumer limit reached, a leader lost) left them for
+    good, each counting toward the stream's limit (tester h94). Run as a box starts; returns those removed."""
+    now, offset, leftovers = datetime.now(UTC), 0, []
+    while True:
+        page = await js.consumers_info(bus.REQUEST_STREAM, offset=offset)
+        for info in page:
+            slug = bus.slug_of_consumer(info.name)
+            spec = catalog.by_slug(slug) if slug is not None else None
+            if slug is None or (spec is not None and spec.adapter_of is None):
+                continue  # a model's, or not fleetbox's (an operator's own consumer)
+            if info.created is None or (now - info.created).total_seconds() >= _LEFTOVER_AGE_S:
+                leftovers.append((slug, info.name))
+        if len(page) < _CONSUMERS_PAGE:
+            break
+        offset += len(page)
+    if not leftovers:
+        return []
+    models = await js.key_value(bus.MODELS_BUCKET)
+    removed = []
+    for slug, name in leftovers:
+        try:  # the bucket's word, not this box's catalog alone: a model registered a moment ago keeps its queue
+            entry = await models.get(slug)
+            if entry.value and ModelSpec.from_json(entry.value).adapter_of is None:
+                continue
+        except KeyNotFoundError:
+            pass
+        with suppress(NotFoundError):  # removed by another box starting meanwhile
+            await js.delete_consumer(bus.REQUEST_STREAM, name)
+        removed.append(name)
+    if removed:
+        log.info("leftover queues of deleted models removed", extra={"consumers": removed})
+    return removed
 
 
 async def restore_after_reconnect(

@@ -742,6 +742,32 @@ async def test_a_box_raises_the_consumer_limit_of_a_stream_an_older_fleetbox_mad
         await nc.close()
 
 
+async def test_a_starting_box_removes_the_queues_a_deletion_left_behind(nats_server, monkeypatch, start_box) -> None:
+    """Soak tester h94: a deletion whose consumer removal JetStream refused (the consumer limit reached) left its
+    model's two request consumers for good; only registering the name again and deleting it took them away. A box
+    that starts removes those of models the catalog does not hold, once a minute old (younger ones may be a
+    registration's on another box), and leaves the models' own and consumers that are not fleetbox's."""
+    from nats.js.api import ConsumerConfig
+
+    from appliance import connect
+    from appliance.settings import Settings
+
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    try:
+        await connect.ensure_queue(js, Settings())
+        for slug in ("gone", "kept"):
+            await bus.ensure_request_consumers(js, slug, ack_wait_s=30, max_deliver=5, max_ack_pending=100)
+        await js.add_consumer(bus.REQUEST_STREAM, ConsumerConfig(durable_name="operators-own", filter_subject="fbx.req.ops.>"))
+        assert await connect.remove_leftover_queues(js, Catalog()) == []  # made a moment ago: perhaps a registration's
+        monkeypatch.setattr(connect, "_LEFTOVER_AGE_S", 0.0)
+        await start_box(default_model=False, models=[noop_model("kept")])
+        names = {info.name for info in await js.consumers_info(bus.REQUEST_STREAM)}
+        assert names == {"req_kept", "bulk_kept", "operators-own"}, names
+    finally:
+        await nc.close()
+
+
 async def test_a_name_deleted_on_one_box_is_free_on_another_before_its_watch_hears_of_it(
     start_box, http, encoder_dir, tmp_path_factory
 ) -> None:
