@@ -758,7 +758,9 @@ async def test_a_starting_box_removes_the_queues_a_deletion_left_behind(nats_ser
         await connect.ensure_queue(js, Settings())
         for slug in ("gone", "kept"):
             await bus.ensure_request_consumers(js, slug, ack_wait_s=30, max_deliver=5, max_ack_pending=100)
-        await js.add_consumer(bus.REQUEST_STREAM, ConsumerConfig(durable_name="operators-own", filter_subject="fbx.req.ops.>"))
+        await js.add_consumer(
+            bus.REQUEST_STREAM, ConsumerConfig(durable_name="operators-own", filter_subject="fbx.req.ops.>")
+        )
         assert await connect.remove_leftover_queues(js, Catalog()) == []  # made a moment ago: perhaps a registration's
         monkeypatch.setattr(connect, "_LEFTOVER_AGE_S", 0.0)
         await start_box(default_model=False, models=[noop_model("kept")])
