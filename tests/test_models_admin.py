@@ -770,6 +770,17 @@ async def test_a_starting_box_removes_the_queues_a_deletion_left_behind(nats_ser
         await nc.close()
 
 
+async def test_a_sweep_for_leftover_queues_that_fails_does_not_fail_the_start(start_box, monkeypatch, caplog) -> None:
+    from appliance import app
+
+    async def sweep_fails(*_: object) -> list[str]:
+        raise ValueError("a catalog entry this box cannot read")
+
+    monkeypatch.setattr(app, "remove_leftover_queues", sweep_fails)
+    box = await start_box(default_model=False, models=[noop_model("kept")])
+    assert box.ready and "leftover queues not looked for" in caplog.text
+
+
 async def test_a_name_deleted_on_one_box_is_free_on_another_before_its_watch_hears_of_it(
     start_box, http, encoder_dir, tmp_path_factory
 ) -> None:
