@@ -42,11 +42,21 @@ class LoadReportFilter(logging.Filter):
     the model uses missing is refused, a head it does not have is said: runtimes/torch_backend.py), so the table is
     a DEBUG line."""
 
+    marker = "LOAD REPORT"
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if "LOAD REPORT" not in str(record.msg):
+        if self.marker not in record.getMessage():
             return True
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+class AdapterDeletedFilter(LoadReportFilter):
+    """peft's `UserWarning` on each adapter a box unloads ("Adapter fbx-adapter-7 was active which is now deleted.
+    Setting active adapter to ..."): the runtime makes the adapter it deletes active on purpose (runtimes/lora.py),
+    and the line, its text unique each time, was a WARNING per unload (soak tester h94: 86 in an hour of churn)."""
+
+    marker = "was active which is now deleted"
 
 
 # Libraries whose INFO and DEBUG lines say nothing an operator acts on. The ONNX export alone logged ~115 INFO
@@ -91,6 +101,9 @@ def configure_logging(level: str, *, runs_models: bool = False) -> None:
     # An ONNX export says, four times, that torchvision's detection ops are not registered: nothing fleetbox uses.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     logging.captureWarnings(True)  # a library's `warnings.warn` is a JSON line (logger `py.warnings`), not raw text
+    said = logging.getLogger("py.warnings")
+    if not any(isinstance(existing, AdapterDeletedFilter) for existing in said.filters):
+        said.addFilter(AdapterDeletedFilter())
     _transformers_through_the_root()
     if runs_models:
         import torch  # noqa: F401

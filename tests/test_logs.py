@@ -109,6 +109,22 @@ def test_torchs_own_log_lines_and_python_warnings_are_json_lines_too(capsys, box
     ]
 
 
+def test_pefts_word_on_each_adapter_unloaded_is_a_debug_line(capsys, box_logging) -> None:
+    """Soak tester h94: peft warned "Adapter fbx-adapter-N was active which is now deleted" on every adapter a box
+    unloaded (86 WARNING lines in an hour of churn), where the runtime makes it active on purpose. A DEBUG line;
+    any other library warning stays a warning."""
+    peft_says = "Adapter fbx-adapter-7 was active which is now deleted. Setting active adapter to x."
+    for level in ("INFO", "DEBUG"):
+        configure_logging(level)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn(peft_says, UserWarning, stacklevel=1)
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+        said = [(line["level"], "now deleted" in line["event"]) for line in _lines(capsys.readouterr().err)]
+        expected = [("warning", False)] if level == "INFO" else [("debug", True), ("warning", False)]
+        assert said == expected, (level, said)
+
+
 async def test_a_background_step_ended_by_its_models_deletion_is_not_a_warning(caplog) -> None:
     """Tester h89: a pin or load racing a delete (a documented outcome) logged "background step failed" at WARNING,
     49 times in a session; an operator reading warnings reads them as faults. Any other failure still warns."""
