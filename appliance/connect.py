@@ -242,13 +242,13 @@ async def remove_leftover_queues(js: JetStreamContext, catalog: Catalog) -> list
     """Remove the request consumers of models the catalog's bucket no longer holds, made over a minute ago: a
     deletion whose consumer removal JetStream refused (its consumer limit reached, a leader lost) left them for
     good, each counting toward the stream's limit (tester h94). Run as a box starts; returns those removed."""
+    held = {spec.slug for spec in catalog if spec.adapter_of is None}  # once: a lookup per consumer scanned them all
     now, offset, leftovers = datetime.now(UTC), 0, []
     while True:
         page = await js.consumers_info(bus.REQUEST_STREAM, offset=offset)
         for info in page:
             slug = bus.slug_of_consumer(info.name)
-            spec = catalog.by_slug(slug) if slug is not None else None
-            if slug is None or (spec is not None and spec.adapter_of is None):
+            if slug is None or slug in held:
                 continue  # a model's, or not fleetbox's (an operator's own consumer)
             if info.created is None or (now - info.created).total_seconds() >= _LEFTOVER_AGE_S:
                 leftovers.append((slug, info.name))
