@@ -18,7 +18,7 @@ import msgspec
 import orjson
 
 from appliance.errors import BadRequest, PayloadTooLarge, Unprocessable
-from appliance.schemas import ChatMessage, ChatRequest, CompletionRequest, ToolCall
+from appliance.generation_schemas import ChatMessage, ChatRequest, CompletionRequest, ToolCall
 from runtimes import InputTooLong, UnsupportedModel
 from runtimes.generate import (
     ChatTemplateError,

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 
 from appliance.gateway.http import request_timeout
 from appliance.generation_request import decode_generation
-from appliance.schemas import DEFAULT_MAX_TOKENS
+from appliance.generation_schemas import DEFAULT_MAX_TOKENS
 from appliance.settings import ModelEntry, Settings
 from tests.conftest import url
 

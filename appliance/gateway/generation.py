@@ -25,7 +25,7 @@ from appliance.gateway.context import CLIENT_GONE, REQUEST_ID, GatewayContext
 from appliance.gateway.encoders import ROUTE_FOR
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.gateway.replies import Reply
-from appliance.schemas import ChatRequest, CompletionRequest
+from appliance.generation_schemas import ChatRequest, CompletionRequest
 from runtimes.base import Task
 
 log = logging.getLogger(__name__)

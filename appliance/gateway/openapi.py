@@ -14,11 +14,10 @@ from aiohttp import web
 from appliance import __version__
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import json_response
+from appliance.generation_schemas import ChatRequest, CompletionRequest
 from appliance.schemas import (
     BoxTarget,
-    ChatRequest,
     ClassifyRequest,
-    CompletionRequest,
     EmbeddingRequest,
     ExtractRequest,
     ModelRegistration,
