@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_args
 import orjson
 import typer
 
-from appliance.settings import MAX_WAIT_MS, Dtype
+from appliance.settings import MAX_BATCH_SIZE, MAX_BATCH_TOKENS, MAX_WAIT_MS, Dtype
 from runtimes import Task
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ LOCAL_NATS = "nats://127.0.0.1:4222"
 TASKS = tuple(task.value for task in Task)
 RUNTIMES = ("torch", "onnx")  # a registration's; "noop" is for [[models]] in a box's config
 DTYPES = get_args(Dtype)
-_INT64_MAX = 2**63 - 1  # the largest integer the catalog's JSON (orjson) holds: a knob's bound, as the box's
 
 
 def creds_problem(path: Path) -> str | None:
@@ -271,9 +270,9 @@ def models_update(
     no_aliases: Annotated[bool, typer.Option("--no-aliases", help="drop every alias")] = False,
     pin: Annotated[bool | None, typer.Option("--pin/--unpin", help="pin the model, or unpin it")] = None,
     max_batch_tokens: Annotated[
-        int | None, typer.Option(min=1, max=_INT64_MAX, help="rows x longest row in one batch")
+        int | None, typer.Option(min=1, max=MAX_BATCH_TOKENS, help="rows x longest row in one batch")
     ] = None,
-    max_batch_size: Annotated[int | None, typer.Option(min=1, max=_INT64_MAX, help="rows in one batch")] = None,
+    max_batch_size: Annotated[int | None, typer.Option(min=1, max=MAX_BATCH_SIZE, help="rows in one batch")] = None,
     max_wait_ms: Annotated[
         float | None, typer.Option(min=0, max=MAX_WAIT_MS, help="how long a partial batch waits for company")
     ] = None,

@@ -65,7 +65,7 @@ class EmbeddingRequest(NullIsDefault, kw_only=True):
     worker (appliance/jobs.py `EmbedJobs`) both decode the client's bytes."""
 
     input: str | list[str | int | list[int]]
-    model: str
+    model: str | None = None  # left out: the fleet's one model of the route's task (as TEI's and Infinity's)
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Dimensions | None = None
     user: str | None = None
@@ -90,7 +90,7 @@ class Document(msgspec.Struct):
 class RerankRequest(NullIsDefault, kw_only=True):
     """Cohere/Jina `POST /v1/rerank`: documents as strings or `{text}` objects."""
 
-    model: str
+    model: str | None = None  # left out: the fleet's one model of the route's task (as TEI's and Infinity's)
     query: NonEmptyText
     documents: Annotated[list[str | Document], msgspec.Meta(min_length=1)]
     top_n: Positive | None = None
@@ -205,7 +205,7 @@ class SentDocuments(msgspec.Struct):
 class ClassifyRequest(NullIsDefault, kw_only=True):
     """Infinity-style `POST /v1/classify`: per input, labels with scores, best first."""
 
-    model: str
+    model: str | None = None  # left out: the fleet's one model of the route's task (as TEI's and Infinity's)
     input: str | list[str]
     raw_scores: bool | None = False
     top_k: Positive | None = None
@@ -220,7 +220,7 @@ class ClassifyRequest(NullIsDefault, kw_only=True):
 class ExtractRequest(NullIsDefault, kw_only=True):
     """`POST /v1/extract`: per input, entity spans with character offsets."""
 
-    model: str
+    model: str | None = None  # left out: the fleet's one model of the route's task (as TEI's and Infinity's)
     input: str | list[str]
     truncate: bool | None = True
     adapter: str | None = None

@@ -86,6 +86,24 @@ async def test_infinity_rerank_at_the_root_gives_string_documents_back_as_string
     assert by_index == {0: {"text": "Paris"}, 1: {"text": "Berlin", "id": 7}, 2: {"text": "Banana"}}
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "model"),
+    [("/v1/embeddings", {"input": TEXTS}, DEFAULT_MODEL_NAME), ("/v1/classify", {"input": TEXTS}, "sentiment"),
+     ("/v1/rerank", {"query": "capital of France", "documents": ["Paris", "Banana"]}, "reranker"),
+     ("/v1/embeddings", {"input": TEXTS, "model": None}, DEFAULT_MODEL_NAME)],
+)  # fmt: skip
+async def test_a_body_without_a_model_is_the_fleets_one_model_of_its_task(
+    infinity_box, http, path, body, model
+) -> None:
+    """As Infinity's server and TEI read it (tester h96: a 422 for the missing field, where the docs said it was read
+    as the fleet's one model); the answer names the model it was."""
+    status, answer = await post(http, infinity_box, path, body)
+    assert status == 200, answer
+    assert answer["model"] == model
+    _, named = await post(http, infinity_box, path, {**body, "model": model})
+    assert answer.get("data", answer.get("results")) == named.get("data", named.get("results"))
+
+
 async def test_a_model_left_unnamed_with_two_of_the_task_is_a_422_naming_them(infinity_box, http,
                                                                                classifier_dir) -> None:  # fmt: skip
     status, _ = await post(http, infinity_box, "/v1/models", {"name": "sentiment-2", "path": str(classifier_dir)})
@@ -100,6 +118,9 @@ async def test_a_model_left_unnamed_with_two_of_the_task_is_a_422_naming_them(in
     assert UNNAMED in message and "sentiment" in message and "sentiment-2" in message
     status, answer = await post(http, infinity_box, "/v1/extract", {"input": TEXTS, "model": UNNAMED})
     assert status == 422 and "no entity extractor" in answer["error"]["message"], answer
+    status, answer = await post(http, infinity_box, "/v1/extract", {"input": TEXTS})  # no `model` at all: the same
+    assert status == 422 and answer["error"]["code"] == "model_required", answer
+    assert "`model` is missing" in answer["error"]["message"] and "no entity extractor" in answer["error"]["message"]
 
 
 @pytest.mark.parametrize("path", ["/models", "/v1/models"])

@@ -11,6 +11,7 @@ import pytest
 
 from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME
+from runtimes import Task
 from tests.conftest import box_with_models, url
 from tests.models import CLASS_LABELS
 
@@ -18,9 +19,9 @@ TEXT = "The weather in Berlin is fine today."
 
 
 @pytest.fixture(scope="module")
-async def fleet(tmp_path_factory, encoder_dir, classifier_dir) -> AsyncIterator[Box]:
-    """Two embedders (the packaged one, whose name holds a `/`, and a bare encoder) and a classifier."""
-    models = {"bare-encoder": encoder_dir, "sentiment": classifier_dir}
+async def fleet(tmp_path_factory, encoder_dir, classifier_dir, cross_encoder_dir) -> AsyncIterator[Box]:
+    """Two embedders (the packaged one, whose name holds a `/`, and a bare encoder), a classifier and a reranker."""
+    models = {"bare-encoder": encoder_dir, "sentiment": classifier_dir, "scorer": cross_encoder_dir}
     async with box_with_models(tmp_path_factory, "tei-fleet", models) as (box, _):
         yield box
 
@@ -141,6 +142,8 @@ async def test_info_at_a_models_tei_url_describes_that_model(fleet, http, hub) -
         ("/tei/sentiment", {"inputs": "x", "parameters": {"function_to_apply": "softmax"}}, 422,
          "unsupported_parameter", "function_to_apply"),
         ("/tei/sentiment/rerank", {"query": "q", "documents": ["a"]}, 422, "invalid_input", "`texts`"),
+        # a classification client at a reranker's URL: told of the path it called (it was `/tei/scorer/rerank`)
+        ("/tei/scorer", {"inputs": "x"}, 422, "invalid_input", "/tei/scorer takes TEI's rerank"),
     ],
 )  # fmt: skip
 async def test_a_models_tei_url_refuses_what_it_cannot_serve(fleet, http, path, body, status, code, names) -> None:
@@ -153,3 +156,57 @@ async def test_a_models_tei_url_refuses_what_it_cannot_serve(fleet, http, path, 
 async def test_a_body_naming_the_urls_model_by_alias_is_served(fleet, http) -> None:
     status, answer = await post(http, fleet, f"/tei/{DEFAULT_MODEL_NAME}", {"inputs": "x", "model": "all-minilm-l6-v2"})
     assert status == 200 and len(answer[0]) == 384, answer
+
+
+@pytest.mark.parametrize("name", ["sentiment", DEFAULT_MODEL_NAME])
+async def test_health_check_at_a_models_tei_url_is_the_boxs_readiness(fleet, http, hub, name) -> None:
+    """huggingface_hub's `health_check` asks `GET {url}/health` of the client's URL: a model's TEI URL answered 405,
+    so it was always false (tester h96)."""
+    assert await hub(model=url(fleet, f"/tei/{name}"), provider="hf-inference").health_check() is True
+    async with http.get(url(fleet, "/tei/nothing/health")) as response:
+        assert response.status == 404
+        assert (await response.json())["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [("POST", "/tei/sentiment/info", "GET,HEAD"), ("POST", "/tei/sentiment/health", "GET,HEAD"),
+     ("GET", "/tei/sentiment/embed", "POST"), ("POST", f"/tei/{DEFAULT_MODEL_NAME}/info", "GET,HEAD")],
+)  # fmt: skip
+async def test_a_models_tei_route_asked_with_the_wrong_method_is_a_405(fleet, http, method, path, allowed) -> None:
+    """`POST /tei/{name}/info` was a 404 for a model called `{name}/info` (tester h96)."""
+    async with http.request(method, url(fleet, path), json={"inputs": "x"}) as response:
+        assert response.status == 405, await response.text()
+        assert response.headers["Allow"] == allowed
+        assert (await response.json())["error"]["code"] == "method_not_allowed"
+
+
+async def test_info_at_an_adapters_tei_url_reads_its_bases_folder(fleet, http, adapter_dirs) -> None:
+    """An adapter runs with its base's tokenizer, labels and length: its info said null for each (tester h96)."""
+    registration = {"name": "sentiment:tuned", "path": str(adapter_dirs[Task.CLASSIFY]), "adapter_of": "sentiment"}
+    async with http.post(url(fleet, "/v1/models"), json=registration) as response:
+        assert response.status == 201, await response.text()
+    try:
+        async with http.get(url(fleet, "/tei/sentiment/info")) as response:
+            base = await response.json()
+        async with http.get(url(fleet, "/tei/sentiment:tuned/info")) as response:
+            assert response.status == 200
+            info = await response.json()
+        assert info["model_id"] == "sentiment:tuned"
+        assert info["max_input_length"] == base["max_input_length"] is not None
+        assert info["model_type"] == base["model_type"]
+        assert info["model_type"]["classifier"]["id2label"] == {str(i): label for i, label in enumerate(CLASS_LABELS)}
+    finally:
+        async with http.delete(url(fleet, "/v1/models/sentiment:tuned")) as response:
+            assert response.status == 200
+
+
+async def test_openapi_lists_a_models_tei_health_and_the_bodies_its_root_takes(fleet, http) -> None:
+    async with http.get(url(fleet, "/openapi.json")) as response:
+        paths = (await response.json())["paths"]
+    assert "503" in paths["/tei/{name}/health"]["get"]["responses"]
+    assert "oneOf" in paths["/tei/{name}"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    # A model read counts toward a key's concurrent requests (FBX_MAX_CONCURRENT_PER_KEY): it may be a 429.
+    assert "429" in paths["/v1/models"]["get"]["responses"]
+    assert "429" in paths["/v1/models/{name}"]["get"]["responses"]
+    assert "417" in paths["/v1/embeddings"]["post"]["responses"]

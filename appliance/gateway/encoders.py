@@ -81,7 +81,9 @@ async def enqueue(
     )
     _check_inputs(texts, ctx.settings.max_inputs, "documents" if task is Task.SCORE else "input")
     model = parsed.model
-    if model == INFINITY_UNNAMED and ctx.catalog.get(model) is None:
+    if model is None:  # left out: as Infinity's server and TEI read it (tester h96: a 422 for the missing field)
+        model = the_one_model(ctx, task)
+    elif model == INFINITY_UNNAMED and ctx.catalog.get(model) is None:
         model = the_one_model(ctx, task, f"`model` is {INFINITY_UNNAMED!r} (Infinity's client's for none)")
     resolved = ctx.catalog.resolve(model, parsed.adapter)
     if resolved.spec.task is not task:

@@ -55,8 +55,12 @@ _ERROR = {
         }
     },
 }
-_INFERENCE_ERRORS = (400, 401, 404, 408, 413, 415, 422, 429, 503, 504, 507)
-_ADMIN_ERRORS = (400, 401, 403, 404, 408, 409, 413, 415, 422, 429, 503, 507)
+# 417: an `Expect` other than 100-continue, on any route that takes a body; 429 on the reads too: the per-key limit.
+_INFERENCE_ERRORS = (400, 401, 404, 408, 413, 415, 417, 422, 429, 503, 504, 507)
+_ADMIN_ERRORS = (400, 401, 403, 404, 408, 409, 413, 415, 417, 422, 429, 503, 507)
+_READ_ERRORS = (401, 429)
+_MODEL_HEALTH_ERRORS = (*_READ_ERRORS, 404, 422, 503)
+_TEI_KINDS = ("Embed", "Predict", "Rerank", "Similarity")
 _NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 
@@ -118,12 +122,12 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         "/v1/completions": {"post": _operation("Text completion (OpenAI)", "CompletionRequest", _INFERENCE_ERRORS)},
         "/v1/chat/completions": {"post": _operation("Chat completion (OpenAI)", "ChatRequest", _INFERENCE_ERRORS)},
         "/v1/models": {
-            **_get("The catalog, with where each model is resident", (401,)),
+            **_get("The catalog, with where each model is resident", _READ_ERRORS),
             "post": _operation("Register a model folder or LoRA adapter", "ModelRegistration", _ADMIN_ERRORS, "201"),
         },
-        "/models": _get("The catalog: /v1/models at Infinity's path, without `owned_by`", (401,)),
+        "/models": _get("The catalog: /v1/models at Infinity's path, without `owned_by`", _READ_ERRORS),
         "/v1/models/{name}": {
-            "get": {**_operation("One model", None, (401, 404)), "parameters": _NAME},
+            "get": {**_operation("One model", None, (*_READ_ERRORS, 404)), "parameters": _NAME},
             "delete": {**_operation("Remove a model from the catalog", None, _ADMIN_ERRORS), "parameters": _NAME},
             "patch": {
                 **_operation("Change a model's aliases, pin or batching in place", "ModelUpdate", _ADMIN_ERRORS),
@@ -147,7 +151,9 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         operation = _operation(summary, schema, _INFERENCE_ERRORS)
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
         paths[path] = {"post": operation}
-    paths["/info"] = _get("TEI's info on the fleet's one embedding, classification or rerank model", (401, 422))
+    one_model = "TEI's info on the fleet's one embedding, classification or rerank model"
+    paths["/info"] = _get(one_model, (*_READ_ERRORS, 422))
+    tei_bodies = {"oneOf": [{"$ref": f"#/components/schemas/Tei{kind}Request"} for kind in _TEI_KINDS]}
     # A TEI base URL per model: the root routes' bodies and answers, for the model the path names.
     for suffix, schema in (
         ("", None),
@@ -157,20 +163,23 @@ def openapi_spec(api: bool = True) -> dict[str, Any]:
         ("/similarity", "TeiSimilarityRequest"),
     ):
         operation = _operation(f"TEI's POST {suffix or '/'} for the model `name`", schema, _INFERENCE_ERRORS)
+        if schema is None:  # the route of the model's task: any of TEI's bodies
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": tei_bodies}}}
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
         paths[f"/tei/{{name}}{suffix}"] = {"post": {**operation, "parameters": _NAME}}
     paths["/tei/{name}/info"] = {
-        "get": {**_operation("TEI's info on the model `name`", None, (401, 404, 422)), "parameters": _NAME}
+        "get": {**_operation("TEI's info on the model `name`", None, (*_READ_ERRORS, 404, 422)), "parameters": _NAME}
+    }
+    paths["/tei/{name}/health"] = {
+        "get": {
+            **_operation("TEI's health of the model `name`: this box's readiness", None, _MODEL_HEALTH_ERRORS),
+            "parameters": _NAME,
+        }
     }
     for path in ("/", "/invocations"):  # TEI's: the route of the named model's task, or of the fleet's one
         summary = "TEI's route of the model's task: /embed, /predict or /rerank; /similarity for object `inputs`"
         operation = _operation(summary, None, _INFERENCE_ERRORS)
-        kinds = ("Embed", "Predict", "Rerank", "Similarity")
-        tei_bodies = [{"$ref": f"#/components/schemas/Tei{name}Request"} for name in kinds]
-        operation["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": {"oneOf": tei_bodies}}},
-        }
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": tei_bodies}}}
         operation["responses"]["200"]["content"]["application/json"]["schema"] = {"type": "array"}
         paths[path] = {"post": operation}
     for verb in ("pin", "unpin"):

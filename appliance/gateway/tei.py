@@ -60,7 +60,9 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None, served
         raise Unprocessable("send `texts` (TEI's rerank) or `documents` (Cohere's), not both")
     if shape.texts is None:
         if served is not None:
-            raise Unprocessable(f"/tei/{served}/rerank is TEI's rerank: send the documents as `texts`")
+            # Named by the path the client called (a classification client's `inputs` at `/tei/{name}` of a reranker
+            # was told of `/tei/{name}/rerank`, a path it never called: tester h96).
+            raise Unprocessable(f"{request.path} takes TEI's rerank: a `query`, and the documents as `texts`")
         return await rerank(request, body, infinity=True)
     tei = decode(body, _decoders[TeiRerankRequest])
     meta, reply = await _enqueue_tei(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -37,8 +38,11 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def model_info(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
-    """TEI's `Info` for `spec`, its folder read in an executor (file I/O off the loop)."""
-    kind, max_input_length = await asyncio.get_running_loop().run_in_executor(None, _from_folder, spec)
+    """TEI's `Info` for `spec`, its folder read in an executor (file I/O off the loop): an adapter's base folder,
+    whose tokenizer, labels and length the adapter runs with (tester h96: an adapter's fields were null)."""
+    base = ctx.catalog.get(spec.adapter_of) if spec.adapter_of is not None else None
+    folder = spec if base is None else replace(spec, path=base.path)
+    kind, max_input_length = await asyncio.get_running_loop().run_in_executor(None, _from_folder, folder)
     batching = ctx.catalog.batching_for(spec)
     return {
         "model_id": spec.name,
