@@ -154,7 +154,7 @@ def ensure_exported(
     if dtype not in PRECISIONS:
         raise ValueError(f"the ONNX runtime runs {', '.join(PRECISIONS)}, not {dtype!r}")
     head = head_for(task)
-    key = f"{content_hash(folder)[:24]}-{head}-{dtype}-v{EXPORT_FORMAT}"
+    key = f"{content_hash(folder)[:24]}-{head}-{_kind(dtype)}-v{EXPORT_FORMAT}"
     target = cache_dir / f"{key}.onnx"
     if target.is_file():
         return OnnxArtifact(target, exported=False, parity=_read_parity(target))
@@ -224,6 +224,16 @@ def _build(
         f"the {dtype} ONNX export of {folder} does not match torch: {', '.join(misses)} against a limit "
         f"of {parity.limit:.6g} over {parity.rows} rows; nothing was cached"
     )
+
+
+def _kind(dtype: str) -> str:
+    """The precision as the cache names it: int8 with the weights this CPU's export makes (`weight_kind`), so a cache
+    carried to a CPU that needs the other kind exports its own."""
+    if dtype != "int8":
+        return dtype
+    from runtimes.onnx_quantize import weight_kind
+
+    return f"int8{weight_kind()}"
 
 
 def _at_precision(graph: Path, dtype: str, folder: Path, with_types: bool) -> Path:
