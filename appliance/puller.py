@@ -54,16 +54,27 @@ class Puller:
         self._on_message = on_message
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
         self._wake = asyncio.Event()
         self._seq = 0
         self._remaining = 0  # messages the open request may still deliver
         self._open_until = 0.0  # loop time the open request expires (plus grace)
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._receive)
+        """Subscribe to its inbox and start asking; not once stopped, also by a stop that came while it subscribed
+        (it left a puller pulling for a model whose runtime its eviction closed: tester h95)."""
+        if self._stopped:
+            return
+        sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._receive)
+        if self._stopped:
+            await sub.unsubscribe()
+            return
+        self._sub = sub
         self._task = asyncio.create_task(self._loop(), name=f"puller:{self._subject}")
 
     async def stop(self) -> None:
+        """Stop asking, for good."""
+        self._stopped = True
         await cancel_and_wait([self._task])
         if self._sub is not None:
             await self._sub.unsubscribe()

@@ -114,16 +114,24 @@ class ModelWorker:
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
         self.pulling = asyncio.Event()  # set once warmed up and pulling: ready for this model (`/readyz`, `serve`)
-        self._warming: asyncio.Future[None] | None = None
+        self._starting: asyncio.Future[None] | None = None  # the start, warm-up to pulling (`drain` waits)
 
     async def start(self) -> None:
-        self._warming = asyncio.ensure_future(self.batcher.warm_up())
-        await self._warming
+        """Warm up, then pull. A drain meanwhile waits for it (`_starting`): one that came while the pullers
+        subscribed stopped them before they started, and the start then left them pulling on a runtime the
+        eviction closed, failing every request of the model until the box restarted (tester h95)."""
+        self._starting = asyncio.ensure_future(self._start())
+        await self._starting
+
+    async def _start(self) -> None:
+        await self.batcher.warm_up()
         if self._draining:  # unloaded while it warmed up (an eviction, a delete): it must not start pulling
             raise UnloadedWhileStarting(f"model {self.spec.name} was unloaded while it warmed up")
         self.batcher.start()
         await self.puller.start()
         await self.bulk_puller.start()
+        if self._draining:  # while its pullers subscribed: the drain stops them once this start ends
+            raise UnloadedWhileStarting(f"model {self.spec.name} was unloaded while it started")
         self._ticker = asyncio.create_task(self._keep_alive(), name=f"in-progress:{self.spec.slug}")
         self.pulling.set()
         log.info("worker pulling", extra={"model": self.spec.name, "box": self.box_id})
@@ -141,8 +149,8 @@ class ModelWorker:
         thread is shared with other models), and one redelivered meanwhile would be computed twice.
         """
         self._draining = True
-        if self._warming is not None:  # its made-up batches end before the runtime may be closed (review r51)
-            await asyncio.gather(self._warming, return_exceptions=True)
+        if self._starting is not None:  # its made-up batches end before the runtime may be closed (review r51)
+            await asyncio.gather(self._starting, return_exceptions=True)
         try:
             await self.puller.stop()
             await self.bulk_puller.stop()

@@ -149,6 +149,8 @@ class Workers:
         self._table[spec.name] = worker  # before it starts: a caller meanwhile finds it rather than start another
         try:
             await worker.start()
+            if self._table.get(spec.name) is not worker:  # taken out (and drained) by an eviction as it started
+                raise UnloadedWhileStarting(f"model {spec.name} was unloaded while it started on this box")
         except BaseException:
             worker.pulling.set()  # callers waiting on it go on (and find it gone)
             if self._table.get(spec.name) is worker:  # not taken out (and drained) by an eviction meanwhile

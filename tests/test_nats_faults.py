@@ -228,6 +228,34 @@ async def test_a_puller_woken_as_it_is_stopped_still_stops(nats_server) -> None:
         await nc.close()
 
 
+async def test_a_puller_stopped_while_it_subscribes_never_starts_asking(nats_server, monkeypatch) -> None:
+    """A stop that came while `start` awaited its inbox's subscription found nothing to stop, and the start then
+    subscribed and began asking for good (tester h95: a generator's pullers, as an encoder's, outlived the drain of an
+    eviction)."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        subscribing, release = asyncio.Event(), asyncio.Event()
+        subscribe = nc.subscribe
+
+        async def held_subscribe(subject: str, *args, **kwargs):
+            subscribing.set()
+            await release.wait()
+            return await subscribe(subject, *args, **kwargs)
+
+        monkeypatch.setattr(nc, "subscribe", held_subscribe)
+        puller = Puller(nc, "noop", "_TEST.pull.stopped", lambda: 1, lambda _msg: None)
+        starting = asyncio.create_task(puller.start())
+        await asyncio.wait_for(subscribing.wait(), 5)
+        await asyncio.wait_for(puller.stop(), 5)
+        release.set()
+        await asyncio.wait_for(starting, 5)
+        assert puller._task is None and puller._sub is None
+        await puller.start()  # stopped is for good
+        assert puller._task is None and puller._sub is None
+    finally:
+        await nc.close()
+
+
 async def test_with_nats_down_a_request_is_refused_at_once_and_never_computed_later(start_box, nats_server, http):
     """A gateway cut off from NATS answers 503 at once, and the request is not queued behind the client's back."""
     box = await start_box(default_model=False, models=[noop_model()])

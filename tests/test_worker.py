@@ -391,3 +391,38 @@ async def test_a_model_unloaded_while_its_worker_warms_up_leaves_no_worker_pulli
         async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"x{i}"}) as response:
             assert response.status == 200
     assert orphan.held == 0
+
+
+async def test_a_model_evicted_while_its_pullers_subscribe_leaves_no_worker_pulling(
+    start_box, http, monkeypatch
+) -> None:
+    """Tester h95: an eviction whose drain came while the new worker's pullers subscribed stopped them before they
+    had started; the start then started them, pulling for good on the runtime the eviction closed. Every request of
+    the model failed (`'TorchBackend' object has no attribute 'model'`, dead-lettered) until the box restarted."""
+    box = await start_box(default_model=False, models=[noop_model(pinned=False)])
+    subscribing, release = asyncio.Event(), asyncio.Event()
+    subscribe = box.nc.subscribe
+
+    async def held_subscribe(subject: str, *args, **kwargs):
+        if subject.startswith("_FBX.pull.") and not release.is_set():
+            subscribing.set()
+            await release.wait()
+        return await subscribe(subject, *args, **kwargs)
+
+    monkeypatch.setattr(box.nc, "subscribe", held_subscribe)
+    loading = asyncio.create_task(http.post(url(box, "/v1/models/noop/load")))
+    await asyncio.wait_for(subscribing.wait(), 30)
+    orphan = box.workers.get("noop")
+    evicting = asyncio.create_task(box.residency.evict("noop"))
+    await wait_for(lambda: orphan._draining, what="the worker to be drained")
+    release.set()
+    assert await evicting
+    async with await loading as response:
+        assert response.status == 503, await response.text()  # not "loaded": nothing is
+    for puller in (orphan.puller, orphan.bulk_puller):  # neither pulls: no task asking, no inbox
+        assert (puller._task is None or puller._task.done()) and puller._sub is None
+    assert box.workers.get("noop") is not orphan
+    for i in range(3):  # served by a worker of its own
+        async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": f"x{i}"}) as response:
+            assert response.status == 200, await response.text()
+    assert orphan.held == 0
