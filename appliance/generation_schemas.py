@@ -237,7 +237,9 @@ class ChatRequest(_Sampling, kw_only=True):
     modalities: list[str] | None = None  # ["text", "audio"]: an audio answer
     audio: dict[str, Any] | None = None  # the voice and format of that audio answer
     web_search_options: dict[str, Any] | None = None  # even {}: an answer grounded in a web search
-    moderation: dict[str, Any] | None = None  # a moderation model screening (or blocking) input and output
+    # A moderation model screening (or blocking) input and output: any value but null is refused by name, `true` too
+    # (tester h96: typed as an object, `true` was an invalid_input where the docs say unsupported_parameter).
+    moderation: Any = None
     # vLLM's chat-template controls, handed to the model's template as vLLM hands them.
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

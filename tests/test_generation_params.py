@@ -52,6 +52,7 @@ async def post(http, box, route: str, body: dict) -> tuple[int, dict]:
         ("/v1/chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, "modalities, audio"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
         ("/v1/chat/completions", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+        ("/v1/chat/completions", {"moderation": True}, "moderation"),
         # n was a 422 invalid_input ("Expected `int` <= 1"), unlike every other refusal here.
         ("/v1/chat/completions", {"n": 2}, "n"),
         ("/v1/completions", {"n": 3, "best_of": 3}, "n, best_of"),
