@@ -258,9 +258,10 @@ class Residency:
         try:
             started = time.perf_counter()
             runtime = await self._load_runtime(spec)
+            load_s = time.perf_counter() - started  # not the wait for the room lock below: another load's turn
             try:
                 async with self._room_lock:
-                    await self._room_for_loaded(spec, runtime, time.perf_counter() - started)
+                    await self._room_for_loaded(spec, runtime, load_s)
             except BaseException:
                 # Shielded: a load cancelled while it waited for room still frees what it loaded.
                 await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._executor, runtime.close))
