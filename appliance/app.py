@@ -77,6 +77,7 @@ _MISSING_LOOKS_MOST = 300  # ... and at most this many while the restores do not
 _STREAM_LOOK_S = 2.0  # the stream monitor's look at the request stream: longer is no answer (no leader)
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 _FORGET_METRICS_S = 30.0  # a deleted model's series stay this long (its eviction, under way, still counts in them)
+FIRST_PULL_S = 1.0  # a worker whose pullers started this lately counts as starting: its first pulls are coming
 
 
 def new_box_id() -> str:
@@ -484,9 +485,14 @@ class Box:
     def _in_use(self, model: str) -> bool:
         """Whether this box's worker for `model` has requests in hand, or is still starting (an eviction prefers an
         idle model): a model just loaded for waiting requests was evicted for the next load before its worker pulled,
-        its largest-model requests starved round after round (residency tester h65)."""
+        its largest-model requests starved round after round (residency tester h65). Starting lasts until its pullers
+        have had `FIRST_PULL_S` to bring what waits: a generator, marked pulling before its pullers start, looked
+        idle until its first requests came, and was evicted for the next load again and again (tester h97: three
+        504s under thrashing)."""
         worker = self.workers.get(model)
-        return worker is None or not worker.pulling.is_set() or worker.held > 0
+        if worker is None or worker.pulling_since is None:
+            return True
+        return worker.held > 0 or time.monotonic() - worker.pulling_since < FIRST_PULL_S
 
     def _other_workers(self) -> list[str]:
         """Live boxes besides this one that compute (and are not draining): who may answer what it hands back."""

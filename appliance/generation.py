@@ -96,6 +96,7 @@ class GenerateWorker:
         self._letting_go: set[str] = set()
         self._parked: list[Msg] = []
         self.pulling = asyncio.Event()  # as a ModelWorker's: set as it starts
+        self.pulling_since: float | None = None  # monotonic time its pullers started (`Box._in_use`)
         self._wake = asyncio.Event()
         self._tasks = Background(f"generate:{spec.slug}")
         self._stepper: asyncio.Task[None] | None = None
@@ -130,6 +131,7 @@ class GenerateWorker:
         self._ticker = asyncio.create_task(in_progress, name=f"in-progress:{self.spec.slug}")
         await self.puller.start()
         await self.bulk_puller.start()
+        self.pulling_since = time.monotonic()
 
     def _stepper_ended(self, task: asyncio.Task[None]) -> None:
         """The stepping task died (a bug): stop keeping its requests and stop pulling, so JetStream

@@ -114,6 +114,7 @@ class ModelWorker:
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
         self.pulling = asyncio.Event()  # set once warmed up and pulling: ready for this model (`/readyz`, `serve`)
+        self.pulling_since: float | None = None  # monotonic time its pullers started (`Box._in_use`)
         self._starting: asyncio.Future[None] | None = None  # the start, warm-up to pulling (`drain` waits)
 
     async def start(self) -> None:
@@ -134,6 +135,7 @@ class ModelWorker:
             raise UnloadedWhileStarting(f"model {self.spec.name} was unloaded while it started")
         self._ticker = asyncio.create_task(self._keep_alive(), name=f"in-progress:{self.spec.slug}")
         self.pulling.set()
+        self.pulling_since = time.monotonic()
         log.info("worker pulling", extra={"model": self.spec.name, "box": self.box_id})
 
     def retune(self, batching: Batching) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from appliance import bus
+from appliance import app, bus
 from appliance.bus import model_slug
 from appliance.errors import UnloadedWhileStarting
 from appliance.settings import ModelEntry
@@ -71,13 +71,14 @@ async def test_a_box_that_could_never_hold_a_model_leaves_its_load_to_a_larger_b
     large.draining = False
 
 
-async def test_a_model_loaded_for_waiting_requests_is_not_an_idle_victim_until_it_pulls(start_box) -> None:
+async def test_a_model_loaded_for_waiting_requests_is_not_an_idle_victim_until_it_pulls(start_box, monkeypatch) -> None:
     """Residency tester h65: a model just loaded for waiting requests counted as idle until its worker pulled, so the
     next model's load evicted it in its warm-up, round after round, and its requests starved; that eviction was then
     taken for a failed load, its requests refused 503 for the 30 s back-off."""
     models = [noop_model("a", pinned=False), noop_model("b", pinned=False)]
     box = await start_box(default_model=False, models=models)
     await box.workers.serve(box.catalog.get("a"))
+    monkeypatch.setattr(app, "FIRST_PULL_S", 0.0, raising=False)  # its first pulls had their time
     assert not box._in_use("a")  # pulling, nothing in hand: the first to go
     await box.residency.ensure_loaded(box.catalog.get("b"))  # loaded, its worker not started yet
     assert box._in_use("b")
@@ -89,6 +90,21 @@ async def test_a_model_loaded_for_waiting_requests_is_not_an_idle_victim_until_i
     assert box.placement is not None
     await box.placement._load(box.catalog.get("b"), claimed=False)
     assert "b" not in box.placement._failed and "b" not in box.placement.refusing  # no back-off, no refusal
+
+
+async def test_a_generator_just_started_is_not_an_idle_victim_before_its_first_pulls(
+    start_box, generator_dir, monkeypatch
+) -> None:
+    """Tester h97: a generator's worker is marked pulling before its pullers start, so it counted as idle (nothing in
+    hand) from its load until its first requests came, and under thrashing each next load evicted it first: three
+    504s of its requests. A worker counts as starting until its pullers have had `FIRST_PULL_S`."""
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=False)
+    box = await start_box(default_model=False, models=[model])
+    monkeypatch.setattr(app, "FIRST_PULL_S", 60.0, raising=False)
+    worker = await box.workers.serve(box.catalog.get("gen"))
+    assert worker.held == 0 and box._in_use("gen")  # just started: its first pulls are coming
+    monkeypatch.setattr(app, "FIRST_PULL_S", 0.0, raising=False)
+    assert not box._in_use("gen")  # had its time, nothing in hand: idle
 
 
 async def test_a_load_refused_for_pinned_memory_is_tried_again_once_a_pin_is_let_go(start_box, http) -> None:
