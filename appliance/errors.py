@@ -59,6 +59,11 @@ class NotFound(FleetboxError):
 class MethodNotAllowed(FleetboxError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
+    @classmethod
+    def allowing(cls, allowed: str) -> MethodNotAllowed:
+        """The 405 names the route's methods in its message and, as RFC 9110 asks, in an `Allow` header."""
+        return cls(f"method not allowed; allowed: {allowed}", headers={"Allow": allowed})
+
 
 class RequestTimeout(FleetboxError):
     status, type, code = 408, "invalid_request_error", "body_timeout"

@@ -123,7 +123,7 @@ def _from_http_exception(exc: web.HTTPException, *, serves_api: bool = True) -> 
     if exc.status == 404:
         return NotFound("no such route; see /openapi.json for the API", code="route_not_found")
     if exc.status == 405:
-        return _method_not_allowed(exc.headers.get("Allow", ""))
+        return MethodNotAllowed.allowing(exc.headers.get("Allow", ""))
     if exc.status == 413:
         return PayloadTooLarge("request body too large")
     error = FleetboxError(exc.reason or "HTTP error")
@@ -137,17 +137,12 @@ async def _unknown_model_verb(request: web.Request) -> web.Response:
     """`POST /v1/models/{name}/{verb}` for a verb there is none of (a model's own path takes no POST)."""
     path = f"{request.match_info['name']}/{request.match_info['verb']}"
     if GatewayContext.of(request).catalog.get(path) is not None:
-        raise _method_not_allowed("DELETE,GET,HEAD,PATCH")
+        raise MethodNotAllowed.allowing("DELETE,GET,HEAD,PATCH")
     raise NotFound(
         f"no such route: POST /v1/models/{{name}}/VERB takes the verbs {', '.join(MODEL_VERBS)}, "
         f"not {request.match_info['verb']!r}",
         code="route_not_found",
     )
-
-
-def _method_not_allowed(allowed: str) -> MethodNotAllowed:
-    """The 405 names the route's methods in its message and, as RFC 9110 asks, in an `Allow` header."""
-    return MethodNotAllowed(f"method not allowed; allowed: {allowed}", headers={"Allow": allowed})
 
 
 def _error_response(error: FleetboxError) -> web.Response:

@@ -41,8 +41,7 @@ async def root(request: web.Request) -> web.StreamResponse:
     catalog = GatewayContext.of(request).catalog
     model, _, suffix = name.rpartition("/")
     if catalog.get(name) is None and suffix in _METHODS and catalog.get(model) is not None:
-        allowed = _METHODS[suffix]
-        raise MethodNotAllowed(f"method not allowed; allowed: {allowed}", headers={"Allow": allowed})
+        raise MethodNotAllowed.allowing(_METHODS[suffix])
     return await tei.tei_root(request, _served(request).name)
 
 
