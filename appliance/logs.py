@@ -36,13 +36,13 @@ class MalformedHttpFilter(logging.Filter):
         return not isinstance(error, HttpProcessingError)
 
 
-class LoadReportFilter(logging.Filter):
-    """transformers' report of each checkpoint's missing and unused weights (a table, in ANSI bold) at WARNING: a
-    bare encoder's unused pooler warned on every load (tester h89). The box judges a folder's weights itself (one
-    the model uses missing is refused, a head it does not have is said: runtimes/torch_backend.py), so the table is
-    a DEBUG line."""
+class SaidAtDebug(logging.Filter):
+    """A library's WARNING lines holding `marker` become DEBUG lines (shown only at DEBUG): warnings fleetbox has
+    judged and acts on itself, said each time in words an operator cannot act on."""
 
-    marker = "LOAD REPORT"
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.marker not in record.getMessage():
@@ -51,12 +51,11 @@ class LoadReportFilter(logging.Filter):
         return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
-class AdapterDeletedFilter(LoadReportFilter):
-    """peft's `UserWarning` on each adapter a box unloads ("Adapter fbx-adapter-7 was active which is now deleted.
-    Setting active adapter to ..."): the runtime makes the adapter it deletes active on purpose (runtimes/lora.py),
-    and the line, its text unique each time, was a WARNING per unload (soak tester h94: 86 in an hour of churn)."""
-
-    marker = "was active which is now deleted"
+def _say_at_debug(logger: str, marker: str) -> None:
+    """Add `SaidAtDebug(marker)` to `logger`, once however often logging is configured."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, SaidAtDebug) and f.marker == marker for f in target.filters):
+        target.addFilter(SaidAtDebug(marker))
 
 
 # Libraries whose INFO and DEBUG lines say nothing an operator acts on. The ONNX export alone logged ~115 INFO
@@ -95,15 +94,17 @@ def configure_logging(level: str, *, runs_models: bool = False) -> None:
     for noisy in THIRD_PARTY_AT_WARNING:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
-    loads = logging.getLogger("transformers.modeling_utils")
-    if not any(isinstance(existing, LoadReportFilter) for existing in loads.filters):
-        loads.addFilter(LoadReportFilter())
+    # transformers' report of each checkpoint's missing and unused weights (a table, in ANSI bold): a bare encoder's
+    # unused pooler warned on every load (tester h89). The box judges a folder's weights itself (one the model uses
+    # missing is refused, a head it does not have is said: runtimes/torch_backend.py).
+    _say_at_debug("transformers.modeling_utils", "LOAD REPORT")
     # An ONNX export says, four times, that torchvision's detection ops are not registered: nothing fleetbox uses.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     logging.captureWarnings(True)  # a library's `warnings.warn` is a JSON line (logger `py.warnings`), not raw text
-    said = logging.getLogger("py.warnings")
-    if not any(isinstance(existing, AdapterDeletedFilter) for existing in said.filters):
-        said.addFilter(AdapterDeletedFilter())
+    # peft's `UserWarning` on each adapter a box unloads ("Adapter fbx-adapter-7 was active which is now deleted.
+    # Setting active adapter to ..."): the runtime makes the adapter it deletes active on purpose (runtimes/lora.py),
+    # and the line, its text unique each time, was a WARNING per unload (soak tester h94: 86 in an hour of churn).
+    _say_at_debug("py.warnings", "was active which is now deleted")
     _transformers_through_the_root()
     if runs_models:
         import torch  # noqa: F401
