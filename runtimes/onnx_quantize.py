@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,10 @@ from onnx import helper, numpy_helper
 _GELU_OPS = frozenset({"Gelu", "BiasGelu", "FastGelu", "QuickGelu"})
 
 
+@cache
 def weight_kind() -> str:
-    """ "s8" (int8 weights) on a CPU with VNNI, else "u8": which one an int8 export on this machine makes."""
+    """ "s8" (int8 weights) on a CPU with VNNI, else "u8": which one an int8 export on this machine makes (read once:
+    the cache key and the quantiser both ask)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: the kind that saturates nowhere
