@@ -424,6 +424,7 @@ class GenerateWorker:
         await self._replies.send(stream, output, step_ms)
         if output.finished:
             self._answered.add(stream.meta)
+            self._residency.touch(self.spec.name, answered=1)  # its demand: eviction takes the least asked for
 
     # -- stop ------------------------------------------------------------------------------------
 

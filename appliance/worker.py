@@ -373,7 +373,7 @@ class ModelWorker:
             # The message held now: a copy published again may have been taken in its place while the reply waited
             # for its gateway (review r43).
             await self._blobs.ack(self._current(meta.id, msg), meta.blob)
-            self._residency.touch(self.spec.name)  # used: eviction takes the least recently used
+            self._residency.touch(self.spec.name, answered=1)  # its demand: eviction takes the least asked for
             self._answered.add(meta)
         finally:
             self._let_go(meta.id)

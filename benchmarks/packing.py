@@ -1,4 +1,4 @@
-"""Packing (issue 3): many models under one memory budget, byte-based LRU against count-based LRU.
+"""Packing (issue 3): many models under one memory budget, fleetbox's byte budget against count-based LRU.
 
 Twelve embedders of different sizes (three copies of the packaged all-MiniLM-L6-v2 under other
 names, 111 MiB each as measured, and nine random BERTs of 12 to 90 MiB) share a budget that
@@ -13,8 +13,11 @@ has finished loading can briefly hold more than it allows (that run shows by how
 
 Policies, each on a fresh `Residency` and the same request sequence:
 
-  fleetbox     the residency as built: evict least-recently-used unpinned models until the
+  fleetbox     the residency as built: evict unpinned models, those asked for least per byte they
+               hold first (each answer counting half as much a minute on: `Resident.worth`), until the
                newcomer's estimated bytes fit the budget; the most popular model is pinned.
+  fleetbox-lru the same residency told of no answers (`touch` without `answered`), so it evicts the
+               least recently used first: fleetbox's order until 2026-12-02.
   count-K      the way Ray Serve's model multiplexing evicts (`max_num_models_per_replica`): keep at
                most K loaded models, whatever their size, evicting the least recently used before a
                load. A small wrapper written for this comparison (`CountLimit` below) drives the
@@ -30,7 +33,7 @@ for the victim's in-flight forward passes to finish, like a box draining a worke
 A model evicted before a request that waited for it could run is loaded again for that request.
 
     python benchmarks/packing.py [--quick] [--requests N] [--concurrency C] [--threads T]
-                                 [--policies fleetbox,count,count-safe] [--seed S] [--json PATH]
+                                 [--policies fleetbox,fleetbox-lru,count,count-safe] [--seed S] [--json PATH]
 """
 
 from __future__ import annotations
@@ -245,6 +248,7 @@ class Policy:
     name: str
     description: str
     count_limit: int | None  # None: fleetbox's byte budget with the top model pinned
+    demand: bool = True  # each answer told to the residency (`touch(answered=1)`), as a box's workers do
 
 
 async def run_policy(
@@ -295,6 +299,7 @@ async def run_policy(
                 outcome.peak_bytes = max(outcome.peak_bytes, residency.used_bytes)
                 outcome.max_resident = max(outcome.max_resident, len(residency.residents()))
                 await loop.run_in_executor(device, lambda r=runtime, t=text: r.run(r.tokenize([t])))
+                residency.touch(spec.name, answered=1 if policy.demand else 0)  # answered, as a worker says
             finally:
                 await in_flight.leave(spec.name)
             elapsed = (time.perf_counter() - started) * 1000
@@ -434,7 +439,19 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
         budget = int(BUDGET_MODELS * np.mean([m.estimate for m in models]))
         largest = max(m.estimate for m in models)
         policies = [
-            Policy("fleetbox", "fleetbox", "byte-budget LRU (appliance.residency), most popular model pinned", None),
+            Policy(
+                "fleetbox",
+                "fleetbox",
+                "byte budget, least asked for per byte first (appliance.residency), most popular model pinned",
+                None,
+            ),
+            Policy(
+                "fleetbox-lru",
+                "fleetbox-lru",
+                "the same residency told of no answers: least recently used first (fleetbox until 2026-12-02)",
+                None,
+                demand=False,
+            ),
             Policy(
                 "count",
                 f"count-{BUDGET_MODELS}",
@@ -481,7 +498,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, help="concurrent clients (default 1: every policy exact)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per model (default 1)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", help="comma-separated subset: fleetbox,count,count-safe")
+    parser.add_argument("--policies", help="comma-separated subset: fleetbox,fleetbox-lru,count,count-safe")
     run_benchmark(parser, main_async)
 
 
