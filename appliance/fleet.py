@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -56,6 +58,7 @@ class Fleet:
         self._replicas = replicas
         self._kv: KeyValue | None = None
         self._boxes: dict[str, dict[str, Any]] = {}
+        self._holdings: dict[str, list[_Holding]] | None = None  # `_boxes` by model (`_by_model`); None: out of date
         self._tasks: list[asyncio.Task[None]] = []
         self._watcher: KeyValue.KeyWatcher | None = None
         self._beating = False
@@ -74,6 +77,7 @@ class Fleet:
             self._apply(entry)
         for gone in set(self._boxes) - seen:  # removed while nobody watched (before a reopen)
             del self._boxes[gone]
+            self._holdings = None
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
@@ -243,11 +247,13 @@ class Fleet:
             return
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             self._boxes.pop(entry.key, None)
+            self._holdings = None
             return
         with suppress(orjson.JSONDecodeError):
             record = orjson.loads(entry.value)
             if isinstance(record, dict):
                 self._boxes[entry.key] = record
+                self._holdings = None
                 if taking_work([record], MODEL_ROLES):
                     self._workers_seen_at = time.monotonic()
 
@@ -255,10 +261,33 @@ class Fleet:
         now = time.time()
         return [r for r in self._boxes.values() if now - float(r.get("ts", 0)) <= self._ttl_s]
 
+    def _by_model(self) -> dict[str, list[_Holding]]:
+        """Each model's entries in the heartbeats, made again only once a heartbeat changed: a gateway reads them for
+        every request it admits (`holders`, `box_round`, `pace_per_gateway`), and walking every box's every model
+        entry, reading each pace line afresh, took a fifth of the event loop's time in benchmarks/pull_vs_push.py."""
+        if self._holdings is None:
+            holdings: defaultdict[str, list[_Holding]] = defaultdict(list)
+            for record in self._boxes.values():
+                for entry in record.get("models", []):
+                    if isinstance(entry, dict) and isinstance(name := entry.get("name"), str):
+                        holdings[name].append(_Holding(record, entry, PaceLine.from_json(entry.get("batch_cost"))))
+            self._holdings = dict(holdings)
+        return self._holdings
+
+    def _live_holdings(self, model: str, *, draining: bool = True) -> list[_Holding]:
+        """`model`'s entries in the heartbeats of live boxes (not of draining ones, when `draining` is false)."""
+        now = time.time()
+        return [
+            held
+            for held in self._by_model().get(model, ())
+            if now - float(held.record.get("ts", 0)) <= self._ttl_s and (draining or not held.record.get("draining"))
+        ]
+
     def holders(self, model: str, *, loading: bool = False) -> list[str]:
         """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats."""
         states = ("resident", "loading") if loading else ("resident",)
-        return [record["box"] for record in self.live_boxes() if _holds(record, model, states)]
+        boxes = (held.record["box"] for held in self._live_holdings(model) if held.state in states)
+        return list(dict.fromkeys(boxes))
 
     def box_round(self, model: str, field: str = "round_tokens") -> int | None:
         """The tokens one round of `model`'s batches takes on a box that holds it, as its heartbeat says (its
@@ -266,11 +295,9 @@ class Fleet:
         2-core box); the largest of the live holders', or None while none says. `field` "round_rows": the rows
         a round holds (`box_round_rows`)."""
         rounds = [
-            int(entry[field])
-            for record in self.live_boxes()
-            if not record.get("draining")
-            for entry in record.get("models", [])
-            if entry.get("name") == model and isinstance(entry.get(field), int) and entry[field] > 0
+            int(held.entry[field])
+            for held in self._live_holdings(model, draining=False)
+            if isinstance(held.entry.get(field), int) and held.entry[field] > 0
         ]
         return max(rounds, default=None)
 
@@ -283,20 +310,15 @@ class Fleet:
         """(tokens, rows) a second the live boxes holding `model` compute in rows of `per_row` tokens, as their
         heartbeats' batch cost says (`PaceLine`; an older box's pace at the rows it ran lately), shared among the
         live gateways; None while no holder has measured its pace."""
-        live = [record for record in self.live_boxes() if not record.get("draining")]
         tokens = rows = 0.0
         measured = False
-        for record in live:
-            for entry in record.get("models", []):
-                if entry.get("name") != model:
-                    continue
-                line = PaceLine.from_json(entry.get("batch_cost"))
-                pace = line.at(per_row) if line is not None else _pace_said(entry)
-                if pace is not None:
-                    tokens, rows, measured = tokens + pace[0], rows + pace[1], True
+        for held in self._live_holdings(model, draining=False):
+            pace = held.pace.at(per_row) if held.pace is not None else _pace_said(held.entry)
+            if pace is not None:
+                tokens, rows, measured = tokens + pace[0], rows + pace[1], True
         if not measured:
             return None
-        gateways = max(1, len(taking_work(live, GATEWAY_ROLES)))
+        gateways = max(1, len(taking_work(self.live_boxes(), GATEWAY_ROLES)))
         return tokens / gateways, rows / gateways
 
     def holders_per_gateway(self, model: str) -> Fraction:
@@ -305,9 +327,9 @@ class Fleet:
         by the decode slots free for it; counting one box's whatever the fleet held, a gateway-only box in front
         of two worker boxes refused half of what they could start. Not less than one: clients that favour one
         gateway would have its share of a single box's slots refuse a burst those slots could start."""
-        live = [record for record in self.live_boxes() if not record.get("draining")]
-        gateways = len(taking_work(live, GATEWAY_ROLES))
-        holding = sum(_holds(record, model, ("resident",)) for record in live)
+        gateways = len(taking_work(self.live_boxes(), GATEWAY_ROLES))
+        resident = [held for held in self._live_holdings(model, draining=False) if held.state == "resident"]
+        holding = len({id(held.record) for held in resident})  # boxes, each counted once
         return max(Fraction(1), Fraction(holding, max(1, gateways)))  # exact: slots are rounded down from it
 
     async def stop(self, *, connected: bool = True) -> None:
@@ -354,9 +376,17 @@ def _pace_said(entry: dict[str, Any]) -> tuple[float, float] | None:
     return None
 
 
-def _holds(record: dict[str, Any], model: str, states: tuple[str, ...]) -> bool:
-    """Whether a box's heartbeat lists `model` in one of `states`."""
-    return any(m.get("name") == model and m.get("state", "resident") in states for m in record.get("models", []))
+@dataclass(slots=True, frozen=True)
+class _Holding:
+    """One model's entry in one box's heartbeat, its pace line read once."""
+
+    record: dict[str, Any]
+    entry: dict[str, Any]
+    pace: PaceLine | None
+
+    @property
+    def state(self) -> str:
+        return str(self.entry.get("state", "resident"))
 
 
 async def open_boxes_bucket(js: JetStreamContext, ttl_s: float, replicas: int = 1) -> KeyValue:
