@@ -2,9 +2,12 @@
 
 The eviction rule: before a load, estimate the newcomer's bytes (the weight files it reads, scaled
 by dtype) and evict unpinned models until it fits: idle ones before those with requests in hand, and
-among them the one asked for least per byte it holds first (`Resident.worth`); none in its turn: a
-model loaded for requests serves for a while before it may go, the load waiting for that. A model
-that cannot fit even with every unpinned model gone is refused (507).
+among them first the one whose bytes will wait longest for their next request (`Residency._idle_cost`:
+how long since it was last used, or the gap between requests its demand says, if longer); none in its
+turn: a model loaded for requests serves for a while before it may go, the load waiting for that. When
+the loads in flight hold the room that evicting every unpinned model could not free, the load waits
+for them to land rather than evict for nothing. A model that cannot fit even with every unpinned
+model gone is refused (507).
 Once loaded, a model's bytes are the measured ones: weights plus the activation peak seen at
 warm-up. The estimate can be far off (float16 weight files loaded as float32, a long context's
 activations), so the measured bytes are judged again by the same rule before the model becomes
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -39,6 +43,7 @@ _DTYPE_SCALE = {"float32": 1.0, "float16": 0.5, "bfloat16": 0.5, "int8": 0.25}
 _ACTIVATION_ALLOWANCE = 1.25  # until measured, assume activations add a quarter of the weights
 _PROTECTION_POLL_S = 0.1  # a load waiting for a model's turn to end looks again this often (one may go idle sooner)
 DEMAND_HALF_LIFE_S = 60.0  # an answer counts half as much in a model's demand after this long
+_LANDING_POLL_S = 1.0  # a load waiting for loads in flight to land looks again this often (an eviction may free room)
 
 
 def parse_budget(raw: str | None, device: str) -> int:
@@ -107,21 +112,33 @@ class Resident:
     adapters: BaseAdapters | None = None  # its LoRA adapters, once one was asked for
     load_s: float = 0.0  # how long its load took
     first_used: float | None = None  # its first answer (`touch`) since it was loaded
-    demand: float = 0.0  # its answers since loaded, each halved every `DEMAND_HALF_LIFE_S`, as of `demand_at`
-    demand_at: float = 0.0
 
     @property
     def nbytes(self) -> int:
         return self.runtime.info.nbytes
 
-    def demand_at_time(self, now: float) -> float:
-        return self.demand * 0.5 ** ((now - self.demand_at) / DEMAND_HALF_LIFE_S)
 
-    def worth(self, now: float) -> float:
-        """What keeping it is worth: its demand (the requests it answered, each counting half as much a minute on)
-        per byte it holds. A model asked for often stays though another was asked for last; a large one goes before
-        a small one asked for as often, freeing more room for one eviction."""
-        return self.demand_at_time(now) / max(self.nbytes, 1)
+@dataclass(slots=True)
+class Demand:
+    """How often a model is asked for: the requests it answered, each counting half as much every
+    `DEMAND_HALF_LIFE_S`. Kept across its evictions: a model asked for often and evicted under pressure is judged by
+    that when it comes back, not as a newcomer (tester h98: a fresh count made the most asked model go as often as
+    with the least recently used first)."""
+
+    count: float = 0.0
+    at: float = 0.0
+
+    def add(self, answered: int, now: float) -> None:
+        self.count = self.count_at(now) + answered
+        self.at = now
+
+    def count_at(self, now: float) -> float:
+        return self.count * 0.5 ** ((now - self.at) / DEMAND_HALF_LIFE_S)
+
+    def gap_s(self, now: float) -> float:
+        """The mean time between its requests that its count says (a steady rate r leaves r x half-life / ln 2)."""
+        count = self.count_at(now)
+        return DEMAND_HALF_LIFE_S / (count * math.log(2)) if count > 0 else math.inf
 
 
 class Residency:
@@ -151,6 +168,7 @@ class Residency:
         self._min_serve_s = min_serve_s
         self._first_answer_s = first_answer_s
         self._resident: dict[str, Resident] = {}
+        self._demand: dict[str, Demand] = {}  # model -> how often it is asked for, kept across its evictions
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._loading_specs: dict[str, ModelSpec] = {}  # what each load in `_loading` loads
         self._evicting: dict[str, asyncio.Event] = {}  # set once the model is gone
@@ -189,6 +207,8 @@ class Residency:
         measured = self._measured.get(name)
         if measured is not None and (spec is None or spec.load_key() != measured[1]):
             del self._measured[name]
+        if spec is None:
+            self._demand.pop(name, None)
 
     @property
     def used_bytes(self) -> int:
@@ -205,8 +225,10 @@ class Residency:
             if resident.first_used is None:
                 resident.first_used = now
             if answered:
-                resident.demand = resident.demand_at_time(now) + answered
-                resident.demand_at = now
+                self._demand.setdefault(name, Demand()).add(answered, now)
+
+    def demand(self, name: str) -> Demand | None:
+        return self._demand.get(name)
 
     async def check_fits(self, spec: ModelSpec) -> None:
         """Refuse (507) a model that could never fit, even with every unpinned model evicted, beside the pinned
@@ -268,11 +290,17 @@ class Residency:
 
     async def _load(self, spec: ModelSpec) -> Runtime:
         estimate = await self._estimate(spec)
-        async with self._room_lock:
-            self._check_fits(spec, estimate)
-            await self._make_room(estimate, keep=spec.name)
-            # Reserved until it lands, so a second load in flight makes room for this one too.
-            self._reserved[spec.name] = estimate
+        while True:
+            async with self._room_lock:
+                self._check_fits(spec, estimate)
+                landing = self._landing(estimate)
+                if not landing:
+                    await self._make_room(estimate, keep=spec.name)
+                    # Reserved until it lands, so a second load in flight makes room for this one too.
+                    self._reserved[spec.name] = estimate
+                    break
+            # Not under the lock: they take it to land.
+            await asyncio.wait(landing, timeout=_LANDING_POLL_S, return_when=asyncio.FIRST_COMPLETED)
         try:
             started = time.perf_counter()
             runtime = await self._load_runtime(spec)
@@ -329,6 +357,18 @@ class Residency:
         self._measured.pop(spec.name, None)
         self._metrics.resident_bytes.labels(spec.name).set(measured)
 
+    def _landing(self, need: int) -> set[asyncio.Future[Runtime]]:
+        """The loads in flight to wait for before making room for `need` bytes: all of them, when the room they
+        hold is what keeps it out even with every unpinned model evicted; none otherwise. Evicting then was for
+        nothing (the load went ahead over the budget all the same): a 0.4 MiB generator answering most requests was
+        evicted 20 times so, beside a pinned model alone (tester h98)."""
+        if not self._reserved:
+            return set()
+        pinned = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
+        if pinned + sum(self._reserved.values()) + need <= self.budget_bytes:
+            return set()
+        return {self._loading[name] for name in self._reserved if name in self._loading}
+
     async def _make_room(self, need: int, keep: str) -> None:
         """Evict unpinned models (`_victim`) until `need` more bytes fit in the budget.
 
@@ -341,7 +381,7 @@ class Residency:
             if leaving and self.used_bytes - freed + need <= self.budget_bytes:
                 await asyncio.gather(*(gone.wait() for gone in leaving.values()))
                 continue
-            victim = self._victim(keep)
+            victim = self._victim(keep, shortfall=self.used_bytes - freed + need - self.budget_bytes)
             if victim is None:
                 return  # check_fits left room beside the pinned models; loads in flight hold the rest for now
             now = time.monotonic()
@@ -350,13 +390,14 @@ class Residency:
                 continue
             await self.evict(victim.spec.name, reason="budget")
 
-    def _victim(self, keep: str) -> Resident | None:
+    def _victim(self, keep: str, shortfall: int = 0) -> Resident | None:
         """The model that may be evicted for `keep` (not pinned, not already on its way out) that goes first: one
         in its turn last, then an idle one before one with requests in hand (a generator asked once and still
         generating was "least recently used" beside a model asked since, and the load waited out its answer to evict
-        it: a 504), then the one asked for least per byte it holds (`Resident.worth`: in benchmarks/packing.py 59%
-        of requests found their model resident, against 47% with the least recently used first), then the least
-        recently used."""
+        it: a 504), then the one whose bytes will wait longest for their next request (`_idle_cost`), then the
+        least recently used. Of the models that order would evict to free `shortfall` bytes, only the fewest that
+        free them: a small model first in the order, whose bytes alone would not do, stays when the larger one after
+        it frees enough."""
         candidates = [
             r
             for r in self._resident.values()
@@ -365,10 +406,34 @@ class Residency:
         if not candidates:
             return None
         now = time.monotonic()
-        return min(
+        ordered = sorted(
             candidates,
-            key=lambda r: (self._in_its_turn(r, now), self._in_use(r.spec.name), r.worth(now), r.last_used),
+            key=lambda r: (self._in_its_turn(r, now), self._in_use(r.spec.name), -self._idle_cost(r, now), r.last_used),
         )
+        chosen: list[Resident] = []
+        freed = 0
+        for resident in ordered:
+            chosen.append(resident)
+            freed += resident.nbytes
+            if freed >= shortfall:
+                break
+        for resident in reversed(chosen[:-1]):  # the later ones first: they are the ones worth keeping
+            if freed - resident.nbytes >= shortfall:
+                chosen.remove(resident)
+                freed -= resident.nbytes
+        return chosen[0]
+
+    def _idle_cost(self, resident: Resident, now: float) -> float:
+        """What keeping a model costs until it is asked for again, in byte-seconds: its bytes times how long it will
+        likely wait for its next request. That wait is the gap between requests its demand says (`Demand`), or, when
+        longer, how long it has not been used (a model asked for 6,000 times and then not at all must not outstay
+        one asked for now: h98); a model never asked for (loaded by `/load`) is judged by the time since its load.
+        So a model asked for often stays where the least recently used would go (benchmarks/packing.py), and of two
+        asked for as often the larger goes, freeing more room in one eviction."""
+        idle = now - resident.last_used
+        demand = self._demand.get(resident.spec.name)
+        gap = demand.gap_s(now) if demand is not None else math.inf
+        return max(1, resident.nbytes) * (idle if math.isinf(gap) else max(idle, gap))
 
     def _in_its_turn(self, resident: Resident, now: float) -> bool:
         """A model with requests in hand, loaded lately, keeps its place until its turn ends (`_turn_ends`). With
@@ -416,7 +481,8 @@ class Residency:
         return resident.adapters
 
     async def evict_for_oom(self, keep: str) -> bool:
-        """Free memory after an out-of-memory error: evict the LRU unpinned model other than `keep`.
+        """Free memory after an out-of-memory error: evict the unpinned model other than `keep` that a load would evict
+        first (`_victim`).
 
         Not while `keep` is itself being evicted: its eviction waits for this very batch, and two
         models each evicting the other for a failing batch would wait on each other for ever.

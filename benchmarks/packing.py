@@ -13,11 +13,12 @@ has finished loading can briefly hold more than it allows (that run shows by how
 
 Policies, each on a fresh `Residency` and the same request sequence:
 
-  fleetbox     the residency as built: evict unpinned models, those asked for least per byte they
-               hold first (each answer counting half as much a minute on: `Resident.worth`), until the
-               newcomer's estimated bytes fit the budget; the most popular model is pinned.
-  fleetbox-lru the same residency told of no answers (`touch` without `answered`), so it evicts the
-               least recently used first: fleetbox's order until 2026-12-02.
+  fleetbox     the residency as built: evict unpinned models until the newcomer's estimated bytes
+               fit the budget, first the one whose bytes will wait longest for their next request
+               (its bytes times the gap between requests its demand says, or its time unused if
+               longer: `Residency._idle_cost`); the most popular model is pinned.
+  fleetbox-lru the same residency evicting the least recently used first (`RecencyOnly` below):
+               fleetbox's order until 2026-12-02.
   count-K      the way Ray Serve's model multiplexing evicts (`max_num_models_per_replica`): keep at
                most K loaded models, whatever their size, evicting the least recently used before a
                load. A small wrapper written for this comparison (`CountLimit` below) drives the
@@ -66,7 +67,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from appliance.bus import model_slug  # noqa: E402
 from appliance.catalog import Batching, ModelSpec  # noqa: E402
 from appliance.metrics import Metrics  # noqa: E402
-from appliance.residency import Residency, estimate_bytes  # noqa: E402
+from appliance.residency import Residency, Resident, estimate_bytes  # noqa: E402
 from benchmarks._models import build_embedder, copy_embedder, machine, run_benchmark  # noqa: E402
 from runtimes import Runtime, RuntimeKind, Task  # noqa: E402
 
@@ -242,13 +243,21 @@ class CountLimit:
         return await residency.ensure_loaded(spec)
 
 
+class RecencyOnly(Residency):
+    """fleetbox's residency with its eviction order before 2026-12-02, for this comparison: within the same idle and
+    turn rules, the least recently used first (every cost the same, ties go least recently used)."""
+
+    def _idle_cost(self, resident: Resident, now: float) -> float:
+        return 0.0
+
+
 @dataclass(slots=True, frozen=True)
 class Policy:
     key: str  # what --policies names
     name: str
     description: str
     count_limit: int | None  # None: fleetbox's byte budget with the top model pinned
-    demand: bool = True  # each answer told to the residency (`touch(answered=1)`), as a box's workers do
+    recency_only: bool = False  # fleetbox's residency with its order before 2026-12-02 (`RecencyOnly`)
 
 
 async def run_policy(
@@ -263,7 +272,8 @@ async def run_policy(
     loader = ThreadPoolExecutor(2, thread_name_prefix="bench-load")
     device = ThreadPoolExecutor(1, thread_name_prefix="bench-device")
     in_flight = InFlight()
-    residency = Residency(
+    kind = RecencyOnly if policy.recency_only else Residency
+    residency = kind(
         "cpu",
         threads,
         _UNBOUNDED if policy.count_limit is not None else budget,
@@ -299,7 +309,7 @@ async def run_policy(
                 outcome.peak_bytes = max(outcome.peak_bytes, residency.used_bytes)
                 outcome.max_resident = max(outcome.max_resident, len(residency.residents()))
                 await loop.run_in_executor(device, lambda r=runtime, t=text: r.run(r.tokenize([t])))
-                residency.touch(spec.name, answered=1 if policy.demand else 0)  # answered, as a worker says
+                residency.touch(spec.name, answered=1)  # answered, as a box's worker says
             finally:
                 await in_flight.leave(spec.name)
             elapsed = (time.perf_counter() - started) * 1000
@@ -442,15 +452,15 @@ async def main_async(args: argparse.Namespace, console: Console) -> dict[str, An
             Policy(
                 "fleetbox",
                 "fleetbox",
-                "byte budget, least asked for per byte first (appliance.residency), most popular model pinned",
+                "byte budget, longest idle bytes first (appliance.residency), most popular model pinned",
                 None,
             ),
             Policy(
                 "fleetbox-lru",
                 "fleetbox-lru",
-                "the same residency told of no answers: least recently used first (fleetbox until 2026-12-02)",
+                "the same residency, least recently used first (fleetbox until 2026-12-02)",
                 None,
-                demand=False,
+                recency_only=True,
             ),
             Policy(
                 "count",
