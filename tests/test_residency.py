@@ -407,34 +407,28 @@ async def test_a_models_demand_outlasts_its_eviction() -> None:
         await residency.close()
 
 
-async def test_a_model_unused_for_long_goes_before_one_asked_for_now_however_often_it_was_asked_before() -> None:
+@pytest.mark.parametrize(
+    ("answered_then", "unused_s", "answered_now"),
+    [(6000, 20, 100), (40, 180, 0)],
+    ids=["asked-for-now", "loaded-by-hand"],
+)
+async def test_a_model_unused_for_long_goes_before_one_used_since_however_often_it_was_asked_before(
+    answered_then: int, unused_s: float, answered_now: int
+) -> None:
     """Tester h98: a model asked for 6,000 times and then not at all outstayed one asked for a hundred times in the
-    last 20 s, its count being halved only once a minute."""
+    last 20 s, its count being halved only once a minute; and a model loaded through `/load`, never asked for, went
+    first, even for a model last asked for three minutes before (never asked for, it is judged by its load's time)."""
     specs = noop_specs(old=1000, now=1000, new=1000)
     with ThreadPoolExecutor(1) as executor:
         residency = Residency("cpu", None, 2_500, Metrics(), executor)
         await residency.ensure_loaded(specs["old"])
-        residency.touch("old", answered=6000)
-        as_if_unused_for(residency, "old", 20)
+        residency.touch("old", answered=answered_then)
+        as_if_unused_for(residency, "old", unused_s)
         await residency.ensure_loaded(specs["now"])
-        residency.touch("now", answered=100)
+        if answered_now:
+            residency.touch("now", answered=answered_now)
         await residency.ensure_loaded(specs["new"])
         assert resident_names(residency) == {"now", "new"}
-        await residency.close()
-
-
-async def test_a_model_loaded_by_hand_is_judged_by_the_time_since_its_load() -> None:
-    """Tester h98: a model loaded through `/load`, never asked for, was the first to go, even for a model last asked
-    for three minutes before. Never asked for, it is judged as the least recently used would judge it."""
-    specs = noop_specs(stale=1000, warm=1000, new=1000)
-    with ThreadPoolExecutor(1) as executor:
-        residency = Residency("cpu", None, 2_500, Metrics(), executor)
-        await residency.ensure_loaded(specs["stale"])
-        residency.touch("stale", answered=40)
-        as_if_unused_for(residency, "stale", 180)
-        await residency.ensure_loaded(specs["warm"])  # a pre-warm: no request yet
-        await residency.ensure_loaded(specs["new"])
-        assert resident_names(residency) == {"warm", "new"}
         await residency.close()
 
 
