@@ -427,13 +427,12 @@ class Residency:
         """What keeping a model costs until it is asked for again, in byte-seconds: its bytes times how long it will
         likely wait for its next request. That wait is the gap between requests its demand says (`Demand`), or, when
         longer, how long it has not been used (a model asked for 6,000 times and then not at all must not outstay
-        one asked for now: h98); a model never asked for (loaded by `/load`) is judged by the time since its load.
+        one asked for now: h98); a model never asked for (loaded by `/load`) counts as asked for once, at its load
+        (judged by its idle time alone, it stayed where a model asked for once just then went).
         So a model asked for often stays where the least recently used would go (benchmarks/packing.py), and of two
         asked for as often the larger goes, freeing more room in one eviction."""
-        idle = now - resident.last_used
-        demand = self._demand.get(resident.spec.name)
-        gap = demand.gap_s(now) if demand is not None else math.inf
-        return max(1, resident.nbytes) * (idle if math.isinf(gap) else max(idle, gap))
+        demand = self._demand.get(resident.spec.name) or Demand(1.0, resident.loaded_at)
+        return max(1, resident.nbytes) * max(now - resident.last_used, demand.gap_s(now))
 
     def _in_its_turn(self, resident: Resident, now: float) -> bool:
         """A model with requests in hand, loaded lately, keeps its place until its turn ends (`_turn_ends`). With

@@ -417,7 +417,8 @@ async def test_a_model_unused_for_long_goes_before_one_used_since_however_often_
 ) -> None:
     """Tester h98: a model asked for 6,000 times and then not at all outstayed one asked for a hundred times in the
     last 20 s, its count being halved only once a minute; and a model loaded through `/load`, never asked for, went
-    first, even for a model last asked for three minutes before (never asked for, it is judged by its load's time)."""
+    first, even for a model last asked for three minutes before (never asked for, it counts as asked for once, at its
+    load)."""
     specs = noop_specs(old=1000, now=1000, new=1000)
     with ThreadPoolExecutor(1) as executor:
         residency = Residency("cpu", None, 2_500, Metrics(), executor)
