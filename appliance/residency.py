@@ -215,6 +215,10 @@ class Residency:
         """Bytes of resident models plus the estimates of those loading."""
         return sum(r.nbytes for r in self._resident.values()) + sum(self._reserved.values())
 
+    def _pinned_bytes(self) -> int:
+        """Bytes of the resident pinned models: what no eviction frees."""
+        return sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
+
     def touch(self, name: str, answered: int = 0) -> None:
         """`name` was used now (a decode step, an answer), for its turn and the eviction's order; `answered`: the
         requests it finished, its demand (a decode step is not one more request)."""
@@ -247,7 +251,7 @@ class Residency:
         return estimate
 
     def _check_fits(self, spec: ModelSpec, need: int, *, measured: bool = False, pending: int = 0) -> None:
-        held = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned) + pending
+        held = self._pinned_bytes() + pending
         if need > self.budget_bytes - held:
             size = (
                 f"measured {size_text(need)} loaded (weights and warm-up activations)"
@@ -364,8 +368,7 @@ class Residency:
         evicted 20 times so, beside a pinned model alone (tester h98)."""
         if not self._reserved:
             return set()
-        pinned = sum(r.nbytes for r in self._resident.values() if r.spec.name in self.pinned)
-        if pinned + sum(self._reserved.values()) + need <= self.budget_bytes:
+        if self._pinned_bytes() + sum(self._reserved.values()) + need <= self.budget_bytes:
             return set()
         return {self._loading[name] for name in self._reserved if name in self._loading}
 

@@ -27,7 +27,16 @@ from runtimes import Runtime
 from tests.conftest import noop_model, url, wait_for
 from tests.models import save_long_context_encoder
 
-SPECS = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in ("a", "b")}
+
+def noop_specs(**sizes: int) -> dict[str, ModelSpec]:
+    return {name: spec_from_entry(noop_model(name, pinned=False, bytes=n), Settings()) for name, n in sizes.items()}
+
+
+def resident_names(residency: Residency) -> set[str]:
+    return {r.spec.name for r in residency.residents()}
+
+
+SPECS = noop_specs(a=1000, b=1000)
 
 
 class Drains:
@@ -103,7 +112,7 @@ async def test_an_evict_asked_during_an_eviction_waits_for_it_and_says_the_model
 
 async def test_a_load_waits_for_an_eviction_under_way_rather_than_evict_one_more_model(drains: Drains) -> None:
     """a is being evicted (asked by an operator) when c needs room: a's leaving is room enough, so b stays."""
-    specs = {name: spec_from_entry(noop_model(name, pinned=False, bytes=4000), Settings()) for name in "abc"}
+    specs = noop_specs(a=4000, b=4000, c=4000)
     with ThreadPoolExecutor(1) as executor:
         residency = Residency("cpu", None, 10_000, Metrics(), executor, before_evict=drains)
         await residency.ensure_loaded(specs["a"])
@@ -117,7 +126,7 @@ async def test_a_load_waits_for_an_eviction_under_way_rather_than_evict_one_more
         async with asyncio.timeout(10):
             assert await eviction
             await loading
-        assert {r.spec.name for r in residency.residents()} == {"b", "c"}
+        assert resident_names(residency) == {"b", "c"}
         assert not drains.started["b"].is_set()
 
 
@@ -249,10 +258,10 @@ async def test_a_model_measured_over_its_estimate_evicts_for_its_measured_bytes_
         if pinned:
             with pytest.raises(InsufficientMemory, match="this box's budget is 11 MiB with 5 MiB pinned"):
                 await residency.ensure_loaded(spec)
-            assert {r.spec.name for r in residency.residents()} == {"other"}
+            assert resident_names(residency) == {"other"}
         else:
             await residency.ensure_loaded(spec)
-            assert {r.spec.name for r in residency.residents()} == {"long"}
+            assert resident_names(residency) == {"long"}
         assert residency.used_bytes <= residency.budget_bytes
 
 
@@ -284,17 +293,17 @@ async def test_an_idle_model_is_evicted_before_one_with_requests_in_hand() -> No
     """Regression tester: a generator asked once, still generating a long answer, was "least recently used" beside
     a model asked since, so a third model's load evicted it, waiting out its answer (a 504 at 3 s). A model with
     requests in hand (the box's `in_use`) goes after every idle one, whatever their last use."""
-    specs = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in "abc"}
+    specs = noop_specs(a=1000, b=1000, c=1000)
     busy = {"a"}
     with ThreadPoolExecutor(1) as executor:
         residency = Residency("cpu", None, 2_500, Metrics(), executor, in_use=lambda name: name in busy)
         for name in "ab":  # a first: the least recently used
             await residency.ensure_loaded(specs[name])
         await residency.ensure_loaded(specs["c"])
-        assert {r.spec.name for r in residency.residents()} == {"a", "c"}
+        assert resident_names(residency) == {"a", "c"}
         busy.clear()
         await residency.ensure_loaded(specs["b"])
-        assert {r.spec.name for r in residency.residents()} == {"b", "c"}  # idle again: least recently used goes
+        assert resident_names(residency) == {"b", "c"}  # idle again: least recently used goes
         await residency.close()
 
 
@@ -303,7 +312,7 @@ async def test_a_model_just_loaded_for_requests_is_not_evicted_before_it_has_ans
     was the least recently used, and the next load evicted it before its worker pulled: 212 of 234 loads were lost
     so, and 120 of 155 requests were 504s. A model with requests in hand keeps its place for its turn; a model
     whose turn is over (its first answer `min_serve_s` ago) goes instead, used since or not."""
-    specs = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in "abc"}
+    specs = noop_specs(a=1000, b=1000, c=1000)
     with ThreadPoolExecutor(1) as executor:
         residency = Residency(
             "cpu", None, 2_500, Metrics(), executor, in_use=lambda name: True, min_serve_s=0, first_answer_s=60
@@ -312,14 +321,14 @@ async def test_a_model_just_loaded_for_requests_is_not_evicted_before_it_has_ans
         await residency.ensure_loaded(specs["b"])  # loaded after a: b, not yet answered, looks more recently used
         residency.touch("a")  # a answered after b loaded; its turn (0 s past its first answer) is over
         await residency.ensure_loaded(specs["c"])
-        assert {r.spec.name for r in residency.residents()} == {"b", "c"}  # the one still to answer stayed
+        assert resident_names(residency) == {"b", "c"}  # the one still to answer stayed
         await residency.close()
 
 
 async def test_a_load_waits_for_a_turn_to_end_rather_than_evict_a_model_in_its_turn() -> None:
     """Every other model is in its turn (answered lately, requests in hand): the newcomer waits until one goes
     idle or its turn ends, and only then evicts it."""
-    specs = {name: spec_from_entry(noop_model(name, pinned=False, bytes=1000), Settings()) for name in "abc"}
+    specs = noop_specs(a=1000, b=1000, c=1000)
     busy = {"a", "b"}
     with ThreadPoolExecutor(1) as executor:
         residency = Residency("cpu", None, 2_500, Metrics(), executor, in_use=lambda name: name in busy, min_serve_s=60)
@@ -328,19 +337,11 @@ async def test_a_load_waits_for_a_turn_to_end_rather_than_evict_a_model_in_its_t
             residency.touch(name)
         loading = asyncio.create_task(residency.ensure_loaded(specs["c"]))
         await asyncio.sleep(0.3)
-        assert not loading.done() and {r.spec.name for r in residency.residents()} == {"a", "b"}
+        assert not loading.done() and resident_names(residency) == {"a", "b"}
         busy.discard("a")  # a's requests are answered: no longer in its turn
         await asyncio.wait_for(loading, 10)
-        assert {r.spec.name for r in residency.residents()} == {"b", "c"}
+        assert resident_names(residency) == {"b", "c"}
         await residency.close()
-
-
-def noop_specs(**sizes: int) -> dict[str, ModelSpec]:
-    return {name: spec_from_entry(noop_model(name, pinned=False, bytes=n), Settings()) for name, n in sizes.items()}
-
-
-def resident_names(residency: Residency) -> set[str]:
-    return {r.spec.name for r in residency.residents()}
 
 
 def as_if_unused_for(residency: Residency, name: str, seconds: float) -> None:
