@@ -9,6 +9,7 @@ plain token ids in and numpy arrays out. The batcher above packs `Tokenized` row
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -46,6 +47,17 @@ class InputTooLong(ValueError):
         )
         self.index = index
         self.max_length = max_length
+
+    @staticmethod
+    def index_in(message: str) -> int | None:
+        """The index a message of the default naming (`input INDEX is longer...`) names, once the error has crossed
+        the bus as text; None for another message. A caller that queued its inputs in another shape (TEI's
+        `/similarity`: the source sentence, then the sentences) renames it from this."""
+        match = _DEFAULT_NAMING.match(message)
+        return int(match.group(1)) if match else None
+
+
+_DEFAULT_NAMING = re.compile(r"input (\d+) is longer than the model's maximum")
 
 
 class UnsupportedModel(ValueError):

@@ -118,6 +118,18 @@ async def test_too_many_sentences_are_counted_as_the_client_sent_them(fleet, htt
     assert answer["error"]["message"].startswith(f"{limit} sentences is more than the limit of {limit - 1}"), answer
 
 
+async def test_an_over_long_sentence_is_named_as_the_client_sent_it(fleet, http) -> None:
+    """Tester h96: with `"truncate": false` the 413 named the inputs as queued (`input 1` for `sentences[0]`, the
+    source sentence being input 0)."""
+    long = " ".join(["word"] * 600)
+    for sentences, named in ((["short", long], "sentences[1]"), (["short"], "source_sentence")):
+        source = long if named == "source_sentence" else "short"
+        body = {"inputs": {"source_sentence": source, "sentences": sentences}, "parameters": {"truncate": False}}
+        status, answer = await post(http, fleet, "/tei/bare-encoder/similarity", body)
+        assert (status, answer["error"]["code"]) == (413, "input_too_long"), answer
+        assert answer["error"]["message"].startswith(f"{named} is longer than the model's maximum"), answer
+
+
 async def test_info_at_a_models_tei_url_describes_that_model(fleet, http, hub) -> None:
     info = await hub(model=url(fleet, "/tei/sentiment"), provider="hf-inference").get_endpoint_info()
     assert info["model_id"] == "sentiment"

@@ -41,7 +41,7 @@ from appliance.schemas import (
     TeiShape,
     TeiSimilarityRequest,
 )
-from runtimes import Task
+from runtimes import InputTooLong, Task
 
 _decoders: dict[type, msgspec.json.Decoder] = {
     schema: msgspec.json.Decoder(schema)
@@ -159,9 +159,25 @@ async def similarity_tei(request: web.Request, body: bytes | None = None, served
             f"of the {limit} inputs a request may hold)",
             code="too_many_inputs",
         )
-    meta, reply = await _enqueue_tei(request, tei, EmbeddingRequest, Task.EMBED, served, input=texts, normalize=True)
+    try:
+        meta, reply = await _enqueue_tei(
+            request, tei, EmbeddingRequest, Task.EMBED, served, input=texts, normalize=True
+        )
+    except PayloadTooLarge as exc:
+        raise _named_as_sent(exc) from None
     vectors = np.frombuffer(reply, dtype="<f4").reshape(meta.rows, meta.dims)
     return json_response(vectors[1:] @ vectors[0], headers=timing(meta))
+
+
+def _named_as_sent(error: PayloadTooLarge) -> PayloadTooLarge:
+    """A worker's over-long-input 413 names the inputs as queued (input 0 is the source sentence); the client sent
+    `source_sentence` and `sentences[i]` (tester h96)."""
+    index = InputTooLong.index_in(error.message)
+    if error.code != "input_too_long" or index is None:
+        return error
+    what = "source_sentence" if index == 0 else f"sentences[{index - 1}]"
+    message = error.message.replace(f"input {index}", what, 1)
+    return PayloadTooLarge(message, code=error.code, headers=error.headers)
 
 
 def _refuse_prompt(prompt_name: str | None) -> None:
