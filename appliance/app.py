@@ -536,7 +536,7 @@ class Box:
         if self.fleet is not None:
             await _bounded("heartbeat", self.fleet.stop(connected=connected))
         if self.store is not None:
-            await _bounded("catalog", self.store.close())
+            await _bounded("catalog", self.store.close(connected=connected))
         if self.nc is not None and connected:
             await _bounded("NATS drain", self.nc.drain())
             await _bounded("NATS close", self.nc.close())

@@ -12,6 +12,7 @@ import base64
 import logging
 import re
 import time
+from contextlib import suppress
 from dataclasses import replace
 from datetime import datetime
 
@@ -157,6 +158,24 @@ async def replay(
     except TimeoutError:
         log.warning("bucket not replayed to its end", extra={"bucket": bucket, "entries": len(entries)})
     return entries
+
+
+async def stop_watch(
+    js: JetStreamContext, watcher: KeyValue.KeyWatcher, *, connected: bool = True, timeout_s: float = 2.0
+) -> None:
+    """Stop a bucket's watch and delete its consumer. nats-py's `stop` only unsubscribes, and the server keeps the
+    ephemeral consumer for its inactive threshold (5 minutes): each stopped box, and each reopen of its watches after
+    a NATS restart, left two on the buckets' streams. The consumer's name is the subscription's (an ordered consumer
+    takes a new one at each reset). Cut off from NATS (`connected` false) it is left to the threshold: the delete
+    would wait out its bound for nothing."""
+    sub = watcher._sub  # nats-py keeps the subscription there; its public API names no consumer
+    stream, consumer = getattr(sub, "_stream", None), getattr(sub, "_consumer", None)
+    with suppress(Exception):  # its consumer may be gone with the server that held it
+        await watcher.stop()
+    if connected and stream and consumer:
+        with suppress(NatsError, TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await js.delete_consumer(stream, consumer)
 
 
 async def _holds(js: JetStreamContext, stream: str, seq: int) -> bool:

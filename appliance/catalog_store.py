@@ -363,14 +363,15 @@ class CatalogStore:
         on another box racing the base's deletion). Reads every entry up to the bucket's last revision, not
         `KeyValue.keys()`: its watcher may end its replay early (nats.py #842, #995), and a clean-clone CI run
         missed an adapter registered a moment before, left in the bucket without its base. For deletions: rare.
-        Its consumer goes seconds after the read: at nats-py's 5 minutes, each deletion left one on the catalog's
-        stream, and a burst of them reached the stream's 1,000 (tester h94: then a DELETE was 503)."""
+        Its consumer is deleted after the read, or seconds later where that delete fails: at nats-py's 5 minutes,
+        each deletion left one on the catalog's stream, and a burst of them reached the stream's 1,000 (tester h94:
+        then a DELETE was 503)."""
         assert self._kv is not None
         watcher = await self._kv.watchall(inactive_threshold=_ONE_READ_S)
         try:
             entries = {entry.key: entry.value for entry in await bus.replay(self._js, bus.MODELS_BUCKET, watcher)}
         finally:
-            await watcher.stop()
+            await bus.stop_watch(self._js, watcher)
         specs = [ModelSpec.from_json(value) for value in entries.values() if value]  # a delete's marker has none
         return [spec for spec in specs if spec.adapter_of == base]
 
@@ -414,11 +415,10 @@ class CatalogStore:
             self._notify(spec.name, None)
         return deleted
 
-    async def close(self) -> None:
+    async def close(self, *, connected: bool = True) -> None:
         await cancel_and_wait([self._task])
         if self._watcher is not None:
-            with suppress(Exception):  # its consumer may be gone with the server that held it
-                await self._watcher.stop()
+            await bus.stop_watch(self._js, self._watcher, connected=connected)
             self._watcher = None
 
 

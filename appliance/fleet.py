@@ -140,12 +140,11 @@ class Fleet:
         self._revision = None
         await self.start()
 
-    async def _stop_tasks(self) -> None:
+    async def _stop_tasks(self, *, connected: bool = True) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._watcher is not None:
-            with suppress(Exception):  # its consumer may be gone with the server that held it
-                await self._watcher.stop()
+            await bus.stop_watch(self._js, self._watcher, connected=connected)
             self._watcher = None
 
     async def beat(self) -> None:
@@ -336,7 +335,7 @@ class Fleet:
     async def stop(self, *, connected: bool = True) -> None:
         """Stop beating and take this box's record out of `fbx_boxes`; cut off from NATS, the record is left to
         its TTL (the delete would wait out the shutdown step's bound for nothing)."""
-        await self._stop_tasks()
+        await self._stop_tasks(connected=connected)
         if connected and self._kv is not None and self._beating:  # not a twin's record (`_take_id`)
             with suppress(Exception):
                 await self._kv.delete(self.box_id)

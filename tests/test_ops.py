@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from appliance import bus
 from appliance.app import Box
 from appliance.catalog import DEFAULT_MODEL_NAME
 from appliance.logs import FailureStreak
@@ -212,3 +213,24 @@ async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(st
     monkeypatch.setattr(box.js, "stream_info", hung)
     await wait_for(lambda: not box.stream_ok, timeout_s=10.0, what="a look over its bound read as no answer")
     assert await reason() == "stream FBX_REQ is not available"
+
+
+async def test_a_stopped_box_leaves_no_consumers_on_the_buckets(start_box, nats_server) -> None:
+    """Its watches of `fbx_boxes` and `fbx_models` stopped by unsubscribing only, and the server kept each consumer
+    for nats-py's inactive threshold: 5 minutes, two a stopped box (tester's note, carried since h60)."""
+    import nats
+
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    streams = [f"KV_{bucket}" for bucket in (bus.BOXES_BUCKET, bus.MODELS_BUCKET)]
+
+    async def consumers() -> list[int]:
+        return [(await js.stream_info(stream)).state.consumer_count for stream in streams]
+
+    try:
+        box = await start_box(default_model=False, models=[noop_model()])
+        assert await consumers() == [1, 1]  # the box's own watches
+        await box.stop()
+        assert await consumers() == [0, 0]
+    finally:
+        await nc.close()
