@@ -17,14 +17,12 @@ import socket
 import time
 from collections.abc import Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from functools import partial
 from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
 from appliance import box_status, bus
@@ -36,15 +34,10 @@ from appliance.configured import configured_specs
 from appliance.connect import (
     NatsInTheClear,
     asks_for_tls,
-    delete_model,
-    ensure_queue,
     in_the_clear,
     open_catalogued_queues,
-    open_model_queue,
     refuse_plain_servers,
     remove_leftover_queues,
-    restore_after_reconnect,
-    settle_model_queue,
     shown_url,
     tls_context,
     when_jetstream_answers,
@@ -53,16 +46,16 @@ from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
-from appliance.errors import Conflict, ServiceUnavailable
+from appliance.errors import ServiceUnavailable
 from appliance.fleet import Fleet, taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.door import HttpDoor
-from appliance.logs import FailureStreak
 from appliance.metrics import Metrics
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook
+from appliance.request_queue import RequestQueue
 from appliance.residency import Residency, parse_budget
 from appliance.settings import MODEL_ROLES, Settings
 from appliance.tasks import Background
@@ -71,10 +64,6 @@ from appliance.workers import Workers
 
 log = logging.getLogger(__name__)
 
-_MONITOR_PERIOD_S = 1.0
-_MISSING_LOOKS = 3  # looks of the stream monitor in a row that find the request stream or consumers gone
-_MISSING_LOOKS_MOST = 300  # ... and at most this many while the restores do not make them (the server refuses)
-_STREAM_LOOK_S = 2.0  # the stream monitor's look at the request stream: longer is no answer (no leader)
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 _FORGET_METRICS_S = 30.0  # a deleted model's series stay this long (its eviction, under way, still counts in them)
 FIRST_PULL_S = 1.0  # a worker whose pullers started this lately counts as starting: its first pulls are coming
@@ -138,9 +127,7 @@ class Box:
         self._tasks = Background("box")
         self._nats_servers = ""  # the NATS URLs it connects to, for its log
         self._wants_tls = False  # a TLS option or a tls:// URL given: a server in the clear is refused
-        self._restoring: asyncio.Task[None] | None = None  # after a reconnect, at most one restore at a time
-        self.stream_ok = False
-        self.backlog = 0  # messages in the request stream, kept fresh by _watch_stream
+        self.queue = RequestQueue(self)
         self.draining = False
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
@@ -165,7 +152,7 @@ class Box:
         await self._connect()
         assert self.js is not None and self.nc is not None
         s = self.settings
-        await when_jetstream_answers(self._ensure_streams)
+        await when_jetstream_answers(self.queue.ensure)
         self.blobs = Blobs(
             self.js,
             s.blob_threshold,
@@ -183,7 +170,7 @@ class Box:
             await remove_leftover_queues(self.js, self.catalog)
         except Exception as exc:  # a sweep for leftovers never fails a start: the next box to start tries again
             log.warning("leftover queues not looked for", extra={"error": repr(exc)})
-        self.stream_ok = True
+        self.queue.stream_ok = True
         self.fleet = Fleet(
             self.js,
             self.box_id,
@@ -191,7 +178,7 @@ class Box:
             period_s=s.heartbeat_s,
             ttl_s=s.heartbeat_ttl_s,
             replicas=s.replicas,
-            on_taken=self._id_taken,
+            on_taken=self.id_taken,
         )
         await when_jetstream_answers(self.fleet.start)
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
@@ -207,9 +194,9 @@ class Box:
         # Everything allocated so far (torch, models) lives for the process: keep it out of the cyclic
         # collector, whose full passes over it stalled the event loop for ~0.3-0.5 s.
         gc.freeze()
-        self._spawn(self._watch_stream())
+        self.spawn(self.queue.watch())
         if self.natsd is not None:
-            self._spawn(self.natsd.supervise(self._nats_gone))
+            self.spawn(self.natsd.supervise(self._nats_gone))
         await self.fleet.beat()
         self.ready = True
         # The server it is connected to, of those it was given (the first named one said nothing: tester h87).
@@ -260,7 +247,7 @@ class Box:
         self.failure = why
         self.stop_requested.set()
 
-    def _id_taken(self, why: str) -> None:
+    def id_taken(self, why: str) -> None:
         """Another box beats under this box's id (it took it while this one was cut off or frozen): this one stops,
         with an error exit, and leaves the id to it."""
         log.error("box stopping: its id is another box's now", extra={"error": why})
@@ -288,56 +275,7 @@ class Box:
         if self.dispatcher is not None:
             # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.
             self.dispatcher.nats_interrupted()
-        if self.js is not None and (self._restoring is None or self._restoring.done()):
-            self._restoring = self._spawn(self._restore())
-
-    async def _restore(self) -> None:
-        """Make again what the NATS server lost; if that was the request stream, the gateway publishes again what
-        it awaits from the old one."""
-        assert self.js is not None
-        try:
-            created = await restore_after_reconnect(self.js, self.settings, self.catalog, self.store, self.fleet)
-        except Conflict as exc:  # its id taken while it was cut off (`Fleet._take_id`): the other box stays
-            self._id_taken(exc.message)
-            return
-        self.workers.pull_again()
-        if created is not None:
-            self._queue_made(created)
-
-    def _queue_made(self, created: datetime, *, seen_gone: bool = True) -> None:
-        """The request stream, as made at `created`: one made anew since this box last saw it lost what was queued
-        in the old one, which the gateway publishes again (and the workers let go). `seen_gone`: this box's epoch of
-        publishes was cut when the old stream was found gone; else it is cut now (another box made it again first)."""
-        epoch = self.workers.queue_epoch  # when the request stream was made, as this box last saw it
-        if created == epoch.made:
-            return
-        lost, epoch.made = epoch.made is not None, created
-        if not lost:
-            return
-        self.workers.queue_lost()
-        if self.dispatcher is not None:
-            if not seen_gone:
-                self.dispatcher.nats_interrupted()
-            self.dispatcher.queue_lost()
-
-    async def _ensure_streams(self) -> None:
-        assert self.js is not None
-        self.workers.queue_epoch.made = await ensure_queue(self.js, self.settings)
-
-    async def open_queue(self, spec: ModelSpec) -> None:
-        """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""
-        assert self.js is not None
-        await open_model_queue(self.js, self.settings, spec.slug)
-
-    async def _settle_queue(self, spec: ModelSpec) -> None:
-        assert self.js is not None
-        await settle_model_queue(self.js, self.settings, self.catalog, spec.slug)
-
-    async def delete_model(self, spec: ModelSpec) -> list[str]:
-        """Take a model out of the fleet: `DELETE /v1/models/{name}` and the `delete` verb. Returns the adapters
-        deleted with it (registered on another box while the deletion was judged)."""
-        assert self.js is not None and self.store is not None
-        return await delete_model(self.js, self.settings, self.catalog, self.store, spec)
+        self.queue.restore_soon()
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None
@@ -372,8 +310,8 @@ class Box:
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             without_workers_s=self.fleet.without_workers_s if self.fleet else float,
             check_fits=self.residency.check_fits if self.settings.runs_models else None,
-            open_queue=self.open_queue,
-            delete_model=self.delete_model,
+            open_queue=self.queue.open_model,
+            delete_model=self.queue.delete_model,
         )
         await self.door.open(context)
 
@@ -408,76 +346,27 @@ class Box:
             self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it
             self.workers.adapters_retired()  # and its generations still waiting for a decode slot are answered 404
             if self.residency.is_resident(name):
-                self._spawn(self.workers.evict(name))
+                self.spawn(self.workers.evict(name))
             return
         if spec.adapter_of is not None:
             self.residency.retire_adapter(name, keep=spec)  # registered again on another folder
             self.workers.adapters_retired()  # its generations waiting for a slot are admitted again with the new one
             if self.settings.runs_models and not self.draining:
-                self._spawn(self.workers.reload_for_adapters(spec.adapter_of))  # a base a profile put on ONNX
+                self.spawn(self.workers.reload_for_adapters(spec.adapter_of))  # a base a profile put on ONNX
         if spec.pinned:
             self.residency.pinned.add(name)
         else:
             self.residency.pinned.discard(name)
         if spec.adapter_of is None:
-            self._spawn(self._settle_queue(spec))
+            self.spawn(self.queue.settle_model(spec))
             if spec.name in self.workers:  # its batching may have changed (a PATCH): taken live, no reload
-                self._spawn(self.workers.retune(spec))
+                self.spawn(self.workers.retune(spec))
             if spec.pinned and self.settings.runs_models and not self.draining:
-                self._spawn(self.workers.serve(spec))
-
-    async def _watch_stream(self) -> None:
-        """Keep the backlog gauge and the stream's health fresh for readiness and Retry-After, and make the request
-        stream or a model's consumers again when they are gone on a server that is up (deleted by hand, say)."""
-        assert self.js is not None
-        streak = FailureStreak(log, "reading the request stream's state")
-        short = 0  # looks in a row that found the stream or some consumers missing
-        looks = _MISSING_LOOKS  # how many make a restore: doubled while restores do not help (a consumer limit)
-        gone = False  # the stream itself was found missing
-        while True:
-            missing = False
-            looked_at = time.monotonic()
-            try:
-                # Bounded below JetStream's 5 s: a look waiting out an election said the stream was there meanwhile.
-                info = await asyncio.wait_for(self.js.stream_info(bus.REQUEST_STREAM), _STREAM_LOOK_S)
-                # Made anew by another box's monitor (or a hand) since this box looked: its lost requests published.
-                self._queue_made(info.created, seen_gone=gone)
-                self.stream_ok, gone = True, False
-                if self.dispatcher is not None:
-                    self.dispatcher.stream_answered(looked_at)
-                streak.succeeded()
-                self.backlog = info.state.messages
-                self.metrics.backlog.set(self.backlog)
-                if self.dispatcher is not None:
-                    self.dispatcher.backlog = info.state.messages
-                bases = sum(1 for spec in self.catalog if spec.adapter_of is None)
-                missing = info.state.consumer_count < len(bus.PRIORITIES) * bases
-            except NotFoundError:
-                if not gone and self.dispatcher is not None:
-                    self.dispatcher.nats_interrupted()  # what it published before now was in the stream deleted
-                self.stream_ok, missing, gone = False, True, True
-            except Exception as exc:
-                self.stream_ok = False
-                streak.failed(exc)
-            # Not at the first look: a model deleted on another box loses its consumers before this catalog hears.
-            short = short + 1 if missing else 0
-            looks = looks if missing else _MISSING_LOOKS
-            if short >= looks and (self._restoring is None or self._restoring.done()):
-                log.warning(
-                    "request queue missing; making it again", extra={"missing": "stream" if gone else "consumers"}
-                )
-                # A stream made anew is a lost queue (its requests published again); consumers are only made again.
-                self._restoring = self._spawn(self._restore() if gone else self._reopen_queues())
-                short, looks = 0, min(2 * looks, _MISSING_LOOKS_MOST)
-            await asyncio.sleep(_MONITOR_PERIOD_S)
-
-    async def _reopen_queues(self) -> None:
-        assert self.js is not None
-        await open_catalogued_queues(self.js, self.settings, self.catalog)
+                self.spawn(self.workers.serve(spec))
 
     # -- control ---------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         return self._tasks.spawn(coro)
 
     # -- stop ------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def not_ready_reason(box: Box) -> str | None:
     """Why this box should not be sent traffic now (`/readyz`), or None when it is ready."""
     if box.nc is None or not box.nc.is_connected:
         return "not connected to NATS"
-    if not box.stream_ok:
+    if not box.queue.stream_ok:
         return f"stream {bus.REQUEST_STREAM} is not available"
     if box.dispatcher is not None and box.dispatcher.queue_unanswered():
         # Publishes failing or waiting (no stream leader: an election, a quorum lost), which a look at the stream may
@@ -153,5 +153,5 @@ def heartbeat(box: Box) -> dict[str, Any]:
             }
         ],
         "models": models,
-        "backlog": box.backlog,
+        "backlog": box.queue.backlog,
     }

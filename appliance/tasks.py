@@ -3,7 +3,7 @@
 On Python 3.11, `asyncio.wait_for` returns its result and drops a cancellation that arrives as its
 inner future completes, and nats-py's requests are `wait_for`s. A loop cancelled at that moment
 never learns it was cancelled: it sleeps and runs again, and whoever awaits it waits for ever
-(a box's stop hung this way in the test suite, in `Box._watch_stream`). So a task is cancelled
+(a box's stop hung this way in the test suite, in `RequestQueue.watch`). So a task is cancelled
 again until it is done.
 """
 

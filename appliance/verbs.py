@@ -79,7 +79,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         """`DELETE /v1/models/{name}` over NATS (the TUI and CLI): a base only once its adapters are gone."""
         spec = await _model(box, payload)
         box.catalog.check_deletable(spec, named=payload["model"])
-        adapters = await box.delete_model(spec)
+        adapters = await box.queue.delete_model(spec)
         return {"model": spec.name, "deleted": True} | ({"adapters_deleted": adapters} if adapters else {})
 
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         assert box.store is not None
         check_fits = box.residency.check_fits if box.settings.runs_models else None
         spec = await register(
-            registration_from(payload), box.catalog, box.store, box.settings, check_fits, box.open_queue
+            registration_from(payload), box.catalog, box.store, box.settings, check_fits, box.queue.open_model
         )
         return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of}
 

@@ -314,7 +314,7 @@ async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is
     body = {"name": "cls:a", "path": str(classifier_adapters[0]), "adapter_of": "cls"}
     registering = asyncio.create_task(call(http, here, "POST", "/v1/models", body))
     await asyncio.wait_for(written.wait(), 20)
-    await there.delete_model(base)
+    await there.queue.delete_model(base)
     go_on.set()
     status, answer = await registering
     assert (status, answer["error"]["code"]) == (404, "model_not_found"), answer
@@ -324,7 +324,7 @@ async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is
     assert (await call(http, here, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
     await register_adapter(http, here, "cls:b", classifier_adapters[1])
     await wait_for(lambda: there.catalog.get("cls") is not None, what="the other box to know the base again")
-    assert await there.delete_model(there.catalog.get("cls")) == ["cls:b"]  # said (its registration was a 201)
+    assert await there.queue.delete_model(there.catalog.get("cls")) == ["cls:b"]  # said (its registration was a 201)
     assert await there.store.adapters_in_bucket("cls") == []
     await wait_for(lambda: here.catalog.get("cls:b") is None, what="the adapter to leave the catalog")
 

@@ -233,7 +233,7 @@ async def test_a_box_whose_nats_user_may_not_raise_the_consumer_limit_still_star
         )
         await admin.jetstream().add_stream(stream)
         await box.start()
-        assert box.stream_ok
+        assert box.queue.stream_ok
     finally:
         await box.stop()
         await admin.close()

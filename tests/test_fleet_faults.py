@@ -689,7 +689,7 @@ async def test_a_box_back_on_nats_whose_id_another_box_took_stops(start_box) -> 
     try:
         await asyncio.sleep(box.settings.heartbeat_s / 2)
         async with asyncio.timeout(10):
-            await box._restore()
+            await box.queue._restore()
         assert box.stop_requested.is_set() and "box id taken is taken" in (box.failure or ""), box.failure
     finally:
         beating.cancel()

@@ -781,5 +781,6 @@ async def test_a_gateway_whose_stream_another_box_made_again_publishes_its_reque
     async def never() -> None:
         return None
 
-    gateway._reopen_queues = gateway._restore = never  # the worker makes it again; the gateway only sees it made
+    # The worker makes it again; the gateway only sees it made.
+    gateway.queue._reopen_queues = gateway.queue._restore = never
     assert await answers_across_a_stream_deletion(http, gateway) == [200, 200, 200]

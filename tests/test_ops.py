@@ -211,7 +211,7 @@ async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(st
         await asyncio.sleep(30)
 
     monkeypatch.setattr(box.js, "stream_info", hung)
-    await wait_for(lambda: not box.stream_ok, timeout_s=10.0, what="a look over its bound read as no answer")
+    await wait_for(lambda: not box.queue.stream_ok, timeout_s=10.0, what="a look over its bound read as no answer")
     assert await reason() == "stream FBX_REQ is not available"
 
 
