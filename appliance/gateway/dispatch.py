@@ -7,7 +7,8 @@ counted and dropped, so the client gets exactly one answer.
 Before a request is published, the gateway's admission control (`Admission`, in `admission.py`)
 says whether it may wait at all: a 429 at once, rather than a 504 after its deadline, when it would
 wait too long to start. The dispatcher tells it of every request awaited and every answer. A streamed
-answer's chunks are stitched into one by its `StreamWaiter` (`replies.py`).
+answer's chunks are stitched into one by its `StreamWaiter` (`replies.py`); what a lost queue took is published
+again by the `Resender` (`resend.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -34,8 +34,9 @@ from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, TooManyRequests
 from appliance.gateway.admission import Admission, paced_round, unmeasured_budget
 from appliance.gateway.model_queue import ModelQueue
-from appliance.gateway.publish import FAILOVER_RETRY_S, Publisher
+from appliance.gateway.publish import Publisher
 from appliance.gateway.replies import Reply, StreamWaiter
+from appliance.gateway.resend import Resender
 from appliance.metrics import Metrics
 from appliance.tasks import Background
 from runtimes import Task
@@ -53,16 +54,6 @@ def _deadline(timeout_s: float, max_timeout_s: float) -> GatewayTimeout:
     else:
         advice = "raise it with the `timeout` field or header, or retry later"
     return GatewayTimeout(f"no answer within the request's deadline of {timeout_s:g}s; {advice}")
-
-
-@dataclass(slots=True, frozen=True)
-class _Sent:
-    """A request this gateway published and still awaits: what it needs to publish it again."""
-
-    spec: ModelSpec
-    body: bytes
-    meta: RequestMeta
-    epoch: int  # the dispatcher's count of cuts from NATS when it was published
 
 
 class Dispatcher:
@@ -106,12 +97,10 @@ class Dispatcher:
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
         self._streams: dict[str, StreamWaiter] = {}
-        self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
-        self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
+        self._resender = Resender(self._publisher, awaited=self._awaits, unstarted=self._unstarted, fail=self._fail)
         # Cancels sent for requests answered without their box, and asks to hand a generation back (`_start_over`).
         self._cancels = Background("cancels sent")
         self._dropped_blobs = Background("dropped reply blobs")  # deletes of the bodies of replies dropped
-        self._republishes = Background("requests published again")  # by `queue_lost`
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
 
@@ -215,8 +204,8 @@ class Dispatcher:
             if stream.broken and stream.box == box:
                 stream.queue.put_nowait(lost)
             return
-        if publish_again and (sent := self._sent.get(request_id)) is not None:  # its message went with a lost queue
-            self._republishes.spawn(self._publish_again(sent))
+        if publish_again:  # its message went with a lost queue
+            self._resender.again(request_id)
         # The answer must now start over; if no chunk 0 comes (lost too, in the same failover), the client is told.
         loop = asyncio.get_running_loop()
         loop.call_later(_RESTART_WAIT_S, self._restart_overdue, request_id, stream, restarts, lost)
@@ -251,7 +240,7 @@ class Dispatcher:
         future: asyncio.Future[Reply] = loop.create_future()
         with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight, timeout_s, inputs):
             try:
-                await self._publish(spec, body, meta)
+                await self._resender.publish(spec, body, meta)
                 try:
                     reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
                 except TimeoutError:
@@ -358,7 +347,7 @@ class Dispatcher:
             yield
         finally:
             table.pop(request_id, None)
-            self._sent.pop(request_id, None)
+            self._resender.forget(request_id)
             queue.remove(request_id, time.monotonic(), answered=False)
             self._settle()
 
@@ -395,7 +384,7 @@ class Dispatcher:
         arrived = time.monotonic()
         try:
             with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
-                await self._publish(spec, body, meta)
+                await self._resender.publish(spec, body, meta)
                 while not finished:
                     try:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
@@ -420,46 +409,28 @@ class Dispatcher:
     def nats_interrupted(self) -> None:
         """Cut off from NATS, or back on it: what was not answered meanwhile says nothing of any model's pace."""
         self._admission.restart_rates()
-        self._epoch += 1
+        self._resender.interrupted()
 
     def queue_lost(self) -> None:
-        """The request stream was made anew (a nats-server that kept it in memory restarted, the default fleet
-        without `--durable`): what this gateway published before its last cut from NATS is gone with the old one.
-        Each such request still awaited (a generation: before its first chunk) is published again under its id,
-        where it waited its whole deadline for a 504 (146 of 200 in the fleet tester's run, with the boxes back
-        within a second). A box that had pulled the old copy may answer it too: the first answer is taken."""
-        lost = [
-            sent
-            for request_id, sent in self._sent.items()
-            if sent.epoch < self._epoch
-            and not (request_id in self._waiters and self._waiters[request_id][0].done())
-            and not (request_id in self._streams and self._streams[request_id].box is not None)
-        ]
-        if lost:
-            log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(lost)})
-        for sent in lost:
-            self._republishes.spawn(self._publish_again(sent))
+        """The request stream was made anew: what this gateway published before its last cut from NATS is published
+        again (`Resender.queue_lost`)."""
+        self._resender.queue_lost()
 
-    async def _publish_again(self, sent: _Sent) -> None:
-        request_id = sent.meta.id
-        try:
-            await self._publish(sent.spec, sent.body, sent.meta)
-        except Exception as exc:  # the new queue refused it (full, not answering, NATS gone again): its client is told
-            error = (
-                exc
-                if isinstance(exc, FleetboxError)
-                else ServiceUnavailable(
-                    "the request queue was lost and the request could not be queued again; retry shortly",
-                    retry_after_s=FAILOVER_RETRY_S,
-                )
-            )
-            if not isinstance(exc, FleetboxError):
-                log.warning("request not published again", extra={"request_id": request_id, "error": repr(exc)})
-            waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
-            if waiter is not None and not waiter[0].done():
-                waiter[0].set_exception(error)
-            elif stream is not None and stream.box is None:
-                stream.queue.put_nowait(self._error_reply(request_id, error))
+    def _awaits(self, request_id: str) -> bool:
+        return request_id in self._waiters or request_id in self._streams
+
+    def _unstarted(self, request_id: str) -> bool:
+        """Awaited and not begun: a call not answered, a generation before its first chunk."""
+        waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
+        return not (waiter is not None and waiter[0].done()) and not (stream is not None and stream.box is not None)
+
+    def _fail(self, request_id: str, error: FleetboxError) -> None:
+        """A request that could not be queued again: its client is told, unless it has an answer or a chunk."""
+        waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
+        if waiter is not None and not waiter[0].done():
+            waiter[0].set_exception(error)
+        elif stream is not None and stream.box is None:
+            stream.queue.put_nowait(self._error_reply(request_id, error))
 
     def _refuse_unheld(self, model: str) -> None:
         """A refusal while no live box holds `model` is not overload: nothing answers it (its boxes restarting, or one
@@ -473,14 +444,6 @@ class Dispatcher:
             f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
             retry_after_s=2,
         )
-
-    async def _publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
-        """Queue a request `_accept` took in (it checked the connection, with no wait since), and keep what
-        `queue_lost` needs to publish it again while it is awaited."""
-        sent = _Sent(spec, body, meta, self._epoch)
-        await self._publisher.publish(spec.slug, body, meta)
-        if meta.id in self._waiters or meta.id in self._streams:  # still awaited: its client has not gone
-            self._sent[meta.id] = sent
 
     def retry_after_s(self) -> int:
         """Seconds until the backlog would drain at the rate answers have been arriving lately."""
