@@ -362,6 +362,12 @@ async def test_post_to_an_unknown_model_verb_is_404_not_405(default_box, http) -
         assert response.headers["Allow"] == "DELETE,GET,HEAD,PATCH"
     async with http.post(url(default_box, f"/v1/models/{DEFAULT_MODEL_NAME}/pin")) as response:
         assert response.status == 200, await response.text()
+    # And a verb's route takes POST alone: no model may be named so (it was a 404 naming model '.../pin': h99).
+    for method in ("GET", "PATCH", "DELETE"):
+        async with http.request(method, url(default_box, f"/v1/models/{DEFAULT_MODEL_NAME}/pin")) as response:
+            assert response.status == 405, (method, await response.text())
+            assert_error_shape(await response.json(), "method_not_allowed")
+            assert response.headers["Allow"] == "POST"
 
 
 async def test_openapi_lists_the_metrics_keys_and_only_the_routes_a_worker_box_serves(

@@ -138,6 +138,7 @@ async def test_browser_apps_on_allowed_origins_may_call_the_api(start_box, http,
         assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
         assert "POST" in response.headers["Access-Control-Allow-Methods"]
         assert response.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+        assert response.headers["Fbx-Request-Id"] == response.headers["X-Request-Id"]  # every answer has one (h99)
     body = {"model": "noop", "input": "x"}
     async with http.post(url(box, "/v1/embeddings"), json=body, headers=app | USER) as response:
         assert response.status == 200

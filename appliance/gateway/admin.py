@@ -15,12 +15,12 @@ from aiohttp import web
 
 from appliance.catalog import Batching, ModelChange, ModelSpec
 from appliance.control import call_box
-from appliance.errors import ServiceUnavailable, not_evicted
+from appliance.errors import MethodNotAllowed, ServiceUnavailable, not_evicted
 from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
-from appliance.registration import register
+from appliance.registration import MODEL_VERBS, register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import MODEL_ROLES
 from appliance.verbs import refuse_adapter
@@ -74,6 +74,8 @@ async def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
     name = request.match_info["name"]
     spec = await ctx.store.find(name)
     if spec is None:
+        if name.rpartition("/")[2] in MODEL_VERBS:  # a verb's route, which takes POST: no model may be named so (h99)
+            raise MethodNotAllowed.allowing("POST")
         raise ctx.catalog.unknown(name)
     return spec
 

@@ -33,9 +33,12 @@ def _allowed(request: web.Request, origins: list[str]) -> str | None:
 async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
         return await handler(request)
-    if _allowed(request, GatewayContext.of(request).settings.cors_origin_list) is None:
+    ctx = GatewayContext.of(request)
+    if _allowed(request, ctx.settings.cors_origin_list) is None:
         return await handler(request)  # not an origin this box serves: the route's own 405
     response = web.Response(status=204)
+    # Every answer has its request id, as api.md says: the preflight's was missing (tester h99).
+    response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = ctx.new_request_id()
     response.headers["Access-Control-Allow-Methods"] = _METHODS
     requested = request.headers.get("Access-Control-Request-Headers")
     if requested:  # Authorization (the API key), Content-Type, Timeout, Fbx-Priority, ...
