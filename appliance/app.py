@@ -52,11 +52,12 @@ from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.door import HttpDoor
 from appliance.metrics import Metrics
+from appliance.model_bytes import parse_budget
 from appliance.natsd import EmbeddedNats
 from appliance.placement import Placement
 from appliance.profiles import SHIPPED_PROFILES_DIR, ProfileBook
 from appliance.request_queue import RequestQueue
-from appliance.residency import Residency, parse_budget
+from appliance.residency import Residency
 from appliance.settings import MODEL_ROLES, Settings
 from appliance.tasks import Background
 from appliance.verbs import control_verbs

@@ -34,8 +34,8 @@ from appliance.errors import (
 )
 from appliance.fleet import taking_work
 from appliance.logs import FailureStreak
+from appliance.model_bytes import size_text
 from appliance.puller import Puller
-from appliance.residency import size_text
 from appliance.settings import MODEL_ROLES
 from appliance.tasks import Background, cancel_and_wait
 

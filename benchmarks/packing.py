@@ -67,7 +67,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from appliance.bus import model_slug  # noqa: E402
 from appliance.catalog import Batching, ModelSpec  # noqa: E402
 from appliance.metrics import Metrics  # noqa: E402
-from appliance.residency import Residency, Resident, estimate_bytes  # noqa: E402
+from appliance.model_bytes import estimate_bytes  # noqa: E402
+from appliance.residency import Residency, Resident  # noqa: E402
 from benchmarks._models import build_embedder, copy_embedder, machine, run_benchmark  # noqa: E402
 from runtimes import Runtime, RuntimeKind, Task  # noqa: E402
 

@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from appliance.app import Box
 from appliance.envelope import ReplyMeta
-from appliance.residency import estimate_bytes
+from appliance.model_bytes import estimate_bytes
 from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
 from tests.models import YES_NO, save_long_context_encoder, with_config

@@ -21,7 +21,8 @@ from appliance.catalog import ModelSpec
 from appliance.configured import spec_from_entry
 from appliance.errors import InsufficientMemory
 from appliance.metrics import Metrics
-from appliance.residency import DEMAND_HALF_LIFE_S, Demand, Residency, estimate_bytes
+from appliance.model_bytes import estimate_bytes
+from appliance.residency import DEMAND_HALF_LIFE_S, Demand, Residency
 from appliance.settings import ModelEntry, Settings
 from runtimes import Runtime
 from tests.conftest import noop_model, url, wait_for
