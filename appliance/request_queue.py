@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,10 @@ class RequestQueue:
         self.stream_ok = False
         self.backlog = 0  # messages in the request stream, kept fresh by `watch`
         self._restoring: asyncio.Task[None] | None = None  # at most one restore at a time
+        # One change of a model's consumers at a time on this box: a registration opens them while the catalog's
+        # listener settles them for the same entry, and interleaved at the consumer limit, one's cleanup of a
+        # refused half let the other make it, a model answered 201 with its interactive consumer gone.
+        self._changing: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def ensure(self) -> None:
         """Make the request stream (or find it made), and note when it was made: the epoch of this box's queue."""
@@ -61,18 +66,22 @@ class RequestQueue:
     async def open_model(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""
         assert self._box.js is not None
-        await open_model_queue(self._box.js, self._box.settings, spec.slug)
+        async with self._changing[spec.slug]:
+            await open_model_queue(self._box.js, self._box.settings, spec.slug)
 
     async def settle_model(self, spec: ModelSpec) -> None:
+        """Make the model's consumers match the catalog: both while it holds the model, neither once not."""
         assert self._box.js is not None
-        await settle_model_queue(self._box.js, self._box.settings, self._box.catalog, spec.slug)
+        async with self._changing[spec.slug]:
+            await settle_model_queue(self._box.js, self._box.settings, self._box.catalog, spec.slug)
 
     async def delete_model(self, spec: ModelSpec) -> list[str]:
         """Take a model out of the fleet: `DELETE /v1/models/{name}` and the `delete` verb. Returns the adapters
         deleted with it (registered on another box while the deletion was judged)."""
         box = self._box
         assert box.js is not None and box.store is not None
-        return await delete_model(box.js, box.settings, box.catalog, box.store, spec)
+        async with self._changing[spec.slug]:
+            return await delete_model(box.js, box.settings, box.catalog, box.store, spec)
 
     def restore_soon(self) -> None:
         """After a reconnect: make again what the server lost, unless a restore is already under way."""

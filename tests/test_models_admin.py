@@ -4,6 +4,7 @@ LoRA adapters, residency under a byte budget, and two boxes sharing one catalog.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import shutil
 from dataclasses import replace
@@ -707,6 +708,31 @@ async def test_a_registration_whose_queue_is_refused_is_a_409_and_leaves_nothing
     await box.js.update_stream(replace(stream.config, max_consumers=stream.state.consumer_count + 2))
     status, body = await call(http, box, "POST", "/v1/models", {"name": "one-too-many", "path": str(encoder_dir)})
     assert status == 201, body
+
+
+async def test_a_models_consumers_change_one_way_at_a_time_on_a_box(start_box, monkeypatch) -> None:
+    """A registration opens its model's consumers while the catalog's listener settles them for the same entry.
+    Interleaved at the consumer limit (the listener's cleanup of its refused half between the registration's two
+    steps), the registration was answered 201 with the model's interactive consumer gone: the test above failed so
+    once in a full run. Each consumer step here yields to the loop; the two changes must not overlap."""
+    box = await start_box(default_model=False, models=[noop_model("kept")])
+    spec = box.catalog.get("kept")
+    steps: list[tuple[str, str]] = []
+    ensure, changer = bus._ensure_consumer, contextvars.ContextVar[str]("changer")
+
+    async def step(js, slug, priority, **limits) -> None:
+        steps.append((changer.get(), priority))
+        await asyncio.sleep(0.05)  # the other change's chance to run between this one's steps
+        await ensure(js, slug, priority, **limits)
+
+    async def as_(who: str, change) -> None:  # each a task of its own, with its own context
+        changer.set(who)
+        await change(spec)
+
+    monkeypatch.setattr(bus, "_ensure_consumer", step)
+    await asyncio.gather(as_("open", box.queue.open_model), as_("settle", box.queue.settle_model))
+    whose = [who for who, _ in steps]
+    assert len(steps) >= 4 and whose == sorted(whose, key=whose.index), steps  # one change, then the other
 
 
 async def test_the_request_stream_has_room_for_thousands_of_models(start_box) -> None:
