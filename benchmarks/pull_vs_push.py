@@ -102,10 +102,11 @@ COST: dict[str, float] = {
     "cold_every": 4000,
     "cold_ms": 1500.0,
 }
-# `--cost-scale` multiplies these (the modelled workers' every duration, and the SLO with them): on a slower machine,
-# where the Python work per request takes a larger share of each modelled millisecond, the loop is kept from setting
-# the pace (run 25). The 100 ms view of the least-outstanding router is not scaled: fresher against longer batches,
-# it can only favour that router.
+# `--cost-scale` multiplies these, and every other duration of the modelled fleet with them (the batcher's wait, the
+# boxes' `hold_ms`, the SLO, a search trial's length): the same fleet, that many times slower. On a slower machine,
+# where the Python work per request takes a larger share of each modelled millisecond, the loop is then kept from
+# setting the pace (run 25). The 100 ms view of the least-outstanding router is not scaled: fresher against longer
+# batches, it can only favour that router.
 _DURATIONS = ("cost_ms", "cost_per_token_us", "stall_ms", "cold_ms")
 BATCHING = Batching(max_batch_tokens=16_384, max_batch_size=8, max_wait_ms=2.0)
 WORDS_PER_REQUEST = (8, 24)  # one input each: 10-26 tokens
@@ -163,6 +164,11 @@ def make_requests(count: int, seed: int) -> list[Request]:
 def scaled_cost(scale: float) -> dict[str, float]:
     """The cost model with every duration times `scale` (`--cost-scale`)."""
     return {key: value * scale if key in _DURATIONS else value for key, value in COST.items()}
+
+
+def batching(scale: float = 1.0) -> Batching:
+    """Every worker's batching, its wait scaled with the cost (`--cost-scale`)."""
+    return replace(BATCHING, max_wait_ms=BATCHING.max_wait_ms * scale)
 
 
 def ideal_rate(scale: float = 1.0) -> float:
@@ -223,7 +229,7 @@ class PullFleet:
             options=scaled_cost(self._scale),
             max_batch_tokens=BATCHING.max_batch_tokens,
             max_batch_size=BATCHING.max_batch_size,
-            max_wait_ms=BATCHING.max_wait_ms,
+            max_wait_ms=batching(self._scale).max_wait_ms,
         )
         values: dict[str, Any] = {
             "nats": self.natsd.url,
@@ -235,6 +241,7 @@ class PullFleet:
             "default_model": False,
             "models": [entry],
             "log_level": "WARNING",
+            "hold_ms": Settings.model_fields["hold_ms"].default * self._scale,
         }
         if self._worker_capacity is not None:
             values["worker_capacity"] = self._worker_capacity
@@ -328,7 +335,7 @@ class PushFleet:
             source = ModelSource(path=Path("."), task=Task.EMBED, runtime=RuntimeKind.NOOP, options=options)
             runtime = NoopRuntime(source)
             executor = ThreadPoolExecutor(1, thread_name_prefix=f"push-w{index}")
-            batcher = Batcher(MODEL, runtime, BATCHING, executor, Metrics(), self._answered(index))
+            batcher = Batcher(MODEL, runtime, batching(self._scale), executor, Metrics(), self._answered(index))
             batcher.start()
             self.workers.append(PushWorker(runtime, executor, batcher))
         self._outstanding = [0] * len(self.workers)
@@ -588,18 +595,19 @@ async def measure(
     slo_ms: float,
     seed: int,
     console: Console,
-    ideal: float,
+    cost_scale: float = 1.0,
 ) -> RouterResult:
-    """Bisect the offered rate on short trials to the highest one within the SLO; then the full run. `ideal`: the
-    fleet's rate with every worker busy on full batches of the longest rows (`ideal_rate`)."""
+    """Bisect the offered rate on short trials to the highest one within the SLO; then the full run. Trials last
+    `plan.trial_s` × `cost_scale` (a slower fleet's few seconds hold as many batches)."""
     result = RouterResult(target.name)
+    ideal = ideal_rate(cost_scale)
     # lo always met the SLO here; hi never does ("ideal" runs every batch at the longest rows: a box that
     # holds rows enough to pack them by length does better, and pull's boxes did pass 1.2 × ideal).
     lo, hi = 0.25 * ideal, 1.5 * ideal
     trial_deadline_s = 10 * slo_ms / 1000  # later than this is a failure anyway: keep trials short
     for step in range(plan.search_steps):
         rate = math.sqrt(lo * hi)
-        count = max(400, int(rate * plan.trial_s))
+        count = max(400, int(rate * plan.trial_s * cost_scale))
         trial = await run_once(target, requests[:count], rate, seed + 7919 * (step + 1), trial_deadline_s)
         result.trials.append(trial)
         ok = trial.meets(slo_ms * _TRIAL_MARGIN)
@@ -610,7 +618,7 @@ async def measure(
         lo, hi = (rate, hi) if ok else (lo, rate)
     rate = lo * _STEP_DOWN
     for attempt in range(plan.full_runs):
-        final = await run_once(target, requests, rate, seed, 30.0)
+        final = await run_once(target, requests, rate, seed, 30.0 * cost_scale)
         result.finals.append(final)
         console.print(
             f"  {target.name:>4} full run: {len(requests)} requests at {rate:.0f} req/s -> "
@@ -651,7 +659,7 @@ async def run_all(args: argparse.Namespace, console: Console) -> dict[str, Route
                     gc.collect()
                     gc.freeze()
                 results[router] = await measure(
-                    target, requests, plan, args.slo_ms, args.seed, console, ideal_rate(args.cost_scale)
+                    target, requests, plan, args.slo_ms, args.seed, console, args.cost_scale
                 )
             finally:
                 await target.close()
