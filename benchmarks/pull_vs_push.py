@@ -42,8 +42,9 @@ nine times as often as one box would.
 
     python benchmarks/pull_vs_push.py [--requests N] [--quick] [--slo-ms MS] [--cost-scale X] [--json PATH]
 
-`--cost-scale X` multiplies every modelled duration (batch cost, stalls) and the default SLO by X: the same fleet,
-X times slower, for a machine whose Python is slow enough that this process's one loop would set the pace.
+`--cost-scale X` multiplies every duration of the modelled fleet by X (batch cost and stalls, the batcher's wait,
+the boxes' hold_ms, the lor router's refresh, the default SLO, trials and deadlines): the same fleet, X times slower,
+for a machine whose Python is slow enough that this process's one loop would set the pace.
 """
 
 from __future__ import annotations
@@ -105,12 +106,12 @@ COST: dict[str, float] = {
 # `--cost-scale` multiplies these, and every other duration of the modelled fleet with them (the batcher's wait, the
 # boxes' `hold_ms`, the SLO, a search trial's length): the same fleet, that many times slower. On a slower machine,
 # where the Python work per request takes a larger share of each modelled millisecond, the loop is then kept from
-# setting the pace (run 25). The 100 ms view of the least-outstanding router is not scaled: fresher against longer
-# batches, it can only favour that router.
+# setting the pace (run 25). The least-outstanding router's view is refreshed every 100 ms × the scale too: left at
+# 100 ms against 3× longer batches it is three times fresher, a different fleet (run 26: lor 0.98 of ideal, not 0.88).
 _DURATIONS = ("cost_ms", "cost_per_token_us", "stall_ms", "cold_ms")
 BATCHING = Batching(max_batch_tokens=16_384, max_batch_size=8, max_wait_ms=2.0)
 WORDS_PER_REQUEST = (8, 24)  # one input each: 10-26 tokens
-LOR_REFRESH_S = 0.1
+LOR_REFRESH_S = 0.1  # at --cost-scale 1; `--lor-refresh-ms` sets it
 # Past either, the event loop the boxes share, not the fleet, set the pace: this process's CPU a wall second (the loop
 # saturated), or the loop's lag at p99 (saturated, or starved by other work on the machine; 1.3-6.9 ms in a fair run).
 SATURATED_CPU_SHARE = 0.9
@@ -316,11 +317,12 @@ class PushWorker:
 class PushFleet:
     """A push router over 8 in-process workers: the same runtime and batcher, no transport."""
 
-    def __init__(self, policy: str, seed: int, cost_scale: float = 1.0) -> None:
+    def __init__(self, policy: str, seed: int, cost_scale: float = 1.0, refresh_s: float = LOR_REFRESH_S) -> None:
         self.name = policy
         self._policy = policy
         self._seed = seed
         self._scale = cost_scale
+        self._refresh_s = refresh_s
         self.workers: list[PushWorker] = []
         self._outstanding: list[int] = []  # per worker, sent and not answered: the truth a view lags behind
         self._next = itertools.count()
@@ -353,7 +355,7 @@ class PushFleet:
 
     async def _refresh(self) -> None:
         while True:
-            await asyncio.sleep(LOR_REFRESH_S)
+            await asyncio.sleep(self._refresh_s)
             self._view = list(self._outstanding)
             self._sent_since = [0] * len(self.workers)
 
@@ -649,7 +651,7 @@ async def run_all(args: argparse.Namespace, console: Console) -> dict[str, Route
             elif router == "pull-2b":
                 target = PullFleet(router, Path(tmp), args.seed, args.worker_capacity, args.cost_scale)
             else:
-                target = PushFleet(router, args.seed, args.cost_scale)
+                target = PushFleet(router, args.seed, args.cost_scale, args.lor_refresh_ms / 1000)
             console.print(f"[bold]{title(router, args.worker_capacity)}[/]")
             try:
                 await target.start()
@@ -780,6 +782,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--slo-ms", type=float, default=None, help="the p99 every router must meet (default: 500 × --cost-scale)"
     )
     parser.add_argument(
+        "--lor-refresh-ms",
+        type=float,
+        default=None,
+        help="how often the least-outstanding router's view is refreshed (default: 100 × --cost-scale)",
+    )
+    parser.add_argument(
         "--cost-scale",
         type=float,
         default=1.0,
@@ -811,6 +819,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--cost-scale must be above 0")
     if args.slo_ms is None:
         args.slo_ms = 500.0 * args.cost_scale
+    if args.lor_refresh_ms is None:
+        args.lor_refresh_ms = LOR_REFRESH_S * 1000 * args.cost_scale
     unknown = set(args.routers) - set(ROUTERS) - set(EXTRA_ROUTERS)
     if unknown:
         parser.error(f"unknown routers: {', '.join(sorted(unknown))}")
@@ -830,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
         f"commit {commit}; "
         f"speeds {', '.join(f'{s:g}×' for s in SPEEDS)}; cost model {scaled_cost(args.cost_scale)}; "
         f"batches of ≤ {BATCHING.max_batch_size}; "
-        f"ideal fleet rate {ideal_rate(args.cost_scale):.0f} req/s"
+        f"ideal fleet rate {ideal_rate(args.cost_scale):.0f} req/s; "
+        f"lor's view refreshed every {args.lor_refresh_ms:g} ms"
     )
     console.print(
         "push routers' workers: the same no-op runtime and Batcher, in-process, reached by a function call "
@@ -852,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
             "speeds": SPEEDS,
             "cost": scaled_cost(args.cost_scale),
             "cost_scale": args.cost_scale,
+            "lor_refresh_ms": args.lor_refresh_ms,
             "results": {router: asdict(result) for router, result in results.items()},
         }
         args.json.write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
