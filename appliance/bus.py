@@ -168,7 +168,7 @@ async def stop_watch(
     a NATS restart, left two on the buckets' streams. The consumer's name is the subscription's (an ordered consumer
     takes a new one at each reset). Cut off from NATS (`connected` false) it is left to the threshold: the delete
     would wait out its bound for nothing."""
-    sub = watcher._sub  # nats-py keeps the subscription there; its public API names no consumer
+    sub = getattr(watcher, "_sub", None)  # nats-py keeps the subscription there; its public API names no consumer
     stream, consumer = getattr(sub, "_stream", None), getattr(sub, "_consumer", None)
     with suppress(Exception):  # its consumer may be gone with the server that held it
         await watcher.stop()
