@@ -208,12 +208,19 @@ class PullFleet:
     """fleetbox as built: 8 worker boxes and a gateway box on one embedded nats-server."""
 
     def __init__(
-        self, name: str, workdir: Path, seed: int, worker_capacity: int | None, cost_scale: float = 1.0
+        self,
+        name: str,
+        workdir: Path,
+        seed: int,
+        worker_capacity: int | None,
+        cost_scale: float = 1.0,
+        hold_ms: float | None = None,
     ) -> None:
         self.name = name
         self._workdir = workdir
         self._seed = seed
         self._scale = cost_scale
+        self._hold_ms = hold_ms or Settings.model_fields["hold_ms"].default * cost_scale  # as shipped, scaled
         self._worker_capacity = worker_capacity
         self.natsd: EmbeddedNats | None = None
         self.boxes: list[Box] = []
@@ -242,7 +249,7 @@ class PullFleet:
             "default_model": False,
             "models": [entry],
             "log_level": "WARNING",
-            "hold_ms": Settings.model_fields["hold_ms"].default * self._scale,
+            "hold_ms": self._hold_ms,
         }
         if self._worker_capacity is not None:
             values["worker_capacity"] = self._worker_capacity
@@ -647,9 +654,9 @@ async def run_all(args: argparse.Namespace, console: Console) -> dict[str, Route
         for router in args.routers:
             target: PullFleet | PushFleet
             if router == "pull":
-                target = PullFleet(router, Path(tmp), args.seed, None, args.cost_scale)
+                target = PullFleet(router, Path(tmp), args.seed, None, args.cost_scale, args.hold_ms)
             elif router == "pull-2b":
-                target = PullFleet(router, Path(tmp), args.seed, args.worker_capacity, args.cost_scale)
+                target = PullFleet(router, Path(tmp), args.seed, args.worker_capacity, args.cost_scale, args.hold_ms)
             else:
                 target = PushFleet(router, args.seed, args.cost_scale, args.lor_refresh_ms / 1000)
             console.print(f"[bold]{title(router, args.worker_capacity)}[/]")
@@ -780,6 +787,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3,000 requests, shorter and fewer search trials")
     parser.add_argument(
         "--slo-ms", type=float, default=None, help="the p99 every router must meet (default: 500 × --cost-scale)"
+    )
+    parser.add_argument(
+        "--hold-ms",
+        type=float,
+        default=None,
+        help="the pull boxes' hold_ms (default: as shipped, 150, × --cost-scale)",
     )
     parser.add_argument(
         "--lor-refresh-ms",
