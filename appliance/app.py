@@ -35,9 +35,7 @@ from appliance.connect import (
     NatsInTheClear,
     asks_for_tls,
     in_the_clear,
-    open_catalogued_queues,
     refuse_plain_servers,
-    remove_leftover_queues,
     shown_url,
     tls_context,
     when_jetstream_answers,
@@ -166,12 +164,7 @@ class Box:
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable, registers=True)
         self.store.on_change(self._on_catalog_change)
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s), judged=True))
-        await open_catalogued_queues(self.js, s, self.catalog, when_jetstream_answers)
-        try:
-            await remove_leftover_queues(self.js, self.catalog)
-        except Exception as exc:  # a sweep for leftovers never fails a start: the next box to start tries again
-            log.warning("leftover queues not looked for", extra={"error": repr(exc)})
-        self.queue.stream_ok = True
+        await self.queue.open_catalogued()
         self.fleet = Fleet(
             self.js,
             self.box_id,

@@ -26,8 +26,10 @@ from appliance.connect import (
     ensure_queue,
     open_catalogued_queues,
     open_model_queue,
+    remove_leftover_queues,
     restore_after_reconnect,
     settle_model_queue,
+    when_jetstream_answers,
 )
 from appliance.errors import Conflict
 from appliance.logs import FailureStreak
@@ -62,6 +64,19 @@ class RequestQueue:
         box = self._box
         assert box.js is not None
         box.workers.queue_epoch.made = await ensure_queue(box.js, box.settings)
+
+    async def open_catalogued(self) -> None:
+        """At start, once the catalog is read: every catalogued model's consumers (waiting out a fresh cluster's
+        election), and a sweep for the consumers of models deleted since; the stream is then taken as healthy until
+        `watch` looks."""
+        box = self._box
+        assert box.js is not None
+        await open_catalogued_queues(box.js, box.settings, box.catalog, when_jetstream_answers)
+        try:
+            await remove_leftover_queues(box.js, box.catalog)
+        except Exception as exc:  # a sweep for leftovers never fails a start: the next box to start tries again
+            log.warning("leftover queues not looked for", extra={"error": repr(exc)})
+        self.stream_ok = True
 
     async def open_model(self, spec: ModelSpec) -> None:
         """A model just registered here: its consumers made before the 201, so a refusal is the client's 409."""

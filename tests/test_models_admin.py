@@ -797,12 +797,12 @@ async def test_a_starting_box_removes_the_queues_a_deletion_left_behind(nats_ser
 
 
 async def test_a_sweep_for_leftover_queues_that_fails_does_not_fail_the_start(start_box, monkeypatch, caplog) -> None:
-    from appliance import app
+    from appliance import request_queue
 
     async def sweep_fails(*_: object) -> list[str]:
         raise ValueError("a catalog entry this box cannot read")
 
-    monkeypatch.setattr(app, "remove_leftover_queues", sweep_fails)
+    monkeypatch.setattr(request_queue, "remove_leftover_queues", sweep_fails)
     box = await start_box(default_model=False, models=[noop_model("kept")])
     assert box.ready and "leftover queues not looked for" in caplog.text
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import nats
 import pytest
 
 from appliance import bus
@@ -218,8 +219,6 @@ async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(st
 async def test_a_stopped_box_leaves_no_consumers_on_the_buckets(start_box, nats_server) -> None:
     """Its watches of `fbx_boxes` and `fbx_models` stopped by unsubscribing only, and the server kept each consumer
     for nats-py's inactive threshold: 5 minutes, two a stopped box (tester's note, carried since h60)."""
-    import nats
-
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     streams = [f"KV_{bucket}" for bucket in (bus.BOXES_BUCKET, bus.MODELS_BUCKET)]
