@@ -213,14 +213,14 @@ class PullFleet:
         workdir: Path,
         seed: int,
         worker_capacity: int | None,
-        cost_scale: float = 1.0,
-        hold_ms: float | None = None,
+        cost_scale: float,
+        hold_ms: float,
     ) -> None:
         self.name = name
         self._workdir = workdir
         self._seed = seed
         self._scale = cost_scale
-        self._hold_ms = hold_ms or Settings.model_fields["hold_ms"].default * cost_scale  # as shipped, scaled
+        self._hold_ms = hold_ms
         self._worker_capacity = worker_capacity
         self.natsd: EmbeddedNats | None = None
         self.boxes: list[Box] = []
@@ -834,6 +834,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.slo_ms = 500.0 * args.cost_scale
     if args.lor_refresh_ms is None:
         args.lor_refresh_ms = LOR_REFRESH_S * 1000 * args.cost_scale
+    if args.hold_ms is None:  # as shipped, scaled
+        args.hold_ms = Settings.model_fields["hold_ms"].default * args.cost_scale
     unknown = set(args.routers) - set(ROUTERS) - set(EXTRA_ROUTERS)
     if unknown:
         parser.error(f"unknown routers: {', '.join(sorted(unknown))}")
@@ -854,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         f"speeds {', '.join(f'{s:g}×' for s in SPEEDS)}; cost model {scaled_cost(args.cost_scale)}; "
         f"batches of ≤ {BATCHING.max_batch_size}; "
         f"ideal fleet rate {ideal_rate(args.cost_scale):.0f} req/s; "
-        f"lor's view refreshed every {args.lor_refresh_ms:g} ms"
+        f"lor's view refreshed every {args.lor_refresh_ms:g} ms; pull boxes' hold_ms {args.hold_ms:g}"
     )
     console.print(
         "push routers' workers: the same no-op runtime and Batcher, in-process, reached by a function call "
@@ -877,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
             "cost": scaled_cost(args.cost_scale),
             "cost_scale": args.cost_scale,
             "lor_refresh_ms": args.lor_refresh_ms,
+            "hold_ms": args.hold_ms,
             "results": {router: asdict(result) for router, result in results.items()},
         }
         args.json.write_bytes(orjson.dumps(figures, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
