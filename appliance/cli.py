@@ -8,6 +8,7 @@ every setting is checked before anything starts (one line per bad setting, exit 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import math
@@ -16,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
@@ -92,67 +94,87 @@ def serve(
     tui: Annotated[bool, typer.Option("--tui", help="show the fleet TUI while serving; logs go to a file")] = False,
 ) -> None:
     """Run a box: gateway, worker and (without --nats) an embedded nats-server."""
-    if tui and not sys.stdout.isatty():
-        typer.echo("fleetbox: --tui needs a terminal", err=True)
-        raise typer.Exit(2)
-    from appliance.configured import configured_specs
+    with _stop_signals_end_the_start():  # until the box's event loop takes them over
+        if tui and not sys.stdout.isatty():
+            typer.echo("fleetbox: --tui needs a terminal", err=True)
+            raise typer.Exit(2)
+        from appliance.configured import configured_specs
 
-    try:
-        settings = load_settings(
-            config,
-            host=host,
-            port=port,
-            nats=nats,
-            nats_port=nats_port,
-            state_dir=state_dir,
-            role=role,
-            box_id=box_id,
-            device=device,
-            log_level=log_level,
-            model_roots=model_root or None,
-            creds=creds,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            durable=durable,
-            replicas=replicas,
-            blob_threshold=blob_threshold,
-            memory_budget=memory_budget,
+        try:
+            settings = load_settings(
+                config,
+                host=host,
+                port=port,
+                nats=nats,
+                nats_port=nats_port,
+                state_dir=state_dir,
+                role=role,
+                box_id=box_id,
+                device=device,
+                log_level=log_level,
+                model_roots=model_root or None,
+                creds=creds,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                durable=durable,
+                replicas=replicas,
+                blob_threshold=blob_threshold,
+                memory_budget=memory_budget,
+            )
+            configured_specs(settings)  # every [[models]] entry's folder and task, checked before anything starts
+        except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
+            _refuse_settings(settings_problems(exc))
+            raise typer.Exit(2) from None
+        _refuse_settings(
+            [
+                _host_problem("host", settings.host),
+                *(
+                    []
+                    if settings.nats_urls
+                    else [
+                        _host_problem("nats_host", settings.nats_host),
+                        _replicas_problem(settings),
+                        _ports_problem(settings),
+                    ]
+                ),
+                *([_device_problem(settings.device)] if settings.runs_models else []),
+                *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
+                fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
+            ]
         )
-        configured_specs(settings)  # every [[models]] entry's folder and task, checked before anything starts
-    except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
-        _refuse_settings(settings_problems(exc))
-        raise typer.Exit(2) from None
-    _refuse_settings(
-        [
-            _host_problem("host", settings.host),
-            *(
-                []
-                if settings.nats_urls
-                else [
-                    _host_problem("nats_host", settings.nats_host),
-                    _replicas_problem(settings),
-                    _ports_problem(settings),
-                ]
-            ),
-            *([_device_problem(settings.device)] if settings.runs_models else []),
-            *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
-            fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
-        ]
-    )
-    ports = (_port_problem(settings.host, settings.port), _nats_port_problem(settings))
-    in_use = [problem for problem in ports if problem]
-    for problem in in_use:
-        typer.echo(f"fleetbox: {problem}", err=True)
-    if in_use:
-        raise typer.Exit(1)
-    configure_logging(settings.log_level, runs_models=settings.runs_models)
-    for warning in unknown_variables(os.environ):
-        log.warning(warning)
-    import uvloop
+        ports = (_port_problem(settings.host, settings.port), _nats_port_problem(settings))
+        in_use = [problem for problem in ports if problem]
+        for problem in in_use:
+            typer.echo(f"fleetbox: {problem}", err=True)
+        if in_use:
+            raise typer.Exit(1)
+        configure_logging(settings.log_level, runs_models=settings.runs_models)
+        for warning in unknown_variables(os.environ):
+            log.warning(warning)
+        import uvloop
 
-    code = uvloop.run(_serve(settings, tui=tui, watchdog=True))
-    _exit_now(code)
+        code = uvloop.run(_serve(settings, tui=tui, watchdog=True))
+        _exit_now(code)
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_start() -> Iterator[None]:
+    """SIGTERM or SIGINT while `serve` still checks its settings and imports its runtimes (seconds: torch) ends the
+    process at once, with 0 and a line, as a stop of a running box does: nothing has started yet. Python's default
+    ended it as killed (exit 143), without a word. The box's event loop installs its own handlers when it starts;
+    a refusal before that (or a test's in-process run) gets the previous ones back."""
+    previous = {sig: signal.signal(sig, _stopped_before_start) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stopped_before_start(signum: int, frame: object) -> None:
+    os.write(2, f"fleetbox: stopped by {signal.Signals(signum).name} before the box started\n".encode())
+    os._exit(0)
 
 
 def _refuse_settings(problems: list[str | None]) -> None:

@@ -12,16 +12,16 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
-    TomlConfigSettingsSource,
 )
 
 from appliance.devices import HARDWARE_SLUG
@@ -145,6 +145,7 @@ MAX_ACK_PENDING = 1_000_000
 class Settings(BaseSettings):
     # inf and nan are no time, size or rate: `FBX_DEFAULT_TIMEOUT_S=inf` was accepted (and only capped later)
     model_config = SettingsConfigDict(env_prefix="FBX_", extra="forbid", allow_inf_nan=False)
+    config_file_values: ClassVar[dict[str, Any]] = {}  # the `--config` file's tables, read once (load_settings)
 
     # HTTP gateway
     host: str = Field(default="127.0.0.1", min_length=1)  # empty would listen on every interface
@@ -347,7 +348,8 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Flags beat the environment, which beats the TOML file, which beats the defaults.
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+        file_values = InitSettingsSource(settings_cls, init_kwargs=cls.config_file_values)
+        return (init_settings, env_settings, file_values)
 
     @property
     def nats_urls(self) -> list[str]:
@@ -407,19 +409,26 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     config_file = config_file or (Path(os.environ["FBX_CONFIG"]) if os.environ.get("FBX_CONFIG") else None)
     settings_cls: type[Settings] = Settings
     if config_file is not None:
-        if not config_file.is_file():
-            what = "is a folder, not a file" if config_file.is_dir() else "does not exist"
-            raise FileNotFoundError(f"config file {config_file} {what}")
-        config = SettingsConfigDict(**{**Settings.model_config, "toml_file": config_file})
-        settings_cls = type("Settings", (Settings,), {"model_config": config})
+        settings_cls = type("Settings", (Settings,), {"config_file_values": _read_config_file(config_file)})
     try:
         return settings_cls(**{k: v for k, v in overrides.items() if v is not None})
+    except SettingsError as exc:
+        raise ValueError(_unparsed_variable(exc)) from None
+
+
+def _read_config_file(config_file: Path) -> dict[str, Any]:
+    """The TOML file's tables, read once: a pipe is a config file too (`--config <(...)`), and it reads only once.
+    pydantic-settings' own TOML source reads only regular files: it skipped a pipe in silence, unknown keys and
+    all."""
+    if config_file.is_dir() or not config_file.exists():
+        what = "is a folder, not a file" if config_file.is_dir() else "does not exist"
+        raise FileNotFoundError(f"config file {config_file} {what}")
+    try:
+        return tomllib.loads(config_file.read_bytes().decode())
     except tomllib.TOMLDecodeError as exc:  # its message has the line and column, but not the file
         raise ValueError(f"config file {config_file}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"config file {config_file}: not UTF-8 text (byte {exc.start})") from None
-    except SettingsError as exc:
-        raise ValueError(_unparsed_variable(exc)) from None
 
 
 def _unparsed_variable(exc: SettingsError) -> str:

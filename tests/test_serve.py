@@ -228,6 +228,41 @@ def test_serve_rejects_a_missing_config_file_with_a_usage_error(tmp_path) -> Non
     assert "absent.toml" in result.stderr
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` (its `SigCgt` mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    raise AssertionError(f"no SigCgt line for process {pid}")
+
+
+def test_a_stop_signal_while_serve_still_starts_exits_0_with_a_line(tmp_path) -> None:
+    """The seconds before the event loop (the settings checked, torch imported) ended at SIGTERM with Python's
+    default: exit 143 and no word. The config file here is a pipe that nobody writes, so `serve` waits in the
+    settings' read for as long as the test needs, with the signal's handler set."""
+    config = tmp_path / "box.toml"
+    os.mkfifo(config)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--state-dir", str(tmp_path)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not catches(process.pid, signal.SIGTERM):
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "serve set no SIGTERM handler of its own while it started"
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+        assert process.stderr.read() == "fleetbox: stopped by SIGTERM before the box started\n"
+        assert not (tmp_path / "nats").exists()  # nothing started
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
 def nats_port_refusal(port: int) -> str:
     return (
         f"fleetbox: the embedded nats-server cannot listen on 127.0.0.1:{port}: another process already does "

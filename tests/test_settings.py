@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -271,6 +273,31 @@ def test_a_misspelt_key_of_the_config_file_is_refused_with_the_setting_it_is_nea
         "fleetbox: bad settings: max_body_byte: not a setting (did you mean max_body_bytes?)",
         "fleetbox: bad settings: models.0.pined: not a setting (did you mean pinned?)",
     ]
+
+
+def _piped(text: str) -> Path:
+    """A config file as `--config <(...)` gives it: a pipe's path, which reads once."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, text.encode())
+    os.close(write_end)
+    return Path(f"/dev/fd/{read_end}")
+
+
+def test_a_config_file_may_be_a_pipe_and_is_read_once() -> None:
+    """`--config <(...)` was refused as a file that "does not exist"; past that check, pydantic-settings' TOML
+    source skips what is not a regular file, so a pipe's settings (its unknown keys too) were dropped in silence."""
+    piped = _piped("port = 9123\n")
+    try:
+        assert load_settings(piped).port == 9123
+    finally:
+        os.close(int(piped.name))
+    piped = _piped("port = 9123\nmax_body_byte = 5\n")
+    try:
+        result = CliRunner().invoke(cli.app, ["serve", "--config", str(piped)])
+    finally:
+        os.close(int(piped.name))
+    assert result.exit_code == 2
+    assert result.output == "fleetbox: bad settings: max_body_byte: not a setting (did you mean max_body_bytes?)\n"
 
 
 def test_replicas_without_a_cluster_to_join_is_a_settings_error(tmp_path) -> None:
