@@ -1,5 +1,6 @@
 """The `fleetbox` command: `serve` runs a box (uvloop), `tune` profiles a model, `version`; the fleet
-commands (`tui`, `models ...`, `box ...`) are appliance/fleet_cli.py.
+commands (`tui`, `models ...`, `box ...`) are appliance/fleet_cli.py. What `serve` checks before the start is
+appliance/serve_checks.py; the running box and its bounded stop, appliance/serving.py.
 
 `serve`'s flags override `FBX_*` environment variables, which override the `--config` TOML file;
 every setting is checked before anything starts (one line per bad setting, exit 2).
@@ -7,30 +8,19 @@ every setting is checked before anything starts (one line per bad setting, exit 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import errno
 import logging
 import math
 import os
-import signal
-import socket
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-from appliance import __version__, fleet_cli
+from appliance import __version__, fleet_cli, serve_checks, serving
 from appliance.build import build_id
 from appliance.logs import configure_logging
-from appliance.settings import Settings, load_settings, settings_problems, unknown_variables
-from appliance.tasks import cancel_and_wait
-
-if TYPE_CHECKING:
-    from appliance.app import Box
+from appliance.settings import load_settings, settings_problems, unknown_variables
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: serve a fleet of small models.")
 log = logging.getLogger("appliance.cli")
@@ -94,7 +84,7 @@ def serve(
     tui: Annotated[bool, typer.Option("--tui", help="show the fleet TUI while serving; logs go to a file")] = False,
 ) -> None:
     """Run a box: gateway, worker and (without --nats) an embedded nats-server."""
-    with _stop_signals_end_the_start():  # until the box's event loop takes them over
+    with serving.stop_signals_end_the_start():  # until the box's event loop takes them over
         if tui and not sys.stdout.isatty():
             typer.echo("fleetbox: --tui needs a terminal", err=True)
             raise typer.Exit(2)
@@ -128,22 +118,22 @@ def serve(
             raise typer.Exit(2) from None
         _refuse_settings(
             [
-                _host_problem("host", settings.host),
+                serve_checks.host_problem("host", settings.host),
                 *(
                     []
                     if settings.nats_urls
                     else [
-                        _host_problem("nats_host", settings.nats_host),
-                        _replicas_problem(settings),
-                        _ports_problem(settings),
+                        serve_checks.host_problem("nats_host", settings.nats_host),
+                        serve_checks.replicas_problem(settings),
+                        serve_checks.ports_problem(settings),
                     ]
                 ),
-                *([_device_problem(settings.device)] if settings.runs_models else []),
+                *([serve_checks.device_problem(settings.device)] if settings.runs_models else []),
                 *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
                 fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
             ]
         )
-        ports = (_port_problem(settings.host, settings.port), _nats_port_problem(settings))
+        ports = (serve_checks.port_problem(settings.host, settings.port), serve_checks.nats_port_problem(settings))
         in_use = [problem for problem in ports if problem]
         for problem in in_use:
             typer.echo(f"fleetbox: {problem}", err=True)
@@ -154,27 +144,8 @@ def serve(
             log.warning(warning)
         import uvloop
 
-        code = uvloop.run(_serve(settings, tui=tui, watchdog=True))
-        _exit_now(code)
-
-
-@contextlib.contextmanager
-def _stop_signals_end_the_start() -> Iterator[None]:
-    """SIGTERM or SIGINT while `serve` still checks its settings and imports its runtimes (seconds: torch) ends the
-    process at once, with 0 and a line, as a stop of a running box does: nothing has started yet. Python's default
-    ended it as killed (exit 143), without a word. The box's event loop installs its own handlers when it starts;
-    a refusal before that (or a test's in-process run) gets the previous ones back."""
-    previous = {sig: signal.signal(sig, _stopped_before_start) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _stopped_before_start(signum: int, frame: object) -> None:
-    os.write(2, f"fleetbox: stopped by {signal.Signals(signum).name} before the box started\n".encode())
-    os._exit(0)
+        code = uvloop.run(serving.serve_box(settings, tui=tui, watchdog=True))
+        serving.exit_now(code)
 
 
 def _refuse_settings(problems: list[str | None]) -> None:
@@ -184,204 +155,6 @@ def _refuse_settings(problems: list[str | None]) -> None:
         typer.echo(f"fleetbox: bad settings: {problem}", err=True)
     if problems_given:
         raise typer.Exit(2)
-
-
-def _replicas_problem(settings: Settings) -> str | None:
-    """The embedded server is one server: a stream of more replicas was refused (the box exited saying `ServerError()`,
-    auditor h61). Judged by `serve` only: `tune` reads the same config file and runs no NATS."""
-    if settings.replicas == 1:
-        return None
-    return (
-        f"replicas: {settings.replicas} needs a NATS cluster of at least that many servers; the embedded server is "
-        "one: join a cluster with --nats, or leave replicas at 1"
-    )
-
-
-def _ports_problem(settings: Settings) -> str | None:
-    """The HTTP port and the embedded server's are two: one for both read `port P is in use` (by its own server,
-    started first: tester h73)."""
-    if settings.port != settings.nats_port:
-        return None
-    return (
-        f"port: {settings.port} is also the embedded nats-server's port (nats_port); give the HTTP port and"
-        " --nats-port different ports"
-    )
-
-
-def _device_problem(device: str) -> str | None:
-    """Why torch cannot run on `device` here (`cuda` on a machine without one), or None."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(device.partition(":")[2] or 0)
-    if count == 0:
-        built = "" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"
-        return f"device: {device}: torch sees no CUDA device on this machine{built}"
-    if index >= count:
-        devices = f"{count} CUDA device{'s' if count > 1 else ''}"
-        return f"device: {device}: torch sees {devices} on this machine (cuda:0 to cuda:{count - 1})"
-    return None
-
-
-def _host_problem(field: str, host: str) -> str | None:
-    """Why a box cannot listen on `host` (a name that does not resolve, an address this machine lacks), or None.
-
-    Checked before anything starts: the box binds its HTTP port only after starting NATS and loading its
-    models, and failed there with a bare `gaierror` log line and exit 1."""
-    try:
-        addresses = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
-        return f"{field}: {host!r} does not resolve to an address ({getattr(exc, 'strerror', None) or exc})"
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
-            try:
-                sock.bind(address)  # port 0: only whether this machine has the address, not whether a port is free
-            except OSError as exc:
-                return f"{field}: cannot listen on {host!r}: {exc.strerror or exc}"
-    return None
-
-
-def _port_problem(host: str, port: int) -> str | None:
-    """'port P on H is in use' when another process listens there (checked before a box starts,
-    which binds its HTTP port only after loading its models); None when it is free or any port."""
-    from appliance.natsd import port_in_use
-
-    if port == 0:
-        return None
-    try:
-        return f"port {port} on {host} is in use" if port_in_use(host, port) else None
-    except OSError:
-        return None  # not this check's business: the box's own bind reports it
-
-
-def _nats_port_problem(settings: Settings) -> str | None:
-    """Why the embedded nats-server cannot listen on its port (another process does); None when it can, or when
-    the box joins a server (`--nats`). Checked before the start, as the HTTP port is: the refusal was a JSON log
-    line carrying an `OSError(98, ...)` repr."""
-    from appliance.natsd import NatsPortInUse, check_port_free
-
-    if settings.nats_urls:
-        return None
-    try:
-        check_port_free(settings.nats_host, settings.nats_port)
-    except NatsPortInUse as exc:
-        return exc.strerror
-    except OSError:
-        return None  # not this check's business: the server's own start reports it
-    return None
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Exit at once, logs flushed. A model load or a batch still running on an executor thread cannot be
-    interrupted, and the interpreter's exit would join those threads: a stopped box stayed up for as long as
-    its last batch or load ran (28-30 s for a 30 s batch), though it had said "box stopped"."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-async def _stop(box: Box, settings: Settings, *, watchdog: bool) -> None:
-    """`box.stop()`, bounded at `shutdown_grace_s` + 4 s. The bound works by cancelling, and a step that swallows
-    its cancellation (nats-py's flush of a full write buffer to a server that hangs) would outlive it; so would the
-    event loop's own shutdown after it (it waits for the default executor's jobs and for every task). With
-    `watchdog` (the serve command, which exits once the loop is done), a thread exits the process 2 s past the
-    bound whatever still runs: it stays armed until the exit. The embedded nats-server ends with the process
-    (its parent-death signal)."""
-    budget_s = settings.shutdown_grace_s + 4.0
-    if watchdog:
-        timer = threading.Timer(budget_s + 2.0, _give_up, args=(box,))
-        timer.daemon = True
-        timer.start()
-    try:
-        async with asyncio.timeout(budget_s):  # not wait_for (see appliance/tasks.py)
-            await box.stop()
-    except TimeoutError:
-        log.error("shutdown took too long; exiting anyway")
-
-
-def _give_up(box: Box) -> None:
-    """The watchdog's exit: its one line written straight to the file, past any lock a stuck stop may hold."""
-    try:
-        os.write(2, b"fleetbox: the shutdown hung past its bound; exiting now\n")
-    except OSError:
-        pass
-    finally:
-        os._exit(1 if box.failure else 0)
-
-
-async def _serve(settings: Settings, tui: bool = False, *, watchdog: bool = False) -> int:
-    """Run a box until SIGTERM, SIGINT, the `drain` verb or the TUI's quit; its exit status. `watchdog`: see `_stop`."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        return await _run_box(settings, tui, stop, watchdog)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
-async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog: bool) -> int:
-    from appliance.app import Box
-    from appliance.errors import FleetboxError
-    from appliance.natsd import EmbeddedNatsRefused
-
-    box = Box(settings)
-    starting = asyncio.create_task(box.start())
-    signalled = asyncio.create_task(stop.wait())
-    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
-    signalled.cancel()
-    if not starting.done():  # a signal while the box still starts (it may wait for NATS for ever): stop now
-        await cancel_and_wait([starting])
-        await _stop(box, settings, watchdog=watchdog)
-        return 0
-    try:
-        starting.result()
-    except EmbeddedNatsRefused as exc:  # its port taken since the check before the start, its store unusable
-        typer.echo(f"fleetbox: {exc.strerror}", err=True)
-        await _stop(box, settings, watchdog=watchdog)
-        return 1
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE or f"{settings.port}" not in str(exc):
-            log.error("box failed to start", extra={"error": repr(exc)})
-        else:  # taken since the check before the start
-            typer.echo(f"fleetbox: port {settings.port} on {settings.host} is in use", err=True)
-        await _stop(box, settings, watchdog=watchdog)
-        return 1
-    except Exception as exc:
-        from nats.js.errors import APIError as JetStreamAPIError
-
-        from appliance.connect import NatsInTheClear
-
-        log.error("box failed to start", extra={"error": repr(exc)})
-        if isinstance(exc, FleetboxError):  # its own words, as every other refusal at start says them (h51)
-            typer.echo(f"fleetbox: {exc.message}", err=True)
-        elif isinstance(exc, NatsInTheClear):
-            typer.echo(f"fleetbox: {exc}", err=True)
-        elif isinstance(exc, JetStreamAPIError):  # its repr is `ServerError()`: the server's words are its description
-            typer.echo(f"fleetbox: JetStream refused the box's streams or buckets: {exc.description}", err=True)
-        await _stop(box, settings, watchdog=watchdog)
-        return 1
-    # A signal, or the `drain` control verb, ends the box the same way.
-    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(box.stop_requested.wait())]
-    embedded = None
-    if tui:  # quitting the TUI ends the box too
-        from tui.embedded import EmbeddedTui
-
-        assert box.nc is not None
-        embedded = EmbeddedTui(box.nc, box.box_id, box.nats_url, settings.state_dir / "fleetbox.log")
-        waits.append(asyncio.create_task(embedded.run()))
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    if embedded is not None:
-        await embedded.close()  # give the terminal back before the shutdown logs
-    for wait in waits:
-        wait.cancel()
-    await _stop(box, settings, watchdog=watchdog)
-    return 1 if box.failure else 0  # a box that stopped itself (its NATS gone) exits for its supervisor to restart
 
 
 # The fleet commands (appliance/fleet_cli.py): `tui` beside `serve`, then `models ...` and `box ...`.
@@ -454,7 +227,7 @@ def tune(
     except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
         _refuse_settings(settings_problems(exc))
         raise typer.Exit(2) from None
-    _refuse_settings([_device_problem(settings.device)])
+    _refuse_settings([serve_checks.device_problem(settings.device)])
     for warning in unknown_variables(os.environ):
         typer.echo(f"fleetbox: {warning}", err=True)
     code = run_tune(

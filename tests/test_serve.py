@@ -287,7 +287,7 @@ def test_serve_names_an_embedded_nats_port_in_use_in_one_line(tmp_path) -> None:
 
 async def test_a_nats_port_taken_after_the_check_is_named_in_one_line_too(tmp_path, capsys) -> None:
     """Taken between the check in `serve` and the server's start: the box stops, exit 1, the same line."""
-    from appliance.cli import _serve
+    from appliance.serving import serve_box
     from appliance.settings import Settings
 
     with socket.socket() as taken:
@@ -295,7 +295,7 @@ async def test_a_nats_port_taken_after_the_check_is_named_in_one_line_too(tmp_pa
         taken.listen()
         nats_port = taken.getsockname()[1]
         settings = Settings(port=free_port(), nats_port=nats_port, state_dir=tmp_path, device="cpu")
-        assert await _serve(settings) == 1
+        assert await serve_box(settings) == 1
     assert capsys.readouterr().err.splitlines() == [nats_port_refusal(nats_port)]
 
 
@@ -382,11 +382,11 @@ async def test_a_box_that_cannot_reach_its_nats_says_which_it_tries(tmp_path, ca
 async def test_a_start_refused_for_its_memory_budget_says_why_in_one_line(tmp_path, capsys) -> None:
     """Operator tester: `--memory-budget 10MB` exited 1 with its reason in a JSON log line only, where every other
     refusal at start prints one `fleetbox: ...` line."""
-    from appliance.cli import _serve
+    from appliance.serving import serve_box
     from appliance.settings import Settings
 
     settings = Settings(port=free_port(), nats_port=free_port(), state_dir=tmp_path, device="cpu", memory_budget="10MB")
-    assert await _serve(settings) == 1
+    assert await serve_box(settings) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetbox: ")]
     assert "needs about" in line and "budget is" in line, line
 
@@ -394,11 +394,11 @@ async def test_a_start_refused_for_its_memory_budget_says_why_in_one_line(tmp_pa
 async def test_streams_jetstream_refuses_are_named_with_its_reason_in_one_line(nats_server, tmp_path, capsys) -> None:
     """Three replicas on a single server: the box exited 1 with `"error":"ServerError()"` in its log, which named
     neither replicas nor a cluster (auditor h61); the server's own words now make a `fleetbox: ...` line."""
-    from appliance.cli import _serve
+    from appliance.serving import serve_box
     from appliance.settings import Settings
 
     settings = Settings(nats=nats_server.url, port=free_port(), state_dir=tmp_path, device="cpu", replicas=3)
-    assert await _serve(settings) == 1
+    assert await serve_box(settings) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetbox: ")]
     assert (
         line
