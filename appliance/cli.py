@@ -20,7 +20,7 @@ import typer
 from appliance import __version__, fleet_cli, serve_checks, serving
 from appliance.build import build_id
 from appliance.logs import configure_logging
-from appliance.settings import load_settings, settings_problems, unknown_variables
+from appliance.settings_load import load_settings, settings_problems, unknown_variables
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fleetbox: serve a fleet of small models.")
 log = logging.getLogger("appliance.cli")

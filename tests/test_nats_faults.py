@@ -196,7 +196,8 @@ async def test_a_box_waiting_for_nats_at_start_stops_on_sigterm(tmp_path) -> Non
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        await wait_for(lambda: b"nats error" in log_file.read_bytes(), what="the box to try NATS")
+        # Its start imports torch first: 5 s alone here, over 20 s on a CPU loaded by other test workers.
+        await wait_for(lambda: b"nats error" in log_file.read_bytes(), timeout_s=90, what="the box to try NATS")
         box.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(box.wait, 10) == 0
     finally:

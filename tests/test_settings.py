@@ -17,14 +17,8 @@ from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
 from appliance.configured import configured_specs
 from appliance.natsd import free_port
-from appliance.settings import (
-    MAX_CONCURRENT_BATCHES,
-    ModelEntry,
-    Settings,
-    load_settings,
-    memory_budget_bytes,
-    unknown_variables,
-)
+from appliance.settings import MAX_CONCURRENT_BATCHES, ModelEntry, Settings, memory_budget_bytes
+from appliance.settings_load import load_settings, unknown_variables
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
