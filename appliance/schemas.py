@@ -64,7 +64,9 @@ class EmbeddingRequest(NullIsDefault, kw_only=True):
     `dimensions` 0 is Infinity's "no cut" (its client's default): read as left out, here, where the gateway and the
     worker (appliance/jobs.py `EmbedJobs`) both decode the client's bytes."""
 
-    input: str | list[str | int | list[int]]
+    # Strings (as /openapi.json says). Read loosely so that the gateway names what else a list holds
+    # (`refuse_token_ids`): typed as strings or token ids, msgspec told a list of lists of strings to send an `int`.
+    input: str | Annotated[list[Any], msgspec.Meta(extra_json_schema={"items": {"type": "string"}})]
     model: str | None = None  # left out: the fleet's one model of the route's task (as TEI's and Infinity's)
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: Dimensions | None = None

@@ -80,6 +80,25 @@ async def test_dimensions_past_a_held_models_width_are_refused_before_they_are_q
     assert status == 200 and await bus.next_request_sequence(default_box.js) == before + 1, answer
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"", "the request body is empty; send a JSON object"),
+        (b" \n", "the request body is empty; send a JSON object"),
+        (b'{"input": [["a"]]}', "input 0 is not a string; send a string or a list of strings"),
+        (b'{"input": ["a", null]}', "input 1 is not a string; send a string or a list of strings"),
+        (b'{"input": ["a", true]}', "input 1 is not a string; send a string or a list of strings"),
+    ],
+    ids=["empty", "whitespace", "list-of-lists", "null", "bool"],
+)
+async def test_what_is_wrong_with_a_body_is_said_in_its_terms(default_box, http, body: bytes, message: str) -> None:
+    """Tester h103: an empty body was "malformed JSON: Input data was truncated", as if the upload were cut off, and
+    `[["a"]]` was told "Expected `int`, got `str`" (the schema's token ids), where /embed names the input."""
+    status, payload, _ = await post(http, default_box, body)
+    assert status in (400, 422), payload
+    assert payload["error"]["message"] == message
+
+
 async def test_token_ids_are_refused_saying_what_to_send(default_box, http) -> None:
     """LangChain's OpenAIEmbeddings sends tiktoken's ids by default: ids of another tokenizer would embed as noise,
     and the schema error (`Expected str, got array`) did not say what to do."""

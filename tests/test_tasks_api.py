@@ -159,6 +159,16 @@ async def test_bad_rerank_requests_are_clear_4xx(task_box, http, body, status, c
     assert payload["error"]["code"] == code
 
 
+async def test_too_many_documents_are_counted_as_documents(task_box, http) -> None:
+    """Tester h103: the 413 counted a rerank's documents as "inputs", a field the request does not have."""
+    limit = task_box.settings.max_inputs
+    status, payload = await post(
+        http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": ["b"] * (limit + 1)}
+    )
+    assert (status, payload["error"]["code"]) == (413, "too_many_inputs"), payload
+    assert payload["error"]["message"] == f"{limit + 1} documents is more than the limit of {limit} per request"
+
+
 async def test_an_over_long_pair_is_named_by_its_document(task_box, http) -> None:
     body = {"model": "ranker", "query": "q", "documents": ["short", "word " * 600], "truncate": False}
     status, payload = await post(http, task_box, "/v1/rerank", body)

@@ -185,6 +185,8 @@ def _too_large(settings: Settings) -> PayloadTooLarge:
 
 def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     """Validate a body against its schema: malformed JSON is 400, a wrong shape or value 422."""
+    if not body.strip():  # msgspec calls it truncated, as if the upload were cut off
+        raise BadRequest("the request body is empty; send a JSON object", code="invalid_json")
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
