@@ -636,29 +636,38 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
 
 
 async def test_a_copy_published_again_before_the_runtime_dropped_the_old_one_is_generated_once_not_refused(
-    start_box, nats_server, generator_dir
+    start_box, nats_server, generator_dir, monkeypatch
 ) -> None:
     """Tester h85 (3 of 3 runs): the copy its gateway published again reached the box that had let the old one go
     before the runtime's next step dropped it: refused as "already generating", its client had a 422. The copy
-    waits for that step. The device thread is held here so the copy surely comes first."""
+    waits for that step. The device thread is held here so the copy surely comes first: from the first step at which
+    one generation runs and the other waits (held from outside once seen, the running one could finish first on a
+    loaded machine, the moment missed)."""
     import threading
 
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1})
     box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=5)
     nc, replies = await _gateway_of(nats_server.url, "test.copy")
-    held = threading.Event()
+    worker = box.workers["gen"]
+    holding, held = threading.Event(), threading.Event()
+
+    def one_running_one_waiting() -> bool:
+        return sorted(stream.seq > 0 for stream in list(worker._streams.values())) == [False, True]
+
+    step = worker.runtime.step
+
+    def step_held_once_one_runs_and_one_waits():  # on the device thread
+        if not holding.is_set() and one_running_one_waiting():
+            holding.set()
+            held.wait(20)  # no step until the copy is in
+        return step()
+
+    monkeypatch.setattr(worker.runtime, "step", step_held_once_one_runs_and_one_waits)
     try:
         for request_id in ("running", "waiting"):
             await _publish_generation(nc, request_id, "test.copy", max_tokens=240)
-        worker = box.workers["gen"]
-
-        def one_running_one_waiting() -> bool:
-            return sorted(stream.seq > 0 for stream in worker._streams.values()) == [False, True]
-
-        await wait_for(one_running_one_waiting, what="one generation running, the other waiting for the slot")
+        await wait_for(holding.is_set, what="the device thread held with one generation running, the other waiting")
         (waiting,) = [request_id for request_id, stream in worker._streams.items() if stream.seq == 0]
-        holding = worker._device.submit(held.wait, 20)  # no step until the copy is in
-        await wait_for(holding.running, what="the device thread held between two steps")
         box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)
         box.workers.queue_lost()
         # As its gateway publishes it again: into a new stream, where the old one's Nats-Msg-Id does not dedupe it.
