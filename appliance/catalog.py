@@ -278,7 +278,10 @@ class Catalog:
         return Resolved(spec, adapter_spec)
 
     def _adapter(self, base: ModelSpec, name: str) -> ModelSpec | None:
-        for candidate in (name, f"{base.name}{ADAPTER_SEPARATOR}{name}"):
+        """The adapter of `base` that the `adapter` field names: `base:name` first, then a full name or an alias (an
+        alias looked up first took the field from the adapter it names: alias `m1` of `enc:m0` answered for
+        `enc:m1`, h102)."""
+        for candidate in (f"{base.name}{ADAPTER_SEPARATOR}{name}", name):
             spec = self.get(candidate)
             if spec is not None and spec.adapter_of == base.name:
                 return spec

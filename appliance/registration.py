@@ -298,6 +298,8 @@ async def register(
             )
         if registration.dtype not in ("float32", base.dtype):  # float32: the schema's default, i.e. left out
             raise Unprocessable(f"an adapter runs in its base model's dtype ({base.dtype}); leave dtype out")
+        if registration.runtime != "torch":  # torch: the schema's default. Taken, it was listed and never used (h102)
+            raise Unprocessable("an adapter runs on its base model's runtime (torch); leave runtime out")
         if registration.pinned:
             raise Unprocessable(f"an adapter is not pinned; pin its base model {base.name}")
         if base.runtime is not RuntimeKind.TORCH:

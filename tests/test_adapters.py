@@ -287,12 +287,33 @@ async def test_an_adapter_of_an_adapter_a_route_ambiguous_alias_and_an_adapter_d
     body = {"name": "cls:f16", "path": str(classifier_adapters[1]), "adapter_of": "cls", "dtype": "float16"}
     status, answer = await call(http, box, "POST", "/v1/models", body)
     assert status == 422 and "runs in its base model's dtype" in answer["error"]["message"], answer
+    body = {"name": "cls:ort", "path": str(classifier_adapters[1]), "adapter_of": "cls", "runtime": "onnx"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)  # taken, it was listed and never used (h102)
+    assert status == 422 and "runs on its base model's runtime" in answer["error"]["message"], answer
     for alias in ("pin", "x/../y", "a//b"):
         status, answer = await call(http, box, "PATCH", "/v1/models/cls", {"aliases": [alias]})
         assert (status, answer["error"]["code"]) == (422, "invalid_name"), (alias, answer)
         body = {"name": "other", "path": str(classifier_dir), "aliases": [alias]}
         status, answer = await call(http, box, "POST", "/v1/models", body)
         assert (status, answer["error"]["code"]) == (422, "invalid_name"), (alias, answer)
+
+
+async def test_the_adapter_field_names_the_bases_adapter_before_another_adapters_alias(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """Tester h102: with `m1` an alias of `cls:m0`, `{"model": "cls", "adapter": "m1"}` was answered by cls:m0 (the
+    alias looked up first), where the docs address an adapter as its base and its own name."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    await register_adapter(http, box, "cls:m0", classifier_adapters[0])
+    await register_adapter(http, box, "cls:m1", classifier_adapters[1])
+    status, answer = await call(http, box, "PATCH", "/v1/models/cls:m0", {"aliases": ["m1"]})
+    assert status == 200, answer
+    body = {"model": "cls", "adapter": "m1", "input": TEXTS}
+    status, by_field = await call(http, box, "POST", "/v1/classify", body)
+    assert status == 200 and by_field["model"] == "cls:m1", by_field
+    assert (await classify(http, box, "cls:m1"))[1]["data"] == by_field["data"]
+    status, by_alias = await classify(http, box, "m1")  # the alias itself still names the adapter it was given to
+    assert status == 200 and by_alias["model"] == "cls:m0", by_alias
 
 
 async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is_not_left_without_it(
