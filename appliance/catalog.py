@@ -59,6 +59,10 @@ class ModelSpec:
     adapter_of: str | None = None  # the base model's name, for a LoRA adapter
     profile: str = "auto"  # which tuning profile applies: "auto", "off", or a hardware slug (appliance/profiles.py)
     threads: int | None = None  # set by the profile a box applies; the box's own `threads` setting wins
+    # When it was registered through the API (unix ms; 0 from a config file): a request sent before then was sent for
+    # an earlier registration of the name, and no later one answers it (`worker.hold_adapter`). Not part of its
+    # identity: the same model in a config file and in the catalog are equal.
+    registered_ms: int = field(default=0, compare=False)
 
     def source(self, device: str, threads: int | None) -> ModelSource:
         return ModelSource(
@@ -103,6 +107,7 @@ class ModelSpec:
             adapter_of=record.get("adapter_of"),
             profile=record.get("profile") or "auto",
             threads=record.get("threads"),
+            registered_ms=int(record.get("registered_ms") or 0),
         )
 
 

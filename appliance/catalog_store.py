@@ -425,4 +425,5 @@ class CatalogStore:
 def _differing(configured: ModelSpec, held: ModelSpec) -> list[str]:
     """The fields in which the catalog's entry differs from the config file's."""
     ours, theirs = orjson.loads(configured.to_json()), orjson.loads(held.to_json())
-    return sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+    keys = (ours.keys() | theirs.keys()) - {"registered_ms"}  # when, not what
+    return sorted(key for key in keys if ours.get(key) != theirs.get(key))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +327,10 @@ async def register(
         assert detected is not None
         task, batching, adapter_of = detected, batching_of(registration, default_batching(settings)), None
     _refuse_unused_batching(registration, task, base)
-    spec = spec_of(registration, task=task, path=folder, batching=batching, adapter_of=adapter_of)
+    spec = replace(
+        spec_of(registration, task=task, path=folder, batching=batching, adapter_of=adapter_of),
+        registered_ms=time.time_ns() // 1_000_000,
+    )
     if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)
     await store.create(spec)  # refused (409) when a registration racing this one took the slug, name or an alias

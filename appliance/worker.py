@@ -34,7 +34,14 @@ from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_reply, keep_alive
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable, UnloadedWhileStarting, Unprocessable, deadline_passed
+from appliance.errors import (
+    FleetboxError,
+    NotFound,
+    ServiceUnavailable,
+    UnloadedWhileStarting,
+    Unprocessable,
+    deadline_passed,
+)
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
@@ -264,7 +271,7 @@ class ModelWorker:
         try:
             body = await self._blobs.get(meta.blob) if meta.blob else msg.data
             if meta.adapter is not None:
-                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter)
+                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter, meta.sent_ms)
                 self._holds[meta.id] = hold
                 meta = replace(meta, adapter=hold.key)  # the batch runs it under its name in the runtime
         except Exception as exc:
@@ -419,10 +426,17 @@ class RecentAnswers:
         }
 
 
-async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, name: str) -> AdapterHold:
+async def hold_adapter(
+    catalog: Catalog, residency: Residency, base: ModelSpec, name: str, sent_ms: int = 0
+) -> AdapterHold:
     """A request's LoRA adapter made resident on its base model and held there for the request until it is
-    released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime."""
+    released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime. `sent_ms`: when its gateway
+    sent the request (0: unknown)."""
     adapter = _adapter_spec(catalog, base, name)
+    if adapter.registered_ms and 0 < sent_ms < adapter.registered_ms:
+        # Sent for a registration of the name deleted since (an adapter's requests share its base's queue, which a
+        # deletion cannot purge of them alone): the new folder's weights answered it (h102). Clocks of the boxes.
+        raise NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
     if not adapter.path.is_dir():  # the box's fault, not the request's: a 422 `bad_adapter` blamed the client (h73)
         raise ServiceUnavailable(
             f"adapter {adapter.name}: its folder {adapter.path} does not exist on this box (moved or deleted since it"

@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
+import nats
+import orjson
 import pytest
 from prometheus_client import generate_latest
 
+from appliance import bus
+from appliance.envelope import ReplyMeta, RequestMeta
 from runtimes import Task
 from tests.conftest import url, wait_for
 from tests.models import make_adapter
@@ -314,6 +319,49 @@ async def test_the_adapter_field_names_the_bases_adapter_before_another_adapters
     assert (await classify(http, box, "cls:m1"))[1]["data"] == by_field["data"]
     status, by_alias = await classify(http, box, "m1")  # the alias itself still names the adapter it was given to
     assert status == 200 and by_alias["model"] == "cls:m0", by_alias
+
+
+async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_answered_by_the_new_registration(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """Tester h102: requests queued for an adapter whose name was deleted and registered again on another folder were
+    answered 200 with the new folder's weights (an adapter's requests share its base's queue, which its deletion
+    cannot purge of them). Here two requests wait in the queue as its gateway sent them: one before this registration
+    of the name (for the one deleted), one after."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    await register_adapter(http, box, "cls:x", classifier_adapters[0])
+    registered = box.catalog.get("cls:x").registered_ms
+    assert registered > 0
+    listed = await call(http, box, "GET", "/v1/models/cls:x")
+    assert listed[1]["created"] == registered // 1000, listed  # OpenAI's field: the registration's time now
+    nc = await nats.connect(box.nats_url)
+    replies: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        if msg.reply:
+            await msg.respond(b"")
+        await replies.put((ReplyMeta.from_headers(msg.headers), msg.data))
+
+    try:
+        await nc.subscribe("test.sent", cb=gateway)
+        deadline = int(time.time() * 1000) + 30_000
+        for request_id, sent_ms in (("before", registered - 2_000), ("after", registered + 1)):
+            meta = RequestMeta(
+                id=request_id, task="classify", model="cls", reply="test.sent", deadline_ms=deadline, sent_ms=sent_ms,
+                adapter="cls:x",
+            )  # fmt: skip
+            body = orjson.dumps({"model": "cls:x", "input": TEXTS})
+            await box.js.publish(bus.request_subject("cls"), body, headers=meta.headers())
+        answers: dict[str, tuple[int, dict]] = {}
+        while len(answers) < 2:
+            reply, body = await asyncio.wait_for(replies.get(), 30)
+            answers[reply.id] = (reply.status, orjson.loads(body))
+    finally:
+        await nc.close()
+    status, answer = answers["before"]
+    assert (status, answer["error"]["code"]) == (404, "model_not_found"), answer
+    assert answer["error"]["message"] == "adapter 'cls:x' was deleted while this request waited for it"
+    assert answers["after"][0] == 200, answers["after"]
 
 
 async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is_not_left_without_it(

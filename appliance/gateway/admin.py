@@ -30,7 +30,8 @@ _target = msgspec.json.Decoder(BoxTarget)
 _json_object = msgspec.json.Decoder(dict[str, Any])  # a change's fields are judged by `update_from`
 
 
-# Every model's `created` (OpenAI's Model has one): when this box started; the catalog keeps no dates (api.md).
+# A model's `created` (OpenAI's Model has one) when the catalog has no date for it (a config file's): when this box
+# started (api.md).
 _STARTED = int(time.time())
 
 
@@ -39,7 +40,7 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
     return {
         "id": spec.name,
         "object": "model",
-        "created": _STARTED,
+        "created": spec.registered_ms // 1000 or _STARTED,
         "owned_by": "fleetbox",
         "task": spec.task.value,
         "runtime": spec.runtime.value,
