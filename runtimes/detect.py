@@ -20,10 +20,11 @@ after it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import (
@@ -149,6 +150,7 @@ def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_r
     if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
         raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
     check_safetensors_whole([Path(folder) / "adapter_model.safetensors"], required=False)
+    _check_lora_fields(config, config_file)
     _refuse_shared_changes(config, folder)
     if mixed_rows and config.get("use_dora"):
         raise UnsupportedModel(
@@ -310,6 +312,44 @@ _ADAPTER_TASK_TYPES: dict[Task, tuple[str, ...]] = {
     Task.EXTRACT: ("TOKEN_CLS",),
     Task.GENERATE: ("CAUSAL_LM",),
 }
+
+
+_MOST_LORA_RANK = 65_536  # past any layer's width (`_MOST`'s hidden size): peft allocates r x width per layer first
+
+
+def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
+    """Refuse the LoRA fields peft would fail on at the first request, with its own words (`'<=' not supported
+    between instances of 'str' and 'int'`), or allocate for before it reads a weight (r of 10^12: 128 TB). h102."""
+
+    def rank(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MOST_LORA_RANK
+
+    def scale(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    def refuse(field: str, value: Any, expected: str) -> NoReturn:
+        raise UnsupportedModel(f"{config_file}: {field} is {json.dumps(value)[:40]}; {expected} is expected")
+
+    if "r" in config and not rank(config["r"]):
+        refuse("r", config["r"], f"a whole number from 1 to {_MOST_LORA_RANK}")
+    if "lora_alpha" in config and not scale(config["lora_alpha"]):
+        refuse("lora_alpha", config["lora_alpha"], "a number")
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str):
+        if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
+            refuse("target_modules", targets, "a module name, a pattern or a list of module names")
+    for field, judge, expected in (
+        ("rank_pattern", rank, f"a whole number from 1 to {_MOST_LORA_RANK}"),
+        ("alpha_pattern", scale, "a number"),
+    ):
+        pattern = config.get(field)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            refuse(field, pattern, "an object of module patterns to values")
+        for key, value in pattern.items():
+            if not judge(value):
+                refuse(f"{field}[{key!r}]", value, expected)
 
 
 # Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense

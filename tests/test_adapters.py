@@ -364,6 +364,31 @@ async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_ans
     assert answers["after"][0] == 200, answers["after"]
 
 
+async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(
+    start_box, http, classifier_dir, classifier_adapters, tmp_path_factory
+) -> None:
+    """Tester h102: an adapter_config.json with `r` "four", `lora_alpha` "x", `target_modules` 5 or an `r` of 10^12
+    was registered (201, listed), then every request was a 422 in peft's words (`'<=' not supported between
+    instances of 'str' and 'int'`), or a load that tried to allocate 128 TB."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    config = json.loads((classifier_adapters[0] / "adapter_config.json").read_text())
+    cases = {
+        "r": ("four", 'r is "four"; a whole number from 1 to 65536 is expected'),
+        "lora_alpha": ("x", 'lora_alpha is "x"; a number is expected'),
+        "target_modules": (5, "target_modules is 5; a module name, a pattern or a list of module names is expected"),
+        "rank_pattern": ({"query": "x"}, "rank_pattern['query'] is \"x\"; a whole number from 1 to 65536 is expected"),
+    }
+    for field, (value, said) in [*cases.items(), ("r", (10**12, "r is 1000000000000; a whole number from 1"))]:
+        folder = tmp_path_factory.mktemp(f"bad-{field}")
+        shutil.copytree(classifier_adapters[0], folder, dirs_exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps(config | {field: value}))
+        body = {"name": "cls:bad", "path": str(folder), "adapter_of": "cls"}
+        status, answer = await call(http, box, "POST", "/v1/models", body)
+        assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), (field, answer)
+        assert said in answer["error"]["message"], (field, answer)
+    assert box.catalog.get("cls:bad") is None
+
+
 async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is_not_left_without_it(
     start_box, http, classifier_dir, classifier_adapters
 ) -> None:

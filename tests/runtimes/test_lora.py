@@ -309,8 +309,9 @@ def test_a_broken_adapter_is_refused_and_leaves_the_base_exactly_as_it_was(
     """Only RuntimeError/ValueError/KeyError were cleaned up: a cut-short weights file (SafetensorError) or a config
     peft cannot build from (TypeError) left peft's layers in the base, which then answered with random LoRA weights
     (init_lora_weights false), and the raw error was retried by the worker instead of answered 422 bad_adapter.
-    The cut-short file is now refused from its header before peft touches the model; the config peft cannot build
-    from still fails inside peft."""
+    The cut-short file is now refused from its header before peft touches the model, and so are an `r` or a
+    `lora_alpha` of the wrong kind (from adapter_config.json); a config peft cannot build from otherwise (a
+    `lora_dropout` of text) still fails inside peft."""
     runtime = load_runtime(ModelSource(model_dirs[task], task))
     model = _model(runtime)
     before, weights = _answers(task, runtime), _weights(model)
@@ -318,17 +319,18 @@ def test_a_broken_adapter_is_refused_and_leaves_the_base_exactly_as_it_was(
         _cut_short(adapter_dirs[task], tmp_path / "cut", init_lora_weights=False),
         _edited_copy(adapter_dirs[task], tmp_path / "alpha", lora_alpha="eight"),
         _edited_copy(adapter_dirs[task], tmp_path / "rank", r=None),
+        _edited_copy(adapter_dirs[task], tmp_path / "dropout", lora_dropout="high"),
     ]
     for folder in broken:  # as the first adapter, twice (a retry), then next to a good one
         for _ in range(2):
-            with pytest.raises(UnsupportedModel, match=r"does not fit|the file is cut short"):
+            with pytest.raises(UnsupportedModel, match=r"does not fit|the file is cut short|is expected"):
                 runtime.load_adapter("bad", folder)
             assert runtime.adapters == ()
             _assert_same_model(model, weights)
     runtime.load_adapter("good", adapter_dirs[task])
     good = _answers(task, runtime, "good")
     for folder in broken:
-        with pytest.raises(UnsupportedModel, match=r"does not fit|the file is cut short"):
+        with pytest.raises(UnsupportedModel, match=r"does not fit|the file is cut short|is expected"):
             runtime.load_adapter("bad", folder)
         assert runtime.adapters == ("good",)
     np.testing.assert_array_equal(_answers(task, runtime), before)
