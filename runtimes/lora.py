@@ -137,7 +137,11 @@ class LoraAdapters:
                     self._after_change()
                 if isinstance(error, UnsupportedModel):
                     raise
-                raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {error}") from error
+                if isinstance(error, KeyError) and error.args:  # its text was the bare name, quoted (h102)
+                    detail = f"it has {error.args[0]}, which this base model has no place for (made for another model?)"
+                else:
+                    detail = str(error)
+                raise UnsupportedModel(f"LoRA adapter {path} does not fit this base model: {detail}") from error
             self._peft.eval()
             self._bytes[name] = _adapter_bytes(self._peft, name)
             self._paths[name] = Path(path)

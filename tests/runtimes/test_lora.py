@@ -728,6 +728,22 @@ def test_a_generator_refuses_an_adapter_with_trainable_tokens(model_dirs: dict[T
         runtime.close()
 
 
+def test_an_adapter_made_for_another_architecture_says_what_the_base_has_no_place_for(
+    model_dirs: dict[Task, Path], tmp_path: Path
+) -> None:
+    """Tester h102: a RoBERTa classifier's adapter on a BERT classifier was refused with peft's bare KeyError, the
+    name alone: `does not fit this base model: 'base_model.model.classifier.weight'`."""
+    roberta = save_roberta_classifier(tmp_path / "roberta")
+    adapter = make_adapter(Task.CLASSIFY, roberta, tmp_path / "roberta-lora", seed=65)
+    runtime = load_runtime(ModelSource(model_dirs[Task.CLASSIFY], Task.CLASSIFY))
+    try:
+        with pytest.raises(UnsupportedModel, match=r"which this base model has no place for \(made for another model"):
+            runtime.load_adapter("other", adapter)
+        assert runtime.adapters == ()
+    finally:
+        runtime.close()
+
+
 def test_an_encoders_head_copy_and_a_lora_inside_that_head_are_a_conflict_both_ways(tmp_path: Path) -> None:
     """A RoBERTa head copy's weights name the layers inside the head (`classifier.dense.weight`), where peft wraps
     the head (`classifier`): read as two modules, a LoRA on `classifier.out_proj` loaded after the copy was still
