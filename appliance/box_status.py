@@ -110,7 +110,7 @@ def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
         "bytes": None,
         "max_model_len": model_state(box, base)["max_model_len"],  # its base's: it runs in it
         "profile": None,
-        "load_error": None,
+        "load_error": box.residency.load_error(name),  # this box's last load of it onto its base
     }
 
 

@@ -394,7 +394,13 @@ class Residency:
         """A LoRA adapter's registration loaded onto its resident base (once), and kept loaded until the hold is
         released (appliance/adapters.py); `hold.key` is its name in the runtime."""
         table = self._adapters(base)
-        return AdapterHold(table, await table.acquire(adapter, hold=True))
+        try:
+            hold = AdapterHold(table, await table.acquire(adapter, hold=True))
+        except UnsupportedModel as exc:  # its folder does not load onto the base: its record says why (h102)
+            self._load_errors[adapter.name] = (str(exc), adapter.load_key())
+            raise
+        self._load_errors.pop(adapter.name, None)
+        return hold
 
     def retire_adapter(self, name: str, keep: ModelSpec | None = None) -> None:
         """Adapter `name` was deleted (or `keep` is its registration now): unload the old one wherever it is."""

@@ -389,6 +389,25 @@ async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(
     assert box.catalog.get("cls:bad") is None
 
 
+async def test_an_adapter_that_fails_to_load_says_why_in_its_record(
+    start_box, http, classifier_dir, classifier_adapters, tmp_path_factory
+) -> None:
+    """Tester h102: an adapter whose loads failed (a 422 `bad_adapter` to each request) was listed with `load_error`
+    null, where a base model's record says why its load failed. A config peft cannot build from passes the
+    registration's checks: its `lora_dropout` is text."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    folder = tmp_path_factory.mktemp("bad-dropout")
+    shutil.copytree(classifier_adapters[0], folder, dirs_exist_ok=True)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(config | {"lora_dropout": "high"}))
+    await register_adapter(http, box, "cls:bad", folder)
+    status, answer = await classify(http, box, "cls:bad")
+    assert (status, answer["error"]["code"]) == (422, "bad_adapter"), answer
+    status, record = await call(http, box, "GET", "/v1/models/cls:bad")
+    assert status == 200 and record["state"] == "cold", record
+    assert "does not fit this base model" in (record["load_error"] or ""), record
+
+
 async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is_not_left_without_it(
     start_box, http, classifier_dir, classifier_adapters
 ) -> None:
