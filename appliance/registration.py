@@ -35,15 +35,10 @@ from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, 
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
+from runtimes.adapter_check import check_adapter_brings_head, check_adapter_fits, check_adapter_folder
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.config_check import ConfigNotJudged
-from runtimes.detect import (
-    check_adapter_brings_head,
-    check_adapter_fits,
-    check_adapter_folder,
-    check_loadable,
-    detect_task,
-)
+from runtimes.detect import check_loadable, detect_task
 from runtimes.options import option_problems
 
 _registration = msgspec.json.Decoder(ModelRegistration)

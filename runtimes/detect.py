@@ -20,15 +20,13 @@ after it.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import (
-    HEAD_MODULES,
     SAFETENSORS_INDEX,
     RuntimeKind,
     Task,
@@ -45,8 +43,6 @@ from runtimes.tasks.score import ScoreHead, check_one_logit
 __all__ = [
     "SUPPORTED",
     "UnsupportedModel",
-    "check_adapter_fits",
-    "check_adapter_folder",
     "check_loadable",
     "detect_task",
 ]
@@ -84,7 +80,7 @@ def detect_task(folder: Path) -> Task:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{folder} has no config.json; a transformers model folder is expected")
-    config = _json_object(config_file)
+    config = json_object(config_file)
     if not (folder / "tokenizer.json").is_file():
         raise UnsupportedModel(f"{folder} has no tokenizer.json; fleetbox needs a fast (Rust) tokenizer")
     architectures = config.get("architectures") or []
@@ -135,106 +131,6 @@ def _is_text_encoder(model_type: str) -> bool:
     return model_type in model_types("MODEL_FOR_MASKED_LM_MAPPING_NAMES")
 
 
-def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_rows: bool = True) -> None:
-    """Raise `UnsupportedModel` unless `folder` holds a LoRA adapter saved by peft (read without torch).
-
-    `base_task`: the base model's task, when known; an adapter peft saved for another kind of model is refused.
-    `mixed_rows`: whether the base's calls mix adapters per row (a generator's do: see runtimes/lora.py)."""
-    config_file = Path(folder) / "adapter_config.json"
-    if not config_file.is_file():
-        raise UnsupportedModel(f"{folder} has no adapter_config.json; a LoRA adapter saved by peft is expected")
-    config = _json_object(config_file)
-    peft_type = config.get("peft_type")
-    if peft_type != "LORA":
-        raise UnsupportedModel(f"{folder} is a {peft_type} adapter; only LoRA adapters are supported")
-    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
-        raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
-    check_safetensors_whole([Path(folder) / "adapter_model.safetensors"], required=False)
-    _check_lora_fields(config, config_file)
-    _refuse_shared_changes(config, folder)
-    if mixed_rows and config.get("use_dora"):
-        raise UnsupportedModel(
-            f"LoRA adapter {folder} is a DoRA adapter, which peft cannot apply per row of a generation batch"
-        )
-    task_type = config.get("task_type")
-    if task_type is not None and task_type not in _PEFT_TASK_TYPES:
-        raise UnsupportedModel(
-            f"LoRA adapter {folder} has task_type {task_type!r}, which peft does not know (one of "
-            f"{', '.join(_PEFT_TASK_TYPES)}, or none)"
-        )
-    if base_task is not None and task_type is not None and task_type not in _ADAPTER_TASK_TYPES[base_task]:
-        raise UnsupportedModel(
-            f"LoRA adapter {folder} was saved for a {task_type} model (peft task_type), not for a base that "
-            f"does {base_task}; expected task_type {' or '.join(_ADAPTER_TASK_TYPES[base_task])}"
-        )
-
-
-def check_adapter_fits(adapter: Path, base: Path) -> None:
-    """Raise `UnsupportedModel` for an adapter whose weights do not fit the base model in `base`: a head copy
-    (`modules_to_save`) of another shape (a 3-label head on a 1-label reranker), or a LoRA sized for other
-    layers. Read from the safetensors headers, without torch. Only a shape that contradicts the base's is
-    refused here: weights in another format, or names that do not line up (a checkpoint's legacy names, a head
-    built otherwise), are judged by the first load, which refuses weights that find no place in the model."""
-    adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
-    base_shapes = _safetensors_shapes(safetensors_files(Path(base)))
-    if not adapter_shapes or not base_shapes:
-        return
-    for key, shape in adapter_shapes.items():
-        # peft saves a targeted embedding's or head's own weight under `<module>.base_layer.weight`
-        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        lora = next(((part, dim) for part, dim in ((".lora_A.", 1), (".lora_B.", 0)) if part in name), None)
-        if lora is not None:
-            part, dim = lora
-            module = name.split(part)[0]
-            weight = _matching(base_shapes, f"{module}.weight")
-            if weight is None or len(shape) < 2 or len(weight) < 2:
-                continue
-            # A Linear keeps its weight as (out, in), GPT-2's Conv1D as (in, out): either side may be the match.
-            fits = shape[dim] in weight[:2] if len(weight) == 2 else shape[dim] == weight[dim]
-            if not fits:
-                side = "inputs" if dim == 1 else "outputs"
-                raise UnsupportedModel(
-                    f"LoRA adapter {adapter} was trained for another model: its LoRA on {module} has "
-                    f"{shape[dim]} {side}, where the base's layer is {'x'.join(map(str, weight))}"
-                )
-            continue
-        if "lora_" in name or "magnitude_vector" in name:
-            continue
-        found = _matching(base_shapes, name)  # a head copy: the base's module, whole
-        if found is not None and found != shape:
-            raise UnsupportedModel(
-                f"LoRA adapter {adapter} saves its own copy of {name} shaped {shape}, where the base's is "
-                f"{found}: it was trained on a model with another head (another number of labels?)"
-            )
-
-
-def check_adapter_brings_head(adapter: Path, base: Path) -> None:
-    """Raise `UnsupportedModel` for an adapter of a scorer, classifier or extractor whose base's weights hold no head
-    when the adapter brings none either (saved without `task_type`): it would answer with the random head the load
-    fills in, another noise on every load (review finding). From the safetensors headers; unknown formats pass."""
-    base_shapes = _safetensors_shapes(safetensors_files(Path(base)))
-    adapter_shapes = _safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
-    if not base_shapes or not adapter_shapes or any(key.split(".")[0] in HEAD_MODULES for key in base_shapes):
-        return
-    if any(part in HEAD_MODULES for key in adapter_shapes for part in key.split(".")):
-        return
-    raise UnsupportedModel(
-        f"LoRA adapter {adapter} brings no head (classifier or score in modules_to_save) and its base's weights hold "
-        "none: it would answer with a random head. Save it with task_type SEQ_CLS or TOKEN_CLS, which saves the head "
-        "it trained, or register it on a base whose folder holds a trained head"
-    )
-
-
-def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
-    """The shape of the base weight `name` names, allowing for a prefix one side's saved names carry."""
-    if name in shapes:
-        return shapes[name]
-    for key, shape in shapes.items():
-        if key.endswith(f".{name}") or name.endswith(f".{key}"):
-            return shape
-    return None
-
-
 def check_safetensors_whole(files: list[Path], *, required: bool) -> None:
     """Refuse safetensors files a load could not read: a file the weights need that is missing (a shard the index
     names; with `required`, any), a header that is not one, or a file whose size is not the one its header
@@ -280,7 +176,7 @@ def _described_size(file: Path) -> int | None:
     return 8 + size + end
 
 
-def _safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
+def safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
     """Every tensor's shape from the files' safetensors headers (an 8-byte length, then JSON); {} when any file
     is missing or not safetensors."""
     shapes: dict[str, list[int]] = {}
@@ -300,78 +196,6 @@ def _safetensors_shapes(files: list[Path]) -> dict[str, list[int]]:
             if isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
                 shapes[key] = shape
     return shapes
-
-
-_PEFT_TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
-
-# peft's `task_type` of an adapter (its PeftModel class: which head it wraps) that fits a base of each task.
-_ADAPTER_TASK_TYPES: dict[Task, tuple[str, ...]] = {
-    Task.EMBED: ("FEATURE_EXTRACTION",),
-    Task.SCORE: ("SEQ_CLS",),
-    Task.CLASSIFY: ("SEQ_CLS",),
-    Task.EXTRACT: ("TOKEN_CLS",),
-    Task.GENERATE: ("CAUSAL_LM",),
-}
-
-
-_MOST_LORA_RANK = 65_536  # past any layer's width (`_MOST`'s hidden size): peft allocates r x width per layer first
-
-
-def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
-    """Refuse the LoRA fields peft would fail on at the first request, with its own words (`'<=' not supported
-    between instances of 'str' and 'int'`), or allocate for before it reads a weight (r of 10^12: 128 TB). h102."""
-
-    def rank(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MOST_LORA_RANK
-
-    def scale(value: Any) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-    def refuse(field: str, value: Any, expected: str) -> NoReturn:
-        raise UnsupportedModel(f"{config_file}: {field} is {json.dumps(value)[:40]}; {expected} is expected")
-
-    if "r" in config and not rank(config["r"]):
-        refuse("r", config["r"], f"a whole number from 1 to {_MOST_LORA_RANK}")
-    if "lora_alpha" in config and not scale(config["lora_alpha"]):
-        refuse("lora_alpha", config["lora_alpha"], "a number")
-    targets = config.get("target_modules")
-    if targets is not None and not isinstance(targets, str):
-        if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
-            refuse("target_modules", targets, "a module name, a pattern or a list of module names")
-    for field, judge, expected in (
-        ("rank_pattern", rank, f"a whole number from 1 to {_MOST_LORA_RANK}"),
-        ("alpha_pattern", scale, "a number"),
-    ):
-        pattern = config.get(field)
-        if pattern is None:
-            continue
-        if not isinstance(pattern, dict):
-            refuse(field, pattern, "an object of module patterns to values")
-        for key, value in pattern.items():
-            if not judge(value):
-                refuse(f"{field}[{key!r}]", value, expected)
-
-
-# Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense
-# against that rewritten base, which every other request shares (peft can convert such an adapter to plain LoRA).
-_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
-
-
-def _refuse_shared_changes(config: Mapping[str, Any], folder: Path) -> None:
-    """Refuse an adapter that would change what every request on its base shares: judged from
-    adapter_config.json, at registration and again before a load."""
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_REWRITING_INITS):
-        raise UnsupportedModel(
-            f"LoRA adapter {folder} was trained against a base its {init!r} initialisation rewrote; convert it to "
-            "a plain LoRA with peft (save_pretrained with path_initial_model_for_weight_conversion)"
-        )
-    bias = config.get("bias", "none")
-    if bias != "none":
-        raise UnsupportedModel(
-            f"LoRA adapter {folder} trains biases (bias={bias!r}): they are the base's own, shared by every "
-            "request; only bias='none' adapters are served"
-        )
 
 
 def _check_sizes(config: Mapping[str, Any], config_file: Path) -> None:
@@ -405,7 +229,7 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
     if task is Task.SCORE:
-        config = _json_object(folder / "config.json")
+        config = json_object(folder / "config.json")
         check_one_logit(folder, labels_from_config(config))
         ScoreHead.from_config(config, folder)  # an activation fleetbox does not apply is refused
     if task is Task.EMBED:  # its sentence-transformers modules, as the load will run them
@@ -416,7 +240,7 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         except (ValueError, OSError) as exc:  # a modules.json or module config that is not JSON, say
             raise UnsupportedModel(f"{folder}: its sentence-transformers modules cannot be read: {exc}") from None
     if task is Task.GENERATE:  # only where config.json alone tells; the load judges the rest
-        refuse_other_layers(layer_types_in(_json_object(folder / "config.json")) or (), folder)
+        refuse_other_layers(layer_types_in(json_object(folder / "config.json")) or (), folder)
         check_chat_template(folder)
     shipped = shipped_onnx(folder, options) if runtime is RuntimeKind.ONNX else None
     if shipped is not None:
@@ -433,8 +257,8 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     # Only a load through transformers reads the config with its class: a shipped graph or no-op does not.
     if runtime is RuntimeKind.TORCH or (runtime is RuntimeKind.ONNX and shipped is None):
         check_safetensors_whole(safetensors_files(folder), required=(folder / SAFETENSORS_INDEX).is_file())
-        config = _json_object(folder / "config.json")
-        shapes = _safetensors_shapes(safetensors_files(folder))  # the headers, read once for both checks
+        config = json_object(folder / "config.json")
+        shapes = safetensors_shapes(safetensors_files(folder))  # the headers, read once for both checks
         _refuse_missing_layers(folder, config, shapes)
         layer_types = judge_config(folder)
         _refuse_misshapen_weights(folder, config, shapes)  # once its class takes the config
@@ -502,7 +326,7 @@ def _refuse_misshapen_weights(folder: Path, config: Mapping[str, Any], shapes: M
             )
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def json_object(path: Path) -> dict[str, Any]:
     """A JSON file that must hold an object, or `UnsupportedModel` saying what it holds instead."""
     try:
         value = json.loads(path.read_text())

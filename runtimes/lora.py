@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
+from runtimes.adapter_check import check_adapter_folder
 from runtimes.base import AdapterConflict, UnknownAdapter, UnsupportedModel
-from runtimes.detect import check_adapter_folder
 from runtimes.lora_layout import in_the_way, modules_adapted, unwrapped, wrapped_modules, wrapping
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch

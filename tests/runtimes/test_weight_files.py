@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from runtimes import ModelSource, RuntimeKind, Task, UnsupportedModel, load_runtime
-from runtimes.detect import check_adapter_folder, check_loadable
+from runtimes.adapter_check import check_adapter_folder
+from runtimes.detect import check_loadable
 
 # What a clone without `git lfs` leaves in place of the weights.
 LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 90868376\n"

@@ -115,9 +115,9 @@ def test_a_t5_folder_is_not_judged_by_the_layers_inside_its_blocks(tmp_path: Pat
     the layer count, the three layers inside each block refused a 12-block model."""
     from safetensors.torch import save_file
 
-    from runtimes.detect import _refuse_missing_layers, _safetensors_shapes
+    from runtimes.detect import _refuse_missing_layers, safetensors_shapes
 
     tensors = {f"encoder.block.{b}.layer.{m}.w.weight": torch.zeros(1) for b in range(12) for m in range(3)}
     save_file(tensors, tmp_path / "model.safetensors")
-    shapes = _safetensors_shapes([tmp_path / "model.safetensors"])
+    shapes = safetensors_shapes([tmp_path / "model.safetensors"])
     _refuse_missing_layers(tmp_path, {"model_type": "t5", "num_layers": 12}, shapes)

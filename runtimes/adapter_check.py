@@ -1,0 +1,187 @@
+"""What a LoRA adapter folder must be for fleetbox to serve it on its base, read from its files before anything is
+loaded: a peft LoRA (`adapter_config.json` of fields peft can build from, and weights), saved for the base's kind
+of model, that changes nothing every request on the base shares (its biases, a base rewritten by its
+initialisation), and whose weights fit the base's layers and head (from the safetensors headers, without torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+from runtimes.base import HEAD_MODULES, Task, UnsupportedModel, safetensors_files
+from runtimes.detect import ADAPTER_WEIGHT_FILES, check_safetensors_whole, json_object, safetensors_shapes
+
+
+def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_rows: bool = True) -> None:
+    """Raise `UnsupportedModel` unless `folder` holds a LoRA adapter saved by peft (read without torch).
+
+    `base_task`: the base model's task, when known; an adapter peft saved for another kind of model is refused.
+    `mixed_rows`: whether the base's calls mix adapters per row (a generator's do: see runtimes/lora.py)."""
+    config_file = Path(folder) / "adapter_config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(f"{folder} has no adapter_config.json; a LoRA adapter saved by peft is expected")
+    config = json_object(config_file)
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise UnsupportedModel(f"{folder} is a {peft_type} adapter; only LoRA adapters are supported")
+    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHT_FILES):
+        raise UnsupportedModel(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
+    check_safetensors_whole([Path(folder) / "adapter_model.safetensors"], required=False)
+    _check_lora_fields(config, config_file)
+    _refuse_shared_changes(config, folder)
+    if mixed_rows and config.get("use_dora"):
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} is a DoRA adapter, which peft cannot apply per row of a generation batch"
+        )
+    task_type = config.get("task_type")
+    if task_type is not None and task_type not in _PEFT_TASK_TYPES:
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} has task_type {task_type!r}, which peft does not know (one of "
+            f"{', '.join(_PEFT_TASK_TYPES)}, or none)"
+        )
+    if base_task is not None and task_type is not None and task_type not in _ADAPTER_TASK_TYPES[base_task]:
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} was saved for a {task_type} model (peft task_type), not for a base that "
+            f"does {base_task}; expected task_type {' or '.join(_ADAPTER_TASK_TYPES[base_task])}"
+        )
+
+
+def check_adapter_fits(adapter: Path, base: Path) -> None:
+    """Raise `UnsupportedModel` for an adapter whose weights do not fit the base model in `base`: a head copy
+    (`modules_to_save`) of another shape (a 3-label head on a 1-label reranker), or a LoRA sized for other
+    layers. Read from the safetensors headers, without torch. Only a shape that contradicts the base's is
+    refused here: weights in another format, or names that do not line up (a checkpoint's legacy names, a head
+    built otherwise), are judged by the first load, which refuses weights that find no place in the model."""
+    adapter_shapes = safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
+    base_shapes = safetensors_shapes(safetensors_files(Path(base)))
+    if not adapter_shapes or not base_shapes:
+        return
+    for key, shape in adapter_shapes.items():
+        # peft saves a targeted embedding's or head's own weight under `<module>.base_layer.weight`
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        lora = next(((part, dim) for part, dim in ((".lora_A.", 1), (".lora_B.", 0)) if part in name), None)
+        if lora is not None:
+            part, dim = lora
+            module = name.split(part)[0]
+            weight = _matching(base_shapes, f"{module}.weight")
+            if weight is None or len(shape) < 2 or len(weight) < 2:
+                continue
+            # A Linear keeps its weight as (out, in), GPT-2's Conv1D as (in, out): either side may be the match.
+            fits = shape[dim] in weight[:2] if len(weight) == 2 else shape[dim] == weight[dim]
+            if not fits:
+                side = "inputs" if dim == 1 else "outputs"
+                raise UnsupportedModel(
+                    f"LoRA adapter {adapter} was trained for another model: its LoRA on {module} has "
+                    f"{shape[dim]} {side}, where the base's layer is {'x'.join(map(str, weight))}"
+                )
+            continue
+        if "lora_" in name or "magnitude_vector" in name:
+            continue
+        found = _matching(base_shapes, name)  # a head copy: the base's module, whole
+        if found is not None and found != shape:
+            raise UnsupportedModel(
+                f"LoRA adapter {adapter} saves its own copy of {name} shaped {shape}, where the base's is "
+                f"{found}: it was trained on a model with another head (another number of labels?)"
+            )
+
+
+def check_adapter_brings_head(adapter: Path, base: Path) -> None:
+    """Raise `UnsupportedModel` for an adapter of a scorer, classifier or extractor whose base's weights hold no head
+    when the adapter brings none either (saved without `task_type`): it would answer with the random head the load
+    fills in, another noise on every load (review finding). From the safetensors headers; unknown formats pass."""
+    base_shapes = safetensors_shapes(safetensors_files(Path(base)))
+    adapter_shapes = safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
+    if not base_shapes or not adapter_shapes or any(key.split(".")[0] in HEAD_MODULES for key in base_shapes):
+        return
+    if any(part in HEAD_MODULES for key in adapter_shapes for part in key.split(".")):
+        return
+    raise UnsupportedModel(
+        f"LoRA adapter {adapter} brings no head (classifier or score in modules_to_save) and its base's weights hold "
+        "none: it would answer with a random head. Save it with task_type SEQ_CLS or TOKEN_CLS, which saves the head "
+        "it trained, or register it on a base whose folder holds a trained head"
+    )
+
+
+def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
+    """The shape of the base weight `name` names, allowing for a prefix one side's saved names carry."""
+    if name in shapes:
+        return shapes[name]
+    for key, shape in shapes.items():
+        if key.endswith(f".{name}") or name.endswith(f".{key}"):
+            return shape
+    return None
+
+
+_PEFT_TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
+
+# peft's `task_type` of an adapter (its PeftModel class: which head it wraps) that fits a base of each task.
+_ADAPTER_TASK_TYPES: dict[Task, tuple[str, ...]] = {
+    Task.EMBED: ("FEATURE_EXTRACTION",),
+    Task.SCORE: ("SEQ_CLS",),
+    Task.CLASSIFY: ("SEQ_CLS",),
+    Task.EXTRACT: ("TOKEN_CLS",),
+    Task.GENERATE: ("CAUSAL_LM",),
+}
+
+_MOST_LORA_RANK = 65_536  # past any layer's width (`_MOST`'s hidden size): peft allocates r x width per layer first
+
+
+def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
+    """Refuse the LoRA fields peft would fail on at the first request, with its own words (`'<=' not supported
+    between instances of 'str' and 'int'`), or allocate for before it reads a weight (r of 10^12: 128 TB). h102."""
+
+    def rank(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MOST_LORA_RANK
+
+    def scale(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    def refuse(field: str, value: Any, expected: str) -> NoReturn:
+        raise UnsupportedModel(f"{config_file}: {field} is {json.dumps(value)[:40]}; {expected} is expected")
+
+    if "r" in config and not rank(config["r"]):
+        refuse("r", config["r"], f"a whole number from 1 to {_MOST_LORA_RANK}")
+    if "lora_alpha" in config and not scale(config["lora_alpha"]):
+        refuse("lora_alpha", config["lora_alpha"], "a number")
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str):
+        if not isinstance(targets, list) or not all(isinstance(name, str) for name in targets):
+            refuse("target_modules", targets, "a module name, a pattern or a list of module names")
+    for field, judge, expected in (
+        ("rank_pattern", rank, f"a whole number from 1 to {_MOST_LORA_RANK}"),
+        ("alpha_pattern", scale, "a number"),
+    ):
+        pattern = config.get(field)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            refuse(field, pattern, "an object of module patterns to values")
+        for key, value in pattern.items():
+            if not judge(value):
+                refuse(f"{field}[{key!r}]", value, expected)
+
+
+# Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense
+# against that rewritten base, which every other request shares (peft can convert such an adapter to plain LoRA).
+_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "eva")
+
+
+def _refuse_shared_changes(config: Mapping[str, Any], folder: Path) -> None:
+    """Refuse an adapter that would change what every request on its base shares: judged from
+    adapter_config.json, at registration and again before a load."""
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_REWRITING_INITS):
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} was trained against a base its {init!r} initialisation rewrote; convert it to "
+            "a plain LoRA with peft (save_pretrained with path_initial_model_for_weight_conversion)"
+        )
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise UnsupportedModel(
+            f"LoRA adapter {folder} trains biases (bias={bias!r}): they are the base's own, shared by every "
+            "request; only bias='none' adapters are served"
+        )
