@@ -45,7 +45,12 @@ class BadRequest(FleetboxError):
 
 
 class Unauthorized(FleetboxError):
+    """A 401 says how to authenticate (`WWW-Authenticate`, which HTTP requires of it): a bearer key."""
+
     status, type, code = 401, "authentication_error", "unauthorized"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"WWW-Authenticate": 'Bearer realm="fleetbox"'})
 
 
 class Forbidden(FleetboxError):

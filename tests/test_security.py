@@ -32,6 +32,7 @@ async def test_metrics_can_require_a_key(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model()], api_keys="user-key", metrics_require_key=True)
     async with http.get(url(box, "/metrics")) as response:
         assert response.status == 401
+        assert response.headers["WWW-Authenticate"] == 'Bearer realm="fleetbox"'  # HTTP requires it of a 401 (h103)
     async with http.get(url(box, "/metrics"), headers=USER) as response:
         assert response.status == 200
     async with http.get(url(box, "/readyz")) as response:
