@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import suppress
 
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 
 from appliance import bus
 from appliance.envelope import BATCH, INTERACTIVE
 from appliance.tasks import cancel_and_wait
 
 _SHORTEST_S = 0.005  # a pull request's shortest life
+_DRAIN_S = 2.0  # a stop's wait for what the server sent before it heard the stop
 BULK_IDLE_S = 0.05  # interactive silence needed before batch-priority work is pulled
 
 
@@ -73,12 +76,20 @@ class Puller:
         self._task = asyncio.create_task(self._loop(), name=f"puller:{self._subject}")
 
     async def stop(self) -> None:
-        """Stop asking, for good."""
+        """Stop asking, for good. What the server sent before it heard this box stop listening is handed back (a nak)
+        for another box to take at once: unsubscribed, the client dropped it, and JetStream gave it out again only
+        after `ack_wait_s` (tester h104: past a stopping gateway's grace, so its client had a 503)."""
         self._stopped = True
         await cancel_and_wait([self._task])
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        sub, self._sub = self._sub, None
+        if sub is None:
+            return
+        try:
+            async with asyncio.timeout(_DRAIN_S):  # not wait_for (see appliance/tasks.py)
+                await sub.drain()  # the server told, a round trip, then what it sent before that taken in
+        except (TimeoutError, NatsError):  # cut off from NATS: nothing more comes, and nothing can be handed back
+            with suppress(NatsError):
+                await sub.unsubscribe()
 
     def quiet_for(self, seconds: float) -> bool:
         """No message has been delivered for `seconds`: the box may turn to batch-priority work."""
@@ -132,6 +143,10 @@ class Puller:
             if status != "100" and msg.subject.endswith(f".{self._seq}"):
                 self._remaining = 0
                 self._wake.set()
+            return
+        if self._stopped:  # sent before the server heard the stop: another box takes it now
+            with suppress(NatsError):
+                await msg.nak()
             return
         self._remaining = max(0, self._remaining - 1)
         self.last_message_at = asyncio.get_running_loop().time()

@@ -229,6 +229,62 @@ async def test_a_puller_woken_as_it_is_stopped_still_stops(nats_server) -> None:
         await nc.close()
 
 
+async def test_what_a_stopped_puller_was_sent_is_handed_back_not_dropped(nats_server, monkeypatch) -> None:
+    """Tester h104: a box stopped under load unsubscribed its pull inbox, and the client dropped what the server had
+    sent it meanwhile; JetStream gave it out again only after ack_wait_s, past the stopping gateway's grace (its
+    client had a 503). The messages here wait in the client, their callback held, when the stop begins."""
+    from appliance.connect import ensure_consumers, ensure_queue
+    from appliance.settings import Settings
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        settings = Settings(ack_wait_s=60)
+        await ensure_queue(js, settings)
+        await ensure_consumers(js, settings, "held")
+        for n in range(5):
+            await js.publish(bus.request_subject("held"), b"%d" % n)
+        taken, entered, release = [], asyncio.Event(), asyncio.Event()
+        subscribe = nc.subscribe
+
+        async def held_subscribe(subject: str, *args, cb, **kwargs):
+            async def held(msg) -> None:  # the first delivery holds the callback: the rest wait behind it
+                entered.set()
+                await release.wait()
+                await cb(msg)
+
+            return await subscribe(subject, *args, cb=held, **kwargs)
+
+        monkeypatch.setattr(nc, "subscribe", held_subscribe)
+        consumer = bus.consumer_name("held")
+        puller = Puller(nc, "held", "_TEST.pull.held", lambda: 5 - len(taken), taken.append)
+        await puller.start()
+
+        async def all_sent() -> bool:
+            return (await js.consumer_info(bus.REQUEST_STREAM, consumer)).num_ack_pending == 5
+
+        await wait_for(entered.is_set, what="the first delivery in the callback")
+        await wait_for(all_sent, what="all five sent to the puller")
+        stopping = asyncio.create_task(puller.stop())
+        await wait_for(lambda: puller._sub is None, what="the stop under way while the callback is held")
+        release.set()
+        await asyncio.wait_for(stopping, 10)
+
+        # Another box takes them at once, where dropped they would wait out ack_wait_s (60 s here).
+        other_nc = await nats.connect(nats_server.url)
+        other_took: list = []
+        other = Puller(other_nc, "held", "_TEST.pull.other", lambda: 5 - len(other_took), other_took.append)
+        try:
+            await other.start()
+            await wait_for(lambda: len(other_took) == 5, what="the other box given all five")
+        finally:
+            await other.stop()
+            await other_nc.close()
+        assert taken == []  # none was given to the box once it had stopped
+    finally:
+        await nc.close()
+
+
 async def test_a_puller_stopped_while_it_subscribes_never_starts_asking(nats_server, monkeypatch) -> None:
     """A stop that came while `start` awaited its inbox's subscription found nothing to stop, and the start then
     subscribed and began asking for good (tester h95: a generator's pullers, as an encoder's, outlived the drain of an
