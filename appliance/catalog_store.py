@@ -12,6 +12,7 @@ import logging
 import random
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import fields
 from typing import Any
 
 import orjson
@@ -422,8 +423,11 @@ class CatalogStore:
             self._watcher = None
 
 
+_NOT_COMPARED = {field.name for field in fields(ModelSpec) if not field.compare}  # when it was made, not what
+
+
 def _differing(configured: ModelSpec, held: ModelSpec) -> list[str]:
     """The fields in which the catalog's entry differs from the config file's."""
     ours, theirs = orjson.loads(configured.to_json()), orjson.loads(held.to_json())
-    keys = (ours.keys() | theirs.keys()) - {"registered_ms"}  # when, not what
+    keys = (ours.keys() | theirs.keys()) - _NOT_COMPARED
     return sorted(key for key in keys if ours.get(key) != theirs.get(key))

@@ -154,9 +154,7 @@ def _check_inputs(texts: list[str], max_inputs: int, field: str) -> None:
     item = "document" if field == "documents" else field
     if len(texts) > max_inputs:
         raise PayloadTooLarge(
-            f"{len(texts)} {'documents' if field == 'documents' else 'inputs'} is more than the limit of {max_inputs} "
-            "per request",
-            code="too_many_inputs",
+            f"{len(texts)} {item}s is more than the limit of {max_inputs} per request", code="too_many_inputs"
         )
     for index, text in enumerate(texts):
         if not text:

@@ -185,8 +185,6 @@ def _too_large(settings: Settings) -> PayloadTooLarge:
 
 def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     """Validate a body against its schema: malformed JSON is 400, a wrong shape or value 422."""
-    if not body.strip():  # msgspec calls it truncated, as if the upload were cut off
-        raise BadRequest("the request body is empty; send a JSON object", code="invalid_json")
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -199,6 +197,8 @@ def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
             )
         raise Unprocessable(f"invalid request: {message}") from None
     except msgspec.DecodeError as exc:
+        if not body.strip():  # msgspec calls it truncated, as if the upload were cut off
+            raise BadRequest("the request body is empty; send a JSON object", code="invalid_json") from None
         raise BadRequest(f"malformed JSON: {_decode_error(body, exc)}", code="invalid_json") from None
     except RecursionError:  # deep nesting, even in a field the schema ignores
         raise BadRequest("malformed JSON: nested too deeply", code="invalid_json") from None
