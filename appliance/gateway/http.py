@@ -95,6 +95,15 @@ async def read_body(request: web.Request, settings: Settings) -> bytes:
 async def _receive(request: web.Request, settings: Settings) -> bytes:
     """The body's bytes, within `max_body_bytes`, `body_timeout_s` and the box's `Receiving` budget."""
     receiving = request.app.get(RECEIVING) or Receiving(settings.max_receiving_bytes)
+    if request.content.is_eof():
+        # All of it came with the headers (a small body, the usual case): nothing to wait for. The timed read below
+        # cost 4% of a no-op request's CPU (py-spy, e2e_embed (d)).
+        body = request.content.read_nowait()
+        if len(body) > settings.max_body_bytes:
+            raise _too_large(settings)
+        receiving.take(len(body))  # judged against the bodies still arriving, as if its bytes came now
+        receiving.give(len(body))
+        return body
     parts: list[bytes] = []
     received = 0
     try:
