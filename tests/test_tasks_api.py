@@ -294,6 +294,26 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     assert streamed == whole[1]["choices"][0]["message"]["content"]
 
 
+async def test_a_clients_own_request_id_is_echoed_in_x_request_id(task_box, http) -> None:
+    """A client's `X-Request-Id` was dropped, the answer's carrying the box's id instead: the client's tracing could
+    not tie the answer to its call (vLLM and proxies echo it). The box's own id stays in `Fbx-Request-Id`."""
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    async with http.post(url(task_box, "/v1/chat/completions"), json=body, headers={"X-Request-Id": "trace-42"}) as r:
+        assert r.status == 200
+        assert r.headers["X-Request-Id"] == "trace-42"
+        assert r.headers["Fbx-Request-Id"] not in ("", "trace-42")
+        await r.read()
+    whole = {**body, "stream": False}
+    async with http.post(url(task_box, "/v1/chat/completions"), json=whole, headers={"X-Request-Id": "t-7"}) as r:
+        assert r.status == 200 and r.headers["X-Request-Id"] == "t-7"
+    unknown = {**whole, "model": "no-such-model"}
+    async with http.post(url(task_box, "/v1/chat/completions"), json=unknown, headers={"X-Request-Id": "t-8"}) as r:
+        assert r.status == 404 and r.headers["X-Request-Id"] == "t-8"  # errors too
+    for odd in ("two words", "x" * 201):  # not echoed: the box's own id, as when none is sent
+        async with http.post(url(task_box, "/v1/chat/completions"), json=whole, headers={"X-Request-Id": odd}) as r:
+            assert r.status == 200 and r.headers["X-Request-Id"] == r.headers["Fbx-Request-Id"]
+
+
 async def stream_chunks(http, box: Box, path: str, body: dict) -> list[dict]:
     """The chunk objects of a streamed answer, `[DONE]` checked and left out."""
     async with http.post(url(box, path), json=body) as response:

@@ -31,7 +31,15 @@ from appliance.errors import (
 from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei, tei_info, tei_models
 from appliance.gateway.auth import IN_FLIGHT, Handler, inference, may_send_body, metrics_guard
 from appliance.gateway.auth import admin as admin_only
-from appliance.gateway.context import CLIENT_GONE, CONTEXT, REQUEST_ID, GatewayContext
+from appliance.gateway.context import (
+    CLIENT_GONE,
+    CLIENT_REQUEST_ID,
+    CONTEXT,
+    REQUEST_ID,
+    GatewayContext,
+    client_request_id,
+    request_id_headers,
+)
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.http import RECEIVING, Receiving, json_response
 from appliance.gateway.publish import FAILOVER_RETRY_S
@@ -51,6 +59,8 @@ def _count(request: web.Request, status: int, started: float) -> None:
     level = logging.WARNING if status >= 500 else logging.INFO if status >= 400 else logging.DEBUG
     if log.isEnabledFor(level):
         extra = {"request_id": request[REQUEST_ID], "method": request.method, "route": route, "status": status}
+        if (client_id := request.get(CLIENT_REQUEST_ID)) is not None:
+            extra["client_request_id"] = client_id
         log.log(level, "request", extra=extra | {"ms": round(elapsed_ms, 2)})
 
 
@@ -69,7 +79,9 @@ _OPERATIONS = frozenset({"/healthz", "/readyz", "/health", "/metrics"})
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     ctx = GatewayContext.of(request)
     started = time.perf_counter()
-    request_id = request[REQUEST_ID] = ctx.new_request_id()
+    request[REQUEST_ID] = ctx.new_request_id()
+    if (client_id := client_request_id(request)) is not None:
+        request[CLIENT_REQUEST_ID] = client_id
     try:
         if (expect := request.get(_UNKNOWN_EXPECT)) is not None:  # in the error shape, logged and counted
             raise ExpectationFailed(f"unknown Expect: {expect[:100]!r}; only 100-continue is understood")
@@ -100,7 +112,7 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         response = _error_response(InternalError("internal error; see the box's log"))
     _count(request, CLIENT_CLOSED_REQUEST if request.get(CLIENT_GONE) else response.status, started)
     if not response.prepared:  # a stream has sent its headers already
-        response.headers["Fbx-Request-Id"] = response.headers["X-Request-Id"] = request_id  # the latter: OpenAI's
+        response.headers.update(request_id_headers(request))
     if request.get(_WITHHELD) and not response.prepared:
         # Told not to send its body yet, the client may send it now or never: read as the next request, it hung the
         # connection (a 401 for a missing key, before the body, kept it open).

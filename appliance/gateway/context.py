@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,4 +74,25 @@ class GatewayContext:
 
 CONTEXT: web.AppKey[GatewayContext] = web.AppKey("fleetbox", GatewayContext)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("fbx_request_id", str)  # the request id the middleware set
+CLIENT_REQUEST_ID: web.RequestKey[str] = web.RequestKey("fbx_client_request_id", str)  # the client's, if it sent one
 CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("fbx_client_gone", bool)  # it hung up mid-stream: a 499
+
+
+# A client's own `X-Request-Id` that is echoed: visible ASCII, no spaces, at most 200 characters (a header value that
+# is not one is ignored, as a missing one: it would be a log injection or a header too large to echo).
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+def client_request_id(request: web.Request) -> str | None:
+    """The `X-Request-Id` the client sent, to be echoed in its answer (as vLLM and proxies such as nginx do, so the
+    client's tracing ties the answer to its call), or None. The box's own id stays the request's id on the queue and
+    in `Fbx-Request-Id`: a client's id need not be unique, and two requests under one id would share a reply."""
+    sent = request.headers.get("X-Request-Id")
+    return sent if sent is not None and _CLIENT_ID.fullmatch(sent) else None
+
+
+def request_id_headers(request: web.Request) -> dict[str, str]:
+    """The answer's id headers: the box's id, and in `X-Request-Id` (read by the openai SDK) the client's own id if it
+    sent one, else the box's."""
+    request_id = request[REQUEST_ID]
+    return {"Fbx-Request-Id": request_id, "X-Request-Id": request.get(CLIENT_REQUEST_ID) or request_id}

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from appliance.errors import FleetboxError, InternalError, ServiceUnavailable, Unprocessable
-from appliance.gateway.context import CLIENT_GONE, REQUEST_ID, GatewayContext
+from appliance.gateway.context import CLIENT_GONE, REQUEST_ID, GatewayContext, request_id_headers
 from appliance.gateway.encoders import ROUTE_FOR
 from appliance.gateway.http import decode, json_response, read_body, request_priority, request_timeout
 from appliance.gateway.replies import Reply
@@ -266,9 +266,8 @@ class _Resume:
 
 
 async def _open(request: web.Request) -> web.StreamResponse:
-    request_id = request[REQUEST_ID]
     headers = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-    headers |= {"Fbx-Request-Id": request_id, "X-Request-Id": request_id}
+    headers |= request_id_headers(request)
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     return response
