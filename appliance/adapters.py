@@ -10,6 +10,8 @@ registered again on another folder, retires the loaded one, which is unloaded on
 A registration loaded while an older one of its name is still held loads beside it. The runtime knows each
 load by a key of its own (`fbx-adapter-N`, never reused on a base), not by the adapter's name: `name#2` was
 also a name another adapter may have, whose weights it was then served. `acquire` hands the key back.
+A loaded adapter whose folder is gone from the box is not listed servable: its requests are refused (503) before
+they reach it, so the heartbeat and the model list said it was there while each request failed.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class BaseAdapters:
         self._closed = False
 
     def names(self) -> list[str]:
-        """The registrations loaded here and servable (for the heartbeat)."""
-        return sorted({e.spec.name for e in self._entries.values() if not e.retired})
+        """The registrations loaded here and servable (for the heartbeat): not retired, their folder still here."""
+        return sorted({e.spec.name for e in self._entries.values() if not e.retired and missing_folder(e.spec) is None})
 
     async def acquire(self, spec: ModelSpec, hold: bool) -> LoadedAdapter:
         """The loaded entry for this registration (loaded now if need be); with `hold`, held until released."""
@@ -250,6 +252,17 @@ class BaseAdapters:
             retired = [e for e in self._entries.values() if e.retired and e.holders == 0]
             if all([await self._unload(entry, "request") for entry in retired]):
                 self._retry_s = RETRY_FIRST_S
+
+
+def missing_folder(adapter: ModelSpec) -> str | None:
+    """Why an adapter cannot be served on this box for want of its folder (moved or deleted since it was registered),
+    or None when the folder is there: the words its record's `load_error` gives, as its requests' 503 does."""
+    if adapter.path.is_dir():
+        return None
+    return (
+        f"its folder {adapter.path} does not exist on this box (moved or deleted since it was registered); put it "
+        "back, or register the adapter again"
+    )
 
 
 def _same_registration(loaded: ModelSpec, wanted: ModelSpec) -> bool:

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from appliance import __version__, bus
+from appliance.adapters import missing_folder
 from appliance.catalog import DEFAULT_MODEL_NAME, ModelSpec
 from appliance.devices import device_name
 
@@ -56,7 +57,7 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
     its batching had before)."""
     spec = spec or box.catalog.get(name)
     if spec is not None and spec.adapter_of is not None:
-        return _adapter_state(box, name, spec.adapter_of)
+        return _adapter_state(box, spec, spec.adapter_of)
     boxes, nbytes, loading, max_length = [], None, False, None
     for record in box.fleet.live_boxes() if box.fleet else []:
         if record.get("box") == box.box_id:
@@ -91,9 +92,11 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
     }
 
 
-def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
+def _adapter_state(box: Box, spec: ModelSpec, base: str) -> dict[str, Any]:
     """An adapter is resident on the boxes whose heartbeat lists it loaded on its base; on this box, as it holds it
-    now (its own heartbeat, up to a beat old, had an adapter deleted and registered again at once resident)."""
+    now (its own heartbeat, up to a beat old, had an adapter deleted and registered again at once resident). Its
+    folder gone from this box is its `load_error` here: every request this box takes for it is refused for that."""
+    name = spec.name
     boxes = {
         record["box"]
         for record in (box.fleet.live_boxes() if box.fleet else [])
@@ -110,7 +113,7 @@ def _adapter_state(box: Box, name: str, base: str) -> dict[str, Any]:
         "bytes": None,
         "max_model_len": model_state(box, base)["max_model_len"],  # its base's: it runs in it
         "profile": None,
-        "load_error": box.residency.load_error(name),  # this box's last load of it onto its base
+        "load_error": missing_folder(spec) or box.residency.load_error(name),  # else its last load onto its base here
     }
 
 

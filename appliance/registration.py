@@ -35,7 +35,12 @@ from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, 
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
-from runtimes.adapter_check import check_adapter_brings_head, check_adapter_fits, check_adapter_folder
+from runtimes.adapter_check import (
+    check_adapter_brings_head,
+    check_adapter_fits,
+    check_adapter_folder,
+    check_adapter_labels,
+)
 from runtimes.base import RuntimeKind, Task, UnsupportedModel, shipped_onnx
 from runtimes.config_check import ConfigNotJudged
 from runtimes.detect import check_loadable, detect_task
@@ -113,8 +118,11 @@ def _judge_readable_folder(
         return folder, _task_for(registration, folder)
     try:
         check_adapter_folder(folder, base_task=base.task, mixed_rows=base.task is Task.GENERATE)
+        heads = base.task in (Task.SCORE, Task.CLASSIFY, Task.EXTRACT)
+        if heads:  # first: its words (labels) say more than a shape, and it needs no head in the base's weights
+            check_adapter_labels(folder, base.path)
         check_adapter_fits(folder, base.path)
-        if base.task in (Task.SCORE, Task.CLASSIFY, Task.EXTRACT):
+        if heads:
             check_adapter_brings_head(folder, base.path)
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="unsupported_adapter") from None

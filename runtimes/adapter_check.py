@@ -89,6 +89,49 @@ def check_adapter_fits(adapter: Path, base: Path) -> None:
             )
 
 
+def check_adapter_labels(adapter: Path, base: Path) -> None:
+    """Raise `UnsupportedModel` for an adapter of a scorer, classifier or extractor whose head (a `modules_to_save`
+    copy, or a LoRA on it) gives another number of labels than the base's config.json: the load builds the head
+    the config says, so every request failed with torch's size mismatch (black-box finding, a base whose weights
+    hold no head to compare with, where `check_adapter_fits` has nothing to judge). From the safetensors header and
+    config.json; an adapter in another format, or a config that states no labels, passes."""
+    adapter_shapes = safetensors_shapes([Path(adapter) / "adapter_model.safetensors"])
+    labels = _labels_of(Path(base) / "config.json")
+    if labels is None or not adapter_shapes:
+        return
+    count, source = labels
+    for key, shape in adapter_shapes.items():
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        module, lora, _ = name.partition(".lora_B.")
+        head = f"{module}.weight" if lora else name
+        if head not in _HEAD_OUTPUTS or len(shape) != 2 or shape[0] == count:
+            continue
+        what = f"its LoRA on {module}" if lora else f"its own copy of {head}"
+        raise UnsupportedModel(
+            f"LoRA adapter {adapter} has a head of {shape[0]} labels ({what} is {shape}), where its base's config.json "
+            f"says {count} labels ({source}): it was trained on a model with another head; register it on a base "
+            f"of {shape[0]} labels"
+        )
+
+
+def _labels_of(config_file: Path) -> tuple[int, str] | None:
+    """The number of labels a model's config.json gives its head, and the field that says so, as transformers reads
+    them (`id2label` before `num_labels`); None when it says neither, or cannot be read (its load says why)."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    names = config.get("id2label")
+    if isinstance(names, dict) and names:
+        return len(names), "id2label"
+    count = config.get("num_labels")
+    if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        return count, "num_labels"
+    return None
+
+
 def check_adapter_brings_head(adapter: Path, base: Path) -> None:
     """Raise `UnsupportedModel` for an adapter of a scorer, classifier or extractor whose base's weights hold no head
     when the adapter brings none either (saved without `task_type`): it would answer with the random head the load
@@ -115,6 +158,10 @@ def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
             return shape
     return None
 
+
+# The weight whose rows are a head's labels, per head layout (a Linear, RoBERTa's two-layer head, a decoder's score),
+# as in runtimes/detect.py, which judges a model's own head against its config.json the same way.
+_HEAD_OUTPUTS = frozenset({"classifier.weight", "classifier.out_proj.weight", "score.weight"})
 
 _PEFT_TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 

@@ -504,3 +504,69 @@ async def test_a_deleted_adapters_metric_series_go_with_it(
     await wait_for(lambda: "cls:gone" not in loaded_adapters(box), what="the deleted adapter to be unloaded")
     await wait_for(lambda: not series("cls:gone"), what="its series to go")
     assert series("cls")  # its base's stay
+
+
+@pytest.mark.parametrize("base_head", [True, False], ids=["base-with-head", "headless-base"])
+async def test_an_adapter_with_a_head_of_other_labels_than_its_base_is_refused_at_registration(
+    start_box, http, classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory, base_head: bool
+) -> None:
+    """Black-box tester: a 2-label head copy (`modules_to_save=["classifier"]`) registered on a 3-label classifier
+    was a 201, then every request failed with torch's size-mismatch text; the docs say a head copy must have the
+    base's shape (its number of labels). Judged against the base's config.json, whether or not its folder holds a
+    head of its own."""
+    from transformers import AutoModelForSequenceClassification
+
+    from benchmarks._models import copy_bert_tokenizer
+
+    models = tmp_path_factory.mktemp("models")
+    binary = models / "binary"
+    AutoModelForSequenceClassification.from_pretrained(
+        classifier_dir, id2label={0: "no", 1: "yes"}, label2id={"no": 0, "yes": 1},
+        ignore_mismatched_sizes=True,
+    ).save_pretrained(binary)  # fmt: skip
+    adapter = make_adapter(Task.CLASSIFY, binary, models / "binary-lora", 8, modules_to_save=["classifier"])
+    base = classifier_dir
+    if not base_head:
+        base = models / "headless"
+        AutoModelForSequenceClassification.from_pretrained(classifier_dir).bert.save_pretrained(base)
+        (base / "config.json").write_text((classifier_dir / "config.json").read_text())
+        copy_bert_tokenizer(base)
+    box = await start_box(default_model=False, model_roots=[base.parent.parent, models.parent])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "cls", "path": str(base)}))[0] == 201
+    body = {"name": "cls:binary", "path": str(adapter), "adapter_of": "cls"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    if status == 201:  # what the tester saw: then every request failed
+        said = await classify(http, box, "cls:binary")
+        pytest.fail(f"registered (201); a request then answered {said}")
+    assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), answer
+    message = answer["error"]["message"]
+    assert "2 labels" in message and "3 labels" in message, message
+
+
+async def test_an_adapter_whose_folder_was_deleted_is_not_listed_loaded_and_its_record_says_why(
+    start_box, http, classifier_dir: Path, classifier_adapters: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An adapter loaded, then its folder deleted: every request was a 503 `adapter_folder_missing`, while
+    `GET /v1/models` and the box's heartbeat went on listing it resident on the box, with `load_error` null."""
+    from appliance.box_status import heartbeat
+
+    folder = tmp_path_factory.mktemp("models") / "gone-lora"
+    shutil.copytree(classifier_adapters[0], folder)
+    box = await start_box(default_model=False, model_roots=[classifier_dir.parent.parent, folder.parent.parent])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
+    await register_adapter(http, box, "cls:gone", folder)
+    assert (await classify(http, box, "cls:gone"))[0] == 200
+    _, record = await call(http, box, "GET", "/v1/models/cls:gone")
+    assert (record["state"], record["boxes"]) == ("resident", [box.box_id]), record
+
+    shutil.rmtree(folder)
+    status, answer = await classify(http, box, "cls:gone")
+    assert (status, answer["error"]["code"]) == (503, "adapter_folder_missing"), answer
+    _, record = await call(http, box, "GET", "/v1/models/cls:gone")
+    assert (record["state"], record["boxes"]) == ("cold", []), record
+    assert f"its folder {folder} does not exist on this box" in (record["load_error"] or ""), record
+    _, listed = await call(http, box, "GET", "/v1/models")
+    assert [m["state"] for m in listed["data"] if m["id"] == "cls:gone"] == ["cold"], listed
+    beat = {model["name"]: model for model in heartbeat(box)["models"]}
+    assert "cls:gone" not in beat["cls"]["adapters"], beat
+    assert (await classify(http, box, "cls"))[0] == 200  # the base answers as before
