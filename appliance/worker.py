@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.adapters import AdapterHold
+from appliance.adapters import AdapterHold, missing_folder
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
@@ -437,12 +437,8 @@ async def hold_adapter(
         # Sent for a registration of the name deleted since (an adapter's requests share its base's queue, which a
         # deletion cannot purge of them alone): the new folder's weights answered it (h102). Clocks of the boxes.
         raise NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
-    if not adapter.path.is_dir():  # the box's fault, not the request's: a 422 `bad_adapter` blamed the client (h73)
-        raise ServiceUnavailable(
-            f"adapter {adapter.name}: its folder {adapter.path} does not exist on this box (moved or deleted since it"
-            " was registered); put it back, or register the adapter again",
-            code="adapter_folder_missing",
-        )
+    if (missing := missing_folder(adapter)) is not None:  # the box's fault, not the request's: not a 422 (h73)
+        raise ServiceUnavailable(f"adapter {adapter.name}: {missing}", code="adapter_folder_missing")
     try:
         return await residency.hold_adapter(base.name, adapter)
     except (UnsupportedModel, UnknownAdapter) as exc:
