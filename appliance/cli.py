@@ -55,19 +55,25 @@ def serve(
         str | None, typer.Option("--nats", help="NATS URL(s), comma-separated; none starts an embedded server")
     ] = None,
     nats_port: Annotated[int | None, typer.Option(help="embedded NATS port [FBX_NATS_PORT, default 4222]")] = None,
-    state_dir: Annotated[Path | None, typer.Option(help="state directory [FBX_STATE_DIR, default .fleetbox]")] = None,
+    # Paths as text: click turned "" into Path("."), the working directory, which the settings refuse when empty.
+    state_dir: Annotated[
+        str | None, typer.Option(metavar="PATH", help="state directory [FBX_STATE_DIR, default .fleetbox]")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file [FBX_CONFIG]")] = None,
     model_root: Annotated[
-        list[Path] | None, typer.Option(help="a folder registered models may live in; repeatable [FBX_MODEL_ROOTS]")
+        list[str] | None,
+        typer.Option(metavar="PATH", help="a folder registered models may live in; repeatable [FBX_MODEL_ROOTS]"),
     ] = None,
     role: Annotated[str | None, typer.Option(help="all | gateway | worker [FBX_ROLE]")] = None,
     box_id: Annotated[str | None, typer.Option(help="this box's id [FBX_BOX_ID, default host-random]")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N [FBX_DEVICE]")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG | INFO | WARNING | ERROR [FBX_LOG_LEVEL]")] = None,
-    creds: Annotated[Path | None, typer.Option(help="NATS credentials file [FBX_CREDS]")] = None,
-    tls_ca: Annotated[Path | None, typer.Option(help="CA bundle for NATS TLS [FBX_TLS_CA]")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="client certificate for NATS TLS [FBX_TLS_CERT]")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="client key for NATS TLS [FBX_TLS_KEY]")] = None,
+    creds: Annotated[str | None, typer.Option(metavar="PATH", help="NATS credentials file [FBX_CREDS]")] = None,
+    tls_ca: Annotated[str | None, typer.Option(metavar="PATH", help="CA bundle for NATS TLS [FBX_TLS_CA]")] = None,
+    tls_cert: Annotated[
+        str | None, typer.Option(metavar="PATH", help="client certificate for NATS TLS [FBX_TLS_CERT]")
+    ] = None,
+    tls_key: Annotated[str | None, typer.Option(metavar="PATH", help="client key for NATS TLS [FBX_TLS_KEY]")] = None,
     durable: Annotated[
         bool | None, typer.Option("--durable/--memory", help="file storage for the queue and buckets [FBX_DURABLE]")
     ] = None,

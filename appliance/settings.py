@@ -235,6 +235,16 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _metrics_key_needs_a_key(self) -> Settings:
+        # With no key of either kind, `/metrics` stayed open: the operator asked for a protection that was not there.
+        if self.metrics_require_key and not (self.api_key_list or self.admin_key_list):
+            raise ValueError(
+                "metrics_require_key is true, but no API or admin key is set (api_keys, admin_keys): /metrics "
+                "would be open; set a key, or leave metrics_require_key false"
+            )
+        return self
+
     @field_validator("state_dir", "creds", "tls_ca", "tls_cert", "tls_key", "profiles_dir", mode="before")
     @classmethod
     def _paths_not_blank(cls, value: object) -> object:
@@ -246,6 +256,8 @@ class Settings(BaseSettings):
     @field_validator("model_roots", mode="before")
     @classmethod
     def _roots_from_text(cls, value: object) -> object:
+        if isinstance(value, list) and any(isinstance(root, str) and not root.strip() for root in value):
+            raise ValueError("a model root is empty; give a path")  # Path("") is the working directory
         if not isinstance(value, str):
             return value
         if value.strip().startswith("["):

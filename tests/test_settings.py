@@ -513,6 +513,27 @@ def test_a_blank_state_dir_is_no_working_directory(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
+        (["--state-dir", ""], "state_dir: is empty; give a path"),
+        (["--model-root", "/tmp", "--model-root", ""], "model_roots: a model root is empty; give a path"),
+        (["--creds", ""], "creds: is empty; give a path"),
+        (["--tls-ca", " "], "tls_ca: is empty; give a path"),
+    ],
+)
+def test_an_empty_path_flag_is_no_working_directory(args, said, tmp_path, monkeypatch) -> None:
+    """`--state-dir ""` started a box with its store in the working directory, where `FBX_STATE_DIR=` is refused (docs
+    auditor h105): click read "" as Path("."). As `--model-root ""` made the working directory a model root."""
+    monkeypatch.chdir(tmp_path)
+    # A port out of range beside it: read as the working directory, the path would start a box, not end the test.
+    result = CliRunner().invoke(cli.app, ["serve", "--port", "70000", *args])
+    assert result.exit_code == 2, result.output
+    assert f"fleetbox: bad settings: {said}" in result.output
+    assert "bad settings: port:" in result.output  # every bad setting is said at once
+    assert not list(tmp_path.iterdir())  # nothing made in the working directory
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
         (["--port", "4555", "--nats-port", "4555"], "port: 4555 is also the embedded nats-server's port"),
         (["--config", "/"], "config file / is a folder, not a file"),
     ],
@@ -523,3 +544,11 @@ def test_one_port_for_both_servers_or_a_folder_for_the_config_is_said_so(args, s
     result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), *args])
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"fleetbox: bad settings: {said}") and len(result.output.splitlines()) == 1
+
+
+def test_a_metrics_key_without_any_key_is_refused() -> None:
+    """`metrics_require_key = true` with no API or admin key left `/metrics` open in silence (docs auditor h105)."""
+    with pytest.raises(ValidationError, match="metrics_require_key is true, but no API or admin key is set"):
+        Settings(metrics_require_key=True)
+    assert Settings(metrics_require_key=True, admin_keys="a").metrics_require_key
+    assert Settings(metrics_require_key=True, api_keys="k").metrics_require_key
