@@ -106,8 +106,10 @@ class GenerateWorker:
         # Read at each scrape: which box generates what (no metric said: tester h85).
         metrics.generations.labels(spec.name, "running").set_function(self._running)
         metrics.generations.labels(spec.name, "waiting").set_function(lambda: self.held - self._running())
-        self.puller = Puller(nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message)
-        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
+        self.puller = Puller(
+            nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message, keeps=self._keeps_late
+        )
+        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late)
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         dead_letters = DeadLetters(
             box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._stopping
@@ -257,6 +259,18 @@ class GenerateWorker:
                 self.cancel(request_id, settle=False)
 
     # -- intake ----------------------------------------------------------------------------------
+
+    def _keeps_late(self, msg: Msg) -> bool:
+        """A message the pullers were sent after they stopped: kept when this box generates its request (as
+        `ModelWorker._keeps_late`), else handed back."""
+        try:
+            request_id = RequestMeta.from_headers(msg.headers).id
+        except ValueError:
+            return False
+        held = request_id in self._streams or request_id in self._preparing
+        if held:
+            self._on_message(msg)
+        return held
 
     def _on_message(self, msg: Msg) -> None:
         try:

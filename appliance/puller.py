@@ -17,13 +17,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.nuid import NUID
 
 from appliance import bus
 from appliance.envelope import BATCH, INTERACTIVE
-from appliance.tasks import cancel_and_wait
+from appliance.tasks import Background, cancel_and_wait
 
 _SHORTEST_S = 0.005  # a pull request's shortest life
 _DRAIN_S = 2.0  # a stop's wait for what the server sent before it heard the stop
+_HAND_BACK_S = 1.0  # and for the naks of what came then to be sent
+_INBOXES = NUID()  # each puller's own inbox: a stopped one's stragglers are never another's
 BULK_IDLE_S = 0.05  # interactive silence needed before batch-priority work is pulled
 
 
@@ -43,10 +46,11 @@ class Puller:
         idle_poll_s: float = 1.0,
         room_opens_in: Callable[[], float | None] | None = None,
         room_lasts: Callable[[], float | None] | None = None,
+        keeps: Callable[[Msg], bool] | None = None,
     ) -> None:
         self._nc = nc
         self._subject = bus.pull_request_subject(slug, priority)
-        self._inbox = inbox
+        self._inbox = f"{inbox}.{_INBOXES.next().decode()}"
         self._expires_s = expires_s
         self._idle_poll_s = idle_poll_s  # how often to reconsider when there was no room
         self.last_message_at = 0.0  # loop time of the last request delivered
@@ -55,6 +59,11 @@ class Puller:
         self._room_opens_in = room_opens_in
         self._room_lasts = room_lasts  # a room that ends sooner than `expires_s` ends its request then
         self._on_message = on_message
+        # Whether the box keeps a message that came after the stop: a redelivery of a request it holds, under its
+        # keep-alive (handed back, another box computed it again). The rest is handed back (`_handed_back`).
+        self._keeps = keeps or (lambda msg: False)
+        self._handed_back = Background("pulled after the stop: handed back")
+        self._arrived = asyncio.Event()  # set as each message is taken in (a stop waits for the last)
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -86,10 +95,40 @@ class Puller:
             return
         try:
             async with asyncio.timeout(_DRAIN_S):  # not wait_for (see appliance/tasks.py)
-                await sub.drain()  # the server told, a round trip, then what it sent before that taken in
-        except (TimeoutError, NatsError):  # cut off from NATS: nothing more comes, and nothing can be handed back
+                await self._take_in_flight(sub)
+        except (TimeoutError, NatsError):  # cut off from NATS, or it stalls: what comes later waits out ack_wait_s
+            pass
+        finally:
             with suppress(NatsError):
+                # Out of the client's table too: left there, a reconnect subscribed it again (review).
                 await sub.unsubscribe()
+        await self._handed_back.wait(_HAND_BACK_S)
+
+    async def _take_in_flight(self, sub: Subscription) -> None:
+        """Tell the server to stop sending to the inbox, then take in what it sent before it heard that: a marker
+        published after the unsubscribe comes back after all of it (a server answers a connection in order), and
+        their callbacks have run once the subscription's queue is empty. Not `sub.drain()`: its round trip is
+        `nc.flush()`, which on a timeout (or cancelled at a bound) leaves its PONG's waiter cancelled, and the late
+        PONG then stops nats-py's read loop for good (2.16): a box deaf to NATS while it says it is connected
+        (review, a nats-server stalled over 2 s)."""
+        marked = asyncio.Event()
+
+        async def mark(_msg: Msg) -> None:
+            marked.set()
+
+        marker_subject = self._nc.new_inbox()
+        marker = await self._nc.subscribe(marker_subject, cb=mark)
+        try:
+            # nats-py has no public call that tells the server alone: `unsubscribe` drops what is on its way too.
+            await self._nc._send_unsubscribe(sub._id)
+            await self._nc.publish(marker_subject, b"")
+            await marked.wait()
+            while sub.pending_msgs:
+                self._arrived.clear()
+                await self._arrived.wait()
+        finally:
+            with suppress(NatsError):
+                await marker.unsubscribe()
 
     def quiet_for(self, seconds: float) -> bool:
         """No message has been delivered for `seconds`: the box may turn to batch-priority work."""
@@ -143,10 +182,13 @@ class Puller:
             if status != "100" and msg.subject.endswith(f".{self._seq}"):
                 self._remaining = 0
                 self._wake.set()
+            if self._stopped:
+                self._arrived.set()
             return
         if self._stopped:  # sent before the server heard the stop: another box takes it now
-            with suppress(NatsError):
-                await msg.nak()
+            if not self._keeps(msg):
+                self._handed_back.spawn(_hand_back(msg))  # not awaited: a stop reads an empty queue as all taken in
+            self._arrived.set()
             return
         self._remaining = max(0, self._remaining - 1)
         self.last_message_at = asyncio.get_running_loop().time()
@@ -155,7 +197,19 @@ class Puller:
         self._on_message(msg)
 
 
-def bulk_puller(nc: NATS, box_id: str, slug: str, room: Callable[[], int], on_message: Callable[[Msg], None]) -> Puller:
+async def _hand_back(msg: Msg) -> None:
+    with suppress(NatsError):  # cut off from NATS: JetStream gives it out again after ack_wait_s
+        await msg.nak()
+
+
+def bulk_puller(
+    nc: NATS,
+    box_id: str,
+    slug: str,
+    room: Callable[[], int],
+    on_message: Callable[[Msg], None],
+    keeps: Callable[[Msg], bool] | None = None,
+) -> Puller:
     """The puller of a model's batch-priority subject: short requests, looked at often, so bulk work
     starts soon after interactive work goes quiet and stops soon after it returns."""
     return Puller(
@@ -167,4 +221,5 @@ def bulk_puller(nc: NATS, box_id: str, slug: str, room: Callable[[], int], on_me
         priority=BATCH,
         expires_s=0.5,
         idle_poll_s=BULK_IDLE_S,
+        keeps=keeps,
     )

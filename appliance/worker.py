@@ -115,8 +115,9 @@ class ModelWorker:
             self._on_message,
             room_opens_in=lambda: self.batcher.room_opens_in(hold_s),
             room_lasts=lambda: self.batcher.room_lasts_s(hold_s),
+            keeps=self._keeps_late,
         )
-        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message)
+        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late)
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
@@ -217,6 +218,17 @@ class ModelWorker:
                 self._metrics.cancelled.labels(self.spec.name).inc()
                 self._spawn(self._blobs.ack(held.handle, held.meta.blob))
             self.puller.poke()
+
+    def _keeps_late(self, msg: Msg) -> bool:
+        """A message the pullers were sent after they stopped: a copy of a request this box holds stays with it, as
+        `_on_message` takes one (handed back, another box computed it again: review); the rest is handed back."""
+        try:
+            held = RequestMeta.from_headers(msg.headers).id in self._held
+        except ValueError:
+            return False
+        if held:
+            self._on_message(msg)
+        return held
 
     def _on_message(self, msg: Msg) -> None:
         try:
