@@ -272,7 +272,8 @@ class Catalog:
             return Resolved(base, spec)
         if adapter is None:
             return Resolved(spec)
-        adapter_spec = self._adapter(spec, adapter)
+        # `base:adapter` names the adapter registered as such, not one aliased `adapter` (an alias is a whole name).
+        adapter_spec = self._adapter(spec, adapter, aliases=not whole)
         if adapter_spec is None and whole:
             raise self.unknown(requested)
         if adapter_spec is None:
@@ -282,11 +283,12 @@ class Catalog:
             )
         return Resolved(spec, adapter_spec)
 
-    def _adapter(self, base: ModelSpec, name: str) -> ModelSpec | None:
-        """The adapter of `base` that the `adapter` field names: `base:name` first, then a full name or an alias (an
-        alias looked up first took the field from the adapter it names: alias `m1` of `enc:m0` answered for
-        `enc:m1`, h102)."""
-        for candidate in (f"{base.name}{ADAPTER_SEPARATOR}{name}", name):
+    def _adapter(self, base: ModelSpec, name: str, *, aliases: bool = True) -> ModelSpec | None:
+        """The adapter of `base` that the `adapter` field names: `base:name` first, then (with `aliases`) a full name
+        or an alias (an alias looked up first took the field from the adapter it names: alias `m1` of `enc:m0`
+        answered for `enc:m1`, h102)."""
+        own_name = f"{base.name}{ADAPTER_SEPARATOR}{name}"
+        for candidate in (own_name, name) if aliases else (own_name,):
             spec = self.get(candidate)
             if spec is not None and spec.adapter_of == base.name:
                 return spec

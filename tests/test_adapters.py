@@ -319,6 +319,12 @@ async def test_the_adapter_field_names_the_bases_adapter_before_another_adapters
     assert (await classify(http, box, "cls:m1"))[1]["data"] == by_field["data"]
     status, by_alias = await classify(http, box, "m1")  # the alias itself still names the adapter it was given to
     assert status == 200 and by_alias["model"] == "cls:m0", by_alias
+    # Review: `cls:m2`, registered under no name, was answered by cls:m0 through its alias m2. An unknown model.
+    assert (await call(http, box, "PATCH", "/v1/models/cls:m0", {"aliases": ["m1", "m2"]}))[0] == 200
+    status, unknown = await classify(http, box, "cls:m2")
+    assert (status, unknown["error"]["code"]) == (404, "model_not_found"), unknown
+    status, by_field = await call(http, box, "POST", "/v1/classify", {**body, "adapter": "m2"})
+    assert status == 200 and by_field["model"] == "cls:m0", by_field  # the field takes a full name or alias
 
 
 async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_answered_by_the_new_registration(
