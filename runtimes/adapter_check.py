@@ -185,7 +185,12 @@ def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
         return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= _MOST_LORA_RANK
 
     def scale(value: Any) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        try:  # a whole number past a float's range (10^400) is no scale peft can divide by r
+            return math.isfinite(float(value))
+        except OverflowError:
+            return False
 
     def refuse(field: str, value: Any, expected: str) -> NoReturn:
         raise UnsupportedModel(f"{config_file}: {field} is {json.dumps(value)[:40]}; {expected} is expected")
@@ -210,6 +215,30 @@ def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
         for key, value in pattern.items():
             if not judge(value):
                 refuse(f"{field}[{key!r}]", value, expected)
+    _check_ranks_saved(config, config_file)
+
+
+def _check_ranks_saved(config: Mapping[str, Any], config_file: Path) -> None:
+    """Refuse a rank (`r`, a `rank_pattern` value) above every rank of the saved LoRA weights: peft allocates each
+    targeted layer's A and B at the configured rank before it reads a weight, and the load then fails on their
+    shapes; `_MOST_LORA_RANK` alone let r = 65,536 allocate hundreds of GB on a 4,096-wide model (review). From the
+    safetensors header; an adapter saved otherwise is judged at its load."""
+    saved = [
+        shape[0]
+        for key, shape in safetensors_shapes([config_file.parent / "adapter_model.safetensors"]).items()
+        if ".lora_A." in key and len(shape) == 2
+    ]
+    if not saved:
+        return
+    ranks = {"r": config.get("r")} | {
+        f"rank_pattern[{key!r}]": value for key, value in (config.get("rank_pattern") or {}).items()
+    }
+    for field, rank in ranks.items():
+        if isinstance(rank, int) and rank > max(saved):
+            raise UnsupportedModel(
+                f"{config_file}: {field} is {rank}, but the adapter's saved LoRA weights have rank {max(saved)} at "
+                "most: the config is not the one these weights were saved with"
+            )
 
 
 # Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense
