@@ -18,6 +18,7 @@ MSG_ID = "Nats-Msg-Id"
 TASK = "Fbx-Task"
 MODEL = "Fbx-Model"
 ADAPTER = "Fbx-Adapter"
+ADAPTER_REGISTERED = "Fbx-Adapter-Registered"  # the registration of the adapter the gateway resolved (unix ms)
 DEADLINE = "Fbx-Deadline"
 PRIORITY = "Fbx-Priority"
 TOKENS = "Fbx-Tokens"
@@ -52,6 +53,7 @@ class RequestMeta:
     adapter: str | None = None
     priority: str = INTERACTIVE
     blob: str | None = None
+    adapter_registered_ms: int = 0  # `ModelSpec.registered_ms` of the adapter as its gateway resolved it; 0 unknown
 
     @property
     def expired(self) -> bool:
@@ -72,6 +74,8 @@ class RequestMeta:
         }
         if self.adapter:
             headers[ADAPTER] = self.adapter
+            if self.adapter_registered_ms:
+                headers[ADAPTER_REGISTERED] = str(self.adapter_registered_ms)
         if self.blob:
             headers[BLOB] = self.blob
         return headers
@@ -100,6 +104,7 @@ class RequestMeta:
             adapter=headers.get(ADAPTER) or None,
             priority=priority,
             blob=headers.get(BLOB) or None,
+            adapter_registered_ms=_int(headers, ADAPTER_REGISTERED, default=0),
         )
 
 

@@ -316,7 +316,7 @@ class GenerateWorker:
             # Held until the runtime has the request: from then on it keeps the adapter loaded itself.
             hold = None
             if meta.adapter is not None:
-                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter, meta.sent_ms)
+                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta)
                 loaded = hold.loaded
             try:
                 prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
@@ -326,7 +326,7 @@ class GenerateWorker:
                     raise self._adapter_deleted_error(meta)
                 while hold is not None and hold.loaded.retired:  # registered again meanwhile: the new one it is
                     hold.release()
-                    hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter, meta.sent_ms)
+                    hold = await hold_adapter(self._catalog, self._residency, self.spec, meta)
                     loaded = hold.loaded
                 adapter = hold.key if hold is not None else None
                 self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)

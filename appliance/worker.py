@@ -283,7 +283,7 @@ class ModelWorker:
         try:
             body = await self._blobs.get(meta.blob) if meta.blob else msg.data
             if meta.adapter is not None:
-                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta.adapter, meta.sent_ms)
+                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta)
                 self._holds[meta.id] = hold
                 meta = replace(meta, adapter=hold.key)  # the batch runs it under its name in the runtime
         except Exception as exc:
@@ -438,17 +438,24 @@ class RecentAnswers:
         }
 
 
-async def hold_adapter(
-    catalog: Catalog, residency: Residency, base: ModelSpec, name: str, sent_ms: int = 0
-) -> AdapterHold:
-    """A request's LoRA adapter made resident on its base model and held there for the request until it is
-    released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime. `sent_ms`: when its gateway
-    sent the request (0: unknown)."""
+async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, meta: RequestMeta) -> AdapterHold:
+    """The request's LoRA adapter (`meta.adapter`) made resident on its base model and held there for the request
+    until it is released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime."""
+    assert meta.adapter is not None
+    name = meta.adapter
     adapter = _adapter_spec(catalog, base, name)
-    if adapter.registered_ms and 0 < sent_ms < adapter.registered_ms:
-        # Sent for a registration of the name deleted since (an adapter's requests share its base's queue, which a
-        # deletion cannot purge of them alone): the new folder's weights answered it (h102). Clocks of the boxes.
-        raise NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
+    sent_for = meta.adapter_registered_ms  # the registration its gateway resolved; 0: unknown (an older gateway)
+    if sent_for and adapter.registered_ms != sent_for:
+        if adapter.registered_ms > sent_for:
+            # Sent for a registration of the name deleted since (an adapter's requests share its base's queue, which
+            # a deletion cannot purge of them alone): the new folder's weights answered it (h102). The registrations
+            # compared, not the boxes' clocks (review: a skew answered a fresh adapter's requests 404).
+            raise NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
+        raise ServiceUnavailable(  # registered again moments ago, and this box's catalog has not heard yet
+            f"adapter {name!r} was registered again moments ago and this box has not heard of it yet; send the "
+            "request again",
+            retry_after_s=1,
+        )
     if (missing := missing_folder(adapter)) is not None:  # the box's fault, not the request's: not a 422 (h73)
         raise ServiceUnavailable(f"adapter {adapter.name}: {missing}", code="adapter_folder_missing")
     try:

@@ -332,8 +332,9 @@ async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_ans
 ) -> None:
     """Tester h102: requests queued for an adapter whose name was deleted and registered again on another folder were
     answered 200 with the new folder's weights (an adapter's requests share its base's queue, which its deletion
-    cannot purge of them). Here two requests wait in the queue as its gateway sent them: one before this registration
-    of the name (for the one deleted), one after."""
+    cannot purge of them). Here requests wait in the queue as their gateways sent them, each with the registration it
+    resolved: the one deleted, this one, one this box has not heard of yet, or none said (an older gateway). Review:
+    judged by the boxes' clocks (sent before the registration), a gateway's clock behind answered this one's 404."""
     box = await classifier_box(start_box, http, classifier_dir)
     await register_adapter(http, box, "cls:x", classifier_adapters[0])
     registered = box.catalog.get("cls:x").registered_ms
@@ -351,23 +352,33 @@ async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_ans
     try:
         await nc.subscribe("test.sent", cb=gateway)
         deadline = int(time.time() * 1000) + 30_000
-        for request_id, sent_ms in (("before", registered - 2_000), ("after", registered + 1)):
+        resolved = {"deleted": registered - 2_000, "this": registered, "unheard": registered + 5_000, "unsaid": 0}
+        for request_id, registration in resolved.items():
             meta = RequestMeta(
-                id=request_id, task="classify", model="cls", reply="test.sent", deadline_ms=deadline, sent_ms=sent_ms,
+                id=request_id,
+                task="classify",
+                model="cls",
+                reply="test.sent",
+                deadline_ms=deadline,
+                sent_ms=registered - 60_000,
                 adapter="cls:x",
-            )  # fmt: skip
+                adapter_registered_ms=registration,
+            )  # fmt: skip  (sent_ms: a gateway whose clock is a minute behind)
             body = orjson.dumps({"model": "cls:x", "input": TEXTS})
             await box.js.publish(bus.request_subject("cls"), body, headers=meta.headers())
         answers: dict[str, tuple[int, dict]] = {}
-        while len(answers) < 2:
+        while len(answers) < len(resolved):
             reply, body = await asyncio.wait_for(replies.get(), 30)
             answers[reply.id] = (reply.status, orjson.loads(body))
     finally:
         await nc.close()
-    status, answer = answers["before"]
+    status, answer = answers["deleted"]
     assert (status, answer["error"]["code"]) == (404, "model_not_found"), answer
     assert answer["error"]["message"] == "adapter 'cls:x' was deleted while this request waited for it"
-    assert answers["after"][0] == 200, answers["after"]
+    assert answers["this"][0] == 200, answers["this"]
+    status, answer = answers["unheard"]
+    assert status == 503 and "registered again moments ago" in answer["error"]["message"], answer
+    assert answers["unsaid"][0] == 200, answers["unsaid"]
 
 
 async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(

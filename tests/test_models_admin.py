@@ -21,6 +21,7 @@ from appliance import bus, registration
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
 from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
+from appliance.envelope import RequestMeta
 from appliance.errors import NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
 from appliance.settings import ModelEntry
@@ -542,7 +543,8 @@ async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_fo
     base = ModelSpec("rr", "rr", Task.EMBED, RuntimeKind.TORCH, encoder_dir, batching)
     kept = replace(base, name="rr:a1", slug="rr-a1", path=adapter_dirs[Task.EMBED], adapter_of="rr")
     with pytest.raises(NotFound, match=r"^model 'rr:a2' does not exist; available models: rr, rr:a1$") as caught:
-        await hold_adapter(Catalog([base, kept]), None, base, "rr:a2")  # type: ignore[arg-type]
+        meta = RequestMeta(id="r", task="embed", model="rr", reply="x", deadline_ms=0, sent_ms=0, adapter="rr:a2")
+        await hold_adapter(Catalog([base, kept]), None, base, meta)  # type: ignore[arg-type]
     assert caught.value.code == "model_not_found"
 
 

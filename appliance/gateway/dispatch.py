@@ -227,7 +227,7 @@ class Dispatcher:
         timeout_s: float,
         tokens: int,
         inputs: int = 1,
-        adapter: str | None = None,
+        adapter: ModelSpec | None = None,
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> Reply:
@@ -260,7 +260,7 @@ class Dispatcher:
         task: str,
         timeout_s: float,
         tokens: int,
-        adapter: str | None,
+        adapter: ModelSpec | None,
         priority: str,
         request_id: str | None,
         *,
@@ -321,8 +321,10 @@ class Dispatcher:
             deadline_ms=now_ms + int(timeout_s * 1000),
             sent_ms=now_ms,
             tokens=tokens,
-            adapter=adapter,
+            adapter=adapter.name if adapter is not None else None,
             priority=priority,
+            # The registration it resolved: a box holding another answers it 404 or 503, not with its weights.
+            adapter_registered_ms=adapter.registered_ms if adapter is not None else 0,
         )
         return queue, meta
 
@@ -360,7 +362,7 @@ class Dispatcher:
         timeout_s: float,
         tokens: int,
         new_tokens: int,
-        adapter: str | None = None,
+        adapter: ModelSpec | None = None,
         priority: str = "interactive",
         request_id: str | None = None,
     ) -> AsyncIterator[Reply]:

@@ -102,7 +102,7 @@ async def enqueue(
         timeout_s=request_timeout(request, parsed.timeout, ctx.settings),
         tokens=estimate_tokens(texts),
         inputs=len(texts),
-        adapter=resolved.adapter.name if resolved.adapter else None,
+        adapter=resolved.adapter,
         priority=request_priority(request),
         request_id=request[REQUEST_ID],
     )

@@ -88,7 +88,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
             timeout_s=deadline - time.monotonic(),
             tokens=len(body) // 4,
             new_tokens=new_tokens,
-            adapter=resolved.adapter.name if resolved.adapter else None,
+            adapter=resolved.adapter,
             priority=request_priority(request),
             request_id=request_id,
         )
