@@ -344,7 +344,7 @@ class Box:
             return
         if spec.adapter_of is not None:
             self.residency.retire_adapter(name, keep=spec)  # registered again on another folder
-            self.workers.adapters_retired()  # its generations waiting for a slot are admitted again with the new one
+            self.workers.adapters_retired()  # its generations waiting for a slot are handed back, judged again
             if self.settings.runs_models and not self.draining:
                 self.spawn(self.workers.reload_for_adapters(spec.adapter_of))  # a base a profile put on ONNX
         if spec.pinned:

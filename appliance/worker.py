@@ -19,11 +19,13 @@ import time
 from collections import deque
 from collections.abc import Coroutine
 from concurrent.futures import Executor
+from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
@@ -283,7 +285,7 @@ class ModelWorker:
         try:
             body = await self._blobs.get(meta.blob) if meta.blob else msg.data
             if meta.adapter is not None:
-                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta)
+                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta, msg.metadata.num_delivered)
                 self._holds[meta.id] = hold
                 meta = replace(meta, adapter=hold.key)  # the batch runs it under its name in the runtime
         except Exception as exc:
@@ -316,6 +318,9 @@ class ModelWorker:
         """
         if isinstance(error, FleetboxError):
             await self._answer_error(meta, msg, error)
+            return
+        if isinstance(error, RegistrationNotHeard):
+            await self._ask_again(meta, msg, NOT_HEARD_DELAY_S)
             return
         log.error("request not prepared", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(error)})
         await self._retry_or_dead_letter(meta, msg, error)
@@ -364,6 +369,15 @@ class ModelWorker:
             await self._retry_or_dead_letter(meta, msg, exc)
             return
         await self._send(meta, msg, body, reply)
+
+    async def _ask_again(self, meta: RequestMeta, msg: Msg, delay_s: float) -> None:
+        """Hand the request back to the queue, to be delivered again (maybe elsewhere) after `delay_s`."""
+        try:
+            with suppress(NatsError):  # cut off: JetStream gives it again after ack_wait_s
+                await self._current(meta.id, msg).nak(delay=delay_s)
+        finally:
+            self._let_go(meta.id)
+            self.puller.poke()
 
     async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
         """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
@@ -438,24 +452,44 @@ class RecentAnswers:
         }
 
 
-async def hold_adapter(catalog: Catalog, residency: Residency, base: ModelSpec, meta: RequestMeta) -> AdapterHold:
+class RegistrationNotHeard(Exception):
+    """The request names a registration of its adapter other than the one this box's catalog holds: one made moments
+    ago that the catalog has not heard of yet, or one deleted since. Asked again shortly (`NOT_HEARD_DELAY_S`, maybe
+    on another box) until its `NOT_HEARD_DELIVERIES`th delivery, then judged deleted: no clock can say which it is
+    (review: the registering boxes' clocks ordered them, and a skew answered a live adapter 404)."""
+
+
+NOT_HEARD_DELIVERIES = 3
+NOT_HEARD_DELAY_S = 0.25  # a catalog hears of a registration within milliseconds of its write
+
+
+async def hold_adapter(
+    catalog: Catalog, residency: Residency, base: ModelSpec, meta: RequestMeta, deliveries: int | None = 1
+) -> AdapterHold:
     """The request's LoRA adapter (`meta.adapter`) made resident on its base model and held there for the request
-    until it is released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime."""
+    until it is released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime. `deliveries`:
+    of the request's message, this one's number."""
     assert meta.adapter is not None
     name = meta.adapter
-    adapter = _adapter_spec(catalog, base, name)
-    sent_for = meta.adapter_registered_ms  # the registration its gateway resolved; 0: unknown (an older gateway)
+    sent_for = meta.adapter_registered_ms  # the registration its gateway resolved; 0: none said (see below)
+    waits = sent_for and (deliveries or 1) < NOT_HEARD_DELIVERIES  # for this box's catalog to hear of it
+    try:
+        adapter = _adapter_spec(catalog, base, name)
+    except NotFound:
+        if waits:
+            raise RegistrationNotHeard(name) from None
+        raise
+    deleted = NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
     if sent_for and adapter.registered_ms != sent_for:
-        if adapter.registered_ms > sent_for:
-            # Sent for a registration of the name deleted since (an adapter's requests share its base's queue, which
-            # a deletion cannot purge of them alone): the new folder's weights answered it (h102). The registrations
-            # compared, not the boxes' clocks (review: a skew answered a fresh adapter's requests 404).
-            raise NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
-        raise ServiceUnavailable(  # registered again moments ago, and this box's catalog has not heard yet
-            f"adapter {name!r} was registered again moments ago and this box has not heard of it yet; send the "
-            "request again",
-            retry_after_s=1,
-        )
+        # Not the registration its gateway resolved: its requests share its base's queue, which a deletion cannot
+        # purge of them alone, and the new folder's weights answered them (h102).
+        if waits:
+            raise RegistrationNotHeard(name)
+        raise deleted
+    if not sent_for and adapter.registered_ms and 0 < meta.sent_ms < adapter.registered_ms:
+        # Its gateway resolved a registration without a time (a config file's) or names none (an older gateway):
+        # sent before this registration by the boxes' clocks, it was for one deleted since (review).
+        raise deleted
     if (missing := missing_folder(adapter)) is not None:  # the box's fault, not the request's: not a 422 (h73)
         raise ServiceUnavailable(f"adapter {adapter.name}: {missing}", code="adapter_folder_missing")
     try:
