@@ -41,7 +41,7 @@ from appliance.errors import (
 from appliance.generation_replies import GenerationReplies, Stream
 from appliance.generation_request import decode_generation, prompt_ids, sampling_params
 from appliance.metrics import Metrics
-from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
+from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
@@ -149,8 +149,9 @@ class GenerateWorker:
         )
         if self._ticker is not None:
             self._ticker.cancel()
-        self._spawn(self.puller.stop())
-        self._spawn(self.bulk_puller.stop())
+        self.puller.halt()  # at once: a spawned stop starts later
+        self.bulk_puller.halt()
+        self._spawn(stop_pullers([self.puller, self.bulk_puller]))
 
     @property
     def held(self) -> int:
@@ -467,8 +468,7 @@ class GenerateWorker:
         loop = asyncio.get_running_loop()
         until = loop.time() + grace_s
         try:
-            await self.puller.stop()
-            await self.bulk_puller.stop()
+            await stop_pullers([self.puller, self.bulk_puller])
             # Requests being admitted join the decode batch (and are answered here) rather than handed back.
             await self._tasks.wait(grace_s)
             try:
@@ -527,8 +527,7 @@ class GenerateWorker:
         """
         self._stopping = self._retired = True
         try:
-            await self.puller.stop()
-            await self.bulk_puller.stop()
+            await stop_pullers([self.puller, self.bulk_puller])
             await cancel_and_wait([self._stepper])
             await asyncio.get_running_loop().run_in_executor(self._device, self.runtime.clear)
             for request_id in list(self._streams):

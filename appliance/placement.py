@@ -35,7 +35,7 @@ from appliance.errors import (
 from appliance.fleet import taking_work
 from appliance.logs import FailureStreak
 from appliance.model_bytes import size_text
-from appliance.puller import Puller
+from appliance.puller import Puller, stop_pullers
 from appliance.settings import MODEL_ROLES
 from appliance.tasks import Background, cancel_and_wait
 
@@ -303,8 +303,7 @@ class Placement:
             self.refusing.discard(spec.name)
             if self._changed.get(spec.name) is changed:
                 del self._changed[spec.name]
-            for puller in pullers:
-                await puller.stop()
+            await stop_pullers(pullers)
 
     def served(self, name: str) -> None:
         """`name` was loaded here after all (the `load` verb): a refusal of its requests ends now."""

@@ -9,7 +9,7 @@ one of the boxes asking: the queue balances the fleet without anyone tracking wo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 
 import orjson
@@ -88,21 +88,29 @@ class Puller:
         """Stop asking, for good. What the server sent before it heard this box stop listening is handed back (a nak)
         for another box to take at once: unsubscribed, the client dropped it, and JetStream gave it out again only
         after `ack_wait_s` (tester h104: past a stopping gateway's grace, so its client had a 503)."""
-        self._stopped = True
-        await cancel_and_wait([self._task])
-        sub, self._sub = self._sub, None
-        if sub is None:
-            return
+        self.halt()
+        sub, self._sub = self._sub, None  # taken before any wait: whatever cuts the stop short, it is unsubscribed
         try:
-            async with asyncio.timeout(_DRAIN_S):  # not wait_for (see appliance/tasks.py)
-                await self._take_in_flight(sub)
+            await cancel_and_wait([self._task])
+            if sub is not None:
+                async with asyncio.timeout(_DRAIN_S):  # not wait_for (see appliance/tasks.py)
+                    await self._take_in_flight(sub)
         except (TimeoutError, NatsError):  # cut off from NATS, or it stalls: what comes later waits out ack_wait_s
             pass
         finally:
-            with suppress(NatsError):
-                # Out of the client's table too: left there, a reconnect subscribed it again (review).
-                await sub.unsubscribe()
+            if sub is not None:
+                with suppress(NatsError):
+                    # Out of the client's table too: left there, a reconnect subscribed it again (review).
+                    await sub.unsubscribe()
         await self._handed_back.wait(_HAND_BACK_S)
+        await self._handed_back.cancel()  # against a stalled server: what is not sent by now waits out ack_wait_s
+
+    def halt(self) -> None:
+        """Stop asking now, without a wait (`stop` then hands back what came): a stop cut short by a cancel cannot
+        leave a puller asking (`stop_pullers`)."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
 
     async def _take_in_flight(self, sub: Subscription) -> None:
         """Tell the server to stop sending to the inbox, then take in what it sent before it heard that: a marker
@@ -195,6 +203,17 @@ class Puller:
         if self._remaining == 0:
             self._wake.set()
         self._on_message(msg)
+
+
+async def stop_pullers(pullers: Iterable[Puller]) -> None:
+    """Stop every one of `pullers`: all stop asking at once, then hand back what they were sent, together. One after
+    the other, a cancel of the caller while the first waited on a stalled server (a `Background.cancel`, which cancels
+    again every 50 ms) left the rest pulling and subscribed (review)."""
+    pullers = list(pullers)
+    for puller in pullers:
+        puller.halt()
+    stops = asyncio.gather(*(puller.stop() for puller in pullers))
+    await asyncio.shield(stops)  # a cancel of the caller leaves them to finish (bounded: `_DRAIN_S`, `_HAND_BACK_S`)
 
 
 async def _hand_back(msg: Msg) -> None:

@@ -46,7 +46,7 @@ from appliance.errors import (
 )
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
-from appliance.puller import BULK_IDLE_S, Puller, bulk_puller
+from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
@@ -164,8 +164,7 @@ class ModelWorker:
         if self._starting is not None:  # its made-up batches end before the runtime may be closed (review r51)
             await asyncio.gather(self._starting, return_exceptions=True)
         try:
-            await self.puller.stop()
-            await self.bulk_puller.stop()
+            await stop_pullers([self.puller, self.bulk_puller])
             await self._tasks.wait()
             for job in await self.batcher.drain():
                 self._let_go(job.meta.id)

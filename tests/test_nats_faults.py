@@ -25,7 +25,7 @@ from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.natsd import free_port
-from appliance.puller import Puller
+from appliance.puller import Puller, stop_pullers
 from appliance.settings import ModelEntry
 from benchmarks._faultkit import NatsCluster, SteadyLoad
 from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
@@ -244,7 +244,7 @@ async def test_what_a_stopped_puller_was_sent_is_handed_back_not_dropped(nats_se
         await ensure_consumers(js, settings, "held")
         for n in range(5):
             await js.publish(bus.request_subject("held"), b"%d" % n)
-        taken, entered, release = [], asyncio.Event(), asyncio.Event()
+        taken, entered, release, marked = [], asyncio.Event(), asyncio.Event(), asyncio.Event()
         subscribe = nc.subscribe
 
         async def held_subscribe(subject: str, *args, cb, **kwargs):
@@ -253,7 +253,12 @@ async def test_what_a_stopped_puller_was_sent_is_handed_back_not_dropped(nats_se
                 await release.wait()
                 await cb(msg)
 
-            return await subscribe(subject, *args, cb=held, **kwargs)
+            async def seen(msg) -> None:  # the stop's marker: it came back behind all the server sent
+                await cb(msg)
+                marked.set()
+
+            inbox = subject.startswith("_TEST.pull.held")
+            return await subscribe(subject, *args, cb=held if inbox else seen, **kwargs)
 
         monkeypatch.setattr(nc, "subscribe", held_subscribe)
         consumer = bus.consumer_name("held")
@@ -268,7 +273,8 @@ async def test_what_a_stopped_puller_was_sent_is_handed_back_not_dropped(nats_se
         await wait_for(entered.is_set, what="the first delivery in the callback")
         await wait_for(all_sent, what="all five sent to the puller")
         stopping = asyncio.create_task(puller.stop())
-        await wait_for(lambda: puller._sub is None, what="the stop under way while the callback is held")
+        # Four still queued in the client behind the held callback when the marker is back: the stop waits for them.
+        await wait_for(marked.is_set, what="the stop's marker back while the callback is held")
         release.set()
         await asyncio.wait_for(stopping, 10)
 
@@ -307,6 +313,29 @@ async def test_a_puller_stopped_while_the_server_stalls_leaves_the_connection_wo
         info = await nc.request("$JS.API.INFO", b"", timeout=5)  # the connection still reads
         assert b"account_info" in info.data or b"memory" in info.data, info.data
         assert nc.is_connected and not nc._reading_task.done()
+    finally:
+        await nc.close()
+
+
+async def test_pullers_stopped_together_all_stop_when_the_stop_is_cut_short(nats_server) -> None:
+    """Review: a model's pullers were stopped one after the other, and a cancel of the caller while the first waited
+    on a stalled server (a `Background.cancel` cancels again every 50 ms) left the next one asking and subscribed."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        pullers = [Puller(nc, f"cut{n}", f"_TEST.pull.cut{n}", lambda: 0, lambda msg: None) for n in range(2)]
+        for puller in pullers:
+            await puller.start()
+        sids = [puller._sub._id for puller in pullers]
+        nats_server.process.send_signal(signal.SIGSTOP)
+        try:
+            stopping = asyncio.create_task(stop_pullers(pullers))
+            await wait_for(lambda: pullers[0]._sub is None, what="the stops under way")
+            stopping.cancel()
+            await asyncio.gather(stopping, return_exceptions=True)
+            assert all(puller._stopped and puller._task.done() for puller in pullers)  # none asks any more
+        finally:
+            nats_server.process.send_signal(signal.SIGCONT)
+        await wait_for(lambda: not any(sid in nc._subs for sid in sids), what="both inboxes unsubscribed")
     finally:
         await nc.close()
 
