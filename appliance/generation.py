@@ -25,6 +25,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
+from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold_adapter
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
@@ -45,7 +46,7 @@ from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
-from appliance.worker import NOT_HEARD_DELAY_S, RecentAnswers, RegistrationNotHeard, hold_adapter
+from appliance.worker import RecentAnswers
 from runtimes import UnknownAdapter
 from runtimes.generate import GenerateRuntime, StepOutput
 

@@ -29,7 +29,8 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.adapters import AdapterHold, missing_folder
+from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold_adapter
+from appliance.adapters import AdapterHold
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
@@ -38,8 +39,6 @@ from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
-    NotFound,
-    ServiceUnavailable,
     UnloadedWhileStarting,
     Unprocessable,
     deadline_passed,
@@ -51,7 +50,7 @@ from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
 from appliance.work import Job
-from runtimes import Runtime, RuntimeKind, UnknownAdapter, UnsupportedModel
+from runtimes import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -449,67 +448,6 @@ class RecentAnswers:
             "p50_ms": round(recent[len(recent) // 2], 2),
             "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
         }
-
-
-class RegistrationNotHeard(Exception):
-    """The request names a registration of its adapter other than the one this box's catalog holds: one made moments
-    ago that the catalog has not heard of yet, or one deleted since. Asked again shortly (`NOT_HEARD_DELAY_S`, maybe
-    on another box) until its `NOT_HEARD_DELIVERIES`th delivery, then judged deleted: no clock can say which it is
-    (review: the registering boxes' clocks ordered them, and a skew answered a live adapter 404)."""
-
-
-NOT_HEARD_DELIVERIES = 3
-NOT_HEARD_DELAY_S = 0.25  # a catalog hears of a registration within milliseconds of its write
-
-
-async def hold_adapter(
-    catalog: Catalog, residency: Residency, base: ModelSpec, meta: RequestMeta, deliveries: int | None = 1
-) -> AdapterHold:
-    """The request's LoRA adapter (`meta.adapter`) made resident on its base model and held there for the request
-    until it is released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime. `deliveries`:
-    of the request's message, this one's number."""
-    assert meta.adapter is not None
-    name = meta.adapter
-    sent_for = meta.adapter_registered_ms  # the registration its gateway resolved; 0: none said (see below)
-    waits = sent_for and (deliveries or 1) < NOT_HEARD_DELIVERIES  # for this box's catalog to hear of it
-    try:
-        adapter = _adapter_spec(catalog, base, name)
-    except NotFound:
-        if waits:
-            raise RegistrationNotHeard(name) from None
-        raise
-    deleted = NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
-    if sent_for and adapter.registered_ms != sent_for:
-        # Not the registration its gateway resolved: its requests share its base's queue, which a deletion cannot
-        # purge of them alone, and the new folder's weights answered them (h102).
-        if waits:
-            raise RegistrationNotHeard(name)
-        raise deleted
-    if not sent_for and adapter.registered_ms and 0 < meta.sent_ms < adapter.registered_ms:
-        # Its gateway resolved a registration without a time (a config file's) or names none (an older gateway):
-        # sent before this registration by the boxes' clocks, it was for one deleted since (review).
-        raise deleted
-    if (missing := missing_folder(adapter)) is not None:  # the box's fault, not the request's: not a 422 (h73)
-        raise ServiceUnavailable(f"adapter {adapter.name}: {missing}", code="adapter_folder_missing")
-    try:
-        return await residency.hold_adapter(base.name, adapter)
-    except (UnsupportedModel, UnknownAdapter) as exc:
-        raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
-
-
-def _adapter_spec(catalog: Catalog, base: ModelSpec, name: str) -> ModelSpec:
-    adapter = catalog.get(name)
-    if adapter is None or adapter.adapter_of != base.name:  # deleted since the gateway sent the request its way
-        raise catalog.unknown(name)
-    registered = catalog.get(base.name)
-    if base.runtime is not RuntimeKind.TORCH and registered is not None and registered.runtime is RuntimeKind.TORCH:
-        # A profile put the base on ONNX before it had adapters: the box loads it again on torch (Workers).
-        raise ServiceUnavailable(
-            f"model {base.name} runs on {base.runtime} here and is being loaded again on torch for its LoRA "
-            "adapters; try again in a moment",
-            retry_after_s=1,
-        )
-    return adapter
 
 
 def _untrained_head(model: str, weights: tuple[str, ...]) -> Unprocessable:

@@ -18,6 +18,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError
 
 from appliance import bus, registration
+from appliance.adapter_hold import hold_adapter
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
 from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
@@ -25,7 +26,6 @@ from appliance.envelope import RequestMeta
 from appliance.errors import NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
 from appliance.settings import ModelEntry
-from appliance.worker import hold_adapter
 from runtimes import Task
 from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
