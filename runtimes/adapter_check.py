@@ -193,7 +193,9 @@ def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
             return False
 
     def refuse(field: str, value: Any, expected: str) -> NoReturn:
-        raise UnsupportedModel(f"{config_file}: {field} is {json.dumps(value)[:40]}; {expected} is expected")
+        said = json.dumps(value)
+        said = said if len(said) <= 40 else f"{said[:37]}... ({len(said)} characters)"  # not a shorter number
+        raise UnsupportedModel(f"{config_file}: {field} is {said}; {expected} is expected")
 
     if "r" in config and not rank(config["r"]):
         refuse("r", config["r"], f"a whole number from 1 to {_MOST_LORA_RANK}")
@@ -239,6 +241,13 @@ def _check_ranks_saved(config: Mapping[str, Any], config_file: Path) -> None:
                 f"{config_file}: {field} is {rank}, but the adapter's saved LoRA weights have rank {max(saved)} at "
                 "most: the config is not the one these weights were saved with"
             )
+    rank = config.get("r")
+    if not config.get("rank_pattern") and isinstance(rank, int) and set(saved) != {rank}:
+        # One rank for every layer: weights of another failed every request's load on their shapes (tester h109).
+        raise UnsupportedModel(
+            f"{config_file}: r is {rank}, but the adapter's saved LoRA weights have rank "
+            f"{', '.join(str(n) for n in sorted(set(saved)))}: the config is not the one these weights were saved with"
+        )
 
 
 # Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense
