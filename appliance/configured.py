@@ -21,6 +21,7 @@ from appliance.catalog import (
     spec_of,
 )
 from appliance.settings import ModelEntry, Settings
+from appliance.settings_load import SettingsProblems
 from runtimes import RuntimeKind, Task, UnsupportedModel
 from runtimes.detect import detect_task
 from runtimes.options import option_problems
@@ -48,12 +49,14 @@ def configured_specs(settings: Settings) -> list[ModelSpec]:
         entry.model_copy(update={"adapter_of": names[entry.adapter_of]}) if entry.adapter_of in names else entry
         for entry in entries
     ]
-    specs = []
+    specs, problems = [], []
     for place, entry in zip(places, entries, strict=True):
         try:
             specs.append(spec_from_entry(entry, settings))
         except ValueError as exc:  # named as a field pydantic refuses is: `models.0: model 'g': ...`
-            raise ValueError(f"{place}: {exc}") from None
+            problems.append(f"{place}: {exc}")
+    if problems:  # every entry's at once, not one a start
+        raise SettingsProblems(problems)
     tasks = {spec.name: spec.task for spec in specs}  # an adapter serves its base's task, as through the API
     return [replace(spec, task=tasks[spec.adapter_of]) if spec.adapter_of in tasks else spec for spec in specs]
 

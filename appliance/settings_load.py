@@ -83,12 +83,22 @@ _PATTERN_RULES = {  # what a pattern means, for the fields whose pattern an oper
 _SECRET_FIELDS = ("api_keys", "admin_keys")
 
 
+class SettingsProblems(ValueError):
+    """Several settings wrong at once (every `[[models]]` entry that cannot be served), said one a line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
 def settings_problems(exc: BaseException) -> list[str]:
     """One line per invalid setting, `field: what is wrong (got value)`, for the CLI's refusal.
 
     pydantic's own text spans several lines per field and links its docs; an operator needs the
     setting, the rule and the value given.
     """
+    if isinstance(exc, SettingsProblems):
+        return exc.problems
     if not isinstance(exc, ValidationError):
         return [str(exc) or type(exc).__name__]
     lines = []

@@ -480,6 +480,21 @@ def test_a_models_entry_whose_folder_is_missing_is_named_with_its_place(
     assert len(result.output.splitlines()) == 1
 
 
+def test_every_models_entry_that_cannot_be_served_is_said_at_once(tmp_path) -> None:
+    """Only the first `[[models]]` entry whose folder was missing was said: an operator fixed one a start (h104)."""
+    config = tmp_path / "box.toml"
+    config.write_text(
+        f'default_model = false\n[[models]]\nname = "a"\npath = "{tmp_path / "a"}"\n'
+        f'[[models]]\nname = "b"\npath = "{tmp_path / "b"}"\n'
+    )
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--config", str(config)])
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    said = [line.removeprefix("fleetbox: bad settings: ").split(":")[0] for line in lines]
+    assert said == ["models.0", "models.1"], result.output
+    assert all(line.startswith("fleetbox: bad settings: models.") for line in lines), result.output
+
+
 @pytest.mark.parametrize(
     ("origins", "why"),
     [
