@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from runtimes.base import HEAD_MODULES, Task, UnsupportedModel, safetensors_files
-from runtimes.detect import ADAPTER_WEIGHT_FILES, check_safetensors_whole, json_object, safetensors_shapes
+from runtimes.detect import (
+    ADAPTER_WEIGHT_FILES,
+    HEAD_WEIGHTS,
+    check_safetensors_whole,
+    head_labels,
+    json_object,
+    safetensors_shapes,
+)
 
 
 def check_adapter_folder(folder: Path, *, base_task: Task | None = None, mixed_rows: bool = True) -> None:
@@ -104,7 +111,7 @@ def check_adapter_labels(adapter: Path, base: Path) -> None:
         name = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
         module, lora, _ = name.partition(".lora_B.")
         head = f"{module}.weight" if lora else name
-        if head not in _HEAD_OUTPUTS or len(shape) != 2 or shape[0] == count:
+        if head not in HEAD_WEIGHTS or len(shape) != 2 or shape[0] == count:
             continue
         what = f"its LoRA on {module}" if lora else f"its own copy of {head}"
         raise UnsupportedModel(
@@ -115,21 +122,12 @@ def check_adapter_labels(adapter: Path, base: Path) -> None:
 
 
 def _labels_of(config_file: Path) -> tuple[int, str] | None:
-    """The number of labels a model's config.json gives its head, and the field that says so, as transformers reads
-    them (`id2label` before `num_labels`); None when it says neither, or cannot be read (its load says why)."""
+    """`head_labels` of a base's config.json; None when it says none, or cannot be read (its load says why)."""
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError, RecursionError):
+        labels = head_labels(json_object(config_file))
+    except (OSError, UnsupportedModel):
         return None
-    if not isinstance(config, dict):
-        return None
-    names = config.get("id2label")
-    if isinstance(names, dict) and names:
-        return len(names), "id2label"
-    count = config.get("num_labels")
-    if isinstance(count, int) and not isinstance(count, bool) and count > 0:
-        return count, "num_labels"
-    return None
+    return labels if labels is not None and labels[0] > 0 else None
 
 
 def check_adapter_brings_head(adapter: Path, base: Path) -> None:
@@ -158,10 +156,6 @@ def _matching(shapes: Mapping[str, list[int]], name: str) -> list[int] | None:
             return shape
     return None
 
-
-# The weight whose rows are a head's labels, per head layout (a Linear, RoBERTa's two-layer head, a decoder's score),
-# as in runtimes/detect.py, which judges a model's own head against its config.json the same way.
-_HEAD_OUTPUTS = frozenset({"classifier.weight", "classifier.out_proj.weight", "score.weight"})
 
 _PEFT_TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 

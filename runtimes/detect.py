@@ -292,7 +292,21 @@ def _refuse_missing_layers(folder: Path, config: Mapping[str, Any], shapes: Mapp
 
 _WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model", "dim")
 _EMBEDDING = re.compile(r"(?:^|\.)(?:word_embeddings|embed_tokens|wte)\.weight$")
-_HEADS = ("classifier.weight", "classifier.out_proj.weight", "score.weight")
+# The weight whose rows are a classification head's labels, per head layout (a Linear, RoBERTa's two-layer head, a
+# decoder's score).
+HEAD_WEIGHTS = ("classifier.weight", "classifier.out_proj.weight", "score.weight")
+
+
+def head_labels(config: Mapping[str, Any]) -> tuple[int, str] | None:
+    """The number of labels a model's config.json gives its head, and the field that says so, as transformers reads
+    them (`id2label` before `num_labels`); None when it says neither."""
+    labels = config.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels), "id2label"
+    count = config.get("num_labels")
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count, "num_labels"
+    return None
 
 
 def _refuse_misshapen_weights(folder: Path, config: Mapping[str, Any], shapes: Mapping[str, list[int]]) -> None:
@@ -311,11 +325,9 @@ def _refuse_misshapen_weights(folder: Path, config: Mapping[str, Any], shapes: M
             width = "embedding_size" if isinstance(config.get("embedding_size"), int) else width_field
             if width is not None:
                 expected.append((name, 1, config[width], f"{width} {config[width]}"))
-    labels = config.get("id2label")
-    count = len(labels) if isinstance(labels, dict) and labels else config.get("num_labels")
-    if isinstance(count, int) and not isinstance(count, bool):
-        source = "id2label" if isinstance(labels, dict) and labels else "num_labels"
-        for head in _HEADS:
+    if (labels := head_labels(config)) is not None:
+        count, source = labels
+        for head in HEAD_WEIGHTS:
             if len(shapes.get(head, ())) == 2:
                 expected.append((head, 0, count, f"{count} labels ({source})"))
     for name, dim, size, says in expected:
