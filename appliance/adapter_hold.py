@@ -43,23 +43,26 @@ async def hold_adapter(
         if waits:
             raise RegistrationNotHeard(name) from None
         raise
-    deleted = NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
     if sent_for and adapter.registered_ms != sent_for:
         # Not the registration its gateway resolved: its requests share its base's queue, which a deletion cannot
         # purge of them alone, and the new folder's weights answered them (h102).
         if waits:
             raise RegistrationNotHeard(name)
-        raise deleted
+        raise _deleted(name)
     if not sent_for and adapter.registered_ms and 0 < meta.sent_ms < adapter.registered_ms:
         # Its gateway resolved a registration without a time (a config file's) or names none (an older gateway):
         # sent before this registration by the boxes' clocks, it was for one deleted since (review).
-        raise deleted
+        raise _deleted(name)
     if (missing := missing_folder(adapter)) is not None:  # the box's fault, not the request's: not a 422 (h73)
         raise ServiceUnavailable(f"adapter {adapter.name}: {missing}", code="adapter_folder_missing")
     try:
         return await residency.hold_adapter(base.name, adapter)
     except (UnsupportedModel, UnknownAdapter) as exc:
         raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
+
+
+def _deleted(name: str) -> NotFound:
+    return NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
 
 
 def _adapter_spec(catalog: Catalog, base: ModelSpec, name: str) -> ModelSpec:

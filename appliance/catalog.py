@@ -59,9 +59,9 @@ class ModelSpec:
     adapter_of: str | None = None  # the base model's name, for a LoRA adapter
     profile: str = "auto"  # which tuning profile applies: "auto", "off", or a hardware slug (appliance/profiles.py)
     threads: int | None = None  # set by the profile a box applies; the box's own `threads` setting wins
-    # When it was registered through the API (unix ms; 0 from a config file): a request sent before then was sent for
-    # an earlier registration of the name, and no later one answers it (`worker.hold_adapter`). Not part of its
-    # identity: the same model in a config file and in the catalog are equal.
+    # When it was registered through the API (unix ms; 0 from a config file): which registration of the name an
+    # adapter's request was sent for (`adapter_hold.hold_adapter`). Not part of its identity: the same model in a
+    # config file and in the catalog are equal.
     registered_ms: int = field(default=0, compare=False)
 
     def source(self, device: str, threads: int | None) -> ModelSource:

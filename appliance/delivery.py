@@ -53,6 +53,19 @@ def another_copy(held: Msg, msg: Msg) -> bool:
     )
 
 
+def keeps_held(msg: Msg, holds: Callable[[str], bool], take: Callable[[Msg], None]) -> bool:
+    """A worker's `Puller` `keeps`: a message its pullers were sent after they stopped stays with the box when it is a
+    copy of a request the box `holds`, taken in by `take` (the worker's intake) as any copy is (handed back, another
+    box computed it again: review); the rest is handed back."""
+    try:
+        held = holds(RequestMeta.from_headers(msg.headers).id)
+    except ValueError:
+        return False
+    if held:
+        take(msg)
+    return held
+
+
 def retry_delay_s(msg: Msg) -> float:
     """How long a request that could not be handled waits before its next delivery: 0.1 s, doubling, at most 2 s."""
     deliveries = msg.metadata.num_delivered or 1

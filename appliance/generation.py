@@ -29,7 +29,7 @@ from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, QueueEpoch, another_copy, keep_alive
+from appliance.delivery import Cancellations, LocalReply, QueueEpoch, another_copy, keep_alive, keeps_held
 from appliance.envelope import RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -266,16 +266,10 @@ class GenerateWorker:
     # -- intake ----------------------------------------------------------------------------------
 
     def _keeps_late(self, msg: Msg) -> bool:
-        """A message the pullers were sent after they stopped: kept when this box generates its request (as
-        `ModelWorker._keeps_late`), else handed back."""
-        try:
-            request_id = RequestMeta.from_headers(msg.headers).id
-        except ValueError:
-            return False
-        held = request_id in self._streams or request_id in self._preparing
-        if held:
-            self._on_message(msg)
-        return held
+        def held(request_id: str) -> bool:
+            return request_id in self._streams or request_id in self._preparing
+
+        return keeps_held(msg, held, self._on_message)
 
     def _on_message(self, msg: Msg) -> None:
         try:

@@ -35,14 +35,9 @@ from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_reply, keep_alive
+from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_reply, keep_alive, keeps_held
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import (
-    FleetboxError,
-    UnloadedWhileStarting,
-    Unprocessable,
-    deadline_passed,
-)
+from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
@@ -220,15 +215,7 @@ class ModelWorker:
             self.puller.poke()
 
     def _keeps_late(self, msg: Msg) -> bool:
-        """A message the pullers were sent after they stopped: a copy of a request this box holds stays with it, as
-        `_on_message` takes one (handed back, another box computed it again: review); the rest is handed back."""
-        try:
-            held = RequestMeta.from_headers(msg.headers).id in self._held
-        except ValueError:
-            return False
-        if held:
-            self._on_message(msg)
-        return held
+        return keeps_held(msg, self._held.__contains__, self._on_message)
 
     def _on_message(self, msg: Msg) -> None:
         try:

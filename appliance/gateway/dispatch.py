@@ -323,7 +323,7 @@ class Dispatcher:
             tokens=tokens,
             adapter=adapter.name if adapter is not None else None,
             priority=priority,
-            # The registration it resolved: a box holding another answers it 404 or 503, not with its weights.
+            # The registration it resolved: a box holding another never answers it with that one's weights.
             adapter_registered_ms=adapter.registered_ms if adapter is not None else 0,
         )
         return queue, meta
