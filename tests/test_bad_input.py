@@ -274,6 +274,20 @@ async def test_unknown_route_and_wrong_method_use_the_error_shape(default_box, h
         assert response.headers["Allow"] == "POST"  # RFC 9110: a 405 names the allowed methods in `Allow`
 
 
+async def test_a_trailing_slash_on_a_route_is_a_308_to_it_that_clients_follow(default_box, http) -> None:
+    body = {"model": "all-minilm-l6-v2", "input": "a trailing slash"}
+    async with http.post(url(default_box, "/v1/embeddings/?x=1"), json=body, allow_redirects=False) as response:
+        assert response.status == 308  # the same method and body, as FastAPI servers answer it
+        assert response.headers["Location"] == "/v1/embeddings?x=1"
+        assert_error_shape(await response.json(), "route_moved")
+    async with http.post(url(default_box, "/v1/embeddings/"), json=body) as response:
+        assert response.status == 200  # followed, as the openai SDK and `curl -L` do
+        assert len((await response.json())["data"]) == 1
+    async with http.post(url(default_box, "/v1/nothing-here/"), json=body) as response:
+        assert response.status == 404  # no route either way: no redirect to nowhere
+        assert_error_shape(await response.json(), "route_not_found")
+
+
 @pytest.mark.parametrize(
     "seconds", ["soon", "1_0", "\uff11", "nan", "inf", "-Infinity", "1e400", "-1", "0", "0x10", "", "1e-9", "1e-400"]
 )

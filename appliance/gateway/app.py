@@ -93,7 +93,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except FleetboxError as exc:
         response = _error_response(exc)
     except web.HTTPException as exc:
-        response = _error_response(_from_http_exception(exc, serves_api=ctx.settings.serves_http))
+        if exc.status == 404 and (route := await _route_without_slash(request)) is not None:
+            response = _redirect(request, route)
+        else:
+            response = _error_response(_from_http_exception(exc, serves_api=ctx.settings.serves_http))
     except asyncio.CancelledError:  # its client hung up (`handler_cancellation`): counted, as nginx does, 499
         _count(request, CLIENT_CLOSED_REQUEST, started)
         raise
@@ -122,6 +125,24 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         # elsewhere. Not after a stream, whose headers went out keep-alive before the drain: closed under it, the
         # client's next request on it was lost; it gets that request's 503 instead.
         response.force_close()
+    return response
+
+
+async def _route_without_slash(request: web.Request) -> str | None:
+    """The path without its trailing `/`s when that is a route (`/v1/embeddings/` for `/v1/embeddings`), else None."""
+    path = request.path
+    if len(path) < 2 or not path.endswith("/") or not (trimmed := path.rstrip("/")):
+        return None
+    match = await request.app.router.resolve(request.clone(rel_url=request.rel_url.with_path(trimmed)))
+    return trimmed if match.http_exception is None else None
+
+
+def _redirect(request: web.Request, path: str) -> web.Response:
+    """A 308 to `path`, the same method and body (as FastAPI servers answer a trailing `/`; the openai SDK and
+    `curl -L` follow it), with the error shape saying where for a client that does not."""
+    error = NotFound(f"no route {request.path!r}; it is {path!r} (no trailing '/')", code="route_moved")
+    response = json_response(error.body(), status=308)
+    response.headers[hdrs.LOCATION] = str(request.rel_url.with_path(path).with_query(request.rel_url.query))
     return response
 
 
