@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -215,33 +216,40 @@ def _check_lora_fields(config: Mapping[str, Any], config_file: Path) -> None:
 
 
 def _check_ranks_saved(config: Mapping[str, Any], config_file: Path) -> None:
-    """Refuse a rank (`r`, a `rank_pattern` value) above every rank of the saved LoRA weights: peft allocates each
-    targeted layer's A and B at the configured rank before it reads a weight, and the load then fails on their
-    shapes; `_MOST_LORA_RANK` alone let r = 65,536 allocate hundreds of GB on a 4,096-wide model (review). From the
+    """Refuse a config whose rank for a saved layer (its `rank_pattern` entry, else `r`) is not that layer's saved
+    LoRA rank: peft allocates each targeted layer's A and B at the configured rank before it reads a weight, and the
+    load then fails on their shapes (every request a 422 in peft's words, tester h109); `_MOST_LORA_RANK` alone let
+    r = 65,536 allocate hundreds of GB on a 4,096-wide model (review). A rank that applies to no saved layer is left
+    alone: peft writes `r` (8 by default) beside a `rank_pattern` that sets every layer's (review h110). From the
     safetensors header; an adapter saved otherwise is judged at its load."""
-    saved = [
-        shape[0]
+    saved = {
+        key.split(".lora_A.")[0]: shape[0]
         for key, shape in safetensors_shapes([config_file.parent / "adapter_model.safetensors"]).items()
         if ".lora_A." in key and len(shape) == 2
-    ]
-    if not saved:
-        return
-    ranks = {"r": config.get("r")} | {
-        f"rank_pattern[{key!r}]": value for key, value in (config.get("rank_pattern") or {}).items()
     }
-    for field, rank in ranks.items():
-        if isinstance(rank, int) and rank > max(saved):
+    pattern = config.get("rank_pattern") or {}
+    for layer, saved_rank in saved.items():
+        key = _pattern_key(pattern, layer, config_file)
+        field, rank = ("r", config.get("r")) if key is None else (f"rank_pattern[{key!r}]", pattern[key])
+        if isinstance(rank, int) and rank != saved_rank:
             raise UnsupportedModel(
-                f"{config_file}: {field} is {rank}, but the adapter's saved LoRA weights have rank {max(saved)} at "
-                "most: the config is not the one these weights were saved with"
+                f"{config_file}: {field} is {rank}, but the adapter's saved LoRA weights have rank {saved_rank} at "
+                f"{layer}: the config is not the one these weights were saved with"
             )
-    rank = config.get("r")
-    if not config.get("rank_pattern") and isinstance(rank, int) and set(saved) != {rank}:
-        # One rank for every layer: weights of another failed every request's load on their shapes (tester h109).
-        raise UnsupportedModel(
-            f"{config_file}: r is {rank}, but the adapter's saved LoRA weights have rank "
-            f"{', '.join(str(n) for n in sorted(set(saved)))}: the config is not the one these weights were saved with"
-        )
+
+
+def _pattern_key(pattern: Mapping[str, Any], layer: str, config_file: Path) -> str | None:
+    """The `rank_pattern` key that sets `layer`'s rank, matched as peft matches it (`get_pattern_key`: the key a
+    regular expression for the layer name's last dotted parts); None: `r` sets it."""
+    for key in pattern:
+        try:
+            if re.match(rf"(.*\.)?({key})$", layer):
+                return key
+        except re.error as exc:
+            raise UnsupportedModel(
+                f"{config_file}: rank_pattern key {key!r} is not a regular expression: {exc}"
+            ) from None
+    return None
 
 
 # Initialisations that rewrite the base weights the adapter was trained against: its A/B only make sense

@@ -412,6 +412,7 @@ async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(
         ("r", (65536, "r is 65536, but the adapter's saved LoRA weights have rank")),
         ("rank_pattern", ({"query": 4096}, "rank_pattern['query'] is 4096, but the adapter's saved LoRA weights")),
         ("r", (1, "r is 1, but the adapter's saved LoRA weights have rank")),  # tester h109: below it, too
+        ("rank_pattern", ({"que(ry": 4}, "rank_pattern key 'que(ry' is not a regular expression")),  # peft's re
     ]
     for field, (value, said) in [*cases.items(), *more]:
         folder = tmp_path_factory.mktemp(f"bad-{field}")
@@ -422,6 +423,22 @@ async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(
         assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), (field, answer)
         assert said in answer["error"]["message"], (field, answer)
     assert box.catalog.get("cls:bad") is None
+
+
+async def test_an_adapter_whose_rank_pattern_sets_every_layer_below_r_is_served(
+    start_box, http, classifier_dir, tmp_path_factory
+) -> None:
+    """Review h110: peft writes `r` (8 by default) beside a `rank_pattern` that sets every layer's rank (4 here), and
+    loads such an adapter; the registration refused it 422 (`r is 8, but the saved weights have rank 4 at most`)."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    folder = make_adapter(
+        Task.CLASSIFY, classifier_dir, tmp_path_factory.mktemp("ranks") / "lora", seed=7, r=8,
+        rank_pattern={"query": 4, "value": 4},
+    )  # fmt: skip
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
+    await register_adapter(http, box, "cls:ranks", folder)
+    status, answer = await classify(http, box, "cls:ranks")
+    assert status == 200, answer
 
 
 async def test_an_adapter_that_fails_to_load_says_why_in_its_record(
