@@ -113,7 +113,8 @@ def _adapter_state(box: Box, spec: ModelSpec, base: str) -> dict[str, Any]:
         "bytes": None,
         "max_model_len": model_state(box, base)["max_model_len"],  # its base's: it runs in it
         "profile": None,
-        "load_error": missing_folder(spec) or box.residency.load_error(name),  # else its last load onto its base here
+        # Its folder missing here matters only where it would be loaded: a gateway-only box may hold no model files.
+        "load_error": (missing_folder(spec) if box.settings.runs_models else None) or box.residency.load_error(name),
     }
 
 

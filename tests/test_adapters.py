@@ -622,3 +622,7 @@ async def test_an_adapter_whose_folder_was_deleted_is_not_listed_loaded_and_its_
     beat = {model["name"]: model for model in heartbeat(box)["models"]}
     assert "cls:gone" not in beat["cls"]["adapters"], beat
     assert (await classify(http, box, "cls"))[0] == 200  # the base answers as before
+    # Review h110: a gateway-only box loads nothing, and may hold no model files: no folder of its own to miss.
+    gateway = await start_box(role="gateway", default_model=False, model_roots=box.settings.model_roots)
+    _, record = await call(http, gateway, "GET", "/v1/models/cls:gone")
+    assert record["load_error"] is None, record
