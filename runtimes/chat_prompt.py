@@ -98,6 +98,7 @@ class ChatPrompts:
         }
         if "sanitize_control_tokens" in self._arguments:
             kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
+        messages = self._within_char_cap(messages, truncate=truncate)
         with self._lock:
             try:
                 rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
@@ -113,6 +114,27 @@ class ChatPrompts:
         if len(rendered) > limit and not truncate:
             raise InputTooLong(0, limit)
         return np.asarray(rendered[-limit:], dtype=np.int64)
+
+    def _within_char_cap(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool) -> Sequence[Mapping[str, Any]]:
+        """The conversation with no more text than the tokenizer's character cap (`TextTokenizer.char_cap`, far more
+        than `max_length` tokens span), as a completion's prompt is cut: past it, too long at once, or with
+        `truncate` the messages' text cut from the start, which the kept end never reaches. Rendered and tokenised
+        whole under the lock, a 6 MB message took 14 s, and every other chat of the model waited (tester h111)."""
+        left = self._tokenizer.char_cap
+        if sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) <= left:
+            return messages
+        if not truncate:
+            raise InputTooLong(0, self._tokenizer.max_length)
+        kept: list[Mapping[str, Any]] = []
+        for message in reversed(messages):
+            content = message.get("content")
+            if isinstance(content, str):
+                keep = min(len(content), left)
+                left -= keep
+                if keep < len(content):  # cut to its end (the earlier messages to nothing): their place stays
+                    message = {**message, "content": content[len(content) - keep :]}
+            kept.append(message)
+        return kept[::-1]
 
     def _chat_tokenizer(self) -> Any:
         if not self._chat.chat_template:

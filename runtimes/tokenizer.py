@@ -159,6 +159,11 @@ class TextTokenizer:
                 raise InputTooLong(index, self.max_length, what=what)
         return encodings
 
+    @property
+    def char_cap(self) -> int:
+        """The characters of a text past which it is cut before it is tokenised (see the module's docstring)."""
+        return self._char_cap
+
     def _capped(self, text: str | tuple[str, str]) -> str | tuple[str, str]:
         if isinstance(text, tuple):
             return (self._capped_text(text[0]), self._capped_text(text[1]))

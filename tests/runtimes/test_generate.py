@@ -201,6 +201,41 @@ def test_over_long_prompts_are_refused_or_keep_their_end(generator) -> None:
         generator.add("too-long", np.ones(generator.info.max_length, dtype=np.int64), GREEDY)
 
 
+def test_a_chat_past_the_character_cap_is_refused_or_cut_before_it_is_rendered(
+    generator, generator_dir: Path, monkeypatch
+) -> None:
+    """Tester h111: a 6 MB message was rendered and tokenised whole, 14 s under the lock every chat of the model
+    takes. A spy on transformers' apply_chat_template (the real one runs) sees what is rendered."""
+    from transformers import AutoTokenizer
+
+    cap = generator.tokenizer.char_cap
+    big = "apples bread cheese " * (cap // 20 + 50)
+    messages = [
+        {"role": "user", "content": big},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "And then?"},
+    ]
+    chat = generator._chat._chat
+    real, rendered = chat.apply_chat_template, []
+
+    def spy(conversation, **kwargs):
+        rendered.append(sum(len(message["content"]) for message in conversation))
+        return real(conversation, **kwargs)
+
+    monkeypatch.setattr(chat, "apply_chat_template", spy)
+    with pytest.raises(InputTooLong):
+        generator.apply_chat_template(messages, truncate=False)
+    assert rendered == []  # refused before anything was rendered
+    kept = generator.apply_chat_template(messages, truncate=True)
+    assert rendered and rendered[-1] <= cap
+    # The same end as the whole conversation rendered, then cut.
+    whole = AutoTokenizer.from_pretrained(generator_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert len(kept) == generator.tokenizer.max_length
+    assert kept.tolist() == list(whole)[-len(kept) :]
+
+
 def test_max_tokens_is_capped_by_the_context_window(generator) -> None:
     prompt = np.full(generator.info.max_length - 3, 100, dtype=np.int64)
     outputs = drive(generator, {0: [("r", prompt, SamplingParams(max_tokens=50, temperature=0))]})["r"]
