@@ -14,14 +14,13 @@ compute is spent on them, the last look taken on the device thread itself.
 
 One task owns the pending list; others only call `submit`. Every batch run also teaches `BatchCost`
 what a batch costs here, so the box can tell how much more work it could answer in a given time
-(`room`): that is what it pulls.
+(`room`, reckoned in `batch_room.py`): that is what it pulls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -30,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from appliance.batch_cost import BatchCost, PaceLine
+from appliance.batch_room import BatchRoom
 from appliance.catalog import Batching
 from appliance.envelope import BATCH
 from appliance.errors import InternalError, deadline_passed
@@ -41,13 +41,11 @@ from runtimes import Runtime
 
 log = logging.getLogger(__name__)
 
-_NEARLY_FREE = 0.1  # of the time budget: a device with this little left of its batch takes the next one
 # Made-up rows timed before any request (`warm_up`): words a row, alternating so the fit sees two sizes, and the most
 # time spent on them (a large model on a CPU stops early and measures its pace from its first requests instead).
 _WARM_UP_WORDS = (12, 40)
 _WARM_UP_ROWS = 16  # at most: enough for the fit, which the pace reads at full batches
 _WARM_UP_S = 2.0
-_LATE_S = 0.005  # a batch this far past its predicted end (or a quarter of it) is stalled, not just late
 
 
 class Batcher:
@@ -90,124 +88,30 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.cost = BatchCost()
-        # Batches handed to the device threads: rows and predicted seconds (kept by the event loop);
-        # and when each started (written by its device thread as it starts: a formed batch may wait).
-        self._formed: dict[int, tuple[int, float | None]] = {}
-        self._started: dict[int, float] = {}
+        self._room = BatchRoom(self._slots_total, self.cost, lambda: self.batching, self._rows_pending)
 
     def room(self, within_s: float, *, for_bulk: bool = False) -> int:
-        """Rows this batcher could take now and still answer within `within_s`, at the measured cost.
-
-        A row taken now waits for the batches on the device and the batches of rows already waiting,
-        then runs in its own; every batch ahead is counted full, and each of the `concurrent_batches`
-        slots runs its batches one after another. A batch is let in once a slot is nearly free however
-        slow a batch is, so a box never starves itself. Before any batch is timed: one batch per slot.
-        An interactive row overtakes the batch-priority rows waiting (`next_batch`), so only `for_bulk`
-        counts them: counted for interactive work too, a bulk row pulled ahead left interactive requests
-        in the queue, and it ran before them.
-        """
-        full = self._full_batch()
-        pending = self._waiting_rows(for_bulk=for_bulk)
-        if full is None:
-            return max(0, self._slots_total * self.batching.max_batch_size - pending)
-        rows, batch_s = full
-        busy = self._busy_left_s()
-        if busy is None:
-            return 0  # a batch on the device is overdue (stalled): rows taken now would wait it out
-        lefts = [0.0] * (self._slots_total - len(busy)) + busy  # soonest free first
-        batches = sum(max(0, math.floor((within_s - left) / batch_s)) for left in lefts)
-        if batches < 1 and lefts[0] <= _NEARLY_FREE * within_s:
-            batches = 1
-        return max(0, batches * rows - pending)
+        """Rows this batcher could take now and still answer within `within_s` (`BatchRoom.room`)."""
+        return self._room.room(within_s, for_bulk=for_bulk)
 
     def room_opens_in(self, within_s: float) -> float | None:
         """Seconds until `room(within_s)` may turn positive as batches on the device run; None: only an event can."""
-        full = self._full_batch()
-        if full is None:
-            return None
-        rows, batch_s = full
-        busy = self._busy_left_s()
-        if not busy:  # stalled (None): look again soon; idle: only rows arriving or leaving change the room
-            return 0.25 * batch_s
-        # Room for one more row needs the batches of the rows waiting plus one to fit in `within_s`
-        # (reckoned for the slot that frees first).
-        waiting = self._waiting_rows()
-        threshold = within_s - (waiting // rows + 1) * batch_s
-        if waiting < rows:
-            threshold = max(threshold, _NEARLY_FREE * within_s)
-        if threshold > 0:
-            return max(0.001, busy[0] - threshold)
-        return busy[0] + 0.25 * batch_s  # only batches ending make room: look again after the next one
+        return self._room.opens_in(within_s)
 
     def room_lasts_s(self, within_s: float) -> float | None:
-        """How long rows pulled now for the next batch still make it: until that batch starts. None: no sooner limit.
-
-        Only a busy device with room for just its next batch has one; a row that arrived later would
-        wait out a whole batch more than `room` counted, where another box may be free.
-        """
-        full = self._full_batch()
-        if full is None or len(self._started) < self._slots_total:
-            return None  # a slot is free: the next batch starts as soon as rows arrive
-        rows, batch_s = full
-        busy = self._busy_left_s()
-        if busy is None or busy[0] + batch_s <= within_s - batch_s or self._waiting_rows() >= rows:
-            return None
-        return busy[0] + _NEARLY_FREE * within_s
-
-    def _full_batch(self) -> tuple[int, float] | None:
-        """(rows, predicted seconds) of a full batch of rows like recent ones; None before a batch of requests ran."""
-        per_row = self.cost.tokens_per_row
-        if per_row is None or not self.cost.batches:  # the warm-up's alone: room as an untimed box's
-            return None
-        rows = self._full_rows(per_row)
-        seconds = self.cost.seconds(rows * per_row) or 0.0
-        return rows, max(seconds, 1e-4)
-
-    def _full_rows(self, per_row: float) -> int:
-        """The rows of a full batch of rows `per_row` padded tokens long: as many as the token budget holds, within
-        the row cap."""
-        return max(1, min(self.batching.max_batch_size, int(self.batching.max_batch_tokens // max(1.0, per_row))))
+        """How long rows pulled now for the next batch still make it (`BatchRoom.lasts_s`). None: no sooner limit."""
+        return self._room.lasts_s(within_s)
 
     def pace_line(self) -> PaceLine | None:
-        """The measured cost as a box's heartbeat tells gateways (`PaceLine`), None until it is trusted: a full batch
-        no larger than the largest timed (the warm-up's are 16 rows: read at 256, a GPU's near-flat cost of small
-        batches made a pace far too high)."""
-        per_row = self.cost.tokens_per_row
-        if self.cost.samples < BatchCost.TRUST_AFTER or not per_row:  # the warm-up's batches count here
-            return None
-        batching = self.batching
-        rows = min(batching.max_batch_size, max(1, self.cost.most_rows))
-        fit = self.cost.line()
-        if fit is None:  # no batches ever told fixed cost from tokens: a shorter row is reckoned no cheaper
-            full_rows = min(rows, self._full_rows(per_row))
-            fit = (self.cost.seconds(full_rows * per_row) or 0.0, 0.0)
-        return PaceLine(*fit, rows, batching.max_batch_tokens, batching.concurrent_batches, per_row)
-
-    def _waiting_rows(self, *, for_bulk: bool = False) -> int:
-        """Rows not yet on the device that a new row waits behind: in batches formed ahead that have not started,
-        and pending, batch-priority ones only `for_bulk` (an interactive row overtakes them)."""
-        ahead = sum(rows for key, (rows, _) in list(self._formed.items()) if key not in self._started)
-        return (len(self._pending) if for_bulk else self.pending_interactive) + ahead
-
-    def _busy_left_s(self) -> list[float] | None:
-        """Predicted seconds each batch on the device still needs, soonest first; None when one is overdue."""
-        now = time.monotonic()
-        lefts: list[float] = []
-        for key, sent in list(self._started.items()):  # one C call: safe while a device thread adds one
-            formed = self._formed.get(key)
-            predicted = formed[1] if formed is not None else None
-            if predicted is None:
-                lefts.append(0.0)
-                continue
-            left = sent + predicted - now
-            if left < -max(_LATE_S, 0.25 * predicted):
-                return None
-            lefts.append(max(0.0, left))
-        return sorted(lefts)
+        """The measured cost as a box's heartbeat tells gateways, None until it is trusted (`BatchRoom.pace_line`)."""
+        return self._room.pace_line()
 
     @property
     def pending_interactive(self) -> int:
         return sum(1 for item in self._pending if item.job.meta.priority != BATCH)
+
+    def _rows_pending(self, for_bulk: bool) -> int:
+        return len(self._pending) if for_bulk else self.pending_interactive
 
     def submit(self, job: Job) -> None:
         now = asyncio.get_running_loop().time()
@@ -233,7 +137,7 @@ class Batcher:
 
     def _time_made_up_batch(self, words: int, timed: bool) -> None:
         (row,) = self.runtime.tokenize([" ".join(["word"] * words)])
-        rows = min(_WARM_UP_ROWS, self._full_rows(row.length))
+        rows = min(_WARM_UP_ROWS, self._room.full_rows(row.length))
         predicted = getattr(self.runtime, "predicted_s", None)  # the no-op runtime's: what its options say
         if predicted is not None:
             seconds = predicted(rows, row.length)
@@ -298,12 +202,12 @@ class Batcher:
         """
         batching = self.batching
         limit = self._company_limit(loop)
-        while not self._full() and (loop.time() < limit or self._threads_busy()):
+        while not self._full() and (loop.time() < limit or self._room.threads_busy()):
             if self.batching is not batching:  # retuned meanwhile: a shorter wait ends sooner
                 batching, limit = self.batching, self._company_limit(loop)
                 continue
             self._wake.clear()
-            if self._threads_busy():
+            if self._room.threads_busy():
                 await self._wake.wait()  # a row arriving or a batch ending wakes it
                 continue
             try:  # not wait_for: on Python 3.11 it can swallow a cancel that meets a wake (drain would hang)
@@ -320,9 +224,6 @@ class Batcher:
             compute_s = self.cost.seconds(soonest.length) or 0.0
             limit = min(limit, loop.time() + (soonest.job.meta.deadline_ms - time.time() * 1000) / 1000 - compute_s)
         return limit
-
-    def _threads_busy(self) -> bool:
-        return len(self._formed) >= self._slots_total
 
     def _full(self) -> bool:
         if len(self._pending) >= self.batching.max_batch_size:
@@ -413,19 +314,18 @@ class Batcher:
     async def _on_device(self, batch: list[WorkItem]) -> tuple[list[WorkItem], np.ndarray | None, float]:
         """Run a batch on a device thread, knowing meanwhile when it should end (for `room`)."""
         key = id(batch)
-        self._formed[key] = (len(batch), self.cost.seconds(len(batch) * max(item.length for item in batch)))
+        self._room.formed(key, len(batch), len(batch) * max(item.length for item in batch))
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, self._run_live, batch, key)
         finally:
-            self._started.pop(key, None)
-            del self._formed[key]
+            self._room.ended(key)
 
     def _run_live(self, batch: list[WorkItem], key: int) -> tuple[list[WorkItem], np.ndarray | None, float]:
         """On the device thread: the last look at deadlines before compute is spent, then the forward pass.
 
         Start and compute times are taken here, where the batch really starts, not where it was queued.
         """
-        self._started[key] = time.monotonic()
+        self._room.start(key)
         live = [item for item in batch if not item.job.done and not item.job.expired]
         if not live:
             return live, None, 0.0
