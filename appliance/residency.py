@@ -2,7 +2,7 @@
 
 The eviction rule: before a load, estimate the newcomer's bytes (the weight files it reads, scaled
 by dtype) and evict unpinned models until it fits: idle ones before those with requests in hand, and
-among them first the one whose bytes will wait longest for their next request (`Residency._idle_cost`:
+among them first the one whose bytes will wait longest for their next request (`eviction.py`:
 how long since it was last used, or the gap between requests its demand says, if longer); none in its
 turn: a model loaded for requests serves for a while before it may go, the load waiting for that. When
 the loads in flight hold the room that evicting every unpinned model could not free, the load waits
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -30,6 +29,7 @@ from pathlib import Path
 from appliance.adapters import AdapterHold, BaseAdapters
 from appliance.catalog import ModelSpec
 from appliance.errors import InsufficientMemory, reason_of
+from appliance.eviction import Demand, fewest_first, idle_cost, turn_ends
 from appliance.metrics import Metrics
 from appliance.model_bytes import estimate_bytes, size_text
 from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime, released_together
@@ -38,7 +38,6 @@ from runtimes.base import AdapterHost
 log = logging.getLogger(__name__)
 
 _PROTECTION_POLL_S = 0.1  # a load waiting for a model's turn to end looks again this often (one may go idle sooner)
-DEMAND_HALF_LIFE_S = 60.0  # an answer counts half as much in a model's demand after this long
 _LANDING_POLL_S = 1.0  # a load waiting for loads in flight to land looks again this often (an eviction may free room)
 
 
@@ -55,29 +54,6 @@ class Resident:
     @property
     def nbytes(self) -> int:
         return self.runtime.info.nbytes
-
-
-@dataclass(slots=True)
-class Demand:
-    """How often a model is asked for: the requests it answered, each counting half as much every
-    `DEMAND_HALF_LIFE_S`. Kept across its evictions: a model asked for often and evicted under pressure is judged by
-    that when it comes back, not as a newcomer (tester h98: a fresh count made the most asked model go as often as
-    with the least recently used first)."""
-
-    count: float = 0.0
-    at: float = 0.0
-
-    def add(self, answered: int, now: float) -> None:
-        self.count = self.count_at(now) + answered
-        self.at = now
-
-    def count_at(self, now: float) -> float:
-        return self.count * 0.5 ** ((now - self.at) / DEMAND_HALF_LIFE_S)
-
-    def gap_s(self, now: float) -> float:
-        """The mean time between its requests that its count says (a steady rate r leaves r x half-life / ln 2)."""
-        count = self.count_at(now)
-        return DEMAND_HALF_LIFE_S / (count * math.log(2)) if count > 0 else math.inf
 
 
 class Residency:
@@ -352,29 +328,11 @@ class Residency:
             candidates,
             key=lambda r: (self._in_its_turn(r, now), self._in_use(r.spec.name), -self._idle_cost(r, now), r.last_used),
         )
-        chosen: list[Resident] = []
-        freed = 0
-        for resident in ordered:
-            chosen.append(resident)
-            freed += resident.nbytes
-            if freed >= shortfall:
-                break
-        for resident in reversed(chosen[:-1]):  # the later ones first: they are the ones worth keeping
-            if freed - resident.nbytes >= shortfall:
-                chosen.remove(resident)
-                freed -= resident.nbytes
-        return chosen[0]
+        return fewest_first(ordered, shortfall)
 
     def _idle_cost(self, resident: Resident, now: float) -> float:
-        """What keeping a model costs until it is asked for again, in byte-seconds: its bytes times how long it will
-        likely wait for its next request. That wait is the gap between requests its demand says (`Demand`), or, when
-        longer, how long it has not been used (a model asked for 6,000 times and then not at all must not outstay
-        one asked for now: h98); a model never asked for (loaded by `/load`) counts as asked for once, at its load
-        (judged by its idle time alone, it stayed where a model asked for once just then went).
-        So a model asked for often stays where the least recently used would go (benchmarks/packing.py), and of two
-        asked for as often the larger goes, freeing more room in one eviction."""
-        demand = self._demand.get(resident.spec.name) or Demand(1.0, resident.loaded_at)
-        return max(1, resident.nbytes) * max(now - resident.last_used, demand.gap_s(now))
+        """What keeping a model costs until it is asked for again, in byte-seconds (`eviction.idle_cost`)."""
+        return idle_cost(resident, self._demand.get(resident.spec.name), now)
 
     def _in_its_turn(self, resident: Resident, now: float) -> bool:
         """A model with requests in hand, loaded lately, keeps its place until its turn ends (`_turn_ends`). With
@@ -384,11 +342,7 @@ class Residency:
         return now < self._turn_ends(resident) and self._in_use(resident.spec.name)
 
     def _turn_ends(self, resident: Resident) -> float:
-        """When a model's turn ends: `min_serve_s` after its first answer, or as long as its load took if longer (a
-        model serves at least as long as it took to load); before that answer, `first_answer_s` after its load."""
-        if resident.first_used is None:
-            return resident.loaded_at + self._first_answer_s
-        return resident.first_used + max(self._min_serve_s, resident.load_s)
+        return turn_ends(resident, self._min_serve_s, self._first_answer_s)
 
     async def hold_adapter(self, base: str, adapter: ModelSpec) -> AdapterHold:
         """A LoRA adapter's registration loaded onto its resident base (once), and kept loaded until the hold is

@@ -20,9 +20,10 @@ import torch
 from appliance.catalog import ModelSpec
 from appliance.configured import spec_from_entry
 from appliance.errors import InsufficientMemory
+from appliance.eviction import DEMAND_HALF_LIFE_S, Demand
 from appliance.metrics import Metrics
 from appliance.model_bytes import estimate_bytes
-from appliance.residency import DEMAND_HALF_LIFE_S, Demand, Residency
+from appliance.residency import Residency
 from appliance.settings import ModelEntry, Settings
 from runtimes import Runtime
 from tests.conftest import noop_model, url, wait_for

@@ -1,0 +1,80 @@
+"""The eviction order: which resident model a load that needs room takes the bytes of first (`Residency._victim`).
+
+The one idea: a model's bytes cost what they hold up until it is asked for again, so the one whose bytes will wait
+longest for their next request goes first: its bytes times the gap between requests its demand says (`Demand`, the
+requests it answered, each counting half as much every `DEMAND_HALF_LIFE_S`, kept across its evictions), or the time
+since it was last used, if longer. A model loaded for requests serves its turn first (`turn_ends`), and of the models
+the order would evict, only the fewest that free the room go (`fewest_first`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.residency import Resident
+
+DEMAND_HALF_LIFE_S = 60.0  # an answer counts half as much in a model's demand after this long
+
+
+@dataclass(slots=True)
+class Demand:
+    """How often a model is asked for: the requests it answered, each counting half as much every
+    `DEMAND_HALF_LIFE_S`. Kept across its evictions: a model asked for often and evicted under pressure is judged by
+    that when it comes back, not as a newcomer (tester h98: a fresh count made the most asked model go as often as
+    with the least recently used first)."""
+
+    count: float = 0.0
+    at: float = 0.0
+
+    def add(self, answered: int, now: float) -> None:
+        self.count = self.count_at(now) + answered
+        self.at = now
+
+    def count_at(self, now: float) -> float:
+        return self.count * 0.5 ** ((now - self.at) / DEMAND_HALF_LIFE_S)
+
+    def gap_s(self, now: float) -> float:
+        """The mean time between its requests that its count says (a steady rate r leaves r x half-life / ln 2)."""
+        count = self.count_at(now)
+        return DEMAND_HALF_LIFE_S / (count * math.log(2)) if count > 0 else math.inf
+
+
+def idle_cost(resident: Resident, demand: Demand | None, now: float) -> float:
+    """What keeping a model costs until it is asked for again, in byte-seconds: its bytes times how long it will
+    likely wait for its next request. That wait is the gap between requests its demand says (`Demand`), or, when
+    longer, how long it has not been used (a model asked for 6,000 times and then not at all must not outstay
+    one asked for now: h98); a model never asked for (loaded by `/load`) counts as asked for once, at its load
+    (judged by its idle time alone, it stayed where a model asked for once just then went).
+    So a model asked for often stays where the least recently used would go (benchmarks/packing.py), and of two
+    asked for as often the larger goes, freeing more room in one eviction."""
+    demand = demand or Demand(1.0, resident.loaded_at)
+    return max(1, resident.nbytes) * max(now - resident.last_used, demand.gap_s(now))
+
+
+def turn_ends(resident: Resident, min_serve_s: float, first_answer_s: float) -> float:
+    """When a model's turn ends: `min_serve_s` after its first answer, or as long as its load took if longer (a
+    model serves at least as long as it took to load); before that answer, `first_answer_s` after its load."""
+    if resident.first_used is None:
+        return resident.loaded_at + first_answer_s
+    return resident.first_used + max(min_serve_s, resident.load_s)
+
+
+def fewest_first(ordered: list[Resident], shortfall: int) -> Resident:
+    """The first to evict of `ordered` (non-empty, in eviction order): of the models that order would evict to free
+    `shortfall` bytes, only the fewest that free them. A small model first in the order, whose bytes alone would not
+    do, stays when the larger one after it frees enough."""
+    chosen: list[Resident] = []
+    freed = 0
+    for resident in ordered:
+        chosen.append(resident)
+        freed += resident.nbytes
+        if freed >= shortfall:
+            break
+    for resident in reversed(chosen[:-1]):  # the later ones first: they are the ones worth keeping
+        if freed - resident.nbytes >= shortfall:
+            chosen.remove(resident)
+            freed -= resident.nbytes
+    return chosen[0]
