@@ -984,11 +984,12 @@ async def test_a_gateway_bounds_a_burst_by_the_round_and_pace_the_boxes_holding_
             assert response.status == 200
     pace = entry()["tokens_per_s"]
     assert pace is not None and pace > 0
-    await wait_for(lambda: box.dispatcher._box_round("small") == 512, what="the heartbeat after the retune heard")
+    holders = box.dispatcher._holders
+    await wait_for(lambda: holders._box_round("small") == 512, what="the heartbeat after the retune heard")
     row_tokens = entry()["batch_cost"]["row_tokens"]
-    assert box.dispatcher._pace("small", row_tokens) is not None
-    assert box.dispatcher._pace("small", row_tokens)[0] == pytest.approx(entry()["tokens_per_s"], rel=0.5)
-    assert box.dispatcher._box_round("unknown") is None and box.dispatcher._pace("unknown", 10.0) is None
+    assert holders._pace("small", row_tokens) is not None
+    assert holders._pace("small", row_tokens)[0] == pytest.approx(entry()["tokens_per_s"], rel=0.5)
+    assert holders._box_round("unknown") is None and holders._pace("unknown", 10.0) is None
 
 
 async def test_a_burst_on_a_model_its_rows_per_batch_slow_waits_no_longer_than_the_bound(start_box) -> None:

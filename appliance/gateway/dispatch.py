@@ -6,9 +6,10 @@ counted and dropped, so the client gets exactly one answer.
 
 Before a request is published, the gateway's admission control (`Admission`, in `admission.py`)
 says whether it may wait at all: a 429 at once, rather than a 504 after its deadline, when it would
-wait too long to start. The dispatcher tells it of every request awaited and every answer. A streamed
-answer's chunks are stitched into one by its `StreamWaiter` (`replies.py`); what a lost queue took is published
-again by the `Resender` (`resend.py`).
+wait too long to start, reckoned with the boxes that hold its model (`Holders`, in `holders.py`).
+The dispatcher tells it of every request awaited and every answer. A streamed answer's chunks are
+stitched into one by its `StreamWaiter` (`replies.py`); what a lost queue took is published again by
+the `Resender` (`resend.py`).
 """
 
 from __future__ import annotations
@@ -31,16 +32,15 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable, TooManyRequests
-from appliance.gateway.admission import Admission, paced_round, unmeasured_budget
+from appliance.errors import FleetboxError, GatewayTimeout
+from appliance.gateway.admission import Admission
+from appliance.gateway.holders import Holders
 from appliance.gateway.model_queue import ModelQueue
 from appliance.gateway.publish import Publisher
 from appliance.gateway.replies import Reply, StreamWaiter
 from appliance.gateway.resend import Resender
 from appliance.metrics import Metrics
 from appliance.tasks import Background
-from runtimes import Task
-from runtimes.base import max_decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +75,6 @@ class Dispatcher:
         holders: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.box_id = box_id
-        # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
-        self._holders_per_gateway = holders_per_gateway or (lambda model: Fraction(1))
-        # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
-        self._box_round = box_round or (lambda model: None)
-        self._box_round_rows = box_round_rows or (lambda model: None)  # and the rows it holds
-        # The tokens and rows a second its holders compute in rows so long, this gateway's share
-        # (`Fleet.pace_per_gateway`), None unknown.
-        self._pace = pace or (lambda model, per_row: None)
-        self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
-        self._knows_holders = holders is not None  # without a fleet (a test's dispatcher), none is known of
-        self._max_queue_s = max_queue_s
         self._max_timeout_s = max_timeout_s  # every request's deadline is at most this
         self._nc = nc
         self._metrics = metrics
@@ -95,6 +84,15 @@ class Dispatcher:
         self._closed: FleetboxError | None = None  # set by `abandon`: what a request arriving after it is told
         self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
+        self._holders = Holders(
+            self._admission,
+            max_queue_s,
+            holders_per_gateway=holders_per_gateway,
+            box_round=box_round,
+            box_round_rows=box_round_rows,
+            pace=pace,
+            holders=holders,
+        )
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
         self._streams: dict[str, StreamWaiter] = {}
         self._resender = Resender(self._publisher, awaited=self._awaits, unstarted=self._unstarted, fail=self._fail)
@@ -277,40 +275,7 @@ class Dispatcher:
         # Before admission: cut off from NATS, the work it awaits goes unanswered, and that read as overload (a 429
         # with a Retry-After growing by the second, where a 503 says what is wrong).
         self._publisher.check_connected()
-        decode_batch = box_decode_batch = None
-        boxes = self._holders_per_gateway(spec.name)
-        paced = 0
-        if spec.task is Task.GENERATE:
-            box_decode_batch = max_decode_batch(spec.options)
-            decode_batch = max(1, math.floor(box_decode_batch * boxes))
-            budget = unmeasured_budget(spec.batching, decode_batch)
-        else:
-            per_input = self._admission.per_input(spec.name, priority, weight, inputs)
-            pace, rows_pace = self._pace(spec.name, per_input) or (None, None)
-            paced = paced_round(pace, rows_pace, per_input, self._max_queue_s)
-            budget = unmeasured_budget(
-                spec.batching,
-                box_round=self._box_round(spec.name),
-                box_rows=self._box_round_rows(spec.name),
-                per_input=per_input,
-                boxes=boxes,
-            )
-        try:
-            queue = self._admission.admit(
-                spec.name,
-                priority,
-                timeout_s,
-                self.waiting,
-                weight=weight,
-                budget=budget,
-                paced=paced,
-                decode_batch=decode_batch,
-                box_decode_batch=box_decode_batch,
-                holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
-            )
-        except TooManyRequests:
-            self._refuse_unheld(spec.name)
-            raise
+        queue = self._holders.admit(spec, priority, timeout_s, self.waiting, weight=weight, inputs=inputs)
         request_id = request_id or self._nuid.next().decode()
         now_ms = int(time.time() * 1000)
         meta = RequestMeta(
@@ -433,19 +398,6 @@ class Dispatcher:
             waiter[0].set_exception(error)
         elif stream is not None and stream.box is None:
             stream.queue.put_nowait(self._error_reply(request_id, error))
-
-    def _refuse_unheld(self, model: str) -> None:
-        """A refusal while no live box holds `model` is not overload: nothing answers it (its boxes restarting, or one
-        loading it). Said as a 429 "already awaits 60 requests", `Retry-After: 1`, with every worker dead (tester
-        h82); a 503 saying so, as a gateway past the grace without workers answers."""
-        if not self._knows_holders or self._holders(model):
-            return
-        count = self._admission.waiting_for(model)
-        raise ServiceUnavailable(
-            f"model {model} is held by no live box now (its boxes restarting, or one loading it), and this gateway "
-            f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
-            retry_after_s=2,
-        )
 
     def retry_after_s(self) -> int:
         """Seconds until the backlog would drain at the rate answers have been arriving lately."""

@@ -1,0 +1,106 @@
+"""What a gateway's admission is told of the boxes holding a model, from the fleet's heartbeats (`Holders`).
+
+The one idea: until its rate of answers is measured, the work a gateway lets wait for a model is bounded by what the
+boxes holding it start at once (a generator's decode slots, an encoder's round of batches, or the pace its holders
+measured), and each gateway counts only its share of them (`Fleet.holders_per_gateway`), so that the gateways
+together fill the holders once, not once each. A refusal while no live box holds the model is not overload: it is
+said as a 503.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from fractions import Fraction
+
+from appliance.catalog import ModelSpec
+from appliance.errors import ServiceUnavailable, TooManyRequests
+from appliance.gateway.admission import Admission, paced_round, unmeasured_budget
+from appliance.gateway.model_queue import ModelQueue
+from runtimes import Task
+from runtimes.base import max_decode_batch
+
+
+class Holders:
+    """The fleet's holders of each model as one gateway's `Admission` reckons with them. Without a fleet (a test's
+    dispatcher) none is known of: one box's worth of each model, its rounds by the catalog's knobs."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        max_queue_s: float,
+        *,
+        holders_per_gateway: Callable[[str], Fraction] | None = None,
+        box_round: Callable[[str], int | None] | None = None,
+        box_round_rows: Callable[[str], int | None] | None = None,
+        pace: Callable[[str, float], tuple[float, float] | None] | None = None,
+        holders: Callable[[str], list[str]] | None = None,
+    ) -> None:
+        self._admission = admission
+        self._max_queue_s = max_queue_s
+        # The boxes' worth of a generator's decode slots this gateway may fill (`Fleet.holders_per_gateway`).
+        self._holders_per_gateway = holders_per_gateway or (lambda model: Fraction(1))
+        # The tokens a round of an encoder's batches takes on a box holding it (`Fleet.box_round`), None unknown.
+        self._box_round = box_round or (lambda model: None)
+        self._box_round_rows = box_round_rows or (lambda model: None)  # and the rows it holds
+        # The tokens and rows a second its holders compute in rows so long, this gateway's share
+        # (`Fleet.pace_per_gateway`), None unknown.
+        self._pace = pace or (lambda model, per_row: None)
+        self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
+        self._knows_holders = holders is not None  # without a fleet (a test's dispatcher), none is known of
+
+    def admit(
+        self, spec: ModelSpec, priority: str, timeout_s: float, waiting: int, *, weight: int, inputs: int = 1
+    ) -> ModelQueue:
+        """`Admission.admit` for a request to `spec` bounded by its holders (or the 429, or the 503 with none).
+
+        `weight` is what the request costs its model: its tokens, or a generation's `max_tokens` (see `ModelQueue`);
+        `inputs` the rows it takes in a batch (an encoder's); `waiting` the requests this gateway awaits.
+        """
+        decode_batch = box_decode_batch = None
+        boxes = self._holders_per_gateway(spec.name)
+        paced = 0
+        if spec.task is Task.GENERATE:
+            box_decode_batch = max_decode_batch(spec.options)
+            decode_batch = max(1, math.floor(box_decode_batch * boxes))
+            budget = unmeasured_budget(spec.batching, decode_batch)
+        else:
+            per_input = self._admission.per_input(spec.name, priority, weight, inputs)
+            pace, rows_pace = self._pace(spec.name, per_input) or (None, None)
+            paced = paced_round(pace, rows_pace, per_input, self._max_queue_s)
+            budget = unmeasured_budget(
+                spec.batching,
+                box_round=self._box_round(spec.name),
+                box_rows=self._box_round_rows(spec.name),
+                per_input=per_input,
+                boxes=boxes,
+            )
+        try:
+            return self._admission.admit(
+                spec.name,
+                priority,
+                timeout_s,
+                waiting,
+                weight=weight,
+                budget=budget,
+                paced=paced,
+                decode_batch=decode_batch,
+                box_decode_batch=box_decode_batch,
+                holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
+            )
+        except TooManyRequests:
+            self._refuse_unheld(spec.name)
+            raise
+
+    def _refuse_unheld(self, model: str) -> None:
+        """A refusal while no live box holds `model` is not overload: nothing answers it (its boxes restarting, or one
+        loading it). Said as a 429 "already awaits 60 requests", `Retry-After: 1`, with every worker dead (tester
+        h82); a 503 saying so, as a gateway past the grace without workers answers."""
+        if not self._knows_holders or self._holders(model):
+            return
+        count = self._admission.waiting_for(model)
+        raise ServiceUnavailable(
+            f"model {model} is held by no live box now (its boxes restarting, or one loading it), and this gateway "
+            f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
+            retry_after_s=2,
+        )
