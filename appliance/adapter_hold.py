@@ -28,15 +28,23 @@ NOT_HEARD_DELAY_S = 0.25  # a catalog hears of a registration within millisecond
 
 
 async def hold_adapter(
-    catalog: Catalog, residency: Residency, base: ModelSpec, meta: RequestMeta, deliveries: int | None = 1
+    catalog: Catalog,
+    residency: Residency,
+    base: ModelSpec,
+    meta: RequestMeta,
+    deliveries: int | None = 1,
+    max_deliver: int = NOT_HEARD_DELIVERIES,
 ) -> AdapterHold:
     """The request's LoRA adapter (`meta.adapter`) made resident on its base model and held there for the request
     until it is released (appliance/adapters.py); `hold.key` is the adapter's name for the runtime. `deliveries`:
-    of the request's message, this one's number."""
+    of the request's message, this one's number; `max_deliver`: the most it may have (its consumer's), the last
+    never handed back: asked again then, it was dead-lettered and its client told it failed on every delivery
+    (review h110, `max_deliver` 2), where a deleted registration is a 404."""
     assert meta.adapter is not None
     name = meta.adapter
     sent_for = meta.adapter_registered_ms  # the registration its gateway resolved; 0: none said (see below)
-    waits = sent_for and (deliveries or 1) < NOT_HEARD_DELIVERIES  # for this box's catalog to hear of it
+    # Asked again for this box's catalog to hear of it, but never on its last delivery.
+    waits = sent_for and (deliveries or 1) < min(NOT_HEARD_DELIVERIES, max_deliver)
     try:
         adapter = _adapter_spec(catalog, base, name)
     except NotFound:

@@ -315,7 +315,14 @@ class GenerateWorker:
             # Held until the runtime has the request: from then on it keeps the adapter loaded itself.
             hold = None
             if meta.adapter is not None:
-                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta, msg.metadata.num_delivered)
+                hold = await hold_adapter(
+                    self._catalog,
+                    self._residency,
+                    self.spec,
+                    meta,
+                    msg.metadata.num_delivered,
+                    self._settings.max_deliver,
+                )
                 loaded = hold.loaded
             try:
                 prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
@@ -326,7 +333,12 @@ class GenerateWorker:
                 while hold is not None and hold.loaded.retired:  # registered again meanwhile: the new one it is
                     hold.release()
                     hold = await hold_adapter(
-                        self._catalog, self._residency, self.spec, meta, msg.metadata.num_delivered
+                        self._catalog,
+                        self._residency,
+                        self.spec,
+                        meta,
+                        msg.metadata.num_delivered,
+                        self._settings.max_deliver,
                     )
                     loaded = hold.loaded
                 adapter = hold.key if hold is not None else None

@@ -270,7 +270,14 @@ class ModelWorker:
         try:
             body = await self._blobs.get(meta.blob) if meta.blob else msg.data
             if meta.adapter is not None:
-                hold = await hold_adapter(self._catalog, self._residency, self.spec, meta, msg.metadata.num_delivered)
+                hold = await hold_adapter(
+                    self._catalog,
+                    self._residency,
+                    self.spec,
+                    meta,
+                    msg.metadata.num_delivered,
+                    self._settings.max_deliver,
+                )
                 self._holds[meta.id] = hold
                 meta = replace(meta, adapter=hold.key)  # the batch runs it under its name in the runtime
         except Exception as exc:

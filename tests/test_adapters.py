@@ -391,6 +391,51 @@ async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_ans
     assert redelivered._value.get() - before == 4
 
 
+@pytest.mark.parametrize("max_deliver", [1, 2])
+async def test_a_request_for_another_registration_is_a_404_within_a_small_max_deliver(
+    start_box, http, classifier_dir, classifier_adapters, max_deliver
+) -> None:
+    """Review h110: handed back for the box's catalog to hear of its registration on its last delivery too, a
+    request for a deleted registration was dead-lettered, its client told 422 it failed on every delivery."""
+    box = await start_box(default_model=False, model_roots=[classifier_dir.parent.parent], max_deliver=max_deliver)
+    assert (await call(http, box, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
+    await register_adapter(http, box, "cls:x", classifier_adapters[0])
+    registered = box.catalog.get("cls:x").registered_ms
+    nc = await nats.connect(box.nats_url)
+    replies: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        if msg.reply:
+            await msg.respond(b"")
+        await replies.put((ReplyMeta.from_headers(msg.headers), msg.data))
+
+    try:
+        await nc.subscribe("test.sent", cb=gateway)
+        deadline = int(time.time() * 1000) + 30_000
+        for request_id, registration in (("deleted", registered - 2_000), ("unheard", registered + 5_000)):
+            meta = RequestMeta(
+                id=request_id,
+                task="classify",
+                model="cls",
+                reply="test.sent",
+                deadline_ms=deadline,
+                sent_ms=registered,
+                adapter="cls:x",
+                adapter_registered_ms=registration,
+            )
+            body = orjson.dumps({"model": "cls:x", "input": TEXTS})
+            await box.js.publish(bus.request_subject("cls"), body, headers=meta.headers())
+        answers = {}
+        while len(answers) < 2:
+            reply, body = await asyncio.wait_for(replies.get(), 30)
+            answers[reply.id] = (reply.status, orjson.loads(body))
+    finally:
+        await nc.close()
+    for request_id, (status, answer) in answers.items():
+        assert (status, answer["error"]["code"]) == (404, "model_not_found"), (request_id, answer)
+    assert box.metrics.dead_lettered.labels("cls")._value.get() == 0
+
+
 async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(
     start_box, http, classifier_dir, classifier_adapters, tmp_path_factory
 ) -> None:
