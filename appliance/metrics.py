@@ -53,7 +53,7 @@ class Metrics:
         )
         self.cancelled = Counter(
             "fbx_cancelled_requests",
-            "Requests dropped before compute because their client went away",
+            "Requests dropped because their client went away: before compute, or a generation at its next step",
             ["model"],
             registry=r,
         )
@@ -65,7 +65,7 @@ class Metrics:
         )
         self.refused = Counter(
             "fbx_refused_requests",
-            "Requests answered 429 because they would wait past max_queue_s to start",
+            "Requests refused at admission: 429, they would wait past max_queue_s to start (503: no live box holds it)",
             ["model"],
             registry=r,
         )
