@@ -63,8 +63,10 @@ class Decoding:
             delta, stopped = self.stream.push(token)
             reason = "stop" if stopped else None
             if reason is None and len(self.generated) >= self.max_new:
-                reason = "length"
-                delta += self.stream.finish()[0]
+                # What was held back (a half-made character) may end in a stop string: then it stopped there.
+                rest, stopped = self.stream.finish()
+                delta += rest
+                reason = "stop" if stopped else "length"
         usage = None
         if reason is not None:
             usage = Usage(prompt_tokens=int(self.prompt.numel()), completion_tokens=len(self.generated))

@@ -85,3 +85,23 @@ def test_top_p_excludes_tokens_outside_the_nucleus() -> None:
 def test_invalid_sampling_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_stop_string_in_the_text_held_back_at_max_tokens_ends_it_as_a_stop() -> None:
+    """Tester h111: the last token leaves half a character held back; at `max_tokens` it is released as U+FFFD, and
+    a stop string ending in it cut the text but the finish reason said "length"."""
+    from runtimes.decoding import Decoding
+
+    tokens = [*b'ab"', 0xE2]  # the last, half of a three-byte character
+    decoding = Decoding(
+        request_id="r",
+        prompt=torch.tensor([1]),
+        params=SamplingParams(),
+        adapter=None,
+        max_new=len(tokens),
+        stream=TextStream(byte_decode, [], ('"\ufffd',)),
+        generator=None,
+    )
+    outputs = [decoding.emit(token, eos=frozenset()) for token in tokens]
+    assert "".join(output.text_delta for output in outputs) == "ab"
+    assert (outputs[-1].finished, outputs[-1].finish_reason) == (True, "stop")
