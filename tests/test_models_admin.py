@@ -1069,3 +1069,19 @@ async def test_nats_not_answering_an_admin_step_is_a_503_and_a_deletion_outlasts
     for priority in bus.PRIORITIES:
         with pytest.raises(nats.js.errors.NotFoundError):
             await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(model_slug("m"), priority))
+
+
+async def test_a_generators_record_gives_its_decode_batch_as_its_batch_size(
+    start_box, http, generator_dir, second_generator_adapter_dir
+) -> None:
+    """Tester h111: a generator's record said `stats.batch_size` 256 (the catalog's batching, which it does not run
+    with) where it decodes 3 requests at most (`options.max_batch_size`); its adapter the same as its base."""
+    from appliance.settings import ModelEntry
+
+    base = ModelEntry(name="gen", path=generator_dir, task="generate", options={"max_batch_size": 3})
+    adapter = ModelEntry(name="gen:lora", path=second_generator_adapter_dir, adapter_of="gen")
+    box = await start_box(default_model=False, models=[base, adapter])
+    for name in ("gen", "gen:lora"):
+        async with http.get(url(box, f"/v1/models/{name}")) as response:
+            record = await response.json()
+        assert record["stats"]["batch_size"] == 3, record

@@ -24,6 +24,8 @@ from appliance.registration import MODEL_VERBS, register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import MODEL_ROLES
 from appliance.verbs import refuse_adapter
+from runtimes import Task
+from runtimes.base import max_decode_batch
 
 _registration = msgspec.json.Decoder(ModelRegistration)
 _target = msgspec.json.Decoder(BoxTarget)
@@ -56,10 +58,15 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
 
 def _stats(ctx: GatewayContext, spec: ModelSpec, batching: Batching) -> dict[str, int | None]:
     """Infinity's model list gives each model a `stats` object (its client fails on a record without one): here the
-    figures this gateway has, never estimates of another box's: the catalog's batch size, and the requests for the
-    model this gateway awaits now (an adapter's count on its base: they share its queue)."""
+    figures this gateway has, never estimates of another box's: the catalog's batch size (a generator's decode batch,
+    from its options: its `batching` is not what it runs with), and the requests for the model this gateway awaits now
+    (an adapter's count on its base: they share its queue)."""
     waiting = ctx.dispatcher.waiting_for(spec.name) if ctx.dispatcher is not None else None
-    return {"batch_size": batching.max_batch_size, "waiting_here": waiting}
+    batch_size = batching.max_batch_size
+    if spec.task is Task.GENERATE:
+        base = ctx.catalog.get(spec.adapter_of) if spec.adapter_of is not None else spec
+        batch_size = max_decode_batch((base or spec).options)
+    return {"batch_size": batch_size, "waiting_here": waiting}
 
 
 async def register_model(request: web.Request) -> web.Response:
