@@ -56,11 +56,11 @@ async def hold_adapter(
         # purge of them alone, and the new folder's weights answered them (h102).
         if waits:
             raise RegistrationNotHeard(name)
-        raise _deleted(name)
+        raise adapter_deleted(name)
     if not sent_for and adapter.registered_ms and 0 < meta.sent_ms < adapter.registered_ms:
         # Its gateway resolved a registration without a time (a config file's) or names none (an older gateway):
         # sent before this registration by the boxes' clocks, it was for one deleted since (review).
-        raise _deleted(name)
+        raise adapter_deleted(name)
     if (missing := missing_folder(adapter)) is not None:  # the box's fault, not the request's: not a 422 (h73)
         raise ServiceUnavailable(f"adapter {adapter.name}: {missing}", code="adapter_folder_missing")
     try:
@@ -69,7 +69,8 @@ async def hold_adapter(
         raise Unprocessable(f"adapter {adapter.name}: {exc}", code="bad_adapter") from None
 
 
-def _deleted(name: str) -> NotFound:
+def adapter_deleted(name: str) -> NotFound:
+    """The answer to a request whose adapter registration was deleted while it waited."""
     return NotFound(f"adapter {name!r} was deleted while this request waited for it", code="model_not_found")
 
 

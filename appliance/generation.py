@@ -25,7 +25,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold_adapter
+from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, adapter_deleted, hold_adapter
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
@@ -204,7 +204,7 @@ class GenerateWorker:
             if self._adapter_gone(stream.meta):
                 self._stop_in_runtime(request_id)
                 self._forget(request_id)
-                self._spawn(self._replies.fail(stream.meta, stream.msg, self._adapter_deleted_error(stream.meta)))
+                self._spawn(self._replies.fail(stream.meta, stream.msg, adapter_deleted(str(stream.meta.adapter))))
             elif stream.adapter is not None and stream.adapter.retired:
                 self.hand_back(request_id)
         self.puller.poke()
@@ -217,11 +217,6 @@ class GenerateWorker:
     def _adapter_gone(self, meta: RequestMeta) -> bool:
         adapter = self._catalog.get(meta.adapter) if meta.adapter is not None else None
         return meta.adapter is not None and (adapter is None or adapter.adapter_of != self.spec.name)
-
-    def _adapter_deleted_error(self, meta: RequestMeta) -> NotFound:
-        return NotFound(
-            f"adapter {meta.adapter!r} was deleted while this request waited for it", code="model_not_found"
-        )
 
     def hand_back(self, request_id: str) -> bool:
         """Its gateway lost a chunk of the answer in transit (a NATS failover): stop, and hand the request back (a
@@ -329,7 +324,7 @@ class GenerateWorker:
                 if self._retired:
                     raise self._deleted_error("queued")
                 if self._adapter_gone(meta):  # deleted while the prompt was rendered: `adapters_retired` missed it
-                    raise self._adapter_deleted_error(meta)
+                    raise adapter_deleted(str(meta.adapter))
                 while hold is not None and hold.loaded.retired:  # registered again meanwhile: the new one it is
                     hold.release()
                     hold = await hold_adapter(
