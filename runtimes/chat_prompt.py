@@ -14,6 +14,7 @@ it would change the call, not the template's text.
 from __future__ import annotations
 
 import inspect
+import json
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,16 +63,22 @@ class ReservedTemplateVariable(ValueError):
 
 
 class ChatPrompts:
-    """Renders conversations for one model folder; thread-safe."""
+    """Renders conversations for one model folder; thread-safe.
+
+    A conversation whose rendered text passes the tokenizer's character cap (`TextTokenizer.char_cap`, far more than
+    `max_length` tokens span; the one a completion's prompt is cut to) is too long at once; with `truncate`, it is
+    tokenised whole on a second tokenizer of its own, under a lock of its own. Tokenised under the one lock every chat
+    of the model takes, a 6 MB message held it 14 s, and the model's other new chats waited (tester h111)."""
 
     def __init__(self, folder: Path, tokenizer: TextTokenizer) -> None:
+        self._folder = folder
         self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
         self._lock = threading.Lock()
         # Read with the model, not at the first chat: a folder moved away after the load made every chat a
         # dead-lettered 422 naming a hub repo id (tester h74), while completions went on.
-        from transformers import AutoTokenizer
-
-        self._chat: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        self._chat: Any = _load_chat_tokenizer(folder)
+        self._oversized: Any = None  # the second tokenizer, for conversations past the cap (made at the first)
+        self._oversized_lock = threading.Lock()
         # apply_chat_template's own arguments, in the transformers installed. Read from the signature, not listed
         # here: a variable named as one would change the call, and each transformers release may add some.
         arguments = inspect.signature(self._chat.apply_chat_template).parameters.values()
@@ -96,18 +103,18 @@ class ChatPrompts:
             "continue_final_message": controls.continue_final_message,
             "tokenize": False,
         }
+        conversation = [dict(m) for m in messages]
+        lock = self._lock
+        cap = self._tokenizer.char_cap
+        if len(json.dumps([conversation, controls.variables], ensure_ascii=False, default=str)) > cap:
+            # Its text may pass the cap: rendered alone (milliseconds, where tokenising took seconds) to tell.
+            if len(_apply(chat, self._lock, conversation, kwargs)) > cap:
+                if not truncate:
+                    raise InputTooLong(0, self._tokenizer.max_length)
+                chat, lock = self._oversized_tokenizer(), self._oversized_lock
         if "sanitize_control_tokens" in self._arguments:
             kwargs |= {"tokenize": True, "return_dict": False, "sanitize_control_tokens": True}
-        messages = self._within_char_cap(messages, truncate=truncate)
-        with self._lock:
-            try:
-                rendered = chat.apply_chat_template([dict(m) for m in messages], **kwargs)
-            except jinja2.TemplateError as exc:
-                raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
-            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-                # Python's own errors inside the template (`message['content'] + 1` on a list content): as
-                # certain on every delivery as a raise_exception, so answered at once too.
-                raise ChatTemplateError(f"{type(exc).__name__}: {exc}", broken=False) from None
+        rendered = _apply(chat, lock, conversation, kwargs)
         if isinstance(rendered, str):  # a transformers without control-token sanitising
             return self._tokenizer.tokenize([rendered], truncate=truncate, add_special_tokens=False)[0].ids
         limit = self._tokenizer.max_length
@@ -115,29 +122,34 @@ class ChatPrompts:
             raise InputTooLong(0, limit)
         return np.asarray(rendered[-limit:], dtype=np.int64)
 
-    def _within_char_cap(self, messages: Sequence[Mapping[str, Any]], *, truncate: bool) -> Sequence[Mapping[str, Any]]:
-        """The conversation with no more text than the tokenizer's character cap (`TextTokenizer.char_cap`, far more
-        than `max_length` tokens span), as a completion's prompt is cut: past it, too long at once, or with
-        `truncate` the messages' text cut from the start, which the kept end never reaches. Rendered and tokenised
-        whole under the lock, a 6 MB message took 14 s, and every other chat of the model waited (tester h111)."""
-        left = self._tokenizer.char_cap
-        if sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) <= left:
-            return messages
-        if not truncate:
-            raise InputTooLong(0, self._tokenizer.max_length)
-        kept: list[Mapping[str, Any]] = []
-        for message in reversed(messages):
-            content = message.get("content")
-            if isinstance(content, str):
-                keep = min(len(content), left)
-                left -= keep
-                if keep < len(content):  # cut to its end (the earlier messages to nothing): their place stays
-                    message = {**message, "content": content[len(content) - keep :]}
-            kept.append(message)
-        return kept[::-1]
+    def _oversized_tokenizer(self) -> Any:
+        with self._oversized_lock:
+            if self._oversized is None:
+                self._oversized = _load_chat_tokenizer(self._folder)
+            return self._oversized
 
     def _chat_tokenizer(self) -> Any:
         if not self._chat.chat_template:
             # Not the folder: a client has no business with the box's paths (tester h81).
             raise UnsupportedModel("the model has no chat template; use plain completions (/v1/completions)")
         return self._chat
+
+
+def _load_chat_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def _apply(chat: Any, lock: threading.Lock, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> Any:
+    """transformers' apply_chat_template under `lock` (a tokenizer is not to be used by two threads at once), its
+    template's failures as `ChatTemplateError`s."""
+    with lock:
+        try:
+            return chat.apply_chat_template(conversation, **kwargs)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # Python's own errors inside the template (`message['content'] + 1` on a list content): as
+            # certain on every delivery as a raise_exception, so answered at once too.
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}", broken=False) from None

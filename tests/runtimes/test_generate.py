@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -201,39 +203,57 @@ def test_over_long_prompts_are_refused_or_keep_their_end(generator) -> None:
         generator.add("too-long", np.ones(generator.info.max_length, dtype=np.int64), GREEDY)
 
 
-def test_a_chat_past_the_character_cap_is_refused_or_cut_before_it_is_rendered(
+def test_a_chat_past_the_character_cap_is_refused_at_once_or_kept_off_the_models_other_chats(
     generator, generator_dir: Path, monkeypatch
 ) -> None:
     """Tester h111: a 6 MB message was rendered and tokenised whole, 14 s under the lock every chat of the model
-    takes. A spy on transformers' apply_chat_template (the real one runs) sees what is rendered."""
+    takes. Past the cap it is refused before it is tokenised, or, with `truncate`, tokenised on a second tokenizer:
+    held inside that one here (a spy on transformers' apply_chat_template, the real one runs), a small chat goes on."""
     from transformers import AutoTokenizer
 
     cap = generator.tokenizer.char_cap
     big = "apples bread cheese " * (cap // 20 + 50)
     messages = [
+        {"role": "system", "content": "Be brief."},
         {"role": "user", "content": big},
         {"role": "assistant", "content": "Noted."},
         {"role": "user", "content": "And then?"},
     ]
     chat = generator._chat._chat
-    real, rendered = chat.apply_chat_template, []
+    real, tokenised = chat.apply_chat_template, []
 
     def spy(conversation, **kwargs):
-        rendered.append(sum(len(message["content"]) for message in conversation))
+        tokenised.append(kwargs.get("tokenize"))
         return real(conversation, **kwargs)
 
     monkeypatch.setattr(chat, "apply_chat_template", spy)
     with pytest.raises(InputTooLong):
         generator.apply_chat_template(messages, truncate=False)
-    assert rendered == []  # refused before anything was rendered
-    kept = generator.apply_chat_template(messages, truncate=True)
-    assert rendered and rendered[-1] <= cap
-    # The same end as the whole conversation rendered, then cut.
+    assert tokenised == [False]  # rendered to measure it, never tokenised
+
+    aside = generator._chat._oversized_tokenizer()
+    held, release, small = threading.Event(), threading.Event(), []
+    aside_real = aside.apply_chat_template
+
+    def holding(conversation, **kwargs):
+        if kwargs.get("tokenize"):
+            held.set()
+            release.wait(10)
+        return aside_real(conversation, **kwargs)
+
+    monkeypatch.setattr(aside, "apply_chat_template", holding)
+    with ThreadPoolExecutor(1) as pool:
+        kept = pool.submit(generator.apply_chat_template, messages, truncate=True)
+        assert held.wait(10)
+        small.append(generator.apply_chat_template([{"role": "user", "content": "Hello"}]))  # not behind it
+        release.set()
+        kept_ids = kept.result(30)
+    assert len(small[0]) > 0
     whole = AutoTokenizer.from_pretrained(generator_dir).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    assert len(kept) == generator.tokenizer.max_length
-    assert kept.tolist() == list(whole)[-len(kept) :]
+    assert len(kept_ids) == generator.tokenizer.max_length
+    assert kept_ids.tolist() == list(whole)[-len(kept_ids) :]  # the system prompt and all: the whole render's end
 
 
 def test_max_tokens_is_capped_by_the_context_window(generator) -> None:
