@@ -169,6 +169,8 @@ _ADAPTER_TASK_TYPES: dict[Task, tuple[str, ...]] = {
     Task.GENERATE: ("CAUSAL_LM",),
 }
 
+# The most a rank that sizes no saved layer may be: peft's default r is 8, and adapters are trained at 4 to 256.
+_MOST_UNUSED_RANK = 256
 _MOST_LORA_RANK = 65_536  # past any layer's width (`_MOST`'s hidden size): peft allocates r x width per layer first
 
 
@@ -219,22 +221,35 @@ def _check_ranks_saved(config: Mapping[str, Any], config_file: Path) -> None:
     """Refuse a config whose rank for a saved layer (its `rank_pattern` entry, else `r`) is not that layer's saved
     LoRA rank: peft allocates each targeted layer's A and B at the configured rank before it reads a weight, and the
     load then fails on their shapes (every request a 422 in peft's words, tester h109); `_MOST_LORA_RANK` alone let
-    r = 65,536 allocate hundreds of GB on a 4,096-wide model (review). A rank that applies to no saved layer is left
-    alone: peft writes `r` (8 by default) beside a `rank_pattern` that sets every layer's (review h110). From the
-    safetensors header; an adapter saved otherwise is judged at its load."""
-    saved = {
-        key.split(".lora_A.")[0]: shape[0]
-        for key, shape in safetensors_shapes([config_file.parent / "adapter_model.safetensors"]).items()
-        if ".lora_A." in key and len(shape) == 2
-    }
+    r = 65,536 allocate hundreds of GB on a 4,096-wide model (review). A rank no saved layer takes (peft writes `r`,
+    8 by default, beside a `rank_pattern` that sets every layer's: review h110) still sizes any layer
+    `target_modules` selects that has no saved weights: it may not pass `_MOST_UNUSED_RANK` or the saved ranks.
+    From the safetensors header; an adapter saved otherwise is judged at its load."""
+    saved: dict[str, int] = {}
+    for key, shape in safetensors_shapes([config_file.parent / "adapter_model.safetensors"]).items():
+        for marker in (".lora_A.", ".lora_embedding_A"):  # a Linear's A is (r, in); an embedding's (r, vocab)
+            if marker in key and len(shape) == 2:
+                # peft matches patterns against the module's name in the base model, without the saved prefix.
+                saved[key.removeprefix("base_model.model.").split(marker)[0]] = shape[0]
+    if not saved:
+        return
     pattern = config.get("rank_pattern") or {}
+    ranks = {"r": config.get("r")} | {f"rank_pattern[{key!r}]": value for key, value in pattern.items()}
+    taken: set[str] = set()
     for layer, saved_rank in saved.items():
         key = _pattern_key(pattern, layer, config_file)
-        field, rank = ("r", config.get("r")) if key is None else (f"rank_pattern[{key!r}]", pattern[key])
-        if isinstance(rank, int) and rank != saved_rank:
+        field = "r" if key is None else f"rank_pattern[{key!r}]"
+        taken.add(field)
+        if isinstance(ranks[field], int) and ranks[field] != saved_rank:
+            said = f"{field} is {ranks[field]}, but the adapter's saved LoRA weights have rank {saved_rank} at {layer}"
+            raise UnsupportedModel(f"{config_file}: {said}: the config is not the one these weights were saved with")
+    most = max(_MOST_UNUSED_RANK, *saved.values())
+    for field, rank in ranks.items():
+        if field not in taken and isinstance(rank, int) and rank > most:
             raise UnsupportedModel(
-                f"{config_file}: {field} is {rank}, but the adapter's saved LoRA weights have rank {saved_rank} at "
-                f"{layer}: the config is not the one these weights were saved with"
+                f"{config_file}: {field} is {rank} and sizes no saved layer, only layers target_modules may select "
+                f"without saved weights; at most {most} is taken (the saved LoRA weights' ranks: "
+                f"{', '.join(str(n) for n in sorted(set(saved.values())))})"
             )
 
 

@@ -458,15 +458,33 @@ async def test_lora_fields_peft_would_fail_on_are_refused_at_registration(
         ("rank_pattern", ({"query": 4096}, "rank_pattern['query'] is 4096, but the adapter's saved LoRA weights")),
         ("r", (1, "r is 1, but the adapter's saved LoRA weights have rank")),  # tester h109: below it, too
         ("rank_pattern", ({"que(ry": 4}, "rank_pattern key 'que(ry' is not a regular expression")),  # peft's re
+        # Review h113: an r no saved layer takes still sizes a module target_modules adds without saved weights.
+        (
+            "r",
+            (65536, "r is 65536 and sizes no saved layer"),
+            {"rank_pattern": {"query": 4, "value": 4}, "target_modules": ["query", "value", "key"]},
+        ),
     ]
-    for field, (value, said) in [*cases.items(), *more]:
+    for field, (value, said), *also in [*cases.items(), *more]:
         folder = tmp_path_factory.mktemp(f"bad-{field}")
         shutil.copytree(classifier_adapters[0], folder, dirs_exist_ok=True)
-        (folder / "adapter_config.json").write_text(json.dumps(config | {field: value}))
+        (folder / "adapter_config.json").write_text(json.dumps(config | {field: value} | (also[0] if also else {})))
         body = {"name": "cls:bad", "path": str(folder), "adapter_of": "cls"}
         status, answer = await call(http, box, "POST", "/v1/models", body)
         assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), (field, answer)
         assert said in answer["error"]["message"], (field, answer)
+    # Review h113: an embedding's LoRA is saved as lora_embedding_A, (r, vocab): its rank is judged too.
+    embedding = make_adapter(
+        Task.CLASSIFY, classifier_dir, tmp_path_factory.mktemp("embedding") / "lora", seed=9,
+        target_modules=["word_embeddings"],
+    )  # fmt: skip
+    config_file = embedding / "adapter_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"r": 4096}))
+    body = {"name": "cls:bad", "path": str(embedding), "adapter_of": "cls"}
+    status, answer = await call(http, box, "POST", "/v1/models", body)
+    assert (status, answer["error"]["code"]) == (422, "unsupported_adapter"), answer
+    said = "r is 4096, but the adapter's saved LoRA weights have rank 4 at bert.embeddings.word_embeddings"
+    assert said in answer["error"]["message"], answer
     assert box.catalog.get("cls:bad") is None
 
 
@@ -483,6 +501,15 @@ async def test_an_adapter_whose_rank_pattern_sets_every_layer_below_r_is_served(
     assert json.loads((folder / "adapter_config.json").read_text())["r"] == 8
     await register_adapter(http, box, "cls:ranks", folder)
     status, answer = await classify(http, box, "cls:ranks")
+    assert status == 200, answer
+    # Review h113: a key as peft's docs write one, anchored on the module's name, which the saved weights' names
+    # carry behind a `base_model.model.` prefix.
+    anchored = make_adapter(
+        Task.CLASSIFY, classifier_dir, tmp_path_factory.mktemp("anchored") / "lora", seed=8, r=4,
+        rank_pattern={r"^bert\.encoder\.layer\.0\.attention\.self\.query": 8},
+    )  # fmt: skip
+    await register_adapter(http, box, "cls:anchored", anchored)
+    status, answer = await classify(http, box, "cls:anchored")
     assert status == 200, answer
 
 
