@@ -284,9 +284,11 @@ class Fleet:
         ]
 
     def holders(self, model: str, *, loading: bool = False) -> list[str]:
-        """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats."""
+        """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats; not a
+        draining one: it takes nothing new, and the requests it hands back need another box to load the model
+        (tester h114: counted, the sole holder's drain left them to wait out its grace, then a 503)."""
         states = ("resident", "loading") if loading else ("resident",)
-        boxes = (held.record["box"] for held in self._live_holdings(model) if held.state in states)
+        boxes = (held.record["box"] for held in self._live_holdings(model, draining=False) if held.state in states)
         return list(dict.fromkeys(boxes))
 
     def box_round(self, model: str, field: str = "round_tokens") -> int | None:

@@ -336,6 +336,40 @@ async def test_a_stopping_gateway_still_answers_its_clients_with_the_other_boxes
             await leaving.stop()
 
 
+async def test_a_stopping_box_that_alone_held_a_model_has_its_clients_answered_by_a_box_that_loads_it(
+    start_box, nats_server, http
+) -> None:
+    """Tester h114: the only box holding a model drained while another box ran models. Counted as holding it while it
+    drained, it kept the other box from loading the model for the requests it handed back: its clients waited out its
+    grace, then had a 503."""
+    from appliance.control import call_box
+
+    slow = [noop_model("slow", pinned=False, cost_ms=150)]
+    stays = await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
+    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
+    await leaving.start()
+    try:
+        assert leaving.nc is not None
+        await call_box(leaving.nc, "leaves", "load", {"model": "slow"}, timeout_s=20)
+        await wait_for(lambda: stays.fleet.holders("slow") == ["leaves"], what="the other box to see who holds it")
+        assert not stays.residency.is_resident("slow")
+
+        async def one(i: int) -> int:
+            body = {"model": "slow", "input": f"r{i}", "timeout": 30}
+            async with http.post(url(leaving, "/v1/embeddings"), json=body) as response:
+                await response.read()
+                return response.status
+
+        calls = [asyncio.create_task(one(i)) for i in range(6)]
+        await wait_for(lambda: leaving.dispatcher.waiting == 6, what="all six to be awaited")
+        await leaving.stop()
+        assert await asyncio.gather(*calls) == [200] * 6
+        assert stays.residency.is_resident("slow")
+    finally:
+        if leaving.nc is not None and leaving.nc.is_connected:
+            await leaving.stop()
+
+
 async def test_a_stopping_box_takes_no_new_request_on_a_kept_alive_connection(start_box, nats_server, http) -> None:
     """A stopping box went on taking new requests on connections its clients kept alive (about 1,300 in 8 s in
     the black-box tester's run), stopped only at the end of its grace, and answered the last ones 503 or
