@@ -13,6 +13,7 @@ import functools
 import inspect
 import logging
 import re
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,6 +226,10 @@ def tui_command(
     """Watch and steer a fleet from the terminal, attached through NATS alone."""
     from tui.commands import run_tui
 
+    if not has_terminal():  # as `serve --tui`: it ran for ever, writing a screen's escapes into a pipe (h114)
+        typer.echo("fleetbox: tui needs a terminal (use `fleetbox models list` for a table)", err=True)
+        raise typer.Exit(2)
+
     code = _fleet_command(run_tui(fleet.nats, fleet.auth, refresh))
     raise typer.Exit(code)  # non-zero when the app failed (it has printed the traceback)
 
@@ -363,6 +368,10 @@ def box_drain(
 ) -> None:
     """Drain a box: it stops pulling, finishes its batches, then exits."""
     _print_action(fleet, "drain", box=box)
+
+
+def has_terminal() -> bool:
+    return sys.stdout.isatty()
 
 
 def _print_action(fleet: FleetAccess, verb: str, **args: Any) -> None:

@@ -25,7 +25,7 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Static
 from typer.testing import CliRunner
 
-from appliance import bus, cli
+from appliance import bus, cli, fleet_cli
 from appliance.app import Box
 from appliance.connect import NatsAuth
 from appliance.natsd import EmbeddedNats, free_port
@@ -663,8 +663,16 @@ def test_the_tui_command_exits_non_zero_when_the_app_fails(monkeypatch) -> None:
 
     monkeypatch.setattr(NatsSource, "dialing", classmethod(lambda cls, *a, **k: Broken()))
     monkeypatch.setattr(FleetboxApp, "run_async", functools.partialmethod(FleetboxApp.run_async, headless=True))
+    monkeypatch.setattr(fleet_cli, "has_terminal", lambda: True)
     result = CliRunner().invoke(cli.app, ["tui", "--nats", "nats://127.0.0.1:1"])
     assert result.exit_code == 1, result.output
+
+
+def test_the_tui_without_a_terminal_says_so() -> None:
+    """Tester h114: `fleetbox tui` with its output in a pipe ran for ever, writing a screen's escapes into it, where
+    `serve --tui` refuses."""
+    result = CliRunner().invoke(cli.app, ["tui", "--nats", "nats://127.0.0.1:1"])
+    assert result.exit_code == 2 and result.output.startswith("fleetbox: tui needs a terminal"), result.output
 
 
 def test_version_is_printed_by_the_option_and_the_command() -> None:
