@@ -361,6 +361,22 @@ def models_evict(
     _print_action(fleet, "evict", model=model, box=box)
 
 
+@box_app.command("list")
+@_reaches_the_fleet
+def box_list(
+    fleet: FleetAccess,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Every box of the fleet: status (live, late, draining, dead), role, devices, memory, models, req/s, last beat."""
+    from tui.commands import boxes_as_json, list_boxes, print_boxes
+
+    boxes, taken_at = _fleet_command(list_boxes(fleet.nats, fleet.auth))
+    if json_out:
+        typer.echo(orjson.dumps(boxes_as_json(boxes, taken_at), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print_boxes(boxes, taken_at)
+
+
 @box_app.command("drain")
 @_reaches_the_fleet
 def box_drain(

@@ -216,6 +216,17 @@ async def test_models_and_box_commands_steer_the_same_box(start_box, nats_server
 
     await wait_for(listed_resident, 20.0, "models list showing alpha resident")
 
+    # Tester h114: no command listed the boxes (their roles, draining, dead ones were the TUI's alone).
+    code, out, err = await fleetbox("box", "list", "--json", *nats)
+    assert code == 0, err
+    (listed,) = [b for b in json.loads(out) if b["box"] == box.box_id]
+    assert (listed["status"], listed["role"], listed["http_port"]) == ("live", "all", box.http_port), listed
+    assert [(m["name"], m["state"]) for m in listed["models"]] == [("alpha", "resident")], listed
+    code, out, err = await fleetbox("box", "list", *nats)
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if line.startswith(box.box_id)]
+    assert line.split()[1:3] == ["live", "all"] and "alpha" in line, out
+
     code, out, err = await fleetbox("models", "evict", "ghost", *nats)
     assert code == 1 and "ghost" in err and out == ""
 

@@ -1,4 +1,4 @@
-"""The bodies of `fleetbox tui`, `fleetbox models …` and `fleetbox box drain`: attach, act, print.
+"""The bodies of `fleetbox tui`, `fleetbox models …` and `fleetbox box …`: attach, act, print.
 
 The script commands attach to the fleet the way the TUI does (a `NatsSource`) and act through the
 same `FleetOps`, so a pin from a script and a pin from the TUI are the same control verb with the
@@ -19,7 +19,7 @@ from appliance.connect import NatsAuth
 from tui import format as fmt
 from tui.app import FleetboxApp
 from tui.dial import connect
-from tui.model import ModelRow, model_rows
+from tui.model import BoxState, ModelRow, model_rows
 from tui.ops import REACH_TIMEOUT_S
 from tui.source import NatsSource
 
@@ -69,6 +69,69 @@ async def act(servers: str, auth: NatsAuth, verb: str, **args: Any) -> dict[str,
 async def list_models(servers: str, auth: NatsAuth) -> list[ModelRow]:
     async with attached(servers, auth) as source:
         return model_rows(source.view())
+
+
+async def list_boxes(servers: str, auth: NatsAuth) -> tuple[list[BoxState], float]:
+    """The fleet's boxes as the TUI's Fleet screen sees them (dead ones for a while too), and when they were read."""
+    async with attached(servers, auth) as source:
+        view = source.view()
+        return list(view.boxes), view.taken_at
+
+
+def boxes_as_json(boxes: list[BoxState], taken_at: float) -> list[dict[str, Any]]:
+    return [
+        {
+            "box": box.box,
+            "status": box.status,
+            "role": box.role,
+            "host": box.host,
+            "http_port": box.http_port,
+            "version": box.version,
+            "uptime_s": round(box.uptime_s, 1),
+            "beat_age_s": round(max(0.0, taken_at - box.ts), 1),  # since its last heartbeat, by this machine's clock
+            "devices": [asdict(device) for device in box.devices],
+            "models": [asdict(model) for model in box.models],
+        }
+        for box in boxes
+    ]
+
+
+def print_boxes(boxes: list[BoxState], taken_at: float, console: Console | None = None) -> None:
+    """The boxes as a table, the models each holds whole (piped, as wide as the rows need, as `print_rows`)."""
+    console = console or Console()
+    if not console.is_terminal:
+        console = Console(file=console.file, width=_UNBOUNDED, no_color=True, highlight=False)
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for header, justify in _BOX_COLUMNS:
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for box in boxes:
+        loading = [model.name for model in box.models if model.state == "loading"]
+        models = [model.name for model in box.models if model.state == "resident"] + [f"{n} (loading)" for n in loading]
+        table.add_row(
+            box.box,
+            box.status,
+            box.role,
+            f"{box.host}:{box.http_port}" if box.http_port else box.host or "-",
+            ",".join(device.device for device in box.devices) or "-",
+            f"{fmt.human_bytes(box.used_bytes)} / {fmt.human_bytes(box.budget_bytes)}" if box.runs_models else "-",
+            ", ".join(models) or "-",
+            fmt.rate(box.rps),
+            box.status if box.status in ("dead", "left") else fmt.age(taken_at - box.ts),
+        )
+    console.print(table)
+
+
+_BOX_COLUMNS = (
+    ("box", "left"),
+    ("status", "left"),
+    ("role", "left"),
+    ("http", "left"),
+    ("dev", "left"),
+    ("memory", "right"),
+    ("models", "left"),
+    ("req/s", "right"),
+    ("beat", "right"),
+)
 
 
 def rows_as_json(rows: list[ModelRow]) -> list[dict[str, Any]]:
