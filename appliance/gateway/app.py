@@ -133,6 +133,8 @@ async def _route_without_slash(request: web.Request) -> str | None:
     path = request.path
     if len(path) < 2 or not path.endswith("/") or not (trimmed := path.rstrip("/")):
         return None
+    if request.rel_url.raw_path.startswith("//"):  # a Location of `//host/...` would name another site
+        return None
     match = await request.app.router.resolve(request.clone(rel_url=request.rel_url.with_path(trimmed)))
     return trimmed if match.http_exception is None else None
 
@@ -142,7 +144,9 @@ def _redirect(request: web.Request, path: str) -> web.Response:
     `curl -L` follow it), with the error shape saying where for a client that does not."""
     error = NotFound(f"no route {request.path!r}; it is {path!r} (no trailing '/')", code="route_moved")
     response = json_response(error.body(), status=308)
-    response.headers[hdrs.LOCATION] = str(request.rel_url.with_path(path).with_query(request.rel_url.query))
+    # The path and query as the client wrote them (escapes kept, `?flag` not made `?flag=`), less the trailing `/`s.
+    query = request.rel_url.raw_query_string
+    response.headers[hdrs.LOCATION] = request.rel_url.raw_path.rstrip("/") + (f"?{query}" if query else "")
     return response
 
 
