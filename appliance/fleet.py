@@ -283,12 +283,13 @@ class Fleet:
             if now - float(held.record.get("ts", 0)) <= self._ttl_s and (draining or not held.record.get("draining"))
         ]
 
-    def holders(self, model: str, *, loading: bool = False) -> list[str]:
-        """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats; not a
-        draining one: it takes nothing new, and the requests it hands back need another box to load the model
-        (tester h114: counted, the sole holder's drain left them to wait out its grace, then a 503)."""
+    def holders(self, model: str, *, loading: bool = False, draining: bool = False) -> list[str]:
+        """Live boxes that have `model` resident (or, with `loading`, on its way), from their heartbeats; a draining
+        one only with `draining`: it takes nothing new, and the requests it hands back need another box to load the
+        model (tester h114: counted, the sole holder's drain left them to wait out its grace, then a 503)."""
         states = ("resident", "loading") if loading else ("resident",)
-        boxes = (held.record["box"] for held in self._live_holdings(model, draining=False) if held.state in states)
+        holdings = self._live_holdings(model, draining=draining)
+        boxes = (held.record["box"] for held in holdings if held.state in states)
         return list(dict.fromkeys(boxes))
 
     def box_round(self, model: str, field: str = "round_tokens") -> int | None:

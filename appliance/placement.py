@@ -130,7 +130,8 @@ class Placement:
                     self._loading.add(spec.name)
                     self._loads.spawn(self._load(spec, claimed=False))
                 continue
-            waiting = await self._waiting(spec.slug, self._holders(spec.name))
+            # A draining holder still computes what it took (ack-pending, not waiting); what it hands back is pending.
+            waiting = await self._waiting(spec.slug, self._holders(spec.name, draining=True))
             if waiting == 0 or not self._should_load(spec.name, waiting) or not await self._could_fit(spec):
                 continue
             await asyncio.sleep(random.uniform(0, _JITTER_S))
@@ -182,8 +183,8 @@ class Placement:
                 return fits_no_box(spec.name, exc.need_bytes, largest)
         return load_failed(spec.name, self._box.box_id, exc)
 
-    def _holders(self, name: str) -> list[str]:
-        return self._box.fleet.holders(name, loading=True) if self._box.fleet else []
+    def _holders(self, name: str, *, draining: bool = False) -> list[str]:
+        return self._box.fleet.holders(name, loading=True, draining=draining) if self._box.fleet else []
 
     def _should_load(self, name: str, waiting: int) -> bool:
         return not self._holders(name) or waiting >= self._box.settings.cold_backlog

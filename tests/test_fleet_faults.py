@@ -370,6 +370,33 @@ async def test_a_stopping_box_that_alone_held_a_model_has_its_clients_answered_b
             await leaving.stop()
 
 
+async def test_a_stopping_box_that_alone_held_a_model_and_hands_nothing_back_has_no_box_load_it(
+    start_box, nats_server, http
+) -> None:
+    """Review h115: the request a draining sole holder still computes (taken, not acked) was counted as waiting for
+    the model, as a dead box's would be, and another box loaded the model for nothing."""
+    from appliance.control import call_box
+
+    slow = [noop_model("slow", pinned=False, cost_ms=1500)]
+    stays = await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
+    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
+    await leaving.start()
+    try:
+        assert leaving.nc is not None
+        await call_box(leaving.nc, "leaves", "load", {"model": "slow"}, timeout_s=20)
+        await wait_for(lambda: stays.fleet.holders("slow") == ["leaves"], what="the other box to see who holds it")
+        body = {"model": "slow", "input": "one", "timeout": 30}
+        answer = asyncio.create_task(http.post(url(leaving, "/v1/embeddings"), json=body))
+        await wait_for(lambda: "slow" in leaving.workers and leaving.workers["slow"].held == 1, what="it taken")
+        await leaving.stop()
+        async with await answer as response:
+            assert response.status == 200
+        assert not stays.residency.is_resident("slow") and "slow" not in stays.placement.loading
+    finally:
+        if leaving.nc is not None and leaving.nc.is_connected:
+            await leaving.stop()
+
+
 async def test_a_stopping_box_takes_no_new_request_on_a_kept_alive_connection(start_box, nats_server, http) -> None:
     """A stopping box went on taking new requests on connections its clients kept alive (about 1,300 in 8 s in
     the black-box tester's run), stopped only at the end of its grace, and answered the last ones 503 or
