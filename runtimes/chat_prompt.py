@@ -13,6 +13,7 @@ it would change the call, not the template's text.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import threading
@@ -71,7 +72,6 @@ class ChatPrompts:
     of the model takes, a 6 MB message held it 14 s, and the model's other new chats waited (tester h111)."""
 
     def __init__(self, folder: Path, tokenizer: TextTokenizer) -> None:
-        self._folder = folder
         self._tokenizer = tokenizer  # the runtime's: its truncation (keeping the end) and its limit
         self._lock = threading.Lock()
         # Read with the model, not at the first chat: a folder moved away after the load made every chat a
@@ -123,9 +123,12 @@ class ChatPrompts:
         return np.asarray(rendered[-limit:], dtype=np.int64)
 
     def _oversized_tokenizer(self) -> Any:
+        """A copy of the model's tokenizer, made at the first conversation past the cap: copied, not read again from
+        the folder, which may have moved since the load (review h115: then an OSError naming the box's path)."""
         with self._oversized_lock:
             if self._oversized is None:
-                self._oversized = _load_chat_tokenizer(self._folder)
+                with self._lock:  # not while another thread uses it
+                    self._oversized = copy.deepcopy(self._chat)
             return self._oversized
 
     def _chat_tokenizer(self) -> Any:

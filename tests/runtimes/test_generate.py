@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -254,6 +255,21 @@ def test_a_chat_past_the_character_cap_is_refused_at_once_or_kept_off_the_models
     )
     assert len(kept_ids) == generator.tokenizer.max_length
     assert kept_ids.tolist() == list(whole)[-len(kept_ids) :]  # the system prompt and all: the whole render's end
+
+
+def test_a_chat_past_the_character_cap_is_rendered_after_the_model_folder_moved(generator_dir: Path, tmp_path) -> None:
+    """Review h115: the second tokenizer was read from the folder at the first conversation past the cap; the folder
+    moved since the load, that was an OSError naming the box's path, retried and dead-lettered."""
+    from runtimes.chat_prompt import ChatPrompts
+    from runtimes.tokenizer import TextTokenizer
+
+    folder = tmp_path / "moved"
+    shutil.copytree(generator_dir, folder)
+    tokenizer = TextTokenizer(folder, 64, keep="end")
+    prompts = ChatPrompts(folder, tokenizer)
+    shutil.rmtree(folder)
+    big = "apples bread cheese " * (tokenizer.char_cap // 20 + 50)
+    assert len(prompts.render([{"role": "user", "content": big}], truncate=True)) == 64
 
 
 def test_max_tokens_is_capped_by_the_context_window(generator) -> None:
