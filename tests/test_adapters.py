@@ -52,6 +52,42 @@ async def register_adapter(http, box, name: str, folder: Path) -> None:
     assert status == 201, body
 
 
+async def answers_as_sent(box, sent: dict[str, tuple[int, int]]) -> dict[str, tuple[int, dict]]:
+    """Requests for adapter `cls:x` put in the queue as gateways sent them, `id: (the registration the gateway
+    resolved, 0 none said; when it sent it, by its clock)`, and their answers as a stand-in gateway takes them."""
+    nc = await nats.connect(box.nats_url)
+    replies: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        if msg.reply:
+            await msg.respond(b"")
+        await replies.put((ReplyMeta.from_headers(msg.headers), msg.data))
+
+    try:
+        await nc.subscribe("test.sent", cb=gateway)
+        deadline = int(time.time() * 1000) + 30_000
+        for request_id, (registration, sent_ms) in sent.items():
+            meta = RequestMeta(
+                id=request_id,
+                task="classify",
+                model="cls",
+                reply="test.sent",
+                deadline_ms=deadline,
+                sent_ms=sent_ms,
+                adapter="cls:x",
+                adapter_registered_ms=registration,
+            )
+            body = orjson.dumps({"model": "cls:x", "input": TEXTS})
+            await box.js.publish(bus.request_subject("cls"), body, headers=meta.headers())
+        answers: dict[str, tuple[int, dict]] = {}
+        while len(answers) < len(sent):
+            reply, body = await asyncio.wait_for(replies.get(), 30)
+            answers[reply.id] = (reply.status, orjson.loads(body))
+        return answers
+    finally:
+        await nc.close()
+
+
 def loaded_adapters(box) -> tuple[str, ...]:
     """The names of the adapters the runtime has loaded (it knows them by keys of their own)."""
     resident = box.residency.get("cls")
@@ -341,46 +377,17 @@ async def test_a_request_sent_before_its_adapter_was_registered_again_is_not_ans
     assert registered > 0
     listed = await call(http, box, "GET", "/v1/models/cls:x")
     assert listed[1]["created"] == registered // 1000, listed  # OpenAI's field: the registration's time now
-    nc = await nats.connect(box.nats_url)
-    replies: asyncio.Queue = asyncio.Queue()
-
-    async def gateway(msg) -> None:
-        if msg.reply:
-            await msg.respond(b"")
-        await replies.put((ReplyMeta.from_headers(msg.headers), msg.data))
-
-    try:
-        await nc.subscribe("test.sent", cb=gateway)
-        deadline = int(time.time() * 1000) + 30_000
-        # id: (the registration its gateway resolved, 0 none said, and when it was sent by that gateway's clock)
-        resolved = {
-            "deleted": (registered - 2_000, registered - 60_000),
-            "this": (registered, registered - 60_000),  # a gateway whose clock is a minute behind
-            "unheard": (registered + 5_000, registered),  # never heard of here: after a few deliveries, as deleted
-            "config-before": (0, registered - 1_000),  # no registration said: judged by the clocks
-            "config-after": (0, registered + 1),
-        }
-        redelivered = box.metrics.redelivered.labels("cls")
-        before = redelivered._value.get()
-        for request_id, (registration, sent_ms) in resolved.items():
-            meta = RequestMeta(
-                id=request_id,
-                task="classify",
-                model="cls",
-                reply="test.sent",
-                deadline_ms=deadline,
-                sent_ms=sent_ms,
-                adapter="cls:x",
-                adapter_registered_ms=registration,
-            )
-            body = orjson.dumps({"model": "cls:x", "input": TEXTS})
-            await box.js.publish(bus.request_subject("cls"), body, headers=meta.headers())
-        answers: dict[str, tuple[int, dict]] = {}
-        while len(answers) < len(resolved):
-            reply, body = await asyncio.wait_for(replies.get(), 30)
-            answers[reply.id] = (reply.status, orjson.loads(body))
-    finally:
-        await nc.close()
+    # id: (the registration its gateway resolved, 0 none said, and when it was sent by that gateway's clock)
+    resolved = {
+        "deleted": (registered - 2_000, registered - 60_000),
+        "this": (registered, registered - 60_000),  # a gateway whose clock is a minute behind
+        "unheard": (registered + 5_000, registered),  # never heard of here: after a few deliveries, as deleted
+        "config-before": (0, registered - 1_000),  # no registration said: judged by the clocks
+        "config-after": (0, registered + 1),
+    }
+    redelivered = box.metrics.redelivered.labels("cls")
+    before = redelivered._value.get()
+    answers = await answers_as_sent(box, resolved)
     for request_id in ("deleted", "unheard", "config-before"):
         status, answer = answers[request_id]
         assert (status, answer["error"]["code"]) == (404, "model_not_found"), (request_id, answer)
@@ -401,36 +408,9 @@ async def test_a_request_for_another_registration_is_a_404_within_a_small_max_de
     assert (await call(http, box, "POST", "/v1/models", {"name": "cls", "path": str(classifier_dir)}))[0] == 201
     await register_adapter(http, box, "cls:x", classifier_adapters[0])
     registered = box.catalog.get("cls:x").registered_ms
-    nc = await nats.connect(box.nats_url)
-    replies: asyncio.Queue = asyncio.Queue()
-
-    async def gateway(msg) -> None:
-        if msg.reply:
-            await msg.respond(b"")
-        await replies.put((ReplyMeta.from_headers(msg.headers), msg.data))
-
-    try:
-        await nc.subscribe("test.sent", cb=gateway)
-        deadline = int(time.time() * 1000) + 30_000
-        for request_id, registration in (("deleted", registered - 2_000), ("unheard", registered + 5_000)):
-            meta = RequestMeta(
-                id=request_id,
-                task="classify",
-                model="cls",
-                reply="test.sent",
-                deadline_ms=deadline,
-                sent_ms=registered,
-                adapter="cls:x",
-                adapter_registered_ms=registration,
-            )
-            body = orjson.dumps({"model": "cls:x", "input": TEXTS})
-            await box.js.publish(bus.request_subject("cls"), body, headers=meta.headers())
-        answers = {}
-        while len(answers) < 2:
-            reply, body = await asyncio.wait_for(replies.get(), 30)
-            answers[reply.id] = (reply.status, orjson.loads(body))
-    finally:
-        await nc.close()
+    answers = await answers_as_sent(
+        box, {"deleted": (registered - 2_000, registered), "unheard": (registered + 5_000, registered)}
+    )
     for request_id, (status, answer) in answers.items():
         assert (status, answer["error"]["code"]) == (404, "model_not_found"), (request_id, answer)
     assert box.metrics.dead_lettered.labels("cls")._value.get() == 0

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 import nats
 import orjson
@@ -342,16 +342,7 @@ async def test_a_stopping_box_that_alone_held_a_model_has_its_clients_answered_b
     """Tester h114: the only box holding a model drained while another box ran models. Counted as holding it while it
     drained, it kept the other box from loading the model for the requests it handed back: its clients waited out its
     grace, then had a 503."""
-    from appliance.control import call_box
-
-    slow = [noop_model("slow", pinned=False, cost_ms=150)]
-    stays = await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
-    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
-    await leaving.start()
-    try:
-        assert leaving.nc is not None
-        await call_box(leaving.nc, "leaves", "load", {"model": "slow"}, timeout_s=20)
-        await wait_for(lambda: stays.fleet.holders("slow") == ["leaves"], what="the other box to see who holds it")
+    async with sole_holder_leaving(start_box, nats_server, cost_ms=150) as (stays, leaving):
         assert not stays.residency.is_resident("slow")
 
         async def one(i: int) -> int:
@@ -365,9 +356,6 @@ async def test_a_stopping_box_that_alone_held_a_model_has_its_clients_answered_b
         await leaving.stop()
         assert await asyncio.gather(*calls) == [200] * 6
         assert stays.residency.is_resident("slow")
-    finally:
-        if leaving.nc is not None and leaving.nc.is_connected:
-            await leaving.stop()
 
 
 async def test_a_stopping_box_that_alone_held_a_model_and_hands_nothing_back_has_no_box_load_it(
@@ -375,16 +363,7 @@ async def test_a_stopping_box_that_alone_held_a_model_and_hands_nothing_back_has
 ) -> None:
     """Review h115: the request a draining sole holder still computes (taken, not acked) was counted as waiting for
     the model, as a dead box's would be, and another box loaded the model for nothing."""
-    from appliance.control import call_box
-
-    slow = [noop_model("slow", pinned=False, cost_ms=1500)]
-    stays = await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
-    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
-    await leaving.start()
-    try:
-        assert leaving.nc is not None
-        await call_box(leaving.nc, "leaves", "load", {"model": "slow"}, timeout_s=20)
-        await wait_for(lambda: stays.fleet.holders("slow") == ["leaves"], what="the other box to see who holds it")
+    async with sole_holder_leaving(start_box, nats_server, cost_ms=1500) as (stays, leaving):
         body = {"model": "slow", "input": "one", "timeout": 30}
         answer = asyncio.create_task(http.post(url(leaving, "/v1/embeddings"), json=body))
         await wait_for(lambda: "slow" in leaving.workers and leaving.workers["slow"].held == 1, what="it taken")
@@ -392,6 +371,23 @@ async def test_a_stopping_box_that_alone_held_a_model_and_hands_nothing_back_has
         async with await answer as response:
             assert response.status == 200
         assert not stays.residency.is_resident("slow") and "slow" not in stays.placement.loading
+
+
+@contextlib.asynccontextmanager
+async def sole_holder_leaving(start_box, nats_server, *, cost_ms: int) -> AsyncIterator[tuple[Box, Box]]:
+    """Two boxes of no-op model `slow` (`cost_ms` a row, one row a batch): "stays", which does not hold it, and
+    "leaves", the one box that does, for the test to stop (stopped at the end if it did not)."""
+    from appliance.control import call_box
+
+    slow = [noop_model("slow", pinned=False, cost_ms=cost_ms)]
+    stays = await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
+    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
+    await leaving.start()
+    try:
+        assert leaving.nc is not None
+        await call_box(leaving.nc, "leaves", "load", {"model": "slow"}, timeout_s=20)
+        await wait_for(lambda: stays.fleet.holders("slow") == ["leaves"], what="the other box to see who holds it")
+        yield stays, leaving
     finally:
         if leaving.nc is not None and leaving.nc.is_connected:
             await leaving.stop()
