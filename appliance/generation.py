@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 
 from appliance import bus
 from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, adapter_deleted, hold_adapter
+from appliance.adapters import AdapterHold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
@@ -310,14 +311,7 @@ class GenerateWorker:
             # Held until the runtime has the request: from then on it keeps the adapter loaded itself.
             hold = None
             if meta.adapter is not None:
-                hold = await hold_adapter(
-                    self._catalog,
-                    self._residency,
-                    self.spec,
-                    meta,
-                    msg.metadata.num_delivered,
-                    self._settings.max_deliver,
-                )
+                hold = await self._hold_adapter(meta, msg)
                 loaded = hold.loaded
             try:
                 prompt = await asyncio.get_running_loop().run_in_executor(None, prompt_ids, self.runtime, request)
@@ -327,14 +321,7 @@ class GenerateWorker:
                     raise adapter_deleted(str(meta.adapter))
                 while hold is not None and hold.loaded.retired:  # registered again meanwhile: the new one it is
                     hold.release()
-                    hold = await hold_adapter(
-                        self._catalog,
-                        self._residency,
-                        self.spec,
-                        meta,
-                        msg.metadata.num_delivered,
-                        self._settings.max_deliver,
-                    )
+                    hold = await self._hold_adapter(meta, msg)
                     loaded = hold.loaded
                 adapter = hold.key if hold is not None else None
                 self.runtime.add(meta.id, prompt, sampling_params(self.runtime, request), adapter=adapter)
@@ -366,6 +353,12 @@ class GenerateWorker:
         self._wake.set()
         if self._cancelled.contains(meta.id):  # cancelled while it was being prepared
             self.cancel(meta.id)
+
+    async def _hold_adapter(self, meta: RequestMeta, msg: Msg) -> AdapterHold:
+        """The request's adapter, judged and held on this model (`hold_adapter`), at this delivery of its message."""
+        return await hold_adapter(
+            self._catalog, self._residency, self.spec, meta, msg.metadata.num_delivered, self._settings.max_deliver
+        )
 
     # -- decoding --------------------------------------------------------------------------------
 
