@@ -16,10 +16,11 @@ from datetime import datetime
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import MSG_ID, ReplyMeta, RequestMeta
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,26 @@ def keeps_held(msg: Msg, holds: Callable[[str], bool], take: Callable[[Msg], Non
     if held:
         take(msg)
     return held
+
+
+async def hand_back(nc: NATS, msg: Msg, max_deliver: int | None) -> None:
+    """Give a request back to the queue for another delivery, maybe to another box: a nak, but not on its last
+    delivery (`max_deliver`; None: never the last), where a nak has it dead-lettered and its client told 422
+    `dead_lettered`, blaming the request for a box that drained or stopped (review h122: with `max_deliver` 1, every
+    request a drain handed back). There a copy of it is published afresh, under a `Nats-Msg-Id` of its own (the
+    stream's duplicate window knows the request's), and this message acked, its stored body left to the copy; a copy
+    that cannot be published leaves the nak."""
+    if max_deliver is None or (msg.metadata.num_delivered or 1) < max_deliver:
+        await msg.nak()
+        return
+    headers = dict(msg.headers or {})
+    headers[MSG_ID] = f"{headers.get(MSG_ID, '')}.again.{msg.metadata.sequence.stream}"
+    try:
+        await nc.jetstream().publish(msg.subject, msg.data, headers=headers)
+    except (NatsError, TimeoutError):
+        await msg.nak()
+        return
+    await msg.ack()
 
 
 def retry_delay_s(msg: Msg) -> float:

@@ -30,7 +30,15 @@ from appliance.adapters import AdapterHold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, QueueEpoch, another_copy, keep_alive, keeps_held
+from appliance.delivery import (
+    Cancellations,
+    LocalReply,
+    QueueEpoch,
+    another_copy,
+    hand_back,
+    keep_alive,
+    keeps_held,
+)
 from appliance.envelope import RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -111,9 +119,17 @@ class GenerateWorker:
         metrics.generations.labels(spec.name, "running").set_function(self._running)
         metrics.generations.labels(spec.name, "waiting").set_function(lambda: self.held - self._running())
         self.puller = Puller(
-            nc, spec.slug, bus.pull_inbox(box_id, spec.slug), self._room, self._on_message, keeps=self._keeps_late
+            nc,
+            spec.slug,
+            bus.pull_inbox(box_id, spec.slug),
+            self._room,
+            self._on_message,
+            keeps=self._keeps_late,
+            max_deliver=settings.max_deliver,
         )
-        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late)
+        self.bulk_puller = bulk_puller(
+            nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, max_deliver=settings.max_deliver
+        )
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         dead_letters = DeadLetters(
             box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._stopping
@@ -124,6 +140,7 @@ class GenerateWorker:
             blobs,
             dead_letters,
             local_reply=local_reply,
+            max_deliver=settings.max_deliver,
             stopping=lambda: self._stopping,
             spawn=self._spawn,
             poke=self.puller.poke,
@@ -160,9 +177,11 @@ class GenerateWorker:
         return len(self._streams) + len(self._preparing)
 
     def _held_messages(self) -> list[Msg]:
-        """Every request this worker holds, kept in progress: those generating and those being admitted, whose
-        adapter load (one at a time per base) or prompt rendering can outlast `ack_wait` too."""
-        return [stream.msg for stream in self._streams.values()] + list(self._preparing.values())
+        """Every request this worker holds, kept in progress: those generating, those being admitted, whose adapter
+        load (one at a time per base) or prompt rendering can outlast `ack_wait` too, and those whose last chunk waits
+        for its gateway."""
+        streams = [stream.msg for stream in self._streams.values()]
+        return streams + list(self._preparing.values()) + list(self._replies.settling.values())
 
     def stats(self, window_s: float = 10.0) -> dict[str, float]:
         """As a ModelWorker's, for the heartbeat: answers/s and whole-generation p50/p99 (ms) over `window_s`
@@ -263,9 +282,17 @@ class GenerateWorker:
 
     def _keeps_late(self, msg: Msg) -> bool:
         def held(request_id: str) -> bool:
-            return request_id in self._streams or request_id in self._preparing
+            return self._held_copy(request_id) is not None
 
         return keeps_held(msg, held, self._on_message)
+
+    def _held_copy(self, request_id: str) -> Msg | None:
+        """The message of a request this worker holds (generating, being admitted, or its last chunk settling)."""
+        if request_id in self._streams:
+            return self._streams[request_id].msg
+        if request_id in self._preparing:
+            return self._preparing[request_id]
+        return self._replies.settling.get(request_id)
 
     def _on_message(self, msg: Msg) -> None:
         try:
@@ -274,13 +301,15 @@ class GenerateWorker:
             log.warning("malformed request message dropped", extra={"error": str(exc)})
             self._spawn(msg.term())
             return
-        held = self._streams[meta.id].msg if meta.id in self._streams else self._preparing.get(meta.id)
+        held = self._held_copy(meta.id)
         if held is not None:  # a redelivery of what this box generates: its keep-alive holds it
             if another_copy(held, msg):  # published again after the queue was lost: see ModelWorker._on_message
                 if meta.id in self._streams:
                     self._streams[meta.id].msg = msg
-                else:
+                elif meta.id in self._preparing:
                     self._preparing[meta.id] = msg
+                else:
+                    self._replies.settling[meta.id] = msg
             return
         if meta.id in self._letting_go:  # the runtime drops its old copy at its next step: this one comes in after
             self._parked.append(msg)
@@ -493,7 +522,7 @@ class GenerateWorker:
                     if msg.is_acked:  # an admission answered (an error) just before its cancel
                         continue
                     if not self._queue_epoch.lost(msg):
-                        await msg.nak()
+                        await hand_back(self._nc, msg, self._settings.max_deliver)
                     elif meta is not None and sent:
                         # Its stream was lost in a NATS restart: nothing would give it to another box, and the
                         # client has part of its answer (a nak hung it to its deadline: regression tester h44).

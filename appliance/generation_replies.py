@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
-from appliance.delivery import LocalReply, deliver_reply
+from appliance.delivery import LocalReply, deliver_reply, hand_back
 from appliance.envelope import ReplyMeta, RequestMeta
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class GenerationReplies:
         dead_letters: DeadLetters,
         *,
         local_reply: LocalReply | None,
+        max_deliver: int,
         stopping: Callable[[], bool],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         poke: Callable[[], None],
@@ -58,9 +59,15 @@ class GenerationReplies:
         self._blobs = blobs
         self._dead_letters = dead_letters
         self._local_reply = local_reply
+        self._max_deliver = max_deliver
         self._stopping = stopping  # draining: a reply no gateway takes is handed back instead of retried
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
         self._poke = poke  # a request answered or handed back: the worker has room again
+        # Requests whose last chunk (or error) waits for its gateway's confirmation, by id: no longer in the decode
+        # batch, yet not acked, so the worker keeps them in progress and knows a redelivery of one as its own. Left
+        # out, a final chunk that waited out `ack_wait` (a gateway reconnecting) was delivered again, generated again
+        # on every delivery, then dead-lettered: its client told 422 for an answered request (review h122).
+        self.settling: dict[str, Msg] = {}
 
     async def send(self, stream: Stream, output: StepOutput, step_ms: float) -> None:
         """One chunk of text; the last one (with the usage) is confirmed then acked off the caller's path."""
@@ -117,13 +124,19 @@ class GenerationReplies:
         await self.settle(meta, msg, ReplyMeta.for_error(meta.id, error, self._box_id, seq=seq), error.to_json())
 
     async def settle(self, meta: RequestMeta, msg: Msg, reply: ReplyMeta, body: bytes) -> None:
-        """The last chunk or an error: confirmed by its gateway, then the request acked and its blob deleted."""
+        """The last chunk or an error: confirmed by its gateway, then the request acked and its blob deleted.
+
+        Meanwhile the request is `settling`; the copy acked is the one held then (published again after the queue
+        was lost, a copy may have taken the old one's place)."""
+        self.settling[meta.id] = msg
         try:
             if not await self.reply(meta, reply, body, confirmed=True):
-                await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+                # This box is stopping with the answer undelivered: another box answers it.
+                await hand_back(self._nc, self.settling.get(meta.id, msg), self._max_deliver)
                 return
-            await self._blobs.ack(msg, meta.blob)
+            await self._blobs.ack(self.settling.get(meta.id, msg), meta.blob)
         finally:
+            self.settling.pop(meta.id, None)
             self._poke()
 
     async def reply(self, meta: RequestMeta, reply: ReplyMeta, body: bytes, *, confirmed: bool = False) -> bool:

@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from appliance import bus
 from appliance.catalog import ModelSpec
-from appliance.delivery import deliver_reply
+from appliance.delivery import deliver_reply, hand_back
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -333,7 +333,8 @@ class Placement:
         reply = ReplyMeta.for_error(meta.id, error, self._box.box_id, retry_after_s=retry)
         # Acked only once its gateway has the answer: one sent while the gateway reconnects is sent again, not lost.
         if not await deliver_reply(self._box.nc, meta, error.to_json(), reply.headers(), lambda: self._box.draining):
-            await msg.nak()  # this box is stopping with the answer undelivered: another box answers it
+            # This box is stopping with the answer undelivered: another box answers it.
+            await hand_back(self._box.nc, msg, self._box.settings.max_deliver)
             return
         assert self._box.blobs is not None  # made with the connection
         await self._box.blobs.ack(msg, meta.blob)

@@ -20,6 +20,7 @@ from nats.errors import Error as NatsError
 from nats.nuid import NUID
 
 from appliance import bus
+from appliance.delivery import hand_back
 from appliance.envelope import BATCH, INTERACTIVE
 from appliance.tasks import Background, cancel_and_wait
 
@@ -47,8 +48,10 @@ class Puller:
         room_opens_in: Callable[[], float | None] | None = None,
         room_lasts: Callable[[], float | None] | None = None,
         keeps: Callable[[Msg], bool] | None = None,
+        max_deliver: int | None = None,
     ) -> None:
         self._nc = nc
+        self._max_deliver = max_deliver  # its consumer's: what arrives after a stop is handed back (`hand_back`)
         self._subject = bus.pull_request_subject(slug, priority)
         self._inbox = f"{inbox}.{_INBOXES.next().decode()}"
         self._expires_s = expires_s
@@ -194,8 +197,8 @@ class Puller:
                 self._arrived.set()
             return
         if self._stopped:  # sent before the server heard the stop: another box takes it now
-            if not self._keeps(msg):
-                self._handed_back.spawn(_hand_back(msg))  # not awaited: a stop reads an empty queue as all taken in
+            if not self._keeps(msg):  # not awaited: a stop reads an empty queue as all taken in
+                self._handed_back.spawn(self._hand_back(msg))
             self._arrived.set()
             return
         self._remaining = max(0, self._remaining - 1)
@@ -203,6 +206,10 @@ class Puller:
         if self._remaining == 0:
             self._wake.set()
         self._on_message(msg)
+
+    async def _hand_back(self, msg: Msg) -> None:
+        with suppress(NatsError):  # cut off from NATS: JetStream gives it out again after ack_wait_s
+            await hand_back(self._nc, msg, self._max_deliver)
 
 
 async def stop_pullers(pullers: Iterable[Puller]) -> None:
@@ -216,11 +223,6 @@ async def stop_pullers(pullers: Iterable[Puller]) -> None:
     await asyncio.shield(stops)  # a cancel of the caller leaves them to finish (bounded: `_DRAIN_S`, `_HAND_BACK_S`)
 
 
-async def _hand_back(msg: Msg) -> None:
-    with suppress(NatsError):  # cut off from NATS: JetStream gives it out again after ack_wait_s
-        await msg.nak()
-
-
 def bulk_puller(
     nc: NATS,
     box_id: str,
@@ -228,6 +230,8 @@ def bulk_puller(
     room: Callable[[], int],
     on_message: Callable[[Msg], None],
     keeps: Callable[[Msg], bool] | None = None,
+    *,
+    max_deliver: int | None = None,
 ) -> Puller:
     """The puller of a model's batch-priority subject: short requests, looked at often, so bulk work
     starts soon after interactive work goes quiet and stops soon after it returns."""
@@ -241,4 +245,5 @@ def bulk_puller(
         expires_s=0.5,
         idle_poll_s=BULK_IDLE_S,
         keeps=keeps,
+        max_deliver=max_deliver,
     )

@@ -35,7 +35,15 @@ from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, LocalReply, another_copy, deliver_reply, keep_alive, keeps_held
+from appliance.delivery import (
+    Cancellations,
+    LocalReply,
+    another_copy,
+    deliver_reply,
+    hand_back,
+    keep_alive,
+    keeps_held,
+)
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
@@ -112,8 +120,11 @@ class ModelWorker:
             room_opens_in=lambda: self.batcher.room_opens_in(hold_s),
             room_lasts=lambda: self.batcher.room_lasts_s(hold_s),
             keeps=self._keeps_late,
+            max_deliver=settings.max_deliver,
         )
-        self.bulk_puller = bulk_puller(nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late)
+        self.bulk_puller = bulk_puller(
+            nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, max_deliver=settings.max_deliver
+        )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
         self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
@@ -162,7 +173,7 @@ class ModelWorker:
             await self._tasks.wait()
             for job in await self.batcher.drain():
                 self._let_go(job.meta.id)
-                await job.handle.nak()
+                await hand_back(self._nc, job.handle, self._settings.max_deliver)
             await self._tasks.wait()
         finally:
             await cancel_and_wait([self._ticker])
@@ -393,7 +404,7 @@ class ModelWorker:
                     body = b""
                 if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
                     # This box is stopping with the answer undelivered: another box answers it.
-                    await self._current(meta.id, msg).nak()
+                    await hand_back(self._nc, self._current(meta.id, msg), self._settings.max_deliver)
                     return
             # The message held now: a copy published again may have been taken in its place while the reply waited
             # for its gateway (review r43).

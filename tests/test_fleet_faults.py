@@ -373,6 +373,39 @@ async def test_a_stopping_box_that_alone_held_a_model_and_hands_nothing_back_has
         assert not stays.residency.is_resident("slow") and "slow" not in stays.placement.loading
 
 
+async def test_a_stopping_box_hands_back_a_request_on_its_last_delivery_without_it_being_dead_lettered(
+    start_box, nats_server, http
+) -> None:
+    """Review h122: a drain handed what it held but had not started back with a nak, whatever its delivery count; on
+    its last delivery (every delivery, with `max_deliver` 1) that had it dead-lettered and its client told 422
+    `dead_lettered`, though nothing failed. Now such a request is queued again as a copy, and another box answers it."""
+    from appliance.control import call_box
+
+    slow = [noop_model("slow", pinned=False, cost_ms=1000)]
+    knobs = {"default_model": False, "models": slow, "max_batch_size": 1, "max_deliver": 1, "hold_ms": 10_000}
+    stays = await start_box(box_id="stays", **knobs)
+    leaving = Box(box_settings(nats_server.url, box_id="leaves", **knobs))
+    await leaving.start()
+    try:
+        assert leaving.nc is not None
+        await call_box(leaving.nc, "leaves", "load", {"model": "slow"}, timeout_s=20)
+        await wait_for(lambda: stays.fleet.holders("slow") == ["leaves"], what="the other box to see who holds it")
+
+        async def one(i: int) -> int:
+            async with http.post(url(stays, "/v1/embeddings"), json={"model": "slow", "input": f"r{i}"}) as response:
+                await response.read()
+                return response.status
+
+        calls = [asyncio.create_task(one(i)) for i in range(4)]
+        await wait_for(lambda: leaving.workers["slow"].held >= 2, what="the one box holding it to take two or more")
+        await leaving.stop()  # one on its device, answered; the rest waiting, handed back
+        assert await asyncio.gather(*calls) == [200] * 4
+        assert counter(stays, "fbx_dead_lettered_requests", "slow") == 0
+    finally:
+        if leaving.nc is not None and leaving.nc.is_connected:
+            await leaving.stop()
+
+
 @contextlib.asynccontextmanager
 async def sole_holder_leaving(start_box, nats_server, *, cost_ms: int) -> AsyncIterator[tuple[Box, Box]]:
     """Two boxes of no-op model `slow` (`cost_ms` a row, one row a batch): "stays", which does not hold it, and

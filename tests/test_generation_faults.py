@@ -11,6 +11,7 @@ requests share that step is fixed, not left to timing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -211,6 +212,47 @@ async def test_a_generation_whose_body_is_gone_is_dead_lettered_with_why(start_b
         assert "gone-1.never-put" in dead.headers["Fbx-Dead-Reason"]
         await settled(box, worker)
         assert dead_lettered(box) == 1
+    finally:
+        await nc.close()
+
+
+async def test_a_finished_generation_waiting_for_its_gateway_is_kept_not_generated_again(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review h122: its last chunk awaiting the gateway's confirmation (a gateway reconnecting), a generation was no
+    longer kept in progress, so JetStream delivered it again after `ack_wait`, and again, each time generated anew,
+    until it was dead-lettered and its client told 422 for an answered request. Held past three `ack_wait`s, the
+    final chunk is confirmed at last: the request was generated once, and is settled."""
+    ack_wait_s = 1.0
+    box, worker = await generating_box(start_box, generator_dir, ack_wait_s=ack_wait_s, max_deliver=3)
+    nc = await nats.connect(nats_server.url)
+    try:
+        starts, finals, again, confirming = [], asyncio.Queue(), asyncio.Event(), asyncio.Event()
+
+        async def gateway(msg) -> None:  # takes every chunk; a final one it leaves unconfirmed until told
+            meta = ReplyMeta.from_headers(msg.headers)
+            if meta.seq == 0:
+                starts.append(meta.box)
+                if len(starts) > 1:
+                    again.set()
+            if meta.final and confirming.is_set():
+                await msg.respond(b"")
+            elif meta.final:
+                finals.put_nowait(msg)
+
+        await nc.subscribe("test.replies", cb=gateway)
+        now = int(time.time() * 1000)
+        meta = RequestMeta(id="slow-gw-1", task="generate", model=MODEL, reply="test.replies",
+                           deadline_ms=now + 60_000, sent_ms=now, tokens=5)  # fmt: skip
+        body = orjson.dumps(completion(PROMPT))
+        await nc.jetstream().publish(bus.request_subject(bus.model_slug(MODEL)), body, headers=meta.headers())
+        await asyncio.wait_for(finals.get(), 20)
+        with contextlib.suppress(TimeoutError):  # what the old code did within the first `ack_wait` or two
+            await asyncio.wait_for(again.wait(), 3 * ack_wait_s)
+        assert starts == [box.box_id], "generated again while its answer awaited its gateway"
+        confirming.set()  # the next time the box sends it (it does until it is confirmed)
+        await settled(box, worker)
+        assert starts == [box.box_id] and dead_lettered(box) == 0
     finally:
         await nc.close()
 
