@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from appliance import __version__, fleet_cli, serve_checks, serving
+from appliance import __version__, fleet_cli, fleet_options, serve_checks, serving
 from appliance.build import build_id
 from appliance.logs import configure_logging
 from appliance.settings_load import load_settings, settings_problems, unknown_variables
@@ -135,8 +135,8 @@ def serve(
                     ]
                 ),
                 *([serve_checks.device_problem(settings.device)] if settings.runs_models else []),
-                *([fleet_cli.creds_problem(settings.creds)] if settings.creds else []),
-                fleet_cli.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
+                *([fleet_options.creds_problem(settings.creds)] if settings.creds else []),
+                fleet_options.tls_problem(settings.tls_ca, settings.tls_cert, settings.tls_key),
             ]
         )
         ports = (serve_checks.port_problem(settings.host, settings.port), serve_checks.nats_port_problem(settings))

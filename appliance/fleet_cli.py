@@ -3,7 +3,7 @@ through its NATS alone (as the TUI does), with the same `--nats`, `--creds` and 
 
 A refusal or an unreachable fleet is one line on stderr and exit status 1; a bad option or argument (a
 credentials or TLS file that cannot be used, a `--nats` with no URL, an empty model name, a box id no box
-can have) is one line and exit 2, before any box is asked.
+can have) is one line and exit 2, before any box is asked (the checks: appliance/fleet_options.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import re
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -22,6 +21,16 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_args
 import orjson
 import typer
 
+from appliance.fleet_options import (
+    LOCAL_NATS,
+    check_box_id,
+    check_creds_option,
+    check_model_argument,
+    check_nats_option,
+    check_new_model_name,
+    nats_auth,
+    one_of,
+)
 from appliance.settings import MAX_BATCH_SIZE, MAX_BATCH_TOKENS, MAX_WAIT_MS, Dtype
 from runtimes import Task
 
@@ -29,151 +38,21 @@ if TYPE_CHECKING:
     from appliance.connect import NatsAuth
 
 T = TypeVar("T")
-LOCAL_NATS = "nats://127.0.0.1:4222"
 # What a registration may say (appliance/schemas.py's ModelRegistration), checked before any box is asked.
 TASKS = tuple(task.value for task in Task)
 RUNTIMES = ("torch", "onnx")  # a registration's; "noop" is for [[models]] in a box's config
 DTYPES = get_args(Dtype)
 
 
-def creds_problem(path: Path) -> str | None:
-    """Why `path` is not a usable NATS credentials file (a user JWT and its nkey seed), or None.
-
-    Checked before connecting: nats-py reads the file only while it connects, and retries a
-    missing or broken one with every attempt instead of saying what is wrong.
-    """
-    import re
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return f"creds: {path} does not exist"
-    except (OSError, UnicodeDecodeError) as exc:
-        return f"creds: cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
-    jwt = re.search(r"-{3,}BEGIN NATS USER JWT-{3,}\s*\n\s*(\S+)", text)
-    seed = re.search(r"-{3,}BEGIN USER NKEY SEED-{3,}\s*\n\s*(\S+)", text)
-    if jwt is None or seed is None:
-        return f"creds: {path} is not a NATS credentials file (it needs a user JWT and a user nkey seed)"
-    import nkeys
-
-    try:
-        nkeys.from_seed(bytearray(seed.group(1).encode()))
-    except (nkeys.NkeysError, ValueError):
-        return f"creds: {path}: the user nkey seed is not valid"
-    return None
-
-
-def _check_creds_option(creds: Path | None) -> Path | None:
-    """The `--creds` option of the fleet commands: a bad file is a one-line usage error."""
-    problem = creds_problem(creds) if creds is not None else None
-    if problem:
-        typer.echo(f"fleetbox: {problem}", err=True)
-        raise typer.Exit(2)
-    return creds
-
-
-def tls_problem(ca: Path | None, cert: Path | None, key: Path | None) -> str | None:
-    """Why the TLS files cannot make a client context (missing, unreadable, a key not the certificate's), or None."""
-    from appliance.connect import BadTlsFiles, client_tls
-
-    try:
-        client_tls(ca, cert, key)
-    except BadTlsFiles as exc:
-        return str(exc)
-    return None
-
-
-def _nats_auth(creds: Path | None, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None) -> NatsAuth:
-    """How the fleet commands join NATS; a bad TLS file is a one-line usage error, as a bad `--creds` is."""
-    from appliance.connect import BadTlsFiles, NatsAuth, client_tls
-
-    try:
-        return NatsAuth(creds, client_tls(tls_ca, tls_cert, tls_key))
-    except BadTlsFiles as exc:
-        typer.echo(f"fleetbox: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _check_nats_option(nats: str) -> str:
-    """The `--nats` option of the fleet commands: a list with no URL in it is a one-line usage error
-    (nats-py, given no server, would try none of them for ever)."""
-    from appliance.settings import nats_url_problem
-
-    urls = [url.strip() for url in nats.split(",") if url.strip()]
-    if not urls:
-        typer.echo(f"fleetbox: --nats: no NATS URL in {nats!r}; give one, e.g. {LOCAL_NATS}", err=True)
-        raise typer.Exit(2)
-    for url in urls:
-        problem = nats_url_problem(url)
-        if problem:
-            typer.echo(f"fleetbox: --nats: {problem}", err=True)
-            raise typer.Exit(2)
-    return nats
-
-
-def _check_model_argument(model: str) -> str:
-    """A verb's MODEL: empty, blank, or a name no model can have (a control character, too long) is a usage
-    error; sent on, `models load ""` was asked of a box, which answered as if for a model it did not know."""
-    from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_REFERENCE
-
-    problem = None
-    if not model.strip():
-        problem = "names no model; give a model's name or alias, as `fleetbox models list` shows them"
-    elif len(model) > MODEL_NAME_MAX:
-        problem = f"is longer than {MODEL_NAME_MAX} characters, which no model's name is"
-    elif not re.fullmatch(MODEL_NAME_REFERENCE, model):
-        problem = "has a control character, which no model's name has"
-    if problem:
-        typer.echo(f"fleetbox: MODEL {model!r} {problem}", err=True)
-        raise typer.Exit(2)
-    return model
-
-
-def _check_new_model_name(name: str) -> str:
-    """A new model's NAME: beyond what any MODEL argument must be, the rule a box registers a name by (no space at
-    either end, no invisible character); asked of a box, it answered with its schema's regular expression."""
-    from tui.ops import new_name_problem
-
-    _check_model_argument(name)
-    problem = new_name_problem(name)
-    if problem:
-        typer.echo(f"fleetbox: NAME {name!r} {problem}", err=True)
-        raise typer.Exit(2)
-    return name
-
-
-def _check_box_id(box: str | None) -> str | None:
-    """A box id given as an argument or `--box`: one no box can have (empty, a `.`) is a usage error, where
-    `--box ""` was taken as no box given."""
-    from appliance.settings import BOX_ID_PATTERN
-
-    if box is not None and not re.fullmatch(BOX_ID_PATTERN, box):
-        typer.echo(f"fleetbox: box id {box!r} is not 1 to 64 letters, digits, '-' or '_'", err=True)
-        raise typer.Exit(2)
-    return box
-
-
-def _one_of(option: str, allowed: tuple[str, ...]) -> Callable[[str | None], str | None]:
-    """The check of an option with a few allowed values: anything else is a one-line usage error (exit 2)."""
-
-    def check(value: str | None) -> str | None:
-        if value is not None and value not in allowed:
-            typer.echo(f"fleetbox: {option}: {value!r} is not one of {', '.join(allowed)}", err=True)
-            raise typer.Exit(2)
-        return value
-
-    return check
-
-
-Model = Annotated[str, typer.Argument(help="a model's name or alias", callback=_check_model_argument)]
+Model = Annotated[str, typer.Argument(help="a model's name or alias", callback=check_model_argument)]
 FleetUrl = Annotated[
     str,
     typer.Option(
-        "--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated", callback=_check_nats_option
+        "--nats", envvar="FBX_NATS", help="NATS URL(s) of the fleet, comma-separated", callback=check_nats_option
     ),
 ]
 Creds = Annotated[
-    Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file", callback=_check_creds_option)
+    Path | None, typer.Option(envvar="FBX_CREDS", help="NATS credentials file", callback=check_creds_option)
 ]
 TlsCa = Annotated[Path | None, typer.Option(envvar="FBX_TLS_CA", help="CA bundle for NATS TLS")]
 TlsCert = Annotated[Path | None, typer.Option(envvar="FBX_TLS_CERT", help="client certificate for NATS TLS")]
@@ -198,7 +77,7 @@ def _fleet_options(
     tls_key: TlsKey = None,
 ) -> FleetAccess:
     """The options every fleet command takes, declared once."""
-    return FleetAccess(nats, _nats_auth(creds, tls_ca, tls_cert, tls_key))
+    return FleetAccess(nats, nats_auth(creds, tls_ca, tls_cert, tls_key))
 
 
 def _reaches_the_fleet(command: Callable[..., None]) -> Callable[..., None]:
@@ -298,25 +177,25 @@ def models_update(
 @models_app.command("register")
 @_reaches_the_fleet
 def models_register(
-    name: Annotated[str, typer.Argument(help="the new model's name", callback=_check_new_model_name)],
+    name: Annotated[str, typer.Argument(help="the new model's name", callback=check_new_model_name)],
     path: Annotated[str, typer.Argument(help="its folder, on the box: under one of the box's model roots")],
     fleet: FleetAccess,
     task: Annotated[
         str | None,
-        typer.Option(help=f"{', '.join(TASKS)}; default: read from the files", callback=_one_of("--task", TASKS)),
+        typer.Option(help=f"{', '.join(TASKS)}; default: read from the files", callback=one_of("--task", TASKS)),
     ] = None,
     adapter_of: Annotated[str | None, typer.Option(help="the base model, for a LoRA adapter")] = None,
     alias: Annotated[list[str] | None, typer.Option("--alias", help="another name for it; repeat it")] = None,
     pin: Annotated[bool, typer.Option("--pin", help="keep it loaded on every box")] = False,
     runtime: Annotated[
-        str | None, typer.Option(help="torch (default) or onnx", callback=_one_of("--runtime", RUNTIMES))
+        str | None, typer.Option(help="torch (default) or onnx", callback=one_of("--runtime", RUNTIMES))
     ] = None,
     dtype: Annotated[
-        str | None, typer.Option(help=f"{', '.join(DTYPES)}; default: float32", callback=_one_of("--dtype", DTYPES))
+        str | None, typer.Option(help=f"{', '.join(DTYPES)}; default: float32", callback=one_of("--dtype", DTYPES))
     ] = None,
     box: Annotated[
         str | None,
-        typer.Option(help="the box that judges the folder; default: a live box on this host", callback=_check_box_id),
+        typer.Option(help="the box that judges the folder; default: a live box on this host", callback=check_box_id),
     ] = None,
 ) -> None:
     """Register a model folder (or a LoRA adapter of a model), as POST /v1/models; it loads when first asked."""
@@ -341,7 +220,7 @@ def models_load(
     fleet: FleetAccess,
     box: Annotated[
         str | None,
-        typer.Option(help="the box; default: the live worker with most free memory", callback=_check_box_id),
+        typer.Option(help="the box; default: the live worker with most free memory", callback=check_box_id),
     ] = None,
 ) -> None:
     """Load a model on a box."""
@@ -354,7 +233,7 @@ def models_evict(
     model: Model,
     fleet: FleetAccess,
     box: Annotated[
-        str | None, typer.Option(help="the box; default: every box holding it", callback=_check_box_id)
+        str | None, typer.Option(help="the box; default: every box holding it", callback=check_box_id)
     ] = None,
 ) -> None:
     """Evict a model from a box, or from every box."""
@@ -380,7 +259,7 @@ def box_list(
 @box_app.command("drain")
 @_reaches_the_fleet
 def box_drain(
-    box: Annotated[str, typer.Argument(help="the box's id", callback=_check_box_id)], fleet: FleetAccess
+    box: Annotated[str, typer.Argument(help="the box's id", callback=check_box_id)], fleet: FleetAccess
 ) -> None:
     """Drain a box: it stops pulling, finishes its batches, then exits."""
     _print_action(fleet, "drain", box=box)
