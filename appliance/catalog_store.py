@@ -1,8 +1,9 @@
 """The fleet's catalog in NATS: KV bucket `fbx_models`, mirrored into a box's `Catalog`.
 
 Every box (and the TUI) watches the bucket, so a model registered on any box is servable by every box,
-with no restart. A registration also claims its name and aliases (`appliance/names.py`), so two racing
-for one name are not both written.
+with no restart; what is heard is applied to the catalog in revision order (`appliance/catalog_mirror.py`). A
+registration also claims its name and aliases (`appliance/names.py`), so two racing for one name are not both
+written.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
 )
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.kv import KeyValue
 
 from appliance import bus
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelChange, ModelSpec
+from appliance.catalog_mirror import CatalogMirror
 from appliance.errors import Conflict, NotFound
 from appliance.names import Claim, NameClaims
 from appliance.tasks import cancel_and_wait
@@ -66,10 +68,7 @@ class CatalogStore:
         self._names = NameClaims(js, replicas=replicas, lists=self._lists) if registers else None
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
-        self._listeners: list[Callable[[str, ModelSpec | None], None]] = []
-        # The bucket's revision this box last applied per key: the watch may bring a change late, after this
-        # box wrote (or looked up) a newer one, and a late word must not undo the newer.
-        self._revisions: dict[str, int] = {}
+        self._mirror = CatalogMirror(catalog)
         self._bucket_made: Any = None  # when the bucket this box follows was made: another one is a remade bucket
 
     async def _lists(self, model: str, name: str) -> bool:
@@ -85,7 +84,7 @@ class CatalogStore:
 
     def on_change(self, listener: Callable[[str, ModelSpec | None], None]) -> None:
         """Call `listener(name, spec)` after every change; spec is None for a removal."""
-        self._listeners.append(listener)
+        self._mirror.on_change(listener)
 
     async def open(self, configured: list[ModelSpec], *, judged: bool = False) -> None:
         """Follow the bucket, after adding the `configured` models it lacks. `judged` (a box's start, its config
@@ -109,7 +108,7 @@ class CatalogStore:
         # is not forgotten: a bucket another box is making again after a NATS restart may be replayed before that
         # box has written it back, and a removal here is a deletion to listeners.
         for entry in await bus.replay(self._js, bus.MODELS_BUCKET, watcher):
-            self._apply(entry)
+            self._mirror.apply(entry)
         for spec in configured:  # judged against the whole catalog; what they add comes through the watch again
             await self._add_configured(spec, judged)
         self._task = asyncio.create_task(self._follow(watcher), name="catalog-watch")
@@ -152,7 +151,7 @@ class CatalogStore:
             if self._names is not None:
                 await self._names.give_back(claims)
             return
-        self._added(spec, revision)
+        self._mirror.added(spec, revision)
 
     @staticmethod
     def _config_refused(spec: ModelSpec, why: str) -> Conflict:
@@ -176,7 +175,7 @@ class CatalogStore:
             known = list(self.catalog)
         # The bucket may have been made again (here, or by another box first), counting revisions from 1: the
         # replay brings every key's revision afresh, and each model is acted on again (its queue settled).
-        self._revisions.clear()
+        self._mirror.forget_revisions()
         await self.open(known)
 
     async def _made(self) -> Any:
@@ -189,41 +188,11 @@ class CatalogStore:
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:
             if entry is not None:
-                self._apply(entry)
-
-    def _apply(self, entry: KeyValue.Entry) -> None:
-        if entry.revision is not None:
-            if entry.revision <= self._revisions.get(entry.key, 0):
-                return  # this box has applied the same change or a newer one already
-            self._revisions[entry.key] = entry.revision
-        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-            spec = self.catalog.by_slug(entry.key)
-            if spec is not None:
-                self.catalog.remove(spec.name)
-                self._notify(spec.name, None)
-            return
-        try:
-            spec = ModelSpec.from_json(entry.value)
-        except (orjson.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
-            log.warning("bad catalog entry ignored", extra={"key": entry.key, "error": repr(exc)})
-            return
-        replaced = self.catalog.by_slug(entry.key)
-        if replaced is not None and replaced.name != spec.name:  # its deletion came late, or never came here
-            self.catalog.remove(replaced.name)
-            self._notify(replaced.name, None)
-        self.catalog.add(spec)
-        self._notify(spec.name, spec)
-
-    def _notify(self, name: str, spec: ModelSpec | None) -> None:
-        for listener in self._listeners:
-            try:
-                listener(name, spec)
-            except Exception:
-                log.exception("catalog listener failed", extra={"model": name})
+                self._mirror.apply(entry)
 
     async def put(self, spec: ModelSpec) -> None:
         assert self._kv is not None
-        self._added(spec, await self._kv.put(spec.slug, spec.to_json()))
+        self._mirror.added(spec, await self._kv.put(spec.slug, spec.to_json()))
 
     async def create(self, spec: ModelSpec) -> None:
         """Add a model whose slug, name and aliases no model holds yet, fleet-wide: of two registrations
@@ -241,7 +210,7 @@ class CatalogStore:
             ) from None
         # Any other failure (a timeout, a cancel) may come after the server stored the model: its claims
         # are kept, to lapse with their TTL, rather than freed under a model that may exist.
-        self._added(spec, revision)
+        self._mirror.added(spec, revision)
 
     async def update(self, spec: ModelSpec, change: ModelChange) -> ModelSpec:
         """Apply `change` to the model as the bucket holds it now, only if nobody changed it meanwhile (a pin, a
@@ -299,21 +268,12 @@ class CatalogStore:
             revision = await self._kv.update(spec.slug, updated.to_json(), last=entry.revision)
         except KeyWrongLastSequenceError:
             return None  # changed since it was read: read it again (it may be gone now)
-        self._added(updated, revision)
+        self._mirror.added(updated, revision)
         return updated, dropped
 
     @staticmethod
     def _gone(spec: ModelSpec) -> NotFound:
         return NotFound(f"model {spec.name!r} does not exist (deleted meanwhile)", code="model_not_found")
-
-    def _added(self, spec: ModelSpec, revision: int) -> None:
-        """This box's own write, at `revision`: acted on here at once, unless the watch brought a newer change
-        of the key meanwhile (another box deleted the model just after this box pinned it, say)."""
-        if revision < self._revisions.get(spec.slug, 0):
-            return
-        self._revisions[spec.slug] = revision
-        self.catalog.add(spec)  # visible (and acted on) here at once; the watch confirms it
-        self._notify(spec.name, spec)
 
     async def _look_again(self, slug: str) -> KeyValue.Entry | None:
         """What the bucket holds under `slug` now (a deletion included, with its revision), applied here at once;
@@ -324,7 +284,7 @@ class CatalogStore:
         except KeyNotFoundError as exc:  # a deleted key's error carries the deletion, with its revision
             entry = exc.entry
         if entry is not None:
-            self._apply(entry)
+            self._mirror.apply(entry)
         return entry
 
     async def find(self, name: str) -> ModelSpec | None:
@@ -382,7 +342,7 @@ class CatalogStore:
         with an alias it claimed, is read again and its claims given back too). False when it was not there to
         delete: another deletion took it a moment before (two DELETEs at once were both answered 200)."""
         assert self._kv is not None
-        known = self._revisions.get(spec.slug, 0)
+        known = self._mirror.revision(spec.slug)
         deleted = False
         for _ in range(_UPDATE_TRIES + 1):
             try:
@@ -412,8 +372,8 @@ class CatalogStore:
         # the model this box deleted goes, as this box knows it.
         with suppress(NatsError):
             await self._look_again(spec.slug)
-        if self._revisions.get(spec.slug, 0) == known and self.catalog.remove(spec.name) is not None:
-            self._notify(spec.name, None)
+        if self._mirror.revision(spec.slug) == known and self.catalog.remove(spec.name) is not None:
+            self._mirror.notify(spec.name, None)
         return deleted
 
     async def close(self, *, connected: bool = True) -> None:
