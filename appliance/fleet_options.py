@@ -26,8 +26,6 @@ def creds_problem(path: Path) -> str | None:
     Checked before connecting: nats-py reads the file only while it connects, and retries a
     missing or broken one with every attempt instead of saying what is wrong.
     """
-    import re
-
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
