@@ -19,6 +19,7 @@ TASK = "Fbx-Task"
 MODEL = "Fbx-Model"
 ADAPTER = "Fbx-Adapter"
 ADAPTER_REGISTERED = "Fbx-Adapter-Registered"  # the registration of the adapter the gateway resolved (unix ms)
+REGISTERED = "Fbx-Registered"  # the registration of the model the gateway resolved (unix ms), when it has a time
 DEADLINE = "Fbx-Deadline"
 PRIORITY = "Fbx-Priority"
 TOKENS = "Fbx-Tokens"
@@ -54,6 +55,16 @@ class RequestMeta:
     priority: str = INTERACTIVE
     blob: str | None = None
     adapter_registered_ms: int = 0  # `ModelSpec.registered_ms` of the adapter as its gateway resolved it; 0 unknown
+    registered_ms: int = 0  # `ModelSpec.registered_ms` of the model as its gateway resolved it; 0 unknown or none
+
+    def for_older_registration(self, registered_ms: int) -> bool:
+        """Sent for a registration of its model older than the one of `registered_ms`: deleted since, its name taken
+        again (on another folder, maybe for another task), while the request waited in the queue. One resolved
+        against a registration without a time (a config file's) or sent by a gateway that says none: sent before
+        `registered_ms` by the boxes' clocks (as an adapter's, `adapter_hold`)."""
+        if self.registered_ms:
+            return self.registered_ms < registered_ms
+        return 0 < self.sent_ms < registered_ms
 
     @property
     def expired(self) -> bool:
@@ -78,6 +89,8 @@ class RequestMeta:
                 headers[ADAPTER_REGISTERED] = str(self.adapter_registered_ms)
         if self.blob:
             headers[BLOB] = self.blob
+        if self.registered_ms:
+            headers[REGISTERED] = str(self.registered_ms)
         return headers
 
     @classmethod
@@ -105,6 +118,7 @@ class RequestMeta:
             priority=priority,
             blob=headers.get(BLOB) or None,
             adapter_registered_ms=_int(headers, ADAPTER_REGISTERED, default=0),
+            registered_ms=_int(headers, REGISTERED, default=0),
         )
 
 

@@ -162,6 +162,11 @@ def not_evicted(model: str, box: str, answer: dict[str, Any]) -> FleetboxError:
     return not_resident(model, box)
 
 
+def model_deleted(name: str) -> NotFound:
+    """The answer to a request whose model was deleted while it waited (its name perhaps registered again since)."""
+    return NotFound(f"model {name!r} was deleted while this request waited for it", code="model_not_found")
+
+
 def deadline_passed(request_id: str) -> GatewayTimeout:
     return GatewayTimeout(f"request {request_id} passed its deadline while queued; it was not computed")
 

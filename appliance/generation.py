@@ -47,6 +47,7 @@ from appliance.errors import (
     ServiceUnavailable,
     Unprocessable,
     deadline_passed,
+    model_deleted,
 )
 from appliance.generation_replies import GenerationReplies, Stream
 from appliance.generation_request import decode_generation, prompt_ids, sampling_params
@@ -321,6 +322,9 @@ class GenerateWorker:
             return
         if self._retired:
             self._spawn(self._replies.fail(meta, msg, self._deleted_error("queued")))
+            return
+        if meta.for_older_registration(self.spec.registered_ms):  # its name taken again since (tester h121)
+            self._spawn(self._replies.fail(meta, msg, model_deleted(self.spec.name)))
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()

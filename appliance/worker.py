@@ -45,7 +45,7 @@ from appliance.delivery import (
     keeps_held,
 )
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
+from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed, model_deleted
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
@@ -257,6 +257,9 @@ class ModelWorker:
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
+            return
+        if meta.for_older_registration(self.spec.registered_ms):  # a 422 `wrong_task` when taken again for another
+            self._spawn(self._answer_error(meta, msg, model_deleted(self.spec.name)))  # task (tester h121)
             return
         jobs = jobs_for(meta.task)
         if jobs is None or meta.task != self.spec.task.value:

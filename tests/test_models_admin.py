@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import json
 import shutil
+import time
 from dataclasses import replace
 from functools import partial
 
@@ -1085,3 +1086,63 @@ async def test_a_generators_record_gives_its_decode_batch_as_its_batch_size(
         async with http.get(url(box, f"/v1/models/{name}")) as response:
             record = await response.json()
         assert record["stats"]["batch_size"] == 3, record
+
+
+async def test_a_request_sent_for_a_registration_deleted_since_is_404_not_run_by_the_name_registered_again(
+    start_box, nats_server, http, classifier_dir, tmp_path_factory
+) -> None:
+    """Tester h121: a request its gateway resolved just before the model was deleted, and published just after the
+    deletion emptied the queue, was taken by the model registered next under the name, for another task: a 422
+    `wrong_task` where the deleted model is a 404. A request carries the registration it was resolved against; a box
+    running a later one answers it 404, and one of its own registration as usual."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "again", "path": str(classifier_dir)})
+    assert status == 201, record
+    registered_ms = box.catalog.get("again").registered_ms
+    assert registered_ms > 0
+    nc = await nats.connect(nats_server.url)
+    try:
+        replies: asyncio.Queue = asyncio.Queue()
+
+        async def gateway(msg) -> None:
+            await msg.respond(b"")  # confirmed, as a gateway does
+            replies.put_nowait(msg)
+
+        await nc.subscribe("test.again", cb=gateway)
+        answers = {}
+        # Resolved against an older registration; against none with a time (a config file's), sent before this one;
+        # against this one.
+        asked = (("older", registered_ms - 1, 0), ("timeless", 0, registered_ms - 1), ("same", registered_ms, 0))
+        for request_id, resolved_ms, sent_ms in asked:
+            now = int(time.time() * 1000)
+            meta = RequestMeta(id=request_id, task="classify", model="again", reply="test.again",
+                               deadline_ms=now + 60_000, sent_ms=sent_ms or now, registered_ms=resolved_ms)  # fmt: skip
+            body = json.dumps({"model": "again", "input": ["a fine film"]}).encode()
+            await nc.jetstream().publish(bus.request_subject(model_slug("again")), body, headers=meta.headers())
+            reply = await asyncio.wait_for(replies.get(), 60)
+            answers[request_id] = (int(reply.headers["Fbx-Status"]), json.loads(reply.data))
+        for deleted in ("older", "timeless"):
+            assert answers[deleted][0] == 404 and answers[deleted][1]["error"]["code"] == "model_not_found"
+            assert (
+                answers[deleted][1]["error"]["message"] == "model 'again' was deleted while this request waited for it"
+            )
+        assert answers["same"][0] == 200, answers["same"]
+    finally:
+        await nc.close()
+
+
+async def test_a_gateway_says_which_registration_of_the_model_it_resolved(
+    start_box, http, classifier_dir, tmp_path_factory
+) -> None:
+    box = await start_box(role="gateway", default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "said", "path": str(classifier_dir)})
+    assert status == 201, record
+    waiting = asyncio.create_task(
+        call(http, box, "POST", "/v1/classify", {"model": "said", "input": "x", "timeout": 60})
+    )
+    try:
+        await wait_for(lambda: box.dispatcher.waiting == 1, what="the request to wait in the queue (no worker)")
+        queued = await box.js.get_last_msg(bus.REQUEST_STREAM, bus.request_subject(model_slug("said")))
+        assert RequestMeta.from_headers(queued.headers).registered_ms == box.catalog.get("said").registered_ms > 0
+    finally:
+        waiting.cancel()

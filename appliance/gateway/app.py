@@ -27,6 +27,7 @@ from appliance.errors import (
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    model_deleted,
 )
 from appliance.gateway import admin, cors, encoders, generation, openapi, ops, tei, tei_info, tei_models
 from appliance.gateway.auth import IN_FLIGHT, Handler, inference, may_send_body, metrics_guard
@@ -193,8 +194,7 @@ def _answers_for_deleted_models(dispatcher: Dispatcher) -> Callable[[str, ModelS
 
     def on_change(name: str, spec: ModelSpec | None) -> None:
         if spec is None:
-            deleted = NotFound(f"model {name!r} was deleted while this request waited for it", code="model_not_found")
-            dispatcher.abandon_model(name, deleted)
+            dispatcher.abandon_model(name, model_deleted(name))
 
     return on_change
 

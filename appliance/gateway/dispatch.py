@@ -290,6 +290,7 @@ class Dispatcher:
             priority=priority,
             # The registration it resolved: a box holding another never answers it with that one's weights.
             adapter_registered_ms=adapter.registered_ms if adapter is not None else 0,
+            registered_ms=spec.registered_ms,  # as the adapter's: no box answers it with another registration's model
         )
         return queue, meta
 
