@@ -591,7 +591,9 @@ async def test_load_and_evict_refusals_are_typed(start_box, http, tmp_path) -> N
 async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box, http) -> None:
     a = ModelEntry(name="a", runtime="noop", pinned=False, aliases=["alias-of-a"])
     box = await start_box(default_model=False, models=[a])
-    ops = FleetOps(box.nc, lambda: [BoxState.from_heartbeat({"box": box.box_id, **heartbeat(box)})])
+    gateway = await start_box(box_id="0-gateway", role="gateway", default_model=False, models=[a])  # listed first
+    boxes = [gateway, box]
+    ops = FleetOps(box.nc, lambda: [BoxState.from_heartbeat({"box": b.box_id, **heartbeat(b)}) for b in boxes])
     with pytest.raises(NotFound, match="'ghost' does not exist"):
         await ops.evict("ghost")
     # Held nowhere: evicted from every box already, as the HTTP route answers it (it was a 404 here, a 200 there).

@@ -94,8 +94,9 @@ class FleetOps:
         # With no holder in the heartbeats, one box is asked all the same: it answers 404 for a model
         # that does not exist, and evicts one that became resident since its last heartbeat. A model no
         # box holds is evicted from every box already: `evicted_from: []`, as POST /v1/models/{name}/evict.
+        # A box that runs models is asked: a gateway refuses the verb (tester h120: exit 1 behind a gateway).
         evicted, name = [], model
-        for target in targets or [self._any_box()]:
+        for target in targets or [self._any_box(running_models=True)]:
             result = await self._call(target, "evict", {"model": model})
             name = result.get("model", name)  # its name, where `model` may be an alias
             if result.get("evicted"):
@@ -142,8 +143,9 @@ class FleetOps:
             raise ServiceUnavailable("no live box runs models; start one with --role worker or all")
         return max(workers, key=lambda b: b.budget_bytes - b.used_bytes).box
 
-    def _any_box(self) -> str:
-        live = self.live()
+    def _any_box(self, *, running_models: bool = False) -> str:
+        """A live box to ask, one that runs models if `running_models` and there is one."""
+        live = (running_models and self.workers()) or self.live()
         if not live:
             raise ServiceUnavailable("no live box in the fleet to ask")
         return live[0].box
