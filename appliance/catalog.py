@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from appliance.bus import model_slug
-from appliance.errors import Conflict, NotFound, shown
+from appliance.errors import Conflict, NotFound, Unprocessable, shown
 from appliance.settings import ModelEntry, Settings
 from runtimes import ModelSource, RuntimeKind, Task
 
@@ -255,6 +255,8 @@ class Catalog:
         `base:adapter` with no such adapter registered is an unknown model, as any name nothing is registered
         under (an adapter is a model of its own, and a deleted one is gone like a deleted model); only the
         `adapter` field, naming an adapter of a model that exists, is told the model has no such adapter."""
+        if adapter == "":  # told the model has no adapter '' (tester h121)
+            raise Unprocessable("`adapter` is an empty string; leave it out (or null) for the model itself")
         requested, whole = name, adapter is None and ADAPTER_SEPARATOR in name and self.get(name) is None
         if whole:
             name, adapter = name.rsplit(ADAPTER_SEPARATOR, 1)

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 _CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any request deadline)
 _CONFIRM_TIMEOUT_S = 5.0  # how long a gateway may take to confirm it has a reply
 _RESEND_S = 0.25  # pause before sending a reply again that no gateway took
+_COPY_TRIES = 3  # publishes of a request's copy that time out before it is naked after all (`HandBack`)
 
 LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
@@ -67,24 +68,44 @@ def keeps_held(msg: Msg, holds: Callable[[str], bool], take: Callable[[Msg], Non
     return held
 
 
-async def hand_back(nc: NATS, msg: Msg, max_deliver: int | None) -> None:
-    """Give a request back to the queue for another delivery, maybe to another box: a nak, but not on its last
-    delivery (`max_deliver`; None: never the last), where a nak has it dead-lettered and its client told 422
+class HandBack:
+    """How a worker gives a request back to the queue for another delivery, maybe to another box: a nak, but not on
+    its last delivery (`max_deliver`, its consumer's), where a nak has it dead-lettered and its client told 422
     `dead_lettered`, blaming the request for a box that drained or stopped (review h122: with `max_deliver` 1, every
-    request a drain handed back). There a copy of it is published afresh, under a `Nats-Msg-Id` of its own (the
-    stream's duplicate window knows the request's), and this message acked, its stored body left to the copy; a copy
-    that cannot be published leaves the nak."""
-    if max_deliver is None or (msg.metadata.num_delivered or 1) < max_deliver:
+    request a drain handed back). There a copy of it is queued afresh, under a `Nats-Msg-Id` of its own (the
+    stream's duplicate window knows the request's), and the message acked, its stored body left to the copy.
+
+    The copy goes to the back of the queue, where a nak is delivered again first. A publish that timed out is sent
+    again under the same id (it may have been stored: the duplicate window keeps one); one the stream refuses (full,
+    `discard new`) leaves the nak, as before. Shielded: a stop that cancels its caller does not cut it between the
+    copy and the ack. A message of a request stream made anew since (`queue_epoch`) is not copied: its gateway
+    publishes the request again itself."""
+
+    def __init__(self, nc: NATS, max_deliver: int, queue_epoch: QueueEpoch | None = None) -> None:
+        self._nc = nc
+        self._max_deliver = max_deliver
+        self._queue_epoch = queue_epoch
+
+    async def __call__(self, msg: Msg) -> None:
+        last = (msg.metadata.num_delivered or 1) >= self._max_deliver
+        if not last or (self._queue_epoch is not None and self._queue_epoch.lost(msg)):
+            await msg.nak()
+            return
+        await asyncio.shield(self._copy(msg))
+
+    async def _copy(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        headers[MSG_ID] = f"{headers.get(MSG_ID, '')}.again.{msg.metadata.sequence.stream}"
+        for _ in range(_COPY_TRIES):
+            try:
+                await self._nc.jetstream().publish(msg.subject, msg.data, headers=headers)
+            except NatsTimeout:
+                continue
+            except NatsError:  # refused (the stream full, say) or no stream: as before, the nak
+                break
+            await msg.ack()
+            return
         await msg.nak()
-        return
-    headers = dict(msg.headers or {})
-    headers[MSG_ID] = f"{headers.get(MSG_ID, '')}.again.{msg.metadata.sequence.stream}"
-    try:
-        await nc.jetstream().publish(msg.subject, msg.data, headers=headers)
-    except (NatsError, TimeoutError):
-        await msg.nak()
-        return
-    await msg.ack()
 
 
 def retry_delay_s(msg: Msg) -> float:

@@ -60,11 +60,9 @@ class RequestMeta:
     def for_older_registration(self, registered_ms: int) -> bool:
         """Sent for a registration of its model older than the one of `registered_ms`: deleted since, its name taken
         again (on another folder, maybe for another task), while the request waited in the queue. One resolved
-        against a registration without a time (a config file's) or sent by a gateway that says none: sent before
-        `registered_ms` by the boxes' clocks (as an adapter's, `adapter_hold`)."""
-        if self.registered_ms:
-            return self.registered_ms < registered_ms
-        return 0 < self.sent_ms < registered_ms
+        against a registration without a time (a config file's) is not judged: by the boxes' clocks (its sent time),
+        a gateway's clock behind would have a request for this registration answered 404."""
+        return 0 < self.registered_ms < registered_ms
 
     @property
     def expired(self) -> bool:

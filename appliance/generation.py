@@ -32,10 +32,10 @@ from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import (
     Cancellations,
+    HandBack,
     LocalReply,
     QueueEpoch,
     another_copy,
-    hand_back,
     keep_alive,
     keeps_held,
 )
@@ -85,6 +85,7 @@ class GenerateWorker:
     ) -> None:
         self.box_id = box_id
         self._queue_epoch = queue_epoch or QueueEpoch()
+        self._hand_back = HandBack(nc, settings.max_deliver, self._queue_epoch)
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
         self._retired = False  # the model was deleted: whatever still arrives is answered 404
@@ -126,10 +127,10 @@ class GenerateWorker:
             self._room,
             self._on_message,
             keeps=self._keeps_late,
-            max_deliver=settings.max_deliver,
+            hand_back=self._hand_back,
         )
         self.bulk_puller = bulk_puller(
-            nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, max_deliver=settings.max_deliver
+            nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, hand_back=self._hand_back
         )
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         dead_letters = DeadLetters(
@@ -141,7 +142,7 @@ class GenerateWorker:
             blobs,
             dead_letters,
             local_reply=local_reply,
-            max_deliver=settings.max_deliver,
+            hand_back=self._hand_back,
             stopping=lambda: self._stopping,
             spawn=self._spawn,
             poke=self.puller.poke,
@@ -526,7 +527,7 @@ class GenerateWorker:
                     if msg.is_acked:  # an admission answered (an error) just before its cancel
                         continue
                     if not self._queue_epoch.lost(msg):
-                        await hand_back(self._nc, msg, self._settings.max_deliver)
+                        await self._hand_back(msg)
                     elif meta is not None and sent:
                         # Its stream was lost in a NATS restart: nothing would give it to another box, and the
                         # client has part of its answer (a nak hung it to its deadline: regression tester h44).

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
-from appliance.delivery import LocalReply, deliver_reply, hand_back
+from appliance.delivery import HandBack, LocalReply, deliver_reply
 from appliance.envelope import ReplyMeta, RequestMeta
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class GenerationReplies:
         dead_letters: DeadLetters,
         *,
         local_reply: LocalReply | None,
-        max_deliver: int,
+        hand_back: HandBack,
         stopping: Callable[[], bool],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         poke: Callable[[], None],
@@ -59,7 +59,7 @@ class GenerationReplies:
         self._blobs = blobs
         self._dead_letters = dead_letters
         self._local_reply = local_reply
-        self._max_deliver = max_deliver
+        self._hand_back = hand_back
         self._stopping = stopping  # draining: a reply no gateway takes is handed back instead of retried
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
         self._poke = poke  # a request answered or handed back: the worker has room again
@@ -132,7 +132,7 @@ class GenerationReplies:
         try:
             if not await self.reply(meta, reply, body, confirmed=True):
                 # This box is stopping with the answer undelivered: another box answers it.
-                await hand_back(self._nc, self.settling.get(meta.id, msg), self._max_deliver)
+                await self._hand_back(self.settling.get(meta.id, msg))
                 return
             await self._blobs.ack(self.settling.get(meta.id, msg), meta.blob)
         finally:

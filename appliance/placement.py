@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from appliance import bus
 from appliance.catalog import ModelSpec
-from appliance.delivery import deliver_reply, hand_back
+from appliance.delivery import HandBack, deliver_reply
 from appliance.envelope import PRIORITIES, ReplyMeta, RequestMeta
 from appliance.errors import (
     FleetboxError,
@@ -282,6 +282,7 @@ class Placement:
                 lambda: 64,
                 answer,
                 priority=priority,
+                hand_back=self._hand_back(),
             )
             for priority in PRIORITIES
         ]
@@ -313,6 +314,11 @@ class Placement:
         if changed is not None:
             changed.set()
 
+    def _hand_back(self) -> HandBack:
+        """How this box gives back a request it refused for: not dead-lettered on its last delivery."""
+        assert self._box.nc is not None
+        return HandBack(self._box.nc, self._box.settings.max_deliver, self._box.workers.queue_epoch)
+
     async def _answer(self, msg: Msg, error: FleetboxError) -> None:
         assert self._box.nc is not None
         try:
@@ -334,7 +340,7 @@ class Placement:
         # Acked only once its gateway has the answer: one sent while the gateway reconnects is sent again, not lost.
         if not await deliver_reply(self._box.nc, meta, error.to_json(), reply.headers(), lambda: self._box.draining):
             # This box is stopping with the answer undelivered: another box answers it.
-            await hand_back(self._box.nc, msg, self._box.settings.max_deliver)
+            await self._hand_back()(msg)
             return
         assert self._box.blobs is not None  # made with the connection
         await self._box.blobs.ack(msg, meta.blob)

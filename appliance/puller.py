@@ -9,7 +9,7 @@ one of the boxes asking: the queue balances the fleet without anyone tracking wo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 
 import orjson
@@ -20,7 +20,6 @@ from nats.errors import Error as NatsError
 from nats.nuid import NUID
 
 from appliance import bus
-from appliance.delivery import hand_back
 from appliance.envelope import BATCH, INTERACTIVE
 from appliance.tasks import Background, cancel_and_wait
 
@@ -48,10 +47,11 @@ class Puller:
         room_opens_in: Callable[[], float | None] | None = None,
         room_lasts: Callable[[], float | None] | None = None,
         keeps: Callable[[Msg], bool] | None = None,
-        max_deliver: int | None = None,
+        hand_back: Callable[[Msg], Awaitable[None]] | None = None,
     ) -> None:
         self._nc = nc
-        self._max_deliver = max_deliver  # its consumer's: what arrives after a stop is handed back (`hand_back`)
+        # What arrives after a stop goes back to the queue so (`delivery.HandBack`; a nak by default).
+        self._give_back = hand_back or _nak
         self._subject = bus.pull_request_subject(slug, priority)
         self._inbox = f"{inbox}.{_INBOXES.next().decode()}"
         self._expires_s = expires_s
@@ -209,7 +209,7 @@ class Puller:
 
     async def _hand_back(self, msg: Msg) -> None:
         with suppress(NatsError):  # cut off from NATS: JetStream gives it out again after ack_wait_s
-            await hand_back(self._nc, msg, self._max_deliver)
+            await self._give_back(msg)
 
 
 async def stop_pullers(pullers: Iterable[Puller]) -> None:
@@ -231,7 +231,7 @@ def bulk_puller(
     on_message: Callable[[Msg], None],
     keeps: Callable[[Msg], bool] | None = None,
     *,
-    max_deliver: int | None = None,
+    hand_back: Callable[[Msg], Awaitable[None]] | None = None,
 ) -> Puller:
     """The puller of a model's batch-priority subject: short requests, looked at often, so bulk work
     starts soon after interactive work goes quiet and stops soon after it returns."""
@@ -245,5 +245,9 @@ def bulk_puller(
         expires_s=0.5,
         idle_poll_s=BULK_IDLE_S,
         keeps=keeps,
-        max_deliver=max_deliver,
+        hand_back=hand_back,
     )
+
+
+async def _nak(msg: Msg) -> None:
+    await msg.nak()

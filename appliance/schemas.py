@@ -101,6 +101,7 @@ class RerankRequest(NullIsDefault, kw_only=True):
     truncate: bool | None = True
     max_tokens_per_doc: Positive | None = None  # Cohere v2's: each document's first tokens only
     max_chunks_per_doc: Positive | None = None  # Cohere v1's: read only to be refused above 1 (`refused`)
+    rank_fields: list[str] | None = None  # Cohere's: read only to be refused for other fields than `text`
     adapter: str | None = None
     timeout: Timeout | None = None
 

@@ -37,10 +37,11 @@ from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import (
     Cancellations,
+    HandBack,
     LocalReply,
+    QueueEpoch,
     another_copy,
     deliver_reply,
-    hand_back,
     keep_alive,
     keeps_held,
 )
@@ -79,6 +80,7 @@ class ModelWorker:
         js: JetStreamContext,
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
+        queue_epoch: QueueEpoch | None = None,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
@@ -92,6 +94,7 @@ class ModelWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
+        self._hand_back = HandBack(nc, settings.max_deliver, queue_epoch)
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         self._dead_letters = DeadLetters(
             box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining
@@ -120,10 +123,10 @@ class ModelWorker:
             room_opens_in=lambda: self.batcher.room_opens_in(hold_s),
             room_lasts=lambda: self.batcher.room_lasts_s(hold_s),
             keeps=self._keeps_late,
-            max_deliver=settings.max_deliver,
+            hand_back=self._hand_back,
         )
         self.bulk_puller = bulk_puller(
-            nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, max_deliver=settings.max_deliver
+            nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, hand_back=self._hand_back
         )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
@@ -173,7 +176,7 @@ class ModelWorker:
             await self._tasks.wait()
             for job in await self.batcher.drain():
                 self._let_go(job.meta.id)
-                await hand_back(self._nc, job.handle, self._settings.max_deliver)
+                await self._hand_back(job.handle)
             await self._tasks.wait()
         finally:
             await cancel_and_wait([self._ticker])
@@ -258,8 +261,8 @@ class ModelWorker:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
             return
-        if meta.for_older_registration(self.spec.registered_ms):  # a 422 `wrong_task` when taken again for another
-            self._spawn(self._answer_error(meta, msg, model_deleted(self.spec.name)))  # task (tester h121)
+        if meta.for_older_registration(self.spec.registered_ms):  # its name taken again since (tester h121: for
+            self._spawn(self._answer_error(meta, msg, model_deleted(self.spec.name)))  # another task, a 422)
             return
         jobs = jobs_for(meta.task)
         if jobs is None or meta.task != self.spec.task.value:
@@ -407,7 +410,7 @@ class ModelWorker:
                     body = b""
                 if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
                     # This box is stopping with the answer undelivered: another box answers it.
-                    await hand_back(self._nc, self._current(meta.id, msg), self._settings.max_deliver)
+                    await self._hand_back(self._current(meta.id, msg))
                     return
             # The message held now: a copy published again may have been taken in its place while the reply waited
             # for its gateway (review r43).

@@ -294,6 +294,7 @@ class Workers:
             self._js,
             self._cancelled,
             local_reply=self._local_reply,
+            queue_epoch=self.queue_epoch,
         )
 
     async def evict(self, name: str) -> bool:

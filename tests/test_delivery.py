@@ -6,9 +6,12 @@ import asyncio
 import time
 
 import nats
-from nats.js.api import AckPolicy, ConsumerConfig
+import pytest
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy
 
-from appliance.delivery import keep_alive
+from appliance.delivery import HandBack, keep_alive
 from appliance.natsd import EmbeddedNats
 
 
@@ -36,5 +39,70 @@ async def test_a_request_nakd_after_the_keep_alive_listed_it_is_redelivered_afte
             ticking.cancel()
         assert again.metadata.num_delivered == 2
         assert time.monotonic() - nakd_at < 3.5  # its 1.5 s back-off; an in-progress after the nak means 4 s or never
+    finally:
+        await nc.close()
+
+
+async def _last_delivery(js, stream: str, *, max_msgs: int = -1, max_deliver: int = 1):
+    """A work queue as the request stream is, a consumer of `max_deliver` 1, one request in it, and that request
+    delivered (its last)."""
+    await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"], max_msgs=max_msgs, discard=DiscardPolicy.NEW,
+                        retention=RetentionPolicy.WORK_QUEUE)  # fmt: skip
+    config = ConsumerConfig(durable_name="w", ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=max_deliver)
+    await js.add_consumer(stream, config)
+    sub = await js.pull_subscribe(f"{stream.lower()}.>", durable="w", stream=stream)
+    await js.publish(f"{stream.lower()}.m", b"body", headers={"Nats-Msg-Id": "r1", "Fbx-Id": "r1"})
+    [msg] = await sub.fetch(1, timeout=2)
+    return sub, msg
+
+
+async def test_a_request_handed_back_on_its_last_delivery_is_queued_again_as_a_copy(nats_server: EmbeddedNats) -> None:
+    """Review h122: a nak on the last delivery had the request dead-lettered. A publish of the copy that times out
+    is sent again under the same id (stored or not, the duplicate window keeps one copy: review h124)."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        sub, msg = await _last_delivery(js, "HANDBACK")
+        publish, timeouts = JetStreamContext.publish, []
+
+        async def stored_then_timed_out(self, subject, payload=b"", **kwargs):
+            ack = await publish(self, subject, payload, **kwargs)
+            if not timeouts:  # the first one stored, but its ack lost
+                timeouts.append(ack.seq)
+                raise NatsTimeout
+            return ack
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(JetStreamContext, "publish", stored_then_timed_out)
+            await HandBack(nc, max_deliver=1)(msg)
+        [copy] = await sub.fetch(1, timeout=2)
+        assert (copy.data, copy.headers["Fbx-Id"], copy.metadata.num_delivered) == (b"body", "r1", 1)
+        assert copy.headers["Nats-Msg-Id"] == f"r1.again.{msg.metadata.sequence.stream}"
+        info = await js.stream_info("HANDBACK")
+        assert info.state.messages == 1  # the copy alone: the original acked, the copy sent twice stored once
+    finally:
+        await nc.close()
+
+
+async def test_a_copy_the_full_stream_refuses_leaves_the_nak(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        _, msg = await _last_delivery(js, "FULL", max_msgs=1)  # the original fills it
+        await HandBack(nc, max_deliver=1)(msg)
+        state = (await js.stream_info("FULL")).state
+        assert (state.messages, state.last_seq) == (1, msg.metadata.sequence.stream)  # no copy: the original, naked
+    finally:
+        await nc.close()
+
+
+async def test_a_request_not_on_its_last_delivery_is_naked(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        sub, msg = await _last_delivery(js, "NAKED", max_deliver=2)
+        await HandBack(nc, max_deliver=2)(msg)
+        [again] = await sub.fetch(1, timeout=2)
+        assert (again.metadata.sequence.stream, again.metadata.num_delivered) == (msg.metadata.sequence.stream, 2)
     finally:
         await nc.close()

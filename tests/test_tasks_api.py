@@ -518,6 +518,24 @@ async def test_rerank_max_tokens_per_doc_scores_each_documents_first_tokens(task
     assert limited["usage"]["total_tokens"] == sent_cut["usage"]["total_tokens"] < whole["usage"]["total_tokens"]
 
 
+async def test_rerank_fields_other_than_text_are_refused_not_ignored(task_box, http) -> None:
+    """Tester h121: Cohere's `rank_fields` was ignored, and documents alike in `text` ranked by chance where the
+    client asked for their titles."""
+    documents = [{"text": "x", "title": "Paris"}, {"text": "x", "title": "Banana"}]
+    body = {"model": "ranker", "query": "capital", "documents": documents}
+    status, answer = await post(http, task_box, "/v1/rerank", {**body, "rank_fields": ["title"]})
+    assert (status, answer["error"]["code"]) == (422, "unsupported_parameter"), answer
+    assert answer["error"]["message"].startswith("`rank_fields` ['title']: fleetbox ranks each document by its `text`")
+    assert (await post(http, task_box, "/v1/rerank", {**body, "rank_fields": ["text"]}))[0] == 200
+
+
+async def test_an_empty_adapter_is_refused_as_such(task_box, http) -> None:
+    status, answer = await post(http, task_box, "/v1/rerank", {"model": "ranker", "query": "q", "documents": ["a"],
+                                                                "adapter": ""})  # fmt: skip
+    assert (status, answer["error"]["code"]) == (422, "invalid_input"), answer
+    assert answer["error"]["message"] == "`adapter` is an empty string; leave it out (or null) for the model itself"
+
+
 async def test_rerank_max_chunks_per_doc_above_one_is_refused_by_name(task_box, http) -> None:
     """Cohere v1's chunking (the best of several windows of a long document) is not what fleetbox does: refused, not
     ignored; 1 (a document's first window) is what it does."""

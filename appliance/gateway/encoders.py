@@ -73,6 +73,14 @@ async def enqueue(
             "model's length (or to `max_tokens_per_doc`), not as the best of several chunks; leave it out or send 1",
             code="unsupported_parameter",
         )
+    if isinstance(parsed, RerankRequest) and parsed.rank_fields not in (None, ["text"]):
+        # Ignored, the ranking changed without a word: documents alike in `text` ranked by chance (tester h121).
+        raise Unprocessable(
+            f"`rank_fields` {parsed.rank_fields}: fleetbox ranks each document by its `text` only; put what is to "
+            "be ranked in `text` (Cohere suggests one string, such as YAML, of the fields), or leave it out or send "
+            '["text"]',
+            code="unsupported_parameter",
+        )
     texts: list[str] = parsed.texts()
     refuse_token_ids(
         texts,
