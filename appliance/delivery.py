@@ -94,6 +94,12 @@ class HandBack:
         await asyncio.shield(self._copy(msg))
 
     async def _copy(self, msg: Msg) -> None:
+        try:
+            await self._copy_or_nak(msg)
+        except NatsError as exc:  # cut off meanwhile (shielded, nobody awaits it): JetStream gives it out again
+            log.warning("request not handed back", extra={"error": repr(exc)})
+
+    async def _copy_or_nak(self, msg: Msg) -> None:
         headers = dict(msg.headers or {})
         headers[MSG_ID] = f"{headers.get(MSG_ID, '')}.again.{msg.metadata.sequence.stream}"
         for _ in range(_COPY_TRIES):

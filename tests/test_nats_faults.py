@@ -905,3 +905,23 @@ async def test_a_gateway_whose_stream_another_box_made_again_publishes_its_reque
     # The worker makes it again; the gateway only sees it made.
     gateway.queue._reopen_queues = gateway.queue._restore = never
     assert await answers_across_a_stream_deletion(http, gateway) == [200, 200, 200]
+
+
+async def test_a_publish_jetstream_does_not_take_is_bounded_by_the_requests_deadline(
+    start_box, nats_server, http
+) -> None:
+    """Review h122: with the server stalled (hung, or a stream without a leader, the client still connected), a
+    request of `timeout` 0.5 was answered 503 after the publish's own 5 s, ten times past its deadline."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    body = {"model": "noop", "input": "hello", "timeout": 0.5}
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 200
+    nats_server.process.send_signal(signal.SIGSTOP)
+    try:
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            answer = await response.json()
+    finally:
+        nats_server.process.send_signal(signal.SIGCONT)
+    # The 504 of its deadline, where the publish's own timeout was a 503 "not answering".
+    assert (response.status, answer["error"]["code"]) == (504, "deadline_exceeded"), answer
+    assert "did not take it in that time" in answer["error"]["message"]

@@ -24,7 +24,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.envelope import RequestMeta
-from appliance.errors import FleetboxError, ServiceUnavailable
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,12 @@ class Publisher:
                 ) from None
             body = b""
         self._publishing[meta.id] = time.monotonic()
+        # No longer than the request's deadline: with JetStream stalled, a request of `timeout` 0.5 was answered
+        # 503 after the 5 s of a publish, ten times past it (review h122).
+        timeout_s = min(_PUBLISH_TIMEOUT_S, max(0.001, meta.deadline_ms / 1000 - time.time()))
         try:
             await self._js.publish(
-                bus.request_subject(slug, meta.priority), body, timeout=_PUBLISH_TIMEOUT_S, headers=meta.headers()
+                bus.request_subject(slug, meta.priority), body, timeout=timeout_s, headers=meta.headers()
             )
             self._unanswered_at = None
         except APIError as exc:
@@ -123,11 +126,17 @@ class Publisher:
             raise ServiceUnavailable(
                 f"the request queue refused the request: {exc.description}", retry_after_s=FAILOVER_RETRY_S
             ) from None
-        except (NatsTimeout, NoRespondersError, NoStreamResponseError):  # no stream leader now (a failover)
-            self._unanswered_at = time.monotonic()
+        except (NatsTimeout, NoRespondersError, NoStreamResponseError) as exc:  # no stream leader now (a failover)
             # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
-            # reconnect): the cancel follows it on the same connection, so no box computes what was answered 503.
+            # reconnect): the cancel follows it on the same connection, so no box computes what was answered.
             await self.cancel(meta.id)
+            if isinstance(exc, NatsTimeout) and timeout_s < _PUBLISH_TIMEOUT_S:  # its deadline, not the queue's
+                timeout = (meta.deadline_ms - meta.sent_ms) / 1000
+                raise GatewayTimeout(
+                    f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) "
+                    "did not take it in that time; retry shortly"
+                ) from None
+            self._unanswered_at = time.monotonic()
             raise ServiceUnavailable(
                 "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=FAILOVER_RETRY_S
             ) from None
