@@ -1,9 +1,12 @@
 """The LoRA adapter a request names, on the box that took it: judged against the registration its gateway resolved,
-then made resident on its base and held for the request (both kinds of worker: `worker.py`, `generation.py`).
+then made resident on its base and held for the request (both kinds of worker: `worker.py`, `generation.py`); and
+the model's own registration judged the same way (`judge_registration`).
 
 The one idea: a request is answered by the registration of the adapter it was sent for, or not at all. An adapter's
 requests share its base's queue, which a deletion cannot purge of them alone, so a request queued for a registration
 deleted since meets the new one here; the gateway names the registration it resolved (`Fbx-Adapter-Registered`).
+A model's queue is purged by its deletion, but a request its gateway resolved before and published after it, or one a
+box whose worker is of the deleted registration takes, meets another registration the same way (`Fbx-Registered`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from appliance.adapters import AdapterHold, missing_folder
 from appliance.catalog import Catalog, ModelSpec
 from appliance.envelope import RequestMeta
-from appliance.errors import NotFound, ServiceUnavailable, Unprocessable
+from appliance.errors import NotFound, ServiceUnavailable, Unprocessable, model_deleted
 from appliance.residency import Residency
 from runtimes import RuntimeKind, UnknownAdapter, UnsupportedModel
 
@@ -25,6 +28,30 @@ class RegistrationNotHeard(Exception):
 
 NOT_HEARD_DELIVERIES = 3
 NOT_HEARD_DELAY_S = 0.25  # a catalog hears of a registration within milliseconds of its write
+
+
+def judge_registration(
+    catalog: Catalog, spec: ModelSpec, meta: RequestMeta, deliveries: int | None, max_deliver: int
+) -> None:
+    """Raise unless the request is for the registration of its model that `spec` (its worker's) is, when it names one.
+
+    Another than this box's catalog holds: asked again (`RegistrationNotHeard`) until its `NOT_HEARD_DELIVERIES`th
+    delivery (the catalog may not have heard of it yet), then 404, deleted (tester h121: its name registered again
+    for another task, it was a 422 `wrong_task`). The one the catalog holds, where the worker is of an older one
+    being retired: asked again, maybe of another box, and on its last delivery a 503 to retry. No clock orders them.
+    """
+    sent_for = meta.registered_ms
+    if not sent_for or sent_for == spec.registered_ms:
+        return
+    current = catalog.get(spec.name)
+    retiring = current is not None and current.registered_ms == sent_for
+    if (deliveries or 1) < (max_deliver if retiring else min(NOT_HEARD_DELIVERIES, max_deliver)):
+        raise RegistrationNotHeard(spec.name)
+    if retiring:
+        raise ServiceUnavailable(
+            f"model {spec.name!r} was registered again on this box just now; retry", retry_after_s=1
+        )
+    raise model_deleted(spec.name)
 
 
 async def hold_adapter(

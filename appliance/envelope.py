@@ -57,13 +57,6 @@ class RequestMeta:
     adapter_registered_ms: int = 0  # `ModelSpec.registered_ms` of the adapter as its gateway resolved it; 0 unknown
     registered_ms: int = 0  # `ModelSpec.registered_ms` of the model as its gateway resolved it; 0 unknown or none
 
-    def for_older_registration(self, registered_ms: int) -> bool:
-        """Sent for a registration of its model older than the one of `registered_ms`: deleted since, its name taken
-        again (on another folder, maybe for another task), while the request waited in the queue. One resolved
-        against a registration without a time (a config file's) is not judged: by the boxes' clocks (its sent time),
-        a gateway's clock behind would have a request for this registration answered 404."""
-        return 0 < self.registered_ms < registered_ms
-
     @property
     def expired(self) -> bool:
         """Its deadline has passed: nobody waits for its answer any more."""

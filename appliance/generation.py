@@ -25,7 +25,13 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, adapter_deleted, hold_adapter
+from appliance.adapter_hold import (
+    NOT_HEARD_DELAY_S,
+    RegistrationNotHeard,
+    adapter_deleted,
+    hold_adapter,
+    judge_registration,
+)
 from appliance.adapters import AdapterHold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
@@ -47,7 +53,6 @@ from appliance.errors import (
     ServiceUnavailable,
     Unprocessable,
     deadline_passed,
-    model_deleted,
 )
 from appliance.generation_replies import GenerationReplies, Stream
 from appliance.generation_request import decode_generation, prompt_ids, sampling_params
@@ -324,8 +329,13 @@ class GenerateWorker:
         if self._retired:
             self._spawn(self._replies.fail(meta, msg, self._deleted_error("queued")))
             return
-        if meta.for_older_registration(self.spec.registered_ms):  # its name taken again since (tester h121)
-            self._spawn(self._replies.fail(meta, msg, model_deleted(self.spec.name)))
+        try:
+            judge_registration(self._catalog, self.spec, meta, msg.metadata.num_delivered, self._settings.max_deliver)
+        except RegistrationNotHeard:
+            self._spawn(msg.nak(delay=NOT_HEARD_DELAY_S))
+            return
+        except FleetboxError as exc:
+            self._spawn(self._replies.fail(meta, msg, exc))
             return
         if msg.metadata.num_delivered > 1:
             self._metrics.redelivered.labels(self.spec.name).inc()

@@ -29,7 +29,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold_adapter
+from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold_adapter, judge_registration
 from appliance.adapters import AdapterHold
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
@@ -46,7 +46,7 @@ from appliance.delivery import (
     keeps_held,
 )
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed, model_deleted
+from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
@@ -261,8 +261,13 @@ class ModelWorker:
             self._metrics.expired.labels(self.spec.name).inc()
             self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
             return
-        if meta.for_older_registration(self.spec.registered_ms):  # its name taken again since (tester h121: for
-            self._spawn(self._answer_error(meta, msg, model_deleted(self.spec.name)))  # another task, a 422)
+        try:
+            judge_registration(self._catalog, self.spec, meta, msg.metadata.num_delivered, self._settings.max_deliver)
+        except RegistrationNotHeard:
+            self._spawn(self._ask_again(meta, msg, NOT_HEARD_DELAY_S))
+            return
+        except FleetboxError as exc:
+            self._spawn(self._answer_error(meta, msg, exc))
             return
         jobs = jobs_for(meta.task)
         if jobs is None or meta.task != self.spec.task.value:

@@ -1115,6 +1115,7 @@ async def test_a_request_sent_for_a_registration_deleted_since_is_404_not_run_by
         # Resolved against an older registration; against this one; against none with a time (a config file's),
         # sent before this one by a clock behind (not judged by the clocks).
         asked = (("older", registered_ms - 1, 0), ("same", registered_ms, 0), ("timeless", 0, registered_ms - 60_000))
+        asked += (("unheard", registered_ms + 5_000, 0),)  # one this box never hears of: asked again, then as deleted
         for request_id, resolved_ms, sent_ms in asked:
             now = int(time.time() * 1000)
             meta = RequestMeta(id=request_id, task="classify", model="again", reply="test.again",
@@ -1123,7 +1124,7 @@ async def test_a_request_sent_for_a_registration_deleted_since_is_404_not_run_by
             await nc.jetstream().publish(bus.request_subject(model_slug("again")), body, headers=meta.headers())
             reply = await asyncio.wait_for(replies.get(), 60)
             answers[request_id] = (int(reply.headers["Fbx-Status"]), json.loads(reply.data))
-        for deleted in ("older",):
+        for deleted in ("older", "unheard"):
             assert answers[deleted][0] == 404 and answers[deleted][1]["error"]["code"] == "model_not_found"
             assert (
                 answers[deleted][1]["error"]["message"] == "model 'again' was deleted while this request waited for it"
