@@ -48,9 +48,7 @@ def judge_registration(
     if (deliveries or 1) < (max_deliver if retiring else min(NOT_HEARD_DELIVERIES, max_deliver)):
         raise RegistrationNotHeard(spec.name)
     if retiring:
-        raise ServiceUnavailable(
-            f"model {spec.name!r} was registered again on this box just now; retry", retry_after_s=1
-        )
+        raise ServiceUnavailable(f"model {spec.name!r} was registered again just now; retry", retry_after_s=1)
     raise model_deleted(spec.name)
 
 

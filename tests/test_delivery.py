@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -43,6 +44,13 @@ async def test_a_request_nakd_after_the_keep_alive_listed_it_is_redelivered_afte
         await nc.close()
 
 
+@pytest.fixture
+async def client(nats_server: EmbeddedNats) -> AsyncIterator[nats.NATS]:
+    nc = await nats.connect(nats_server.url)
+    yield nc
+    await nc.close()
+
+
 async def _last_delivery(js, stream: str, *, max_msgs: int = -1, max_deliver: int = 1):
     """A work queue as the request stream is, a consumer of `max_deliver` 1, one request in it, and that request
     delivered (its last)."""
@@ -56,53 +64,41 @@ async def _last_delivery(js, stream: str, *, max_msgs: int = -1, max_deliver: in
     return sub, msg
 
 
-async def test_a_request_handed_back_on_its_last_delivery_is_queued_again_as_a_copy(nats_server: EmbeddedNats) -> None:
+async def test_a_request_handed_back_on_its_last_delivery_is_queued_again_as_a_copy(client: nats.NATS) -> None:
     """Review h122: a nak on the last delivery had the request dead-lettered. A publish of the copy that times out
     is sent again under the same id (stored or not, the duplicate window keeps one copy: review h124)."""
-    nc = await nats.connect(nats_server.url)
-    try:
-        js = nc.jetstream()
-        sub, msg = await _last_delivery(js, "HANDBACK")
-        publish, timeouts = JetStreamContext.publish, []
+    js = client.jetstream()
+    sub, msg = await _last_delivery(js, "HANDBACK")
+    publish, timeouts = JetStreamContext.publish, []
 
-        async def stored_then_timed_out(self, subject, payload=b"", **kwargs):
-            ack = await publish(self, subject, payload, **kwargs)
-            if not timeouts:  # the first one stored, but its ack lost
-                timeouts.append(ack.seq)
-                raise NatsTimeout
-            return ack
+    async def stored_then_timed_out(self, subject, payload=b"", **kwargs):
+        ack = await publish(self, subject, payload, **kwargs)
+        if not timeouts:  # the first one stored, but its ack lost
+            timeouts.append(ack.seq)
+            raise NatsTimeout
+        return ack
 
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(JetStreamContext, "publish", stored_then_timed_out)
-            await HandBack(nc, max_deliver=1)(msg)
-        [copy] = await sub.fetch(1, timeout=2)
-        assert (copy.data, copy.headers["Fbx-Id"], copy.metadata.num_delivered) == (b"body", "r1", 1)
-        assert copy.headers["Nats-Msg-Id"] == f"r1.again.{msg.metadata.sequence.stream}"
-        info = await js.stream_info("HANDBACK")
-        assert info.state.messages == 1  # the copy alone: the original acked, the copy sent twice stored once
-    finally:
-        await nc.close()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JetStreamContext, "publish", stored_then_timed_out)
+        await HandBack(client, max_deliver=1)(msg)
+    [copy] = await sub.fetch(1, timeout=2)
+    assert (copy.data, copy.headers["Fbx-Id"], copy.metadata.num_delivered) == (b"body", "r1", 1)
+    assert copy.headers["Nats-Msg-Id"] == f"r1.again.{msg.metadata.sequence.stream}"
+    info = await js.stream_info("HANDBACK")
+    assert info.state.messages == 1  # the copy alone: the original acked, the copy sent twice stored once
 
 
-async def test_a_copy_the_full_stream_refuses_leaves_the_nak(nats_server: EmbeddedNats) -> None:
-    nc = await nats.connect(nats_server.url)
-    try:
-        js = nc.jetstream()
-        _, msg = await _last_delivery(js, "FULL", max_msgs=1)  # the original fills it
-        await HandBack(nc, max_deliver=1)(msg)
-        state = (await js.stream_info("FULL")).state
-        assert (state.messages, state.last_seq) == (1, msg.metadata.sequence.stream)  # no copy: the original, naked
-    finally:
-        await nc.close()
+async def test_a_copy_the_full_stream_refuses_leaves_the_nak(client: nats.NATS) -> None:
+    js = client.jetstream()
+    _, msg = await _last_delivery(js, "FULL", max_msgs=1)  # the original fills it
+    await HandBack(client, max_deliver=1)(msg)
+    state = (await js.stream_info("FULL")).state
+    assert (state.messages, state.last_seq) == (1, msg.metadata.sequence.stream)  # no copy: the original, naked
 
 
-async def test_a_request_not_on_its_last_delivery_is_naked(nats_server: EmbeddedNats) -> None:
-    nc = await nats.connect(nats_server.url)
-    try:
-        js = nc.jetstream()
-        sub, msg = await _last_delivery(js, "NAKED", max_deliver=2)
-        await HandBack(nc, max_deliver=2)(msg)
-        [again] = await sub.fetch(1, timeout=2)
-        assert (again.metadata.sequence.stream, again.metadata.num_delivered) == (msg.metadata.sequence.stream, 2)
-    finally:
-        await nc.close()
+async def test_a_request_not_on_its_last_delivery_is_naked(client: nats.NATS) -> None:
+    js = client.jetstream()
+    sub, msg = await _last_delivery(js, "NAKED", max_deliver=2)
+    await HandBack(client, max_deliver=2)(msg)
+    [again] = await sub.fetch(1, timeout=2)
+    assert (again.metadata.sequence.stream, again.metadata.num_delivered) == (msg.metadata.sequence.stream, 2)
