@@ -184,6 +184,10 @@ class Batcher:
             try:
                 await self._wait_for_company(loop)
                 batch = self._take_batch()
+            except Exception as exc:
+                self._slots.release()
+                self._fail_pending(exc)
+                continue
             except BaseException:
                 self._slots.release()
                 raise
@@ -237,6 +241,16 @@ class Batcher:
         chosen = {id(item) for item in batch}
         self._pending = [item for item in self._pending if id(item) not in chosen]
         return batch
+
+    def _fail_pending(self, exc: Exception) -> None:
+        """A fault in forming a batch (a bug, not a request's doing): the requests waiting are given up as failed
+        tries (their worker tries them again, maybe on another box, and dead-letters one that keeps failing) and this
+        batcher goes on with the next ones. Left to end the batcher's task, the fault would keep every later request of
+        its model in progress until its deadline, with nothing in the logs to say why."""
+        log.exception("batch not formed", extra={"model": self.model, "error": repr(exc)})
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._finish(item.job, RuntimeError(f"the batcher could not form a batch: {exc!r}"))
 
     def _drop_expired(self) -> None:
         kept: list[WorkItem] = []

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
+import appliance.batcher as batcher_module
 from appliance.batcher import Batcher
 from appliance.catalog import Batching
 from appliance.envelope import BATCH, RequestMeta
@@ -276,3 +277,39 @@ async def test_room_waits_for_the_soonest_slot_when_every_slot_is_busy() -> None
     assert lasts is not None and 0.15 < lasts <= 0.9 + 0.15
     runtime.gate.set()
     await batcher.drain()
+
+
+async def test_a_fault_in_forming_a_batch_fails_the_waiting_requests_and_the_batcher_goes_on(monkeypatch) -> None:
+    faults = iter([RuntimeError("packing bug")])
+
+    def next_batch_failing_once(pending, batching, fit):
+        for fault in faults:
+            raise fault
+        return next_batch(pending, batching, fit)
+
+    monkeypatch.setattr(batcher_module, "next_batch", next_batch_failing_once)
+    runtime = RecordingRuntime()
+    done: list[tuple[Job, object]] = []
+    answered = asyncio.Event()
+
+    def on_done(j: Job, error: object) -> None:
+        done.append((j, error))
+        answered.set()
+
+    with ThreadPoolExecutor(1) as executor:
+        batcher = Batcher(
+            "m", runtime, Batching(max_batch_tokens=256, max_batch_size=8, max_wait_ms=0), executor, Metrics(), on_done
+        )
+        batcher.start()
+        first = job([5, 6])
+        batcher.submit(first)
+        await asyncio.wait_for(answered.wait(), 10)
+        answered.clear()
+        second = job([7])
+        batcher.submit(second)
+        await asyncio.wait_for(answered.wait(), 10)
+        await batcher.drain()
+    (first_job, first_error), (second_job, second_error) = done
+    assert first_job is first and isinstance(first_error, RuntimeError) and "packing bug" in str(first_error)
+    assert second_job is second and second_error is None and second.results[0] is not None
+    assert runtime.batches == [[7]]
