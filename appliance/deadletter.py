@@ -12,6 +12,7 @@ reconnects is sent again, not lost with the request acked and its client left to
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter
@@ -36,6 +38,7 @@ REASON = "Fbx-Dead-Reason"
 DELIVERIES = "Fbx-Deliveries"
 _QUEUE_GROUP = "fbx-dead-letters"
 _STOP_S = 1.0  # how long a stopping box lets the dead letters it is answering finish
+_SETTLE_TRIES = 5  # an advisory's settling tried again after a NATS error, 0.25 s apart and doubling
 
 
 def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unprocessable:
@@ -156,7 +159,22 @@ class DeadLetterWatch:
         await self._settling.cancel()
 
     async def _on_advisory(self, msg: Msg) -> None:
-        self._settling.spawn(self._settle(msg))
+        self._settling.spawn(self._settle_for_sure(msg))
+
+    async def _settle_for_sure(self, msg: Msg) -> None:
+        """The advisory is the last word on its request: no delivery of it is left, so a settling that a NATS error
+        (a timeout while the server is busy or fails over) cut short is tried again, or the request would stay in
+        FBX_REQ for good and its client wait out its deadline. Each step may be taken twice: FBX_DLQ's duplicate
+        window drops a second copy and the gateway a second reply."""
+        for attempt in range(_SETTLE_TRIES):
+            try:
+                await self._settle(msg)
+                return
+            except (NatsError, TimeoutError) as exc:
+                if self._stopping or attempt == _SETTLE_TRIES - 1:
+                    raise
+                log.info("dead letter not settled; trying again", extra={"error": f"{exc!r}: {exc}"})
+                await asyncio.sleep(0.25 * 2**attempt)
 
     async def _settle(self, msg: Msg) -> None:
         try:
@@ -177,7 +195,6 @@ class DeadLetterWatch:
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping
         )
-        self._dead_lettered.labels(meta.model).inc()
         if not told:
             # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.
             log.warning("dead-lettered request's client not told: the box is stopping", extra={"request_id": meta.id})
@@ -185,3 +202,4 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
         except NotFoundError:
             pass
+        self._dead_lettered.labels(meta.model).inc()  # once settled: a settling tried again counts it once
