@@ -710,30 +710,45 @@ async def _gateway_of(url: str, subject: str) -> tuple[nats.NATS, asyncio.Queue]
 
 
 async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_for_the_copy_published_again(
-    start_box, nats_server, generator_dir
+    start_box, nats_server, generator_dir, monkeypatch
 ) -> None:
     """Review r43: after a restart without --durable, a box holding a generation from the old stream that had sent
     nothing (waiting for a decode slot) kept it while its gateway published it again: two boxes generated it and
     the later first chunk took the answer over (a sampled stream ended generation_restarted). The box lets it go
     without settling, and the one running goes on. The lost stream is made up here (the box is told its stream was
     made after the messages were stored): a generation cannot be held waiting across a real restart of this tiny
-    model; the message it leaves comes back after ack_wait_s here, where in a lost stream its copy is published."""
+    model; the message it leaves comes back after ack_wait_s here, where in a lost stream its copy is published.
+    The device thread is held from the first step at which one generation runs and the other waits until the queue
+    is lost: seen from outside, the moment passed unseen when the running one finished first (a loaded machine)."""
+    import threading
+
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True, options={"max_batch_size": 1})
     box = await start_box(box_id="a", default_model=False, models=[model], ack_wait_s=2)
     nc, replies = await _gateway_of(nats_server.url, "test.wait")
+    worker = box.workers["gen"]
+    holding, held = threading.Event(), threading.Event()
+
+    def one_running_one_waiting() -> bool:  # one decode slot: whichever was admitted second waits for it
+        return sorted(stream.seq > 0 for stream in list(worker._streams.values())) == [False, True]
+
+    step = worker.runtime.step
+
+    def step_held_once_one_runs_and_one_waits():  # on the device thread
+        if not holding.is_set() and one_running_one_waiting():
+            holding.set()
+            held.wait(20)  # no step until the queue is lost
+        return step()
+
+    monkeypatch.setattr(worker.runtime, "step", step_held_once_one_runs_and_one_waits)
     try:
         for request_id in ("running", "waiting"):
             await _publish_generation(nc, request_id, "test.wait", max_tokens=240)
-        worker = box.workers["gen"]
-
-        def one_running_one_waiting() -> bool:  # one decode slot: whichever was admitted second waits for it
-            return sorted(stream.seq > 0 for stream in worker._streams.values()) == [False, True]
-
-        await wait_for(one_running_one_waiting, what="one generation running, the other waiting for the slot")
+        await wait_for(holding.is_set, what="the device thread held with one generation running, the other waiting")
         (running,) = [request_id for request_id, stream in worker._streams.items() if stream.seq > 0]
         box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)
         box.workers.queue_lost()
         assert set(worker._streams) == {running}
+        held.set()
         finals: dict[str, int] = {}
         while len(finals) < 2:  # the running one finishes; the other, given again (2 s), is generated once
             reply, _ = await asyncio.wait_for(replies.get(), 20)
@@ -743,6 +758,7 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
         assert finals == {"running": 200, "waiting": 200}
         assert box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"}) in (None, 0.0)
     finally:
+        held.set()
         await nc.close()
 
 
