@@ -62,6 +62,22 @@ async def keep_dead_letter(
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
 
 
+async def _body_to_keep(blobs: Blobs, meta: RequestMeta, data: bytes, reason: str) -> tuple[bytes, str, str | None]:
+    """The body a dead letter keeps, its reason, and the blob to delete once it is kept (None: none, or one left to
+    the bucket's TTL). A large body's message carries only its blob's key: the dead letter keeps the body itself
+    where a message can carry it, so an operator can inspect it after the blob's TTL."""
+    blob = meta.blob
+    if not blob:
+        return data, reason, None
+    try:
+        body = await blobs.get(blob)
+    except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
+        return data, f"{reason}; its body (blob {blob}) could not be read: {exc!r}", None
+    if len(body) > blobs.message_room:  # more than a message carries: the dead letter names the blob
+        return b"", f"{reason}; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires", None
+    return body, reason, blob
+
+
 async def tell_dead_lettered(
     nc: NATS, meta: RequestMeta, *, deliveries: int, reason: str, box_id: str, give_up: Callable[[], bool]
 ) -> bool:
@@ -101,16 +117,7 @@ class DeadLetters:
         if deliveries < self._max_deliver:
             await msg.nak(delay=retry_delay_s(msg))
             return
-        reason, body, blob = repr(error), msg.data, meta.blob
-        if blob:
-            try:
-                body = await self._blobs.get(blob)
-            except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
-                reason += f"; its body (blob {blob}) could not be read: {exc!r}"
-            else:
-                if len(body) > self._blobs.message_room:  # more than a message carries: the dead letter names the blob
-                    reason += f"; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires"
-                    body, blob = b"", None
+        body, reason, blob = await _body_to_keep(self._blobs, meta, msg.data, repr(error))
         await keep_dead_letter(self._js, meta, dict(msg.headers or {}), body, deliveries=deliveries, reason=reason)
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
@@ -132,10 +139,11 @@ class DeadLetterWatch:
     a reply waiting for its gateway's confirmation would hold up every other advisory.
     """
 
-    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext, dead_lettered: Counter) -> None:
+    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext, blobs: Blobs, dead_lettered: Counter) -> None:
         self._box_id = box_id
         self._nc = nc
         self._js = js
+        self._blobs = blobs
         self._dead_lettered = dead_lettered  # the box's count of them, by model
         self._sub: Subscription | None = None
         self._settling = Background("dead letters")
@@ -191,7 +199,8 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
             return
         reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
-        await keep_dead_letter(self._js, meta, headers, stored.data or b"", deliveries=deliveries, reason=reason)
+        body, reason, blob = await _body_to_keep(self._blobs, meta, stored.data or b"", reason)
+        await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping
         )
@@ -202,4 +211,6 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
         except NotFoundError:
             pass
+        if blob:
+            await self._blobs.delete(blob)  # kept in the dead letter; left, it would hold memory until its TTL
         self._dead_lettered.labels(meta.model).inc()  # once settled: a settling tried again counts it once

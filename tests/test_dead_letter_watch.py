@@ -10,8 +10,10 @@ import nats
 import orjson
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
+from nats.js.errors import ObjectNotFoundError
 
 from appliance import bus
+from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetterWatch
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.metrics import Metrics
@@ -59,7 +61,8 @@ async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on
         )
         flaky = PublishTimesOutOnce(js)
         metrics = Metrics()
-        watch = DeadLetterWatch("settler", nc, flaky, metrics.dead_lettered)  # type: ignore[arg-type]
+        blobs = Blobs(js, 1 << 16, nc.max_payload, ttl_s=600, file_storage=False, replicas=1)
+        watch = DeadLetterWatch("settler", nc, flaky, blobs, metrics.dead_lettered)  # type: ignore[arg-type]
         await watch.start()
         advisory = {"stream": bus.REQUEST_STREAM, "stream_seq": queued.seq, "deliveries": 3}
         await nc.publish(bus.max_deliveries_advisories().replace("*", "fbx-noop"), orjson.dumps(advisory))
@@ -79,3 +82,51 @@ async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on
         if watch is not None:
             await watch.stop()
         await nc.close()
+
+
+async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(nats_server) -> None:
+    """Tester h122: the advisory's dead letter of a request whose body went to the object store kept only the
+    envelope (the body lost once the blob's TTL ran out) and left the blob holding nats-server's memory till then."""
+    nc = await nats.connect(nats_server.url)
+    watch: DeadLetterWatch | None = None
+    try:
+        js = nc.jetstream()
+        await bus.ensure_request_stream(js, max_msgs=1000, max_bytes=1 << 20, max_age_s=600)
+        await bus.ensure_dead_letter_stream(js)
+
+        async def gateway(msg) -> None:
+            await msg.respond(b"")  # confirmed, as a gateway confirms a reply
+
+        await nc.subscribe("test.replies", cb=gateway)
+        blobs = Blobs(js, 1 << 16, nc.max_payload, ttl_s=600, file_storage=False, replicas=1)
+        body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+        key = await blobs.put(bus.request_blob_key("large-1"), body)
+        now = int(time.time() * 1000)
+        meta = RequestMeta(id="large-1", task="embed", model="noop", reply="test.replies", deadline_ms=now + 30_000,
+                           sent_ms=now, blob=key)  # fmt: skip
+        queued = await js.publish(bus.request_subject(bus.model_slug("noop")), b"", headers=meta.headers())
+        watch = DeadLetterWatch("settler", nc, js, blobs, Metrics().dead_lettered)
+        await watch.start()
+        advisory = {"stream": bus.REQUEST_STREAM, "stream_seq": queued.seq, "deliveries": 3}
+        await nc.publish(bus.max_deliveries_advisories().replace("*", "fbx-noop"), orjson.dumps(advisory))
+
+        async def settled() -> bool:
+            return (await js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
+
+        await wait_for(settled, what="the request removed from FBX_REQ")
+        kept = await js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(bus.model_slug("noop")))
+        assert kept.data == body
+        bucket = await js.object_store(bus.BLOBS_BUCKET)
+        await wait_for(lambda: _gone(bucket, key), what="the blob deleted")
+    finally:
+        if watch is not None:
+            await watch.stop()
+        await nc.close()
+
+
+async def _gone(bucket, key: str) -> bool:
+    try:
+        await bucket.get_info(key)
+    except ObjectNotFoundError:
+        return True
+    return False
