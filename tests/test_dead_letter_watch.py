@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import nats
 import orjson
+import pytest
+from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import ObjectNotFoundError
@@ -18,6 +22,60 @@ from appliance.deadletter import DeadLetterWatch
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.metrics import Metrics
 from tests.conftest import wait_for
+
+_SLUG = bus.model_slug("noop")
+
+
+@dataclass
+class Queue:
+    """FBX_REQ and FBX_DLQ on the test's nats-server, and a gateway that confirms every reply it is sent."""
+
+    nc: NATS
+    js: JetStreamContext
+    blobs: Blobs
+    replies: asyncio.Queue
+
+    async def publish(self, request_id: str, body: bytes, blob: str | None = None) -> int:
+        now = int(time.time() * 1000)
+        meta = RequestMeta(id=request_id, task="embed", model="noop", reply="test.replies", deadline_ms=now + 30_000,
+                           sent_ms=now, blob=blob)  # fmt: skip
+        return (await self.js.publish(bus.request_subject(_SLUG), body, headers=meta.headers())).seq
+
+    async def advise(self, seq: int) -> None:
+        """JetStream's max-deliveries advisory for the request at `seq`."""
+        advisory = {"stream": bus.REQUEST_STREAM, "stream_seq": seq, "deliveries": 3}
+        await self.nc.publish(bus.max_deliveries_advisories().replace("*", f"fbx-{_SLUG}"), orjson.dumps(advisory))
+
+    async def settled(self) -> None:
+        async def empty() -> bool:
+            return (await self.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
+
+        await wait_for(empty, what="the request removed from FBX_REQ")
+
+
+@pytest.fixture
+async def queue(nats_server) -> AsyncIterator[Queue]:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await bus.ensure_request_stream(js, max_msgs=1000, max_bytes=1 << 20, max_age_s=600)
+    await bus.ensure_dead_letter_stream(js)
+    replies: asyncio.Queue = asyncio.Queue()
+
+    async def gateway(msg) -> None:
+        await msg.respond(b"")  # confirmed, as a gateway confirms a reply
+        await replies.put(msg)
+
+    await nc.subscribe("test.replies", cb=gateway)
+    yield Queue(nc, js, Blobs(js, 1 << 16, nc.max_payload, ttl_s=600, file_storage=False, replicas=1), replies)
+    await nc.close()
+
+
+@pytest.fixture
+async def watches() -> AsyncIterator[list[DeadLetterWatch]]:
+    started: list[DeadLetterWatch] = []
+    yield started
+    for watch in started:
+        await watch.stop()
 
 
 class PublishTimesOutOnce:
@@ -37,96 +95,46 @@ class PublishTimesOutOnce:
         return await self._js.publish(*args, **kwargs)
 
 
-async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on_another_try(nats_server) -> None:
+async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on_another_try(queue, watches) -> None:
     """No delivery of the request is left once the advisory comes: a settling given up at its first NATS error left
     the request in FBX_REQ for good, not dead-lettered, and its client waiting out its deadline."""
-    nc = await nats.connect(nats_server.url)
-    watch: DeadLetterWatch | None = None
-    try:
-        js = nc.jetstream()
-        await bus.ensure_request_stream(js, max_msgs=1000, max_bytes=1 << 20, max_age_s=600)
-        await bus.ensure_dead_letter_stream(js)
-        replies: asyncio.Queue = asyncio.Queue()
+    seq = await queue.publish("doomed-1", b'{"input": "x"}')
+    flaky, metrics = PublishTimesOutOnce(queue.js), Metrics()
+    watch = DeadLetterWatch("settler", queue.nc, flaky, queue.blobs, metrics.dead_lettered)  # type: ignore[arg-type]
+    watches.append(watch)
+    await watch.start()
+    await queue.advise(seq)
 
-        async def gateway(msg) -> None:
-            await msg.respond(b"")  # confirmed, as a gateway confirms a reply
-            await replies.put(msg)
-
-        await nc.subscribe("test.replies", cb=gateway)
-        now = int(time.time() * 1000)
-        meta = RequestMeta(id="doomed-1", task="embed", model="noop", reply="test.replies", deadline_ms=now + 30_000,
-                           sent_ms=now)  # fmt: skip
-        queued = await js.publish(
-            bus.request_subject(bus.model_slug("noop")), b'{"input": "x"}', headers=meta.headers()
-        )
-        flaky = PublishTimesOutOnce(js)
-        metrics = Metrics()
-        blobs = Blobs(js, 1 << 16, nc.max_payload, ttl_s=600, file_storage=False, replicas=1)
-        watch = DeadLetterWatch("settler", nc, flaky, blobs, metrics.dead_lettered)  # type: ignore[arg-type]
-        await watch.start()
-        advisory = {"stream": bus.REQUEST_STREAM, "stream_seq": queued.seq, "deliveries": 3}
-        await nc.publish(bus.max_deliveries_advisories().replace("*", "fbx-noop"), orjson.dumps(advisory))
-
-        reply = await asyncio.wait_for(replies.get(), 30)
-        assert ReplyMeta.from_headers(reply.headers).status == 422
-        assert orjson.loads(reply.data)["error"]["code"] == "dead_lettered"
-
-        async def settled() -> bool:
-            return (await js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
-
-        await wait_for(settled, what="the request removed from FBX_REQ")
-        assert flaky.timed_out == 1
-        assert (await js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 1
-        assert metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"}) == 1
-    finally:
-        if watch is not None:
-            await watch.stop()
-        await nc.close()
+    reply = await asyncio.wait_for(queue.replies.get(), 30)
+    assert ReplyMeta.from_headers(reply.headers).status == 422
+    assert orjson.loads(reply.data)["error"]["code"] == "dead_lettered"
+    await queue.settled()
+    assert flaky.timed_out == 1
+    assert (await queue.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 1
+    assert metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"}) == 1
 
 
-async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(nats_server) -> None:
+async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(queue, watches) -> None:
     """Tester h122: the advisory's dead letter of a request whose body went to the object store kept only the
     envelope (the body lost once the blob's TTL ran out) and left the blob holding nats-server's memory till then."""
-    nc = await nats.connect(nats_server.url)
-    watch: DeadLetterWatch | None = None
-    try:
-        js = nc.jetstream()
-        await bus.ensure_request_stream(js, max_msgs=1000, max_bytes=1 << 20, max_age_s=600)
-        await bus.ensure_dead_letter_stream(js)
+    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+    key = await queue.blobs.put(bus.request_blob_key("large-1"), body)
+    seq = await queue.publish("large-1", b"", blob=key)
+    watch = DeadLetterWatch("settler", queue.nc, queue.js, queue.blobs, Metrics().dead_lettered)
+    watches.append(watch)
+    await watch.start()
+    await queue.advise(seq)
 
-        async def gateway(msg) -> None:
-            await msg.respond(b"")  # confirmed, as a gateway confirms a reply
+    await queue.settled()
+    kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
+    assert kept.data == body
+    bucket = await queue.js.object_store(bus.BLOBS_BUCKET)
 
-        await nc.subscribe("test.replies", cb=gateway)
-        blobs = Blobs(js, 1 << 16, nc.max_payload, ttl_s=600, file_storage=False, replicas=1)
-        body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-        key = await blobs.put(bus.request_blob_key("large-1"), body)
-        now = int(time.time() * 1000)
-        meta = RequestMeta(id="large-1", task="embed", model="noop", reply="test.replies", deadline_ms=now + 30_000,
-                           sent_ms=now, blob=key)  # fmt: skip
-        queued = await js.publish(bus.request_subject(bus.model_slug("noop")), b"", headers=meta.headers())
-        watch = DeadLetterWatch("settler", nc, js, blobs, Metrics().dead_lettered)
-        await watch.start()
-        advisory = {"stream": bus.REQUEST_STREAM, "stream_seq": queued.seq, "deliveries": 3}
-        await nc.publish(bus.max_deliveries_advisories().replace("*", "fbx-noop"), orjson.dumps(advisory))
+    async def blob_gone() -> bool:
+        try:
+            await bucket.get_info(key)
+        except ObjectNotFoundError:
+            return True
+        return False
 
-        async def settled() -> bool:
-            return (await js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
-
-        await wait_for(settled, what="the request removed from FBX_REQ")
-        kept = await js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(bus.model_slug("noop")))
-        assert kept.data == body
-        bucket = await js.object_store(bus.BLOBS_BUCKET)
-        await wait_for(lambda: _gone(bucket, key), what="the blob deleted")
-    finally:
-        if watch is not None:
-            await watch.stop()
-        await nc.close()
-
-
-async def _gone(bucket, key: str) -> bool:
-    try:
-        await bucket.get_info(key)
-    except ObjectNotFoundError:
-        return True
-    return False
+    await wait_for(blob_gone, what="the blob deleted")
