@@ -420,6 +420,10 @@ async def test_concurrent_generations_decode_together(task_box, http) -> None:
     assert count("fbx_time_to_first_token_ms") - first_tokens == len(bodies)
     longer = sum(body["usage"]["completion_tokens"] > 1 for _, body in results)
     assert count("fbx_time_per_output_token_ms") - per_token == longer > 0
+    # A box's error answer (a token the model does not have, found at its prefill) is no first token (tester h130).
+    status, _ = await post(http, task_box, "/v1/completions", {**bodies[0], "logit_bias": {"999999": 5}})
+    assert status == 422
+    assert count("fbx_time_to_first_token_ms") - first_tokens == len(bodies)
     # An idle generator pulls room for its decode batch and as many again, not the box's encoder batch size.
     worker = task_box.workers["tiny-llama"]
     assert worker.held == 0 and worker._room() == 2 * worker.runtime.decode_batch == 64

@@ -359,7 +359,7 @@ class Dispatcher:
                     except TimeoutError:
                         raise _deadline(timeout_s, self._max_timeout_s) from None
                     started = waiter.first_at or time.monotonic()  # when its first chunk came
-                    if meta.id in queue.waiting:
+                    if meta.id in queue.waiting and chunk.meta.status == 200:  # a box's error answer is no token
                         self._metrics.first_token_ms.labels(spec.name).observe((started - arrived) * 1000)
                     queue.remove(meta.id, started, answered=True)
                     finished, restarted = chunk.meta.final, restarted or chunk.restarted
