@@ -169,6 +169,18 @@ async def test_too_many_documents_are_counted_as_documents(task_box, http) -> No
     assert payload["error"]["message"] == f"{limit + 1} documents is more than the limit of {limit} per request"
 
 
+async def test_tei_rerank_errors_name_its_texts(task_box, http) -> None:
+    """Tester h121: TEI's rerank, queued as fleetbox's, was told of `documents` it never sent."""
+    limit = task_box.settings.max_inputs
+    status, payload = await post(http, task_box, "/rerank", {"query": "q", "texts": ["a", ""]})
+    assert (status, payload["error"]["message"]) == (422, "text 1 is an empty string"), payload
+    status, payload = await post(http, task_box, "/rerank", {"query": "q", "texts": ["b"] * (limit + 1)})
+    assert (status, payload["error"]["message"]) == (
+        413,
+        f"{limit + 1} texts is more than the limit of {limit} per request",
+    )
+
+
 async def test_an_over_long_pair_is_named_by_its_document(task_box, http) -> None:
     body = {"model": "ranker", "query": "q", "documents": ["short", "word " * 600], "truncate": False}
     status, payload = await post(http, task_box, "/v1/rerank", body)

@@ -237,7 +237,7 @@ async def test_info_on_a_fleet_of_two_encoder_models_is_a_422_naming_them(tei_bo
 @pytest.mark.parametrize(
     ("path", "body", "status", "code", "names"),
     [
-        ("/embed", {"inputs": []}, 422, "empty_input", "input"),
+        ("/embed", {"inputs": []}, 422, "empty_input", "`inputs` is empty"),  # as sent: `input` was fleetbox's
         ("/embed", {"inputs": ""}, 422, "empty_input", "input 0"),
         ("/embed", {"inputs": ["ok", ""]}, 422, "empty_input", "input 1"),
         ("/embed", {"inputs": [[101, 3231, 102]]}, 422, "unsupported_parameter", "`inputs` holds token ids"),
@@ -268,7 +268,7 @@ async def test_info_on_a_fleet_of_two_encoder_models_is_a_422_naming_them(tei_bo
         ("/predict", {"inputs": [["a"], []]}, 422, "invalid_input", "`inputs` 1 holds 0 strings"),
         ("/predict", {"inputs": [["a", "b", "c"]]}, 422, "invalid_input", "`inputs` 0 holds 3 strings"),
         ("/predict", {"inputs": [[""]]}, 422, "empty_input", "input 0"),
-        ("/predict", {"inputs": []}, 422, "empty_input", "input"),
+        ("/predict", {"inputs": []}, 422, "empty_input", "`inputs` is empty"),
         ("/predict", {"inputs": 3}, 422, "invalid_input", "inputs"),
         ("/predict", {"inputs": [[1]]}, 422, "invalid_input", "inputs"),
         ("/predict", {"inputs": "x", "raw_scores": 1}, 422, "invalid_input", "raw_scores"),

@@ -60,9 +60,13 @@ _decoders: dict[type, msgspec.json.Decoder] = {
 
 
 async def enqueue(
-    request: web.Request, schema: type, task: Task, body: bytes | None = None
+    request: web.Request, schema: type, task: Task, body: bytes | None = None, *, field: str | None = None
 ) -> tuple[Any, Resolved, ReplyMeta, bytes]:
-    """Validate the request (`body`, or the one read now), queue it for its model, and await the worker's reply."""
+    """Validate the request (`body`, or the one read now), queue it for its model, and await the worker's reply.
+
+    `field` is what the client called its inputs, where that is not this schema's name for them (a TEI request,
+    re-encoded as fleetbox's, is told of its `inputs`, not of an `input` it never sent)."""
+    field = field or ("documents" if task is Task.SCORE else "input")
     ctx = GatewayContext.of(request)
     if body is None:
         body = await read_body(request, ctx.settings)
@@ -84,10 +88,10 @@ async def enqueue(
     texts: list[str] = parsed.texts()
     refuse_token_ids(
         texts,
-        "`input` holds token ids; fleetbox embeds text with the model's own tokenizer: send strings (with "
+        f"`{field}` holds token ids; fleetbox embeds text with the model's own tokenizer: send strings (with "
         "LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False, which sends tiktoken's ids)",
     )
-    _check_inputs(texts, ctx.settings.max_inputs, "documents" if task is Task.SCORE else "input")
+    _check_inputs(texts, ctx.settings.max_inputs, field)
     model = parsed.model
     if model is None:  # left out: as Infinity's server and TEI read it (tester h96: a 422 for the missing field)
         model = the_one_model(ctx, task)
@@ -159,7 +163,7 @@ def estimate_tokens(texts: list[str]) -> int:
 def _check_inputs(texts: list[str], max_inputs: int, field: str) -> None:
     if not texts:
         raise Unprocessable(f"`{field}` is empty; send a string or a non-empty list of strings", code="empty_input")
-    item = "document" if field == "documents" else field
+    item = field.removesuffix("s")  # one of them: an input, a document, a text
     if len(texts) > max_inputs:
         raise PayloadTooLarge(
             f"{len(texts)} {item}s is more than the limit of {max_inputs} per request", code="too_many_inputs"

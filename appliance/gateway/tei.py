@@ -66,7 +66,15 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None, served
         return await rerank(request, body, infinity=True)
     tei = decode(body, _decoders[TeiRerankRequest])
     meta, reply = await _enqueue_tei(
-        request, tei, RerankRequest, Task.SCORE, served, query=tei.query, documents=tei.texts, raw_scores=tei.raw_scores
+        request,
+        tei,
+        RerankRequest,
+        Task.SCORE,
+        served,
+        "texts",
+        query=tei.query,
+        documents=tei.texts,
+        raw_scores=tei.raw_scores,
     )
     scores = np.frombuffer(reply, dtype="<f4")
     results = []
@@ -79,7 +87,7 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None, served
 
 
 async def _enqueue_tei(
-    request: web.Request, tei: TeiRequest, schema: type, task: Task, served: str | None, **fields: Any
+    request: web.Request, tei: TeiRequest, schema: type, task: Task, served: str | None, field: str, **fields: Any
 ) -> tuple[ReplyMeta, bytes]:
     """A TEI request queued as the fleetbox request (`schema`) it stands for: `fields`, and what every TEI request
     carries (`model`: the model its URL serves, `served`, or the fleet's one of the task when left out; `truncate`,
@@ -95,7 +103,7 @@ async def _enqueue_tei(
         _check_agrees(ctx, tei.model, served)
     model = served or tei.model or the_one_model(ctx, task)
     body = {"model": model, "truncate": tei.truncate, "adapter": tei.adapter, "timeout": tei.timeout, **fields}
-    _, _, meta, reply = await enqueue(request, schema, task, orjson.dumps(body))
+    _, _, meta, reply = await enqueue(request, schema, task, orjson.dumps(body), field=field)
     return meta, reply
 
 
@@ -131,6 +139,7 @@ async def embed_tei(request: web.Request, body: bytes | None = None, served: str
         EmbeddingRequest,
         Task.EMBED,
         served,
+        "inputs",
         input=texts,
         dimensions=tei.dimensions,
         normalize=tei.normalize,
@@ -161,7 +170,7 @@ async def similarity_tei(request: web.Request, body: bytes | None = None, served
         )
     try:
         meta, reply = await _enqueue_tei(
-            request, tei, EmbeddingRequest, Task.EMBED, served, input=texts, normalize=True
+            request, tei, EmbeddingRequest, Task.EMBED, served, "sentences", input=texts, normalize=True
         )
     except PayloadTooLarge as exc:
         raise _named_as_sent(exc) from None
@@ -198,7 +207,7 @@ async def predict_tei(request: web.Request, body: bytes | None = None, served: s
     texts, batch = _predict_inputs(tei.inputs)
     top_k, raw_scores = _predict_parameters(tei)
     meta, reply = await _enqueue_tei(
-        request, tei, ClassifyRequest, Task.CLASSIFY, served, input=texts, raw_scores=raw_scores, top_k=top_k
+        request, tei, ClassifyRequest, Task.CLASSIFY, served, "inputs", input=texts, raw_scores=raw_scores, top_k=top_k
     )
     return json_response(orjson.Fragment(reply) if batch else orjson.loads(reply)[0], headers=timing(meta))
 
