@@ -28,7 +28,7 @@ from prometheus_client import Counter
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.delivery import deliver_reply, retry_delay_s
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import BLOB, ReplyMeta, RequestMeta
 from appliance.errors import Unprocessable
 from appliance.tasks import Background
 
@@ -62,10 +62,13 @@ async def keep_dead_letter(
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
 
 
-async def _body_to_keep(blobs: Blobs, meta: RequestMeta, data: bytes, reason: str) -> tuple[bytes, str, str | None]:
+async def _body_to_keep(
+    blobs: Blobs, meta: RequestMeta, headers: dict[str, str], data: bytes, reason: str
+) -> tuple[bytes, str, str | None]:
     """The body a dead letter keeps, its reason, and the blob to delete once it is kept (None: none, or one left to
     the bucket's TTL). A large body's message carries only its blob's key: the dead letter keeps the body itself
-    where a message can carry it, so an operator can inspect it after the blob's TTL."""
+    where a message can carry it, so an operator can inspect it after the blob's TTL, and then names no blob in
+    `headers` (the dead letter's, changed here)."""
     blob = meta.blob
     if not blob:
         return data, reason, None
@@ -75,6 +78,7 @@ async def _body_to_keep(blobs: Blobs, meta: RequestMeta, data: bytes, reason: st
         return data, f"{reason}; its body (blob {blob}) could not be read: {exc!r}", None
     if len(body) > blobs.message_room:  # more than a message carries: the dead letter names the blob
         return b"", f"{reason}; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires", None
+    headers.pop(BLOB, None)
     return body, reason, blob
 
 
@@ -117,8 +121,9 @@ class DeadLetters:
         if deliveries < self._max_deliver:
             await msg.nak(delay=retry_delay_s(msg))
             return
-        body, reason, blob = await _body_to_keep(self._blobs, meta, msg.data, repr(error))
-        await keep_dead_letter(self._js, meta, dict(msg.headers or {}), body, deliveries=deliveries, reason=reason)
+        headers = dict(msg.headers or {})
+        body, reason, blob = await _body_to_keep(self._blobs, meta, headers, msg.data, repr(error))
+        await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
         )
@@ -199,7 +204,7 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
             return
         reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
-        body, reason, blob = await _body_to_keep(self._blobs, meta, stored.data or b"", reason)
+        body, reason, blob = await _body_to_keep(self._blobs, meta, headers, stored.data or b"", reason)
         await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping

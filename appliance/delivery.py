@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from nats.aio.client import Client as NATS
@@ -121,18 +121,31 @@ def retry_delay_s(msg: Msg) -> float:
 
 
 async def deliver_reply(
-    nc: NATS, meta: RequestMeta, body: bytes, headers: dict[str, str], give_up: Callable[[], bool]
+    nc: NATS,
+    meta: RequestMeta,
+    body: bytes,
+    headers: dict[str, str],
+    give_up: Callable[[], bool],
+    untaken: Callable[[], Awaitable[None]] | None = None,
 ) -> bool:
     """Send a reply until its gateway confirms it; False if `give_up()` says stop first.
 
     No responders means no gateway listens on the reply subject right now (it is reconnecting):
     a plain publish would vanish, and the ack after it would lose the request. Once the request's
-    deadline has passed nobody waits for the answer, so it counts as delivered.
+    deadline has passed nobody waits for the answer, so it counts as delivered: sent once, and where the reply
+    left something behind (its body's blob), `untaken()` is called if no gateway confirmed it. A gateway drops a
+    late reply and deletes its blob; with its gateway gone, the blob was left to the bucket's TTL (tester h131).
     """
     attempts = 0
     while True:
         if meta.expired:
-            await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
+            if untaken is None:
+                await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
+                return True
+            try:
+                await nc.request(meta.reply, body, timeout=_CONFIRM_TIMEOUT_S, headers=headers)
+            except (NoRespondersError, NatsTimeout):
+                await untaken()
             return True
         try:
             await nc.request(meta.reply, body, timeout=_CONFIRM_TIMEOUT_S, headers=headers)

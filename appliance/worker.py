@@ -21,6 +21,7 @@ from collections.abc import Coroutine
 from concurrent.futures import Executor
 from contextlib import suppress
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -410,12 +411,15 @@ class ModelWorker:
             # This box's own gateway awaiting it: handed over in-process, as sure as a confirmed reply.
             local = self._local_reply is not None and self._local_reply(meta.reply, reply, body)
             if not local:
+                untaken = None
                 if self._blobs.needed(body):
                     reply = replace(reply, blob=await self._blobs.put(bus.reply_blob_key(meta.id, self.box_id), body))
-                    body = b""
-                if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining):
-                    # This box is stopping with the answer undelivered: another box answers it.
+                    body, untaken = b"", partial(self._blobs.delete, reply.blob)
+                if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining, untaken):
+                    # This box is stopping with the answer undelivered: another box answers it (with a blob of its own).
                     await self._hand_back(self._current(meta.id, msg))
+                    if untaken is not None:
+                        await untaken()
                     return
             # The message held now: a copy published again may have been taken in its place while the reply waited
             # for its gateway (review r43).

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 
+from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta
 from appliance.model_bytes import estimate_bytes
@@ -101,6 +102,32 @@ async def test_a_large_request_cancelled_while_its_body_is_fetched_is_counted_ca
     await wait_for(lambda: request_id not in worker._held, what="the box to drop it")
     assert box.metrics.cancelled.labels("noop")._value.get() == 1
     assert box.metrics.rows_computed.labels("noop")._value.get() == 0
+
+
+async def test_a_large_reply_no_gateway_took_before_its_deadline_leaves_no_blob(start_box, nats_server) -> None:
+    """Tester h131: a gateway killed with large requests queued; the worker that answered them sent each reply (its
+    body in a blob) until the deadline, then let it go, and the blob stayed in the bucket until its TTL. Here no
+    gateway listens on the request's reply subject at all."""
+    box = await start_box(default_model=False, models=[noop_model()], blob_threshold=2048)
+    now = int(time.time() * 1000)
+    body = json.dumps({"model": "noop", "input": [f"input {i}" for i in range(200)]}).encode()  # a 6,400-byte reply
+    nc, _ = await publish_raw(nats_server.url, body, id="gone-gateway", reply="nobody.listens", deadline_ms=now + 1500)
+    try:
+
+        async def settled() -> bool:
+            info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug("noop")))
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await wait_for(settled, what="the request settled past its deadline")
+        assert box.metrics.rows_computed.labels("noop")._value.get() == 200  # answered, its reply put in a blob
+        bucket = await box.js.object_store(bus.BLOBS_BUCKET)  # made by the reply's put
+        try:
+            await bucket.get_info(bus.reply_blob_key("gone-gateway", box.box_id))
+        except ObjectNotFoundError:
+            return
+        raise AssertionError("the reply's blob was left in the bucket")
+    finally:
+        await nc.close()
 
 
 # What a load says of the folder below; its weights are whole, only they are not this model's.
