@@ -39,11 +39,15 @@ def judge_registration(
     delivery (the catalog may not have heard of it yet), then 404, deleted (tester h121: its name registered again
     for another task, it was a 422 `wrong_task`). The one the catalog holds, where the worker is of an older one
     being retired: asked again, maybe of another box, and on its last delivery a 503 to retry. No clock orders them.
+    The one the catalog holds, of the worker's folder and task, is the worker's: a box keeps a worker across such a
+    registration (its deletion missed, or made while it loaded), and it answered every request 503 (review h132).
     """
     sent_for = meta.registered_ms
     if not sent_for or sent_for == spec.registered_ms:
         return
     current = catalog.get(spec.name)
+    if current is not None and current.registered_ms == sent_for and current.same_source(spec):
+        return
     retiring = current is not None and current.registered_ms == sent_for
     if (deliveries or 1) < (max_deliver if retiring else min(NOT_HEARD_DELIVERIES, max_deliver)):
         raise RegistrationNotHeard(spec.name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -179,9 +180,10 @@ class DeadLetterWatch:
         (a timeout while the server is busy or fails over) cut short is tried again, or the request would stay in
         FBX_REQ for good and its client wait out its deadline. Each step may be taken twice: FBX_DLQ's duplicate
         window drops a second copy and the gateway a second reply."""
+        removed = _Removal()
         for attempt in range(_SETTLE_TRIES):
             try:
-                await self._settle(msg)
+                await self._settle(msg, removed)
                 return
             except (NatsError, TimeoutError) as exc:
                 if self._stopping or attempt == _SETTLE_TRIES - 1:
@@ -189,12 +191,16 @@ class DeadLetterWatch:
                 log.info("dead letter not settled; trying again", extra={"error": f"{exc!r}: {exc}"})
                 await asyncio.sleep(0.25 * 2**attempt)
 
-    async def _settle(self, msg: Msg) -> None:
+    async def _settle(self, msg: Msg, removed: _Removal) -> None:
         try:
             advisory = orjson.loads(msg.data)
             seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
             stored = await self._js.get_msg(bus.REQUEST_STREAM, seq)
-        except (orjson.JSONDecodeError, KeyError, ValueError, NotFoundError) as exc:
+        except NotFoundError:
+            if removed.model is not None:  # an earlier try's delete reached the server, its answer lost: finish it
+                await self._removed(removed)
+            return
+        except (orjson.JSONDecodeError, KeyError, ValueError) as exc:
             log.debug("max-deliveries advisory not actionable", extra={"error": repr(exc)})
             return
         headers = dict(stored.headers or {})
@@ -212,10 +218,24 @@ class DeadLetterWatch:
         if not told:
             # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.
             log.warning("dead-lettered request's client not told: the box is stopping", extra={"request_id": meta.id})
+        removed.model, removed.blob = meta.model, blob
         try:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
         except NotFoundError:
             pass
-        if blob:
-            await self._blobs.delete(blob)  # kept in the dead letter; left, it would hold memory until its TTL
-        self._dead_lettered.labels(meta.model).inc()  # once settled: a settling tried again counts it once
+        await self._removed(removed)
+
+    async def _removed(self, removed: _Removal) -> None:
+        """The request is out of FBX_REQ: its blob (kept in the dead letter) deleted, and the dead letter counted."""
+        if removed.blob:
+            await self._blobs.delete(removed.blob)  # left, it would hold nats-server's memory until its TTL
+        self._dead_lettered.labels(removed.model).inc()  # once settled: a settling tried again counts it once
+
+
+@dataclass
+class _Removal:
+    """What a settling tried to remove from FBX_REQ, kept across its tries: a delete whose answer was lost may have
+    removed the request, and a later try, finding it gone, still deletes its blob and counts it (review h132)."""
+
+    model: str | None = None  # set as its delete is sent
+    blob: str | None = None

@@ -77,14 +77,20 @@ class HandBack:
 
     The copy goes to the back of the queue, where a nak is delivered again first. A publish that timed out is sent
     again under the same id (it may have been stored: the duplicate window keeps one); one the stream refuses (full,
-    `discard new`) leaves the nak, as before. Shielded: a stop that cancels its caller does not cut it between the
-    copy and the ack. A message of a request stream made anew since (`queue_epoch`) is not copied: its gateway
-    publishes the request again itself."""
+    `discard new`) leaves the nak, as before. The original is marked in progress before each try, and a try waits a
+    third of `ack_wait_s` at most: three tries of JetStream's 5 s outlasted the 10 s ack wait, and the original's
+    max-deliveries advisory had it dead-lettered, its client told 422 and its blob deleted, while its copy was
+    served (review h132). Shielded: a stop that cancels its caller does not cut it between the copy and the ack. A
+    message of a request stream made anew since (`queue_epoch`) is not copied: its gateway publishes the request
+    again itself."""
 
-    def __init__(self, nc: NATS, max_deliver: int, queue_epoch: QueueEpoch | None = None) -> None:
+    def __init__(
+        self, nc: NATS, max_deliver: int, queue_epoch: QueueEpoch | None = None, *, ack_wait_s: float = 10.0
+    ) -> None:
         self._nc = nc
         self._max_deliver = max_deliver
         self._queue_epoch = queue_epoch
+        self._try_s = max(0.1, ack_wait_s / 3)
 
     async def __call__(self, msg: Msg) -> None:
         last = (msg.metadata.num_delivered or 1) >= self._max_deliver
@@ -103,8 +109,9 @@ class HandBack:
         headers = dict(msg.headers or {})
         headers[MSG_ID] = f"{headers.get(MSG_ID, '')}.again.{msg.metadata.sequence.stream}"
         for _ in range(_COPY_TRIES):
+            await msg.in_progress()
             try:
-                await self._nc.jetstream().publish(msg.subject, msg.data, headers=headers)
+                await self._nc.jetstream().publish(msg.subject, msg.data, timeout=self._try_s, headers=headers)
             except NatsTimeout:
                 continue
             except NatsError:  # refused (the stream full, say) or no stream: as before, the nak

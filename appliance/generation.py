@@ -90,7 +90,7 @@ class GenerateWorker:
     ) -> None:
         self.box_id = box_id
         self._queue_epoch = queue_epoch or QueueEpoch()
-        self._hand_back = HandBack(nc, settings.max_deliver, self._queue_epoch)
+        self._hand_back = HandBack(nc, settings.max_deliver, self._queue_epoch, ack_wait_s=settings.ack_wait_s)
         self._cancelled = cancelled  # the box's: ids whose clients went away, heard before their request came
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
         self._retired = False  # the model was deleted: whatever still arrives is answered 404
@@ -522,8 +522,10 @@ class GenerateWorker:
         finally:
             await cancel_and_wait([self._stepper])
             # Admissions still running are cut off too (an adapter load that outlasted the grace): taken before
-            # their cancel forgets them, and handed back with the rest so another box takes them at once.
-            preparing = list(self._preparing.values())
+            # their cancel forgets them, and handed back with the rest so another box takes them at once. So are
+            # final chunks still awaiting their gateway's confirmation (`settling`): cut off, they were neither
+            # acked nor handed back, and came back after the ack wait, dead-lettered on a last delivery (review h132).
+            preparing = [*self._preparing.values(), *self._replies.settling.values()]
             await self._tasks.cancel()
             try:
                 if self._streams:

@@ -317,7 +317,12 @@ class Placement:
     def _hand_back(self) -> HandBack:
         """How this box gives back a request it refused for: not dead-lettered on its last delivery."""
         assert self._box.nc is not None
-        return HandBack(self._box.nc, self._box.settings.max_deliver, self._box.workers.queue_epoch)
+        return HandBack(
+            self._box.nc,
+            self._box.settings.max_deliver,
+            self._box.workers.queue_epoch,
+            ack_wait_s=self._box.settings.ack_wait_s,
+        )
 
     async def _answer(self, msg: Msg, error: FleetboxError) -> None:
         assert self._box.nc is not None

@@ -95,7 +95,7 @@ class ModelWorker:
         self._residency = residency
         self._catalog = catalog
         self._blobs = blobs
-        self._hand_back = HandBack(nc, settings.max_deliver, queue_epoch)
+        self._hand_back = HandBack(nc, settings.max_deliver, queue_epoch, ack_wait_s=settings.ack_wait_s)
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         self._dead_letters = DeadLetters(
             box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining

@@ -78,28 +78,37 @@ async def watches() -> AsyncIterator[list[DeadLetterWatch]]:
         await watch.stop()
 
 
-class PublishTimesOutOnce:
-    """The box's JetStream context, but its first publish times out (a server busy or failing over)."""
+class TimesOutOnce:
+    """The box's JetStream context, but its first call of `method` times out: before it reaches the server (a server
+    busy or failing over), or, `reached`, after (its answer lost)."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, method: str, *, reached: bool = False) -> None:
         self._js = js
+        self._method = method
+        self._reached = reached
         self.timed_out = 0
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._js, name)
+        real = getattr(self._js, name)
+        if name != self._method:
+            return real
 
-    async def publish(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.timed_out:
+        async def first_times_out(*args: Any, **kwargs: Any) -> Any:
+            if self.timed_out:
+                return await real(*args, **kwargs)
             self.timed_out += 1
+            if self._reached:
+                await real(*args, **kwargs)
             raise NatsTimeout
-        return await self._js.publish(*args, **kwargs)
+
+        return first_times_out
 
 
 async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on_another_try(queue, watches) -> None:
     """No delivery of the request is left once the advisory comes: a settling given up at its first NATS error left
     the request in FBX_REQ for good, not dead-lettered, and its client waiting out its deadline."""
     seq = await queue.publish("doomed-1", b'{"input": "x"}')
-    flaky, metrics = PublishTimesOutOnce(queue.js), Metrics()
+    flaky, metrics = TimesOutOnce(queue.js, "publish"), Metrics()
     watch = DeadLetterWatch("settler", queue.nc, flaky, queue.blobs, metrics.dead_lettered)  # type: ignore[arg-type]
     watches.append(watch)
     await watch.start()
@@ -138,3 +147,27 @@ async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(queu
         return False
 
     await wait_for(blob_gone, what="the blob deleted")
+
+
+async def test_a_delete_whose_answer_was_lost_still_has_the_blob_deleted_and_the_dead_letter_counted(
+    queue, watches
+) -> None:
+    """Review h132: the settling tried again after the lost answer found the request gone, took it for an advisory
+    not to act on, and so left the blob to its TTL and the dead letter uncounted."""
+    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+    key = await queue.blobs.put(bus.request_blob_key("large-2"), body)
+    seq = await queue.publish("large-2", b"", blob=key)
+    flaky, metrics = TimesOutOnce(queue.js, "delete_msg", reached=True), Metrics()
+    watch = DeadLetterWatch("settler", queue.nc, flaky, queue.blobs, metrics.dead_lettered)  # type: ignore[arg-type]
+    watches.append(watch)
+    await watch.start()
+    await queue.advise(seq)
+
+    def counted() -> bool:
+        return metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"}) == 1
+
+    await wait_for(counted, what="the dead letter counted")
+    assert flaky.timed_out == 1
+    bucket = await queue.js.object_store(bus.BLOBS_BUCKET)
+    with pytest.raises(ObjectNotFoundError):
+        await bucket.get_info(key)

@@ -51,12 +51,12 @@ async def client(nats_server: EmbeddedNats) -> AsyncIterator[nats.NATS]:
     await nc.close()
 
 
-async def _last_delivery(js, stream: str, *, max_msgs: int = -1, max_deliver: int = 1):
+async def _last_delivery(js, stream: str, *, max_msgs: int = -1, max_deliver: int = 1, ack_wait: float = 30.0):
     """A work queue as the request stream is, a consumer of `max_deliver` 1, one request in it, and that request
     delivered (its last)."""
     await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"], max_msgs=max_msgs, discard=DiscardPolicy.NEW,
                         retention=RetentionPolicy.WORK_QUEUE)  # fmt: skip
-    config = ConsumerConfig(durable_name="w", ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=max_deliver)
+    config = ConsumerConfig(durable_name="w", ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait, max_deliver=max_deliver)
     await js.add_consumer(stream, config)
     sub = await js.pull_subscribe(f"{stream.lower()}.>", durable="w", stream=stream)
     await js.publish(f"{stream.lower()}.m", b"body", headers={"Nats-Msg-Id": "r1", "Fbx-Id": "r1"})
@@ -86,6 +86,37 @@ async def test_a_request_handed_back_on_its_last_delivery_is_queued_again_as_a_c
     assert copy.headers["Nats-Msg-Id"] == f"r1.again.{msg.metadata.sequence.stream}"
     info = await js.stream_info("HANDBACK")
     assert info.state.messages == 1  # the copy alone: the original acked, the copy sent twice stored once
+
+
+async def test_a_slow_hand_back_keeps_the_original_from_its_max_deliveries_advisory(client: nats.NATS) -> None:
+    """Review h132: three tries of JetStream's 5 s publish outlasted the ack wait, with nothing marking the original
+    in progress: its max-deliveries advisory had it dead-lettered (its client told 422, its blob deleted) while its
+    copy was served. Here the copy's first two publishes stall until they time out, 1.2 s each (at most), on a
+    consumer of a 1.5 s ack wait."""
+    js = client.jetstream()
+    _, msg = await _last_delivery(js, "SLOW", ack_wait=1.5)
+    advisories: list[object] = []
+
+    async def advised(advisory) -> None:
+        advisories.append(advisory)
+
+    await client.subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.SLOW.*", cb=advised)
+    publish, stalls = JetStreamContext.publish, []
+
+    async def stalled_twice(self, subject, payload=b"", **kwargs):
+        if len(stalls) < 2:
+            stalls.append(kwargs.get("timeout"))
+            await asyncio.sleep(min(1.2, kwargs.get("timeout") or 5.0))
+            raise NatsTimeout
+        return await publish(self, subject, payload, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JetStreamContext, "publish", stalled_twice)
+        await HandBack(client, max_deliver=1, ack_wait_s=1.5)(msg)
+    await client.flush()
+    assert len(stalls) == 2 and advisories == []
+    info = await js.stream_info("SLOW")
+    assert info.state.messages == 1  # the copy alone, the original acked
 
 
 async def test_a_copy_the_full_stream_refuses_leaves_the_nak(client: nats.NATS) -> None:

@@ -1134,6 +1134,27 @@ async def test_a_request_sent_for_a_registration_deleted_since_is_404_not_run_by
         await nc.close()
 
 
+async def test_a_worker_kept_across_a_registration_of_its_folder_answers_that_registrations_requests(
+    start_box, nats_server, http, classifier_dir, tmp_path_factory
+) -> None:
+    """Review h132: a box keeps its worker when the model is registered again on the same folder and task with the
+    deletion between unheard (a watch that missed it applies the new record as a change of knobs), or made while it
+    loaded. The worker's registration was then older than the catalog's, so every request resolved against the
+    catalog's was asked again and answered 503 on its last delivery, for as long as the worker lived."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()], max_deliver=2)
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "kept", "path": str(classifier_dir)})
+    assert status == 201, record
+    status, record = await call(http, box, "POST", "/v1/classify", {"model": "kept", "input": "a fine film"})
+    assert status == 200, record
+    worker = box.workers["kept"]
+    spec = box.catalog.get("kept")
+    await box.store.put(replace(spec, registered_ms=spec.registered_ms + 1_000))  # its record, as registered again
+    await wait_for(lambda: box.catalog.get("kept").registered_ms == spec.registered_ms + 1_000, what="the new record")
+    assert box.workers["kept"] is worker  # the same folder and task: kept
+    status, record = await call(http, box, "POST", "/v1/classify", {"model": "kept", "input": "a fine film"})
+    assert status == 200, record
+
+
 async def test_a_gateway_says_which_registration_of_the_model_it_resolved(
     start_box, http, classifier_dir, tmp_path_factory
 ) -> None:

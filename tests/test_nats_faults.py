@@ -862,6 +862,43 @@ async def _publish_generation(
     await nc.jetstream().publish(bus.request_subject("gen"), body, headers=headers)
 
 
+async def test_a_generation_whose_final_chunk_awaits_its_gateway_at_a_drain_is_handed_back(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review h132: a drain cut off the settling of a final chunk its gateway had not confirmed, and handed back
+    only what generated or was admitted: the request was neither acked nor handed back, and came back after the ack
+    wait, dead-lettered on its last delivery. Here the gateway never confirms a final chunk, the ack wait is long and
+    `max_deliver` 1, so the hand-back is its copy queued afresh, the original acked."""
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(box_id="a", default_model=False, models=[model], max_deliver=1, ack_wait_s=60,
+                          shutdown_grace_s=0.2)  # fmt: skip
+    nc = await nats.connect(nats_server.url)
+    finals: list[object] = []
+
+    async def gateway_that_never_confirms_a_final_chunk(msg) -> None:
+        reply = ReplyMeta.from_headers(msg.headers)
+        if reply.final:
+            finals.append(reply)
+        elif msg.reply:
+            await msg.respond(b"")
+
+    await nc.subscribe("test.unconfirmed", cb=gateway_that_never_confirms_a_final_chunk)
+    try:
+        await _publish_generation(nc, "unconfirmed", "test.unconfirmed", max_tokens=4)
+        worker = box.workers["gen"]
+        await wait_for(lambda: finals and "unconfirmed" in worker._replies.settling, what="the final chunk unconfirmed")
+        await worker.drain()
+        consumer = bus.consumer_name(bus.model_slug("gen"), "interactive")
+
+        async def copy_waits_original_acked() -> bool:  # an ack is a plain publish: read once the server has it
+            info = await box.js.consumer_info(bus.REQUEST_STREAM, consumer)
+            return (info.num_ack_pending, info.num_pending) == (0, 1)
+
+        await wait_for(copy_waits_original_acked, timeout_s=10, what="the original acked, its copy waiting")
+    finally:
+        await nc.close()
+
+
 async def test_a_request_stream_or_consumer_deleted_by_hand_is_made_again_and_requests_are_answered(
     start_box, http
 ) -> None:
