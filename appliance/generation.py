@@ -301,6 +301,11 @@ class GenerateWorker:
             return self._preparing[request_id]
         return self._replies.settling.get(request_id)
 
+    def take(self, msg: Msg) -> None:
+        """A request of this model another puller of the box was given (a refusal's, as the model loaded here):
+        taken in as if this worker's own pullers had been."""
+        self._on_message(msg)
+
     def _on_message(self, msg: Msg) -> None:
         try:
             meta = RequestMeta.from_headers(msg.headers)

@@ -335,7 +335,11 @@ class Placement:
             # Loaded here since the refusal began (the `load` verb, a pin): its worker answers it. The refusal's
             # pull, still open, took the next request before the worker's, and answered it the old error (h50).
             # Handed back after the refusal has stopped (it looks every `_PERIOD_S`): at once, the refusal's own
-            # pull could take it again and again, each a delivery, until it was dead-lettered (review r50).
+            # pull could take it again and again, each a delivery, until it was dead-lettered (review r50). On its
+            # last delivery, where a nak has it dead-lettered (review h132), the worker takes it in itself.
+            if (msg.metadata.num_delivered or 1) >= self._box.settings.max_deliver:
+                self._box.workers[meta.model].take(msg)
+                return
             await msg.nak(delay=2 * _PERIOD_S)
             return
         # A 503: until this box tries the load again, a retry gets the same answer (a 507's retry waits for a box).

@@ -232,6 +232,11 @@ class ModelWorker:
     def _keeps_late(self, msg: Msg) -> bool:
         return keeps_held(msg, self._held.__contains__, self._on_message)
 
+    def take(self, msg: Msg) -> None:
+        """A request of this model another puller of the box was given (a refusal's, as the model loaded here):
+        taken in as if this worker's own pullers had been."""
+        self._on_message(msg)
+
     def _on_message(self, msg: Msg) -> None:
         try:
             meta = RequestMeta.from_headers(msg.headers)

@@ -3,13 +3,17 @@ load it was for (a reload after an eviction, or after a delete and a new registr
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 from appliance import app, bus
 from appliance.bus import model_slug
-from appliance.errors import UnloadedWhileStarting
+from appliance.envelope import ReplyMeta
+from appliance.errors import ServiceUnavailable, UnloadedWhileStarting
+from appliance.puller import stop_pullers
 from appliance.settings import ModelEntry
 from tests.conftest import noop_model, url, wait_for
+from tests.test_worker import publish_raw
 
 
 async def _embed(http, box, model: str, timeout_s: float) -> int:
@@ -140,3 +144,26 @@ async def test_a_pinned_model_whose_load_failed_is_tried_again_without_a_request
     kept.rename(weights)
     await wait_for(lambda: "enc" in box.workers, 20.0, "the pinned model loaded once its folder was mended")
     assert box.residency.load_error("enc") is None
+
+
+async def test_a_refusals_request_on_its_last_delivery_for_a_model_loaded_here_since_goes_to_its_worker(
+    start_box, nats_server
+) -> None:
+    """Review h132: a refusal's pull (the model's load had failed here) that took a request after the model was loaded
+    here handed it back with a nak, and on its last delivery that had it dead-lettered, its client told 422. The
+    refusal's pull is played here by a pull of the test's own on the model's consumer, the worker's pullers stopped."""
+    box = await start_box(default_model=False, models=[noop_model("m")], max_deliver=1)
+    worker = box.workers["m"]
+    await stop_pullers([worker.puller, worker.bulk_puller])
+    nc, replies = await publish_raw(
+        nats_server.url, b'{"input": "x", "model": "m"}', id="refused-then-loaded", model="m"
+    )
+    try:
+        refusal = await box.js.pull_subscribe_bind(bus.consumer_name(model_slug("m")), bus.REQUEST_STREAM)
+        [msg] = await refusal.fetch(1, timeout=5)
+        assert msg.metadata.num_delivered == 1  # its last
+        await box.placement._answer(msg, ServiceUnavailable("the load of m failed"))
+        reply = await asyncio.wait_for(replies.get(), 30)
+        assert ReplyMeta.from_headers(reply.headers).status == 200, reply.data
+    finally:
+        await nc.close()
