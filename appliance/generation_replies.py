@@ -114,9 +114,14 @@ class GenerationReplies:
         self._spawn(self.fail(stream.meta, stream.msg, failed, seq=stream.seq))
 
     async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+        """Another try, or FBX_DLQ (`DeadLetters`). Meanwhile the request is `settling`, kept in progress: a dead letter
+        whose client is told while its gateway reconnects outlasted the ack wait, and JetStream's max-deliveries
+        advisory had another box keep, tell and count it again (review h132)."""
+        self.settling[meta.id] = msg
         try:
-            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
+            await self._dead_letters.retry_or_dead_letter(meta, self.settling.get(meta.id, msg), error)
         finally:
+            self.settling.pop(meta.id, None)
             self._poke()
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:

@@ -257,6 +257,48 @@ async def test_a_finished_generation_waiting_for_its_gateway_is_kept_not_generat
         await nc.close()
 
 
+async def test_a_dead_letter_whose_gateway_is_slow_to_take_the_error_is_kept_and_counted_once(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review h132: a generation dead-lettered on its last delivery was kept in progress by nothing while its client
+    was told (its gateway reconnecting): past the ack wait, JetStream's max-deliveries advisory had the fleet keep,
+    tell and count it a second time. Its error here is left unconfirmed for three ack waits."""
+    ack_wait_s = 1.0
+    box, worker = await generating_box(start_box, generator_dir, ack_wait_s=ack_wait_s, max_deliver=1)
+    fail_prefill_of(worker.runtime, POISON)
+    nc = await nats.connect(nats_server.url)
+    try:
+        errors, confirming = asyncio.Queue(), asyncio.Event()
+
+        async def gateway(msg) -> None:  # a final chunk (the error) left unconfirmed until told
+            if confirming.is_set():
+                await msg.respond(b"")
+            errors.put_nowait(msg)
+
+        advisories: list[object] = []
+
+        async def advised(msg) -> None:
+            advisories.append(msg)
+
+        await nc.subscribe("test.replies", cb=gateway)
+        await nc.subscribe(bus.max_deliveries_advisories(), cb=advised)
+        now = int(time.time() * 1000)
+        meta = RequestMeta(id="poison-slow-gw", task="generate", model=MODEL, reply="test.replies",
+                           deadline_ms=now + 60_000, sent_ms=now, tokens=5)  # fmt: skip
+        body = orjson.dumps(completion(POISON))
+        await nc.jetstream().publish(bus.request_subject(bus.model_slug(MODEL)), body, headers=meta.headers())
+        first = await asyncio.wait_for(errors.get(), 20)
+        assert ReplyMeta.from_headers(first.headers).status == 422
+        with contextlib.suppress(AssertionError):  # the advisory came after one ack wait in the old code
+            await wait_for(lambda: bool(advisories), timeout_s=3 * ack_wait_s, what="an advisory")
+        confirming.set()
+        await settled(box, worker)
+        assert advisories == [] and dead_lettered(box) == 1
+        assert (await box.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 1
+    finally:
+        await nc.close()
+
+
 async def test_a_chunk_that_cannot_be_sent_fails_its_request_alone_and_stepping_goes_on(
     start_box, http, generator_dir
 ) -> None:
