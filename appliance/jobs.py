@@ -114,7 +114,9 @@ class ClassifyJobs(_EncoderJobs):
         assert isinstance(runtime, HeadedRuntime)
         head = runtime.head
         logits = np.stack([np.asarray(r, dtype=np.float32).reshape(-1) for r in job.results])
-        predictions = head.predictions(logits, raw_scores=request.raw_scores, top_k=request.top_k)
+        predictions = head.predictions(
+            logits, raw_scores=request.raw_scores, top_k=request.top_k, squash=request.function_to_apply
+        )
         return orjson.dumps(predictions), len(predictions), 0
 
 

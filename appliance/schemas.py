@@ -176,8 +176,8 @@ class TeiSimilarityRequest(TeiRequest, kw_only=True):
 
 
 class PredictParameters(NullIsDefault, kw_only=True):
-    """huggingface_hub's `text_classification` parameters: `top_k` kept; `function_to_apply` only as "none" (the
-    logits), fleetbox scoring as the model's config says (the gateway's `_predict_parameters`)."""
+    """huggingface_hub's `text_classification` parameters, as transformers' pipeline reads them: `top_k`, and
+    `function_to_apply` ("none": the logits)."""
 
     top_k: Positive | None = None
     function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
@@ -212,6 +212,9 @@ class ClassifyRequest(NullIsDefault, kw_only=True):
     input: str | list[str]
     raw_scores: bool | None = False
     top_k: Positive | None = None
+    # transformers' text-classification `function_to_apply` (huggingface_hub sends it): left out, as the model's
+    # config says (a softmax over the labels, a sigmoid per label for a multi-label or one-label model).
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
     truncate: bool | None = True
     adapter: str | None = None
     timeout: Timeout | None = None

@@ -66,6 +66,22 @@ async def test_text_classification_at_a_models_tei_url_honours_top_k(fleet, http
     assert [item["label"] for item in top] == [item["label"] for item in expected["data"][0][:2]]
     _, logits = await post(http, fleet, "/tei/sentiment", {"inputs": TEXT, "parameters": {"function_to_apply": "none"}})
     assert [item["score"] for item in logits] == pytest.approx([item["score"] for item in raw["data"][0]], abs=1e-5)
+    # The squash of transformers' pipeline, chosen (tester h121: "softmax", what the model does anyway, was a 422).
+    by_label = {item["label"]: item["score"] for item in raw["data"][0]}
+    labels, values = list(by_label), np.asarray(list(by_label.values()), dtype=np.float64)
+    softmax = np.exp(values - values.max()) / np.exp(values - values.max()).sum()
+    for squash, expected_scores in (("softmax", softmax), ("sigmoid", 1 / (1 + np.exp(-values)))):
+        status, got = await post(
+            http, fleet, "/tei/sentiment", {"inputs": TEXT, "parameters": {"function_to_apply": squash}}
+        )
+        assert status == 200, got
+        assert {item["label"]: item["score"] for item in got} == pytest.approx(
+            dict(zip(labels, expected_scores, strict=True)), abs=1e-5
+        )
+        assert [item["score"] for item in got] == sorted((item["score"] for item in got), reverse=True)
+    assert (await client.text_classification(TEXT, function_to_apply="softmax"))["score"] == pytest.approx(
+        best["score"]
+    )
 
 
 @pytest.mark.parametrize("name", [DEFAULT_MODEL_NAME, "bare-encoder"])
@@ -151,8 +167,8 @@ async def test_info_at_a_models_tei_url_describes_that_model(fleet, http, hub) -
         ("/tei/bare-encoder/embed", {"inputs": "x", "model": "sentiment"}, 422, "model_mismatch", "/tei/bare-encoder"),
         ("/tei/nothing", {"inputs": "x"}, 404, "model_not_found", "nothing"),
         ("/tei/sentiment/embed", {"inputs": "x"}, 422, "wrong_task", "/v1/classify"),
-        ("/tei/sentiment", {"inputs": "x", "parameters": {"function_to_apply": "softmax"}}, 422,
-         "unsupported_parameter", "function_to_apply"),
+        ("/tei/sentiment", {"inputs": "x", "parameters": {"function_to_apply": "tanh"}}, 422,
+         "invalid_input", "function_to_apply"),
         ("/tei/sentiment/rerank", {"query": "q", "documents": ["a"]}, 422, "invalid_input", "`texts`"),
         # a classification client at a reranker's URL: told of the path it called (it was `/tei/scorer/rerank`)
         ("/tei/scorer", {"inputs": "x"}, 422, "invalid_input", "/tei/scorer takes TEI's rerank"),

@@ -205,28 +205,23 @@ async def predict_tei(request: web.Request, body: bytes | None = None, served: s
         body = await read_body(request, GatewayContext.of(request).settings)
     tei = decode(body, _decoders[TeiPredictRequest])
     texts, batch = _predict_inputs(tei.inputs)
-    top_k, raw_scores = _predict_parameters(tei)
     meta, reply = await _enqueue_tei(
-        request, tei, ClassifyRequest, Task.CLASSIFY, served, "inputs", input=texts, raw_scores=raw_scores, top_k=top_k
+        request, tei, ClassifyRequest, Task.CLASSIFY, served, "inputs", input=texts, **_predict_parameters(tei)
     )
     return json_response(orjson.Fragment(reply) if batch else orjson.loads(reply)[0], headers=timing(meta))
 
 
-def _predict_parameters(tei: TeiPredictRequest) -> tuple[int | None, bool | None]:
-    """`top_k` and `raw_scores` with huggingface_hub's `parameters` (its text_classification's): `top_k` kept, and
-    `function_to_apply` "none" as the logits; "softmax" or "sigmoid" are refused, fleetbox scoring as the model's
-    config says (a choice of squash is not one the classify path has)."""
+def _predict_parameters(tei: TeiPredictRequest) -> dict[str, Any]:
+    """`top_k`, `raw_scores` and `function_to_apply` from huggingface_hub's `parameters` (its text_classification's),
+    as fleetbox's classify request takes them."""
     parameters = tei.parameters
     if parameters is None:
-        return None, tei.raw_scores
-    chosen = parameters.function_to_apply
-    if chosen not in (None, "none"):
-        raise Unprocessable(
-            f"parameters.function_to_apply {chosen!r}: fleetbox scores as the model's config says (a softmax over "
-            'the labels, a sigmoid per label for multi-label models); "none" gives the logits, or leave it out',
-            code="unsupported_parameter",
-        )
-    return parameters.top_k, tei.raw_scores or chosen == "none"
+        return {"top_k": None, "raw_scores": tei.raw_scores}
+    return {
+        "top_k": parameters.top_k,
+        "raw_scores": tei.raw_scores,
+        "function_to_apply": parameters.function_to_apply,
+    }
 
 
 def _predict_inputs(inputs: str | list[str | list[str]]) -> tuple[list[str], bool]:

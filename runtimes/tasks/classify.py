@@ -39,10 +39,11 @@ class ClassifyHead:
         return cls(labels=labels, squash=squash_for(config, len(labels)))
 
     def predictions(
-        self, logits: np.ndarray, *, raw_scores: bool = False, top_k: int | None = None
+        self, logits: np.ndarray, *, raw_scores: bool = False, top_k: int | None = None, squash: Squash | None = None
     ) -> list[list[LabelScore]]:
-        """(n, labels) logits to, per input, labels with scores sorted from best to worst."""
-        return label_scores(logits, self.labels, squash=self.squash, raw_scores=raw_scores, top_k=top_k)
+        """(n, labels) logits to, per input, labels with scores sorted from best to worst; `squash` instead of the
+        model's own (transformers' `function_to_apply`)."""
+        return label_scores(logits, self.labels, squash=squash or self.squash, raw_scores=raw_scores, top_k=top_k)
 
 
 def label_scores(
