@@ -93,9 +93,25 @@ def labels_from_config(config: dict) -> tuple[str, ...]:
     num_labels = config.get("num_labels") or 0
     if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 0:
         raise UnsupportedModel(f"config.json: num_labels must be a whole number of labels, not {num_labels!r}")
+    indexes = sorted(_index(key) for key in id2label)
+    if indexes != list(range(len(indexes))):
+        # transformers counts the labels as the entries: a gap left a label of the model's output unnamed, and one
+        # past it unread (tester h121: {"0": "neg", "2": "pos"} answered "LABEL_1" and never "pos").
+        raise UnsupportedModel(
+            f"config.json: id2label must name the labels 0 to {len(indexes) - 1}, one each; its keys are "
+            f"{', '.join(map(str, id2label))}"
+        )
     named = config.get("id2label") is not None or config.get("num_labels") is not None
     count = max(len(id2label), num_labels) if named else _DEFAULT_NUM_LABELS
     return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+
+
+def _index(key: object) -> int:
+    """An `id2label` key as its label's index (JSON keys are strings: "0"); -1 for one that names none."""
+    try:
+        return int(key)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return -1
 
 
 def squash_for(config: dict, num_labels: int) -> Squash:

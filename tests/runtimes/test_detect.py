@@ -95,6 +95,16 @@ def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:
             '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", "id2label": [1, 2]}',
             "id2label must be an object",
         ),
+        (  # tester h121: a gap answered "LABEL_1" and never "pos"
+            '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", '
+            '"id2label": {"0": "neg", "2": "pos"}}',
+            "id2label must name the labels 0 to 1, one each; its keys are 0, 2",
+        ),
+        (
+            '{"architectures": ["BertForSequenceClassification"], "model_type": "bert", '
+            '"id2label": {"0": "neg", "one": "pos"}}',
+            "its keys are 0, one",
+        ),
     ],
 )
 def test_a_malformed_config_is_refused_with_what_is_wrong(tmp_path: Path, config: str, expected: str) -> None:
