@@ -185,10 +185,10 @@ class GenerateWorker:
 
     def _held_messages(self) -> list[Msg]:
         """Every request this worker holds, kept in progress: those generating, those being admitted, whose adapter
-        load (one at a time per base) or prompt rendering can outlast `ack_wait` too, and those whose last chunk waits
-        for its gateway."""
-        streams = [stream.msg for stream in self._streams.values()]
-        return streams + list(self._preparing.values()) + list(self._replies.settling.values())
+        load (one at a time per base) or prompt rendering can outlast `ack_wait` too, those whose last chunk waits
+        for its gateway, and those being given another try or dead-lettered."""
+        streams, replies = [stream.msg for stream in self._streams.values()], self._replies
+        return [*streams, *self._preparing.values(), *replies.settling.values(), *replies.retrying.values()]
 
     def stats(self, window_s: float = 10.0) -> dict[str, float]:
         """As a ModelWorker's, for the heartbeat: answers/s and whole-generation p50/p99 (ms) over `window_s`

@@ -68,6 +68,10 @@ class GenerationReplies:
         # out, a final chunk that waited out `ack_wait` (a gateway reconnecting) was delivered again, generated again
         # on every delivery, then dead-lettered: its client told 422 for an answered request (review h122).
         self.settling: dict[str, Msg] = {}
+        # Requests being given another try or dead-lettered (`retry_or_dead_letter`), kept in progress meanwhile but,
+        # unlike those settling, never handed back at a drain: one in FBX_DLQ, its client maybe told, would be queued
+        # afresh for `max_deliver` more tries (review h133). Cut off, the max-deliveries advisory settles it.
+        self.retrying: dict[str, Msg] = {}
 
     async def send(self, stream: Stream, output: StepOutput, step_ms: float) -> None:
         """One chunk of text; the last one (with the usage) is confirmed then acked off the caller's path."""
@@ -114,14 +118,14 @@ class GenerationReplies:
         self._spawn(self.fail(stream.meta, stream.msg, failed, seq=stream.seq))
 
     async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
-        """Another try, or FBX_DLQ (`DeadLetters`). Meanwhile the request is `settling`, kept in progress: a dead letter
+        """Another try, or FBX_DLQ (`DeadLetters`). Meanwhile the request is `retrying`, kept in progress: a dead letter
         whose client is told while its gateway reconnects outlasted the ack wait, and JetStream's max-deliveries
         advisory had another box keep, tell and count it again (review h132)."""
-        self.settling[meta.id] = msg
+        self.retrying[meta.id] = msg
         try:
-            await self._dead_letters.retry_or_dead_letter(meta, self.settling.get(meta.id, msg), error)
+            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
-            self.settling.pop(meta.id, None)
+            self.retrying.pop(meta.id, None)
             self._poke()
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:

@@ -423,8 +423,8 @@ class ModelWorker:
                 if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining, untaken):
                     # This box is stopping with the answer undelivered: another box answers it (with a blob of its own).
                     await self._hand_back(self._current(meta.id, msg))
-                    if untaken is not None:
-                        await untaken()
+                    if untaken is not None:  # in the background: a redelivery meanwhile would find it still held
+                        self._spawn(untaken())
                     return
             # The message held now: a copy published again may have been taken in its place while the reply waited
             # for its gateway (review r43).

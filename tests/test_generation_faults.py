@@ -299,6 +299,33 @@ async def test_a_dead_letter_whose_gateway_is_slow_to_take_the_error_is_kept_and
         await nc.close()
 
 
+async def test_a_drain_does_not_queue_afresh_a_generation_being_dead_lettered(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review h133: kept in progress while its client was told, a generation being dead-lettered was also among what
+    a drain hands back: on its last delivery that queued a copy afresh, for `max_deliver` more tries of a request
+    already in FBX_DLQ. Cut off by the drain, it is left to JetStream's max-deliveries advisory instead."""
+    box, worker = await generating_box(start_box, generator_dir, ack_wait_s=60, max_deliver=1, shutdown_grace_s=0.2)
+    fail_prefill_of(worker.runtime, POISON)
+    nc = await nats.connect(nats_server.url)
+    try:
+        errors: asyncio.Queue = asyncio.Queue()
+        await nc.subscribe("test.replies", cb=errors.put)  # a gateway that never confirms the error
+        now = int(time.time() * 1000)
+        meta = RequestMeta(id="poison-drained", task="generate", model=MODEL, reply="test.replies",
+                           deadline_ms=now + 60_000, sent_ms=now, tokens=5)  # fmt: skip
+        body = orjson.dumps(completion(POISON))
+        await nc.jetstream().publish(bus.request_subject(bus.model_slug(MODEL)), body, headers=meta.headers())
+        await asyncio.wait_for(errors.get(), 20)  # being told: its dead letter kept
+        assert "poison-drained" in worker._replies.retrying
+        await worker.drain()
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(MODEL))
+        assert (info.num_pending, info.num_ack_pending) == (0, 1)  # no copy queued; the original left unsettled
+        assert (await box.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 1
+    finally:
+        await nc.close()
+
+
 async def test_a_chunk_that_cannot_be_sent_fails_its_request_alone_and_stepping_goes_on(
     start_box, http, generator_dir
 ) -> None:
