@@ -75,6 +75,8 @@ async def _body_to_keep(
         return data, reason, None
     try:
         body = await blobs.get(blob)
+    except TimeoutError:  # NATS's too: a store slow just now, not a body gone (the advisory's settling tries again)
+        raise
     except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
         return data, f"{reason}; its body (blob {blob}) could not be read: {exc!r}", None
     if len(body) > blobs.message_room:  # more than a message carries: the dead letter names the blob

@@ -79,10 +79,10 @@ async def watches() -> AsyncIterator[list[DeadLetterWatch]]:
 
 
 class TimesOutOnce:
-    """The box's JetStream context, but its first call of `method` times out: before it reaches the server (a server
-    busy or failing over), or, `reached`, after (its answer lost)."""
+    """The box's JetStream context (or its blob store), but its first call of `method` times out: before it reaches
+    the server (a server busy or failing over), or, `reached`, after (its answer lost)."""
 
-    def __init__(self, js: JetStreamContext, method: str, *, reached: bool = False) -> None:
+    def __init__(self, js: JetStreamContext | Blobs, method: str, *, reached: bool = False) -> None:
         self._js = js
         self._method = method
         self._reached = reached
@@ -171,3 +171,20 @@ async def test_a_delete_whose_answer_was_lost_still_has_the_blob_deleted_and_the
     bucket = await queue.js.object_store(bus.BLOBS_BUCKET)
     with pytest.raises(ObjectNotFoundError):
         await bucket.get_info(key)
+
+
+async def test_a_blob_read_that_times_out_is_tried_again_not_taken_for_a_body_gone(queue, watches) -> None:
+    """Review h133: any error reading the body's blob was taken for the body gone, a timeout too: the dead letter kept
+    only the envelope and the blob was left to its TTL."""
+    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+    key = await queue.blobs.put(bus.request_blob_key("large-3"), body)
+    seq = await queue.publish("large-3", b"", blob=key)
+    slow_store = TimesOutOnce(queue.blobs, "get")
+    watch = DeadLetterWatch("settler", queue.nc, queue.js, slow_store, Metrics().dead_lettered)  # type: ignore[arg-type]
+    watches.append(watch)
+    await watch.start()
+    await queue.advise(seq)
+
+    await queue.settled()
+    kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
+    assert slow_store.timed_out == 1 and kept.data == body
