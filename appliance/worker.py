@@ -225,7 +225,8 @@ class ModelWorker:
             held.done = True  # the batcher, and the device thread's last look, skip done jobs
             self._let_go(request_id)
             if settle:
-                self._metrics.cancelled.labels(self.spec.name).inc()
+                if not held.started_ms:  # counted as dropped before compute: one on the device is computed all the same
+                    self._metrics.cancelled.labels(self.spec.name).inc()
                 self._spawn(self._blobs.ack(held.handle, held.meta.blob))
             self.puller.poke()
 

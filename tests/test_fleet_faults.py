@@ -223,6 +223,32 @@ async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http
     assert counter(box, "fbx_rows_computed") == 1
 
 
+async def test_a_gone_clients_request_already_on_the_device_is_not_counted_cancelled(start_box, http) -> None:
+    """Tester h134: `fbx_cancelled_requests` (dropped before compute) counted every request whose client went away,
+    those whose batch was already on the device too: it said none of the work was wasted."""
+    import threading
+
+    box = await start_box(default_model=False, models=[noop_model()], max_batch_size=1, max_wait_ms=0)
+    runtime = box.workers["noop"].runtime
+    run, on_device, let_go = runtime.run, threading.Event(), threading.Event()
+
+    def held_run(batch, adapter=None):
+        on_device.set()
+        assert let_go.wait(30), "the test did not let the batch go"
+        return run(batch, adapter=adapter)
+
+    runtime.run = held_run
+    gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "gone"}))
+    try:
+        await wait_for(on_device.is_set, what="its batch on the device")
+        gone.cancel()  # the client disconnects while its request is computed
+        await wait_for(lambda: box.workers["noop"].held == 0, what="the box to let go of it")
+    finally:
+        let_go.set()
+    await wait_for(lambda: counter(box, "fbx_rows_computed") == 1, what="its row computed")
+    assert counter(box, "fbx_cancelled_requests") == 0
+
+
 async def test_request_no_box_finishes_is_dead_lettered_and_answered(start_box, nats_server, http) -> None:
     """A consumer that takes the request and never acks stands in for boxes that die holding it."""
     box = await start_box(role="gateway", default_model=False, models=[noop_model()], ack_wait_s=1, max_deliver=2)
