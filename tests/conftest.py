@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,17 @@ def hold(owner: object, method: str, *, after: bool = False) -> tuple[asyncio.Ev
 
     setattr(owner, method, held)
     return reached, go_on
+
+
+def hold_on_device(runtime: Any) -> tuple[threading.Event, threading.Event]:
+    """Wrap a runtime's `run` so each batch, once on the device thread, sets the first event and waits (30 s at
+    most) for the test to set the second: a batch "on the device" for as long as a test needs it there."""
+    run, on_device, let_go = runtime.run, threading.Event(), threading.Event()
+
+    def held_run(batch, adapter=None):
+        on_device.set()
+        assert let_go.wait(30), "the test did not let the batch go"
+        return run(batch, adapter=adapter)
+
+    runtime.run = held_run
+    return on_device, let_go

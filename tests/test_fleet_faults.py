@@ -21,7 +21,7 @@ from appliance.envelope import RequestMeta
 from appliance.errors import Conflict
 from appliance.gateway import context
 from appliance.settings import ModelEntry, Settings
-from tests.conftest import box_settings, noop_model, url, wait_for
+from tests.conftest import box_settings, hold_on_device, noop_model, url, wait_for
 
 
 def counter(box, name: str, model: str = "noop") -> float:
@@ -226,18 +226,8 @@ async def test_queued_request_of_a_gone_client_is_never_computed(start_box, http
 async def test_a_gone_clients_request_already_on_the_device_is_not_counted_cancelled(start_box, http) -> None:
     """Tester h134: `fbx_cancelled_requests` (dropped before compute) counted every request whose client went away,
     those whose batch was already on the device too: it said none of the work was wasted."""
-    import threading
-
     box = await start_box(default_model=False, models=[noop_model()], max_batch_size=1, max_wait_ms=0)
-    runtime = box.workers["noop"].runtime
-    run, on_device, let_go = runtime.run, threading.Event(), threading.Event()
-
-    def held_run(batch, adapter=None):
-        on_device.set()
-        assert let_go.wait(30), "the test did not let the batch go"
-        return run(batch, adapter=adapter)
-
-    runtime.run = held_run
+    on_device, let_go = hold_on_device(box.workers["noop"].runtime)
     gone = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "gone"}))
     try:
         await wait_for(on_device.is_set, what="its batch on the device")

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -28,7 +27,7 @@ from appliance.catalog import Catalog
 from appliance.configured import configured_specs
 from appliance.delivery import Cancellations
 from appliance.envelope import ReplyMeta, RequestMeta
-from tests.conftest import deliveries, hold_warm_ups, in_progress_acks, noop_model, url, wait_for
+from tests.conftest import deliveries, hold_on_device, hold_warm_ups, in_progress_acks, noop_model, url, wait_for
 
 NOOP_BODY = {"input": ["one two three"], "model": "noop"}
 NOOP_RAW = b'{"input": "x", "model": "noop"}'
@@ -226,15 +225,7 @@ async def test_a_draining_worker_keeps_its_batch_in_flight_in_progress_until_it_
     box, which would compute it again; the first box answers it once."""
     models = [noop_model()]
     first = await start_box(box_id="first", default_model=False, models=models, ack_wait_s=1.0)
-    runtime = first.workers["noop"].runtime
-    run, on_device, let_go = runtime.run, threading.Event(), threading.Event()
-
-    def held_run(batch, adapter=None):
-        on_device.set()
-        assert let_go.wait(30), "the test did not let the batch go"
-        return run(batch, adapter=adapter)
-
-    runtime.run = held_run
+    on_device, let_go = hold_on_device(first.workers["noop"].runtime)
     watcher, kept = await in_progress_acks(nats_server.url)
     try:
         answer = asyncio.create_task(http.post(url(first, "/v1/embeddings"), json=NOOP_BODY))
