@@ -288,6 +288,7 @@ class Box:
                 box_round_rows=self.fleet.box_round_rows if self.fleet is not None else None,
                 pace=self.fleet.pace_per_gateway if self.fleet is not None else None,
                 holders=self.fleet.holders if self.fleet is not None else None,
+                hears_fleet=self.fleet.hears_itself if self.fleet is not None else None,
             )
             await self.dispatcher.start()
         context = GatewayContext(

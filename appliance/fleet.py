@@ -260,6 +260,11 @@ class Fleet:
         now = time.time()
         return [r for r in self._boxes.values() if now - float(r.get("ts", 0)) <= self._ttl_s]
 
+    def hears_itself(self) -> bool:
+        """Whether this box's own heartbeat is live in its view of the fleet: not, while JetStream takes or delivers
+        no heartbeat (a frozen or failing-over server), when the others' are missing for the same reason."""
+        return any(record.get("box") == self.box_id for record in self.live_boxes())
+
     def _by_model(self) -> dict[str, list[_Holding]]:
         """Each model's entries in the heartbeats, made again only once a heartbeat changed: a gateway reads them for
         every request it admits (`holders`, `box_round`, `pace_per_gateway`), and walking every box's every model

@@ -317,6 +317,31 @@ async def test_a_puller_stopped_while_the_server_stalls_leaves_the_connection_wo
         await nc.close()
 
 
+async def test_a_refusal_while_nats_is_frozen_names_nats_not_the_boxes(start_box, nats_server, http) -> None:
+    """Tester h134: with the nats-server frozen (SIGSTOP), heartbeats stop coming through and the gateway's view of the
+    fleet empties; the refusals said "model noop is held by no live box now (its boxes restarting, or one loading
+    it)" of a live box holding it. A gateway that does not hear its own heartbeat says that NATS is what fails."""
+    models = [ModelEntry(name="a", runtime="noop", max_batch_size=2, pinned=True)]  # rounds of 2 rows
+    box = await start_box(default_model=False, models=models, heartbeat_s=0.2, heartbeat_ttl_s=1.0)
+    await wait_for(box.fleet.hears_itself, what="its own heartbeat")
+
+    async def embed(i: int) -> tuple[int, dict]:
+        async with http.post(
+            url(box, "/v1/embeddings"), json={"model": "a", "input": f"x{i}", "timeout": 2}
+        ) as response:
+            return response.status, await response.json()
+
+    nats_server.process.send_signal(signal.SIGSTOP)
+    try:
+        await wait_for(lambda: not box.fleet.hears_itself(), what="its own heartbeat gone from its view")
+        outcomes = await asyncio.gather(*(embed(i) for i in range(20)))
+    finally:
+        nats_server.process.send_signal(signal.SIGCONT)
+    refused = [body["error"]["message"] for status, body in outcomes if status == 503]
+    assert refused and all("hears no box's heartbeat now, its own included" in message for message in refused), outcomes
+    assert not any("held by no live box" in message for message in refused)
+
+
 async def test_pullers_stopped_together_all_stop_when_the_stop_is_cut_short(nats_server) -> None:
     """Review: a model's pullers were stopped one after the other, and a cancel of the caller while the first waited
     on a stalled server (a `Background.cancel` cancels again every 50 ms) left the next one asking and subscribed."""

@@ -73,6 +73,7 @@ class Dispatcher:
         box_round_rows: Callable[[str], int | None] | None = None,
         pace: Callable[[str, float], tuple[float, float] | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
+        hears_fleet: Callable[[], bool] | None = None,
     ) -> None:
         self.box_id = box_id
         self._max_timeout_s = max_timeout_s  # every request's deadline is at most this
@@ -92,6 +93,7 @@ class Dispatcher:
             box_round_rows=box_round_rows,
             pace=pace,
             holders=holders,
+            hears_fleet=hears_fleet,
         )
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
         self._streams: dict[str, StreamWaiter] = {}

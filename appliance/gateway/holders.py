@@ -35,6 +35,7 @@ class Holders:
         box_round_rows: Callable[[str], int | None] | None = None,
         pace: Callable[[str, float], tuple[float, float] | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
+        hears_fleet: Callable[[], bool] | None = None,
     ) -> None:
         self._admission = admission
         self._max_queue_s = max_queue_s
@@ -48,6 +49,7 @@ class Holders:
         self._pace = pace or (lambda model, per_row: None)
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
         self._knows_holders = holders is not None  # without a fleet (a test's dispatcher), none is known of
+        self._hears_fleet = hears_fleet or (lambda: True)  # this box's own heartbeat live in its view (`Fleet`)
 
     def admit(
         self, spec: ModelSpec, priority: str, timeout_s: float, waiting: int, *, weight: int, inputs: int = 1
@@ -99,6 +101,13 @@ class Holders:
         if not self._knows_holders or self._holders(model):
             return
         count = self._admission.waiting_for(model)
+        if not self._hears_fleet():  # its own heartbeat missing too: the heartbeats are not coming through NATS
+            raise ServiceUnavailable(
+                f"this gateway hears no box's heartbeat now, its own included (NATS JetStream is not taking or "
+                f"delivering them: see /readyz), and already awaits {count} request{'s' if count != 1 else ''} for "
+                f"model {model}; retry in 2s",
+                retry_after_s=2,
+            )
         raise ServiceUnavailable(
             f"model {model} is held by no live box now (its boxes restarting, or one loading it), and this gateway "
             f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
