@@ -64,19 +64,22 @@ async def keep_dead_letter(
 
 
 async def _body_to_keep(
-    blobs: Blobs, meta: RequestMeta, headers: dict[str, str], data: bytes, reason: str
+    blobs: Blobs, meta: RequestMeta, headers: dict[str, str], data: bytes, reason: str, *, tried_again: bool = False
 ) -> tuple[bytes, str, str | None]:
     """The body a dead letter keeps, its reason, and the blob to delete once it is kept (None: none, or one left to
     the bucket's TTL). A large body's message carries only its blob's key: the dead letter keeps the body itself
     where a message can carry it, so an operator can inspect it after the blob's TTL, and then names no blob in
-    `headers` (the dead letter's, changed here)."""
+    `headers` (the dead letter's, changed here). A read that times out is raised where the caller will be `tried_again`
+    (the advisory's settling): elsewhere the dead letter keeps the envelope and says the body stays in the store."""
     blob = meta.blob
     if not blob:
         return data, reason, None
     try:
         body = await blobs.get(blob)
-    except TimeoutError:  # NATS's too: a store slow just now, not a body gone (the advisory's settling tries again)
-        raise
+    except TimeoutError as exc:  # NATS's too: a store slow just now, not a body gone
+        if tried_again:
+            raise
+        return data, f"{reason}; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} ({exc!r})", None
     except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
         return data, f"{reason}; its body (blob {blob}) could not be read: {exc!r}", None
     if len(body) > blobs.message_room:  # more than a message carries: the dead letter names the blob
@@ -185,7 +188,7 @@ class DeadLetterWatch:
         removed = _Removal()
         for attempt in range(_SETTLE_TRIES):
             try:
-                await self._settle(msg, removed)
+                await self._settle(msg, removed, last_try=attempt == _SETTLE_TRIES - 1)
                 return
             except (NatsError, TimeoutError) as exc:
                 if self._stopping or attempt == _SETTLE_TRIES - 1:
@@ -193,7 +196,7 @@ class DeadLetterWatch:
                 log.info("dead letter not settled; trying again", extra={"error": f"{exc!r}: {exc}"})
                 await asyncio.sleep(0.25 * 2**attempt)
 
-    async def _settle(self, msg: Msg, removed: _Removal) -> None:
+    async def _settle(self, msg: Msg, removed: _Removal, *, last_try: bool = False) -> None:
         try:
             advisory = orjson.loads(msg.data)
             seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", 0))
@@ -212,7 +215,9 @@ class DeadLetterWatch:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
             return
         reason = "no box finished it: each box holding it stopped answering (crashed or was killed)"
-        body, reason, blob = await _body_to_keep(self._blobs, meta, headers, stored.data or b"", reason)
+        body, reason, blob = await _body_to_keep(
+            self._blobs, meta, headers, stored.data or b"", reason, tried_again=not last_try
+        )
         await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping

@@ -18,7 +18,7 @@ from nats.js.errors import ObjectNotFoundError
 
 from appliance import bus
 from appliance.blobs import Blobs
-from appliance.deadletter import DeadLetterWatch
+from appliance.deadletter import DeadLetters, DeadLetterWatch
 from appliance.envelope import BLOB, ReplyMeta, RequestMeta
 from appliance.metrics import Metrics
 from tests.conftest import wait_for
@@ -188,3 +188,37 @@ async def test_a_blob_read_that_times_out_is_tried_again_not_taken_for_a_body_go
     await queue.settled()
     kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
     assert slow_store.timed_out == 1 and kept.data == body
+
+
+class BlobReadsTimeOut:
+    """A blob store whose reads all time out (a store slow throughout)."""
+
+    def __init__(self, blobs: Blobs) -> None:
+        self._blobs = blobs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._blobs, name)
+
+    async def get(self, key: str) -> bytes:
+        raise NatsTimeout
+
+
+async def test_a_worker_whose_blob_read_times_out_still_dead_letters_with_the_models_error(queue) -> None:
+    """Review h135: a worker has no settling to try again, and the raised timeout left the request neither acked nor
+    naked; after the ack wait the advisory dead-lettered it as "no box finished it", the model's error lost."""
+    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+    key = await queue.blobs.put(bus.request_blob_key("large-4"), body)
+    await queue.publish("large-4", b"", blob=key)
+    await bus.ensure_request_consumers(queue.js, _SLUG, ack_wait_s=30, max_deliver=1, max_ack_pending=10)
+    puller = await queue.js.pull_subscribe_bind(bus.consumer_name(_SLUG), bus.REQUEST_STREAM)
+    [msg] = await puller.fetch(1, timeout=5)
+    metrics = Metrics()
+    dead_letters = DeadLetters("worker", queue.nc, queue.js, BlobReadsTimeOut(queue.blobs), 1,  # type: ignore[arg-type]
+                               metrics.dead_lettered.labels("noop"), stopping=lambda: False)  # fmt: skip
+    await dead_letters.retry_or_dead_letter(RequestMeta.from_headers(msg.headers), msg, RuntimeError("model failed"))
+
+    reply = await asyncio.wait_for(queue.replies.get(), 30)
+    assert "model failed" in orjson.loads(reply.data)["error"]["message"]
+    kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
+    assert "model failed" in kept.headers["Fbx-Dead-Reason"] and key in kept.headers["Fbx-Dead-Reason"]
+    await queue.settled()  # acked

@@ -82,6 +82,9 @@ async def test_text_classification_at_a_models_tei_url_honours_top_k(fleet, http
     assert (await client.text_classification(TEXT, function_to_apply="softmax"))["score"] == pytest.approx(
         best["score"]
     )
+    both = {"model": "sentiment", "input": TEXT, "raw_scores": True, "function_to_apply": "sigmoid"}
+    status, refused = await post(http, fleet, "/v1/classify", both)  # logits, or their sigmoid: not both
+    assert (status, refused["error"]["code"]) == (422, "invalid_input"), refused
 
 
 @pytest.mark.parametrize("name", [DEFAULT_MODEL_NAME, "bare-encoder"])

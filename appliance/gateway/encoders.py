@@ -85,6 +85,12 @@ async def enqueue(
             '["text"]',
             code="unsupported_parameter",
         )
+    if isinstance(parsed, ClassifyRequest) and parsed.raw_scores and parsed.function_to_apply in ("softmax", "sigmoid"):
+        raise Unprocessable(
+            f"`raw_scores` asks for the logits and `function_to_apply` {parsed.function_to_apply!r} for the "
+            f"{parsed.function_to_apply} of them; send one of the two",
+            code="invalid_input",
+        )
     texts: list[str] = parsed.texts()
     refuse_token_ids(
         texts,

@@ -217,10 +217,13 @@ def _predict_parameters(tei: TeiPredictRequest) -> dict[str, Any]:
     parameters = tei.parameters
     if parameters is None:
         return {"top_k": None, "raw_scores": tei.raw_scores}
+    chosen = parameters.function_to_apply
     return {
         "top_k": parameters.top_k,
-        "raw_scores": tei.raw_scores,
-        "function_to_apply": parameters.function_to_apply,
+        # "none" as `raw_scores` as well: a box of a version without `function_to_apply` ignores the field
+        # (a fleet being upgraded answers with both), and would answer probabilities for the logits asked for.
+        "raw_scores": tei.raw_scores or chosen == "none",
+        "function_to_apply": chosen,
     }
 
 
