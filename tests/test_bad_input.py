@@ -401,6 +401,10 @@ async def test_post_to_an_unknown_model_verb_is_404_not_405(default_box, http) -
             assert response.status == 405, (method, await response.text())
             assert_error_shape(await response.json(), "method_not_allowed")
             assert response.headers["Allow"] == "POST"
+    # A POST whose `/` before the verb is escaped names a model that does not exist: not a 405 allowing POST.
+    async with http.post(url(default_box, "/v1/models/all-minilm-l6-v2%2Fpin/load")) as response:
+        assert response.status == 404, await response.text()
+        assert_error_shape(await response.json(), "model_not_found")
 
 
 async def test_openapi_lists_the_metrics_keys_and_only_the_routes_a_worker_box_serves(

@@ -212,6 +212,15 @@ async def test_a_models_tei_route_asked_with_the_wrong_method_is_a_405(fleet, ht
         assert (await response.json())["error"]["code"] == "method_not_allowed"
 
 
+async def test_a_tei_route_whose_slash_is_escaped_is_a_404_not_a_405_allowing_its_own_method(fleet, http) -> None:
+    """`POST /tei/sentiment%2Fpredict`: aiohttp keeps an escaped `/` inside the name, so the bare route took it and
+    told a POST "allowed: POST" (tester h121). It names a model that does not exist, and the route it meant."""
+    async with http.post(url(fleet, "/tei/sentiment%2Fpredict"), json={"inputs": "x"}) as response:
+        assert response.status == 404, await response.text()
+        message = (await response.json())["error"]["message"]
+    assert "'sentiment/predict' does not exist" in message and "/tei/sentiment/predict" in message
+
+
 async def test_info_at_an_adapters_tei_url_reads_its_bases_folder(fleet, http, adapter_dirs) -> None:
     """An adapter runs with its base's tokenizer, labels and length: its info said null for each (tester h96)."""
     registration = {"name": "sentiment:tuned", "path": str(adapter_dirs[Task.CLASSIFY]), "adapter_of": "sentiment"}

@@ -82,7 +82,9 @@ async def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
     name = request.match_info["name"]
     spec = await ctx.store.find(name)
     if spec is None:
-        if name.rpartition("/")[2] in MODEL_VERBS:  # a verb's route, which takes POST: no model may be named so (h99)
+        # A verb's route, which takes POST: no model may be named so (h99). Not said to a POST, whose `/` before the
+        # verb was escaped (`/v1/models/noop%2Fpin/load`): the model it names does not exist.
+        if name.rpartition("/")[2] in MODEL_VERBS and request.method != "POST":
             raise MethodNotAllowed.allowing("POST")
         raise ctx.catalog.unknown(name)
     return spec

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from appliance.catalog import ModelSpec
-from appliance.errors import MethodNotAllowed, Unprocessable
+from appliance.errors import MethodNotAllowed, NotFound, Unprocessable
 from appliance.gateway import ops, tei, tei_info
 from appliance.gateway.admin import known_model
 from appliance.gateway.context import GatewayContext
@@ -41,7 +41,15 @@ async def root(request: web.Request) -> web.StreamResponse:
     catalog = GatewayContext.of(request).catalog
     model, _, suffix = name.rpartition("/")
     if catalog.get(name) is None and suffix in _METHODS and catalog.get(model) is not None:
-        raise MethodNotAllowed.allowing(_METHODS[suffix])
+        if request.method not in _METHODS[suffix].split(","):
+            raise MethodNotAllowed.allowing(_METHODS[suffix])
+        # `POST /tei/noop%2Fembed`: the `/` escaped, which aiohttp's routes keep apart (tester h121: "allowed: POST"
+        # told a POST).
+        raise NotFound(
+            f"model {name!r} does not exist; the {suffix} route of model {model!r} is /tei/{model}/{suffix}, "
+            "with the '/' before its last segment not escaped (%2F)",
+            code="model_not_found",
+        )
     return await tei.tei_root(request, _served(request).name)
 
 
