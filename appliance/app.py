@@ -354,10 +354,24 @@ class Box:
             self.residency.pinned.discard(name)
         if spec.adapter_of is None:
             self.spawn(self.queue.settle_model(spec))
+            resident = self.residency.get(name)
+            if resident is not None and not spec.same_source(resident.spec):
+                self.spawn(self._load_registered_again(spec))
+                return
             if spec.name in self.workers:  # its batching may have changed (a PATCH): taken live, no reload
                 self.spawn(self.workers.retune(spec))
             if spec.pinned and self.settings.runs_models and not self.draining:
                 self.spawn(self.workers.serve(spec))
+
+    async def _load_registered_again(self, spec: ModelSpec) -> None:
+        """The model resident here was registered again on another folder or task, its deletion unheard (a watch
+        that missed it, or the bucket read again after a reconnect, holds the new entry only): heard as a change, it
+        kept the old folder's model, whose worker asked every request for the new registration again and at last
+        answered 503 (planning note). The old one goes; the new one loads as any model does (now, if pinned)."""
+        await self.workers.evict(spec.name)
+        current = self.catalog.get(spec.name)
+        if current is not None and current.pinned and self.settings.runs_models and not self.draining:
+            await self.workers.serve(current)
 
     # -- control ---------------------------------------------------------------------------------
 

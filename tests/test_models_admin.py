@@ -1155,6 +1155,31 @@ async def test_a_worker_kept_across_a_registration_of_its_folder_answers_that_re
     assert status == 200, record
 
 
+async def test_a_model_registered_again_on_another_folder_its_deletion_unheard_is_loaded_from_that_folder(
+    start_box, http, classifier_dir, tmp_path_factory
+) -> None:
+    """Planning note: a catalog that hears a name registered again on another folder as one change (a watch that
+    missed the deletion, or the bucket read again after a reconnect) kept the old folder's model resident, and its
+    worker asked every request for the new registration again, then answered 503 on the last delivery."""
+    moved = tmp_path_factory.mktemp("moved") / "classifier"
+    shutil.copytree(classifier_dir, moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["id2label"] = {key: label.upper() for key, label in config["id2label"].items()}
+    config["label2id"] = {label.upper(): index for label, index in config["label2id"].items()}
+    (moved / "config.json").write_text(json.dumps(config))
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()], max_deliver=2)
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "moved", "path": str(classifier_dir)})
+    assert status == 201, record
+    status, record = await call(http, box, "POST", "/v1/classify", {"model": "moved", "input": "a fine film"})
+    assert status == 200 and record["data"][0][0]["label"].islower(), record
+    spec = box.catalog.get("moved")
+    await box.store.put(replace(spec, path=moved, registered_ms=spec.registered_ms + 1_000))  # no deletion between
+    await wait_for(lambda: box.catalog.get("moved").path == moved, what="the new record")
+    status, record = await call(http, box, "POST", "/v1/classify", {"model": "moved", "input": "a fine film"})
+    assert status == 200 and record["data"][0][0]["label"].isupper(), record  # the new folder's labels
+    assert box.residency.get("moved").spec.path == moved
+
+
 async def test_a_gateway_says_which_registration_of_the_model_it_resolved(
     start_box, http, classifier_dir, tmp_path_factory
 ) -> None:
