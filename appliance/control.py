@@ -1,6 +1,7 @@
 """Control of one box over NATS: `fbx.ctl.<box>.<verb>` with a JSON body, answered with JSON.
 
-Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`), `register` (the body of
+Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`; `evict`'s may add `"where": "every holder"`,
+which a box that runs no models answers `evicted: false` rather than refuse), `register` (the body of
 `POST /v1/models`), `drain` and `status`. The
 admin HTTP routes, the `fleetbox` CLI and the TUI all go through `call_box`, so every way of
 steering a box runs the same code and gets the same errors.

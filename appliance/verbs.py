@@ -43,6 +43,11 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def evict(payload: dict[str, Any]) -> dict[str, Any]:
         spec = await _model(box, payload)
         refuse_adapter(spec, "evict")
+        if payload.get("where") == "every holder" and not box.settings.runs_models:
+            # Asked for want of a live box that runs models (`FleetOps.evict`): held by none, so evicted from every
+            # one, as the HTTP route says it; the model's name judged as anywhere (tester h120's case, every worker
+            # dead or draining: exit 1, "a gateway; it runs no models").
+            return {"model": spec.name, "evicted": False}
         _runs_models(box)
         if spec.name in box.residency.pinned:
             raise Conflict(f"model {spec.name} is pinned; unpin it before evicting it")

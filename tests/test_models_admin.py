@@ -604,6 +604,17 @@ async def test_cli_evict_of_a_model_that_does_not_exist_says_so(start_box, http)
     assert await ops.evict("alias-of-a") == {"ok": True, "model": "a", "evicted_from": [box.box_id]}  # its name
 
 
+async def test_cli_evict_with_no_live_box_that_runs_models_is_done_not_refused_by_a_gateway(start_box) -> None:
+    """Planning note (tester h120's case): every worker dead or draining, the gateway was asked and refused the
+    verb ("a gateway; it runs no models"), exit 1 where the docs say `evicted_from: []`."""
+    a = ModelEntry(name="a", runtime="noop", pinned=False)
+    gateway = await start_box(box_id="door", role="gateway", default_model=False, models=[a])
+    ops = FleetOps(gateway.nc, lambda: [BoxState.from_heartbeat({"box": "door", **heartbeat(gateway)})])
+    assert await ops.evict("a") == {"ok": True, "model": "a", "evicted_from": []}
+    with pytest.raises(NotFound, match="'ghost' does not exist"):
+        await ops.evict("ghost")
+
+
 async def test_evict_from_a_named_box_that_does_not_hold_it_or_runs_no_models_says_so(start_box, http) -> None:
     """As `fleetbox models evict --box` says it: not a 200 with `evicted_from: []`."""
     worker = await start_box(box_id="holder", default_model=False, models=[noop_model("a", pinned=False)])

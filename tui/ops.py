@@ -95,9 +95,10 @@ class FleetOps:
         # that does not exist, and evicts one that became resident since its last heartbeat. A model no
         # box holds is evicted from every box already: `evicted_from: []`, as POST /v1/models/{name}/evict.
         # A box that runs models is asked: a gateway refuses the verb (tester h120: exit 1 behind a gateway).
+        # With none that runs models live, a gateway is asked, only to judge the name ("where": it holds nothing).
         evicted, name = [], model
         for target in targets or [self._any_box(running_models=True)]:
-            result = await self._call(target, "evict", {"model": model})
+            result = await self._call(target, "evict", {"model": model, "where": "every holder"})
             name = result.get("model", name)  # its name, where `model` may be an alias
             if result.get("evicted"):
                 evicted.append(target)
