@@ -9,8 +9,7 @@ once chunks have been sent, it ends with an error chunk numbered after them inst
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -20,22 +19,9 @@ from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
 from appliance.delivery import HandBack, LocalReply, deliver_reply
 from appliance.envelope import ReplyMeta, RequestMeta
-
-if TYPE_CHECKING:
-    from appliance.adapters import LoadedAdapter
 from appliance.errors import FleetboxError, InternalError
+from appliance.generation_held import HeldGenerations, Stream
 from runtimes.generate import StepOutput
-
-
-@dataclass(slots=True)
-class Stream:
-    """A request in the decode batch: the chunks sent to its gateway so far, and the tokens made."""
-
-    meta: RequestMeta
-    msg: Msg
-    seq: int = 0
-    tokens: int = 0
-    adapter: LoadedAdapter | None = None  # the LoRA adapter's load it runs with
 
 
 class GenerationReplies:
@@ -47,6 +33,7 @@ class GenerationReplies:
         nc: NATS,
         blobs: Blobs,
         dead_letters: DeadLetters,
+        held: HeldGenerations,
         *,
         local_reply: LocalReply | None,
         hand_back: HandBack,
@@ -58,20 +45,12 @@ class GenerationReplies:
         self._nc = nc
         self._blobs = blobs
         self._dead_letters = dead_letters
+        self._held = held  # its `settling` and `retrying` are this object's to fill
         self._local_reply = local_reply
         self._hand_back = hand_back
         self._stopping = stopping  # draining: a reply no gateway takes is handed back instead of retried
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
         self._poke = poke  # a request answered or handed back: the worker has room again
-        # Requests whose last chunk (or error) waits for its gateway's confirmation, by id: no longer in the decode
-        # batch, yet not acked, so the worker keeps them in progress and knows a redelivery of one as its own. Left
-        # out, a final chunk that waited out `ack_wait` (a gateway reconnecting) was delivered again, generated again
-        # on every delivery, then dead-lettered: its client told 422 for an answered request (review h122).
-        self.settling: dict[str, Msg] = {}
-        # Requests being given another try or dead-lettered (`retry_or_dead_letter`), kept in progress meanwhile but,
-        # unlike those settling, never handed back at a drain: one in FBX_DLQ, its client maybe told, would be queued
-        # afresh for `max_deliver` more tries (review h133). Cut off, the max-deliveries advisory settles it.
-        self.retrying: dict[str, Msg] = {}
 
     async def send(self, stream: Stream, output: StepOutput, step_ms: float) -> None:
         """One chunk of text; the last one (with the usage) is confirmed then acked off the caller's path."""
@@ -121,11 +100,11 @@ class GenerationReplies:
         """Another try, or FBX_DLQ (`DeadLetters`). Meanwhile the request is `retrying`, kept in progress: a dead letter
         whose client is told while its gateway reconnects outlasted the ack wait, and JetStream's max-deliveries
         advisory had another box keep, tell and count it again (review h132)."""
-        self.retrying[meta.id] = msg
+        self._held.retrying[meta.id] = msg
         try:
             await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
-            self.retrying.pop(meta.id, None)
+            self._held.retrying.pop(meta.id, None)
             self._poke()
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
@@ -137,15 +116,15 @@ class GenerationReplies:
 
         Meanwhile the request is `settling`; the copy acked is the one held then (published again after the queue
         was lost, a copy may have taken the old one's place)."""
-        self.settling[meta.id] = msg
+        self._held.settling[meta.id] = msg
         try:
             if not await self.reply(meta, reply, body, confirmed=True):
                 # This box is stopping with the answer undelivered: another box answers it.
-                await self._hand_back(self.settling.get(meta.id, msg))
+                await self._hand_back(self._held.settling.get(meta.id, msg))
                 return
-            await self._blobs.ack(self.settling.get(meta.id, msg), meta.blob)
+            await self._blobs.ack(self._held.settling.get(meta.id, msg), meta.blob)
         finally:
-            self.settling.pop(meta.id, None)
+            self._held.settling.pop(meta.id, None)
             self._poke()
 
     async def reply(self, meta: RequestMeta, reply: ReplyMeta, body: bytes, *, confirmed: bool = False) -> bool:

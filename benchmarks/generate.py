@@ -14,7 +14,7 @@ greedy decoding runs every request to `max_tokens`; tokens are still counted fro
               model registered as a pinned generate model; N clients each send `POST
               /v1/completions` (temperature 0, fixed `max_tokens`) back to back, whole answers (and,
               in one row, streamed as server-sent events). Requests for one model decode together:
-              they join the batch at step boundaries (`appliance/generation.py`).
+              they join the batch at step boundaries (`appliance/generation_decode.py`).
 
 The same seeded prompts feed both; fleetbox's greedy answers are checked against the sequential
 ones (text equal), so the speed is not bought with different outputs.

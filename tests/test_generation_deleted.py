@@ -61,7 +61,7 @@ async def test_requests_of_a_generator_deleted_mid_generation_are_answered_404_a
     streamed = asyncio.create_task(streamed_error(http, box, body))
     await wait_for(entered.is_set, what="the stream to be decoding")
     answered = asyncio.create_task(whole(http, box, body))
-    await wait_for(lambda: len(worker._streams) == 2, what="the second request to wait for the next step")
+    await wait_for(lambda: len(worker._held.streams) == 2, what="the second request to wait for the next step")
 
     async with http.delete(url(box, f"/v1/models/{MODEL}")) as response:
         assert response.status == 200
@@ -124,7 +124,7 @@ async def test_a_generation_waiting_for_a_decode_slot_when_its_adapter_is_delete
     generating = asyncio.create_task(whole(http, box, body | {"model": MODEL}))
     await wait_for(entered.is_set, what="the base's generation to hold the one decode slot")
     waiting = asyncio.create_task(whole(http, box, body | {"model": f"{MODEL}:lora"}))
-    await wait_for(lambda: len(worker._streams) == 2, what="the adapter's request to wait for the slot")
+    await wait_for(lambda: len(worker._held.streams) == 2, what="the adapter's request to wait for the slot")
     try:
         async with http.delete(url(box, f"/v1/models/{MODEL}:lora")) as response:
             assert response.status == 200
@@ -160,12 +160,12 @@ async def test_a_generation_waiting_for_a_slot_when_its_adapter_is_registered_an
     generating = asyncio.create_task(whole(http, box, body | {"model": MODEL}))
     await wait_for(entered.is_set, what="the base's generation to hold the one decode slot")
     waiting = asyncio.create_task(whole(http, box, body | {"model": adapter}))
-    await wait_for(lambda: len(worker._streams) == 2, what="the adapter's request to wait for the slot")
+    await wait_for(lambda: len(worker._held.streams) == 2, what="the adapter's request to wait for the slot")
     try:
         new = spec_from_entry(old.model_copy(update={"path": adapter_dirs[Task.GENERATE]}), box.settings)
         kv = await box.js.key_value(bus.MODELS_BUCKET)
         await kv.put(new.slug, new.to_json())  # the same name on another folder, as one change
-        await wait_for(lambda: len(worker._streams) == 1, what="the adapter's request handed back")
+        await wait_for(lambda: len(worker._held.streams) == 1, what="the adapter's request handed back")
     finally:
         release.set()
     async with asyncio.timeout(30):
@@ -181,7 +181,7 @@ async def test_a_generation_admitted_as_its_adapter_is_registered_anew_runs_the_
     """A generation whose prompt was being rendered when its adapter was registered again on another folder is not in
     the decode table `adapters_retired` hands back from: it ran the old weights (planning item after review r60). It
     takes the new registration once its prompt is ready."""
-    from appliance import generation
+    from appliance import generation_intake
     from appliance.configured import spec_from_entry
     from runtimes import Task
 
@@ -193,14 +193,14 @@ async def test_a_generation_admitted_as_its_adapter_is_registered_anew_runs_the_
     body = {"model": adapter, "prompt": "Alice", "max_tokens": 8, "temperature": 0, "timeout": 30}
     _, before = await whole(http, box, body)
     rendering, release = threading.Event(), threading.Event()
-    render = generation.prompt_ids
+    render = generation_intake.prompt_ids
 
     def held_render(runtime, request):
         rendering.set()
         release.wait(_BOUND_S)
         return render(runtime, request)
 
-    monkeypatch.setattr(generation, "prompt_ids", held_render)
+    monkeypatch.setattr(generation_intake, "prompt_ids", held_render)
     admitted = asyncio.create_task(whole(http, box, body))
     try:
         await wait_for(rendering.is_set, what="the generation's prompt being rendered")
@@ -213,6 +213,6 @@ async def test_a_generation_admitted_as_its_adapter_is_registered_anew_runs_the_
     async with asyncio.timeout(30):
         status, answer = await admitted
     assert status == 200, answer
-    monkeypatch.setattr(generation, "prompt_ids", render)
+    monkeypatch.setattr(generation_intake, "prompt_ids", render)
     _, after = await whole(http, box, body)
     assert answer["choices"][0]["text"] == after["choices"][0]["text"] != before["choices"][0]["text"]

@@ -102,7 +102,7 @@ async def test_a_poison_prompt_is_dead_lettered_while_its_decode_batch_is_answer
     await wait_for(first_prefill.is_set, what="the first request's prefill")
     joining = asyncio.create_task(answer_text(http, box, OTHER))
     poison = asyncio.create_task(answer_text(http, box, POISON))
-    await wait_for(lambda: len(worker._streams) == 3, what="the other two requests to wait for the next step")
+    await wait_for(lambda: len(worker._held.streams) == 3, what="the other two requests to wait for the next step")
     rest_queued.set()  # next step: the first decodes, the other two are prefilled together and split
 
     async with asyncio.timeout(30):
@@ -151,7 +151,7 @@ async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_ans
     decode, streamed, second_queued, failed = runtime._decode, threading.Event(), threading.Event(), []
 
     def failing_decode():
-        if not failed and any(stream.seq > 0 for stream in list(worker._streams.values())):
+        if not failed and any(stream.seq > 0 for stream in list(worker._held.streams.values())):
             streamed.set()
             assert second_queued.wait(_BOUND_S), "the test did not queue the second request"
             failed.append(1)
@@ -170,7 +170,7 @@ async def test_a_failed_decode_step_ends_a_streamed_answer_with_an_error_and_ans
     first = asyncio.create_task(stream_events())
     await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
     second = asyncio.create_task(answer_text(http, box, OTHER))
-    await wait_for(lambda: len(worker._streams) == 2, what="the second request to wait for the next step")
+    await wait_for(lambda: len(worker._held.streams) == 2, what="the second request to wait for the next step")
     sample = box.metrics.registry.get_sample_value
     assert sample("fbx_generations", {"model": MODEL, "state": "running"}) == 1
     assert sample("fbx_generations", {"model": MODEL, "state": "waiting"}) == 1
@@ -317,7 +317,7 @@ async def test_a_drain_does_not_queue_afresh_a_generation_being_dead_lettered(
         body = orjson.dumps(completion(POISON))
         await nc.jetstream().publish(bus.request_subject(bus.model_slug(MODEL)), body, headers=meta.headers())
         await asyncio.wait_for(errors.get(), 20)  # being told: its dead letter kept
-        assert "poison-drained" in worker._replies.retrying
+        assert "poison-drained" in worker._held.retrying
         await worker.drain()
         info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(MODEL))
         assert (info.num_pending, info.num_ack_pending) == (0, 1)  # no copy queued; the original left unsettled
@@ -361,10 +361,10 @@ async def test_a_worker_whose_stepping_dies_lets_its_requests_go_to_another_box(
     first, worker = await generating_box(start_box, generator_dir, ack_wait_s=1.0)
 
     def broken() -> None:
-        if worker._streams:
+        if worker._held.streams:
             raise RuntimeError("stepping bug (injected)")
 
-    worker._drop_expired = broken
+    worker._decoding._drop_expired = broken
     asking = asyncio.create_task(answer_text(http, first, OTHER))
     await wait_for(lambda: worker._stepper.done(), what="the stepping task to die")
     await generating_box(start_box, generator_dir, ack_wait_s=1.0)  # a second box that can answer
@@ -380,7 +380,7 @@ def hold_decoding_once_a_chunk_is_sent(worker) -> tuple[threading.Event, threadi
     decode, streamed, asked = runtime._decode, threading.Event(), threading.Event()
 
     def held_decode():
-        if not asked.is_set() and any(stream.seq > 0 for stream in list(worker._streams.values())):
+        if not asked.is_set() and any(stream.seq > 0 for stream in list(worker._held.streams.values())):
             streamed.set()
             assert asked.wait(_BOUND_S), "the test did not ask for the hand-back"
         return decode()
@@ -407,13 +407,13 @@ async def test_a_box_asked_to_hand_a_generation_back_stops_and_it_is_generated_a
 
     events = asyncio.create_task(stream_events())
     await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
-    (request_id,) = worker._streams
+    (request_id,) = worker._held.streams
     nc = await nats.connect(nats_server.url)
     try:
         ask = {"id": request_id, "box": box.box_id, "again": True}
         answer = await nc.request(bus.cancel_subject(), orjson.dumps(ask), timeout=5)
         assert orjson.loads(answer.data) == {"handed_back": True, "publish_again": False}
-        assert request_id not in worker._streams
+        assert request_id not in worker._held.streams
         asked.set()
         elsewhere = await nc.request(bus.cancel_subject(), orjson.dumps({**ask, "id": "not-held"}), timeout=5)
         assert orjson.loads(elsewhere.data) == {"handed_back": False, "publish_again": False}
@@ -436,13 +436,13 @@ async def test_a_generation_on_its_last_delivery_is_not_handed_back(
     streamed, asked = hold_decoding_once_a_chunk_is_sent(worker)
     answer = asyncio.create_task(http.post(url(box, "/v1/completions"), json=completion(PROMPT, stream=True)))
     await wait_for(streamed.is_set, what="a chunk streamed, and the next decode step held")
-    (request_id,) = worker._streams
+    (request_id,) = worker._held.streams
     nc = await nats.connect(nats_server.url)
     try:
         ask = {"id": request_id, "box": box.box_id, "again": True}
         reply = await nc.request(bus.cancel_subject(), orjson.dumps(ask), timeout=5)
         assert orjson.loads(reply.data) == {"handed_back": False, "publish_again": False}
-        assert request_id in worker._streams  # still generating it
+        assert request_id in worker._held.streams  # still generating it
     finally:
         asked.set()
         await nc.close()

@@ -754,7 +754,7 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
     holding, held = threading.Event(), threading.Event()
 
     def one_running_one_waiting() -> bool:  # one decode slot: whichever was admitted second waits for it
-        return sorted(stream.seq > 0 for stream in list(worker._streams.values())) == [False, True]
+        return sorted(stream.seq > 0 for stream in list(worker._held.streams.values())) == [False, True]
 
     step = worker.runtime.step
 
@@ -769,10 +769,10 @@ async def test_a_generation_waiting_to_start_when_its_queue_was_lost_is_let_go_f
         for request_id in ("running", "waiting"):
             await _publish_generation(nc, request_id, "test.wait", max_tokens=240)
         await wait_for(holding.is_set, what="the device thread held with one generation running, the other waiting")
-        (running,) = [request_id for request_id, stream in worker._streams.items() if stream.seq > 0]
+        (running,) = [request_id for request_id, stream in worker._held.streams.items() if stream.seq > 0]
         box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)
         box.workers.queue_lost()
-        assert set(worker._streams) == {running}
+        assert set(worker._held.streams) == {running}
         held.set()
         finals: dict[str, int] = {}
         while len(finals) < 2:  # the running one finishes; the other, given again (2 s), is generated once
@@ -804,7 +804,7 @@ async def test_a_copy_published_again_before_the_runtime_dropped_the_old_one_is_
     holding, held = threading.Event(), threading.Event()
 
     def one_running_one_waiting() -> bool:
-        return sorted(stream.seq > 0 for stream in list(worker._streams.values())) == [False, True]
+        return sorted(stream.seq > 0 for stream in list(worker._held.streams.values())) == [False, True]
 
     step = worker.runtime.step
 
@@ -819,7 +819,7 @@ async def test_a_copy_published_again_before_the_runtime_dropped_the_old_one_is_
         for request_id in ("running", "waiting"):
             await _publish_generation(nc, request_id, "test.copy", max_tokens=240)
         await wait_for(holding.is_set, what="the device thread held with one generation running, the other waiting")
-        (waiting,) = [request_id for request_id, stream in worker._streams.items() if stream.seq == 0]
+        (waiting,) = [request_id for request_id, stream in worker._held.streams.items() if stream.seq == 0]
         box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)
         box.workers.queue_lost()
         # As its gateway publishes it again: into a new stream, where the old one's Nats-Msg-Id does not dedupe it.
@@ -860,17 +860,17 @@ async def test_a_box_asked_to_hand_back_a_generation_from_a_lost_queue_says_to_p
     worker._device.submit(held.wait, 20)  # no step: what is admitted stays held, however fast this machine
     try:
         await _publish_generation(nc, "r", "test.lost", max_tokens=240)
-        await wait_for(lambda: "r" in worker._streams, what="the generation admitted")
+        await wait_for(lambda: "r" in worker._held.streams, what="the generation admitted")
         ask = orjson.dumps({"id": "r", "box": "a", "again": True})
         answer = orjson.loads((await nc.request(bus.cancel_subject(), ask, timeout=5)).data)
         assert answer == {"handed_back": True, "publish_again": False}  # its stream is the live one: a nak will do
         await _publish_generation(nc, "s", "test.lost", max_tokens=240)
-        await wait_for(lambda: "s" in worker._streams, what="another admitted")
+        await wait_for(lambda: "s" in worker._held.streams, what="another admitted")
         box.workers.queue_epoch.made = datetime.now(UTC) + timedelta(seconds=1)  # its stream: made anew since
         ask = orjson.dumps({"id": "s", "box": "a", "again": True})
         answer = orjson.loads((await nc.request(bus.cancel_subject(), ask, timeout=5)).data)
         assert answer == {"handed_back": True, "publish_again": True}
-        assert "s" not in worker._streams
+        assert "s" not in worker._held.streams
     finally:
         held.set()
         await nc.close()
@@ -911,7 +911,7 @@ async def test_a_generation_whose_final_chunk_awaits_its_gateway_at_a_drain_is_h
     try:
         await _publish_generation(nc, "unconfirmed", "test.unconfirmed", max_tokens=4)
         worker = box.workers["gen"]
-        await wait_for(lambda: finals and "unconfirmed" in worker._replies.settling, what="the final chunk unconfirmed")
+        await wait_for(lambda: finals and "unconfirmed" in worker._held.settling, what="the final chunk unconfirmed")
         await worker.drain()
         consumer = bus.consumer_name(bus.model_slug("gen"), "interactive")
 
