@@ -37,10 +37,10 @@ from appliance.generation_intake import GenerationIntake, model_deleted
 from appliance.generation_replies import GenerationReplies
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
+from appliance.recent_answers import RecentAnswers
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
-from appliance.worker import RecentAnswers
 from runtimes.generate import GenerateRuntime
 
 log = logging.getLogger(__name__)

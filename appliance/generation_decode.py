@@ -21,8 +21,8 @@ from appliance.errors import GatewayTimeout, deadline_passed
 from appliance.generation_held import HeldGenerations
 from appliance.generation_replies import GenerationReplies
 from appliance.metrics import Metrics
+from appliance.recent_answers import RecentAnswers
 from appliance.residency import Residency
-from appliance.worker import RecentAnswers
 from runtimes.generate import GenerateRuntime, StepOutput
 
 log = logging.getLogger(__name__)

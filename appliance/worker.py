@@ -16,7 +16,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Coroutine
 from concurrent.futures import Executor
 from contextlib import suppress
@@ -51,6 +50,7 @@ from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
+from appliance.recent_answers import RecentAnswers
 from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
@@ -451,29 +451,6 @@ class ModelWorker:
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks.spawn(coro)
-
-
-class RecentAnswers:
-    """When a worker's recent answers came and how long each took from its gateway's send: the heartbeat's
-    requests/s and end-to-end p50/p99 of a model, which `fleetbox models list` and the TUI show."""
-
-    def __init__(self) -> None:
-        self._answered: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, latency ms)
-
-    def add(self, meta: RequestMeta) -> None:
-        self._answered.append((time.monotonic(), max(0.0, time.time() * 1000 - meta.sent_ms)))
-
-    def summary(self, window_s: float) -> dict[str, float]:
-        """Requests/s and p50/p99 (ms) over the last `window_s`; zeros when none came."""
-        now = time.monotonic()
-        recent = sorted(latency for when, latency in self._answered if now - when <= window_s)
-        if not recent:
-            return {"rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0}
-        return {
-            "rps": round(len(recent) / window_s, 2),
-            "p50_ms": round(recent[len(recent) // 2], 2),
-            "p99_ms": round(recent[min(len(recent) - 1, int(len(recent) * 0.99))], 2),
-        }
 
 
 def _untrained_head(model: str, weights: tuple[str, ...]) -> Unprocessable:
