@@ -152,15 +152,18 @@ class GenerationIntake:
             finally:
                 if hold is not None:
                     hold.release()
+        # A request not admitted leaves `preparing` before it is answered, tried again or dead-lettered: one still
+        # there is handed back by a drain, which on its last delivery queued afresh a request already in FBX_DLQ
+        # (review h141). Those tables (`settling`, `retrying`) keep it in progress meanwhile.
         except FleetboxError as exc:
-            await self._replies.fail(meta, self._held.preparing.get(meta.id, msg), exc)
+            await self._replies.fail(meta, self._held.preparing.pop(meta.id, msg), exc)
             return
         except (ValueError, UnknownAdapter) as exc:
-            await self._replies.fail(meta, self._held.preparing.get(meta.id, msg), Unprocessable(str(exc)))
+            await self._replies.fail(meta, self._held.preparing.pop(meta.id, msg), Unprocessable(str(exc)))
             return
         except RegistrationNotHeard:  # asked again shortly, maybe on another box (see `hold_adapter`)
             with suppress(NatsError):
-                await self._held.preparing.get(meta.id, msg).nak(delay=NOT_HEARD_DELAY_S)
+                await self._held.preparing.pop(meta.id, msg).nak(delay=NOT_HEARD_DELAY_S)
             return
         except Exception as exc:
             # Not the client's doing (its body's blob not read, a NATS hiccup): tried again, maybe elsewhere,
@@ -168,7 +171,7 @@ class GenerationIntake:
             log.error(
                 "generation not admitted", extra={"model": self._spec.name, "request_id": meta.id, "error": repr(exc)}
             )
-            await self._replies.retry_or_dead_letter(meta, self._held.preparing.get(meta.id, msg), exc)
+            await self._replies.retry_or_dead_letter(meta, self._held.preparing.pop(meta.id, msg), exc)
             return
         finally:
             msg = self._held.preparing.pop(meta.id, msg)  # the copy it holds now (`on_message` may have taken another)

@@ -19,6 +19,7 @@ import time
 import aiohttp
 import nats
 import orjson
+import pytest
 import torch
 
 from appliance import bus
@@ -299,12 +300,15 @@ async def test_a_dead_letter_whose_gateway_is_slow_to_take_the_error_is_kept_and
         await nc.close()
 
 
+@pytest.mark.parametrize("failing", ["prefill", "admission"])
 async def test_a_drain_does_not_queue_afresh_a_generation_being_dead_lettered(
-    start_box, nats_server, generator_dir
+    start_box, nats_server, generator_dir, failing: str
 ) -> None:
     """Review h133: kept in progress while its client was told, a generation being dead-lettered was also among what
     a drain hands back: on its last delivery that queued a copy afresh, for `max_deliver` more tries of a request
-    already in FBX_DLQ. Cut off by the drain, it is left to JetStream's max-deliveries advisory instead."""
+    already in FBX_DLQ. Cut off by the drain, it is left to JetStream's max-deliveries advisory instead. Review h141:
+    one whose admission failed (its body's blob gone) was dead-lettered while still among those being admitted,
+    which a drain hands back too."""
     box, worker = await generating_box(start_box, generator_dir, ack_wait_s=60, max_deliver=1, shutdown_grace_s=0.2)
     fail_prefill_of(worker.runtime, POISON)
     nc = await nats.connect(nats_server.url)
@@ -313,8 +317,9 @@ async def test_a_drain_does_not_queue_afresh_a_generation_being_dead_lettered(
         await nc.subscribe("test.replies", cb=errors.put)  # a gateway that never confirms the error
         now = int(time.time() * 1000)
         meta = RequestMeta(id="poison-drained", task="generate", model=MODEL, reply="test.replies",
-                           deadline_ms=now + 60_000, sent_ms=now, tokens=5)  # fmt: skip
-        body = orjson.dumps(completion(POISON))
+                           deadline_ms=now + 60_000, sent_ms=now, tokens=5,
+                           blob="never-put" if failing == "admission" else None)  # fmt: skip
+        body = orjson.dumps(completion(POISON)) if failing == "prefill" else b""
         await nc.jetstream().publish(bus.request_subject(bus.model_slug(MODEL)), body, headers=meta.headers())
         await asyncio.wait_for(errors.get(), 20)  # being told: its dead letter kept
         assert "poison-drained" in worker._held.retrying
