@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadObjectMetaError, DigestMismatchError, NotFoundError
 from prometheus_client import Counter
 
 from appliance import bus
@@ -40,6 +40,8 @@ DELIVERIES = "Fbx-Deliveries"
 _QUEUE_GROUP = "fbx-dead-letters"
 _STOP_S = 1.0  # how long a stopping box lets the dead letters it is answering finish
 _SETTLE_TRIES = 5  # an advisory's settling tried again after a NATS error, 0.25 s apart and doubling
+# A blob read that says the body is gone (deleted, its TTL past) or unreadable, not that the store failed just now.
+_BODY_GONE = (NotFoundError, DigestMismatchError, BadObjectMetaError)
 
 
 def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unprocessable:
@@ -52,15 +54,18 @@ def dead_letter_error(meta: RequestMeta, deliveries: int, reason: str) -> Unproc
 
 async def keep_dead_letter(
     js: JetStreamContext, meta: RequestMeta, headers: dict[str, str], body: bytes, *, deliveries: int, reason: str
-) -> None:
+) -> bool:
     """Keep the request in FBX_DLQ with why: once, whichever box keeps it (a worker that stopped before its client
     was told hands it back, and JetStream's max-deliveries advisory has a box keep it again: FBX_DLQ's duplicate
-    window drops that one)."""
+    window drops that one). False: a dead letter of it was kept before, maybe without `body`."""
     slug = bus.model_slug(meta.model)
     kept = {**headers, REASON: reason[:1000], DELIVERIES: str(deliveries)}
     kept["Nats-Msg-Id"] = f"dead:{meta.id}"  # not the request's own id, which FBX_REQ's window knows
-    await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
+    ack = await js.publish(bus.dead_letter_subject(slug), body, headers=kept)
+    if ack.duplicate:
+        return False
     log.warning("request dead-lettered", extra={"request_id": meta.id, "model": meta.model, "reason": reason})
+    return True
 
 
 async def _body_to_keep(
@@ -69,18 +74,22 @@ async def _body_to_keep(
     """The body a dead letter keeps, its reason, and the blob to delete once it is kept (None: none, or one left to
     the bucket's TTL). A large body's message carries only its blob's key: the dead letter keeps the body itself
     where a message can carry it, so an operator can inspect it after the blob's TTL, and then names no blob in
-    `headers` (the dead letter's, changed here). A read that times out is raised where the caller will be `tried_again`
-    (the advisory's settling): elsewhere the dead letter keeps the envelope and says the body stays in the store."""
+    `headers` (the dead letter's, changed here). A read the store fails just now (a timeout, a 503 while a server fails
+    over, no responders) is raised where the caller will be `tried_again` (the advisory's settling): elsewhere the
+    dead letter keeps the envelope and says the body stays in the store. Only a body gone or unreadable is kept as
+    gone (review h141: a 503 taken for gone kept the envelope, and the blob was then deleted)."""
     blob = meta.blob
     if not blob:
         return data, reason, None
     try:
         body = await blobs.get(blob)
-    except TimeoutError as exc:  # NATS's too: a store slow just now, not a body gone
+    except _BODY_GONE as exc:  # maybe why it failed: keep the envelope and why
+        return data, f"{reason}; its body (blob {blob}) could not be read: {exc!r}", None
+    except (NatsError, TimeoutError) as exc:  # a store failing just now, not a body gone
         if tried_again:
             raise
         return data, f"{reason}; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} ({exc!r})", None
-    except Exception as exc:  # the body is gone (maybe why it failed): keep the envelope and why
+    except Exception as exc:
         return data, f"{reason}; its body (blob {blob}) could not be read: {exc!r}", None
     if len(body) > blobs.message_room:  # more than a message carries: the dead letter names the blob
         return b"", f"{reason}; its body stays in the object store {bus.BLOBS_BUCKET} as {blob} until it expires", None
@@ -129,7 +138,8 @@ class DeadLetters:
             return
         headers = dict(msg.headers or {})
         body, reason, blob = await _body_to_keep(self._blobs, meta, headers, msg.data, repr(error))
-        await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
+        if not await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason):
+            blob = None  # the dead letter kept before may not carry the body: its blob is left to the bucket's TTL
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
         )
@@ -218,14 +228,15 @@ class DeadLetterWatch:
         body, reason, blob = await _body_to_keep(
             self._blobs, meta, headers, stored.data or b"", reason, tried_again=not last_try
         )
-        await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
+        if await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason):
+            removed.kept_blob = blob
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping
         )
         if not told:
             # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.
             log.warning("dead-lettered request's client not told: the box is stopping", extra={"request_id": meta.id})
-        removed.model, removed.blob = meta.model, blob
+        removed.model = meta.model
         try:
             await self._js.delete_msg(bus.REQUEST_STREAM, seq)
         except NotFoundError:
@@ -234,8 +245,8 @@ class DeadLetterWatch:
 
     async def _removed(self, removed: _Removal) -> None:
         """The request is out of FBX_REQ: its blob (kept in the dead letter) deleted, and the dead letter counted."""
-        if removed.blob:
-            await self._blobs.delete(removed.blob)  # left, it would hold nats-server's memory until its TTL
+        if removed.kept_blob:
+            await self._blobs.delete(removed.kept_blob)  # left, it would hold nats-server's memory until its TTL
         self._dead_lettered.labels(removed.model).inc()  # once settled: a settling tried again counts it once
 
 
@@ -245,4 +256,6 @@ class _Removal:
     removed the request, and a later try, finding it gone, still deletes its blob and counts it (review h132)."""
 
     model: str | None = None  # set as its delete is sent
-    blob: str | None = None
+    # The blob whose body the dead letter this settling kept carries: deleted once the request is out. None where the
+    # dead letter carries none, or was kept before (by a worker, or a try whose answer was lost), maybe without it.
+    kept_blob: str | None = None

@@ -14,11 +14,11 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import ObjectNotFoundError
+from nats.js.errors import ObjectNotFoundError, ServiceUnavailableError
 
 from appliance import bus
 from appliance.blobs import Blobs
-from appliance.deadletter import DeadLetters, DeadLetterWatch
+from appliance.deadletter import DeadLetters, DeadLetterWatch, keep_dead_letter
 from appliance.envelope import BLOB, ReplyMeta, RequestMeta
 from appliance.metrics import Metrics
 from tests.conftest import wait_for
@@ -188,6 +188,67 @@ async def test_a_blob_read_that_times_out_is_tried_again_not_taken_for_a_body_go
     await queue.settled()
     kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
     assert slow_store.timed_out == 1 and kept.data == body
+
+
+class UnavailableOnce:
+    """A blob store whose first read is refused with a NATS error other than a timeout (a 503 while a server fails
+    over, or no responders)."""
+
+    def __init__(self, blobs: Blobs) -> None:
+        self._blobs = blobs
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._blobs, name)
+
+    async def get(self, key: str) -> bytes:
+        if not self.refused:
+            self.refused += 1
+            raise ServiceUnavailableError
+        return await self._blobs.get(key)
+
+
+async def test_a_blob_read_the_store_refuses_just_now_is_tried_again_and_the_body_kept(queue, watches) -> None:
+    """Review h141: a NATS error other than a timeout was taken for the body gone, so the dead letter kept only the
+    envelope; a later step cut short had the settling tried again, FBX_DLQ dropped the body read then as a duplicate,
+    and the blob was deleted: the body in neither the dead letter nor the store."""
+    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+    key = await queue.blobs.put(bus.request_blob_key("large-5"), body)
+    seq = await queue.publish("large-5", b"", blob=key)
+    store = UnavailableOnce(queue.blobs)
+    js = TimesOutOnce(queue.js, "delete_msg")  # the first delete does not reach the server: the settling tried again
+    watch = DeadLetterWatch("settler", queue.nc, js, store, Metrics().dead_lettered)  # type: ignore[arg-type]
+    watches.append(watch)
+    await watch.start()
+    await queue.advise(seq)
+
+    await queue.settled()
+    kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
+    assert store.refused == 1 and kept.data == body
+
+
+async def test_a_dead_letter_kept_before_without_the_body_leaves_the_blob_to_its_ttl(queue, watches) -> None:
+    """Review h141: the dead letter was kept already (by a worker whose blob read failed, say) with only the envelope;
+    the advisory's copy, body and all, is dropped by FBX_DLQ as a duplicate, so the blob is not deleted."""
+    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+    key = await queue.blobs.put(bus.request_blob_key("large-6"), body)
+    seq = await queue.publish("large-6", b"", blob=key)
+    stored = await queue.js.get_msg(bus.REQUEST_STREAM, seq)
+    meta = RequestMeta.from_headers(dict(stored.headers or {}))
+    await keep_dead_letter(queue.js, meta, dict(stored.headers or {}), b"", deliveries=1, reason="kept by a worker")
+    metrics = Metrics()
+    watch = DeadLetterWatch("settler", queue.nc, queue.js, queue.blobs, metrics.dead_lettered)
+    watches.append(watch)
+    await watch.start()
+    await queue.advise(seq)
+
+    def counted() -> bool:  # once its blob was deleted or left
+        return metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"}) == 1
+
+    await wait_for(counted, what="the dead letter counted")
+    kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
+    assert not kept.data and kept.headers[BLOB] == key
+    assert await queue.blobs.get(key) == body
 
 
 class BlobReadsTimeOut:
