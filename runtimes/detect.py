@@ -228,6 +228,8 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     folder = Path(folder)
     if task is Task.GENERATE and runtime is not RuntimeKind.TORCH:
         raise UnsupportedModel(f"generation runs on the torch runtime, not {runtime}")
+    if task in (Task.CLASSIFY, Task.EXTRACT):  # its labels, as the head will read them (h141: a gap, then 503s)
+        labels_from_config(json_object(folder / "config.json"))
     if task is Task.SCORE:
         config = json_object(folder / "config.json")
         check_one_logit(folder, labels_from_config(config))

@@ -140,6 +140,22 @@ def test_what_a_load_would_refuse_is_refused_before_it(tmp_path: Path, encoder_d
         check_loadable(folder, Task.EMBED, RuntimeKind.TORCH, {})
 
 
+def test_a_token_classifier_whose_labels_skip_an_index_is_refused_before_a_load(
+    tmp_path: Path, model_dirs: dict[Task, Path]
+) -> None:
+    """Its task is told by the architecture, not the labels (a classifier's by its labels): registration took one
+    whose id2label skipped an index, and every load then refused it, 503 after 503 (review h141)."""
+    folder = tmp_path / "gappy-ner"
+    shutil.copytree(model_dirs[Task.EXTRACT], folder)
+    config = json.loads((folder / "config.json").read_text())
+    labels = list(config["id2label"].values())
+    config["id2label"] = {str(i if i < len(labels) - 1 else i + 1): label for i, label in enumerate(labels)}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert detect_task(folder) is Task.EXTRACT
+    with pytest.raises(UnsupportedModel, match="id2label must name the labels 0 to"):
+        check_loadable(folder, Task.EXTRACT, RuntimeKind.TORCH, {})
+
+
 def test_the_model_tables_read_from_transformers_source_are_its_own() -> None:
     """Registration reads them from modeling_auto.py's source (no torch); they must be what the module holds."""
     from transformers.models.auto import modeling_auto
