@@ -258,10 +258,13 @@ class GenerateWorker:
     def _keeps_late(self, msg: Msg) -> bool:
         return self._intake.keeps_late(msg)
 
-    def take(self, msg: Msg) -> None:
+    def take(self, msg: Msg) -> bool:
         """A request of this model another puller of the box was given (a refusal's, as the model loaded here):
-        taken in as if this worker's own pullers had been."""
+        taken in as if this worker's own pullers had been. False, not taken, while this worker drains."""
+        if self._stopping:
+            return False
         self._on_message(msg)
+        return True
 
     def _on_message(self, msg: Msg) -> None:
         self._intake.on_message(msg)

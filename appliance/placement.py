@@ -336,9 +336,11 @@ class Placement:
             # pull, still open, took the next request before the worker's, and answered it the old error (h50).
             # Handed back after the refusal has stopped (it looks every `_PERIOD_S`): at once, the refusal's own
             # pull could take it again and again, each a delivery, until it was dead-lettered (review r50). On its
-            # last delivery, where a nak has it dead-lettered (review h132), the worker takes it in itself.
+            # last delivery, where a nak has it dead-lettered (review h132), the worker takes it in itself, or, one
+            # draining (an eviction meanwhile), it is queued afresh for another delivery (review h141).
             if (msg.metadata.num_delivered or 1) >= self._box.settings.max_deliver:
-                self._box.workers[meta.model].take(msg)
+                if not self._box.workers[meta.model].take(msg):
+                    await self._hand_back()(msg)
                 return
             await msg.nak(delay=2 * _PERIOD_S)
             return

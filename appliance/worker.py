@@ -233,10 +233,14 @@ class ModelWorker:
     def _keeps_late(self, msg: Msg) -> bool:
         return keeps_held(msg, self._held.__contains__, self._on_message)
 
-    def take(self, msg: Msg) -> None:
+    def take(self, msg: Msg) -> bool:
         """A request of this model another puller of the box was given (a refusal's, as the model loaded here):
-        taken in as if this worker's own pullers had been."""
+        taken in as if this worker's own pullers had been. False, not taken, while this worker drains: its batcher
+        may have stopped, and the request would wait out `ack_wait` unanswered (review h141)."""
+        if self._draining:
+            return False
         self._on_message(msg)
+        return True
 
     def _on_message(self, msg: Msg) -> None:
         try:

@@ -8,7 +8,7 @@ import shutil
 
 from appliance import app, bus
 from appliance.bus import model_slug
-from appliance.envelope import ReplyMeta
+from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import ServiceUnavailable, UnloadedWhileStarting
 from appliance.puller import stop_pullers
 from appliance.settings import ModelEntry
@@ -165,5 +165,26 @@ async def test_a_refusals_request_on_its_last_delivery_for_a_model_loaded_here_s
         await box.placement._answer(msg, ServiceUnavailable("the load of m failed"))
         reply = await asyncio.wait_for(replies.get(), 30)
         assert ReplyMeta.from_headers(reply.headers).status == 200, reply.data
+    finally:
+        await nc.close()
+
+
+async def test_a_refusals_request_on_its_last_delivery_for_a_model_draining_here_is_queued_afresh(
+    start_box, nats_server
+) -> None:
+    """Review h141: taken in by the model's worker as that worker drained (an eviction meanwhile), it waited in a
+    stopped batcher, unanswered, until its deliveries ran out. It is queued afresh for another delivery instead."""
+    box = await start_box(default_model=False, models=[noop_model("m")], max_deliver=1)
+    worker = box.workers["m"]
+    await stop_pullers([worker.puller, worker.bulk_puller])
+    nc, _ = await publish_raw(nats_server.url, b'{"input": "x", "model": "m"}', id="refused-then-drained", model="m")
+    try:
+        refusal = await box.js.pull_subscribe_bind(bus.consumer_name(model_slug("m")), bus.REQUEST_STREAM)
+        [msg] = await refusal.fetch(1, timeout=5)
+        await worker.drain()
+        await box.placement._answer(msg, ServiceUnavailable("the load of m failed"))
+        [copy] = await refusal.fetch(1, timeout=5)  # not held by the drained worker: back in the queue
+        assert RequestMeta.from_headers(copy.headers).id == "refused-then-drained"
+        assert copy.metadata.sequence.stream > msg.metadata.sequence.stream
     finally:
         await nc.close()
