@@ -101,11 +101,13 @@ class Holders:
         if not self._knows_holders or self._holders(model):
             return
         count = self._admission.waiting_for(model)
-        if not self._hears_fleet():  # its own heartbeat missing too: the heartbeats are not coming through NATS
+        # Its own heartbeat missing too: the heartbeats are not coming through NATS. Others' may be heard (not of a box
+        # holding the model): the message says only what it knows (review h141: "no box's heartbeat" overstated it).
+        if not self._hears_fleet():
             raise ServiceUnavailable(
-                f"this gateway hears no box's heartbeat now, its own included (NATS JetStream is not taking or "
-                f"delivering them: see /readyz), and already awaits {count} request{'s' if count != 1 else ''} for "
-                f"model {model}; retry in 2s",
+                f"this gateway hears neither its own box's heartbeat now nor any box holding model {model} (NATS "
+                f"JetStream is not taking or delivering heartbeats: see /readyz), and already awaits {count} "
+                f"request{'s' if count != 1 else ''} for it; retry in 2s",
                 retry_after_s=2,
             )
         raise ServiceUnavailable(
