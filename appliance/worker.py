@@ -217,16 +217,17 @@ class ModelWorker:
             return 0
         return min(self._room(for_bulk=True), self.spec.batching.max_batch_size)
 
-    def cancel(self, request_id: str, *, settle: bool = True) -> None:
-        """Its client went away: drop it if this box holds it; the device thread skips it unless already running.
-        Without `settle` its message is left for JetStream to give again (see `GenerateWorker.cancel`)."""
+    def cancel(self, request_id: str, *, settle: bool = True, expired: bool = False) -> None:
+        """Its client went away (or, `expired`, its deadline passed at its gateway): drop it if this box holds it; the
+        device thread skips it unless already running. Without `settle` its message is left for JetStream to give
+        again (see `GenerateWorker.cancel`)."""
         held = self._held.get(request_id)
         if isinstance(held, Job) and not held.done:
             held.done = True  # the batcher, and the device thread's last look, skip done jobs
             self._let_go(request_id)
             if settle:
                 if not held.started_ms:  # counted as dropped before compute: one on the device is computed all the same
-                    self._metrics.cancelled.labels(self.spec.name).inc()
+                    (self._metrics.expired if expired else self._metrics.cancelled).labels(self.spec.name).inc()
                 self._spawn(self._blobs.ack(held.handle, held.meta.blob))
             self.puller.poke()
 

@@ -363,8 +363,9 @@ class Workers:
                     worker.cancel(request_id, settle=False)
             return
         self._cancelled.add(request_id)
+        expired = cancel.get("expired") is True  # its deadline passed: counted as expired, not as its client gone
         for worker in self._table.values():
-            worker.cancel(request_id)
+            worker.cancel(request_id, expired=expired)
 
 
 def _deleted(name: str) -> NotFound:

@@ -20,10 +20,12 @@ from typing import Any
 
 import nats
 import orjson
+import pytest
 
 from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.errors import GatewayTimeout
 from appliance.natsd import free_port
 from appliance.puller import Puller, stop_pullers
 from appliance.settings import ModelEntry
@@ -338,7 +340,8 @@ async def test_a_refusal_while_nats_is_frozen_names_nats_not_the_boxes(start_box
     finally:
         nats_server.process.send_signal(signal.SIGCONT)
     refused = [body["error"]["message"] for status, body in outcomes if status == 503]
-    assert refused and all("hears no box's heartbeat now, its own included" in message for message in refused), outcomes
+    said = "hears neither its own box's heartbeat now nor any box holding"
+    assert refused and all(said in message for message in refused), outcomes
     assert not any("held by no live box" in message for message in refused)
 
 
@@ -536,6 +539,42 @@ async def a_generation_awaited(start_box, generator_dir, *, timeout_s: float) ->
     await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
     (request_id,) = dispatcher._streams
     return dispatcher, chunks, first, request_id
+
+
+async def test_a_generation_past_its_deadline_is_cancelled_as_expired_and_one_left_early_as_gone(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Tester h142: the gateway cancels a generation fleet-wide at its deadline as it does one whose client left, and
+    the boxes counted it as a client gone. The cancel says which, so a box counts it as expired. The 504 names the
+    timeout the client asked for, not the part of it left when the generation was published (h142: 29.998s)."""
+    cancels: asyncio.Queue = asyncio.Queue()
+    nc = await nats.connect(nats_server.url)
+    await nc.subscribe(bus.cancel_subject(), cb=cancels.put)
+    model = ModelEntry(name="gen", path=generator_dir, task="generate")
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[model])
+    dispatcher = gateway.dispatcher
+    try:
+        for timeout_s, expected in ((0.5, {"expired": True}), (20, {})):
+            spec = gateway.catalog.get("gen")
+            chunks = dispatcher.stream(
+                spec=spec, task="generate", body=b"{}", timeout_s=timeout_s, tokens=1, new_tokens=4, asked_timeout_s=1
+            )
+            first = asyncio.create_task(anext(chunks))
+            await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
+            (request_id,) = dispatcher._streams
+            try:
+                if expected:  # no box answers it: its deadline passes
+                    with pytest.raises(GatewayTimeout, match="deadline of 1s"):  # as asked, not what was left
+                        await first
+                else:  # a first chunk, then its client goes away
+                    dispatcher.take(ReplyMeta(id=request_id, status=200, box="a", seq=0, final=False), b"one")
+                    await first
+            finally:
+                await chunks.aclose()
+            cancel = await asyncio.wait_for(cancels.get(), 5)
+            assert orjson.loads(cancel.data) == {"id": request_id, **expected}
+    finally:
+        await nc.close()
 
 
 async def test_a_box_whose_answer_another_box_starts_over_is_told_to_stop(

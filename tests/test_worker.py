@@ -95,6 +95,30 @@ async def test_request_past_its_deadline_is_never_computed(start_box, http, nats
     assert counter(box, "fbx_rows_computed") == 1  # only the slow one ran
 
 
+async def test_a_request_its_gateway_cancels_at_its_deadline_is_counted_expired_not_cancelled(
+    start_box, http, nats_server
+) -> None:
+    """Tester h142: a generation whose deadline passed at its gateway (which cancels it fleet-wide then) was counted
+    in `fbx_cancelled_requests` as if its client had gone away. A cancel that says `expired` counts as expired."""
+    box = await start_box(default_model=False, models=[noop_model()], max_batch_size=1)
+    worker = box.workers["noop"]
+    on_device, let_go = hold_on_device(worker.runtime)
+    first = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={**NOOP_BODY, "timeout": 10}))
+    await asyncio.to_thread(on_device.wait, 10)
+    nc, _ = await publish_raw(nats_server.url, NOOP_RAW, id="at-deadline")
+    try:
+        await wait_for(lambda: "at-deadline" in worker._held, what="the second request held behind the first")
+        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "at-deadline", "expired": True}))
+        await wait_for(lambda: "at-deadline" not in worker._held, what="the box to drop it")
+    finally:
+        let_go.set()
+        await nc.close()
+    async with await first as response:
+        assert response.status == 200
+    assert (counter(box, "fbx_expired_requests"), counter(box, "fbx_cancelled_requests")) == (1, 0)
+    assert counter(box, "fbx_rows_computed") == 1
+
+
 async def test_message_already_expired_on_arrival_is_answered_504_and_not_computed(start_box, nats_server) -> None:
     box = await start_box(default_model=False, models=[noop_model()])
     now = int(time.time() * 1000)

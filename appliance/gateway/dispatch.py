@@ -333,6 +333,7 @@ class Dispatcher:
         adapter: ModelSpec | None = None,
         priority: str = "interactive",
         request_id: str | None = None,
+        asked_timeout_s: float | None = None,
     ) -> AsyncIterator[Reply]:
         """Publish a generation request and yield its chunks in order, until the final one.
 
@@ -343,13 +344,14 @@ class Dispatcher:
 
         Admission is reckoned as for `call`, with a generation counted as started at its first chunk:
         what a client waits for before tokens flow is the wait to start, however long the answer. It
-        weighs `new_tokens`, the most it may make: how long it may hold a decode slot.
+        weighs `new_tokens`, the most it may make: how long it may hold a decode slot. `timeout_s` is what is left of
+        the deadline; `asked_timeout_s` the client's whole timeout, which a 504 names (default: `timeout_s`).
         """
         queue, meta = self._accept(spec, task, timeout_s, tokens, adapter, priority, request_id, weight=new_tokens)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = StreamWaiter(spec.name)
-        finished = whole = restarted = False
+        finished = whole = restarted = expired = False
         tokens = 0  # made, as the final chunk says
         arrived = time.monotonic()
         try:
@@ -359,7 +361,8 @@ class Dispatcher:
                     try:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
                     except TimeoutError:
-                        raise _deadline(timeout_s, self._max_timeout_s) from None
+                        expired = True
+                        raise _deadline(asked_timeout_s or timeout_s, self._max_timeout_s) from None
                     started = waiter.first_at or time.monotonic()  # when its first chunk came
                     if meta.id in queue.waiting and chunk.meta.status == 200:  # a box's error answer is no token
                         self._metrics.first_token_ms.labels(spec.name).observe((started - arrived) * 1000)
@@ -374,7 +377,7 @@ class Dispatcher:
         finally:
             queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole, tokens=tokens)
             if not finished:
-                await self._publisher.cancel(meta.id)
+                await self._publisher.cancel(meta.id, expired=expired)
 
     def nats_interrupted(self) -> None:
         """Cut off from NATS, or back on it: what was not answered meanwhile says nothing of any model's pace."""

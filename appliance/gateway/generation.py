@@ -91,6 +91,7 @@ async def _generate(request: web.Request, schema: type[ChatRequest] | type[Compl
             adapter=resolved.adapter,
             priority=request_priority(request),
             request_id=request_id,
+            asked_timeout_s=timeout_s,  # a 504 names it, not what was left (tester h142: "deadline of 29.998s")
         )
 
     include_usage = bool(parsed.stream and parsed.stream_options and parsed.stream_options.include_usage)

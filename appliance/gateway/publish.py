@@ -52,10 +52,13 @@ class Publisher:
         self._publishing: dict[str, float] = {}
         self._unanswered_at: float | None = None
 
-    async def cancel(self, request_id: str, box: str | None = None) -> None:
-        """Every box drops the request (its client went away), or only `box` (a second copy it holds)."""
+    async def cancel(self, request_id: str, box: str | None = None, *, expired: bool = False) -> None:
+        """Every box drops the request (its client went away, or, `expired`, its deadline passed), or only `box` (a
+        second copy it holds)."""
         try:
-            cancel = {"id": request_id} if box is None else {"id": request_id, "box": box}
+            cancel: dict[str, object] = {"id": request_id} if box is None else {"id": request_id, "box": box}
+            if expired:  # counted as expired, not as a client gone (tester h142)
+                cancel["expired"] = True
             await self._nc.publish(bus.cancel_subject(), orjson.dumps(cancel))
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
