@@ -85,6 +85,11 @@ async def test_text_classification_at_a_models_tei_url_honours_top_k(fleet, http
     both = {"model": "sentiment", "input": TEXT, "raw_scores": True, "function_to_apply": "sigmoid"}
     status, refused = await post(http, fleet, "/v1/classify", both)  # logits, or their sigmoid: not both
     assert (status, refused["error"]["code"]) == (422, "invalid_input"), refused
+    # At /predict the choice is `parameters.function_to_apply`, and the 422 names it so (review h141).
+    both = {"inputs": TEXT, "raw_scores": True, "parameters": {"function_to_apply": "softmax"}}
+    status, refused = await post(http, fleet, "/tei/sentiment", both)
+    assert (status, refused["error"]["code"]) == (422, "invalid_input"), refused
+    assert "`parameters.function_to_apply` 'softmax'" in refused["error"]["message"], refused
 
 
 @pytest.mark.parametrize("name", [DEFAULT_MODEL_NAME, "bare-encoder"])

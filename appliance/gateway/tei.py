@@ -218,6 +218,12 @@ def _predict_parameters(tei: TeiPredictRequest) -> dict[str, Any]:
     if parameters is None:
         return {"top_k": None, "raw_scores": tei.raw_scores}
     chosen = parameters.function_to_apply
+    if tei.raw_scores and chosen in ("softmax", "sigmoid"):  # named as this route takes it (review h141)
+        raise Unprocessable(
+            f"`raw_scores` asks for the logits and `parameters.function_to_apply` {chosen!r} for the {chosen} of "
+            "them; send one of the two",
+            code="invalid_input",
+        )
     return {
         "top_k": parameters.top_k,
         # "none" as `raw_scores` as well: a box of a version without `function_to_apply` ignores the field
