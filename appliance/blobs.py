@@ -25,6 +25,9 @@ from appliance import bus
 
 # Headers and framing ride along with a body; keep this much of NATS's payload limit for them.
 _HEADROOM = 64 * 1024
+# A blob read given up (TimeoutError) past this: nats.py's waits for the chunks without end. A body of the largest
+# `max_body_bytes` takes well under a second on a live server.
+READ_TIMEOUT_S = 30.0
 
 
 class Blobs:
@@ -74,7 +77,11 @@ class Blobs:
         return key
 
     async def get(self, key: str) -> bytes:
-        result = await (await self._bucket()).get(key)
+        """The blob's bytes; TimeoutError past `READ_TIMEOUT_S`. Unbounded, a read whose chunks never came (purged
+        under it, a server stalled) held its request forever, its message kept in progress by the worker's
+        keep-alive (review h141). Its reader's subscription may be left behind then, a rare leak."""
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            result = await (await self._bucket()).get(key)
         return result.data or b""
 
     async def take(self, key: str) -> bytes:

@@ -9,10 +9,12 @@ import shutil
 import time
 from pathlib import Path
 
+import nats
 import numpy as np
 import torch
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
+from appliance import blobs as blobs_module
 from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta
@@ -21,6 +23,44 @@ from benchmarks._models import copy_bert_tokenizer
 from tests.conftest import noop_model, url, wait_for
 from tests.models import YES_NO, save_long_context_encoder, with_config
 from tests.test_worker import acked_only_once_confirmed, publish_raw
+
+
+async def test_a_blob_read_whose_chunks_never_come_gives_up_within_its_bound(nats_server, monkeypatch) -> None:
+    """Review h141: nats.py's object read waits for a blob's chunks without end, so a read whose chunks were purged
+    under it (or a server stalled) held its request forever, kept in progress by the worker's keep-alive. Bounded,
+    it raises TimeoutError, which the worker, the generator's intake and the dead letter take as a try that failed."""
+    monkeypatch.setattr(blobs_module, "READ_TIMEOUT_S", 0.5)
+    nc = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        blobs = blobs_module.Blobs(js, 1024, nc.max_payload, ttl_s=600, file_storage=False, replicas=1)
+        await blobs.put("chunks-gone", b"x" * 4096)
+        info = await (await js.object_store(bus.BLOBS_BUCKET)).get_info("chunks-gone")
+        await js.purge_stream(f"OBJ_{bus.BLOBS_BUCKET}", subject=f"$O.{bus.BLOBS_BUCKET}.C.{info.nuid}")
+        read = asyncio.create_task(blobs.get("chunks-gone"))
+        done, _ = await asyncio.wait({read}, timeout=10)
+        assert read in done, "the read still waits for its chunks"
+        assert isinstance(read.exception(), TimeoutError)
+    finally:
+        await nc.close()
+
+
+async def test_a_reply_whose_body_cannot_be_read_is_a_503_not_a_500(start_box, http) -> None:
+    """The answer was made but its body, in the object store, could not be read (a timeout, a NATS error): the
+    client is told to send the request again, as for other NATS troubles, not answered 500."""
+    await start_box(role="worker", box_id="wk", default_model=False, models=[noop_model()], blob_threshold=2048)
+    box = await start_box(role="gateway", box_id="gw", default_model=False, models=[noop_model()])
+
+    async def unreadable(key: str) -> bytes:
+        raise TimeoutError
+
+    box.dispatcher._blobs.take = unreadable  # type: ignore[method-assign]
+    # 200 x 8 float32 from another box (a local reply is handed over in-process): a reply over 2 KiB, in a blob
+    body = {"model": "noop", "input": [f"text {i}" for i in range(200)]}
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 503, await response.text()
+        assert response.headers["Retry-After"] == "1"
+        assert "could not be read from the object store" in (await response.json())["error"]["message"]
 
 
 async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(start_box, http) -> None:

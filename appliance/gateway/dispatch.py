@@ -25,6 +25,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.nuid import NUID
 
@@ -32,7 +33,7 @@ from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import FleetboxError, GatewayTimeout
+from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 from appliance.gateway.admission import Admission
 from appliance.gateway.holders import Holders
 from appliance.gateway.model_queue import ModelQueue
@@ -251,7 +252,15 @@ class Dispatcher:
                 await asyncio.shield(self._publisher.cancel(meta.id))
                 raise
             if reply.meta.blob:
-                return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
+                try:
+                    return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
+                except (NatsError, TimeoutError) as exc:  # the answer was made, its body lost: a 503, not a 500
+                    log.warning("reply body not read", extra={"request_id": meta.id, "error": repr(exc)})
+                    raise ServiceUnavailable(
+                        f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} ({exc!r}); "
+                        "send the request again",
+                        retry_after_s=1,
+                    ) from None
             return reply
 
     def _accept(
