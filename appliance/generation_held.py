@@ -64,12 +64,16 @@ class HeldGenerations:
         return [*streams, *self.preparing.values(), *self.settling.values(), *self.retrying.values()]
 
     def copy_of(self, request_id: str) -> Msg | None:
-        """The message of a request this worker holds (generating, being admitted, or its last chunk settling)."""
+        """The message of a request this worker holds (generating, being admitted, its last chunk settling, or being
+        given another try or dead-lettered: taken in afresh meanwhile, it was generated beside its dead letter,
+        review h145)."""
         if request_id in self.streams:
             return self.streams[request_id].msg
         if request_id in self.preparing:
             return self.preparing[request_id]
-        return self.settling.get(request_id)
+        if request_id in self.settling:
+            return self.settling[request_id]
+        return self.retrying.get(request_id)
 
     def take_copy(self, request_id: str, msg: Msg) -> None:
         """`msg` is held in place of the copy `copy_of` names (one published again after the queue was lost)."""
@@ -77,8 +81,10 @@ class HeldGenerations:
             self.streams[request_id].msg = msg
         elif request_id in self.preparing:
             self.preparing[request_id] = msg
-        else:
+        elif request_id in self.settling:
             self.settling[request_id] = msg
+        else:
+            self.retrying[request_id] = msg
 
     def generating(self, stream: Stream) -> None:
         self.streams[stream.meta.id] = stream

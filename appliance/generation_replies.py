@@ -9,11 +9,13 @@ once chunks have been sent, it ends with an error chunk numbered after them inst
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from contextlib import suppress
 from typing import Any
 
 import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
@@ -104,7 +106,11 @@ class GenerationReplies:
         try:
             await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
-            self._held.retrying.pop(meta.id, None)
+            copy = self._held.retrying.pop(meta.id, None)
+            if copy is not None and copy is not msg:
+                # Published again after the queue was lost, it came meanwhile: the live copy, given another delivery
+                # (where this one was dead-lettered, its answer finds its client told already).
+                self._spawn(_nak(copy))
             self._poke()
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
@@ -135,3 +141,8 @@ class GenerationReplies:
             return await deliver_reply(self._nc, meta, body, reply.headers(), self._stopping)
         await self._nc.publish(meta.reply, body, headers=reply.headers())
         return True
+
+
+async def _nak(msg: Msg) -> None:
+    with suppress(NatsError):  # cut off: JetStream gives it out again after its ack wait all the same
+        await msg.nak()
