@@ -185,32 +185,39 @@ async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
 
 
 class Cancellations:
-    """Request ids whose clients went away, remembered for a while, fed by `fbx.cancel`.
+    """Request ids whose clients went away (or whose deadline passed at their gateway: `expired`), remembered for a
+    while, fed by `fbx.cancel`.
 
     Every box hears every cancel in the fleet: ids expire in the order they came, from the front of
-    a queue, so a storm of cancels costs each one a constant amount of work.
+    a queue, so a storm of cancels costs each one a constant amount of work. Whether each was `expired` is kept
+    with it: a box that pulls a request after its cancel counts it where the cancel said (review h145).
     """
 
     def __init__(self, memory_s: float = _CANCEL_MEMORY_S, most: int = 100_000) -> None:
         self._memory_s = memory_s
         self._most = most
         self._order: deque[tuple[float, str]] = deque()  # (expiry, id), oldest first
-        self._ids: set[str] = set()
+        self._ids: dict[str, bool] = {}  # id -> whether its deadline passed (not its client gone)
 
-    def add(self, request_id: str) -> None:
+    def add(self, request_id: str, *, expired: bool = False) -> None:
         now = time.monotonic()
         self._forget(now)
         if request_id in self._ids:
+            self._ids[request_id] |= expired
             return
         if len(self._order) >= self._most:
-            self._ids.discard(self._order.popleft()[1])
+            self._ids.pop(self._order.popleft()[1], None)
         self._order.append((now + self._memory_s, request_id))
-        self._ids.add(request_id)
+        self._ids[request_id] = expired
 
     def contains(self, request_id: str) -> bool:
         self._forget(time.monotonic())
         return request_id in self._ids
 
+    def expired(self, request_id: str) -> bool:
+        """Whether `request_id` was cancelled because its deadline passed at its gateway."""
+        return self._ids.get(request_id, False)
+
     def _forget(self, now: float) -> None:
         while self._order and self._order[0][0] <= now:
-            self._ids.discard(self._order.popleft()[1])
+            self._ids.pop(self._order.popleft()[1], None)

@@ -62,7 +62,7 @@ class GenerationIntake:
         replies: GenerationReplies,
         decoding: DecodeLoop,
         *,
-        cancel: Callable[[str], object],
+        cancel: Callable[..., object],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
     ) -> None:
         self._spec = spec
@@ -102,8 +102,9 @@ class GenerationIntake:
             return
         if self._decoding.parks(meta.id, msg):  # the runtime drops its old copy at its next step: this one comes after
             return
-        if self._cancelled.contains(meta.id):  # its client went away while it waited in the queue
-            self._metrics.cancelled.labels(self._spec.name).inc()
+        if self._cancelled.contains(meta.id):  # its client went away (or its deadline passed) while it was queued
+            counted = self._metrics.expired if self._cancelled.expired(meta.id) else self._metrics.cancelled
+            counted.labels(self._spec.name).inc()
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         if self.retired:
@@ -178,7 +179,7 @@ class GenerationIntake:
         self._held.generating(Stream(meta, msg, adapter=loaded))
         self._decoding.wake()
         if self._cancelled.contains(meta.id):  # cancelled while it was being prepared
-            self._cancel(meta.id)
+            self._cancel(meta.id, expired=self._cancelled.expired(meta.id))
 
     async def _hold_adapter(self, meta: RequestMeta, msg: Msg) -> AdapterHold:
         """The request's adapter, judged and held on this model (`hold_adapter`), at this delivery of its message."""

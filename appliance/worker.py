@@ -263,7 +263,8 @@ class ModelWorker:
                     self._held[meta.id] = msg
             return
         if self._cancelled.contains(meta.id):
-            self._metrics.cancelled.labels(self.spec.name).inc()
+            counted = self._metrics.expired if self._cancelled.expired(meta.id) else self._metrics.cancelled
+            counted.labels(self.spec.name).inc()
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         if msg.metadata.num_delivered > 1:
@@ -363,7 +364,8 @@ class ModelWorker:
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
             self._let_go(meta.id)
-            self._metrics.cancelled.labels(self.spec.name).inc()  # as a cancel of one held or still queued is
+            counted = self._metrics.expired if self._cancelled.expired(meta.id) else self._metrics.cancelled
+            counted.labels(self.spec.name).inc()  # as a cancel of one held or still queued is
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         job = Job(meta=meta, rows=rows, params=params, handle=msg)

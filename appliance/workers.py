@@ -362,8 +362,8 @@ class Workers:
                 for worker in self._table.values():
                     worker.cancel(request_id, settle=False)
             return
-        self._cancelled.add(request_id)
         expired = cancel.get("expired") is True  # its deadline passed: counted as expired, not as its client gone
+        self._cancelled.add(request_id, expired=expired)
         for worker in self._table.values():
             worker.cancel(request_id, expired=expired)
 

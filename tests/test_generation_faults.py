@@ -21,9 +21,11 @@ import nats
 import orjson
 import pytest
 import torch
+from nats.aio.msg import Msg
 
 from appliance import bus
 from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.generation_held import HeldGenerations
 from appliance.settings import ModelEntry
 from runtimes.generate import GenerateRuntime
 from tests.conftest import url, wait_for
@@ -512,3 +514,43 @@ async def test_a_client_that_hangs_up_is_counted_499(start_box, generator_dir) -
         await wait_for(lambda: sample("fbx_http_requests_total", route) == 1, what="the hang-up counted 499")
     finally:
         release.set()
+
+
+async def test_a_queued_generation_its_gateway_cancelled_as_expired_is_counted_expired(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review h145: the gateway cancels a generation whose deadline passed with `expired`, but a box that had not
+    pulled it yet (it waited in FBX_REQ, the usual way a generation times out under load) kept only the id, and
+    counted it in fbx_cancelled_requests_total as a client gone when it pulled it later."""
+    box, _ = await generating_box(start_box, generator_dir)
+
+    def count(name: str) -> float:
+        return box.metrics.registry.get_sample_value(f"{name}_total", {"model": MODEL}) or 0.0
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "timed-out-in-queue", "expired": True}))
+        await wait_for(lambda: box.workers._cancelled.contains("timed-out-in-queue"), what="the cancel heard")
+        now = int(time.time() * 1000)  # then pulled, a decode slot free: its deadline passed, as at its gateway
+        meta = RequestMeta(
+            id="timed-out-in-queue", task="generate", model=MODEL, reply="test.replies", deadline_ms=now - 10,
+            sent_ms=now - 500, tokens=5,
+        )  # fmt: skip
+        subject = bus.request_subject(bus.model_slug(MODEL))
+        await nc.jetstream().publish(subject, orjson.dumps(completion("hi")), headers=meta.headers())
+        await wait_for(lambda: count("fbx_expired_requests") + count("fbx_cancelled_requests") >= 1, what="a drop")
+        assert (count("fbx_expired_requests"), count("fbx_cancelled_requests")) == (1, 0)
+    finally:
+        await nc.close()
+
+
+def test_a_generation_being_dead_lettered_is_known_as_the_workers_own() -> None:
+    """Review h145: a request being given another try or dead-lettered (`retrying`) was not known as the worker's own,
+    so a copy of it published again after the queue was lost was taken in afresh and generated beside its dead
+    letter. The copy takes the original's place instead (and is given another delivery once that ends)."""
+    held = HeldGenerations()
+    original, copy = Msg(_client=None), Msg(_client=None)  # type: ignore[arg-type]
+    held.retrying["r"] = original
+    assert held.copy_of("r") is original
+    held.take_copy("r", copy)
+    assert held.retrying["r"] is copy and held.copy_of("r") is copy
