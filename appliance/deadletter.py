@@ -129,16 +129,18 @@ class DeadLetters:
         self._dead_lettered = dead_lettered  # the worker's model's count of them
         self._stopping = stopping  # the worker drains: an error reply no gateway takes is handed back, not retried
 
-    async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
+    async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> bool:
         """Nak it for another try after a back-off (maybe on another box), or on its `max_deliver`-th
-        delivery keep it in FBX_DLQ with why, answer its client and ack it. Either way it is settled."""
+        delivery keep it in FBX_DLQ with why, answer its client and ack it. Either way it is settled.
+        True where it was dead-lettered, its client told and the message acked: no copy of it is to be tried again."""
         deliveries = msg.metadata.num_delivered or 1
         if deliveries < self._max_deliver:
             await msg.nak(delay=retry_delay_s(msg))
-            return
+            return False
         headers = dict(msg.headers or {})
         body, reason, blob = await _body_to_keep(self._blobs, meta, headers, msg.data, repr(error))
-        if not await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason):
+        kept = await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
+        if not kept:
             blob = None  # the dead letter kept before may not carry the body: its blob is left to the bucket's TTL
         told = await tell_dead_lettered(
             self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
@@ -148,9 +150,11 @@ class DeadLetters:
             # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it and answer it, and count it:
             # counted here as well, and kept twice, it was counted by two boxes (review r41).
             await msg.nak()
-            return
-        self._dead_lettered.inc()
+            return False
+        if kept:  # one kept before was counted by whoever kept it (review h147: a copy's second dead letter)
+            self._dead_lettered.inc()
         await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
+        return True
 
 
 class DeadLetterWatch:

@@ -103,14 +103,16 @@ class GenerationReplies:
         whose client is told while its gateway reconnects outlasted the ack wait, and JetStream's max-deliveries
         advisory had another box keep, tell and count it again (review h132)."""
         self._held.retrying[meta.id] = msg
+        dead_lettered = False
         try:
-            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
+            dead_lettered = await self._dead_letters.retry_or_dead_letter(meta, msg, error)
         finally:
             copy = self._held.retrying.pop(meta.id, None)
             if copy is not None and copy is not msg:
-                # Published again after the queue was lost, it came meanwhile: the live copy, given another delivery
-                # (where this one was dead-lettered, its answer finds its client told already).
-                self._spawn(_nak(copy))
+                # Published again after the queue was lost, it came meanwhile: the live copy. Settled with the
+                # original where that was dead-lettered (in FBX_DLQ, its client told: review h147), else given
+                # the other try the original's nak, sent to the lost stream, could not give.
+                self._spawn(_settle_copy(copy, dead_lettered))
             self._poke()
 
     async def fail(self, meta: RequestMeta, msg: Msg, error: FleetboxError, seq: int = 0) -> None:
@@ -143,6 +145,6 @@ class GenerationReplies:
         return True
 
 
-async def _nak(msg: Msg) -> None:
+async def _settle_copy(msg: Msg, dead_lettered: bool) -> None:
     with suppress(NatsError):  # cut off: JetStream gives it out again after its ack wait all the same
-        await msg.nak()
+        await (msg.ack() if dead_lettered else msg.nak())

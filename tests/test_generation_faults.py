@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import nats
@@ -26,6 +27,7 @@ from nats.aio.msg import Msg
 from appliance import bus
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.generation_held import HeldGenerations
+from appliance.generation_replies import GenerationReplies
 from appliance.settings import ModelEntry
 from runtimes.generate import GenerateRuntime
 from tests.conftest import url, wait_for
@@ -554,3 +556,45 @@ def test_a_generation_being_dead_lettered_is_known_as_the_workers_own() -> None:
     assert held.copy_of("r") is original
     held.take_copy("r", copy)
     assert held.retrying["r"] is copy and held.copy_of("r") is copy
+
+
+class _SettledMsg:
+    """A message that records how it was settled: the copy below is judged by what the worker does with it."""
+
+    def __init__(self) -> None:
+        self.metadata = SimpleNamespace(num_delivered=5)
+        self.settled: list[str] = []
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.settled.append("nak")
+
+
+@pytest.mark.parametrize("dead_lettered", [True, False])
+async def test_the_copy_that_took_a_dead_lettered_generations_place_is_settled_with_it(dead_lettered: bool) -> None:
+    """Review h147: a copy of a request (published again after the queue was lost) that took the original's place
+    while it was dead-lettered was nak'd afterwards: a request in FBX_DLQ, its client told 422, generated again for
+    nobody. It is acked where the original was dead-lettered, and nak'd (the other try the original's nak, sent to
+    the lost stream, could not give) where it was not. The dead-lettering is played by a stand-in: the real one,
+    with a NATS restart in the middle of it, is what this bookkeeping guards against."""
+    held, copy = HeldGenerations(), _SettledMsg()
+
+    class DeadLettering:
+        async def retry_or_dead_letter(self, meta: RequestMeta, msg: object, error: Exception) -> bool:
+            held.take_copy(meta.id, copy)  # what the intake does with the copy that arrives meanwhile
+            return dead_lettered
+
+    spawned: list = []
+    replies = GenerationReplies(
+        "box", None, None, DeadLettering(), held,  # type: ignore[arg-type]
+        local_reply=None, hand_back=None, stopping=lambda: False,  # type: ignore[arg-type]
+        spawn=spawned.append, poke=lambda: None,
+    )  # fmt: skip
+    meta = RequestMeta(id="r", task="generate", model=MODEL, reply="x", deadline_ms=0, sent_ms=0, tokens=1)
+    await replies.retry_or_dead_letter(meta, _SettledMsg(), RuntimeError("the model raised"))  # type: ignore[arg-type]
+    for settle in spawned:
+        await settle
+    assert copy.settled == (["ack"] if dead_lettered else ["nak"])
+    assert "r" not in held.retrying
