@@ -76,17 +76,18 @@ class Blobs:
             await (await self._bucket()).put(key, data)
         return key
 
-    async def get(self, key: str) -> bytes:
-        """The blob's bytes; TimeoutError past `READ_TIMEOUT_S`. Unbounded, a read whose chunks never came (purged
-        under it, a server stalled) held its request forever, its message kept in progress by the worker's
-        keep-alive (review h141). Its reader's subscription may be left behind then, a rare leak."""
-        async with asyncio.timeout(READ_TIMEOUT_S):
+    async def get(self, key: str, timeout_s: float | None = None) -> bytes:
+        """The blob's bytes; TimeoutError past `timeout_s` (default and at most `READ_TIMEOUT_S`). Unbounded, a read
+        whose chunks never came (purged under it, a server stalled) held its request forever, its message kept in
+        progress by the worker's keep-alive (review h141). Its reader's subscription may be left behind then, a rare
+        leak."""
+        async with asyncio.timeout(min(READ_TIMEOUT_S, timeout_s if timeout_s is not None else READ_TIMEOUT_S)):
             result = await (await self._bucket()).get(key)
         return result.data or b""
 
-    async def take(self, key: str) -> bytes:
-        """Read a blob and delete it (a reply's: read once)."""
-        data = await self.get(key)
+    async def take(self, key: str, timeout_s: float | None = None) -> bytes:
+        """Read a blob and delete it (a reply's: read once). One not read is left to the bucket's TTL."""
+        data = await self.get(key, timeout_s)
         await self.delete(key)
         return data
 

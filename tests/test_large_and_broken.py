@@ -12,7 +12,7 @@ from pathlib import Path
 import nats
 import numpy as np
 import torch
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import NotFoundError, ObjectNotFoundError, ServiceUnavailableError
 
 from appliance import blobs as blobs_module
 from appliance import bus
@@ -45,22 +45,42 @@ async def test_a_blob_read_whose_chunks_never_come_gives_up_within_its_bound(nat
         await nc.close()
 
 
-async def test_a_reply_whose_body_cannot_be_read_is_a_503_not_a_500(start_box, http) -> None:
-    """The answer was made but its body, in the object store, could not be read (a timeout, a NATS error): the
-    client is told to send the request again, as for other NATS troubles, not answered 500."""
+class _StalledStore:
+    """The object store as nats.py reads it when an object's chunks never come (purged under it, a server stalled):
+    the read waits without end."""
+
+    async def get(self, key: str) -> None:
+        await asyncio.Event().wait()
+
+    async def delete(self, key: str) -> None:
+        pass
+
+
+async def test_a_reply_whose_body_cannot_be_read_is_a_503_and_one_that_stalls_a_504_at_its_deadline(
+    start_box, http
+) -> None:
+    """The answer was made but its body, in the object store, could not be read: a NATS error is a 503 telling the
+    client to send it again (it was a 500), and a read that stalls ends at the request's deadline with its 504
+    (review h147: 30 s past a 2 s deadline)."""
     await start_box(role="worker", box_id="wk", default_model=False, models=[noop_model()], blob_threshold=2048)
     box = await start_box(role="gateway", box_id="gw", default_model=False, models=[noop_model()])
 
-    async def unreadable(key: str) -> bytes:
-        raise TimeoutError
+    async def unreadable(key: str, timeout_s: float | None = None) -> bytes:
+        raise ServiceUnavailableError
 
-    box.dispatcher._blobs.take = unreadable  # type: ignore[method-assign]
+    take, box.dispatcher._blobs.take = box.dispatcher._blobs.take, unreadable  # type: ignore[method-assign]
     # 200 x 8 float32 from another box (a local reply is handed over in-process): a reply over 2 KiB, in a blob
-    body = {"model": "noop", "input": [f"text {i}" for i in range(200)]}
+    body = {"model": "noop", "input": [f"text {i}" for i in range(200)], "timeout": 2}
     async with http.post(url(box, "/v1/embeddings"), json=body) as response:
         assert response.status == 503, await response.text()
         assert response.headers["Retry-After"] == "1"
         assert "could not be read from the object store" in (await response.json())["error"]["message"]
+    box.dispatcher._blobs.take = take  # type: ignore[method-assign]
+    box.dispatcher._blobs._store = _StalledStore()  # type: ignore[assignment]
+    began = time.monotonic()
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        assert response.status == 504, await response.text()
+    assert time.monotonic() - began < 10  # its 2 s deadline, and the second an answer's body may take past it
 
 
 async def test_multi_megabyte_request_and_reply_travel_through_the_object_store(start_box, http) -> None:

@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.nuid import NUID
 
 from appliance import bus
-from appliance.blobs import Blobs
+from appliance.blobs import READ_TIMEOUT_S, Blobs
 from appliance.catalog import ModelSpec
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
@@ -44,6 +44,7 @@ from appliance.metrics import Metrics
 from appliance.tasks import Background
 
 log = logging.getLogger(__name__)
+_REPLY_READ_LEAST_S = 1.0  # an answer's body read from the object store may take this long past its deadline
 
 _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
 _RESTART_WAIT_S = 20.0  # for a generation handed back after a lost chunk to send its answer's first chunk again
@@ -252,9 +253,21 @@ class Dispatcher:
                 await asyncio.shield(self._publisher.cancel(meta.id))
                 raise
             if reply.meta.blob:
+                # Within the request's deadline (review h147: 30 s past a 2 s one), but a second at least: an answer
+                # that came in time is read, however little of its deadline was left.
+                left_s = max(deadline - loop.time(), _REPLY_READ_LEAST_S)
                 try:
-                    return Reply(reply.meta, await self._blobs.take(reply.meta.blob))
-                except (NatsError, TimeoutError) as exc:  # the answer was made, its body lost: a 503, not a 500
+                    return Reply(reply.meta, await self._blobs.take(reply.meta.blob, left_s))
+                except TimeoutError:
+                    log.warning("reply body not read in time", extra={"request_id": meta.id, "within_s": left_s})
+                    if left_s < READ_TIMEOUT_S:
+                        raise _deadline(timeout_s, self._max_timeout_s) from None
+                    raise ServiceUnavailable(
+                        f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} within "
+                        f"{READ_TIMEOUT_S:g}s; send the request again",
+                        retry_after_s=1,
+                    ) from None
+                except NatsError as exc:  # the answer was made, its body lost: a 503, not a 500
                     log.warning("reply body not read", extra={"request_id": meta.id, "error": repr(exc)})
                     raise ServiceUnavailable(
                         f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} ({exc!r}); "
