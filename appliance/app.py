@@ -133,6 +133,9 @@ class Box:
         self.started_at = time.time()
         self.build = build_id()  # read once here: a git checkout's commit costs a subprocess
         self.ready = False  # its start finished: a box refused at start (a twin of a live box id) never was
+        # `/readyz` has said ready once: from then a model pinned (or loading) is no reason to leave rotation
+        # (`box_status.not_ready_reason`).
+        self.was_ready = False
         self.door = HttpDoor(settings.host, settings.port)
 
     @property

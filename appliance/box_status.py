@@ -20,7 +20,19 @@ if TYPE_CHECKING:
 
 
 def not_ready_reason(box: Box) -> str | None:
-    """Why this box should not be sent traffic now (`/readyz`), or None when it is ready."""
+    """Why this box should not be sent traffic now (`/readyz`), or None when it is ready.
+
+    Its pinned models count until it is first ready (a box is sent traffic with them loaded and warm); after that
+    only the default model does: a model pinned on a running fleet took every box out of rotation at once (a
+    readiness probe on `/readyz` would have dropped every pod) until it loaded, 16 s for an ONNX export (tester
+    h146). Its record says where it loads meanwhile."""
+    reason = _not_ready_reason(box)
+    if reason is None:
+        box.was_ready = True
+    return reason
+
+
+def _not_ready_reason(box: Box) -> str | None:
     if box.nc is None or not box.nc.is_connected:
         return "not connected to NATS"
     if not box.queue.stream_ok:
@@ -34,6 +46,8 @@ def not_ready_reason(box: Box) -> str | None:
     if box.settings.runs_models:
         for spec in box.catalog:
             if not spec.pinned or spec.adapter_of is not None:
+                continue
+            if box.was_ready and spec.name != DEFAULT_MODEL_NAME:
                 continue
             if not box.residency.is_resident(spec.name):
                 # A pinned model whose load failed here would keep every box out of rotation until

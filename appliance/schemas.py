@@ -276,7 +276,9 @@ class ModelUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_wait_ms: WaitMs | None = None
 
 
-class BoxTarget(msgspec.Struct, kw_only=True):
-    """The body of `POST /v1/models/{name}/load|evict`: which box (default: this one)."""
+class BoxTarget(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of `POST /v1/models/{name}/load|evict`: which box (default: a load's this one or the freest worker,
+    an eviction's every box holding it). A field it does not know is refused: a typo of `box`, ignored, evicted the
+    model from every box (tester h146)."""
 
     box: str | None = None

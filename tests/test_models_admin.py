@@ -165,6 +165,11 @@ async def test_pin_load_evict_and_delete(start_box, http) -> None:
     status, body = await call(http, box, "POST", "/v1/models/a/evict")
     assert status == 409  # pinned models stay
     await call(http, box, "POST", "/v1/models/a/unpin")
+    for verb in ("load", "evict"):  # a typo of `box`, ignored, evicted from every box (tester h146)
+        status, body = await call(http, box, "POST", f"/v1/models/a/{verb}", {"Box": box.box_id})
+        assert (status, body["error"]["code"]) == (422, "invalid_input"), body
+        assert "unknown field `Box`" in body["error"]["message"]
+    assert box.residency.is_resident("a")
     status, body = await call(http, box, "POST", "/v1/models/a/evict")
     assert status == 200 and body["evicted_from"] == [box.box_id]
     assert not box.residency.is_resident("a")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from dataclasses import replace
 
 import nats
@@ -61,6 +62,9 @@ async def test_readyz_is_503_with_a_reason_until_the_pinned_model_is_resident(na
         async with http.get(url(box, "/readyz")) as response:
             assert response.status == 200
         await box.residency.evict("noop")
+        async with http.get(url(box, "/readyz")) as response:  # ready once: a pinned model other than the default
+            assert response.status == 200  # no longer takes it out of rotation (tester h146)
+        box.was_ready = False  # as before its first ready
         async with http.get(url(box, "/readyz")) as response:
             assert response.status == 503
             assert "noop" in (await response.json())["reason"]
@@ -126,29 +130,46 @@ def test_a_failing_loop_is_logged_once_when_it_starts_and_once_when_it_ends(capl
     ]
 
 
-async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up(start_box, http, monkeypatch) -> None:
-    """A box said ready once its pinned model was resident, a moment before its worker had timed its warm-up
-    batches: until then its heartbeat says no pace, and a burst sent then was bounded by rounds of its batches.
-    (At start the port opens once the pinned models' workers pull; a model pinned later is this case.)"""
+async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up_at_start_only(start_box, http, monkeypatch) -> None:
+    """Before it was first ready, a box waits for its pinned models' workers to time their warm-up batches (until
+    then its heartbeat says no pace, and a burst sent then was bounded by rounds of its batches). A model pinned
+    once the box was ready keeps it ready while it loads and warms up: every box of a fleet left rotation at once
+    for a pin (tester h146), which a readiness probe would have made an outage of every model."""
     box = await start_box(default_model=False, models=[noop_model(pinned=False)])
     release = hold_warm_ups(monkeypatch)
     try:
+        box.was_ready = False  # as if it had not been ready yet: the pinned model's warm-up keeps it out
+
+        async def readyz() -> tuple[int, str | None]:
+            async with http.get(url(box, "/readyz")) as response:
+                return response.status, (await response.json()).get("reason")
+
         async with http.post(url(box, "/v1/models/noop/pin")) as response:
             assert response.status == 200
 
         async def warming() -> bool:
-            async with http.get(url(box, "/readyz")) as response:
-                return (await response.json()).get("reason") == "pinned model noop is warming up"
+            return await readyz() == (503, "pinned model noop is warming up")
 
         await wait_for(warming, what="readyz to say the model warms up")
+        release.set()
+        await wait_for(lambda: _is(readyz(), (200, None)), what="readyz to say ready once it pulls")
+        assert box.was_ready
+        release.clear()
+        async with http.post(url(box, "/v1/models/noop/unpin")) as response:
+            assert response.status == 200
+        async with http.post(url(box, "/v1/models/noop/evict")) as response:
+            assert response.status == 200
+        async with http.post(url(box, "/v1/models/noop/pin")) as response:  # loads it again, its warm-up held
+            assert response.status == 200
+        await wait_for(lambda: box.workers.get("noop") is not None, what="its worker warming up")
+        assert not box.workers["noop"].pulling.is_set()
+        assert await readyz() == (200, None)  # ready all along
     finally:
         release.set()
 
-    async def ready() -> bool:
-        async with http.get(url(box, "/readyz")) as response:
-            return response.status == 200
 
-    await wait_for(ready, what="readyz to say ready once it pulls")
+async def _is(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
 
 
 async def test_readyz_says_not_ready_while_the_request_stream_does_not_answer(start_box, http, monkeypatch) -> None:
