@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import Literal
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -184,39 +185,45 @@ async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
                 log.debug("in-progress ack failed", extra={"error": repr(exc)})
 
 
+# Why a gateway cancelled a request (`fbx.cancel`'s `why`, "gone" when it says none): its client went away, its
+# deadline passed, or the gateway answered it without the queue (a publish that went unconfirmed: a 503). Each is
+# counted as such where a box drops it (`Metrics.dropped`): only "gone" is a client that went away (tester h146).
+CancelWhy = Literal["gone", "expired", "abandoned"]
+CANCEL_WHYS: tuple[CancelWhy, ...] = ("gone", "expired", "abandoned")
+
+
 class Cancellations:
-    """Request ids whose clients went away (or whose deadline passed at their gateway: `expired`), remembered for a
-    while, fed by `fbx.cancel`.
+    """Request ids whose clients went away, or that their gateway gave up on (`CancelWhy`), remembered for a while,
+    fed by `fbx.cancel`.
 
     Every box hears every cancel in the fleet: ids expire in the order they came, from the front of
-    a queue, so a storm of cancels costs each one a constant amount of work. Whether each was `expired` is kept
-    with it: a box that pulls a request after its cancel counts it where the cancel said (review h145).
+    a queue, so a storm of cancels costs each one a constant amount of work. Why each was cancelled is kept with
+    it: a box that pulls a request after its cancel counts it as the cancel said (review h145).
     """
 
     def __init__(self, memory_s: float = _CANCEL_MEMORY_S, most: int = 100_000) -> None:
         self._memory_s = memory_s
         self._most = most
         self._order: deque[tuple[float, str]] = deque()  # (expiry, id), oldest first
-        self._ids: dict[str, bool] = {}  # id -> whether its deadline passed (not its client gone)
+        self._ids: dict[str, CancelWhy] = {}
 
-    def add(self, request_id: str, *, expired: bool = False) -> None:
+    def add(self, request_id: str, *, why: CancelWhy = "gone") -> None:
         now = time.monotonic()
         self._forget(now)
         if request_id in self._ids:
-            self._ids[request_id] |= expired
             return
         if len(self._order) >= self._most:
             self._ids.pop(self._order.popleft()[1], None)
         self._order.append((now + self._memory_s, request_id))
-        self._ids[request_id] = expired
+        self._ids[request_id] = why
 
     def contains(self, request_id: str) -> bool:
         self._forget(time.monotonic())
         return request_id in self._ids
 
-    def expired(self, request_id: str) -> bool:
-        """Whether `request_id` was cancelled because its deadline passed at its gateway."""
-        return self._ids.get(request_id, False)
+    def why(self, request_id: str) -> CancelWhy:
+        """Why `request_id` was cancelled (asked of one it `contains`)."""
+        return self._ids.get(request_id, "gone")
 
     def _forget(self, now: float) -> None:
         while self._order and self._order[0][0] <= now:

@@ -29,7 +29,7 @@ from appliance.adapter_hold import adapter_deleted
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
-from appliance.delivery import Cancellations, HandBack, LocalReply, QueueEpoch, keep_alive
+from appliance.delivery import Cancellations, CancelWhy, HandBack, LocalReply, QueueEpoch, keep_alive
 from appliance.errors import ServiceUnavailable
 from appliance.generation_decode import DecodeLoop
 from appliance.generation_held import HeldGenerations
@@ -188,9 +188,9 @@ class GenerateWorker:
         quiet = self.puller.quiet_for(BULK_IDLE_S)
         return self._room() if quiet else 0
 
-    def cancel(self, request_id: str, *, settle: bool = True, expired: bool = False) -> bool:
-        """The gateway's client went away (or, `expired`, its deadline passed there, counted so): stop spending tokens
-        on it, and settle its message. Without `settle`,
+    def cancel(self, request_id: str, *, settle: bool = True, why: CancelWhy = "gone") -> bool:
+        """The gateway's client went away (or the gateway gave up on it: `why`, counted so): stop spending tokens on
+        it, and settle its message. Without `settle`,
         only stop: another box answers it now (a cancel naming this box), and the message, if it is the live copy,
         must come back to be answered if that box fails; acked, JetStream removed it while the other box held it,
         and remembered, this box dropped its next delivery (review r43)."""
@@ -200,7 +200,7 @@ class GenerateWorker:
         stream = self._held.forget(request_id)
         assert stream is not None
         if settle:
-            (self._metrics.expired if expired else self._metrics.cancelled).labels(self.spec.name).inc()
+            self._metrics.dropped(self.spec.name, why)
             self._spawn(self._blobs.ack(stream.msg, stream.meta.blob))
         self.puller.poke()
         return True

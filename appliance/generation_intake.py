@@ -103,8 +103,7 @@ class GenerationIntake:
         if self._decoding.parks(meta.id, msg):  # the runtime drops its old copy at its next step: this one comes after
             return
         if self._cancelled.contains(meta.id):  # its client went away (or its deadline passed) while it was queued
-            counted = self._metrics.expired if self._cancelled.expired(meta.id) else self._metrics.cancelled
-            counted.labels(self._spec.name).inc()
+            self._metrics.dropped(self._spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         if self.retired:
@@ -179,7 +178,7 @@ class GenerationIntake:
         self._held.generating(Stream(meta, msg, adapter=loaded))
         self._decoding.wake()
         if self._cancelled.contains(meta.id):  # cancelled while it was being prepared
-            self._cancel(meta.id, expired=self._cancelled.expired(meta.id))
+            self._cancel(meta.id, why=self._cancelled.why(meta.id))
 
     async def _hold_adapter(self, meta: RequestMeta, msg: Msg) -> AdapterHold:
         """The request's adapter, judged and held on this model (`hold_adapter`), at this delivery of its message."""

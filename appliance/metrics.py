@@ -120,6 +120,14 @@ class Metrics:
             registry=r,
         )
 
+    def dropped(self, model: str, why: str) -> None:
+        """A request a box dropped on a cancel (`delivery.CancelWhy`): its client gone, its deadline passed, or one
+        its gateway answered without the queue, which neither counts."""
+        if why == "gone":
+            self.cancelled.labels(model).inc()
+        elif why == "expired":
+            self.expired.labels(model).inc()
+
     def forget(self, model: str) -> None:
         """Drop every series of a deleted model or adapter: a fleet that registers and deletes adapters all day grew
         /metrics by four series each, for good (tester h70)."""

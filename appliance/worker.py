@@ -37,6 +37,7 @@ from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import (
     Cancellations,
+    CancelWhy,
     HandBack,
     LocalReply,
     QueueEpoch,
@@ -217,17 +218,17 @@ class ModelWorker:
             return 0
         return min(self._room(for_bulk=True), self.spec.batching.max_batch_size)
 
-    def cancel(self, request_id: str, *, settle: bool = True, expired: bool = False) -> None:
-        """Its client went away (or, `expired`, its deadline passed at its gateway): drop it if this box holds it; the
-        device thread skips it unless already running. Without `settle` its message is left for JetStream to give
-        again (see `GenerateWorker.cancel`)."""
+    def cancel(self, request_id: str, *, settle: bool = True, why: CancelWhy = "gone") -> None:
+        """Its client went away (or its gateway gave up on it: `why`): drop it if this box holds it; the device thread
+        skips it unless already running. Without `settle` its message is left for JetStream to give again (see
+        `GenerateWorker.cancel`)."""
         held = self._held.get(request_id)
         if isinstance(held, Job) and not held.done:
             held.done = True  # the batcher, and the device thread's last look, skip done jobs
             self._let_go(request_id)
             if settle:
                 if not held.started_ms:  # counted as dropped before compute: one on the device is computed all the same
-                    (self._metrics.expired if expired else self._metrics.cancelled).labels(self.spec.name).inc()
+                    self._metrics.dropped(self.spec.name, why)
                 self._spawn(self._blobs.ack(held.handle, held.meta.blob))
             self.puller.poke()
 
@@ -263,8 +264,7 @@ class ModelWorker:
                     self._held[meta.id] = msg
             return
         if self._cancelled.contains(meta.id):
-            counted = self._metrics.expired if self._cancelled.expired(meta.id) else self._metrics.cancelled
-            counted.labels(self.spec.name).inc()
+            self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         if msg.metadata.num_delivered > 1:
@@ -364,8 +364,7 @@ class ModelWorker:
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
         if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
             self._let_go(meta.id)
-            counted = self._metrics.expired if self._cancelled.expired(meta.id) else self._metrics.cancelled
-            counted.labels(self.spec.name).inc()  # as a cancel of one held or still queued is
+            self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))  # as a cancel of one held or queued is
             self._spawn(self._blobs.ack(msg, meta.blob))
             return
         job = Job(meta=meta, rows=rows, params=params, handle=msg)

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
-from appliance.delivery import Cancellations, LocalReply, QueueEpoch
+from appliance.delivery import CANCEL_WHYS, Cancellations, LocalReply, QueueEpoch
 from appliance.errors import Conflict, NotFound, ServiceUnavailable, UnloadedWhileStarting
 from appliance.metrics import Metrics
 from appliance.profiles import ProfileBook
@@ -362,10 +362,10 @@ class Workers:
                 for worker in self._table.values():
                     worker.cancel(request_id, settle=False)
             return
-        expired = cancel.get("expired") is True  # its deadline passed: counted as expired, not as its client gone
-        self._cancelled.add(request_id, expired=expired)
+        why = next((why for why in CANCEL_WHYS if why == cancel.get("why")), "gone")  # as it is counted
+        self._cancelled.add(request_id, why=why)
         for worker in self._table.values():
-            worker.cancel(request_id, expired=expired)
+            worker.cancel(request_id, why=why)
 
 
 def _deleted(name: str) -> NotFound:

@@ -531,7 +531,7 @@ async def test_a_queued_generation_its_gateway_cancelled_as_expired_is_counted_e
 
     nc = await nats.connect(nats_server.url)
     try:
-        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "timed-out-in-queue", "expired": True}))
+        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "timed-out-in-queue", "why": "expired"}))
         await wait_for(lambda: box.workers._cancelled.contains("timed-out-in-queue"), what="the cancel heard")
         now = int(time.time() * 1000)  # then pulled, a decode slot free: its deadline passed, as at its gateway
         meta = RequestMeta(

@@ -554,7 +554,7 @@ async def test_a_generation_past_its_deadline_is_cancelled_as_expired_and_one_le
     gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[model])
     dispatcher = gateway.dispatcher
     try:
-        for timeout_s, expected in ((0.5, {"expired": True}), (20, {})):
+        for timeout_s, expected in ((0.5, {"why": "expired"}), (20, {})):
             spec = gateway.catalog.get("gen")
             chunks = dispatcher.stream(
                 spec=spec, task="generate", body=b"{}", timeout_s=timeout_s, tokens=1, new_tokens=4, asked_timeout_s=1
@@ -1042,3 +1042,11 @@ async def test_a_publish_jetstream_does_not_take_is_bounded_by_the_requests_dead
     # The 504 of its deadline, where the publish's own timeout was a 503 "not answering".
     assert (response.status, answer["error"]["code"]) == (504, "deadline_exceeded"), answer
     assert "did not take it in that time" in answer["error"]["message"]
+    # Stored once the server resumed, and cancelled by the gateway as it answered: dropped as expired, not counted as
+    # a client that went away (tester h146: the gateway's own give-ups read as client churn).
+    await wait_for(lambda: dropped(box, "fbx_expired_requests") + dropped(box, "fbx_cancelled_requests") >= 1)
+    assert (dropped(box, "fbx_expired_requests"), dropped(box, "fbx_cancelled_requests")) == (1, 0)
+
+
+def dropped(box: Box, counter: str) -> float:
+    return box.metrics.registry.get_sample_value(f"{counter}_total", {"model": "noop"}) or 0.0

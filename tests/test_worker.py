@@ -108,7 +108,7 @@ async def test_a_request_its_gateway_cancels_at_its_deadline_is_counted_expired_
     nc, _ = await publish_raw(nats_server.url, NOOP_RAW, id="at-deadline")
     try:
         await wait_for(lambda: "at-deadline" in worker._held, what="the second request held behind the first")
-        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "at-deadline", "expired": True}))
+        await nc.publish(bus.cancel_subject(), orjson.dumps({"id": "at-deadline", "why": "expired"}))
         await wait_for(lambda: "at-deadline" not in worker._held, what="the box to drop it")
     finally:
         let_go.set()

@@ -399,7 +399,7 @@ class Dispatcher:
         finally:
             queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole, tokens=tokens)
             if not finished:
-                await self._publisher.cancel(meta.id, expired=expired)
+                await self._publisher.cancel(meta.id, why="expired" if expired else "gone")
 
     def nats_interrupted(self) -> None:
         """Cut off from NATS, or back on it: what was not answered meanwhile says nothing of any model's pace."""

@@ -23,6 +23,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from appliance import bus
 from appliance.blobs import Blobs
+from appliance.delivery import CancelWhy
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 
@@ -52,13 +53,13 @@ class Publisher:
         self._publishing: dict[str, float] = {}
         self._unanswered_at: float | None = None
 
-    async def cancel(self, request_id: str, box: str | None = None, *, expired: bool = False) -> None:
-        """Every box drops the request (its client went away, or, `expired`, its deadline passed), or only `box` (a
-        second copy it holds)."""
+    async def cancel(self, request_id: str, box: str | None = None, *, why: CancelWhy = "gone") -> None:
+        """Every box drops the request (`why`: its client went away, its deadline passed, or this gateway answered it
+        without the queue), or only `box` (a second copy it holds)."""
         try:
             cancel: dict[str, object] = {"id": request_id} if box is None else {"id": request_id, "box": box}
-            if expired:  # counted as expired, not as a client gone (tester h142)
-                cancel["expired"] = True
+            if why != "gone":  # counted as such, not as a client gone (testers h142, h146)
+                cancel["why"] = why
             await self._nc.publish(bus.cancel_subject(), orjson.dumps(cancel))
         except Exception as exc:
             log.debug("cancel not sent", extra={"request_id": request_id, "error": repr(exc)})
@@ -132,8 +133,9 @@ class Publisher:
         except (NatsTimeout, NoRespondersError, NoStreamResponseError) as exc:  # no stream leader now (a failover)
             # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
             # reconnect): the cancel follows it on the same connection, so no box computes what was answered.
-            await self.cancel(meta.id)
-            if isinstance(exc, NatsTimeout) and timeout_s < _PUBLISH_TIMEOUT_S:  # its deadline, not the queue's
+            expired = isinstance(exc, NatsTimeout) and timeout_s < _PUBLISH_TIMEOUT_S  # its deadline, not the queue's
+            await self.cancel(meta.id, why="expired" if expired else "abandoned")
+            if expired:
                 timeout = (meta.deadline_ms - meta.sent_ms) / 1000
                 raise GatewayTimeout(
                     f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) "
