@@ -96,6 +96,10 @@ def check_nats_option(nats: str) -> str:
 def check_model_argument(model: str) -> str:
     """A verb's MODEL: empty, blank, or a name no model can have (a control character, too long) is a usage
     error; sent on, `models load ""` was asked of a box, which answered as if for a model it did not know."""
+    return _check_name(model, "MODEL")
+
+
+def _check_name(model: str, label: str) -> str:
     from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_REFERENCE
 
     problem = None
@@ -106,7 +110,7 @@ def check_model_argument(model: str) -> str:
     elif not re.fullmatch(MODEL_NAME_REFERENCE, model):
         problem = "has a control character, which no model's name has"
     if problem:
-        typer.echo(f"fleetbox: MODEL {model!r} {problem}", err=True)
+        typer.echo(f"fleetbox: {label} {model!r} {problem}", err=True)
         raise typer.Exit(2)
     return model
 
@@ -116,7 +120,10 @@ def check_new_model_name(name: str) -> str:
     either end, no invisible character); asked of a box, it answered with its schema's regular expression."""
     from tui.ops import new_name_problem
 
-    check_model_argument(name)
+    if not name.strip():  # not MODEL's "give a model's name or alias, as `fleetbox models list` shows them" (h146)
+        typer.echo(f"fleetbox: NAME {name!r} is empty; give the name the new model is to be called by", err=True)
+        raise typer.Exit(2)
+    _check_name(name, "NAME")
     problem = new_name_problem(name)
     if problem:
         typer.echo(f"fleetbox: NAME {name!r} {problem}", err=True)

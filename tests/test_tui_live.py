@@ -638,7 +638,7 @@ def test_an_empty_nats_url_list_is_a_usage_error(monkeypatch) -> None:
         (["models", "evict", "m", "--box", "a.b"], "fleetbox: box id 'a.b' is not 1 to 64 letters"),
         (["box", "drain", " "], "fleetbox: box id ' ' is not 1 to 64 letters"),
         (["models", "delete", ""], "fleetbox: MODEL '' names no model"),
-        (["models", "register", "", "/m"], "fleetbox: MODEL '' names no model"),
+        (["models", "register", "", "/m"], "fleetbox: NAME '' is empty; give the name the new model"),
         # A box was asked, and answered with its schema's regular expression (exit 1).
         (["models", "register", "abc ", "/m"], "fleetbox: NAME 'abc ' starts or ends with a space"),
         (["models", "register", "a\u200bb", "/m"], "has a control or invisible character (U+200B)"),

@@ -72,7 +72,8 @@ async def list_models(servers: str, auth: NatsAuth) -> list[ModelRow]:
 
 
 async def list_boxes(servers: str, auth: NatsAuth) -> tuple[list[BoxState], float]:
-    """The fleet's boxes as the TUI's Fleet screen sees them (dead ones for a while too), and when they were read."""
+    """The fleet's boxes as the TUI's Fleet screen sees them, and when they were read: one reading, so a box whose
+    heartbeat record is gone is not among them (the TUI, watching, keeps a dead one on screen for a while)."""
     async with attached(servers, auth) as source:
         view = source.view()
         return list(view.boxes), view.taken_at
