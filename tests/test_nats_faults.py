@@ -396,6 +396,26 @@ async def test_a_puller_stopped_while_it_subscribes_never_starts_asking(nats_ser
         await nc.close()
 
 
+async def test_a_request_whose_deadline_passes_with_nats_gone_says_so_not_to_raise_its_timeout(
+    start_box, nats_server, http
+) -> None:
+    """Tester h146: requests accepted before the box holding NATS was killed got, at their deadline, a 504 advising
+    to raise the `timeout`, where the queue being out of reach was the cause."""
+    box = await start_box(default_model=False, models=[noop_model(cost_ms=3000)], max_batch_size=1)
+    worker = box.workers["noop"]
+    sent = asyncio.create_task(
+        http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 1.5})
+    )
+    await wait_for(lambda: worker.held == 1, what="the request held by the worker")
+    await nats_server.stop()
+    async with await sent as response:
+        answer = await response.json()
+    assert (response.status, answer["error"]["code"]) == (504, "deadline_exceeded"), answer
+    assert "not connected to NATS" in answer["error"]["message"], answer
+    assert "raise it" not in answer["error"]["message"]
+    await nats_server.start()  # for the fixture's stop
+
+
 async def test_with_nats_down_a_request_is_refused_at_once_and_never_computed_later(start_box, nats_server, http):
     """A gateway cut off from NATS answers 503 at once, and the request is not queued behind the client's back."""
     box = await start_box(default_model=False, models=[noop_model()])

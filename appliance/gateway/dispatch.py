@@ -50,8 +50,13 @@ _DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computin
 _RESTART_WAIT_S = 20.0  # for a generation handed back after a lost chunk to send its answer's first chunk again
 
 
-def _deadline(timeout_s: float, max_timeout_s: float) -> GatewayTimeout:
-    if timeout_s >= max_timeout_s:  # raising it cannot help: the box's cap set it (auditor h61)
+def _deadline(timeout_s: float, max_timeout_s: float, *, nats_connected: bool = True) -> GatewayTimeout:
+    if not nats_connected:  # the queue is out of reach: a longer deadline is not the cure (tester h146)
+        advice = (
+            "this gateway is not connected to NATS now (the request queue is out of reach; see /readyz): "
+            "retry once it is back"
+        )
+    elif timeout_s >= max_timeout_s:  # raising it cannot help: the box's cap set it (auditor h61)
         advice = "that is this box's longest (its `max_timeout_s`); retry later, or send less work per request"
     else:
         advice = "raise it with the `timeout` field or header, or retry later"
@@ -246,7 +251,7 @@ class Dispatcher:
                 try:
                     reply = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    raise _deadline(timeout_s, self._max_timeout_s) from None
+                    raise self._past_deadline(timeout_s) from None
             except asyncio.CancelledError:
                 # The client went away (maybe while the publish waited for its ack, as in a failover): a box
                 # that has not started it drops it, and so does any box later.
@@ -261,7 +266,7 @@ class Dispatcher:
                 except TimeoutError:
                     log.warning("reply body not read in time", extra={"request_id": meta.id, "within_s": left_s})
                     if left_s < READ_TIMEOUT_S:
-                        raise _deadline(timeout_s, self._max_timeout_s) from None
+                        raise self._past_deadline(timeout_s) from None
                     raise ServiceUnavailable(
                         f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} within "
                         f"{READ_TIMEOUT_S:g}s; send the request again",
@@ -275,6 +280,9 @@ class Dispatcher:
                         retry_after_s=1,
                     ) from None
             return reply
+
+    def _past_deadline(self, timeout_s: float) -> GatewayTimeout:
+        return _deadline(timeout_s, self._max_timeout_s, nats_connected=self._nc.is_connected)
 
     def _accept(
         self,
@@ -384,7 +392,7 @@ class Dispatcher:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
                     except TimeoutError:
                         expired = True
-                        raise _deadline(asked_timeout_s or timeout_s, self._max_timeout_s) from None
+                        raise self._past_deadline(asked_timeout_s or timeout_s) from None
                     started = waiter.first_at or time.monotonic()  # when its first chunk came
                     if meta.id in queue.waiting and chunk.meta.status == 200:  # a box's error answer is no token
                         self._metrics.first_token_ms.labels(spec.name).observe((started - arrived) * 1000)
