@@ -153,8 +153,11 @@ class DeadLetters:
             return False
         if kept:  # one kept before was counted by whoever kept it (review h147: a copy's second dead letter)
             self._dead_lettered.inc()
-        await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
-        return True
+        try:
+            await self._blobs.ack(msg, blob)  # its body is kept in the dead letter, or left to the bucket's TTL
+        except NatsError as exc:  # cut off: delivered again, it is dead-lettered again (a duplicate, not counted)
+            log.warning("dead letter not acked", extra={"request_id": meta.id, "error": repr(exc)})
+        return True  # in FBX_DLQ, its client told, whether or not the ack went (review h148)
 
 
 class DeadLetterWatch:

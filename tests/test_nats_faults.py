@@ -25,7 +25,7 @@ import pytest
 from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
-from appliance.errors import GatewayTimeout
+from appliance.errors import GatewayTimeout, ServiceUnavailable
 from appliance.natsd import free_port
 from appliance.puller import Puller, stop_pullers
 from appliance.settings import ModelEntry
@@ -597,6 +597,25 @@ async def test_a_generation_past_its_deadline_is_cancelled_as_expired_and_one_le
         await nc.close()
 
 
+async def test_a_stopping_gateways_give_up_is_cancelled_as_abandoned_not_as_a_client_gone(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Review h148: a stopping gateway answers what it awaits 503 itself and cancels it fleet-wide; the cancel said
+    nothing more, and every box counted it in fbx_cancelled_requests_total as a client gone."""
+    cancels: asyncio.Queue = asyncio.Queue()
+    nc = await nats.connect(nats_server.url)
+    await nc.subscribe(bus.cancel_subject(), cb=cancels.put)
+    dispatcher, chunks, first, request_id = await a_generation_awaited(start_box, generator_dir, timeout_s=20)
+    try:
+        await dispatcher.abandon(ServiceUnavailable("the box is stopping", retry_after_s=1))
+        cancel = await asyncio.wait_for(cancels.get(), 5)
+        assert orjson.loads(cancel.data) == {"id": request_id, "why": "abandoned"}
+    finally:
+        first.cancel()
+        await chunks.aclose()
+        await nc.close()
+
+
 async def test_a_box_whose_answer_another_box_starts_over_is_told_to_stop(
     start_box, nats_server, generator_dir
 ) -> None:
@@ -656,7 +675,7 @@ async def test_a_handed_back_generation_whose_new_first_chunk_is_lost_too_is_not
         async with asyncio.timeout(10):
             lost = await anext(chunks)
         assert lost.meta.final and lost.meta.status == 503 and b"chunk_lost" in lost.body, lost
-        assert await asyncio.wait_for(cancels.get(), 5) == {"id": request_id}  # every box stops it
+        assert await asyncio.wait_for(cancels.get(), 5) == {"id": request_id, "why": "abandoned"}  # every box stops it
     finally:
         await chunks.aclose()
         await nc.close()

@@ -32,6 +32,7 @@ from nats.nuid import NUID
 from appliance import bus
 from appliance.blobs import READ_TIMEOUT_S, Blobs
 from appliance.catalog import ModelSpec
+from appliance.delivery import CancelWhy
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 from appliance.gateway.admission import Admission
@@ -167,8 +168,8 @@ class Dispatcher:
                 future.set_exception(error)
         for request_id, stream in self._streams.items():
             stream.queue.put_nowait(self._error_reply(request_id, error))
-        for request_id in awaited:
-            await self._publisher.cancel(request_id)
+        for request_id in awaited:  # answered here, not gone: counted as neither a client gone nor expired (h148)
+            await self._publisher.cancel(request_id, why="abandoned")
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:
         """A model was just deleted from the catalog: what this gateway awaits for it and is not answered within
@@ -185,19 +186,19 @@ class Dispatcher:
             waiter = self._waiters.get(request_id)
             if waiter is not None and not waiter[0].done():
                 waiter[0].set_exception(error)
-                self._cancel_soon(request_id)
+                self._cancel_soon(request_id, why="abandoned")
         for request_id, next_seq in streams.items():
             stream = self._streams.get(request_id)
             if stream is not None and stream.next_seq == next_seq:
                 stream.queue.put_nowait(self._error_reply(request_id, error))
-                self._cancel_soon(request_id)
+                self._cancel_soon(request_id, why="abandoned")
 
     def _error_reply(self, request_id: str, error: FleetboxError) -> Reply:
         """A final reply this gateway makes up for a stream its box will not answer."""
         return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
 
-    def _cancel_soon(self, request_id: str, box: str | None = None) -> None:
-        self._cancels.spawn(self._publisher.cancel(request_id, box))
+    def _cancel_soon(self, request_id: str, box: str | None = None, *, why: CancelWhy = "gone") -> None:
+        self._cancels.spawn(self._publisher.cancel(request_id, box, why=why))
 
     async def _start_over(self, request_id: str, box: str, lost: Reply) -> None:
         """A chunk of a streamed answer was lost in transit while `box` still generates it: the box is asked to hand
@@ -223,7 +224,7 @@ class Dispatcher:
         generated the answer for nobody (review r50): it gets the chunk's loss now, and the boxes a cancel."""
         if self._streams.get(request_id) is stream and stream.broken and stream.restarts == restarts:
             stream.queue.put_nowait(lost)
-            self._cancel_soon(request_id)
+            self._cancel_soon(request_id, why="abandoned")
 
     async def call(
         self,
