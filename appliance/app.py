@@ -133,8 +133,8 @@ class Box:
         self.started_at = time.time()
         self.build = build_id()  # read once here: a git checkout's commit costs a subprocess
         self.ready = False  # its start finished: a box refused at start (a twin of a live box id) never was
-        # `/readyz` has said ready once: from then a model pinned (or loading) is no reason to leave rotation
-        # (`box_status.not_ready_reason`).
+        # Its start finished, or `/readyz` said ready: from then a model pinned (or loading) is no reason to leave
+        # rotation (`box_status.not_ready_reason`).
         self.was_ready = False
         self.door = HttpDoor(settings.host, settings.port)
 
@@ -196,6 +196,7 @@ class Box:
             self.spawn(self.natsd.supervise(self._nats_gone))
         await self.fleet.beat()
         self.ready = True
+        self.was_ready = True  # its pinned models loaded and pulling, as `/readyz` asks at first (review h148)
         # The server it is connected to, of those it was given (the first named one said nothing: tester h87).
         nats = shown_url(self.nc.connected_url.geturl() if self.nc.connected_url else self.nats_url)
         log.info("box ready", extra={"box": self.box_id, "nats": nats, "http_port": self.http_port})

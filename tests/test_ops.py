@@ -138,6 +138,7 @@ async def test_readyz_waits_for_a_pinned_models_worker_to_warm_up_at_start_only(
     box = await start_box(default_model=False, models=[noop_model(pinned=False)])
     release = hold_warm_ups(monkeypatch)
     try:
+        assert box.was_ready  # its start finished, its pinned models (none here) loaded: never probed, it counts
         box.was_ready = False  # as if it had not been ready yet: the pinned model's warm-up keeps it out
 
         async def readyz() -> tuple[int, str | None]:
