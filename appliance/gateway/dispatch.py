@@ -262,25 +262,28 @@ class Dispatcher:
                 # Within the request's deadline (review h147: 30 s past a 2 s one), but a second at least: an answer
                 # that came in time is read, however little of its deadline was left.
                 left_s = max(deadline - loop.time(), _REPLY_READ_LEAST_S)
-                try:
-                    return Reply(reply.meta, await self._blobs.take(reply.meta.blob, left_s))
-                except TimeoutError:
-                    log.warning("reply body not read in time", extra={"request_id": meta.id, "within_s": left_s})
-                    if left_s < READ_TIMEOUT_S:
-                        raise self._past_deadline(timeout_s) from None
-                    raise ServiceUnavailable(
-                        f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} within "
-                        f"{READ_TIMEOUT_S:g}s; send the request again",
-                        retry_after_s=1,
-                    ) from None
-                except NatsError as exc:  # the answer was made, its body lost: a 503, not a 500
-                    log.warning("reply body not read", extra={"request_id": meta.id, "error": repr(exc)})
-                    raise ServiceUnavailable(
-                        f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} ({exc!r}); "
-                        "send the request again",
-                        retry_after_s=1,
-                    ) from None
+                return await self._reply_body(meta.id, reply, left_s, timeout_s)
             return reply
+
+    async def _reply_body(self, request_id: str, reply: Reply, within_s: float, timeout_s: float) -> Reply:
+        """The answer whose body went to the object store, read within `within_s`. The answer was made: a body not
+        read is a 503 telling the client to send it again (it was a 500), or the deadline's 504 where that ran out."""
+        assert reply.meta.blob is not None
+        try:
+            return Reply(reply.meta, await self._blobs.take(reply.meta.blob, within_s))
+        except TimeoutError:  # NATS's too
+            log.warning("reply body not read in time", extra={"request_id": request_id, "within_s": within_s})
+            if within_s < READ_TIMEOUT_S:
+                raise self._past_deadline(timeout_s) from None
+            why = f"within {READ_TIMEOUT_S:g}s"
+        except NatsError as exc:
+            log.warning("reply body not read", extra={"request_id": request_id, "error": repr(exc)})
+            why = f"({exc!r})"
+        raise ServiceUnavailable(
+            f"the answer's body could not be read from the object store {bus.BLOBS_BUCKET} {why}; send the request "
+            "again",
+            retry_after_s=1,
+        )
 
     def _past_deadline(self, timeout_s: float) -> GatewayTimeout:
         return _deadline(timeout_s, self._max_timeout_s, nats_connected=self._nc.is_connected)
