@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,12 @@ class Queue:
                            sent_ms=now, blob=blob)  # fmt: skip
         return (await self.js.publish(bus.request_subject(_SLUG), body, headers=meta.headers())).seq
 
+    async def publish_large(self, request_id: str) -> tuple[bytes, str, int]:
+        """A request whose body went to the object store: its body, its blob's key and its sequence in FBX_REQ."""
+        body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
+        key = await self.blobs.put(bus.request_blob_key(request_id), body)
+        return body, key, await self.publish(request_id, b"", blob=key)
+
     async def advise(self, seq: int) -> None:
         """JetStream's max-deliveries advisory for the request at `seq`."""
         advisory = {"stream": bus.REQUEST_STREAM, "stream_seq": seq, "deliveries": 3}
@@ -70,68 +76,86 @@ async def queue(nats_server) -> AsyncIterator[Queue]:
     await nc.close()
 
 
+StartWatch = Callable[..., Awaitable[None]]
+
+
 @pytest.fixture
-async def watches() -> AsyncIterator[list[DeadLetterWatch]]:
+async def start_watch(queue: Queue) -> AsyncIterator[StartWatch]:
+    """Starts a box's `DeadLetterWatch` on the test's queue, with the JetStream context, blob store and counter given
+    (the queue's own, and a fresh counter, by default), and stops it at the end."""
     started: list[DeadLetterWatch] = []
-    yield started
+
+    async def start(*, js: Any = None, blobs: Any = None, dead_lettered: Any = None) -> None:
+        watch = DeadLetterWatch(
+            "settler", queue.nc, js or queue.js, blobs or queue.blobs, dead_lettered or Metrics().dead_lettered
+        )
+        started.append(watch)
+        await watch.start()
+
+    yield start
     for watch in started:
         await watch.stop()
 
 
-class TimesOutOnce:
-    """The box's JetStream context (or its blob store), but its first call of `method` times out: before it reaches
-    the server (a server busy or failing over), or, `reached`, after (its answer lost)."""
+class FailsOnce:
+    """The box's JetStream context (or its blob store), but its first call of `method` fails, by default as a
+    timeout: before it reaches the server (a server busy or failing over), or, `reached`, after (its answer lost).
+    `error`: another NATS error in its place (a 503 while a server fails over, say)."""
 
-    def __init__(self, js: JetStreamContext | Blobs, method: str, *, reached: bool = False) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext | Blobs,
+        method: str,
+        *,
+        reached: bool = False,
+        error: type[Exception] = NatsTimeout,
+    ) -> None:
         self._js = js
         self._method = method
         self._reached = reached
-        self.timed_out = 0
+        self._error = error
+        self.failed = 0
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._js, name)
         if name != self._method:
             return real
 
-        async def first_times_out(*args: Any, **kwargs: Any) -> Any:
-            if self.timed_out:
+        async def first_fails(*args: Any, **kwargs: Any) -> Any:
+            if self.failed:
                 return await real(*args, **kwargs)
-            self.timed_out += 1
+            self.failed += 1
             if self._reached:
                 await real(*args, **kwargs)
-            raise NatsTimeout
+            raise self._error
 
-        return first_times_out
+        return first_fails
 
 
-async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on_another_try(queue, watches) -> None:
+async def test_an_advisory_whose_settling_a_nats_timeout_cut_short_is_settled_on_another_try(
+    queue, start_watch
+) -> None:
     """No delivery of the request is left once the advisory comes: a settling given up at its first NATS error left
     the request in FBX_REQ for good, not dead-lettered, and its client waiting out its deadline."""
     seq = await queue.publish("doomed-1", b'{"input": "x"}')
-    flaky, metrics = TimesOutOnce(queue.js, "publish"), Metrics()
-    watch = DeadLetterWatch("settler", queue.nc, flaky, queue.blobs, metrics.dead_lettered)  # type: ignore[arg-type]
-    watches.append(watch)
-    await watch.start()
+    flaky, metrics = FailsOnce(queue.js, "publish"), Metrics()
+    await start_watch(js=flaky, dead_lettered=metrics.dead_lettered)
     await queue.advise(seq)
 
     reply = await asyncio.wait_for(queue.replies.get(), 30)
     assert ReplyMeta.from_headers(reply.headers).status == 422
     assert orjson.loads(reply.data)["error"]["code"] == "dead_lettered"
     await queue.settled()
-    assert flaky.timed_out == 1
+    assert flaky.failed == 1
     assert (await queue.js.stream_info(bus.DEAD_LETTER_STREAM)).state.messages == 1
     assert metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"}) == 1
 
 
-async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(queue, watches) -> None:
+async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(queue, start_watch) -> None:
     """Tester h122: the advisory's dead letter of a request whose body went to the object store kept only the
     envelope (the body lost once the blob's TTL ran out) and left the blob holding nats-server's memory till then."""
-    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-    key = await queue.blobs.put(bus.request_blob_key("large-1"), body)
-    seq = await queue.publish("large-1", b"", blob=key)
-    watch = DeadLetterWatch("settler", queue.nc, queue.js, queue.blobs, Metrics().dead_lettered)
-    watches.append(watch)
-    await watch.start()
+    body, key, seq = await queue.publish_large("large-1")
+    await start_watch()
     await queue.advise(seq)
 
     await queue.settled()
@@ -150,96 +174,62 @@ async def test_a_large_body_is_kept_in_its_dead_letter_and_its_blob_deleted(queu
 
 
 async def test_a_delete_whose_answer_was_lost_still_has_the_blob_deleted_and_the_dead_letter_counted(
-    queue, watches
+    queue, start_watch
 ) -> None:
     """Review h132: the settling tried again after the lost answer found the request gone, took it for an advisory
     not to act on, and so left the blob to its TTL and the dead letter uncounted."""
-    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-    key = await queue.blobs.put(bus.request_blob_key("large-2"), body)
-    seq = await queue.publish("large-2", b"", blob=key)
-    flaky, metrics = TimesOutOnce(queue.js, "delete_msg", reached=True), Metrics()
-    watch = DeadLetterWatch("settler", queue.nc, flaky, queue.blobs, metrics.dead_lettered)  # type: ignore[arg-type]
-    watches.append(watch)
-    await watch.start()
+    _body, key, seq = await queue.publish_large("large-2")
+    flaky, metrics = FailsOnce(queue.js, "delete_msg", reached=True), Metrics()
+    await start_watch(js=flaky, dead_lettered=metrics.dead_lettered)
     await queue.advise(seq)
 
     def counted() -> bool:
         return metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"}) == 1
 
     await wait_for(counted, what="the dead letter counted")
-    assert flaky.timed_out == 1
+    assert flaky.failed == 1
     bucket = await queue.js.object_store(bus.BLOBS_BUCKET)
     with pytest.raises(ObjectNotFoundError):
         await bucket.get_info(key)
 
 
-async def test_a_blob_read_that_times_out_is_tried_again_not_taken_for_a_body_gone(queue, watches) -> None:
+async def test_a_blob_read_that_times_out_is_tried_again_not_taken_for_a_body_gone(queue, start_watch) -> None:
     """Review h133: any error reading the body's blob was taken for the body gone, a timeout too: the dead letter kept
     only the envelope and the blob was left to its TTL."""
-    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-    key = await queue.blobs.put(bus.request_blob_key("large-3"), body)
-    seq = await queue.publish("large-3", b"", blob=key)
-    slow_store = TimesOutOnce(queue.blobs, "get")
-    watch = DeadLetterWatch("settler", queue.nc, queue.js, slow_store, Metrics().dead_lettered)  # type: ignore[arg-type]
-    watches.append(watch)
-    await watch.start()
+    body, _key, seq = await queue.publish_large("large-3")
+    slow_store = FailsOnce(queue.blobs, "get")
+    await start_watch(blobs=slow_store)
     await queue.advise(seq)
 
     await queue.settled()
     kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
-    assert slow_store.timed_out == 1 and kept.data == body
+    assert slow_store.failed == 1 and kept.data == body
 
 
-class UnavailableOnce:
-    """A blob store whose first read is refused with a NATS error other than a timeout (a 503 while a server fails
-    over, or no responders)."""
-
-    def __init__(self, blobs: Blobs) -> None:
-        self._blobs = blobs
-        self.refused = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._blobs, name)
-
-    async def get(self, key: str) -> bytes:
-        if not self.refused:
-            self.refused += 1
-            raise ServiceUnavailableError
-        return await self._blobs.get(key)
-
-
-async def test_a_blob_read_the_store_refuses_just_now_is_tried_again_and_the_body_kept(queue, watches) -> None:
+async def test_a_blob_read_the_store_refuses_just_now_is_tried_again_and_the_body_kept(queue, start_watch) -> None:
     """Review h141: a NATS error other than a timeout was taken for the body gone, so the dead letter kept only the
     envelope; a later step cut short had the settling tried again, FBX_DLQ dropped the body read then as a duplicate,
     and the blob was deleted: the body in neither the dead letter nor the store."""
-    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-    key = await queue.blobs.put(bus.request_blob_key("large-5"), body)
-    seq = await queue.publish("large-5", b"", blob=key)
-    store = UnavailableOnce(queue.blobs)
-    js = TimesOutOnce(queue.js, "delete_msg")  # the first delete does not reach the server: the settling tried again
-    watch = DeadLetterWatch("settler", queue.nc, js, store, Metrics().dead_lettered)  # type: ignore[arg-type]
-    watches.append(watch)
-    await watch.start()
+    body, _key, seq = await queue.publish_large("large-5")
+    store = FailsOnce(queue.blobs, "get", error=ServiceUnavailableError)
+    js = FailsOnce(queue.js, "delete_msg")  # the first delete does not reach the server: the settling tried again
+    await start_watch(js=js, blobs=store)
     await queue.advise(seq)
 
     await queue.settled()
     kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
-    assert store.refused == 1 and kept.data == body
+    assert store.failed == 1 and kept.data == body
 
 
-async def test_a_dead_letter_kept_before_without_the_body_leaves_the_blob_to_its_ttl(queue, watches) -> None:
+async def test_a_dead_letter_kept_before_without_the_body_leaves_the_blob_to_its_ttl(queue, start_watch) -> None:
     """Review h141: the dead letter was kept already (by a worker whose blob read failed, say) with only the envelope;
     the advisory's copy, body and all, is dropped by FBX_DLQ as a duplicate, so the blob is not deleted."""
-    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-    key = await queue.blobs.put(bus.request_blob_key("large-6"), body)
-    seq = await queue.publish("large-6", b"", blob=key)
+    body, key, seq = await queue.publish_large("large-6")
     stored = await queue.js.get_msg(bus.REQUEST_STREAM, seq)
     meta = RequestMeta.from_headers(dict(stored.headers or {}))
     await keep_dead_letter(queue.js, meta, dict(stored.headers or {}), b"", deliveries=1, reason="kept by a worker")
     metrics = Metrics()
-    watch = DeadLetterWatch("settler", queue.nc, queue.js, queue.blobs, metrics.dead_lettered)
-    watches.append(watch)
-    await watch.start()
+    await start_watch(dead_lettered=metrics.dead_lettered)
     await queue.advise(seq)
 
     def counted() -> bool:  # once its blob was deleted or left
@@ -267,9 +257,7 @@ class BlobReadsTimeOut:
 async def test_a_worker_whose_blob_read_times_out_still_dead_letters_with_the_models_error(queue) -> None:
     """Review h135: a worker has no settling to try again, and the raised timeout left the request neither acked nor
     naked; after the ack wait the advisory dead-lettered it as "no box finished it", the model's error lost."""
-    body = orjson.dumps({"input": ["a long input"] * 20_000, "model": "noop"})
-    key = await queue.blobs.put(bus.request_blob_key("large-4"), body)
-    await queue.publish("large-4", b"", blob=key)
+    _body, key, _ = await queue.publish_large("large-4")
     await bus.ensure_request_consumers(queue.js, _SLUG, ack_wait_s=30, max_deliver=1, max_ack_pending=10)
     puller = await queue.js.pull_subscribe_bind(bus.consumer_name(_SLUG), bus.REQUEST_STREAM)
     [msg] = await puller.fetch(1, timeout=5)
