@@ -260,9 +260,14 @@ async def test_request_no_box_finishes_is_dead_lettered_and_answered(start_box, 
         dead = await nc.jetstream().get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject("noop"))
         assert dead.headers["Fbx-Dead-Reason"]
         assert orjson.loads(dead.data)["input"] == "x"
-        info = await nc.jetstream().stream_info(bus.REQUEST_STREAM)
-        assert info.state.messages == 0  # gone from the queue
-        assert counter(box, "fbx_dead_lettered_requests") == 1  # counted by the box that took the advisory (review r40)
+
+        # Gone from the queue, and counted by the box that took the advisory (review r40): it removes and counts it
+        # after its client was told (the 422 above), so both are waited for.
+        async def gone_and_counted() -> bool:
+            info = await nc.jetstream().stream_info(bus.REQUEST_STREAM)
+            return info.state.messages == 0 and counter(box, "fbx_dead_lettered_requests") == 1
+
+        await wait_for(gone_and_counted, timeout_s=5.0, what="the request gone from the queue and counted")
     finally:
         await nc.close()
 
@@ -315,7 +320,12 @@ async def test_a_request_taken_by_a_dead_box_is_answered_though_no_live_box_held
     try:
         dying = await nc.jetstream().pull_subscribe_bind(bus.consumer_name("cold"), stream=bus.REQUEST_STREAM)
         taken = asyncio.create_task(dying.fetch(1, timeout=10))  # a box's pull, open before the request comes
-        await asyncio.sleep(0.3)
+
+        async def pull_open() -> bool:  # at the server: the request sent next is delivered to it
+            info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("cold"))
+            return (info.num_waiting or 0) >= 1
+
+        await wait_for(pull_open, timeout_s=5.0, what="the dying box's pull open at the server")
         answer = asyncio.create_task(http.post(url(box, "/v1/embeddings"), json={"model": "cold", "input": "x"}))
         (msg,) = await taken  # held, never acked: the dying box
         assert RequestMeta.from_headers(msg.headers).model == "cold"

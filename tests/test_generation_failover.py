@@ -158,8 +158,12 @@ async def test_a_draining_generator_finishes_its_answers_and_acks_them(start_box
     async with await answer as response:
         assert response.status == 200
         assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)
-    info = await worker_box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
-    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+    async def acked() -> bool:  # an ack is a plain publish, applied on the consumer's own queue: read once it is
+        info = await worker_box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await wait_for(acked, timeout_s=5.0, what="the request acked")  # well within its 10 s ack wait
 
 
 async def test_sampling_a_request_leaves_out_is_the_models_own(start_box, http, generator_dir, tmp_path) -> None:

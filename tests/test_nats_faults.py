@@ -908,7 +908,8 @@ async def test_a_copy_published_again_before_the_runtime_dropped_the_old_one_is_
             return (await box.js.consumer_info(bus.REQUEST_STREAM, consumer)).num_ack_pending == 3
 
         await wait_for(copy_delivered, what="the copy delivered to the box")
-        await asyncio.sleep(0.5)  # and taken in (no step meanwhile: the device thread waits)
+        # and taken in: parked until the next step drops the old one (none meanwhile: the device thread waits)
+        await wait_for(lambda: bool(worker._decoding._parked), what="the copy parked by the box")
         held.set()
         finals: dict[str, int] = {}
         while len(finals) < 2:
@@ -1020,7 +1021,11 @@ async def test_a_request_stream_or_consumer_deleted_by_hand_is_made_again_and_re
         assert await answered()  # it waits for the consumer made again, not to its deadline
     await box.js.delete_stream(bus.REQUEST_STREAM)  # a request is refused (503) until the stream is made again
     await wait_for(answered, what="requests answered after the stream was deleted")
-    assert (await box.js.stream_info(bus.REQUEST_STREAM)).state.consumer_count == 2
+
+    async def both_consumers_made() -> bool:  # the interactive one, made first, may answer before the batch one is
+        return (await box.js.stream_info(bus.REQUEST_STREAM)).state.consumer_count == 2
+
+    await wait_for(both_consumers_made, timeout_s=5.0, what="both of the model's consumers made again")
 
 
 async def test_requests_queued_in_a_request_stream_deleted_by_hand_are_published_again(start_box, http) -> None:
@@ -1041,7 +1046,12 @@ async def answers_across_a_stream_deletion(http, gateway: Box) -> list[int]:
 
     sent = [asyncio.create_task(status()) for _ in range(3)]
     await wait_for(lambda: gateway.dispatcher is not None and gateway.dispatcher.waiting == 3, what="three awaited")
-    await asyncio.sleep(0.2)  # one taken by a box, two waiting in the stream
+
+    async def one_taken_two_waiting() -> bool:  # by a box of one request's room
+        info = await gateway.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name(bus.model_slug("q")))
+        return (info.num_ack_pending, info.num_pending) == (1, 2)
+
+    await wait_for(one_taken_two_waiting, timeout_s=10.0, what="one request taken by a box, two waiting in the stream")
     await gateway.js.delete_stream(bus.REQUEST_STREAM)
     async with asyncio.timeout(25):
         return await asyncio.gather(*sent)
@@ -1089,3 +1099,33 @@ async def test_a_publish_jetstream_does_not_take_is_bounded_by_the_requests_dead
 
 def dropped(box: Box, counter: str) -> float:
     return box.metrics.registry.get_sample_value(f"{counter}_total", {"model": "noop"}) or 0.0
+
+
+async def test_once_a_publish_went_unanswered_one_request_tries_the_stream_and_the_rest_are_refused_at_once(
+    start_box, nats_server, http
+) -> None:
+    """With the server stalled, every request waited out the 5 s of its own publish before its 503, for as long as the
+    stall lasted. After one went unanswered, one publish at a time tries the stream again; the rest are refused at
+    once, never published (nothing to cancel), and the one trying it is taken once the server resumes."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    publisher = box.dispatcher._publisher
+
+    async def embed(text: str) -> tuple[int, dict, str | None]:
+        body = {"model": "noop", "input": text, "timeout": 30}
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status, await response.json(), response.headers.get("Retry-After")
+
+    assert (await embed("before"))[0] == 200
+    nats_server.process.send_signal(signal.SIGSTOP)
+    try:
+        status, first, _ = await embed("unanswered")  # waits out its publish: nothing told it the stream stalls
+        assert (status, first["error"]["code"]) == (503, "unavailable"), first
+        probe = asyncio.create_task(embed("probe"))
+        await wait_for(lambda: len(publisher._publishing) == 1, what="the next request's publish under way")
+        status, refused, retry_after = await embed("refused")
+        assert not probe.done()  # refused while the probe's publish still waits on the stalled server
+        assert (status, retry_after) == (503, "2") and "is not answering" in refused["error"]["message"], refused
+    finally:
+        nats_server.process.send_signal(signal.SIGCONT)
+    assert (await probe)[0] == 200
+    assert (await embed("after"))[0] == 200

@@ -3,7 +3,8 @@
 The one idea: a publish never leaves its client waiting on a queue that cannot take it. Cut off from NATS it is
 refused before it is tried; a stream that refuses it (full) or does not acknowledge it (no leader, a failover) is
 the client's answer now, a 429 or a 503 with a Retry-After, with the request's stored body deleted or a cancel sent
-after it, so no box computes what was already answered.
+after it, so no box computes what was already answered. Once a publish went unanswered, one publish at a time tries
+the stream again (a half-open breaker) and the rest are refused at once: each waited out the 5 s of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _QUIET_S = 2 * _PUBLISH_TIMEOUT_S  # after a publish failed, a look at the strea
 _HAND_BACK_TIMEOUT_S = 2.0  # a box that holds the generation answers at once; no answer: it is gone
 FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
+_NOT_ANSWERING = "the request queue (NATS JetStream) is not answering; retry shortly"
 
 
 class Publisher:
@@ -52,6 +54,8 @@ class Publisher:
         # not answer (no leader) ended, None once one is answered.
         self._publishing: dict[str, float] = {}
         self._unanswered_at: float | None = None
+        # While the stream does not answer: the one request whose publish tries it again (the breaker's probe).
+        self._probe: str | None = None
 
     async def cancel(self, request_id: str, box: str | None = None, *, why: CancelWhy = "gone") -> None:
         """Every box drops the request (`why`: its client went away, its deadline passed, or this gateway answered it
@@ -101,6 +105,17 @@ class Publisher:
 
     async def publish(self, slug: str, body: bytes, meta: RequestMeta) -> None:
         """Queue a request for model `slug` (the caller checked the connection, with no wait since)."""
+        if self._unanswered_at is not None:
+            if self._probe is not None:  # another publish is trying the stream: this one would wait as it does
+                raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S)
+            self._probe = meta.id
+        try:
+            await self._publish(slug, body, meta)
+        finally:
+            if self._probe == meta.id:
+                self._probe = None
+
+    async def _publish(self, slug: str, body: bytes, meta: RequestMeta) -> None:
         if self._blobs.needed(body):
             # Too large to ride the queue: the message carries the object-store key instead.
             try:
@@ -142,8 +157,6 @@ class Publisher:
                     "did not take it in that time; retry shortly"
                 ) from None
             self._unanswered_at = time.monotonic()
-            raise ServiceUnavailable(
-                "the request queue (NATS JetStream) is not answering; retry shortly", retry_after_s=FAILOVER_RETRY_S
-            ) from None
+            raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S) from None
         finally:
             self._publishing.pop(meta.id, None)
