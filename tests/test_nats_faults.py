@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -1035,7 +1036,22 @@ async def test_requests_queued_in_a_request_stream_deleted_by_hand_are_published
     assert await answers_across_a_stream_deletion(http, box) == [200, 200, 200]
 
 
-async def answers_across_a_stream_deletion(http, gateway: Box) -> list[int]:
+async def test_what_a_lost_queue_held_is_published_again_whatever_the_breaker_says(start_box, http) -> None:
+    """A publish unanswered just before the queue was lost leaves the breaker half open: one publish at a time tries
+    the stream, the rest are refused at once. What the lost queue held was all published again at once, and all
+    but one of those accepted requests were answered that 503."""
+    box = await start_box(default_model=False, models=[noop_model("q", cost_ms=1500)], worker_capacity=1)
+
+    def a_publish_unanswered() -> None:  # as one would leave the breaker
+        assert box.dispatcher is not None
+        box.dispatcher._publisher._unanswered_at = time.monotonic()
+
+    assert await answers_across_a_stream_deletion(http, box, before_deletion=a_publish_unanswered) == [200, 200, 200]
+
+
+async def answers_across_a_stream_deletion(
+    http, gateway: Box, before_deletion: Callable[[], None] = lambda: None
+) -> list[int]:
     """The statuses of three requests for the slow model `q` sent to `gateway`, the request stream deleted while one
     is computed and two wait in it."""
     body = {"model": "q", "input": "hello", "timeout": 30}
@@ -1052,6 +1068,7 @@ async def answers_across_a_stream_deletion(http, gateway: Box) -> list[int]:
         return (info.num_ack_pending, info.num_pending) == (1, 2)
 
     await wait_for(one_taken_two_waiting, timeout_s=10.0, what="one request taken by a box, two waiting in the stream")
+    before_deletion()
     await gateway.js.delete_stream(bus.REQUEST_STREAM)
     async with asyncio.timeout(25):
         return await asyncio.gather(*sent)

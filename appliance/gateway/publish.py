@@ -103,9 +103,11 @@ class Publisher:
                 "not connected to the request queue (NATS); retry shortly", retry_after_s=FAILOVER_RETRY_S
             )
 
-    async def publish(self, slug: str, body: bytes, meta: RequestMeta) -> None:
-        """Queue a request for model `slug` (the caller checked the connection, with no wait since)."""
-        if self._unanswered_at is not None:
+    async def publish(self, slug: str, body: bytes, meta: RequestMeta, *, again: bool = False) -> None:
+        """Queue a request for model `slug` (the caller checked the connection, with no wait since). `again`: one
+        queued before, whose queue was lost since: it tries the stream whatever the breaker says (all of a lost
+        queue's are published again at once, and all but one were refused)."""
+        if self._unanswered_at is not None and not again:
             if self._probe is not None:  # another publish is trying the stream: this one would wait as it does
                 raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S)
             self._probe = meta.id

@@ -57,10 +57,10 @@ class Resender:
         """Cut off from NATS, or back on it: what was published until now may be in a stream that is lost."""
         self._epoch += 1
 
-    async def publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta) -> None:
+    async def publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta, *, again: bool = False) -> None:
         """Queue a request, and keep what `queue_lost` needs to publish it again while it is awaited."""
         sent = _Sent(spec, body, meta, self._epoch)
-        await self._publisher.publish(spec.slug, body, meta)
+        await self._publisher.publish(spec.slug, body, meta, again=again)
         if self._awaited(meta.id):  # still awaited: its client has not gone
             self._sent[meta.id] = sent
 
@@ -88,7 +88,7 @@ class Resender:
     async def _publish_again(self, sent: _Sent) -> None:
         request_id = sent.meta.id
         try:
-            await self.publish(sent.spec, sent.body, sent.meta)
+            await self.publish(sent.spec, sent.body, sent.meta, again=True)
         except Exception as exc:  # the new queue refused it (full, not answering, NATS gone again): its client is told
             error = (
                 exc
