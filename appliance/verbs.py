@@ -15,6 +15,7 @@ from appliance.catalog import ModelChange
 from appliance.control import Handler
 from appliance.errors import Conflict, FleetboxError, Unprocessable
 from appliance.model_update import change_model, update_from
+from appliance.pin_fits import check_pin_fits
 from appliance.placement import load_failed
 from appliance.registration import register, registration_from
 
@@ -57,8 +58,17 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec = await box.store.update(await _model(box, payload), ModelChange(pinned=True))
+        spec = await _model(box, payload)
+        await _check_pin_fits(box, spec)
+        spec = await box.store.update(spec, ModelChange(pinned=True))
         return {"model": spec.name, "pinned": True}
+
+    async def fits(payload: dict[str, Any]) -> dict[str, Any]:
+        """Whether this box could hold the model pinned beside its own pinned models: 507 if not (`pin_fits.py`)."""
+        spec = await _model(box, payload)
+        _runs_models(box)
+        await box.residency.check_fits(spec)
+        return {"model": spec.name, "fits": True}
 
     async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
@@ -70,9 +80,10 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def update(payload: dict[str, Any]) -> dict[str, Any]:
         """`PATCH /v1/models/{name}` over NATS (the CLI): `{"model": NAME, "change": {...}}`, judged on this box."""
         assert box.store is not None
-        spec = await change_model(
-            await _model(box, payload), update_from(payload.get("change")), box.catalog, box.store
-        )
+        spec, change = await _model(box, payload), update_from(payload.get("change"))
+        if change.pinned:
+            await _check_pin_fits(box, spec)
+        spec = await change_model(spec, change, box.catalog, box.store)
         return {
             "model": spec.name,
             "aliases": list(spec.aliases),
@@ -108,6 +119,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         "load": load,
         "evict": evict,
         "pin": pin,
+        "fits": fits,
         "unpin": unpin,
         "update": update,
         "register": register_verb,
@@ -126,6 +138,14 @@ async def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
     if spec is None:
         raise box.catalog.unknown(name)
     return spec
+
+
+async def _check_pin_fits(box: Box, spec: ModelSpec) -> None:
+    """As `POST /v1/models/{name}/pin` judges a pin: on this box and on every other that runs models (507)."""
+    assert box.nc is not None
+    here = box.residency.check_fits if box.settings.runs_models else None
+    live = box.fleet.live_boxes() if box.fleet is not None else []
+    await check_pin_fits(spec, here=here, box_id=box.box_id, nc=box.nc, live_boxes=live)
 
 
 def refuse_adapter(spec: ModelSpec, verb: str) -> None:

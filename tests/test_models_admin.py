@@ -23,8 +23,9 @@ from appliance.adapter_hold import hold_adapter
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
 from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
+from appliance.control import call_box
 from appliance.envelope import RequestMeta
-from appliance.errors import NotFound, ServiceUnavailable
+from appliance.errors import InsufficientMemory, NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
 from appliance.settings import ModelEntry
 from runtimes import Task
@@ -953,6 +954,31 @@ async def test_a_pin_that_cannot_fit_beside_the_pinned_models_is_refused(start_b
     assert (await call(http, box, "POST", "/v1/models/first/unpin"))[0] == 200
     await wait_for(lambda: "first" not in box.residency.pinned, what="the unpin applied")
     status, body = await call(http, box, "POST", "/v1/models/second/pin")
+    assert status == 200 and body["pinned"] is True, body
+
+
+async def test_a_pin_another_box_that_runs_models_cannot_hold_is_refused_naming_it(start_box, http) -> None:
+    """A pin judged only the budget of the box that took it (a gateway none): the pin answered ok, and the smaller
+    box said in its log alone that it could never load the model. Each box that runs models is asked, by its own
+    budget, through HTTP and the control verbs (the CLI's and the TUI's) alike."""
+    models = [noop_model("first", pinned=True, bytes=600), noop_model("second", pinned=False, bytes=600)]
+    small = await start_box(box_id="small", default_model=False, models=models, memory_budget="1000B")
+    large = await start_box(box_id="large", default_model=False, models=models)
+    door = await start_box(box_id="door", role="gateway", default_model=False, models=models)
+    for box in (large, door):
+        await wait_for(lambda box=box: "small" in box.fleet.holders("first"), what="the small box seen holding first")
+    for box in (large, door):
+        status, body = await call(http, box, "POST", "/v1/models/second/pin")
+        assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
+        assert "box small: model second needs about 600 bytes" in body["error"]["message"], body
+        assert (await call(http, box, "PATCH", "/v1/models/second", {"pinned": True}))[0] == 507
+    for verb, payload in (("pin", {"model": "second"}), ("update", {"model": "second", "change": {"pinned": True}})):
+        with pytest.raises(InsufficientMemory, match="box small"):
+            await call_box(large.nc, "large", verb, payload)
+    assert not large.catalog.get("second").pinned
+    assert (await call(http, large, "POST", "/v1/models/first/unpin"))[0] == 200
+    await wait_for(lambda: "first" not in small.residency.pinned, what="the unpin applied on the small box")
+    status, body = await call(http, door, "POST", "/v1/models/second/pin")
     assert status == 200 and body["pinned"] is True, body
 
 

@@ -20,6 +20,7 @@ from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
+from appliance.pin_fits import check_pin_fits
 from appliance.registration import MODEL_VERBS, register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import MODEL_ROLES
@@ -146,10 +147,9 @@ async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
 
 
 async def _check_pin_fits(ctx: GatewayContext, spec: ModelSpec) -> None:
-    """A model pinned now must fit beside the models pinned on this box, or it is never loaded and each of its
-    requests gets a 503 (black-box finding): 507 now, saying so."""
-    if not spec.pinned and spec.adapter_of is None and ctx.check_fits is not None:
-        await ctx.check_fits(spec)
+    """A model pinned now must fit beside the models pinned on every box that runs models, or it is never loaded
+    there and each of its requests gets a 503 (black-box finding): 507 now, saying so."""
+    await check_pin_fits(spec, here=ctx.check_fits, box_id=ctx.box_id, nc=ctx.nc, live_boxes=ctx.live_boxes())
 
 
 async def _target_box(request: web.Request) -> str | None:
