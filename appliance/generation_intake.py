@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from typing import Any
+from typing import Any, Protocol
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -29,7 +29,7 @@ from appliance.adapter_hold import (
 from appliance.adapters import AdapterHold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import Cancellations, another_copy, keeps_held
+from appliance.delivery import Cancellations, CancelWhy, another_copy, keeps_held
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.generation_decode import DecodeLoop
@@ -43,6 +43,12 @@ from runtimes import UnknownAdapter
 from runtimes.generate import GenerateRuntime
 
 log = logging.getLogger(__name__)
+
+
+class CancelGeneration(Protocol):
+    """The worker's cancel (`GenerateWorker.cancel`): stop a generation and settle its message."""
+
+    def __call__(self, request_id: str, *, why: CancelWhy = "gone") -> bool: ...
 
 
 class GenerationIntake:
@@ -62,7 +68,7 @@ class GenerationIntake:
         replies: GenerationReplies,
         decoding: DecodeLoop,
         *,
-        cancel: Callable[..., object],
+        cancel: CancelGeneration,
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
     ) -> None:
         self._spec = spec
