@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
+from contextvars import ContextVar
+from typing import Any
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.errors import BucketNotFoundError
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from appliance import bus
 
@@ -28,6 +31,28 @@ _HEADROOM = 64 * 1024
 # A blob read given up (TimeoutError) past this: nats.py's waits for the chunks without end. A body of the largest
 # `max_body_bytes` takes well under a second on a live server.
 READ_TIMEOUT_S = 30.0
+
+
+# The subscriptions the object-store read of the running task made (`_KeepsReadSubscriptions`).
+_read_subscriptions: ContextVar[list[Subscription] | None] = ContextVar("blob_read_subscriptions", default=None)
+
+
+class _KeepsReadSubscriptions:
+    """The JetStream context the blob store reads through: it notes, for the read running, each subscription made
+    (a blob's chunks come through an ordered consumer), so a read cut short can unsubscribe it. nats.py's read does
+    so only once the last chunk came: a timed-out read left its subscription on the connection for good."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> Subscription:
+        subscription = await self._js.subscribe(*args, **kwargs)
+        if (made := _read_subscriptions.get()) is not None:
+            made.append(subscription)
+        return subscription
 
 
 class Blobs:
@@ -52,9 +77,9 @@ class Blobs:
         async with self._lock:
             if self._store is None:
                 try:
-                    self._store = await self._js.object_store(bus.BLOBS_BUCKET)
+                    await self._js.object_store(bus.BLOBS_BUCKET)
                 except BucketNotFoundError:
-                    self._store = await self._js.create_object_store(
+                    await self._js.create_object_store(
                         config=ObjectStoreConfig(
                             bucket=bus.BLOBS_BUCKET,
                             ttl=self._ttl_s,
@@ -63,6 +88,8 @@ class Blobs:
                         ),
                         bucket=bus.BLOBS_BUCKET,
                     )
+                stream = OBJ_STREAM_TEMPLATE.format(bucket=bus.BLOBS_BUCKET)
+                self._store = ObjectStore(bus.BLOBS_BUCKET, stream, _KeepsReadSubscriptions(self._js))
             return self._store
 
     async def put(self, key: str, data: bytes) -> str:
@@ -79,10 +106,19 @@ class Blobs:
     async def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """The blob's bytes; TimeoutError past `timeout_s` (default and at most `READ_TIMEOUT_S`). Unbounded, a read
         whose chunks never came (purged under it, a server stalled) held its request forever, its message kept in
-        progress by the worker's keep-alive (review h141). Its reader's subscription may be left behind then, a rare
-        leak."""
-        async with asyncio.timeout(min(READ_TIMEOUT_S, timeout_s if timeout_s is not None else READ_TIMEOUT_S)):
-            result = await (await self._bucket()).get(key)
+        progress by the worker's keep-alive (review h141). A read cut short unsubscribes what it subscribed to."""
+        subscriptions: list[Subscription] = []
+        reading = _read_subscriptions.set(subscriptions)
+        try:
+            async with asyncio.timeout(min(READ_TIMEOUT_S, timeout_s if timeout_s is not None else READ_TIMEOUT_S)):
+                result = await (await self._bucket()).get(key)
+        except BaseException:  # cut short (timed out, cancelled): nats.py unsubscribes only after the last chunk
+            for subscription in subscriptions:
+                with suppress(Exception):
+                    await subscription.unsubscribe()
+            raise
+        finally:
+            _read_subscriptions.reset(reading)
         return result.data or b""
 
     async def take(self, key: str, timeout_s: float | None = None) -> bytes:

@@ -37,10 +37,15 @@ async def test_a_blob_read_whose_chunks_never_come_gives_up_within_its_bound(nat
         await blobs.put("chunks-gone", b"x" * 4096)
         info = await (await js.object_store(bus.BLOBS_BUCKET)).get_info("chunks-gone")
         await js.purge_stream(f"OBJ_{bus.BLOBS_BUCKET}", subject=f"$O.{bus.BLOBS_BUCKET}.C.{info.nuid}")
+        subscribed = len(nc._subs)
         read = asyncio.create_task(blobs.get("chunks-gone"))
         done, _ = await asyncio.wait({read}, timeout=10)
         assert read in done, "the read still waits for its chunks"
         assert isinstance(read.exception(), TimeoutError)
+        assert len(nc._subs) == subscribed  # its chunks' subscription not left on the connection
+        await blobs.put("whole", b"y" * 4096)
+        assert await blobs.get("whole") == b"y" * 4096  # a whole read unsubscribes by itself, as before
+        assert len(nc._subs) == subscribed
     finally:
         await nc.close()
 
