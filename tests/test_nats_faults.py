@@ -1146,3 +1146,84 @@ async def test_once_a_publish_went_unanswered_one_request_tries_the_stream_and_t
         nats_server.process.send_signal(signal.SIGCONT)
     assert (await probe)[0] == 200
     assert (await embed("after"))[0] == 200
+
+
+async def test_a_large_body_the_stalled_server_does_not_store_is_bounded_and_opens_the_breaker(
+    start_box, nats_server, http
+) -> None:
+    """Review h178: a body over the blob threshold went to the object store unbounded, before the breaker: with the
+    server stalled it was answered 503 "could not be stored" after 10 s (two puts of 5 s), past a 3 s deadline, and
+    never opened the breaker, so each large body waited as long."""
+    box = await start_box(default_model=False, models=[noop_model()], blob_threshold=1024)
+    publisher = box.dispatcher._publisher
+    large = "word " * 400  # 2,000 bytes
+
+    async def embed(text: str, timeout_s: float = 30) -> tuple[int, str]:
+        body = {"model": "noop", "input": text, "timeout": timeout_s}
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status, (await response.json()).get("error", {}).get("message", "")
+
+    assert (await embed(large))[0] == 200
+    nats_server.process.send_signal(signal.SIGSTOP)
+    try:
+        status, message = await embed(large, timeout_s=2)
+        assert status == 504 and "did not take it in that time" in message, message  # its deadline, not 10 s
+        status, message = await embed(large)
+        assert status == 503 and "is not answering" in message, message
+        probe = asyncio.create_task(embed("probe"))
+        await wait_for(lambda: len(publisher._publishing) == 1, what="the next request's publish under way")
+        status, message = await embed(large)
+        assert status == 503 and "is not answering" in message, message
+        assert not probe.done()  # refused at once, while the probe waits on the stalled server
+    finally:
+        nats_server.process.send_signal(signal.SIGCONT)
+    assert (await probe)[0] == 200
+    assert (await embed(large))[0] == 200
+
+
+async def test_the_breaker_stays_open_through_a_look_and_a_refused_generation_sends_no_cancel(
+    start_box, nats_server, http
+) -> None:
+    """Review h178: a look at the stream closed the breaker 10 s after the publish that failed, though a stream
+    without a quorum answers looks and not publishes: the next burst waited 5 s a request again. The look is for
+    `/readyz` alone; the breaker closes on a publish answered. And a generation the breaker refused sent a cancel
+    every box kept, of a request never published."""
+    box = await start_box(default_model=False, models=[noop_model()], heartbeat_ttl_s=60.0)
+    publisher = box.dispatcher._publisher
+    listener = await nats.connect(nats_server.url)
+    cancels: list[dict] = []
+
+    async def heard(msg) -> None:
+        cancels.append(orjson.loads(msg.data))
+
+    await listener.subscribe(bus.cancel_subject(), cb=heard)
+    await listener.flush()
+
+    async def embed(text: str) -> int:
+        body = {"model": "noop", "input": text, "timeout": 30}
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status
+
+    try:
+        nats_server.process.send_signal(signal.SIGSTOP)
+        try:
+            assert await embed("unanswered") == 503  # waits out its publish; its cancel waits for the server
+            publisher.stream_answered(time.monotonic() + 60)  # a look at the stream answered, long after
+            assert not publisher.unanswered(time.monotonic())  # `/readyz` says so
+            probe = asyncio.create_task(embed("probe"))
+            await wait_for(lambda: len(publisher._publishing) == 1, what="the next request's publish under way")
+            assert await embed("refused") == 503
+            generation = box.dispatcher.stream(
+                spec=box.catalog.get("noop"), task="generate", body=b"{}", timeout_s=30, tokens=1, new_tokens=4
+            )
+            with pytest.raises(ServiceUnavailable, match="is not answering"):
+                await anext(generation)
+            assert not probe.done()  # both refused while the probe's publish waits on the stalled server
+        finally:
+            nats_server.process.send_signal(signal.SIGCONT)
+        assert await probe == 200
+        assert await embed("after") == 200  # published after any cancel the gateway sent, on the same connection
+        await listener.flush()
+        assert [cancel.get("why") for cancel in cancels] == ["abandoned"], cancels  # the unanswered one's alone
+    finally:
+        await listener.close()

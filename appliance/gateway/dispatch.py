@@ -385,12 +385,16 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         waiter = StreamWaiter(spec.name)
-        finished = whole = restarted = expired = False
+        finished = whole = restarted = expired = refused = False
         tokens = 0  # made, as the final chunk says
         arrived = time.monotonic()
         try:
             with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
-                await self._resender.publish(spec, body, meta)
+                try:
+                    await self._resender.publish(spec, body, meta)
+                except FleetboxError:  # the queue's refusal: the publisher sent what cancel it needed, if any
+                    refused = True
+                    raise
                 while not finished:
                     try:
                         chunk = await asyncio.wait_for(waiter.queue.get(), max(0.0, deadline - loop.time()))
@@ -410,7 +414,7 @@ class Dispatcher:
                     yield chunk
         finally:
             queue.finish(meta.id, waiter.final_at or time.monotonic(), whole=whole, tokens=tokens)
-            if not finished:
+            if not finished and not refused:
                 await self._publisher.cancel(meta.id, why="expired" if expired else "gone")
 
     def nats_interrupted(self) -> None:

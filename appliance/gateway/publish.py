@@ -9,6 +9,7 @@ the stream again (a half-open breaker) and the rest are refused at once: each wa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +38,15 @@ _HAND_BACK_TIMEOUT_S = 2.0  # a box that holds the generation answers at once; n
 FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 _NOT_ANSWERING = "the request queue (NATS JetStream) is not answering; retry shortly"
+_BODY_NOT_STORED = (
+    "the request body could not be stored beside the queue (NATS object store is not answering); retry shortly"
+)
+
+
+def _publish_timeout_s(meta: RequestMeta) -> float:
+    """No longer than the request's deadline: with JetStream stalled, a request of `timeout` 0.5 was answered 503
+    after the 5 s of a publish, ten times past it (review h122)."""
+    return min(_PUBLISH_TIMEOUT_S, max(0.001, meta.deadline_ms / 1000 - time.time()))
 
 
 class Publisher:
@@ -54,7 +64,10 @@ class Publisher:
         # not answer (no leader) ended, None once one is answered.
         self._publishing: dict[str, float] = {}
         self._unanswered_at: float | None = None
-        # While the stream does not answer: the one request whose publish tries it again (the breaker's probe).
+        # The breaker: open from a publish the stream did not answer until one it answers (not a look at the stream:
+        # it answers looks without a quorum, publishes not); while open, one request's publish at a time tries the
+        # stream (`_probe`), the others are refused at once.
+        self._breaker_open = False
         self._probe: str | None = None
 
     async def cancel(self, request_id: str, box: str | None = None, *, why: CancelWhy = "gone") -> None:
@@ -107,38 +120,46 @@ class Publisher:
         """Queue a request for model `slug` (the caller checked the connection, with no wait since). `again`: one
         queued before, whose queue was lost since: it tries the stream whatever the breaker says (all of a lost
         queue's are published again at once, and all but one were refused)."""
-        if self._unanswered_at is not None and not again:
+        if self._breaker_open and not again:
             if self._probe is not None:  # another publish is trying the stream: this one would wait as it does
                 raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S)
             self._probe = meta.id
+        self._publishing[meta.id] = time.monotonic()
         try:
-            await self._publish(slug, body, meta)
+            if self._blobs.needed(body):
+                # Too large to ride the queue: the message carries the object-store key instead.
+                meta, body = replace(meta, blob=await self._store_body(meta, body)), b""
+            await self._send(slug, body, meta)
         finally:
+            self._publishing.pop(meta.id, None)
             if self._probe == meta.id:
                 self._probe = None
 
-    async def _publish(self, slug: str, body: bytes, meta: RequestMeta) -> None:
-        if self._blobs.needed(body):
-            # Too large to ride the queue: the message carries the object-store key instead.
-            try:
-                meta = replace(meta, blob=await self._blobs.put(bus.request_blob_key(meta.id), body))
-            except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
-                log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
-                raise ServiceUnavailable(
-                    "the request body could not be stored beside the queue (NATS object store); retry shortly",
-                    retry_after_s=FAILOVER_RETRY_S,
-                ) from None
-            body = b""
-        self._publishing[meta.id] = time.monotonic()
-        # No longer than the request's deadline: with JetStream stalled, a request of `timeout` 0.5 was answered
-        # 503 after the 5 s of a publish, ten times past it (review h122).
-        timeout_s = min(_PUBLISH_TIMEOUT_S, max(0.001, meta.deadline_ms / 1000 - time.time()))
+    async def _store_body(self, meta: RequestMeta, body: bytes) -> str:
+        """Put a large body in the object store, within the publish's bound: unbounded, a stalled server held it
+        10 s (two puts of 5 s) past a 3 s deadline, and never opened the breaker (review h178)."""
+        timeout_s = _publish_timeout_s(meta)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._blobs.put(bus.request_blob_key(meta.id), body)
+        except TimeoutError:  # NATS's too; nothing was published, so nothing to cancel (a part stored: the TTL's)
+            raise self._unanswered(meta, timeout_s, _BODY_NOT_STORED) from None
+        except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
+            log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
+            raise ServiceUnavailable(
+                "the request body could not be stored beside the queue (NATS object store); retry shortly",
+                retry_after_s=FAILOVER_RETRY_S,
+            ) from None
+
+    async def _send(self, slug: str, body: bytes, meta: RequestMeta) -> None:
+        timeout_s = _publish_timeout_s(meta)
         try:
             await self._js.publish(
                 bus.request_subject(slug, meta.priority), body, timeout=timeout_s, headers=meta.headers()
             )
-            self._unanswered_at = None
+            self._answered()
         except APIError as exc:
+            self._answered()  # refused, but answered: a full stream is not a stalled one
             if meta.blob:  # not queued: no box will read or delete its body
                 await self._blobs.delete(meta.blob)
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
@@ -150,15 +171,24 @@ class Publisher:
         except (NatsTimeout, NoRespondersError, NoStreamResponseError) as exc:  # no stream leader now (a failover)
             # The request may be queued all the same (its acknowledgement lost, or the publish sent late on a
             # reconnect): the cancel follows it on the same connection, so no box computes what was answered.
-            expired = isinstance(exc, NatsTimeout) and timeout_s < _PUBLISH_TIMEOUT_S  # its deadline, not the queue's
-            await self.cancel(meta.id, why="expired" if expired else "abandoned")
-            if expired:
-                timeout = (meta.deadline_ms - meta.sent_ms) / 1000
-                raise GatewayTimeout(
-                    f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) "
-                    "did not take it in that time; retry shortly"
-                ) from None
-            self._unanswered_at = time.monotonic()
-            raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S) from None
-        finally:
-            self._publishing.pop(meta.id, None)
+            error = self._unanswered(meta, timeout_s if isinstance(exc, NatsTimeout) else _PUBLISH_TIMEOUT_S)
+            await self.cancel(meta.id, why="expired" if isinstance(error, GatewayTimeout) else "abandoned")
+            raise error from None
+
+    def _answered(self) -> None:
+        """The stream answered a publish: it is not stalled, and the breaker closes."""
+        self._unanswered_at = None
+        self._breaker_open = False
+
+    def _unanswered(self, meta: RequestMeta, waited_s: float, message: str = _NOT_ANSWERING) -> FleetboxError:
+        """The error for a request the queue did not take within `waited_s`: the deadline's 504 where that was its
+        bound (the queue may be fine), else the 503 of a queue not answering, which opens the breaker."""
+        if waited_s < _PUBLISH_TIMEOUT_S:
+            timeout = (meta.deadline_ms - meta.sent_ms) / 1000
+            return GatewayTimeout(
+                f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) "
+                "did not take it in that time; retry shortly"
+            )
+        self._unanswered_at = time.monotonic()
+        self._breaker_open = True
+        return ServiceUnavailable(message, retry_after_s=FAILOVER_RETRY_S)
