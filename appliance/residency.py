@@ -154,8 +154,16 @@ class Residency:
         models loading here too (by their estimates): counting the resident ones only, a second pinned model
         registered while the first loaded was let in and never loaded (regression tester h53)."""
         loading = [s for name, s in self._loading_specs.items() if name in self.pinned and name != spec.name]
-        pending = sum([await self._estimate(other) for other in loading])
-        self._check_fits(spec, await self._estimate(spec), pending=pending)
+        estimates = {other.name: await self._estimate(other) for other in loading}
+        need = await self._estimate(spec)
+        # Read after the awaits: a model that became resident meanwhile is counted among the resident pinned, and
+        # was counted twice (review h178: a pin refused on a box with room for both).
+        pending = sum(
+            estimate
+            for name, estimate in estimates.items()
+            if name in self._loading_specs and name not in self._resident and name in self.pinned
+        )
+        self._check_fits(spec, need, pending=pending)
 
     async def _estimate(self, spec: ModelSpec) -> int:
         """The bytes a load of `spec` is judged by: its estimate, or what a refused load of it measured, if more."""

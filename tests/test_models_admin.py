@@ -997,6 +997,30 @@ async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, ht
         release.set()
 
 
+async def test_a_pin_beside_a_pinned_model_that_became_resident_while_it_was_judged_counts_it_once(
+    start_box, http
+) -> None:
+    """Review h178: the pinned models loading were listed before the estimates' awaits; one resident by their end
+    was counted among the resident pinned and among those loading, and a pin with room for both was refused 507."""
+    models = [noop_model("first", pinned=False, bytes=600), noop_model("second", pinned=False, bytes=600)]
+    box = await start_box(default_model=False, models=models, memory_budget="1300B")
+    residency = box.residency
+    release = hold_loads(box)
+    assert (await call(http, box, "POST", "/v1/models/first/pin"))[0] == 200
+    await wait_for(lambda: "first" in residency._loading_specs, what="the first pinned model loading")
+    estimate = residency._estimate
+
+    async def first_resident_meanwhile(spec):
+        if spec.name == "first":  # as its load ends while the pin of the second is judged
+            release.set()
+            await wait_for(lambda: residency.get("first") is not None, what="the first pinned model resident")
+        return await estimate(spec)
+
+    residency._estimate = first_resident_meanwhile
+    status, body = await call(http, box, "POST", "/v1/models/second/pin")
+    assert status == 200 and body["pinned"] is True, body
+
+
 async def test_weights_removed_since_the_registration_are_said_without_an_exception_repr(
     start_box, http, encoder_dir, tmp_path
 ) -> None:
