@@ -1,8 +1,9 @@
 """Control of one box over NATS: `fbx.ctl.<box>.<verb>` with a JSON body, answered with JSON.
 
 Verbs: `load`, `evict`, `pin`, `unpin` (body `{"model": name}`; `evict`'s may add `"where": "every holder"`,
-which a box that runs no models answers `evicted: false` rather than refuse), `register` (the body of
-`POST /v1/models`), `drain` and `status`. The
+which a box that runs no models answers `evicted: false` rather than refuse), `fits` (whether this box could hold
+a model pinned: `pin_fits.py`), `update` and `delete` (as `PATCH` and `DELETE /v1/models/{name}`), `register` (the
+body of `POST /v1/models`), `drain` and `status`. The
 admin HTTP routes, the `fleetbox` CLI and the TUI all go through `call_box`, so every way of
 steering a box runs the same code and gets the same errors.
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _BOX_ID = re.compile(BOX_ID_PATTERN)  # what a box may be named: one NATS subject token
 
-VERBS = ("load", "evict", "pin", "unpin", "update", "register", "delete", "drain", "status")
+VERBS = ("load", "evict", "pin", "fits", "unpin", "update", "register", "delete", "drain", "status")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 

@@ -1,9 +1,12 @@
-"""Whether a model about to be pinned fits every box that runs models (`check_pin_fits`).
+"""Whether a model about to be pinned fits the boxes that run models (`PinJudge`).
 
-A pin promises that every box that runs models loads the model and never evicts it. The box that took the pin
-judged only its own budget (a gateway none), and a box whose budget could not hold the model beside its own pinned
-models said so only in its log and its record's `load_error`, while the pin answered ok. Each live box
-that runs models is asked (the `fits` control verb) by its own measure; one that does not answer in time is not
+A pin asks every box that runs models to load the model and never evict it. The box that took the pin judged
+only its own budget (a gateway none): a box whose budget could not hold the model beside its own pinned models
+said so only in its log and its record's `load_error`, while the pin answered ok. Now each live box that runs
+models and is not draining judges it by its own measure (the `fits` control verb). No box able to hold it: the pin
+is refused, 507, naming each box and why, since every request for the model would be a 503. Some able to: the pin
+is made, and its answer names the others (`not_held_by`); refusing it there would leave a fleet of unequal boxes
+unable to pin a model its large boxes hold (review h178). A box that does not answer within `_ASK_S` is not
 waited for: its refusal, if any, stays in its record as before.
 """
 
@@ -24,38 +27,60 @@ from appliance.settings import MODEL_ROLES
 
 log = logging.getLogger(__name__)
 
-_ASK_S = 5.0  # a box answers `fits` from its catalog and a walk of the model's folder
+_ASK_S = 5.0  # a box answers `fits` from the spec sent and a walk of the model's folder
 
 
-async def check_pin_fits(
-    spec: ModelSpec,
-    *,
-    here: Callable[[ModelSpec], Awaitable[None]] | None,
-    box_id: str,
-    nc: NATS,
-    live_boxes: list[dict[str, Any]],
-) -> None:
-    """Raise 507 naming the boxes that could not hold `spec` pinned: this one first (`here`, None on a gateway),
-    then each other live box that runs models and is not draining. A model pinned already, or an adapter (refused
-    elsewhere), is not judged."""
-    if spec.pinned or spec.adapter_of is not None:
-        return
-    if here is not None:
-        await here(spec)
-    others = sorted({str(record["box"]) for record in taking_work(live_boxes, MODEL_ROLES)} - {box_id})
-    answers = await asyncio.gather(
-        *(call_box(nc, other, "fits", {"model": spec.name}, timeout_s=_ASK_S) for other in others),
-        return_exceptions=True,
-    )
-    refused: list[tuple[str, InsufficientMemory]] = []
-    for other, answer in zip(others, answers, strict=True):
-        if isinstance(answer, InsufficientMemory):
-            refused.append((other, answer))
-        elif isinstance(answer, BaseException):
-            log.warning("pin not judged by a box", extra={"model": spec.name, "box": other, "error": repr(answer)})
-    if refused:
-        said = "; ".join(f"box {other}: {error.message}" for other, error in refused)
-        raise InsufficientMemory(
-            f"model {spec.name} is not pinned: every box that runs models would keep it loaded, and "
-            f"{len(refused)} of them cannot hold it beside the models pinned there ({said}); unpin one there first"
+class PinJudge:
+    """Judges the pin of one call (a pin, a change that pins, a pinned registration). `here` is this box's own
+    check (None on a gateway, or on a box that drains); `not_held_by` keeps, once called, the boxes that could not
+    hold the model, with why."""
+
+    def __init__(
+        self,
+        *,
+        here: Callable[[ModelSpec], Awaitable[None]] | None,
+        box_id: str,
+        nc: NATS,
+        live_boxes: list[dict[str, Any]],
+    ) -> None:
+        self._here = here
+        self._box_id = box_id
+        self._nc = nc
+        self._live_boxes = live_boxes
+        self.not_held_by: dict[str, str] = {}
+
+    def said(self) -> dict[str, Any]:
+        """What a pin's answer adds: the boxes that will not hold the model, if any."""
+        return {"not_held_by": self.not_held_by} if self.not_held_by else {}
+
+    async def __call__(self, spec: ModelSpec) -> None:
+        """Raise 507 when no box judged could hold `spec` pinned; keep those that could not in `not_held_by`. An
+        adapter (refused elsewhere) is not judged; nor is a model pinned already, by the callers."""
+        if spec.adapter_of is not None:
+            return
+        verdicts: dict[str, InsufficientMemory | None] = {}
+        if self._here is not None:
+            try:
+                await self._here(spec)
+                verdicts[self._box_id] = None
+            except InsufficientMemory as exc:
+                verdicts[self._box_id] = exc
+        others = sorted({str(record["box"]) for record in taking_work(self._live_boxes, MODEL_ROLES)} - {self._box_id})
+        asked = {"model": spec.name, "spec": spec.to_json().decode()}
+        answers = await asyncio.gather(
+            *(call_box(self._nc, other, "fits", asked, timeout_s=_ASK_S) for other in others), return_exceptions=True
         )
+        for other, answer in zip(others, answers, strict=True):
+            if isinstance(answer, InsufficientMemory):
+                verdicts[other] = answer
+            elif isinstance(answer, BaseException):
+                log.warning("pin not judged by a box", extra={"model": spec.name, "box": other, "error": repr(answer)})
+            else:
+                verdicts[other] = None
+        self.not_held_by = {box: error.message for box, error in verdicts.items() if error is not None}
+        if verdicts and len(self.not_held_by) == len(verdicts):
+            said = "; ".join(f"box {box}: {why}" for box, why in self.not_held_by.items())
+            raise InsufficientMemory(
+                f"model {spec.name} cannot be pinned: no box that runs models could hold it beside the models pinned "
+                f"there ({said}); unpin a model there, or give a box a larger memory budget"
+            )

@@ -11,17 +11,16 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from appliance.box_status import heartbeat
-from appliance.catalog import ModelChange
+from appliance.catalog import ModelChange, ModelSpec
 from appliance.control import Handler
 from appliance.errors import Conflict, FleetboxError, Unprocessable
 from appliance.model_update import change_model, update_from
-from appliance.pin_fits import check_pin_fits
+from appliance.pin_fits import PinJudge
 from appliance.placement import load_failed
 from appliance.registration import register, registration_from
 
 if TYPE_CHECKING:
     from appliance.app import Box
-    from appliance.catalog import ModelSpec
 
 
 def control_verbs(box: Box) -> dict[str, Handler]:
@@ -58,14 +57,17 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec = await _model(box, payload)
-        await _check_pin_fits(box, spec)
+        spec, judge = await _model(box, payload), _pin_judge(box)
+        if not spec.pinned:  # pinned already: nothing to judge
+            await judge(spec)
         spec = await box.store.update(spec, ModelChange(pinned=True))
-        return {"model": spec.name, "pinned": True}
+        return {"model": spec.name, "pinned": True} | judge.said()
 
     async def fits(payload: dict[str, Any]) -> dict[str, Any]:
-        """Whether this box could hold the model pinned beside its own pinned models: 507 if not (`pin_fits.py`)."""
-        spec = await _model(box, payload)
+        """Whether this box could hold the model pinned beside its own pinned models: 507 if not (`pin_fits.py`).
+        The model as the asking box sent it (`spec`: a registration's, before the catalog has it), else by name."""
+        sent = payload.get("spec")
+        spec = ModelSpec.from_json(sent.encode()) if isinstance(sent, str) else await _model(box, payload)
         _runs_models(box)
         await box.residency.check_fits(spec)
         return {"model": spec.name, "fits": True}
@@ -80,16 +82,16 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def update(payload: dict[str, Any]) -> dict[str, Any]:
         """`PATCH /v1/models/{name}` over NATS (the CLI): `{"model": NAME, "change": {...}}`, judged on this box."""
         assert box.store is not None
-        spec, change = await _model(box, payload), update_from(payload.get("change"))
-        if change.pinned:
-            await _check_pin_fits(box, spec)
+        spec, change, judge = await _model(box, payload), update_from(payload.get("change")), _pin_judge(box)
+        if change.pinned and not spec.pinned:
+            await judge(spec)
         spec = await change_model(spec, change, box.catalog, box.store)
         return {
             "model": spec.name,
             "aliases": list(spec.aliases),
             "pinned": spec.pinned,
             "batching": asdict(box.catalog.batching_for(spec)),
-        }
+        } | judge.said()
 
     async def delete(payload: dict[str, Any]) -> dict[str, Any]:
         """`DELETE /v1/models/{name}` over NATS (the TUI and CLI): a base only once its adapters are gone."""
@@ -102,10 +104,17 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
         assert box.store is not None
         check_fits = box.residency.check_fits if box.settings.runs_models else None
+        judge = _pin_judge(box)
         spec = await register(
-            registration_from(payload), box.catalog, box.store, box.settings, check_fits, box.queue.open_model
+            registration_from(payload),
+            box.catalog,
+            box.store,
+            box.settings,
+            check_fits,
+            box.queue.open_model,
+            judge_pin=judge,
         )
-        return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of}
+        return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of} | judge.said()
 
     async def drain(payload: dict[str, Any]) -> dict[str, Any]:
         box.draining = True
@@ -140,12 +149,13 @@ async def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
     return spec
 
 
-async def _check_pin_fits(box: Box, spec: ModelSpec) -> None:
-    """As `POST /v1/models/{name}/pin` judges a pin: on this box and on every other that runs models (507)."""
+def _pin_judge(box: Box) -> PinJudge:
+    """As `POST /v1/models/{name}/pin` judges a pin: by this box (unless it drains) and every other live box that
+    runs models (`pin_fits.py`)."""
     assert box.nc is not None
-    here = box.residency.check_fits if box.settings.runs_models else None
+    here = box.residency.check_fits if box.settings.runs_models and not box.draining else None
     live = box.fleet.live_boxes() if box.fleet is not None else []
-    await check_pin_fits(spec, here=here, box_id=box.box_id, nc=box.nc, live_boxes=live)
+    return PinJudge(here=here, box_id=box.box_id, nc=box.nc, live_boxes=live)
 
 
 def refuse_adapter(spec: ModelSpec, verb: str) -> None:

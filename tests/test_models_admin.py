@@ -957,29 +957,39 @@ async def test_a_pin_that_cannot_fit_beside_the_pinned_models_is_refused(start_b
     assert status == 200 and body["pinned"] is True, body
 
 
-async def test_a_pin_another_box_that_runs_models_cannot_hold_is_refused_naming_it(start_box, http) -> None:
-    """A pin judged only the budget of the box that took it (a gateway none): the pin answered ok, and the smaller
-    box said in its log alone that it could never load the model. Each box that runs models is asked, by its own
-    budget, through HTTP and the control verbs (the CLI's and the TUI's) alike."""
+async def test_a_pin_is_judged_by_every_box_that_runs_models(start_box, http, encoder_dir) -> None:
+    """A pin judged only the budget of the box that took it (a gateway none): it answered ok, and a box that could
+    never load the model said so in its log alone. Each live box that runs models judges it by its own budget,
+    through HTTP and the control verbs (the CLI's, the TUI's) alike: no box able to hold it, the pin is refused
+    (507) naming each; some able to, it is made and its answer names the others (review h178: a fleet of unequal
+    boxes could pin nothing its small box could not hold). A pinned registration is judged so too."""
+    roots = [encoder_dir.parent.parent]
     models = [noop_model("first", pinned=True, bytes=600), noop_model("second", pinned=False, bytes=600)]
-    small = await start_box(box_id="small", default_model=False, models=models, memory_budget="1000B")
-    large = await start_box(box_id="large", default_model=False, models=models)
-    door = await start_box(box_id="door", role="gateway", default_model=False, models=models)
-    for box in (large, door):
-        await wait_for(lambda box=box: "small" in box.fleet.holders("first"), what="the small box seen holding first")
-    for box in (large, door):
-        status, body = await call(http, box, "POST", "/v1/models/second/pin")
-        assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
-        assert "box small: model second needs about 600 bytes" in body["error"]["message"], body
-        assert (await call(http, box, "PATCH", "/v1/models/second", {"pinned": True}))[0] == 507
+    await start_box(box_id="small", default_model=False, models=models, memory_budget="1000B")
+    door = await start_box(box_id="door", role="gateway", default_model=False, models=models, model_roots=roots)
+    await wait_for(lambda: "small" in door.fleet.holders("first"), what="the small box seen holding first")
+    status, body = await call(http, door, "POST", "/v1/models/second/pin")
+    assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
+    assert "no box that runs models could hold it" in body["error"]["message"], body
+    assert "box small: model second needs about 600 bytes" in body["error"]["message"], body
+    assert (await call(http, door, "PATCH", "/v1/models/second", {"pinned": True}))[0] == 507
     for verb, payload in (("pin", {"model": "second"}), ("update", {"model": "second", "change": {"pinned": True}})):
         with pytest.raises(InsufficientMemory, match="box small"):
-            await call_box(large.nc, "large", verb, payload)
-    assert not large.catalog.get("second").pinned
-    assert (await call(http, large, "POST", "/v1/models/first/unpin"))[0] == 200
-    await wait_for(lambda: "first" not in small.residency.pinned, what="the unpin applied on the small box")
+            await call_box(door.nc, "door", verb, payload)
+    registration = {"name": "enc", "path": str(encoder_dir), "pinned": True}
+    status, body = await call(http, door, "POST", "/v1/models", registration)
+    assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
+    assert "box small: model enc needs about" in body["error"]["message"], body
+    assert door.catalog.get("enc") is None and not door.catalog.get("second").pinned
+
+    large = await start_box(box_id="large", default_model=False, models=models, model_roots=roots)
+    await wait_for(lambda: "large" in door.fleet.holders("first"), what="the large box seen holding first")
     status, body = await call(http, door, "POST", "/v1/models/second/pin")
     assert status == 200 and body["pinned"] is True, body
+    assert list(body["not_held_by"]) == ["small"] and "600 bytes" in body["not_held_by"]["small"], body
+    status, body = await call(http, door, "POST", "/v1/models", registration)
+    assert status == 201 and body["pinned"] is True and list(body["not_held_by"]) == ["small"], body
+    await wait_for(lambda: large.residency.get("enc") is not None, what="the pinned registration loaded on large")
 
 
 async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, http) -> None:

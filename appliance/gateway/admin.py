@@ -20,7 +20,7 @@ from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
-from appliance.pin_fits import check_pin_fits
+from appliance.pin_fits import PinJudge
 from appliance.registration import MODEL_VERBS, register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import MODEL_ROLES
@@ -73,8 +73,11 @@ def _stats(ctx: GatewayContext, spec: ModelSpec, batching: Batching) -> dict[str
 async def register_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     registration = decode(await read_body(request, ctx.settings), _registration)
-    spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, ctx.check_fits, ctx.open_queue)
-    return json_response(model_record(ctx, spec), status=201)
+    judge = _pin_judge(ctx)
+    spec = await register(
+        registration, ctx.catalog, ctx.store, ctx.settings, ctx.check_fits, ctx.open_queue, judge_pin=judge
+    )
+    return json_response(model_record(ctx, spec) | judge.said(), status=201)
 
 
 async def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
@@ -110,10 +113,11 @@ async def update_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = await named_model(ctx, request)
     update = update_from(decode(await read_body(request, ctx.settings), _json_object))
-    if update.pinned:
-        await _check_pin_fits(ctx, spec)
+    judge = _pin_judge(ctx)
+    if update.pinned and not spec.pinned:
+        await judge(spec)
     spec = await change_model(spec, update, ctx.catalog, ctx.store)
-    return json_response(model_record(ctx, spec))
+    return json_response(model_record(ctx, spec) | judge.said())
 
 
 async def delete_model(request: web.Request) -> web.Response:
@@ -138,18 +142,21 @@ async def unpin_model(request: web.Request) -> web.Response:
 async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = await named_model(ctx, request)
+    judge = _pin_judge(ctx)
     if not pinned:
         refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
-    else:
-        await _check_pin_fits(ctx, spec)
+    elif not spec.pinned:  # pinned already: nothing to judge
+        await judge(spec)
     spec = await ctx.store.update(spec, ModelChange(pinned=pinned))
-    return json_response(model_record(ctx, spec))
+    return json_response(model_record(ctx, spec) | judge.said())
 
 
-async def _check_pin_fits(ctx: GatewayContext, spec: ModelSpec) -> None:
-    """A model pinned now must fit beside the models pinned on every box that runs models, or it is never loaded
-    there and each of its requests gets a 503 (black-box finding): 507 now, saying so."""
-    await check_pin_fits(spec, here=ctx.check_fits, box_id=ctx.box_id, nc=ctx.nc, live_boxes=ctx.live_boxes())
+def _pin_judge(ctx: GatewayContext) -> PinJudge:
+    """A model pinned now must fit beside the models pinned on some box that runs models, or it is never loaded
+    and each of its requests gets a 503 (black-box finding): 507, saying so; the boxes that cannot hold it are
+    named in the answer (`pin_fits.py`). This box judges it too unless it drains."""
+    here = None if ctx.is_draining() else ctx.check_fits
+    return PinJudge(here=here, box_id=ctx.box_id, nc=ctx.nc, live_boxes=ctx.live_boxes())
 
 
 async def _target_box(request: web.Request) -> str | None:
