@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -30,24 +31,17 @@ log = logging.getLogger(__name__)
 _ASK_S = 5.0  # a box answers `fits` from the spec sent and a walk of the model's folder
 
 
+@dataclass(kw_only=True)
 class PinJudge:
     """Judges the pin of one call (a pin, a change that pins, a pinned registration). `here` is this box's own
     check (None on a gateway, or on a box that drains); `not_held_by` keeps, once called, the boxes that could not
     hold the model, with why."""
 
-    def __init__(
-        self,
-        *,
-        here: Callable[[ModelSpec], Awaitable[None]] | None,
-        box_id: str,
-        nc: NATS,
-        live_boxes: list[dict[str, Any]],
-    ) -> None:
-        self._here = here
-        self._box_id = box_id
-        self._nc = nc
-        self._live_boxes = live_boxes
-        self.not_held_by: dict[str, str] = {}
+    here: Callable[[ModelSpec], Awaitable[None]] | None
+    box_id: str
+    nc: NATS
+    live_boxes: list[dict[str, Any]]
+    not_held_by: dict[str, str] = field(default_factory=dict)
 
     def said(self) -> dict[str, Any]:
         """What a pin's answer adds: the boxes that will not hold the model, if any."""
@@ -59,16 +53,16 @@ class PinJudge:
         if spec.adapter_of is not None:
             return
         verdicts: dict[str, InsufficientMemory | None] = {}
-        if self._here is not None:
+        if self.here is not None:
             try:
-                await self._here(spec)
-                verdicts[self._box_id] = None
+                await self.here(spec)
+                verdicts[self.box_id] = None
             except InsufficientMemory as exc:
-                verdicts[self._box_id] = exc
-        others = sorted({str(record["box"]) for record in taking_work(self._live_boxes, MODEL_ROLES)} - {self._box_id})
+                verdicts[self.box_id] = exc
+        others = sorted({str(record["box"]) for record in taking_work(self.live_boxes, MODEL_ROLES)} - {self.box_id})
         asked = {"model": spec.name, "spec": spec.to_json().decode()}
         answers = await asyncio.gather(
-            *(call_box(self._nc, other, "fits", asked, timeout_s=_ASK_S) for other in others), return_exceptions=True
+            *(call_box(self.nc, other, "fits", asked, timeout_s=_ASK_S) for other in others), return_exceptions=True
         )
         for other, answer in zip(others, answers, strict=True):
             if isinstance(answer, InsufficientMemory):
