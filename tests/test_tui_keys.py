@@ -23,7 +23,7 @@ from textual.widgets.data_table import ColumnKey
 from appliance.errors import Forbidden
 from runtimes.base import Task
 from tests.tui_fake import FakeSource, MiB, fleet_view, resident, spec
-from tui.app import FleetboxApp
+from tui.app import FleetboxApp, describe
 from tui.dialogs import Choose, Confirm, KeysHelp, RegisterForm
 from tui.model import FleetView, model_rows
 from tui.screens import EventsScreen, FleetScreen
@@ -419,3 +419,11 @@ def test_the_status_line_of_a_fleet_out_of_reach_fits_80_columns() -> None:
     for screen in ("Fleet", "Models", "Queue", "Events"):
         shown = status_line(view, screen).plain[:80]
         assert "cannot reach NATS: connection refused" in shown and "as of 12s ago" in shown, shown
+
+
+def test_a_pin_some_boxes_cannot_hold_says_which_in_its_notification() -> None:
+    """A pin made though a box cannot hold the model beside its own pinned models answers `not_held_by`: the
+    notification names those boxes, where it read "pinned" alone."""
+    answer = {"ok": True, "box": "door", "model": "m", "pinned": True, "not_held_by": {"small": "model m needs ..."}}
+    assert describe(answer) == "pinned, not held by small (too little memory) (answered by door)"
+    assert describe({"box": "door", "model": "m", "pinned": True}) == "pinned (answered by door)"

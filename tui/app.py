@@ -171,5 +171,7 @@ def describe(result: dict[str, Any]) -> str:
         parts.append(f"registered ({result['task']})")
     if result.get("deleted"):
         parts.append("deleted")
+    if result.get("not_held_by"):  # a pin some boxes cannot hold beside their own pinned models (pin_fits.py)
+        parts.append(f"not held by {', '.join(sorted(result['not_held_by']))} (too little memory)")
     by = f" (answered by {result['box']})" if result.get("box") else ""
     return (", ".join(parts) or "done") + by
