@@ -257,6 +257,10 @@ def tune(
 
 
 def main() -> None:
+    problem = fleet_options.repeated_option(typer.main.get_command(app), sys.argv[1:])
+    if problem:
+        typer.echo(f"fleetbox: {problem}", err=True)
+        sys.exit(2)
     app(prog_name="fleetbox")
 
 

@@ -2,7 +2,7 @@
 
 Each turns what nats-py or a box would answer late, or not at all, into one line on stderr and exit status 2:
 a credentials or TLS file that cannot be used, a `--nats` with no URL, a MODEL or NAME no model can have, a
-box id no box can have, a value not among an option's few.
+box id no box can have, a value not among an option's few, an option of one value given twice.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -152,3 +152,33 @@ def one_of(option: str, allowed: tuple[str, ...]) -> Callable[[str | None], str 
         return value
 
     return check
+
+
+def repeated_option(command: Any, args: list[str]) -> str | None:
+    """What is wrong when an option of one value is given twice, a usage error (exit 2): click keeps the last one
+    silently, so `fleetbox models load M --box a --box b` loaded on b, and `--pin --unpin` unpinned. Options given
+    as lists (`--alias`) and plain flags said twice are fine. `command` is the app's click command
+    (`typer.main.get_command`: typer carries a click of its own, so its classes are not `click`'s)."""
+    for token in args:  # down to the (sub)command the arguments name
+        subcommands = getattr(command, "commands", None)
+        if not subcommands or token not in subcommands:
+            break
+        command = subcommands[token]
+    names: dict[str, Any] = {}
+    for param in command.params:
+        if param.param_type_name == "option" and not param.multiple and not param.count:
+            if not param.is_flag or param.secondary_opts:  # a plain flag said twice means the same
+                names |= dict.fromkeys([*param.opts, *param.secondary_opts], param)
+    said: dict[str, list[str]] = {}
+    for token in args:
+        if token == "--":
+            break
+        option = token.split("=", 1)[0]
+        if option in names:
+            said.setdefault(names[option].name, []).append(option)
+    for given in said.values():
+        if len(set(given)) > 1:
+            return f"{' and '.join(dict.fromkeys(given))} given together; give one of them"
+        if len(given) > 1:
+            return f"{given[0]} given {len(given)} times; give it once"
+    return None

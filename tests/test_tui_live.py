@@ -695,3 +695,20 @@ def test_version_is_printed_by_the_option_and_the_command() -> None:
     for args in (["--version"], ["version"]):
         result = CliRunner().invoke(cli.app, args)
         assert (result.exit_code, result.output) == (0, f"{said}\n"), (args, result.output)
+
+
+async def test_an_option_of_one_value_given_twice_is_a_usage_error() -> None:
+    """Tester h146: `fleetbox models load M --box a --box b` loaded on b, click keeping the last `--box` silently;
+    `--pin --unpin` unpinned. Refused before anything is asked (no NATS here), exit 2; list options repeat."""
+    cases = [
+        (["models", "load", "m", "--box", "a", "--box=b"], "fleetbox: --box given 2 times; give it once"),
+        (["models", "update", "m", "--pin", "--unpin"], "fleetbox: --pin and --unpin given together; give one of them"),
+        (["serve", "--port", "1", "--port", "2"], "fleetbox: --port given 2 times; give it once"),
+    ]
+    for args, said in cases:
+        code, out, err = await fleetbox(*args)
+        assert (code, out, err.strip()) == (2, "", said), (args, err)
+    code, _, err = await fleetbox(
+        "models", "update", "m", "--alias", "a", "--alias", "b", "--nats", "nats://127.0.0.1:1"
+    )
+    assert code == 1 and "cannot reach NATS" in err, err  # past the check: a list option may repeat
