@@ -132,7 +132,7 @@ def models_list(
 @models_app.command("pin")
 @_reaches_the_fleet
 def models_pin(model: Model, fleet: FleetAccess) -> None:
-    """Pin a model: every box keeps it loaded."""
+    """Pin a model: every box that runs models and has room keeps it loaded (refused if none has)."""
     _print_action(fleet, "pin", model=model)
 
 
@@ -186,7 +186,7 @@ def models_register(
     ] = None,
     adapter_of: Annotated[str | None, typer.Option(help="the base model, for a LoRA adapter")] = None,
     alias: Annotated[list[str] | None, typer.Option("--alias", help="another name for it; repeat it")] = None,
-    pin: Annotated[bool, typer.Option("--pin", help="keep it loaded on every box")] = False,
+    pin: Annotated[bool, typer.Option("--pin", help="pin it: kept loaded on every box with room")] = False,
     runtime: Annotated[
         str | None, typer.Option(help="torch (default) or onnx", callback=one_of("--runtime", RUNTIMES))
     ] = None,

@@ -7,7 +7,7 @@ models and is not draining judges it by its own measure (the `fits` control verb
 is refused, 507, naming each box and why, since every request for the model would be a 503. Some able to: the pin
 is made, and its answer names the others (`not_held_by`); refusing it there would leave a fleet of unequal boxes
 unable to pin a model its large boxes hold (review h178). A box that does not answer within `_ASK_S` is not
-waited for: its refusal, if any, stays in its record as before.
+waited for, and the pin is made (`not_judged_by`): its refusal, if any, stays in its record as before.
 """
 
 from __future__ import annotations
@@ -35,17 +35,20 @@ _ASK_S = 5.0  # a box answers `fits` from the spec sent and a walk of the model'
 class PinJudge:
     """Judges the pin of one call (a pin, a change that pins, a pinned registration). `here` is this box's own
     check (None on a gateway, or on a box that drains); `not_held_by` keeps, once called, the boxes that could not
-    hold the model, with why."""
+    hold the model, with why, and `not_judged_by` those that did not answer (not counted as refusals: a large box
+    slow to answer left the small one's refusal to speak for the fleet, review h179)."""
 
     here: Callable[[ModelSpec], Awaitable[None]] | None
     box_id: str
     nc: NATS
     live_boxes: list[dict[str, Any]]
     not_held_by: dict[str, str] = field(default_factory=dict)
+    not_judged_by: list[str] = field(default_factory=list)
 
     def said(self) -> dict[str, Any]:
-        """What a pin's answer adds: the boxes that will not hold the model, if any."""
-        return {"not_held_by": self.not_held_by} if self.not_held_by else {}
+        """What a pin's answer adds: the boxes that will not hold the model, and those that did not say, if any."""
+        said: dict[str, Any] = {"not_held_by": self.not_held_by} if self.not_held_by else {}
+        return said | ({"not_judged_by": self.not_judged_by} if self.not_judged_by else {})
 
     async def __call__(self, spec: ModelSpec) -> None:
         """Raise 507 when no box judged could hold `spec` pinned; keep those that could not in `not_held_by`. An
@@ -67,12 +70,13 @@ class PinJudge:
         for other, answer in zip(others, answers, strict=True):
             if isinstance(answer, InsufficientMemory):
                 verdicts[other] = answer
-            elif isinstance(answer, BaseException):
+            elif isinstance(answer, BaseException):  # slow, stopping, or older than the `fits` verb: may hold it
                 log.warning("pin not judged by a box", extra={"model": spec.name, "box": other, "error": repr(answer)})
+                self.not_judged_by.append(other)
             else:
                 verdicts[other] = None
         self.not_held_by = {box: error.message for box, error in verdicts.items() if error is not None}
-        if verdicts and len(self.not_held_by) == len(verdicts):
+        if verdicts and len(self.not_held_by) == len(verdicts) and not self.not_judged_by:
             said = "; ".join(f"box {box}: {why}" for box, why in self.not_held_by.items())
             raise InsufficientMemory(
                 f"model {spec.name} cannot be pinned: no box that runs models could hold it beside the models pinned "

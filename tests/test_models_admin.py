@@ -18,7 +18,7 @@ import torch
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError
 
-from appliance import bus, registration
+from appliance import bus, pin_fits, registration
 from appliance.adapter_hold import hold_adapter
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
@@ -990,6 +990,27 @@ async def test_a_pin_is_judged_by_every_box_that_runs_models(start_box, http, en
     status, body = await call(http, door, "POST", "/v1/models", registration)
     assert status == 201 and body["pinned"] is True and list(body["not_held_by"]) == ["small"], body
     await wait_for(lambda: large.residency.get("enc") is not None, what="the pinned registration loaded on large")
+
+
+async def test_a_box_that_does_not_answer_is_not_counted_as_refusing_the_pin(start_box, monkeypatch) -> None:
+    """Review h179: a large box slow to answer `fits` (or stopping, or older than the verb) was left out, and the
+    small box's refusal alone was taken for the fleet's: 507 "no box that runs models could hold it". The pin is
+    made, and its answer names the box that did not say."""
+    models = [noop_model("first", pinned=True, bytes=600), noop_model("second", pinned=False, bytes=600)]
+    small = await start_box(box_id="small", default_model=False, models=models, memory_budget="1000B")
+
+    async def silent(nc, box, verb, payload, timeout_s):
+        raise ServiceUnavailable(f"box {box!r} did not answer {verb} within {timeout_s:g}s")
+
+    monkeypatch.setattr(pin_fits, "call_box", silent)
+    live = [{"box": "small", "role": "worker"}, {"box": "large", "role": "worker"}]
+    judge = pin_fits.PinJudge(here=small.residency.check_fits, box_id="small", nc=small.nc, live_boxes=live)
+    await judge(small.catalog.get("second"))
+    assert list(judge.not_held_by) == ["small"] and judge.not_judged_by == ["large"]
+    assert judge.said() == {"not_held_by": judge.not_held_by, "not_judged_by": ["large"]}
+    alone = pin_fits.PinJudge(here=small.residency.check_fits, box_id="small", nc=small.nc, live_boxes=live[:1])
+    with pytest.raises(InsufficientMemory, match="no box that runs models could hold it"):
+        await alone(small.catalog.get("second"))
 
 
 async def test_a_pin_beside_a_pinned_model_still_loading_counts_it(start_box, http) -> None:

@@ -124,11 +124,11 @@ class Publisher:
             if self._probe is not None:  # another publish is trying the stream: this one would wait as it does
                 raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S)
             self._probe = meta.id
-        self._publishing[meta.id] = time.monotonic()
         try:
             if self._blobs.needed(body):
                 # Too large to ride the queue: the message carries the object-store key instead.
                 meta, body = replace(meta, blob=await self._store_body(meta, body)), b""
+            self._publishing[meta.id] = time.monotonic()
             await self._send(slug, body, meta)
         finally:
             self._publishing.pop(meta.id, None)
@@ -137,13 +137,16 @@ class Publisher:
 
     async def _store_body(self, meta: RequestMeta, body: bytes) -> str:
         """Put a large body in the object store, within the publish's bound: unbounded, a stalled server held it
-        10 s (two puts of 5 s) past a 3 s deadline, and never opened the breaker (review h178)."""
+        10 s (two puts of 5 s) past a 3 s deadline (review h178). The store is a stream of its own: its stall
+        opens no breaker of the request stream, which may take every other request (review h179)."""
         timeout_s = _publish_timeout_s(meta)
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._blobs.put(bus.request_blob_key(meta.id), body)
         except TimeoutError:  # NATS's too; nothing was published, so nothing to cancel (a part stored: the TTL's)
-            raise self._unanswered(meta, timeout_s, _BODY_NOT_STORED) from None
+            if timeout_s < _PUBLISH_TIMEOUT_S:
+                raise self._past_deadline(meta) from None
+            raise ServiceUnavailable(_BODY_NOT_STORED, retry_after_s=FAILOVER_RETRY_S) from None
         except NatsError as exc:  # a failover, say: as a refused publish, not a 500 (review r40)
             log.warning("request body not stored", extra={"request_id": meta.id, "error": repr(exc)})
             raise ServiceUnavailable(
@@ -159,10 +162,10 @@ class Publisher:
             )
             self._answered()
         except APIError as exc:
-            self._answered()  # refused, but answered: a full stream is not a stalled one
             if meta.blob:  # not queued: no box will read or delete its body
                 await self._blobs.delete(meta.blob)
             if exc.err_code in _STREAM_FULL_CODES or (exc.code == 503 and "maximum" in (exc.description or "")):
+                self._answered()  # refused, but answered: a full stream is not a stalled one
                 raise self._overloaded("the request queue is full") from None
             log.error("publish refused", extra={"request_id": meta.id, "error": repr(exc)})
             raise ServiceUnavailable(
@@ -180,15 +183,19 @@ class Publisher:
         self._unanswered_at = None
         self._breaker_open = False
 
-    def _unanswered(self, meta: RequestMeta, waited_s: float, message: str = _NOT_ANSWERING) -> FleetboxError:
+    def _unanswered(self, meta: RequestMeta, waited_s: float) -> FleetboxError:
         """The error for a request the queue did not take within `waited_s`: the deadline's 504 where that was its
         bound (the queue may be fine), else the 503 of a queue not answering, which opens the breaker."""
         if waited_s < _PUBLISH_TIMEOUT_S:
-            timeout = (meta.deadline_ms - meta.sent_ms) / 1000
-            return GatewayTimeout(
-                f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) "
-                "did not take it in that time; retry shortly"
-            )
+            return self._past_deadline(meta)
         self._unanswered_at = time.monotonic()
         self._breaker_open = True
-        return ServiceUnavailable(message, retry_after_s=FAILOVER_RETRY_S)
+        return ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S)
+
+    @staticmethod
+    def _past_deadline(meta: RequestMeta) -> GatewayTimeout:
+        timeout = (meta.deadline_ms - meta.sent_ms) / 1000
+        return GatewayTimeout(
+            f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) did not "
+            "take it in that time; retry shortly"
+        )
