@@ -1,4 +1,4 @@
-"""Whether a model about to be pinned fits the boxes that run models (`PinJudge`).
+"""Whether a model about to be pinned, or registered, fits the boxes that run models (`PinJudge`).
 
 A pin asks every box that runs models to load the model and never evict it. The box that took the pin judged
 only its own budget (a gateway none): a box whose budget could not hold the model beside its own pinned models
@@ -79,6 +79,6 @@ class PinJudge:
         if verdicts and len(self.not_held_by) == len(verdicts) and not self.not_judged_by:
             said = "; ".join(f"box {box}: {why}" for box, why in self.not_held_by.items())
             raise InsufficientMemory(
-                f"model {spec.name} cannot be pinned: no box that runs models could hold it beside the models pinned "
-                f"there ({said}); unpin a model there, or give a box a larger memory budget"
+                f"model {spec.name}: no box that runs models could hold it beside the models pinned there ({said}); "
+                "unpin a model there, or give a box a larger memory budget"
             )

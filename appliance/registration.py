@@ -266,12 +266,11 @@ async def register(
     settings: Settings,
     check_fits: Callable[[ModelSpec], Awaitable[None]] | None,
     open_queue: Callable[[ModelSpec], Awaitable[None]] | None = None,
-    *,
-    judge_pin: Callable[[ModelSpec], Awaitable[None]] | None = None,
 ) -> ModelSpec:
-    """Judge a registration and put it in the fleet's catalog: `POST /v1/models` and the `register` verb. A pinned
-    one is judged by `judge_pin` (every box that runs models: `pin_fits.PinJudge`) where one is given, else by
-    this box's `check_fits`, as any other."""
+    """Judge a registration and put it in the fleet's catalog: `POST /v1/models` and the `register` verb.
+    `check_fits` refuses (507) a model no box could ever hold, pinned or not: the routes pass a
+    `pin_fits.PinJudge`, which asks every box that runs models (a small box that took it refused a model the
+    fleet's large boxes hold, and a gateway judged nothing: review h179)."""
     name = registration.name
     try:
         slug = model_slug(name)
@@ -338,9 +337,7 @@ async def register(
         spec_of(registration, task=task, path=folder, batching=batching, adapter_of=adapter_of),
         registered_ms=time.time_ns() // 1_000_000,
     )
-    if judge_pin is not None and spec.pinned and spec.adapter_of is None:
-        await judge_pin(spec)
-    elif check_fits is not None and spec.adapter_of is None:
+    if check_fits is not None and spec.adapter_of is None:
         await check_fits(spec)
     await store.create(spec)  # refused (409) when a registration racing this one took the slug, name or an alias
     if base is not None and not await store.still_holds(base):  # the base deleted on another box meanwhile

@@ -103,16 +103,9 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
         assert box.store is not None
-        check_fits = box.residency.check_fits if box.settings.runs_models else None
-        judge = _pin_judge(box)
+        judge = _pin_judge(box)  # pinned or not, a model no box could hold is refused
         spec = await register(
-            registration_from(payload),
-            box.catalog,
-            box.store,
-            box.settings,
-            check_fits,
-            box.queue.open_model,
-            judge_pin=judge,
+            registration_from(payload), box.catalog, box.store, box.settings, judge, box.queue.open_model
         )
         return {"model": spec.name, "task": spec.task.value, "adapter_of": spec.adapter_of} | judge.said()
 

@@ -372,9 +372,11 @@ async def test_a_box_that_failed_to_load_a_model_stops_refusing_it_once_another_
     requests 507. Once a bigger box has loaded it, those requests are the bigger box's to answer, not the small
     box's to refuse for the rest of its 30 s back-off."""
     gateway = await start_box(role="gateway", box_id="gateway", default_model=False, model_roots=[encoder_dir.parent])
-    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="1000B")
+    # Registered before any box that runs models is up: one up would refuse it (507), as no box could hold it.
     async with http.post(url(gateway, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
         assert response.status == 201
+    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="1000B")
+    await wait_for(lambda: "small" in [r["box"] for r in gateway.fleet.live_boxes()], what="the small box's heartbeat")
     body = {"model": "enc", "input": "x"}
     async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
         assert response.status == 507 and "the largest memory budget is 1000 bytes (box small)" in await response.text()
@@ -394,12 +396,13 @@ async def test_a_model_larger_than_every_live_box_is_507_naming_its_size_and_the
     """It was a 503 ("could not be loaded on box small": try again soon) from the box that tried, though no box
     could ever hold it: a retry fails the same way until a larger box joins. Both priorities are told."""
     gateway = await start_box(role="gateway", box_id="gateway", default_model=False, model_roots=[encoder_dir.parent])
-    tiny = await start_box(role="worker", box_id="tiny", default_model=False, memory_budget="1000B")
-    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="2KiB")
-    await wait_for(lambda: "tiny" in [r["box"] for r in small.fleet.live_boxes()], what="the tiny box's heartbeat")
-    await wait_for(lambda: "small" in [r["box"] for r in tiny.fleet.live_boxes()], what="the small box's heartbeat")
+    # Registered before any box that runs models is up: one up would refuse it (507), as no box could hold it.
     async with http.post(url(gateway, "/v1/models"), json={"name": "enc", "path": str(encoder_dir)}) as response:
         assert response.status == 201
+    tiny = await start_box(role="worker", box_id="tiny", default_model=False, memory_budget="1000B")
+    small = await start_box(role="worker", box_id="small", default_model=False, memory_budget="2KiB")
+    for box in (tiny, small, gateway):
+        await wait_for(lambda box=box: {"tiny", "small"} <= {r["box"] for r in box.fleet.live_boxes()}, what="beats")
     need = estimate_bytes(small.catalog.get("enc"))
     for headers in ({}, {"Fbx-Priority": "batch"}):
         async with http.post(url(gateway, "/v1/embeddings"), json={"model": "enc", "input": "x"}, headers=headers) as r:

@@ -962,10 +962,13 @@ async def test_a_pin_is_judged_by_every_box_that_runs_models(start_box, http, en
     never load the model said so in its log alone. Each live box that runs models judges it by its own budget,
     through HTTP and the control verbs (the CLI's, the TUI's) alike: no box able to hold it, the pin is refused
     (507) naming each; some able to, it is made and its answer names the others (review h178: a fleet of unequal
-    boxes could pin nothing its small box could not hold). A pinned registration is judged so too."""
+    boxes could pin nothing its small box could not hold). A registration is judged so too, pinned or not (a small
+    box refused a model the large boxes hold, and a gateway judged nothing: review h179)."""
     roots = [encoder_dir.parent.parent]
     models = [noop_model("first", pinned=True, bytes=600), noop_model("second", pinned=False, bytes=600)]
-    await start_box(box_id="small", default_model=False, models=models, memory_budget="1000B")
+    small = await start_box(
+        box_id="small", default_model=False, models=models, memory_budget="1000B", model_roots=roots
+    )
     door = await start_box(box_id="door", role="gateway", default_model=False, models=models, model_roots=roots)
     await wait_for(lambda: "small" in door.fleet.holders("first"), what="the small box seen holding first")
     status, body = await call(http, door, "POST", "/v1/models/second/pin")
@@ -980,6 +983,8 @@ async def test_a_pin_is_judged_by_every_box_that_runs_models(start_box, http, en
     status, body = await call(http, door, "POST", "/v1/models", registration)
     assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body
     assert "box small: model enc needs about" in body["error"]["message"], body
+    status, body = await call(http, door, "POST", "/v1/models", {**registration, "pinned": False})
+    assert (status, body["error"]["code"]) == (507, "insufficient_memory"), body  # a gateway judged nothing
     assert door.catalog.get("enc") is None and not door.catalog.get("second").pinned
 
     large = await start_box(box_id="large", default_model=False, models=models, model_roots=roots)
@@ -989,6 +994,9 @@ async def test_a_pin_is_judged_by_every_box_that_runs_models(start_box, http, en
     assert list(body["not_held_by"]) == ["small"] and "600 bytes" in body["not_held_by"]["small"], body
     status, body = await call(http, door, "POST", "/v1/models", registration)
     assert status == 201 and body["pinned"] is True and list(body["not_held_by"]) == ["small"], body
+    cold = {"name": "enc-cold", "path": str(encoder_dir)}  # unpinned, on the small box: a large one holds it
+    status, body = await call(http, small, "POST", "/v1/models", cold)
+    assert status == 201 and list(body["not_held_by"]) == ["small"], body
     await wait_for(lambda: large.residency.get("enc") is not None, what="the pinned registration loaded on large")
 
 

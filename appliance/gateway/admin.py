@@ -73,10 +73,8 @@ def _stats(ctx: GatewayContext, spec: ModelSpec, batching: Batching) -> dict[str
 async def register_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     registration = decode(await read_body(request, ctx.settings), _registration)
-    judge = _pin_judge(ctx)
-    spec = await register(
-        registration, ctx.catalog, ctx.store, ctx.settings, ctx.check_fits, ctx.open_queue, judge_pin=judge
-    )
+    judge = _pin_judge(ctx)  # pinned or not, a model no box could hold is refused
+    spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, judge, ctx.open_queue)
     return json_response(model_record(ctx, spec) | judge.said(), status=201)
 
 
