@@ -33,7 +33,7 @@ from appliance.puller import Puller, stop_pullers
 from appliance.settings import ModelEntry
 from benchmarks._faultkit import NatsCluster, SteadyLoad
 from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_request
-from tests.conftest import box_settings, noop_model, url, wait_for
+from tests.conftest import box_settings, freeze, noop_model, url, wait_for
 
 
 async def test_queued_requests_are_served_after_the_only_nats_server_restarts(tmp_path) -> None:
@@ -308,7 +308,7 @@ async def test_a_puller_stopped_while_the_server_stalls_leaves_the_connection_wo
         puller = Puller(nc, "stall", "_TEST.pull.stall", lambda: 0, lambda msg: None)
         await puller.start()
         sid = puller._sub._id
-        nats_server.process.send_signal(signal.SIGSTOP)
+        await freeze(nats_server)
         try:
             await asyncio.wait_for(puller.stop(), 10)  # its own bound: 2 s
         finally:
@@ -335,7 +335,7 @@ async def test_a_refusal_while_nats_is_frozen_names_nats_not_the_boxes(start_box
         ) as response:
             return response.status, await response.json()
 
-    nats_server.process.send_signal(signal.SIGSTOP)
+    await freeze(nats_server)
     try:
         await wait_for(lambda: not box.fleet.hears_itself(), what="its own heartbeat gone from its view")
         outcomes = await asyncio.gather(*(embed(i) for i in range(20)))
@@ -356,7 +356,7 @@ async def test_pullers_stopped_together_all_stop_when_the_stop_is_cut_short(nats
         for puller in pullers:
             await puller.start()
         sids = [puller._sub._id for puller in pullers]
-        nats_server.process.send_signal(signal.SIGSTOP)
+        await freeze(nats_server)
         try:
             stopping = asyncio.create_task(stop_pullers(pullers))
             await wait_for(lambda: pullers[0]._sub is None, what="the stops under way")
@@ -1100,7 +1100,7 @@ async def test_a_publish_jetstream_does_not_take_is_bounded_by_the_requests_dead
     body = {"model": "noop", "input": "hello", "timeout": 0.5}
     async with http.post(url(box, "/v1/embeddings"), json=body) as response:
         assert response.status == 200
-    nats_server.process.send_signal(signal.SIGSTOP)
+    await freeze(nats_server)
     try:
         async with http.post(url(box, "/v1/embeddings"), json=body) as response:
             answer = await response.json()
@@ -1134,7 +1134,7 @@ async def test_once_a_publish_went_unanswered_one_request_tries_the_stream_and_t
             return response.status, await response.json(), response.headers.get("Retry-After")
 
     assert (await embed("before"))[0] == 200
-    nats_server.process.send_signal(signal.SIGSTOP)
+    await freeze(nats_server)
     try:
         status, first, _ = await embed("unanswered")  # waits out its publish: nothing told it the stream stalls
         assert (status, first["error"]["code"]) == (503, "unavailable"), first
@@ -1214,7 +1214,7 @@ async def test_the_breaker_stays_open_through_a_look_and_a_refused_generation_se
             return response.status
 
     try:
-        nats_server.process.send_signal(signal.SIGSTOP)
+        await freeze(nats_server)
         try:
             assert await embed("unanswered") == 503  # waits out its publish; its cancel waits for the server
             publisher.stream_answered(time.monotonic() + 60)  # a look at the stream answered, long after
