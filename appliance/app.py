@@ -58,7 +58,7 @@ from appliance.request_queue import RequestQueue
 from appliance.residency import Residency
 from appliance.settings import MODEL_ROLES, Settings
 from appliance.tasks import Background
-from appliance.verbs import control_verbs
+from appliance.verbs import control_verbs, pin_judge
 from appliance.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ class Box:
             model_state=partial(box_status.model_state, self),
             live_boxes=self.fleet.live_boxes if self.fleet else list,
             without_workers_s=self.fleet.without_workers_s if self.fleet else float,
-            check_fits=self.residency.check_fits if self.settings.runs_models else None,
+            pin_judge=partial(pin_judge, self),
             open_queue=self.queue.open_model,
             delete_model=self.queue.delete_model,
         )

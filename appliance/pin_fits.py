@@ -50,9 +50,15 @@ class PinJudge:
         said: dict[str, Any] = {"not_held_by": self.not_held_by} if self.not_held_by else {}
         return said | ({"not_judged_by": self.not_judged_by} if self.not_judged_by else {})
 
+    async def pin(self, spec: ModelSpec) -> None:
+        """Judge the pin of a model as the catalog holds it: one pinned already is not judged again."""
+        if not spec.pinned:
+            await self(spec)
+
     async def __call__(self, spec: ModelSpec) -> None:
         """Raise 507 when no box judged could hold `spec` pinned; keep those that could not in `not_held_by`. An
-        adapter (refused elsewhere) is not judged; nor is a model pinned already, by the callers."""
+        adapter (refused elsewhere) is not judged. A registration's `spec` is pinned if it asks to be: `pin` skips those
+        pinned already."""
         if spec.adapter_of is not None:
             return
         verdicts: dict[str, InsufficientMemory | None] = {}

@@ -57,9 +57,8 @@ def control_verbs(box: Box) -> dict[str, Handler]:
 
     async def pin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
-        spec, judge = await _model(box, payload), _pin_judge(box)
-        if not spec.pinned:  # pinned already: nothing to judge
-            await judge(spec)
+        spec, judge = await _model(box, payload), pin_judge(box)
+        await judge.pin(spec)
         spec = await box.store.update(spec, ModelChange(pinned=True))
         return {"model": spec.name, "pinned": True} | judge.said()
 
@@ -82,9 +81,9 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def update(payload: dict[str, Any]) -> dict[str, Any]:
         """`PATCH /v1/models/{name}` over NATS (the CLI): `{"model": NAME, "change": {...}}`, judged on this box."""
         assert box.store is not None
-        spec, change, judge = await _model(box, payload), update_from(payload.get("change")), _pin_judge(box)
-        if change.pinned and not spec.pinned:
-            await judge(spec)
+        spec, change, judge = await _model(box, payload), update_from(payload.get("change")), pin_judge(box)
+        if change.pinned:
+            await judge.pin(spec)
         spec = await change_model(spec, change, box.catalog, box.store)
         return {
             "model": spec.name,
@@ -103,7 +102,7 @@ def control_verbs(box: Box) -> dict[str, Handler]:
     async def register_verb(payload: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/models` over NATS (the TUI and CLI): the same checks, judged on this box."""
         assert box.store is not None
-        judge = _pin_judge(box)  # pinned or not, a model no box could hold is refused
+        judge = pin_judge(box)  # pinned or not, a model no box could hold is refused
         spec = await register(
             registration_from(payload), box.catalog, box.store, box.settings, judge, box.queue.open_model
         )
@@ -142,9 +141,9 @@ async def _model(box: Box, payload: dict[str, Any]) -> ModelSpec:
     return spec
 
 
-def _pin_judge(box: Box) -> PinJudge:
-    """As `POST /v1/models/{name}/pin` judges a pin: by this box (unless it drains) and every other live box that
-    runs models (`pin_fits.py`)."""
+def pin_judge(box: Box) -> PinJudge:
+    """How a pin or a registration through this box is judged, by the verbs and the admin routes alike: by this
+    box (unless it drains) and every other live box that runs models (`pin_fits.py`)."""
     assert box.nc is not None
     here = box.residency.check_fits if box.settings.runs_models and not box.draining else None
     live = box.fleet.live_boxes() if box.fleet is not None else []

@@ -20,7 +20,6 @@ from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
-from appliance.pin_fits import PinJudge
 from appliance.registration import MODEL_VERBS, register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import MODEL_ROLES
@@ -73,7 +72,7 @@ def _stats(ctx: GatewayContext, spec: ModelSpec, batching: Batching) -> dict[str
 async def register_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     registration = decode(await read_body(request, ctx.settings), _registration)
-    judge = _pin_judge(ctx)  # pinned or not, a model no box could hold is refused
+    judge = ctx.pin_judge()  # pinned or not, a model no box could hold is refused
     spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, judge, ctx.open_queue)
     return json_response(model_record(ctx, spec) | judge.said(), status=201)
 
@@ -111,9 +110,9 @@ async def update_model(request: web.Request) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = await named_model(ctx, request)
     update = update_from(decode(await read_body(request, ctx.settings), _json_object))
-    judge = _pin_judge(ctx)
-    if update.pinned and not spec.pinned:
-        await judge(spec)
+    judge = ctx.pin_judge()
+    if update.pinned:
+        await judge.pin(spec)
     spec = await change_model(spec, update, ctx.catalog, ctx.store)
     return json_response(model_record(ctx, spec) | judge.said())
 
@@ -140,21 +139,13 @@ async def unpin_model(request: web.Request) -> web.Response:
 async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     ctx = GatewayContext.of(request)
     spec = await named_model(ctx, request)
-    judge = _pin_judge(ctx)
+    judge = ctx.pin_judge()
     if not pinned:
         refuse_adapter(spec, "unpin")  # as a pin is: an adapter is never pinned
-    elif not spec.pinned:  # pinned already: nothing to judge
-        await judge(spec)
+    else:
+        await judge.pin(spec)
     spec = await ctx.store.update(spec, ModelChange(pinned=pinned))
     return json_response(model_record(ctx, spec) | judge.said())
-
-
-def _pin_judge(ctx: GatewayContext) -> PinJudge:
-    """A model pinned now must fit beside the models pinned on some box that runs models, or it is never loaded
-    and each of its requests gets a 503 (black-box finding): 507, saying so; the boxes that cannot hold it are
-    named in the answer (`pin_fits.py`). This box judges it too unless it drains."""
-    here = None if ctx.is_draining() else ctx.check_fits
-    return PinJudge(here=here, box_id=ctx.box_id, nc=ctx.nc, live_boxes=ctx.live_boxes())
 
 
 async def _target_box(request: web.Request) -> str | None:

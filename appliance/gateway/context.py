@@ -16,6 +16,7 @@ from appliance.catalog_store import CatalogStore
 from appliance.errors import ServiceUnavailable
 from appliance.gateway.dispatch import Dispatcher
 from appliance.metrics import Metrics
+from appliance.pin_fits import PinJudge
 from appliance.settings import Settings
 
 NO_WORKER_GRACE_S = 10.0  # past a heartbeat's TTL: how long a gateway queues requests for a worker to come back
@@ -40,8 +41,9 @@ class GatewayContext:
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Seconds since a live box taking model work was last heard of (`Fleet.without_workers_s`).
     without_workers_s: Callable[[], float]
-    # Raises 507 when a model could never fit this box; None on a gateway-only box.
-    check_fits: Callable[[ModelSpec], Awaitable[None]] | None
+    # A judge of one pin or registration: a model pinned now must fit beside the models pinned on some box that
+    # runs models, or it is never loaded and each of its requests gets a 503 (`verbs.pin_judge`, `pin_fits.py`).
+    pin_judge: Callable[[], PinJudge]
     # A registered model's queue consumers made (raises the server's refusal).
     open_queue: Callable[[ModelSpec], Awaitable[None]]
     # A model out of the catalog, its consumers removed and its queued requests dropped.
