@@ -1,13 +1,11 @@
-"""The worker side of a box: pulls requests for the models it holds and answers them.
+"""The worker side of a box: pulls requests for the models it holds and hands them, prepared, to the batcher.
 
 The pull rule: a box asks the shared durable consumer for exactly as many messages as it has room
 for, with at most one pull request outstanding per model. Room is measured in time: the rows this
 box could still answer within `hold_ms` at its measured batch cost (at least one batch once its
 device is nearly free, at most `worker_capacity` requests). A fast box asks for more, a slow or stalled one for less,
-and no router ever guesses its state. Every answer is a reply to the gateway's subject first, then the ack: if
-the box dies in between, JetStream redelivers and the gateway drops the second answer. The reply is
-a NATS request the gateway confirms, so a reply sent while its gateway is reconnecting (a NATS server
-restarted or failed over) is sent again rather than acked and lost.
+and no router ever guesses its state. How an answer then leaves the box (the reply its gateway confirms first, then
+the ack) is `worker_replies.py`.
 """
 
 from __future__ import annotations
@@ -18,14 +16,11 @@ import math
 import time
 from collections.abc import Coroutine
 from concurrent.futures import Executor
-from contextlib import suppress
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from appliance import bus
@@ -42,11 +37,10 @@ from appliance.delivery import (
     LocalReply,
     QueueEpoch,
     another_copy,
-    deliver_reply,
     keep_alive,
     keeps_held,
 )
-from appliance.envelope import ReplyMeta, RequestMeta
+from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
 from appliance.metrics import Metrics
@@ -56,6 +50,7 @@ from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
 from appliance.work import Job
+from appliance.worker_replies import WorkerReplies
 from runtimes import Runtime
 
 log = logging.getLogger(__name__)
@@ -87,9 +82,7 @@ class ModelWorker:
         self.box_id = box_id
         self.spec = spec
         self._cancelled = cancelled
-        self._local_reply = local_reply
         self.runtime = runtime
-        self._nc = nc
         self._settings = settings
         self._metrics = metrics
         self._cpu_executor = cpu_executor
@@ -97,10 +90,6 @@ class ModelWorker:
         self._catalog = catalog
         self._blobs = blobs
         self._hand_back = HandBack(nc, settings.max_deliver, queue_epoch, ack_wait_s=settings.ack_wait_s)
-        dead_lettered = metrics.dead_lettered.labels(spec.name)
-        self._dead_letters = DeadLetters(
-            box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining
-        )
         self._started = time.time()
         self._answered = RecentAnswers()
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
@@ -129,6 +118,27 @@ class ModelWorker:
         )
         self.bulk_puller = bulk_puller(
             nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, hand_back=self._hand_back
+        )
+        dead_lettered = metrics.dead_lettered.labels(spec.name)
+        dead_letters = DeadLetters(
+            box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining
+        )
+        self._replies = WorkerReplies(
+            box_id,
+            nc,
+            spec.name,
+            runtime,
+            blobs,
+            residency,
+            self._answered,
+            dead_letters,
+            local_reply=local_reply,
+            hand_back=self._hand_back,
+            stopping=lambda: self._draining,
+            current=self._current,
+            let_go=self._let_go,
+            poke=self.puller.poke,
+            spawn=self._spawn,
         )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
@@ -272,24 +282,24 @@ class ModelWorker:
         self._held[meta.id] = msg
         if meta.expired:
             self._metrics.expired.labels(self.spec.name).inc()
-            self._spawn(self._answer_error(meta, msg, deadline_passed(meta.id)))
+            self._spawn(self._replies.fail(meta, msg, deadline_passed(meta.id)))
             return
         try:
             judge_registration(self._catalog, self.spec, meta, msg.metadata.num_delivered, self._settings.max_deliver)
         except RegistrationNotHeard:
-            self._spawn(self._ask_again(meta, msg, NOT_HEARD_DELAY_S))
+            self._spawn(self._replies.ask_again(meta, msg, NOT_HEARD_DELAY_S))
             return
         except FleetboxError as exc:
-            self._spawn(self._answer_error(meta, msg, exc))
+            self._spawn(self._replies.fail(meta, msg, exc))
             return
         jobs = jobs_for(meta.task)
         if jobs is None or meta.task != self.spec.task.value:
             error = Unprocessable(f"model {self.spec.name} serves {self.spec.task}, not {meta.task}", code="wrong_task")
-            self._spawn(self._answer_error(meta, msg, error))
+            self._spawn(self._replies.fail(meta, msg, error))
             return
         untrained = self.runtime.info.untrained_head
         if meta.adapter is None and untrained:  # a LoRA base: its own head is random
-            self._spawn(self._answer_error(meta, msg, _untrained_head(self.spec.name, untrained)))
+            self._spawn(self._replies.fail(meta, msg, _untrained_head(self.spec.name, untrained)))
             return
         if meta.sent_ms and meta.sent_ms < self._started * 1000:
             self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
@@ -344,13 +354,13 @@ class ModelWorker:
         held: a held request is kept in progress, so JetStream would never hand it to anyone again.
         """
         if isinstance(error, FleetboxError):
-            await self._answer_error(meta, msg, error)
+            await self._replies.fail(meta, msg, error)
             return
         if isinstance(error, RegistrationNotHeard):
-            await self._ask_again(meta, msg, NOT_HEARD_DELAY_S)
+            await self._replies.ask_again(meta, msg, NOT_HEARD_DELAY_S)
             return
         log.error("request not prepared", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(error)})
-        await self._retry_or_dead_letter(meta, msg, error)
+        await self._replies.retry_or_dead_letter(meta, msg, error)
 
     def _current(self, request_id: str, msg: Msg) -> Msg:
         """The message this box holds for a request now: `msg`, or a copy `_on_message` took in its place."""
@@ -372,75 +382,7 @@ class ModelWorker:
         self.batcher.submit(job)
 
     def _on_done(self, job: Job, error: Exception | None) -> None:
-        self._spawn(self._answer(job, error))
-
-    async def _answer(self, job: Job, error: Exception | None) -> None:
-        meta, msg = job.meta, job.handle
-        if error is not None:
-            if isinstance(error, FleetboxError):
-                await self._answer_error(meta, msg, error)
-            else:
-                await self._retry_or_dead_letter(meta, msg, error)
-            return
-        queue_ms = max(0.0, job.started_ms - meta.sent_ms) if meta.sent_ms else 0.0
-        draft = ReplyMeta(id=meta.id, status=200, box=self.box_id, queue_ms=queue_ms, compute_ms=job.compute_ms)
-        jobs = jobs_for(meta.task)
-        assert jobs is not None
-        try:
-            body, reply = jobs.finish(job, draft, self.runtime)
-        except FleetboxError as exc:
-            await self._answer_error(meta, msg, exc)
-            return
-        except Exception as exc:
-            log.error("answer not made", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(exc)})
-            await self._retry_or_dead_letter(meta, msg, exc)
-            return
-        await self._send(meta, msg, body, reply)
-
-    async def _ask_again(self, meta: RequestMeta, msg: Msg, delay_s: float) -> None:
-        """Hand the request back to the queue, to be delivered again (maybe elsewhere) after `delay_s`."""
-        try:
-            with suppress(NatsError):  # cut off: JetStream gives it again after ack_wait_s
-                await self._current(meta.id, msg).nak(delay=delay_s)
-        finally:
-            self._let_go(meta.id)
-            self.puller.poke()
-
-    async def _retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
-        """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
-        msg = self._current(meta.id, msg)
-        try:
-            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
-        finally:
-            self._let_go(meta.id)
-            self.puller.poke()
-
-    async def _answer_error(self, meta: RequestMeta, msg: Msg, error: FleetboxError) -> None:
-        await self._send(meta, msg, error.to_json(), ReplyMeta.for_error(meta.id, error, self.box_id))
-
-    async def _send(self, meta: RequestMeta, msg: Msg, body: bytes, reply: ReplyMeta) -> None:
-        try:
-            # This box's own gateway awaiting it: handed over in-process, as sure as a confirmed reply.
-            local = self._local_reply is not None and self._local_reply(meta.reply, reply, body)
-            if not local:
-                untaken = None
-                if self._blobs.needed(body):
-                    reply = replace(reply, blob=await self._blobs.put(bus.reply_blob_key(meta.id, self.box_id), body))
-                    body, untaken = b"", partial(self._blobs.delete, reply.blob)
-                if not await deliver_reply(self._nc, meta, body, reply.headers(), lambda: self._draining, untaken):
-                    # This box is stopping with the answer undelivered: another box answers it (with a blob of its own).
-                    await self._hand_back(self._current(meta.id, msg))
-                    if untaken is not None:  # in the background: a redelivery meanwhile would find it still held
-                        self._spawn(untaken())
-                    return
-            # The message held now: a copy published again may have been taken in its place while the reply waited
-            # for its gateway (review r43).
-            await self._blobs.ack(self._current(meta.id, msg), meta.blob)
-            self._residency.touch(self.spec.name, answered=1)  # its demand: eviction takes the least asked for
-            self._answered.add(meta)
-        finally:
-            self._let_go(meta.id)
-            self.puller.poke()
+        self._spawn(self._replies.answer(job, error))
 
     async def _keep_alive(self) -> None:
         await keep_alive(
