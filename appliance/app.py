@@ -5,6 +5,7 @@ stop order forwards: close the door, let workers finish what they started and ha
 did not, stop answering, then close NATS. Every NATS-facing step is bounded, and `fleetbox serve`
 gives the whole stop `shutdown_grace_s` + 4 s (12 s by default), so SIGTERM exits within 15 s; an
 embedded nats-server whose stop was cut short still ends with the process (its parent-death signal).
+What a change of the catalog does to the models the box holds is `catalog_changes.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from nats.nuid import NUID
 from appliance import box_status, bus
 from appliance.blobs import Blobs
 from appliance.build import build_id
-from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog import Catalog
+from appliance.catalog_changes import on_catalog_change
 from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
 from appliance.connect import (
@@ -64,7 +66,6 @@ from appliance.workers import Workers
 log = logging.getLogger(__name__)
 
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
-_FORGET_METRICS_S = 30.0  # a deleted model's series stay this long (its eviction, under way, still counts in them)
 FIRST_PULL_S = 1.0  # a worker whose pullers started this lately counts as starting: its first pulls are coming
 
 
@@ -165,7 +166,7 @@ class Box:
         )
         self.workers.attach(self.nc, self.js, self.blobs)
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable, registers=True)
-        self.store.on_change(self._on_catalog_change)
+        self.store.on_change(partial(on_catalog_change, self))
         await when_jetstream_answers(lambda: self.store.open(configured_specs(s), judged=True))
         await self.queue.open_catalogued()
         self.fleet = Fleet(
@@ -327,55 +328,6 @@ class Box:
         """Tell the fleet now, not at its next period, what this box holds (a model came or went)."""
         if self.fleet is not None:
             await self.fleet.beat()
-
-    def _forget_metrics(self, name: str) -> None:
-        registered = self.catalog.get(name)
-        if registered is None or registered.name != name:  # not registered again meanwhile
-            self.metrics.forget(name)
-
-    def _on_catalog_change(self, name: str, spec: ModelSpec | None) -> None:
-        if self.placement is not None:
-            self.placement.forget_failure(name, spec)  # deleted or registered again: a load is a new try
-            if spec is None or not spec.pinned:
-                self.placement.memory_freed()  # a pin let go: a load refused for memory may fit now
-        if spec is None:
-            # Its series go a while after it (its eviction, under way, still counts): scraped meanwhile as they were.
-            asyncio.get_running_loop().call_later(_FORGET_METRICS_S, self._forget_metrics, name)
-            self.residency.pinned.discard(name)
-            self.residency.retire_adapter(name)  # a deleted adapter leaves every base that holds it
-            self.workers.adapters_retired()  # and its generations still waiting for a decode slot are answered 404
-            if self.residency.is_resident(name):
-                self.spawn(self.workers.evict(name))
-            return
-        if spec.adapter_of is not None:
-            self.residency.retire_adapter(name, keep=spec)  # registered again on another folder
-            self.workers.adapters_retired()  # its generations waiting for a slot are handed back, judged again
-            if self.settings.runs_models and not self.draining:
-                self.spawn(self.workers.reload_for_adapters(spec.adapter_of))  # a base a profile put on ONNX
-        if spec.pinned:
-            self.residency.pinned.add(name)
-        else:
-            self.residency.pinned.discard(name)
-        if spec.adapter_of is None:
-            self.spawn(self.queue.settle_model(spec))
-            resident = self.residency.get(name)
-            if resident is not None and not spec.same_source(resident.spec):
-                self.spawn(self._load_registered_again(spec))
-                return
-            if spec.name in self.workers:  # its batching may have changed (a PATCH): taken live, no reload
-                self.spawn(self.workers.retune(spec))
-            if spec.pinned and self.settings.runs_models and not self.draining:
-                self.spawn(self.workers.serve(spec))
-
-    async def _load_registered_again(self, spec: ModelSpec) -> None:
-        """The model resident here was registered again on another folder or task, its deletion unheard (a watch
-        that missed it, or the bucket read again after a reconnect, holds the new entry only): heard as a change, it
-        kept the old folder's model, whose worker asked every request for the new registration again and at last
-        answered 503 (planning note). The old one goes; the new one loads as any model does (now, if pinned)."""
-        await self.workers.evict(spec.name)
-        current = self.catalog.get(spec.name)
-        if current is not None and current.pinned and self.settings.runs_models and not self.draining:
-            await self.workers.serve(current)
 
     # -- control ---------------------------------------------------------------------------------
 

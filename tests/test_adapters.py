@@ -592,9 +592,9 @@ async def test_a_deleted_adapters_metric_series_go_with_it(
 ) -> None:
     """Tester h70: every adapter registered and deleted left its `fbx_model_loads` and `fbx_model_evictions` series
     for good: /metrics grew with the churn (1,346 to 2,546 series over 300 adapters)."""
-    from appliance import app
+    from appliance import catalog_changes
 
-    monkeypatch.setattr(app, "_FORGET_METRICS_S", 0.2)
+    monkeypatch.setattr(catalog_changes, "_FORGET_METRICS_S", 0.2)
     box = await classifier_box(start_box, http, classifier_dir)
     await register_adapter(http, box, "cls:gone", classifier_adapters[0])
     assert (await classify(http, box, "cls:gone"))[0] == 200
