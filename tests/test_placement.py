@@ -89,7 +89,7 @@ async def test_a_model_loaded_for_waiting_requests_is_not_an_idle_victim_until_i
     models = [noop_model("a", pinned=False), noop_model("b", pinned=False)]
     box = await start_box(default_model=False, models=models)
     await box.workers.serve(box.catalog.get("a"))
-    monkeypatch.setattr(app, "FIRST_PULL_S", 0.0, raising=False)  # its first pulls had their time
+    monkeypatch.setattr(app, "FIRST_PULL_S", 0.0)  # its first pulls had their time
     assert not box._in_use("a")  # pulling, nothing in hand: the first to go
     await box.residency.ensure_loaded(box.catalog.get("b"))  # loaded, its worker not started yet
     assert box._in_use("b")
@@ -111,10 +111,10 @@ async def test_a_generator_just_started_is_not_an_idle_victim_before_its_first_p
     504s of its requests. A worker counts as starting until its pullers have had `FIRST_PULL_S`."""
     model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=False)
     box = await start_box(default_model=False, models=[model])
-    monkeypatch.setattr(app, "FIRST_PULL_S", 60.0, raising=False)
+    monkeypatch.setattr(app, "FIRST_PULL_S", 60.0)
     worker = await box.workers.serve(box.catalog.get("gen"))
     assert worker.held == 0 and box._in_use("gen")  # just started: its first pulls are coming
-    monkeypatch.setattr(app, "FIRST_PULL_S", 0.0, raising=False)
+    monkeypatch.setattr(app, "FIRST_PULL_S", 0.0)
     assert not box._in_use("gen")  # had its time, nothing in hand: idle
 
 
