@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 
@@ -529,20 +530,35 @@ async def test_queued_generation_of_a_gone_client_is_never_generated(start_box, 
     async with http.post(url(box, "/v1/completions"), json=body("warm")) as warm:
         assert warm.status == 200, await warm.text()
         tokens = (await warm.json())["usage"]["completion_tokens"]
-    busy = [asyncio.create_task(http.post(url(box, "/v1/completions"), json=body(f"busy {i}"))) for i in range(8)]
+    # The decode steps are held until the gone client's cancel has reached the box: holding all it may (two: one on
+    # the device, one waiting to join), the box pulls nothing more meanwhile. Left to timing (CI, once), what was
+    # queued ahead of the gone one (three or more generations) could be pulled before its cancel came.
+    let_step = threading.Event()
+    runtime = box.workers["tiny-llama"].runtime
+    step = runtime.step
 
-    async def pending() -> int:
-        info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
-        return int(info.num_pending or 0)
+    def held_step():
+        assert let_step.wait(30), "the decode steps were held past 30 s"
+        return step()
 
-    await wait_for(lambda: _at_least(pending(), 3), what="generations waiting in the queue")
-    gone = asyncio.create_task(http.post(url(box, "/v1/completions"), json=body("gone")))
+    runtime.step = held_step
+    try:
+        busy = [asyncio.create_task(http.post(url(box, "/v1/completions"), json=body(f"busy {i}"))) for i in range(8)]
 
-    def queued_or_answered() -> int:  # on a loaded machine a busy one was answered first: waiting never reached 9
-        return box.dispatcher.waiting + sum(task.done() for task in busy)
+        async def pending() -> int:
+            info = await box.js.consumer_info(bus.REQUEST_STREAM, bus.consumer_name("tiny-llama"))
+            return int(info.num_pending or 0)
 
-    await wait_for(lambda: queued_or_answered() == 9, what="the last one to be queued")
-    gone.cancel()  # its client disconnects while it waits behind the others
+        await wait_for(lambda: _at_least(pending(), 3), what="generations waiting in the queue")
+        await wait_for(lambda: box.dispatcher.waiting == 8, what="the eight to be awaited")
+        awaited = set(box.dispatcher._streams)
+        gone = asyncio.create_task(http.post(url(box, "/v1/completions"), json=body("gone")))
+        await wait_for(lambda: box.dispatcher.waiting == 9, what="the last one to be queued")
+        (gone_id,) = set(box.dispatcher._streams) - awaited
+        gone.cancel()  # its client disconnects while it waits behind the others
+        await wait_for(lambda: box.workers._cancelled.contains(gone_id), what="its cancel to reach the box")
+    finally:
+        let_step.set()
     for task in busy:
         async with await task as response:
             tokens += (await response.json())["usage"]["completion_tokens"]

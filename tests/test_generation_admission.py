@@ -17,7 +17,10 @@ from tests.test_generation_failover import MAX_TOKENS, PROMPT
 
 MODEL = "tiny-llama"
 ADAPTER = f"{MODEL}:lora"
-_KEPT = 5  # in-progress acks, one every ack_wait_s / 3 (at least 0.5 s): past two ack_wait periods of 1 s
+# 2 s, not 1: the in-progress acks come every 2/3 s, so only an event-loop stall of over 1.3 s (not 0.5 s, as on a
+# loaded 2-core CI machine) lets the ack wait lapse between two of them.
+ACK_WAIT_S = 2.0
+_KEPT = 7  # in-progress acks, one every ack_wait_s / 3 (at least 0.5 s): the 7th is 6 of them on, past two ack_waits
 
 
 def models(generator_dir, adapter_dir) -> list[ModelEntry]:
@@ -32,7 +35,7 @@ async def test_a_generation_whose_admission_outlasts_ack_wait_is_kept_in_progres
     like one generating, so it is never redelivered (which would have it generated twice, and a sampled answer
     end 503 generation_restarted at the gateway), and it is answered 200 once the load goes on."""
     served = models(generator_dir, second_generator_adapter_dir)
-    box = await start_box(default_model=False, models=served, ack_wait_s=1.0)
+    box = await start_box(default_model=False, models=served, ack_wait_s=ACK_WAIT_S)
     loading, go_on = hold(box.residency, "hold_adapter")
     watcher, kept = await in_progress_acks(nats_server.url)
     try:

@@ -228,7 +228,7 @@ async def test_a_finished_generation_waiting_for_its_gateway_is_kept_not_generat
     longer kept in progress, so JetStream delivered it again after `ack_wait`, and again, each time generated anew,
     until it was dead-lettered and its client told 422 for an answered request. Held past three `ack_wait`s, the
     final chunk is confirmed at last: the request was generated once, and is settled."""
-    ack_wait_s = 1.0
+    ack_wait_s = 2.0  # not 1: in-progress acks every 2/3 s, so only a stall of over 1.3 s (not 0.5 s) lets it lapse
     box, worker = await generating_box(start_box, generator_dir, ack_wait_s=ack_wait_s, max_deliver=3)
     nc = await nats.connect(nats_server.url)
     try:
@@ -268,7 +268,7 @@ async def test_a_dead_letter_whose_gateway_is_slow_to_take_the_error_is_kept_and
     """Review h132: a generation dead-lettered on its last delivery was kept in progress by nothing while its client
     was told (its gateway reconnecting): past the ack wait, JetStream's max-deliveries advisory had the fleet keep,
     tell and count it a second time. Its error here is left unconfirmed for three ack waits."""
-    ack_wait_s = 1.0
+    ack_wait_s = 2.0  # not 1: in-progress acks every 2/3 s, so only a stall of over 1.3 s (not 0.5 s) lets it lapse
     box, worker = await generating_box(start_box, generator_dir, ack_wait_s=ack_wait_s, max_deliver=1)
     fail_prefill_of(worker.runtime, POISON)
     nc = await nats.connect(nats_server.url)

@@ -21,7 +21,7 @@ import pytest
 
 from appliance.control import call_box
 from appliance.natsd import free_port
-from tests.conftest import wait_for
+from tests.conftest import freeze, wait_for
 
 
 def port_open(port: int) -> bool:
@@ -344,7 +344,7 @@ async def test_a_box_whose_nats_hangs_still_exits_within_its_bound_and_answers_i
             body = {"model": "slow", "input": "a minute of work"}
             answer = asyncio.create_task(http.post(f"http://127.0.0.1:{http_port}/v1/embeddings", json=body))
             await until_held(nats_server.url, "hungbox")
-            os.kill(nats_server.process.pid, signal.SIGSTOP)
+            await freeze(nats_server)  # every thread stopped: hung, not merely signalled
             started = time.monotonic()
             process.send_signal(signal.SIGTERM)
             response = await asyncio.wait_for(answer, 15)

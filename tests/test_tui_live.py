@@ -29,7 +29,7 @@ from appliance import bus, cli, fleet_cli
 from appliance.app import Box
 from appliance.connect import NatsAuth
 from appliance.natsd import EmbeddedNats, free_port
-from tests.conftest import box_settings, noop_model, url, wait_for
+from tests.conftest import box_settings, freeze, noop_model, url, wait_for
 from tui import commands, ops
 from tui.app import FleetboxApp
 from tui.dial import connect, connect_problem
@@ -495,8 +495,8 @@ async def test_a_nats_server_that_stops_answering_is_out_of_reach_and_an_action_
                 return app.view.stale_since is None and [b.box for b in app.view.boxes] == [box.box_id]
 
             await wait_for(attached, 10.0, "the box on screen")
-            os.kill(nats_server.process.pid, signal.SIGSTOP)
             try:
+                await freeze(nats_server)  # inside the try: a freeze that times out is still SIGCONTed
 
                 async def out_of_reach() -> bool:
                     return not app.view.connected

@@ -249,19 +249,24 @@ async def test_a_draining_worker_keeps_its_batch_in_flight_in_progress_until_it_
     The drain waits for it, and keeps its request in progress meanwhile: JetStream never hands it to the second
     box, which would compute it again; the first box answers it once."""
     models = [noop_model()]
-    first = await start_box(box_id="first", default_model=False, models=models, ack_wait_s=1.0)
+    # 2 s, not 1: the keep-alive's in-progress acks come every 2/3 s, so only an event-loop stall of over 1.3 s (not
+    # 0.5 s, as on a loaded 2-core CI machine) lets the ack wait lapse between two of them.
+    ack_wait_s = 2.0
+    first = await start_box(box_id="first", default_model=False, models=models, ack_wait_s=ack_wait_s)
     on_device, let_go = hold_on_device(first.workers["noop"].runtime)
     watcher, kept = await in_progress_acks(nats_server.url)
     try:
         answer = asyncio.create_task(http.post(url(first, "/v1/embeddings"), json=NOOP_BODY))
         await wait_for(on_device.is_set, what="the batch on the device")
-        second = await start_box(role="worker", box_id="second", default_model=False, models=models, ack_wait_s=1.0)
+        second = await start_box(
+            role="worker", box_id="second", default_model=False, models=models, ack_wait_s=ack_wait_s
+        )
         draining = asyncio.create_task(first.workers["noop"].drain())
         await wait_for(lambda: first.workers["noop"]._draining, what="the drain to begin")
         kept.clear()
 
         async def redelivered_or_kept() -> bool:
-            return await deliveries(first, "noop") > 1 or len(kept) >= 5  # one every 0.5 s: past two ack_wait
+            return await deliveries(first, "noop") > 1 or len(kept) >= 7  # one every 2/3 s: past two ack_wait
 
         await wait_for(redelivered_or_kept, what="a redelivery, or the request kept in progress past two ack_wait")
         let_go.set()
