@@ -17,6 +17,9 @@ import torch
 if TYPE_CHECKING:
     from runtimes.tasks.generate import SamplingParams
 
+_HIGHEST = torch.finfo(torch.float32).max
+_LOWEST = torch.finfo(torch.float32).min
+
 
 class Penalties:
     """The shaping of one request's logits, one (vocab,) row a step; the tokens it makes told with `add`."""
@@ -69,7 +72,10 @@ class Penalties:
             scores[self._seen_ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
         if self._made_ids.numel():
             scores[self._made_ids] -= params.frequency_penalty * self._made_counts + params.presence_penalty
-        return scores
+        # Kept within float32's range: a tiny repetition_penalty (the API takes (0, 10]) divides a logit past it, and
+        # inf - inf = nan in the draw failed the decode step of every request in the batch. Its limit, the largest
+        # logit, chooses the same token.
+        return scores.nan_to_num_(nan=_LOWEST, posinf=_HIGHEST, neginf=_LOWEST)
 
     def _tell(self, device: torch.device) -> None:
         """Bring the device's ids and counts up to the tokens made (each tensor replaced whole, or not at all)."""

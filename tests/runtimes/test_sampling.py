@@ -48,6 +48,23 @@ def test_top_k_and_min_p_keep_only_the_likeliest_tokens_in_a_draw() -> None:
     assert drawn == {0, 1}
 
 
+def test_a_penalty_that_overflows_the_logits_fails_no_row_of_its_batch() -> None:
+    """Tester h181: a repetition_penalty of 1e-39 (the API takes (0, 10]) divided a seen token's positive logit past
+    float32's range: inf, then inf - inf = nan in the draw, whose multinomial raised for the whole decode step, so
+    every request decoding beside it was answered 500. The shaped logits stay finite: the limit of the penalty, a
+    seen positive-logit token, is what it chooses."""
+    logits = torch.tensor([[2.0, 1.9, -1.0], [2.0, 1.9, -1.0], [2.0, 1.9, -1.0]])
+    seen = torch.tensor([1])
+    params = [
+        SamplingParams(temperature=0),  # greedy, another client's
+        SamplingParams(temperature=1.0, seed=5, repetition_penalty=1e-39),
+        SamplingParams(temperature=0, repetition_penalty=1e-39, logit_bias=((1, 100.0),)),
+    ]
+    generators = [None, torch.Generator().manual_seed(5), None]
+    rows = [None, (seen, ()), (seen, ())]
+    assert choose_tokens(logits, params, generators, rows) == [0, 1, 1]
+
+
 def from_scratch(logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, completion: list[int]):
     """The shaping computed from the whole prompt and completion (the sampler's own, before it kept counts)."""
     scores = logits.float().clone()
