@@ -75,6 +75,12 @@ class EmbeddingRequest(NullIsDefault, kw_only=True):
     normalize: bool | None = None
     adapter: str | None = None
     timeout: Timeout | None = None
+    # Other servers' fields, read to be refused unless they ask for what fleetbox does anyway (tester h181: an
+    # Infinity image request was answered with its URL's text vector): `modality` (Infinity's), `truncate_prompt_tokens`
+    # and `add_special_tokens` (vLLM's). The gateway judges them (`encoders.refuse_other_embeddings`).
+    modality: str | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import zlib
 
+import orjson
 import pytest
 
 from appliance.catalog import DEFAULT_MODEL_NAME
@@ -50,6 +51,12 @@ def assert_error_shape(body: dict, code: str | None = None) -> None:
         (b'{"input": "x", "model": "all-minilm-l6-v2", "dimensions": 1000}', 422, "invalid_dimensions"),
         (b'{"input": "x", "model": "all-minilm-l6-v2", "timeout": -1}', 422, "invalid_input"),
         (b"[1, 2, 3]", 422, "invalid_input"),
+        # Tester h181: each was answered 200, the text's vector, as if the field had not been sent.
+        pytest.param(b'{"input": ["http://x/a.jpg"], "modality": "image"}', 422, "unsupported_parameter", id="image"),
+        pytest.param(b'{"input": "x", "modality": "audio"}', 422, "unsupported_parameter", id="audio"),
+        pytest.param(b'{"input": "x", "modality": 3}', 422, "invalid_input", id="modality-not-a-string"),
+        pytest.param(b'{"input": "x", "truncate_prompt_tokens": 2}', 422, "unsupported_parameter", id="vllm-truncate"),
+        pytest.param(b'{"input": "x", "add_special_tokens": false}', 422, "unsupported_parameter", id="no-special"),
         pytest.param(DEEP_LISTS, 400, "invalid_json", id="deep-lists-in-an-ignored-field"),
         pytest.param(DEEP_OBJECTS, 400, "invalid_json", id="deep-objects-in-an-ignored-field"),
     ],
@@ -58,6 +65,19 @@ async def test_bad_bodies_get_clear_client_errors(default_box, http, body, statu
     got, payload, _ = await post(http, default_box, body)
     assert got == status, payload
     assert_error_shape(payload, code)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"modality": "text"}, {"truncate_prompt_tokens": -1}, {"add_special_tokens": True}],
+    ids=["text", "model-length", "special-tokens"],
+)
+async def test_the_defaults_of_other_servers_embedding_fields_are_taken(default_box, http, fields) -> None:
+    """Infinity's client sends `modality` "text"; vLLM's `truncate_prompt_tokens` -1 and `add_special_tokens` true
+    are what fleetbox does anyway."""
+    status, payload, _ = await post(http, default_box, orjson.dumps({"input": "x", **fields}))
+    assert status == 200, payload
+    assert len(payload["data"][0]["embedding"]) == 384
 
 
 async def test_dimensions_past_a_held_models_width_are_refused_before_they_are_queued(default_box, http) -> None:
@@ -286,6 +306,20 @@ async def test_a_trailing_slash_on_a_route_is_a_308_to_it_that_clients_follow(de
     async with http.post(url(default_box, "/v1/nothing-here/"), json=body) as response:
         assert response.status == 404  # no route either way: no redirect to nowhere
         assert_error_shape(await response.json(), "route_not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/tei/all-minilm-l6-v2/embed/"), ("GET", "/v1/models/all-minilm-l6-v2/"), ("GET", "/tei/noop/info/")],
+)
+async def test_a_trailing_slash_after_a_model_path_is_a_308_too(default_box, http, method, path) -> None:
+    """Tester h181: read as part of the model's name (a route's `{name:.+}` takes slashes), `/tei/enc/embed/` was a
+    404 "model 'enc/embed/' does not exist" where every other route's trailing `/` is a 308."""
+    body = {"inputs": "a trailing slash"}
+    async with http.request(method, url(default_box, path), json=body, allow_redirects=False) as response:
+        assert response.status == 308, await response.text()
+        assert response.headers["Location"] == path.rstrip("/")
+        assert_error_shape(await response.json(), "route_moved")
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,21 @@ from benchmarks.faults import box_dies, nats_restarts, nats_server_dies, poison_
 from tests.conftest import box_settings, freeze, noop_model, url, wait_for
 
 
+def test_a_publish_past_a_deadline_too_short_to_queue_a_request_advises_raising_it() -> None:
+    """Tester h181: 504s of a 0.001 s `timeout`, NATS well, said the queue did not take them and to retry shortly."""
+    from appliance.envelope import RequestMeta
+
+    def message(timeout_ms: int) -> str:
+        meta = RequestMeta(id="r", task="embed", model="m", reply="x", deadline_ms=1000 + timeout_ms, sent_ms=1000)
+        return publish_module.Publisher._past_deadline(meta).message
+
+    assert message(1).endswith(
+        "deadline of 0.001s: the request queue (NATS JetStream) did not take it in that "
+        "time; raise it with the `timeout` field or header"
+    )
+    assert message(500).endswith("; retry shortly")
+
+
 async def test_queued_requests_are_served_after_the_only_nats_server_restarts(tmp_path) -> None:
     """File storage keeps the queue; the boxes reconnect, and restore their heartbeats, by themselves."""
     result = await nats_restarts(tmp_path, requests=40, rate=40)
@@ -1108,7 +1123,7 @@ async def test_a_publish_jetstream_does_not_take_is_bounded_by_the_requests_dead
         nats_server.process.send_signal(signal.SIGCONT)
     # The 504 of its deadline, where the publish's own timeout was a 503 "not answering".
     assert (response.status, answer["error"]["code"]) == (504, "deadline_exceeded"), answer
-    assert "did not take it in that time" in answer["error"]["message"]
+    assert "did not take it in that time; retry shortly" in answer["error"]["message"]
     # Stored once the server resumed, and cancelled by the gateway as it answered: dropped as expired, not counted as
     # a client that went away (tester h146: the gateway's own give-ups read as client churn).
     await wait_for(lambda: dropped(box, "fbx_expired_requests") + dropped(box, "fbx_cancelled_requests") >= 1)

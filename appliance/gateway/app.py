@@ -92,9 +92,14 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
             raise ServiceUnavailable(f"box {ctx.box_id} is stopping; send the request to another box", retry_after_s=1)
         response = await handler(request)
     except FleetboxError as exc:
-        response = _error_response(exc)
+        # A model path's trailing `/` reads as part of the name (`{name:.+}` takes slashes): a model not found there
+        # is the route without it, as for any other route (tester h181: "model 'enc/embed/' does not exist").
+        if exc.code == "model_not_found" and (route := await _route_without_slash(request)) is not None:
+            response = _redirect(request, route)
+        else:
+            response = _error_response(exc)
     except web.HTTPException as exc:
-        if exc.status == 404 and (route := await _route_without_slash(request)) is not None:
+        if exc.status in (404, 405) and (route := await _route_without_slash(request)) is not None:
             response = _redirect(request, route)
         else:
             response = _error_response(_from_http_exception(exc, serves_api=ctx.settings.serves_http))

@@ -91,6 +91,8 @@ async def enqueue(
             f"{parsed.function_to_apply} of them; send one of the two",
             code="invalid_input",
         )
+    if isinstance(parsed, EmbeddingRequest):
+        refuse_other_embeddings(parsed)
     texts: list[str] = parsed.texts()
     refuse_token_ids(
         texts,
@@ -141,6 +143,29 @@ def _check_width(ctx: GatewayContext, model: str, dimensions: int) -> None:
     }
     if len(widths) == 1 and isinstance(width := next(iter(widths)), int) and dimensions > width:
         raise too_many_dimensions(dimensions, width)
+
+
+def refuse_other_embeddings(parsed: EmbeddingRequest) -> None:
+    """A 422 for another server's embedding field asking for what fleetbox does not do: ignored, the answer would be
+    another embedding than the one asked for, without a word."""
+    if parsed.modality not in (None, "text"):
+        raise Unprocessable(
+            f"`modality` {parsed.modality!r}: fleetbox embeds text only; send text, or leave `modality` out or "
+            'send "text"',
+            code="unsupported_parameter",
+        )
+    if parsed.truncate_prompt_tokens not in (None, -1):
+        raise Unprocessable(
+            f"`truncate_prompt_tokens` {parsed.truncate_prompt_tokens}: fleetbox cuts an input only at the model's "
+            "length (`truncate`); leave it out or send -1",
+            code="unsupported_parameter",
+        )
+    if parsed.add_special_tokens is False:
+        raise Unprocessable(
+            "`add_special_tokens` false: fleetbox embeds with the model's special tokens, as sentence-transformers "
+            "does; leave it out or send true",
+            code="unsupported_parameter",
+        )
 
 
 def refuse_token_ids(texts: list[Any], refusal: str) -> None:

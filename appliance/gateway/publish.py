@@ -35,6 +35,7 @@ _PUBLISH_TIMEOUT_S = 5.0
 _SLOW_PUBLISH_S = 2.0  # a publish unanswered this long: the stream is not answering (for `/readyz`)
 _QUIET_S = 2 * _PUBLISH_TIMEOUT_S  # after a publish failed, a look at the stream says it answers only this long after
 _HAND_BACK_TIMEOUT_S = 2.0  # a box that holds the generation answers at once; no answer: it is gone
+_SHORT_DEADLINE_S = 0.1  # a publish past a deadline shorter than this: the deadline, not the queue, is advised on
 FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
 _NOT_ANSWERING = "the request queue (NATS JetStream) is not answering; retry shortly"
@@ -195,7 +196,9 @@ class Publisher:
     @staticmethod
     def _past_deadline(meta: RequestMeta) -> GatewayTimeout:
         timeout = (meta.deadline_ms - meta.sent_ms) / 1000
+        # A deadline this short is the likelier cause than a stalled queue (tester h181: 0.001 s told of NATS).
+        advice = "raise it with the `timeout` field or header" if timeout < _SHORT_DEADLINE_S else "retry shortly"
         return GatewayTimeout(
             f"no answer within the request's deadline of {timeout:g}s: the request queue (NATS JetStream) did not "
-            "take it in that time; retry shortly"
+            f"take it in that time; {advice}"
         )
