@@ -20,6 +20,8 @@ from runtimes.tasks.penalties import Penalties
 _CONTEXT_TOKENS = 5
 
 
+_HIGHEST = torch.finfo(torch.float32).max
+_LOWEST = torch.finfo(torch.float32).min
 _GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway; below float32's range it would be 0
 
 
@@ -87,6 +89,9 @@ def choose_tokens(
     request gets the same draws whatever else is in the batch. `seen`: what each row's penalties read,
     for the rows that ask for them.
     """
+    # A model's inf or nan (a half-precision overflow) made one row's draw raise, and that fails the decode step of
+    # every request in the batch (review h184): nan is never chosen, and infinities are the float32 extremes.
+    logits.nan_to_num_(nan=_LOWEST, posinf=_HIGHEST, neginf=_LOWEST)
     for row, row_params in enumerate(params):
         if row_params.reshapes:
             logits[row] = _penalties(row_params, seen[row] if seen is not None else None).apply(logits[row])

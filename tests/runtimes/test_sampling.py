@@ -63,11 +63,30 @@ def test_a_penalty_that_overflows_the_logits_fails_no_row_of_its_batch() -> None
     generators = [None, torch.Generator().manual_seed(5), None]
     rows = [None, (seen, ()), (seen, ())]
     assert choose_tokens(logits, params, generators, rows) == [0, 1, 1]
+    # Two seen tokens past float32's range keep their order (clamped, they tied: the lowest id won; review h184).
+    for seed in range(4):
+        row = torch.tensor([[1.0, 2.0, 0.0]])
+        sampled = SamplingParams(temperature=1.0, repetition_penalty=1e-39)
+        assert choose_tokens(row, [sampled], [torch.Generator().manual_seed(seed)], [(torch.tensor([0, 1]), ())]) == [1]
+    assert greedy([1.0, 2.0, 0.0], prompt=torch.tensor([0, 1]), repetition_penalty=1e-39) == 1
+
+
+def test_a_models_inf_or_nan_logits_fail_no_row_of_its_batch() -> None:
+    """Review h184: a sampling row without shaping drew from a model's inf (or nan) logits, inf - inf = nan, and the
+    draw raised for the whole decode step. A nan is never chosen; an inf is the float32 extreme."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, inf, 0.0], [nan, 1.0, 0.0], [-inf, -inf, -inf]])
+    greedy_row = SamplingParams(temperature=0)
+    params = [greedy_row, SamplingParams(seed=1), greedy_row, SamplingParams(seed=2)]
+    generators = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
+    chosen = choose_tokens(logits, params, generators)
+    assert chosen[:3] == [1, 1, 1] and 0 <= chosen[3] < 3
 
 
 def from_scratch(logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, completion: list[int]):
-    """The shaping computed from the whole prompt and completion (the sampler's own, before it kept counts)."""
-    scores = logits.float().clone()
+    """The shaping computed from the whole prompt and completion (the sampler's own, before it kept counts), in
+    float64 and shifted so the largest is 0, as the sampler's is."""
+    scores = logits.to(torch.float64, copy=True)
     if params.logit_bias:
         scores[torch.tensor([t for t, _ in params.logit_bias])] += torch.tensor([b for _, b in params.logit_bias])
     done = torch.tensor(completion, dtype=torch.long)
@@ -76,9 +95,9 @@ def from_scratch(logits: torch.Tensor, params: SamplingParams, prompt: torch.Ten
         picked = scores[ids]
         scores[ids] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
     if done.numel() and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(done, minlength=scores.numel()).to(scores.dtype)
-        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype)
-    return scores
+        counts = torch.bincount(done, minlength=scores.numel()).to(torch.float32)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+    return (scores - scores.max()).float()
 
 
 def test_penalties_kept_across_a_long_completion_equal_the_from_scratch_computation() -> None:
