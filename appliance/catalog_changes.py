@@ -1,10 +1,11 @@
 """What a change of the catalog does on this box: the models it holds follow their registrations.
 
 Every box hears every change of `fbx_models` (`CatalogStore.on_change`) and squares what it holds with it on its
-own: a deleted model is unloaded, its pin and adapters let go, its metrics series dropped a while later; a resident
-model registered again on another folder or task goes, to load from the new one; a change of pin or batching is
-taken live, without a reload. Apart from `app.py` because the box reaches it through that one listener, and it
-reaches the box only through the box's public parts.
+own: a deleted model is unloaded and its pin let go (a deleted adapter leaves every base that holds it), its
+metrics series dropped a while later; a resident model registered again on another folder or task goes, to load
+from the new one; a change of pin or batching is taken live, without a reload. Apart from `app.py` because the box
+reaches it through its one listener (a gateway has its own), and it reaches the box only through the box's public
+parts.
 """
 
 from __future__ import annotations

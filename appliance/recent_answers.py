@@ -1,7 +1,8 @@
 """A worker's recent answers, for its heartbeat: requests/s and end-to-end p50/p99 of one model on this box.
 
 The one idea: each answer is kept as (when, latency from its gateway's send), the last 4,096 of them, and the summary
-reads only those of the last `window_s`: both kinds of worker (`worker.py`, `generation.py`) count answers alike.
+reads only those of the last `window_s`: both kinds of worker count answers alike (`worker_replies.py`,
+`generation_decode.py`).
 """
 
 from __future__ import annotations

@@ -323,6 +323,17 @@ async def test_a_trailing_slash_after_a_model_path_is_a_308_too(default_box, htt
 
 
 @pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/v1/embeddings%2F"), ("GET", "/v1/models/all-minilm-l6-v2%2F"), ("POST", "/tei/all-minilm-l6-v2%2f")],
+)
+async def test_an_escaped_trailing_slash_is_no_redirect_to_itself(default_box, http, method, path) -> None:
+    """Review h184: the 308's Location is the raw path less its `/`s, so an escaped one (`%2F`) was redirected to
+    itself, for ever. Not a `/` the client wrote: a 404."""
+    async with http.request(method, url(default_box, path), json={"input": "x"}, allow_redirects=False) as response:
+        assert response.status == 404, await response.text()
+
+
+@pytest.mark.parametrize(
     "seconds", ["soon", "1_0", "\uff11", "nan", "inf", "-Infinity", "1e400", "-1", "0", "0x10", "", "1e-9", "1e-400"]
 )
 async def test_bad_timeout_header_is_400(default_box, http, seconds) -> None:

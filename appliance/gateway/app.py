@@ -139,6 +139,8 @@ async def _route_without_slash(request: web.Request) -> str | None:
     path = request.path
     if len(path) < 2 or not path.endswith("/") or not (trimmed := path.rstrip("/")):
         return None
+    if not request.rel_url.raw_path.endswith("/"):  # an escaped `%2F`: the Location would be this path, a loop (h184)
+        return None
     if request.rel_url.raw_path.startswith("//"):  # a Location of `//host/...` would name another site
         return None
     match = await request.app.router.resolve(request.clone(rel_url=request.rel_url.with_path(trimmed)))
