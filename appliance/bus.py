@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_STREAM = "FBX_REQ"
 DEAD_LETTER_STREAM = "FBX_DLQ"
+DEAD_LETTER_MAX_BYTES = 256 * 1024 * 1024
 MODELS_BUCKET = "fbx_models"
 NAMES_BUCKET = "fbx_names"
 BOXES_BUCKET = "fbx_boxes"
@@ -358,6 +359,9 @@ async def ensure_dead_letter_stream(js: JetStreamContext, *, file_storage: bool 
         subjects=["fbx.dlq.>"],
         retention=RetentionPolicy.LIMITS,
         max_msgs=10_000,
+        # Each keeps its request's body: unbounded, 10,000 poison requests of a megabyte held 10 GB of the server's
+        # memory for a week (tester h185). Past it the oldest go (discard old).
+        max_bytes=DEAD_LETTER_MAX_BYTES,
         max_age=7 * 24 * 3600.0,
         storage=StorageType.FILE if file_storage else StorageType.MEMORY,
         num_replicas=replicas,

@@ -106,7 +106,11 @@ class ChatPrompts:
         conversation = [dict(m) for m in messages]
         lock = self._lock
         cap = self._tokenizer.char_cap
-        if len(json.dumps([conversation, controls.variables], ensure_ascii=False, default=str)) > cap:
+        try:
+            estimate = len(json.dumps([conversation, controls.variables], ensure_ascii=False, default=str))
+        except RecursionError:  # tried on every delivery and dead-lettered, as if the box had failed (tester h185)
+            raise ValueError(_TOO_DEEP) from None
+        if estimate > cap:
             # Its text may pass the cap: rendered alone (milliseconds, where tokenising took seconds) to tell.
             if len(_apply(chat, self._lock, conversation, kwargs)) > cap:
                 if not truncate:
@@ -144,6 +148,12 @@ def _load_chat_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
+_TOO_DEEP = (
+    "a value in the messages (a tool call's JSON arguments, say) or in `chat_template_kwargs` is nested too deeply to "
+    "render; send it flatter"
+)
+
+
 def _apply(chat: Any, lock: threading.Lock, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> Any:
     """transformers' apply_chat_template under `lock` (a tokenizer is not to be used by two threads at once), its
     template's failures as `ChatTemplateError`s."""
@@ -152,6 +162,8 @@ def _apply(chat: Any, lock: threading.Lock, conversation: list[dict[str, Any]], 
             return chat.apply_chat_template(conversation, **kwargs)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc), broken=isinstance(exc, jinja2.TemplateSyntaxError)) from None
+        except RecursionError:  # a template's `tojson` of a value nested that deep
+            raise ValueError(_TOO_DEEP) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # Python's own errors inside the template (`message['content'] + 1` on a list content): as
             # certain on every delivery as a raise_exception, so answered at once too.

@@ -197,3 +197,25 @@ async def test_a_generators_folder_moved_away_after_its_load_still_chats(start_b
     body = {"model": "gen", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
     async with http.post(url(box, "/v1/chat/completions"), json=body) as response:
         assert response.status == 200, await response.text()
+
+
+@pytest.mark.parametrize("where", ["arguments", "chat_template_kwargs"])
+async def test_a_value_nested_too_deeply_to_render_is_a_422_at_once_not_dead_lettered(echo_box, http, where) -> None:
+    """Tester h185: tool call arguments (or a template variable) nested 500-1,000 deep, under the gateway's JSON
+    limit, raised RecursionError as the worker measured the chat: tried on all five deliveries, then dead-lettered
+    (a 422 `dead_lettered` naming the RecursionError) and kept in FBX_DLQ."""
+    deep = "[" * 700 + "]" * 700
+    if where == "arguments":
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+        fields: dict = {"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "x"}]}
+    else:
+        fields = {"chat_template_kwargs": {"deep": orjson.loads(deep)}}
+    status, payload = await chat(http, echo_box, **fields)
+    assert (status, payload["error"]["code"]) == (422, "invalid_input"), payload
+    assert "nested too deeply" in payload["error"]["message"]
+    assert echo_box.metrics.registry.get_sample_value("fbx_redelivered_requests_total", {"model": "echo"}) in (
+        None,
+        0.0,
+    )
+    status, payload = await chat(http, echo_box)
+    assert status == 200, payload

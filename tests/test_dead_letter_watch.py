@@ -275,3 +275,11 @@ async def test_a_worker_whose_blob_read_times_out_still_dead_letters_with_the_mo
     kept = await queue.js.get_last_msg(bus.DEAD_LETTER_STREAM, bus.dead_letter_subject(_SLUG))
     assert "model failed" in kept.headers["Fbx-Dead-Reason"] and key in kept.headers["Fbx-Dead-Reason"]
     await queue.settled()  # acked
+
+
+async def test_the_dead_letter_stream_is_bounded_in_bytes_as_in_count(queue: Queue) -> None:
+    """Tester h185: each dead letter keeps its request's body, and FBX_DLQ had no byte bound (10,000 of them, 7
+    days): a client's megabyte poison requests could hold 10 GB of the server's memory. The oldest go past 256 MiB."""
+    config = (await queue.js.stream_info(bus.DEAD_LETTER_STREAM)).config
+    assert (config.max_msgs, config.max_bytes) == (10_000, bus.DEAD_LETTER_MAX_BYTES) == (10_000, 256 << 20)
+    assert config.discard in (None, "old")
