@@ -147,6 +147,8 @@ class _Sampling(NullIsDefault, kw_only=True):
             return 'stream_options is only allowed with "stream": true'
         if self.truncate_prompt_tokens == 0:
             return "truncate_prompt_tokens must be -1 (as many as the context holds) or at least 1"
+        if self.response_format is not None and "type" not in self.response_format:
+            return '`response_format` needs its `type` ("text"; OpenAI refuses it without one too)'
         return None
 
     def prompt_cut(self) -> tuple[bool, int | None]:
@@ -197,7 +199,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Positive | None = None  # at least 1 (OpenAI's range; 0 was told it was unsupported, tester h185)
     messages: list[Any] | None = None  # a chat's: refused, as OpenAI refuses it (the box rendered a chat)
 
     def text(self) -> str:
@@ -231,7 +233,7 @@ class ChatRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI's range
     # Chat-only OpenAI features fleetbox does not implement: accepted when absent or null (and text-only
     # `modalities`), refused otherwise; answering without them would not be what the client asked for.
     modalities: list[str] | None = None  # ["text", "audio"]: an audio answer
