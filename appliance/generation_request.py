@@ -66,6 +66,13 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
             ids = runtime.apply_chat_template(messages, truncate=truncate, controls=controls)
         else:
             ids = runtime.tokenize([request.text()], truncate=truncate)[0].ids
+        if len(ids) == 0:  # told of token ids it never sent (tester h185)
+            what = (
+                "the conversation, rendered with the model's chat template,"
+                if isinstance(request, ChatRequest)
+                else "the prompt"
+            )
+            raise Unprocessable(f"{what} is empty: it has no token to generate from; send some text")
         return ids if keep is None else ids[-keep:]
     except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
         chat = isinstance(request, ChatRequest)

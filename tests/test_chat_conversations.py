@@ -219,3 +219,19 @@ async def test_a_value_nested_too_deeply_to_render_is_a_422_at_once_not_dead_let
     )
     status, payload = await chat(http, echo_box)
     assert status == 200, payload
+
+
+def test_a_conversation_its_template_renders_empty_is_told_so(generator_dir: Path, tmp_path: Path) -> None:
+    """Tester h185: a template that wrote nothing for the conversation was a 422 saying "a prompt is a non-empty
+    sequence of token ids", of ids the client never sent."""
+    folder = with_template(
+        generator_dir, tmp_path / "content-only", "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    renders = renderer(folder)
+    render = next(renders)
+    try:
+        with pytest.raises(Unprocessable, match="rendered with the model's chat template, is empty"):
+            render(messages=[{"role": "user", "content": ""}])
+        assert render(messages=[{"role": "user", "content": "Hi"}]) == "Hi"
+    finally:
+        next(renders, None)  # the runtime closed
