@@ -145,7 +145,11 @@ class ChatPrompts:
 def _load_chat_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    # Its warning that a conversation passes the model's length ("will result in indexing errors"), once per model:
+    # not so here, which cuts it or refuses it (tester h185: a warning in the box's log for a request served right).
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 _TOO_DEEP = (
