@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 REQUEST_STREAM = "FBX_REQ"
 DEAD_LETTER_STREAM = "FBX_DLQ"
 DEAD_LETTER_MAX_BYTES = 256 * 1024 * 1024
+_INSUFFICIENT_RESOURCES = {10028, 10047}  # JetStream's memory or file storage cannot reserve a stream's bounds
 MODELS_BUCKET = "fbx_models"
 NAMES_BUCKET = "fbx_names"
 BOXES_BUCKET = "fbx_boxes"
@@ -367,7 +368,19 @@ async def ensure_dead_letter_stream(js: JetStreamContext, *, file_storage: bool 
         num_replicas=replicas,
     )
     try:
-        await js.add_stream(config)
+        try:
+            await js.add_stream(config)
+        except APIError as exc:
+            if exc.err_code not in _INSUFFICIENT_RESOURCES:
+                raise
+            # nats-server reserves a stream's max_bytes at its creation: where JetStream's own limit leaves no room
+            # for it beside the request stream's, made unbounded in bytes, as before (review h186), not a box that
+            # cannot start.
+            log.warning(
+                "dead-letter stream made without its byte bound",
+                extra={"stream": DEAD_LETTER_STREAM, "max_bytes": DEAD_LETTER_MAX_BYTES, "error": repr(exc)},
+            )
+            await js.add_stream(replace(config, max_bytes=-1))
     except BadRequestError as exc:
         if exc.err_code != 10058:
             raise

@@ -233,7 +233,7 @@ class ChatRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None  # OpenAI's range
+    top_logprobs: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 is vLLM's "the whole vocabulary"
     # Chat-only OpenAI features fleetbox does not implement: accepted when absent or null (and text-only
     # `modalities`), refused otherwise; answering without them would not be what the client asked for.
     modalities: list[str] | None = None  # ["text", "audio"]: an audio answer

@@ -21,7 +21,8 @@ from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters, DeadLetterWatch, keep_dead_letter
 from appliance.envelope import BLOB, ReplyMeta, RequestMeta
 from appliance.metrics import Metrics
-from tests.conftest import wait_for
+from appliance.natsd import EmbeddedNats
+from tests.conftest import free_port, wait_for
 
 _SLUG = bus.model_slug("noop")
 
@@ -283,3 +284,20 @@ async def test_the_dead_letter_stream_is_bounded_in_bytes_as_in_count(queue: Que
     config = (await queue.js.stream_info(bus.DEAD_LETTER_STREAM)).config
     assert (config.max_msgs, config.max_bytes) == (10_000, bus.DEAD_LETTER_MAX_BYTES) == (10_000, 256 << 20)
     assert config.discard in (None, "old")
+
+
+async def test_a_jetstream_without_room_for_its_byte_bound_still_gets_a_dead_letter_stream(tmp_path) -> None:
+    """Review h186: nats-server reserves a stream's max_bytes as it makes it; where JetStream's limit had no room for
+    256 MiB, FBX_DLQ was refused (insufficient resources) and the box could not start. Made unbounded in bytes."""
+    conf = tmp_path / "nats.conf"
+    conf.write_text("jetstream { max_memory_store: 128MB }\n")
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=free_port(), extra_args=("-c", str(conf)))
+    await server.start()
+    nc = await nats.connect(server.url)
+    try:
+        await bus.ensure_dead_letter_stream(nc.jetstream())
+        config = (await nc.jetstream().stream_info(bus.DEAD_LETTER_STREAM)).config
+        assert (config.max_msgs, config.max_bytes in (None, -1)) == (10_000, True)
+    finally:
+        await nc.close()
+        await server.stop()

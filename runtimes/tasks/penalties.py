@@ -17,6 +17,9 @@ import torch
 if TYPE_CHECKING:
     from runtimes.tasks.generate import SamplingParams
 
+_HIGHEST = torch.finfo(torch.float64).max
+_LOWEST = torch.finfo(torch.float64).min
+
 
 class Penalties:
     """The shaping of one request's logits, one (vocab,) row a step; the tokens it makes told with `add`."""
@@ -57,12 +60,13 @@ class Penalties:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """One row's (vocab,) logits with the bias and penalties applied, as a new float32 tensor, shifted so the
-        largest is 0 (which changes neither a greedy choice nor a draw).
+        largest is 0 (which changes neither a greedy choice nor a draw of these float64 scores).
 
-        Shaped in float64 and then shifted: a tiny repetition_penalty (the API takes (0, 10]) divides a logit past
-        float32's range, where inf - inf = nan in the draw failed the decode step of every request in the batch
-        (tester h181), and where clamped, tokens past the range tied (review h184). Whatever falls below float32's
-        range after the shift is -inf: never chosen."""
+        Shaped in float64, held within its range, then shifted: a tiny repetition_penalty (the API takes (0, 10])
+        divides a logit past float32's range, where inf - inf = nan in the draw failed the decode step of every
+        request in the batch (tester h181); clamped to float32's, tokens past it tied (review h184), and past
+        float64's (1e-308) the nan came back (review h186). Whatever falls below float32's range after the shift is
+        -inf: never chosen."""
         scores = logits.to(torch.float64, copy=True)
         self._tell(scores.device)
         params = self._params
@@ -75,7 +79,8 @@ class Penalties:
             scores[self._seen_ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
         if self._made_ids.numel():
             scores[self._made_ids] -= params.frequency_penalty * self._made_counts + params.presence_penalty
-        return (scores - scores.max()).float()
+        scores.nan_to_num_(nan=_LOWEST, posinf=_HIGHEST, neginf=_LOWEST)
+        return scores.sub_(scores.max()).float()
 
     def _tell(self, device: torch.device) -> None:
         """Bring the device's ids and counts up to the tokens made (each tensor replaced whole, or not at all)."""

@@ -69,6 +69,12 @@ def test_a_penalty_that_overflows_the_logits_fails_no_row_of_its_batch() -> None
         sampled = SamplingParams(temperature=1.0, repetition_penalty=1e-39)
         assert choose_tokens(row, [sampled], [torch.Generator().manual_seed(seed)], [(torch.tensor([0, 1]), ())]) == [1]
     assert greedy([1.0, 2.0, 0.0], prompt=torch.tensor([0, 1]), repetition_penalty=1e-39) == 1
+    # Past float64's range too (review h186: 1e-308 made the nan again; 5e-324 is the least the API takes).
+    for penalty in (1e-308, 5e-324):
+        sampled = SamplingParams(temperature=1.0, repetition_penalty=penalty)
+        row = torch.tensor([[1.0, 2.0, 0.0, 3.0]])
+        generator = torch.Generator().manual_seed(0)
+        assert choose_tokens(row, [sampled], [generator], [(torch.tensor([0, 1]), ())])[0] in (0, 1)
 
 
 def test_a_models_inf_or_nan_logits_fail_no_row_of_its_batch() -> None:
