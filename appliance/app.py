@@ -51,6 +51,7 @@ from appliance.fleet import Fleet, taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.dispatch import Dispatcher
 from appliance.gateway.door import HttpDoor
+from appliance.logs import FailureStreak
 from appliance.metrics import Metrics
 from appliance.model_bytes import parse_budget
 from appliance.natsd import EmbeddedNats
@@ -66,6 +67,7 @@ from appliance.workers import Workers
 log = logging.getLogger(__name__)
 
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
+NATS_ERROR_REMIND_S = 60.0  # while NATS cannot be reached, "nats error" is a warning this often (DEBUG between)
 FIRST_PULL_S = 1.0  # a worker whose pullers started this lately counts as starting: its first pulls are coming
 
 
@@ -126,6 +128,7 @@ class Box:
         self.placement: Placement | None = None
         self._tasks = Background("box")
         self._nats_servers = ""  # the NATS URLs it connects to, for its log
+        self._nats_errors = FailureStreak(log, "nats connection", event="nats error", remind_s=NATS_ERROR_REMIND_S)
         self._wants_tls = False  # a TLS option or a tls:// URL given: a server in the clear is refused
         self.queue = RequestQueue(self)
         self.draining = False
@@ -256,7 +259,8 @@ class Box:
     async def _on_nats_error(self, exc: Exception) -> None:
         # Which server: a box that cannot reach it keeps trying, and its log is all an operator sees (no HTTP port
         # before it connects); without the URL a wrong --nats read as a mystery (operator tester h51).
-        log.warning("nats error", extra={"error": repr(exc), "nats": self._nats_servers})
+        # Once, then once a minute while it lasts (every 0.5 s a reconnect fails: 7,000 lines an hour, tester h187).
+        self._nats_errors.failed(exc, nats=self._nats_servers)
 
     async def _on_disconnect(self) -> None:
         if self.dispatcher is not None:  # and again once back (`_on_reconnect`): the silence meanwhile is no pace
@@ -271,6 +275,7 @@ class Box:
             self._nats_gone(str(NatsInTheClear(self._server_url())))
             return
         log.info("nats reconnected")
+        self._nats_errors.succeeded()
         if self.dispatcher is not None:
             # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.
             self.dispatcher.nats_interrupted()

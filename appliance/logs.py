@@ -140,18 +140,28 @@ class FailureStreak:
     """A loop's repeated failure, logged once when it starts (WARNING) and once when it ends (INFO).
 
     A loop that retries every quarter second would flood the log at WARNING, and hide that it is
-    failing at DEBUG; the repeats in between go to DEBUG.
+    failing at DEBUG; the repeats in between go to DEBUG. With `remind_s`, one repeat in so many seconds is a
+    WARNING again, with the count (a box that cannot reach NATS says so while it lasts).
     """
 
-    def __init__(self, logger: logging.Logger, what: str) -> None:
+    def __init__(
+        self, logger: logging.Logger, what: str, *, event: str | None = None, remind_s: float | None = None
+    ) -> None:
         self._log = logger
         self._what = what
+        self._event = event or f"{what} failed"
+        self._remind_s = remind_s
         self._failures = 0
+        self._said_at = 0.0
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException, **extra: object) -> None:
         self._failures += 1
-        level = logging.WARNING if self._failures == 1 else logging.DEBUG
-        self._log.log(level, f"{self._what} failed", extra={"error": repr(exc), "failures": self._failures})
+        now = time.monotonic()
+        loud = self._failures == 1 or (self._remind_s is not None and now - self._said_at >= self._remind_s)
+        if loud:
+            self._said_at = now
+        level = logging.WARNING if loud else logging.DEBUG
+        self._log.log(level, self._event, extra={"error": repr(exc), "failures": self._failures, **extra})
 
     def succeeded(self) -> None:
         if self._failures:

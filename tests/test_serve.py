@@ -360,6 +360,32 @@ async def test_a_box_whose_nats_hangs_still_exits_within_its_bound_and_answers_i
             process.wait(10)
 
 
+async def test_a_box_that_cannot_reach_its_nats_warns_once_a_minute_not_at_every_try(tmp_path, caplog) -> None:
+    """Operator tester h187: a box whose NATS was gone logged the same "nats error" warning at every reconnect, every
+    0.5 s: 2,092 lines in 16 minutes. The first is a warning, the tries after it DEBUG until a minute has passed."""
+    import logging
+
+    from appliance import app
+    from appliance.settings import Settings
+
+    caplog.set_level(logging.DEBUG, logger="appliance.app")
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    box = app.Box(Settings(port=free_port(), nats=url, state_dir=tmp_path, device="cpu", default_model=False))
+    starting = asyncio.create_task(box.start())
+
+    def said(level: int) -> int:
+        return sum(r.getMessage() == "nats error" and r.levelno == level for r in caplog.records)
+
+    try:
+        await wait_for(lambda: said(logging.DEBUG) >= 2, what="three tries of NATS")
+        assert said(logging.WARNING) == 1
+        box._nats_errors._said_at -= app.NATS_ERROR_REMIND_S  # a minute on
+        await wait_for(lambda: said(logging.WARNING) == 2, what="the reminder")
+    finally:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+
+
 async def test_a_box_that_cannot_reach_its_nats_says_which_it_tries(tmp_path, caplog) -> None:
     """Operator tester: `serve --nats` at a server that is not there kept trying, as documented, but its log lines
     said only "Connection refused", never the URL: with no HTTP port open yet, the log is all an operator sees."""
