@@ -284,6 +284,15 @@ async def test_too_long_input_is_truncated_by_default(default_box, http) -> None
     assert payload["usage"]["prompt_tokens"] == 256
 
 
+async def test_the_server_header_names_no_versions(default_box, http) -> None:
+    """Operator tester h187: every answer said `Server: Python/3.11 aiohttp/3.14.5`, errors too."""
+    for path in ("/healthz", "/v1/nothing-here"):
+        async with http.get(url(default_box, path)) as response:
+            assert response.headers["Server"] == "fleetbox", path
+    status, _, headers = await post(http, default_box, EMBED)
+    assert (status, headers["Server"]) == (200, "fleetbox")
+
+
 async def test_unknown_route_and_wrong_method_use_the_error_shape(default_box, http) -> None:
     async with http.get(url(default_box, "/v1/nothing-here")) as response:
         assert response.status == 404

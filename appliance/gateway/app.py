@@ -235,6 +235,11 @@ def _post(path: str, handler: Handler) -> web.RouteDef:
     return web.post(path, handler, expect_handler=_continue_within_limit)
 
 
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """`Server: fleetbox`, where aiohttp's named its own and Python's versions to anyone who asked (tester h187)."""
+    response.headers[hdrs.SERVER] = "fleetbox"
+
+
 def build_app(context: GatewayContext) -> web.Application:
     # auto_decompress off: read_body decodes a compressed body itself, so a bad one is a 4xx in the error shape.
     app = web.Application(
@@ -245,6 +250,7 @@ def build_app(context: GatewayContext) -> web.Application:
     app[CONTEXT] = context
     app[RECEIVING] = Receiving(context.settings.max_receiving_bytes)
     app[IN_FLIGHT] = {}
+    app.on_response_prepare.append(_server_header)
     if context.settings.cors_origin_list:
         app.on_response_prepare.append(cors.add_headers)
     routes = [
