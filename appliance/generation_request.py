@@ -67,17 +67,10 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
         else:
             ids = runtime.tokenize([request.text()], truncate=truncate)[0].ids
         if len(ids) == 0:  # told of token ids it never sent (tester h185)
-            what = (
-                "the conversation, rendered with the model's chat template,"
-                if isinstance(request, ChatRequest)
-                else "the prompt"
-            )
-            raise Unprocessable(f"{what} is empty: it has no token to generate from; send some text")
+            raise Unprocessable(f"{_prompt_named(request)} is empty: it has no token to generate from; send some text")
         return ids if keep is None else ids[-keep:]
     except InputTooLong as exc:  # named as the client knows it: there is no "input 0" in a chat
-        chat = isinstance(request, ChatRequest)
-        what = "the conversation, rendered with the model's chat template," if chat else "the prompt"
-        message = str(InputTooLong(exc.index, exc.max_length, what=what))
+        message = str(InputTooLong(exc.index, exc.max_length, what=_prompt_named(request)))
         raise PayloadTooLarge(message, code="input_too_long") from None
     except UnsupportedModel as exc:
         raise Unprocessable(str(exc), code="no_chat_template") from None
@@ -96,6 +89,13 @@ def prompt_ids(runtime: GenerateRuntime, request: ChatRequest | CompletionReques
         raise BadRequest(
             f"the model's chat template failed on this conversation: {exc}", code="chat_template_error"
         ) from None
+
+
+def _prompt_named(request: ChatRequest | CompletionRequest) -> str:
+    """The prompt as the client knows it, for an error's message."""
+    if isinstance(request, ChatRequest):
+        return "the conversation, rendered with the model's chat template,"
+    return "the prompt"
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
