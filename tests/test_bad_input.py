@@ -57,6 +57,9 @@ def assert_error_shape(body: dict, code: str | None = None) -> None:
         pytest.param(b'{"input": "x", "modality": 3}', 422, "invalid_input", id="modality-not-a-string"),
         pytest.param(b'{"input": "x", "truncate_prompt_tokens": 2}', 422, "unsupported_parameter", id="vllm-truncate"),
         pytest.param(b'{"input": "x", "add_special_tokens": false}', 422, "unsupported_parameter", id="no-special"),
+        pytest.param(  # tester h184: taken silently, one of the two ignored
+            b'{"input": "x", "truncate_prompt_tokens": -1, "truncate": false}', 422, "invalid_input", id="contradict"
+        ),
         pytest.param(DEEP_LISTS, 400, "invalid_json", id="deep-lists-in-an-ignored-field"),
         pytest.param(DEEP_OBJECTS, 400, "invalid_json", id="deep-objects-in-an-ignored-field"),
     ],

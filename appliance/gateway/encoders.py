@@ -160,6 +160,11 @@ def refuse_other_embeddings(parsed: EmbeddingRequest) -> None:
             "length (`truncate`); leave it out or send -1",
             code="unsupported_parameter",
         )
+    if parsed.truncate_prompt_tokens == -1 and parsed.truncate is False:
+        raise Unprocessable(
+            "`truncate_prompt_tokens` -1 asks to cut an input at the model's length and `truncate` false forbids it; "
+            "send one of them"
+        )
     if parsed.add_special_tokens is False:
         raise Unprocessable(
             "`add_special_tokens` false: fleetbox embeds with the model's special tokens, as sentence-transformers "
