@@ -156,8 +156,8 @@ class DecodeLoop:
         if stream is None:
             return  # cancelled or expired meanwhile
         if output.error is not None:
-            log.error(
-                "prefill failed",
+            log.error(  # its prefill, or logits with nothing finite to choose from: failed alone, the batch goes on
+                "request failed",
                 extra={"model": self._model, "request_id": output.request_id, "error": repr(output.error)},
             )
             self._held.forget(output.request_id)

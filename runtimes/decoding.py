@@ -36,7 +36,20 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     usage: Usage | None = None  # on the last output of a request only
-    error: Exception | None = None  # this request alone failed (its prefill): it is dropped, and owed an error
+    # This request alone failed (its prefill, or logits with nothing finite to choose from): dropped, owed an error.
+    error: Exception | None = None
+
+
+class NoFiniteLogits(RuntimeError):
+    """The model's logits for a request were all nan or infinite: no token to choose, so that request fails (its
+    batch decodes on). A made-up token answered it with garbage text and a 200."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        computed_in = str(dtype).removeprefix("torch.")
+        super().__init__(
+            f"the model produced no finite logits (every one nan or infinite, computed in {computed_in}): "
+            "a half-precision overflow, most likely; serve the model with dtype float32 or bfloat16"
+        )
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ from runtimes.chat_prompt import (
     ReservedTemplateVariable,
     TemplateControls,
 )
-from runtimes.decoding import Decoding, StepOutput, Usage
+from runtimes.decoding import Decoding, NoFiniteLogits, StepOutput, Usage
 from runtimes.inbox import Inbox
 from runtimes.kv_batch import CacheBatch
 from runtimes.lora import LoraAdapters
@@ -302,12 +302,18 @@ class GenerateRuntime:
         return self._emit(requests, self._choose_for(requests, logits))
 
     @staticmethod
-    def _choose_for(requests: list[Decoding], logits: torch.Tensor) -> list[int]:
+    def _choose_for(requests: list[Decoding], logits: torch.Tensor) -> list[int | None]:
         seen = [r.penalties for r in requests]
         return choose_tokens(logits, [r.params for r in requests], [r.generator for r in requests], seen)
 
-    def _emit(self, requests: list[Decoding], tokens: list[int]) -> list[StepOutput]:
-        return [request.emit(token, self._eos) for request, token in zip(requests, tokens, strict=True)]
+    def _emit(self, requests: list[Decoding], tokens: list[int | None]) -> list[StepOutput]:
+        """Each request's output for its token; one the model gave no finite logits (None) fails, dropped by `step`."""
+        return [
+            request.emit(token, self._eos)
+            if token is not None
+            else StepOutput(request.request_id, -1, "", finished=True, error=NoFiniteLogits(self.model.dtype))
+            for request, token in zip(requests, tokens, strict=True)
+        ]
 
     # -- whole batches, without generating -------------------------------------------------------
 

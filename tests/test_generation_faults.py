@@ -598,3 +598,79 @@ async def test_the_copy_that_took_a_dead_lettered_generations_place_is_settled_w
         await settle
     assert copy.settled == (["ack"] if dead_lettered else ["nak"])
     assert "r" not in held.retrying
+
+
+async def test_a_request_the_model_gives_no_finite_logits_is_answered_an_error_and_its_batch_is_answered(
+    start_box, http, generator_dir
+) -> None:
+    """One row of a decode step all nan (faked by wrapping the loaded runtime's `_decode`; a broken half-precision model
+    makes them): answered token 0, that request was a 200 with garbage text. It ends with an error saying why, after
+    the chunks it had sent (a 500, as any generation the model fails on after part of it left the box); the request
+    decoding beside it is answered whole."""
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=1)
+    runtime = worker.runtime
+    poison = torch.as_tensor(runtime.tokenize([POISON])[0].ids)
+    decode, prefill, poisoned = runtime._decode, runtime._prefill, []
+    first_prefill, rest_queued = threading.Event(), threading.Event()
+
+    def held_prefill(prompts, adapters, **kwargs):
+        first_prefill.set()
+        assert rest_queued.wait(_BOUND_S), "the test did not queue the other request"
+        return prefill(prompts, adapters, **kwargs)
+
+    def nan_decode():
+        logits = decode()
+        for row, request in enumerate(runtime._rows):
+            is_poison = len(request.prompt) == len(poison) and torch.equal(request.prompt.cpu(), poison)
+            stream = worker._held.streams.get(request.request_id)
+            if is_poison and stream is not None and stream.seq > 0 and not poisoned:  # part of its text has left
+                logits[row] = float("nan")
+                poisoned.append(len(runtime._rows))  # the size of the batch it struck
+        return logits
+
+    runtime._prefill, runtime._decode = held_prefill, nan_decode
+    decoding = asyncio.create_task(answer_text(http, box, PROMPT))
+    await wait_for(first_prefill.is_set, what="the first request's prefill")
+    culprit = asyncio.create_task(answer_text(http, box, POISON))
+    await wait_for(lambda: len(worker._held.streams) == 2, what="the other request to wait for the next step")
+    rest_queued.set()
+
+    async with asyncio.timeout(30):
+        (status, body), (status_p, body_p) = await asyncio.gather(decoding, culprit)
+    assert poisoned == [2]
+    assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir), body
+    assert status_p == 500, body_p
+    assert body_p["error"]["code"] == "internal_error"
+    assert "no finite logits" in body_p["error"]["message"] and "float32 or bfloat16" in body_p["error"]["message"]
+    await settled(box, worker)
+
+
+async def test_a_request_given_no_finite_logits_before_any_chunk_is_retried_then_dead_lettered_with_why(
+    start_box, http, generator_dir
+) -> None:
+    """Its prefill's logits all inf (faked by wrapping the loaded runtime's `_prefill`): nothing of it left the box,
+    so it goes the way of any request the model fails on there, tried again (another box may serve the model in
+    another dtype), then dead-lettered, its client told why."""
+    box, worker = await generating_box(start_box, generator_dir, max_deliver=2)
+    runtime = worker.runtime
+    poison = torch.as_tensor(runtime.tokenize([POISON])[0].ids)
+    prefill, poisoned = runtime._prefill, []
+
+    def inf_prefill(prompts, adapters, **kwargs):
+        batch, logits = prefill(prompts, adapters, **kwargs)
+        for row, prompt in enumerate(prompts):
+            if len(prompt) == len(poison) and torch.equal(prompt.cpu(), poison):
+                logits[row] = float("inf")
+                poisoned.append(row)
+        return batch, logits
+
+    runtime._prefill = inf_prefill
+    async with asyncio.timeout(30):
+        status, body = await answer_text(http, box, POISON)
+    assert poisoned == [0, 0]  # both deliveries
+    assert status == 422 and body["error"]["code"] == "dead_lettered", body
+    assert "no finite logits" in body["error"]["message"] and "float32 or bfloat16" in body["error"]["message"]
+    async with asyncio.timeout(30):
+        status, body = await answer_text(http, box, PROMPT)
+    assert status == 200 and body["choices"][0]["text"] == greedy_text(generator_dir), body
+    await settled(box, worker)

@@ -82,13 +82,17 @@ def choose_tokens(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     seen: Sequence[Seen | None] | None = None,
-) -> list[int]:
+) -> list[int | None]:
     """The next token of each row of (rows, vocab) logits, read back from the device once per step.
 
     Greedy rows take the argmax together; a sampling row draws with its own generator, so a seeded
     request gets the same draws whatever else is in the batch. `seen`: what each row's penalties read,
-    for the rows that ask for them.
+    for the rows that ask for them. None for a row with no finite logit: the model gave it nothing to
+    choose from, and its request alone is to fail.
     """
+    # Judged on the model's own logits, before they are mapped: a row all nan or inf (a broken half-precision model)
+    # answered token 0, or a uniform draw, as a 200 with garbage text.
+    answerable = torch.isfinite(logits).any(dim=-1)
     # A model's inf or nan (a half-precision overflow) made one row's draw raise, and that fails the decode step of
     # every request in the batch (review h184): nan is never chosen, and infinities are the float32 extremes.
     logits.nan_to_num_(nan=_LOWEST, posinf=_HIGHEST, neginf=_LOWEST)
@@ -99,7 +103,8 @@ def choose_tokens(
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if row_params.temperature > _GREEDY_BELOW:
             picks[row] = _draw(logits[row], row_params, generator)
-    return picks.tolist()
+    picks = torch.where(answerable, picks, -1)  # flagged on the device: still one read back a step
+    return [pick if pick >= 0 else None for pick in picks.tolist()]
 
 
 def _penalties(params: SamplingParams, seen: Seen | None) -> Penalties:

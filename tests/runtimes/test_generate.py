@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runtimes import InputTooLong, ModelSource, Task, load_runtime
+from runtimes.decoding import NoFiniteLogits
 from runtimes.generate import GenerateRuntime, SamplingParams
 
 from .helpers import drive, greedy_reference, prompt_ids
@@ -444,3 +445,51 @@ def test_a_gpt2_generator_is_held_to_the_positions_its_config_names_n_positions(
         assert outputs[-1].finished and len(outputs) == 1  # one position left: one token
     finally:
         runtime.close()
+
+
+def test_a_request_the_model_gives_no_finite_logits_fails_alone_and_its_batch_decodes_on(
+    generator, reference, monkeypatch
+) -> None:
+    """Fault injected into the real runtime's logits: one row all nan, as a broken half-precision model makes them.
+
+    It was answered token 0 (a 200 with garbage text). That request fails alone, with why, and so does one whose
+    prefill gave nothing finite beside a healthy joiner; the others decode as they would alone.
+    """
+    decoding, culprit, joining, joiner_culprit = (prompt_ids(generator, text) for text in PROMPTS)
+    decode, prefill, poisoned = generator._decode, generator._prefill, []
+
+    def nan_decode() -> torch.Tensor:
+        logits = decode()
+        rows = [r.request_id for r in generator._rows]
+        if "culprit" in rows and len(generator._rows[rows.index("culprit")].generated) == 3:
+            logits[rows.index("culprit")] = float("nan")
+            poisoned.append("culprit")
+        return logits
+
+    def nan_prefill(prompts, adapters, **kwargs):
+        batch, logits = prefill(prompts, adapters, **kwargs)
+        for row, prompt in enumerate(prompts):
+            if len(prompt) == len(joiner_culprit) and torch.equal(prompt, torch.as_tensor(joiner_culprit)):
+                logits[row] = float("inf")
+                poisoned.append("joiner_culprit")
+        return batch, logits
+
+    monkeypatch.setattr(generator, "_decode", nan_decode)
+    monkeypatch.setattr(generator, "_prefill", nan_prefill)
+    outputs = drive(
+        generator,
+        {
+            0: [("decoding", decoding, GREEDY), ("culprit", culprit, GREEDY)],
+            2: [("joining", joining, GREEDY), ("joiner_culprit", joiner_culprit, GREEDY)],
+        },
+    )
+    assert poisoned == ["joiner_culprit", "culprit"]
+    for request_id, made in (("culprit", 3), ("joiner_culprit", 0)):
+        *tokens, failed = outputs[request_id]
+        assert len(tokens) == made and all(o.error is None for o in tokens)
+        assert failed.finished and isinstance(failed.error, NoFiniteLogits)
+        assert "no finite logits" in str(failed.error) and "float32 or bfloat16" in str(failed.error)
+    assert [o.token_id for o in outputs["decoding"]] == greedy_reference(reference, decoding, 12)
+    assert [o.token_id for o in outputs["joining"]] == greedy_reference(reference, joining, 12)
+    assert all(o.error is None for o in outputs["decoding"] + outputs["joining"])
+    assert not generator.has_work and generator.active == 0

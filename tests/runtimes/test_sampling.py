@@ -79,14 +79,45 @@ def test_a_penalty_that_overflows_the_logits_fails_no_row_of_its_batch() -> None
 
 def test_a_models_inf_or_nan_logits_fail_no_row_of_its_batch() -> None:
     """Review h184: a sampling row without shaping drew from a model's inf (or nan) logits, inf - inf = nan, and the
-    draw raised for the whole decode step. A nan is never chosen; an inf is the float32 extreme."""
+    draw raised for the whole decode step. A nan is never chosen; an inf is the float32 extreme. A row with no finite
+    logit at all is flagged (None), not answered."""
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, inf, 0.0], [nan, 1.0, 0.0], [-inf, -inf, -inf]])
     greedy_row = SamplingParams(temperature=0)
     params = [greedy_row, SamplingParams(seed=1), greedy_row, SamplingParams(seed=2)]
     generators = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
-    chosen = choose_tokens(logits, params, generators)
-    assert chosen[:3] == [1, 1, 1] and 0 <= chosen[3] < 3
+    assert choose_tokens(logits, params, generators) == [1, 1, 1, None]
+
+
+def test_a_row_with_no_finite_logit_is_flagged_and_the_other_rows_choose_as_before() -> None:
+    """A broken half-precision model's row all nan (or all inf) was answered token 0 (greedy) or a uniform draw (a
+    200 with garbage text): it is flagged, to fail its request alone. Every other row, greedy, seeded or shaped,
+    chooses what it chooses in a batch without that row."""
+    nan, inf = float("nan"), float("inf")
+    vocab = 50
+    good = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    good[3, 7] = inf  # only some non-finite: mapped and answered, as before
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, seed=11, top_p=0.9),
+        SamplingParams(temperature=0, repetition_penalty=1.5, logit_bias=((3, 2.0),)),
+        SamplingParams(temperature=1.0, seed=12),
+    ]
+    seen = [None, None, (torch.tensor([1, 2]), [5]), None]
+
+    def generators() -> list[torch.Generator | None]:
+        return [None, torch.Generator().manual_seed(11), None, torch.Generator().manual_seed(12)]
+
+    alone = choose_tokens(good.clone(), params, generators(), seen)
+    assert None not in alone and alone[3] == 7
+    for broken in (nan, inf, -inf):
+        for bad_params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)):
+            logits = torch.cat([good[:2], torch.full((1, vocab), broken), good[2:]])
+            rows = [*params[:2], bad_params, *params[2:]]
+            gens = generators()
+            gens.insert(2, torch.Generator().manual_seed(3) if bad_params.seed is not None else None)
+            chosen = choose_tokens(logits, rows, gens, [*seen[:2], None, *seen[2:]])
+            assert chosen == [*alone[:2], None, *alone[2:]], (broken, bad_params)
 
 
 def from_scratch(logits: torch.Tensor, params: SamplingParams, prompt: torch.Tensor, completion: list[int]):
