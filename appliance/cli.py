@@ -146,7 +146,7 @@ def serve(
         if in_use:
             raise typer.Exit(1)
         configure_logging(settings.log_level, runs_models=settings.runs_models)
-        for warning in unknown_variables(os.environ):
+        for warning in [*unknown_variables(os.environ), *serve_checks.open_routes_warnings(settings)]:
             log.warning(warning)
         import uvloop
 

@@ -6,6 +6,7 @@ loading its models, so a problem found there was a bare log line and exit 1, onc
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 from appliance.settings import Settings
@@ -96,3 +97,30 @@ def nats_port_problem(settings: Settings) -> str | None:
     except OSError:
         return None  # not this check's business: the server's own start reports it
     return None
+
+
+def open_routes_warnings(settings: Settings) -> list[str]:
+    """What a box's keys leave open that its operator may not mean to: said at start (tester h191: a box with API keys
+    alone looked locked down; the Docker image listens on every address with no key at all)."""
+    if not settings.serves_http:
+        return []
+    if settings.api_key_list and not settings.admin_key_list:
+        return [
+            "FBX_API_KEYS is set and FBX_ADMIN_KEYS is not: every API key may also register, change, delete, pin, "
+            "load and evict models; set FBX_ADMIN_KEYS to keep those to operators"
+        ]
+    if not settings.api_key_list and not settings.admin_key_list and not _loopback(settings.host):
+        return [
+            f"no FBX_API_KEYS or FBX_ADMIN_KEYS: every route, admin included, is open to whoever reaches "
+            f"{settings.host}:{settings.port}; see docs/security.md"
+        ]
+    return []
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any address

@@ -243,3 +243,33 @@ async def test_an_idle_kept_alive_connection_is_closed(start_box, monkeypatch) -
                 pass
     finally:
         writer.close()
+
+
+async def test_with_api_keys_alone_the_admin_routes_need_one(start_box, http) -> None:
+    """Tester h191: with `api_keys` set and no `admin_keys`, a client with no key (or a wrong one) unpinned, evicted
+    and deleted the default model (200 each), and could register a model. Then any API key administers."""
+    from appliance import serve_checks
+
+    box = await start_box(default_model=False, models=[noop_model()], api_keys="user-key")
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        async with http.post(url(box, "/v1/models/noop/evict"), headers=headers) as answer:
+            assert answer.status == 401, await answer.text()
+        async with http.delete(url(box, "/v1/models/noop"), headers=headers) as answer:
+            assert answer.status == 401, await answer.text()
+    async with http.post(url(box, "/v1/models/noop/unpin"), headers=USER) as answer:
+        assert answer.status == 200, await answer.text()
+    (warning,) = serve_checks.open_routes_warnings(box.settings)
+    assert "every API key may also register" in warning
+
+
+def test_serve_warns_of_routes_its_keys_leave_open() -> None:
+    """The Docker image listens on every address with no key: said at start, with what it leaves open."""
+    from appliance.serve_checks import open_routes_warnings
+    from appliance.settings import Settings
+
+    (everyone,) = open_routes_warnings(Settings(host="0.0.0.0"))
+    assert "every route, admin included, is open" in everyone
+    assert open_routes_warnings(Settings(host="127.0.0.1")) == []
+    assert open_routes_warnings(Settings(host="::1")) == []
+    assert open_routes_warnings(Settings(host="0.0.0.0", api_keys="k", admin_keys="a")) == []
+    assert open_routes_warnings(Settings(host="0.0.0.0", role="worker")) == []

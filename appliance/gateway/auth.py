@@ -1,8 +1,9 @@
 """API keys (bearer) for inference routes and admin keys for admin routes, compared in constant time.
 
-A route is open when no key of its kind is configured. Keys are never logged. A missing key, or one
-that is no key of the box's, is 401 (as OpenAI, vLLM and TEI answer it: the openai SDK raises
-`AuthenticationError`); an API key on an admin route is 403: known, but not allowed there.
+A route is open when no key of its kind is configured; the admin routes take the API keys when only those are
+set (tester h191: with API keys alone, anyone without a key could register and delete models). Keys are never
+logged. A missing key, or one that is no key of the box's, is 401 (as OpenAI, vLLM and TEI answer it: the openai
+SDK raises `AuthenticationError`); an API key on an admin route is 403: known, but not allowed there.
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def admin(handler: Handler) -> Handler:
     @wraps(handler)
     async def guarded(request: web.Request) -> web.StreamResponse:
         settings = GatewayContext.of(request).settings
-        _check(request, settings.admin_key_list, "admin", others=settings.api_key_list)
+        if settings.admin_key_list:
+            _check(request, settings.admin_key_list, "admin", others=settings.api_key_list)
+        else:  # no admin keys: whoever holds an API key administers (`serve` warns at start), never anyone else
+            _check(request, settings.api_key_list, "API")
         return await handler(request)
 
     return guarded
