@@ -77,6 +77,34 @@ def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
     )
 
 
+def refuse_links_out(folder: Path, roots: list[Path], raw: str) -> None:
+    """403 when a link in the folder (a file or a folder of it, at any depth) leads outside the model roots: the box
+    would read that file as the model's, and a registration's error could quote it (tester h191: a `config.json`
+    linked to a file elsewhere had its `model_type` shown; only the folder itself was judged)."""
+    seen: set[Path] = set()
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        if current in seen:  # a link back up the tree
+            continue
+        seen.add(current)
+        for entry in current.iterdir():
+            if entry.is_symlink():
+                try:
+                    target = entry.resolve()
+                except RuntimeError as exc:  # a symlink loop, before Python 3.13
+                    raise _unreadable(raw, exc) from None
+                if not any(target == root or target.is_relative_to(root) for root in roots):
+                    raise Forbidden(
+                        f"path {raw!r} holds {entry.relative_to(folder)!s}, a link that leads outside the model "
+                        "roots; copy the file into the folder, or add a root with --model-root / FBX_MODEL_ROOTS",
+                        code="path_outside_model_roots",
+                    )
+                entry = target
+            if entry.is_dir():
+                pending.append(entry.resolve())
+
+
 # What a path the client names can make the file system answer; anything else (EIO, EMFILE) is the box's trouble.
 _PATH_ERRNOS = frozenset(
     {errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
@@ -114,6 +142,7 @@ def _judge_readable_folder(
     shipped = shipped_onnx(folder, registration.options)
     if shipped is not None:  # a file the box will read, so inside a model root like the folder
         resolve_under_roots(str(shipped), roots)
+    refuse_links_out(folder, roots, registration.path)
     if base is None:
         return folder, _task_for(registration, folder)
     try:

@@ -98,6 +98,26 @@ async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(
     writes = {"name": "x", "path": "inside", "runtime": "onnx", "options": {"cache_dir": "/etc"}}
     status, body = await call(http, box, "POST", "/v1/models", writes)  # a folder every box would write to
     assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
+    # Tester h191: files of the folder linked elsewhere were read, a `model_type` quoted in the 422.
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"model_type": "SECRET-hunter2"}')
+    shutil.copytree(encoder_dir, root / "linked")
+    (root / "linked" / "config.json").unlink()
+    (root / "linked" / "config.json").symlink_to(secret)
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": "linked"})
+    assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
+    assert "SECRET" not in body["error"]["message"] and "config.json" in body["error"]["message"], body
+    (root / "linked" / "config.json").unlink()
+    (root / "blobs").mkdir()  # links within a root (a hub cache's snapshot into its blobs) are the folder's own
+    shutil.copy(encoder_dir / "config.json", root / "blobs" / "config-blob")
+    (root / "linked" / "config.json").symlink_to(root / "blobs" / "config-blob")
+    (root / "linked" / "deeper").symlink_to(tmp_path, target_is_directory=True)
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": "linked"})
+    assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
+    assert "deeper" in body["error"]["message"], body
+    (root / "linked" / "deeper").unlink()
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": "linked"})
+    assert status == 201, body
 
 
 async def test_unsupported_architecture_is_422_at_registration(start_box, http, tmp_path) -> None:
