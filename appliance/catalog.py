@@ -11,6 +11,7 @@ fleet's catalog in NATS.
 from __future__ import annotations
 
 import logging
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -227,7 +228,12 @@ class Catalog:
         return spec
 
     def get(self, name: str) -> ModelSpec | None:
-        return self._by_name.get(name) or self._by_name.get(self._by_alias.get(name, ""))
+        """The model a name or alias is, as sent, else in Unicode's composed form (NFC: registered names are in it,
+        and a decomposed `é` is the same name typed elsewhere)."""
+        spec = self._by_name.get(name) or self._by_name.get(self._by_alias.get(name, ""))
+        if spec is None and not name.isascii() and (composed := unicodedata.normalize("NFC", name)) != name:
+            return self.get(composed)
+        return spec
 
     def adapter_address_owner(self, name: str, also: str | None = None) -> str | None:
         """The model whose adapter address `name` is (`<model>:<x>`, `<model>` registered here, or `also`), or None."""

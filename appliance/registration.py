@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
+import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -196,6 +197,13 @@ def _check_fields(registration: ModelRegistration, catalog: Catalog) -> None:
 
 def _check_route_safe(name: str, what: str) -> None:
     """A name (or alias) that the model routes can tell apart: `GET /v1/models/{name}`, `.../{name}/pin`."""
+    if (composed := unicodedata.normalize("NFC", name)) != name:
+        # Tester h189: `café` composed and decomposed were two models that print alike; a client reached either.
+        raise Unprocessable(
+            f"{what} {name!r} is not in Unicode's composed form (NFC); send {composed!r}, the form a name is "
+            "looked up in when it is not found as sent",
+            code="invalid_name",
+        )
     segments = name.split("/")
     if segments[-1] in MODEL_VERBS or any(segment in ("", ".", "..") for segment in segments):
         raise Unprocessable(

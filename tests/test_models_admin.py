@@ -469,6 +469,22 @@ async def test_names_that_would_make_routes_ambiguous_are_refused(start_box, htt
     assert status == 201
 
 
+async def test_a_name_is_one_model_however_its_accents_are_encoded(start_box, http, encoder_dir, tmp_path_factory):
+    """Tester h189: `café` composed (NFC) and decomposed (NFD) were two models that print alike, a client reaching
+    either by how its keyboard encodes `é`. Names are registered composed and looked up composed if not found."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    decomposed, composed = "cafe\u0301", "caf\u00e9"
+    for body in ({"name": decomposed}, {"name": "m", "aliases": [f"x-{decomposed}"]}):
+        status, payload = await call(http, box, "POST", "/v1/models", {**body, "path": str(encoder_dir)})
+        assert (status, payload["error"]["code"]) == (422, "invalid_name"), payload
+        assert "NFC" in payload["error"]["message"], payload
+    status, _ = await call(http, box, "POST", "/v1/models", {"name": composed, "path": str(encoder_dir)})
+    assert status == 201
+    for name in (composed, decomposed):
+        status, payload = await call(http, box, "POST", "/v1/embeddings", {"model": name, "input": "x"})
+        assert status == 200 and payload["model"] == composed, payload
+
+
 async def test_registration_judges_aliases_integers_and_the_profile(start_box, http, encoder_dir, tmp_path_factory):
     box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
     too_big = 2**64
