@@ -204,6 +204,9 @@ class Resolved:
         return self.adapter.name if self.adapter else self.spec.name
 
 
+_LISTED_NAMES, _LISTED_CHARS = 20, 600  # the most of the catalog's names a 404 lists
+
+
 class Catalog:
     """Name and alias lookup over the known models; one owner (the box), read by gateway and worker."""
 
@@ -251,9 +254,19 @@ class Catalog:
     def unknown(self, name: str) -> NotFound:
         """The answer for a `model` no model or adapter is registered under (404), naming those that are."""
         return NotFound(
-            f"model {shown(name)} does not exist; available models: {', '.join(self.names()) or 'none'}",
-            code="model_not_found",
+            f"model {shown(name)} does not exist; available models: {self._listed()}", code="model_not_found"
         )
+
+    def _listed(self) -> str:
+        """The catalog's names for a 404, the first few only in a large fleet (tester h189: 200-character names made
+        every 404 long); `GET /v1/models` lists them all."""
+        names, listed, length = self.names(), [], 0
+        for name in names:
+            length += len(name) + 2
+            if listed and (length > _LISTED_CHARS or len(listed) == _LISTED_NAMES):
+                return f"{', '.join(listed)} and {len(names) - len(listed)} more (GET /v1/models lists them)"
+            listed.append(name)
+        return ", ".join(listed) or "none"
 
     def resolve(self, name: str, adapter: str | None = None) -> Resolved:
         """A request's model (`base`, `base:adapter`, or an adapter's own name) to its base and adapter.

@@ -591,6 +591,18 @@ async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_fo
     assert caught.value.code == "model_not_found"
 
 
+def test_a_404_lists_the_first_names_of_a_large_catalog(encoder_dir) -> None:
+    """Tester h189: with 200-character names registered, every 404 carried all of them."""
+    from runtimes import RuntimeKind, Task
+
+    batching = Batching(max_batch_tokens=512, max_batch_size=8, max_wait_ms=0.0)
+    specs = [ModelSpec(f"m{i:02}", f"m{i:02}", Task.EMBED, RuntimeKind.TORCH, encoder_dir, batching) for i in range(25)]
+    message = Catalog(specs).unknown("x").body()["error"]["message"]
+    assert message.endswith("m19 and 5 more (GET /v1/models lists them)"), message
+    long = [replace(spec, name="n" * 150 + spec.name) for spec in specs]
+    assert len(Catalog(long).unknown("x").body()["error"]["message"]) < 1000
+
+
 async def test_an_adapter_registered_on_an_alias_belongs_to_the_base(
     start_box, http, encoder_dir, adapter_dirs, tmp_path_factory
 ) -> None:
