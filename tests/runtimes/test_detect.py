@@ -412,3 +412,36 @@ def test_a_config_its_weights_do_not_match_is_refused_naming_the_tensor(
     assert len(CLASS_LABELS) != 5
     for source in (classifier_dir, encoder_dir, generator_dir):
         check_loadable(source, detect_task(source), RuntimeKind.TORCH, {})
+
+
+def _with_added_token(source: Path, folder: Path, content: str) -> Path:
+    """A copy of a model folder whose tokenizer.json has one more added token, with the id just past its
+    config.json's vocab_size (a token its embedding has no row for)."""
+    shutil.copytree(source, folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    added = {"id": vocab, "content": content, "single_word": False, "lstrip": False, "rstrip": False}
+    tokenizer["added_tokens"].append(added | {"normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def test_only_a_generator_may_have_tokens_past_its_vocabulary(tmp_path: Path, model_dirs: dict[Task, Path]) -> None:
+    """An encoder looks up every id of an input and its padding: one past its embedding fails every request that
+    holds it, so it is refused at registration, on torch and ONNX (tester h189). A generator is not: its tokenizer may
+    carry added tokens past its embedding that prompts never hold, and a prompt that holds one is refused by the
+    decode batch (runtimes/generate.py)."""
+    for task, source in model_dirs.items():
+        folder = _with_added_token(source, tmp_path / str(task), "<|extra|>")
+        if task is Task.GENERATE:
+            check_loadable(folder, task, RuntimeKind.TORCH, {})
+            continue
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        for runtime in (RuntimeKind.TORCH, RuntimeKind.ONNX):
+            with pytest.raises(UnsupportedModel) as refused:
+                check_loadable(folder, task, runtime, {})
+            assert (
+                f"tokenizer.json has a token which the model does not have, id {vocab} ('<|extra|>'), where "
+                f"config.json's vocab_size is {vocab}"
+            ) in str(refused.value)
+        check_loadable(folder, task, RuntimeKind.NOOP, {})  # the no-op runtime embeds no token
