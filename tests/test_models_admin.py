@@ -604,6 +604,26 @@ async def test_a_deleted_or_unknown_adapter_named_base_colon_adapter_is_an_unkno
     assert (await call(http, box, "POST", "/v1/embeddings", {"model": "rr:a1", "input": "x"}))[0] == 200
 
 
+async def test_a_name_whose_slug_another_model_holds_is_refused_naming_that_model(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path_factory
+) -> None:
+    """Tester h189: `k-l` beside adapter `k:l` (or `rr` beside `RR`) was refused "collides with an existing model's
+    slug 'k-l'", and no model of that name is listed: the refusal names the model that holds the slug."""
+    box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "RR", "path": str(encoder_dir)}))[0] == 201
+    adapter = {"name": "RR:l", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "RR"}
+    assert (await call(http, box, "POST", "/v1/models", adapter))[0] == 201
+    for name, slug, holder in (("rr", "rr", "RR"), ("rr-l", "rr-l", "RR:l"), ("Rr.L", "rr-l", "RR:l")):
+        status, body = await call(http, box, "POST", "/v1/models", {"name": name, "path": str(encoder_dir)})
+        assert (status, body["error"]["code"]) == (409, "model_exists"), (name, body)
+        assert body["error"]["message"] == (
+            f"model name {name!r} has the same slug {slug!r} as model {holder!r} (names that differ only in case or "
+            "punctuation share one queue subject); choose another name"
+        ), body
+    _, listing = await call(http, box, "GET", "/v1/models")
+    assert sorted(model["id"] for model in listing["data"]) == ["RR", "RR:l"]
+
+
 async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_for_an_unknown_model(
     encoder_dir, adapter_dirs
 ) -> None:
