@@ -293,6 +293,7 @@ class Box:
                 max_waiting=self.settings.max_waiting,
                 max_queue_s=self.settings.max_queue_s,
                 max_timeout_s=self.settings.max_timeout_s,
+                silence_s=self.settings.ack_wait_s,
                 holders_per_gateway=self.fleet.holders_per_gateway if self.fleet is not None else None,
                 box_round=self.fleet.box_round if self.fleet is not None else None,
                 box_round_rows=self.fleet.box_round_rows if self.fleet is not None else None,

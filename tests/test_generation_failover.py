@@ -258,3 +258,33 @@ async def test_a_lost_chunk_whose_box_does_not_hand_it_back_is_an_error(start_bo
     async with asyncio.timeout(20), await answer as response:
         assert response.status == 200  # chunk 0 was sent on: the error is the stream's last event
         assert '"code":"chunk_lost"' in (await response.text()).replace(" ", "")
+
+
+async def test_a_generation_begun_by_a_box_that_died_with_a_lost_queue_is_published_again(
+    start_box, nats_server, http, generator_dir
+) -> None:
+    """Tester h190: the box of the embedded nats-server killed (memory storage: the queue lost with it) while it
+    generated answers for another box's clients: no box held them, no stream kept them, and they waited their whole
+    deadline (3 of 3). A begun generation is its box's to finish from the copy in hand, so the gateway publishes it
+    again only once its answer has been silent for `ack_wait_s` since the queue was lost."""
+    model = ModelEntry(name="tiny-llama", path=generator_dir, task="generate", pinned=True)
+    common = {"default_model": False, "models": [model], "ack_wait_s": 1.0}
+    gateway = await start_box(role="gateway", box_id="gateway", **common)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "timeout": 25}
+    answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
+    await a_box_dies_mid_answer(nats_server.url, ["half an answer from a box that died with the queue"])
+    await wait_for(lambda: any(s.box == "dead-box" for s in gateway.dispatcher._streams.values()), what="chunk 0")
+    await nats_server.stop()
+    await nats_server.start()  # memory storage: the message the dead box held is gone with the stream
+
+    async def queued() -> bool:
+        try:
+            return (await gateway.js.stream_info(bus.REQUEST_STREAM)).state.messages == 1
+        except Exception:  # cut off from NATS, or the stream not made again yet
+            return False
+
+    await wait_for(queued, timeout_s=20, what="the begun generation published again in the new queue")
+    await start_box(role="worker", box_id="survivor", **common)
+    async with await answer as response:
+        assert response.status == 200, await response.text()
+        assert (await response.json())["choices"][0]["text"] == greedy_text(generator_dir)

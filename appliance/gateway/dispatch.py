@@ -76,6 +76,7 @@ class Dispatcher:
         max_waiting: int,
         max_queue_s: float,
         max_timeout_s: float = math.inf,
+        silence_s: float = 10.0,  # a begun generation silent this long after its queue was lost is published again
         holders_per_gateway: Callable[[str], Fraction] | None = None,
         box_round: Callable[[str], int | None] | None = None,
         box_round_rows: Callable[[str], int | None] | None = None,
@@ -105,7 +106,14 @@ class Dispatcher:
         )
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
         self._streams: dict[str, StreamWaiter] = {}
-        self._resender = Resender(self._publisher, awaited=self._awaits, unstarted=self._unstarted, fail=self._fail)
+        self._resender = Resender(
+            self._publisher,
+            awaited=self._awaits,
+            unstarted=self._unstarted,
+            fail=self._fail,
+            heard_at=self._heard_at,
+            silence_s=silence_s,
+        )
         # Cancels sent for requests answered without their box, and asks to hand a generation back (`_start_over`).
         self._cancels = Background("cancels sent")
         self._dropped_blobs = Background("dropped reply blobs")  # deletes of the bodies of replies dropped
@@ -434,6 +442,11 @@ class Dispatcher:
         """Awaited and not begun: a call not answered, a generation before its first chunk."""
         waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
         return not (waiter is not None and waiter[0].done()) and not (stream is not None and stream.box is not None)
+
+    def _heard_at(self, request_id: str) -> float | None:
+        """When a begun generation's answer last came in; None for a call, or an answer whole or not begun."""
+        stream = self._streams.get(request_id)
+        return None if stream is None or stream.final_at is not None else stream.last_at
 
     def _fail(self, request_id: str, error: FleetboxError) -> None:
         """A request that could not be queued again: its client is told, unless it has an answer or a chunk."""

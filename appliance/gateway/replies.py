@@ -56,6 +56,7 @@ class StreamWaiter:
     # time its client then took to read it.
     first_at: float | None = None
     final_at: float | None = None
+    last_at: float | None = None  # the latest chunk taken: a box that died with a lost queue falls silent
 
     def stitch(self, meta: ReplyMeta, body: bytes) -> Stitched:
         """Take one chunk of the answer, from whichever box sent it; the caller queues `reply` for its client."""
@@ -91,6 +92,7 @@ class StreamWaiter:
             meta, body = lost.meta, lost.body
         self.next_seq = meta.seq + 1
         now = time.monotonic()
+        self.last_at = now
         if self.first_at is None:
             self.first_at = now
         if meta.final:

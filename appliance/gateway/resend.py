@@ -4,12 +4,16 @@ A request stream made anew (a nats-server that kept it in memory restarted: the 
 lost what was queued in the old one. The one idea: every request is kept, as published, while its client awaits it,
 with the count of this gateway's cuts from NATS at its publish (its epoch); a request published before the last cut
 may have gone with the old stream, and is published again under its id. A box that had pulled the old copy may
-answer it too: the gateway takes the first answer (`dispatch.py`).
+answer it too: the gateway takes the first answer (`dispatch.py`). A generation already begun is its box's to
+finish, from the copy in hand, unless that box died with the queue: then its answer falls silent, and it is
+published again once silent for `silence_s`, as JetStream would have redelivered it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,8 +38,9 @@ class _Sent:
 
 class Resender:
     """One gateway's requests as published, while awaited. The dispatcher that owns the waiters says which are
-    `awaited`, which are `unstarted` (a call not answered, a generation before its first chunk), and how a client
-    whose request could not be queued again is answered (`fail`)."""
+    `awaited`, which are `unstarted` (a call not answered, a generation before its first chunk), when a begun
+    generation's answer last came in (`heard_at`, monotonic; None once it is whole), and how a client whose request
+    could not be queued again is answered (`fail`)."""
 
     def __init__(
         self,
@@ -44,11 +49,15 @@ class Resender:
         awaited: Callable[[str], bool],
         unstarted: Callable[[str], bool],
         fail: Callable[[str, FleetboxError], None],
+        heard_at: Callable[[str], float | None],
+        silence_s: float,
     ) -> None:
         self._publisher = publisher
         self._awaited = awaited
         self._unstarted = unstarted
         self._fail = fail
+        self._heard_at = heard_at
+        self._silence_s = silence_s
         self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
         self._republishes = Background("requests published again")
@@ -77,13 +86,30 @@ class Resender:
         """The request stream was made anew: what this gateway published before its last cut from NATS is gone with
         the old one. Each such request still unstarted is published again under its id, where it waited its whole
         deadline for a 504 (146 of 200 in the fleet tester's run, with the boxes back within a second)."""
-        lost = [
-            sent for request_id, sent in self._sent.items() if sent.epoch < self._epoch and self._unstarted(request_id)
-        ]
-        if lost:
-            log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(lost)})
-        for sent in lost:
+        lost = [sent for sent in self._sent.values() if sent.epoch < self._epoch]
+        unstarted = [sent for sent in lost if self._unstarted(sent.meta.id)]
+        begun = [sent for sent in lost if not self._unstarted(sent.meta.id)]  # its box's, unless it died with the queue
+        if unstarted:
+            log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(unstarted)})
+        for sent in unstarted:
             self._republishes.spawn(self._publish_again(sent))
+        lost_at = time.monotonic()
+        for sent in begun:
+            self._republishes.spawn(self._publish_again_if_silent(sent, lost_at))
+
+    async def _publish_again_if_silent(self, sent: _Sent, lost_at: float) -> None:
+        """A generation begun before the queue was lost, published again once its answer is silent for `silence_s`
+        from then: its box died with the queue (the box of the embedded nats-server, killed: its generations for
+        another box's clients waited their whole deadline, 3 of 3, tester h190)."""
+        request_id = sent.meta.id
+        while self._awaited(request_id) and (heard_at := self._heard_at(request_id)) is not None:
+            silent_s = time.monotonic() - max(heard_at, lost_at)
+            if silent_s >= self._silence_s:
+                log.warning("generation silent since the queue was lost; publishing it again", extra={
+                    "request_id": request_id, "silent_s": round(silent_s, 1)})  # fmt: skip
+                await self._publish_again(sent)
+                return
+            await asyncio.sleep(self._silence_s - silent_s)
 
     async def _publish_again(self, sent: _Sent) -> None:
         request_id = sent.meta.id
