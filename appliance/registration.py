@@ -9,7 +9,6 @@ come here, so a model is judged by one set of rules whichever way it is register
 from __future__ import annotations
 
 import asyncio
-import errno
 import time
 import unicodedata
 from collections.abc import Awaitable, Callable
@@ -33,6 +32,7 @@ from appliance.catalog import (
 from appliance.catalog_store import CatalogStore
 from appliance.devices import HARDWARE_SLUG
 from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, Unprocessable, shown
+from appliance.model_roots import PATH_ERRNOS, refuse_links_out, resolve_under_roots, unreadable
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
 from appliance.settings import MAX_ALIASES, Settings
@@ -53,71 +53,6 @@ MODEL_VERBS = ("pin", "unpin", "load", "evict")  # POST /v1/models/{name}/{verb}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what the catalog's JSON (orjson) writes
 
 
-def resolve_under_roots(raw: str, roots: list[Path]) -> Path:
-    """The folder a registration names, only if it resolves inside a model root."""
-    if "\0" in raw:
-        raise Unprocessable(f"path {raw!r} has a NUL character; no folder is named so", code="path_not_found")
-    candidate = Path(raw)
-    if not candidate.is_absolute():
-        candidate = roots[0] / candidate
-    try:
-        resolved = candidate.resolve()
-    except RuntimeError as exc:  # a symlink loop, before Python 3.13
-        raise _unreadable(raw, exc) from None
-    except OSError as exc:  # a name too long, a loop, a folder it may not enter
-        if exc.errno not in _PATH_ERRNOS:
-            raise
-        raise _unreadable(raw, exc) from None
-    for root in roots:
-        if resolved == root or resolved.is_relative_to(root):
-            return resolved
-    raise Forbidden(
-        f"path {raw!r} is outside the model roots ({', '.join(map(str, roots))}); "
-        "put the folder under a root, or add a root with --model-root / FBX_MODEL_ROOTS",
-        code="path_outside_model_roots",
-    )
-
-
-def refuse_links_out(folder: Path, roots: list[Path], raw: str) -> None:
-    """403 when a link in the folder (a file or a folder of it, at any depth) leads outside the model roots: the box
-    would read that file as the model's, and a registration's error could quote it (tester h191: a `config.json`
-    linked to a file elsewhere had its `model_type` shown; only the folder itself was judged)."""
-    seen: set[Path] = set()
-    pending = [folder]
-    while pending:
-        current = pending.pop()
-        if current in seen:  # a link back up the tree
-            continue
-        seen.add(current)
-        for entry in current.iterdir():
-            if entry.is_symlink():
-                try:
-                    target = entry.resolve()
-                except RuntimeError as exc:  # a symlink loop, before Python 3.13
-                    raise _unreadable(raw, exc) from None
-                if not any(target == root or target.is_relative_to(root) for root in roots):
-                    raise Forbidden(
-                        f"path {raw!r} holds {entry.relative_to(folder)!s}, a link that leads outside the model "
-                        "roots; copy the file into the folder, or add a root with --model-root / FBX_MODEL_ROOTS",
-                        code="path_outside_model_roots",
-                    )
-                entry = target
-            if entry.is_dir():
-                pending.append(entry.resolve())
-
-
-# What a path the client names can make the file system answer; anything else (EIO, EMFILE) is the box's trouble.
-_PATH_ERRNOS = frozenset(
-    {errno.ENAMETOOLONG, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EISDIR}
-)
-
-
-def _unreadable(raw: str, exc: BaseException) -> Unprocessable:
-    """The 422 for a path the file system refuses to follow or read (it was a 500 with a traceback)."""
-    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return Unprocessable(f"path {raw!r} cannot be read: {why}", code="path_not_found")
-
-
 def _judge_folder(
     registration: ModelRegistration, roots: list[Path], base: ModelSpec | None
 ) -> tuple[Path, Task | None]:
@@ -126,9 +61,9 @@ def _judge_folder(
     try:
         return _judge_readable_folder(registration, roots, base)
     except OSError as exc:  # a name too long for `is_dir`, a file it may not read; not the box's own trouble (EIO)
-        if exc.errno not in _PATH_ERRNOS:
+        if exc.errno not in PATH_ERRNOS:
             raise
-        raise _unreadable(registration.path, exc) from None
+        raise unreadable(registration.path, exc) from None
 
 
 def _judge_readable_folder(

@@ -118,6 +118,17 @@ async def test_path_outside_the_model_roots_is_403_even_through_a_symlink(
     assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
     assert "deeper" in body["error"]["message"], body
     (root / "linked" / "deeper").unlink()
+    # Review h193: a folder linked in from elsewhere in the root is walked, its links named as reached (a 500 was
+    # `relative_to` failing); a link up to a folder holding this one is not walked (the whole root was).
+    (root / "shared").mkdir()
+    (root / "shared" / "notes.txt").symlink_to(secret)
+    (root / "linked" / "shared").symlink_to(root / "shared", target_is_directory=True)
+    status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": "linked"})
+    assert (status, body["error"]["code"]) == (403, "path_outside_model_roots"), body
+    assert "shared/notes.txt" in body["error"]["message"], body
+    (root / "linked" / "shared").unlink()
+    (root / "linked" / "up").symlink_to(root, target_is_directory=True)  # `shared/notes.txt` is in it: not walked
+    (root / "linked" / "loop").symlink_to(root / "linked" / "loop")  # leads nowhere: nothing is read through it
     status, body = await call(http, box, "POST", "/v1/models", {"name": "x", "path": "linked"})
     assert status == 201, body
 
