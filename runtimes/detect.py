@@ -279,11 +279,13 @@ def refuse_tokens_past_vocab(folder: Path, tokenizer: Tokenizer, config: Mapping
     another model's tokenizer registered 201 and then dead-lettered every request with "index out of range in
     self" (tester h189). A `vocab_size` larger than the tokenizer is padding, and fine. Not for a generator: its
     tokenizer may carry added tokens past its embedding that prompts never hold (a pad token added without resizing
-    the model, say), with which it serves, and `runtimes/generate.py` refuses a prompt that holds one."""
+    the model, say), with which it serves, and `runtimes/generate.py` refuses a prompt that holds one. The regular
+    vocabulary only: added special tokens may lie past the embedding in a model's own tokenizer (Gemma 3's, and so
+    EmbeddingGemma's, `<image_soft_token>` at id `vocab_size`: review h193), which text seldom holds."""
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool):
         return
-    ids = tokenizer.get_vocab(with_added_tokens=True)  # the regular tokens and the added (special) ones
+    ids = tokenizer.get_vocab(with_added_tokens=False)
     past = sorted((index, token) for token, index in ids.items() if index >= vocab)
     if past:
         top, token = past[-1]

@@ -426,22 +426,12 @@ def _with_added_token(source: Path, folder: Path, content: str) -> Path:
     return folder
 
 
-def test_only_a_generator_may_have_tokens_past_its_vocabulary(tmp_path: Path, model_dirs: dict[Task, Path]) -> None:
-    """An encoder looks up every id of an input and its padding: one past its embedding fails every request that
-    holds it, so it is refused at registration, on torch and ONNX (tester h189). A generator is not: its tokenizer may
-    carry added tokens past its embedding that prompts never hold, and a prompt that holds one is refused by the
-    decode batch (runtimes/generate.py)."""
+def test_an_added_token_past_the_vocabulary_is_not_refused(tmp_path: Path, model_dirs: dict[Task, Path]) -> None:
+    """The registration check of a tokenizer against the embedding (tester h189: another model's tokenizer, its
+    regular vocabulary past the rows) reads the regular vocabulary only: a model's own tokenizer may hold an added
+    special token past its embedding (Gemma 3's `<image_soft_token>` at id `vocab_size`; review h193), and such a
+    model serves text. A generator refuses a prompt that holds one (runtimes/generate.py)."""
     for task, source in model_dirs.items():
         folder = _with_added_token(source, tmp_path / str(task), "<|extra|>")
-        if task is Task.GENERATE:
-            check_loadable(folder, task, RuntimeKind.TORCH, {})
-            continue
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        for runtime in (RuntimeKind.TORCH, RuntimeKind.ONNX):
-            with pytest.raises(UnsupportedModel) as refused:
-                check_loadable(folder, task, runtime, {})
-            assert (
-                f"tokenizer.json has a token which the model does not have, id {vocab} ('<|extra|>'), where "
-                f"config.json's vocab_size is {vocab}"
-            ) in str(refused.value)
-        check_loadable(folder, task, RuntimeKind.NOOP, {})  # the no-op runtime embeds no token
+        for runtime in (RuntimeKind.TORCH, RuntimeKind.ONNX) if task is not Task.GENERATE else (RuntimeKind.TORCH,):
+            check_loadable(folder, task, runtime, {})
