@@ -322,7 +322,7 @@ class Catalog:
         """A model is deleted by its own name, not an alias (409): an alias that had meanwhile become another
         model's deleted that model (tester h89). A base model goes after its adapters (409): deleting it would
         leave them serving nothing."""
-        if named != spec.name:
+        if unicodedata.normalize("NFC", named) != spec.name:  # a decomposed spelling of its name is its name
             raise Conflict(f"{named!r} is an alias of model {spec.name!r}; delete a model by its own name")
         adapters = self.adapters_of(spec.name)
         if adapters:

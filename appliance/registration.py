@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +34,7 @@ from appliance.errors import Conflict, Forbidden, NotFound, ServiceUnavailable, 
 from appliance.model_roots import PATH_ERRNOS, refuse_links_out, resolve_under_roots, unreadable
 from appliance.profiles import PROFILE_AUTO, PROFILE_OFF
 from appliance.schemas import ModelRegistration
-from appliance.settings import MAX_ALIASES, Settings
+from appliance.settings import MAX_ALIASES, Settings, composed_form_problem
 from runtimes.adapter_check import (
     check_adapter_brings_head,
     check_adapter_fits,
@@ -132,13 +131,8 @@ def _check_fields(registration: ModelRegistration, catalog: Catalog) -> None:
 
 def _check_route_safe(name: str, what: str) -> None:
     """A name (or alias) that the model routes can tell apart: `GET /v1/models/{name}`, `.../{name}/pin`."""
-    if (composed := unicodedata.normalize("NFC", name)) != name:
-        # Tester h189: `café` composed and decomposed were two models that print alike; a client reached either.
-        raise Unprocessable(
-            f"{what} {name!r} is not in Unicode's composed form (NFC); send {composed!r}, the form a name is "
-            "looked up in when it is not found as sent",
-            code="invalid_name",
-        )
+    if (problem := composed_form_problem(name)) is not None:
+        raise Unprocessable(f"{what} {name!r} {problem}", code="invalid_name")
     segments = name.split("/")
     if segments[-1] in MODEL_VERBS or any(segment in ("", ".", "..") for segment in segments):
         raise Unprocessable(

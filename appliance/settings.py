@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -95,6 +96,14 @@ def memory_budget_bytes(raw: str, total: int) -> int:
 ModelName = Annotated[str, Field(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)]
 
 
+def composed_form_problem(name: str) -> str | None:
+    """Why a new model name or alias is refused for how its characters are encoded, or None: it must be in Unicode's
+    composed form (NFC), the form a name not found as sent is looked up in (tester h189: `café` composed and
+    decomposed were two models that print alike)."""
+    composed = unicodedata.normalize("NFC", name)
+    return None if composed == name else f"is not in Unicode's composed form (NFC); write {composed!r}"
+
+
 class ModelEntry(BaseModel):
     """One `[[models]]` table: a model the box should know at start, judged as `POST /v1/models` judges its
     fields (a typo here is a settings error at start, not a load that fails later)."""
@@ -118,6 +127,9 @@ class ModelEntry(BaseModel):
 
     @model_validator(mode="after")
     def _is_whole(self) -> ModelEntry:
+        for name in (self.name, *self.aliases):
+            if (problem := composed_form_problem(name)) is not None:
+                raise ValueError(f"model name or alias {name!r} {problem}")
         if self.path is None and self.runtime != "noop":
             raise ValueError(f"model {self.name!r} needs a path (only the no-op runtime runs without a folder)")
         if self.runtime == "torch" and self.dtype == "int8":

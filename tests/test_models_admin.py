@@ -523,6 +523,14 @@ async def test_a_name_is_one_model_however_its_accents_are_encoded(start_box, ht
     for name in (composed, decomposed):
         status, payload = await call(http, box, "POST", "/v1/embeddings", {"model": name, "input": "x"})
         assert status == 200 and payload["model"] == composed, payload
+    # Review h193: a model of the config file was not held to it; deleted by the decomposed spelling, a 409 "alias".
+    with pytest.raises(ValueError, match="NFC"):
+        ModelEntry(name=decomposed, path=encoder_dir)
+    from tui.ops import new_name_problem
+
+    assert "NFC" in (new_name_problem(decomposed) or "")
+    status, payload = await call(http, box, "DELETE", f"/v1/models/{decomposed}")
+    assert status == 200 and payload["id"] == composed, payload
 
 
 async def test_registration_judges_aliases_integers_and_the_profile(start_box, http, encoder_dir, tmp_path_factory):

@@ -28,7 +28,7 @@ from nats.errors import Error as NatsError
 from appliance import bus
 from appliance.control import call_box
 from appliance.errors import Conflict, ServiceUnavailable, not_evicted
-from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN
+from appliance.settings import MODEL_NAME_MAX, MODEL_NAME_PATTERN, composed_form_problem
 from tui.model import BoxState
 
 REACH_TIMEOUT_S = 10.0  # how long an action waits for NATS to come back before it gives up
@@ -45,7 +45,7 @@ def new_name_problem(name: str) -> str | None:
     if len(name) > MODEL_NAME_MAX:
         return f"is longer than {MODEL_NAME_MAX} characters"
     if re.fullmatch(MODEL_NAME_PATTERN, name):
-        return None
+        return composed_form_problem(name)
     hidden = next((c for c in name if not re.fullmatch(MODEL_NAME_PATTERN, f"a{c}a")), None)
     if hidden is not None:
         return f"has a control or invisible character (U+{ord(hidden):04X}), which a model's name may not have"
