@@ -118,9 +118,9 @@ def open_routes_warnings(settings: Settings) -> list[str]:
 
 
 def _loopback(host: str) -> bool:
-    if host == "localhost":
+    if host in ("localhost", "ip6-localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
     except ValueError:
         return False  # a name: it may resolve to any address

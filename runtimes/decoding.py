@@ -46,9 +46,13 @@ class NoFiniteLogits(RuntimeError):
 
     def __init__(self, dtype: torch.dtype) -> None:
         computed_in = str(dtype).removeprefix("torch.")
-        super().__init__(
-            f"the model produced no finite logits (every one nan or infinite, computed in {computed_in}): "
+        likely = (
             "a half-precision overflow, most likely; serve the model with dtype float32 or bfloat16"
+            if dtype is torch.float16
+            else "its weights may hold nan or infinite values; check the model's files"
+        )
+        super().__init__(
+            f"the model produced no finite logits (every one nan or infinite, computed in {computed_in}): {likely}"
         )
 
 

@@ -271,5 +271,6 @@ def test_serve_warns_of_routes_its_keys_leave_open() -> None:
     assert "every route, admin included, is open" in everyone
     assert open_routes_warnings(Settings(host="127.0.0.1")) == []
     assert open_routes_warnings(Settings(host="::1")) == []
+    assert open_routes_warnings(Settings(host="[::1]")) == []
     assert open_routes_warnings(Settings(host="0.0.0.0", api_keys="k", admin_keys="a")) == []
     assert open_routes_warnings(Settings(host="0.0.0.0", role="worker")) == []

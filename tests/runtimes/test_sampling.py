@@ -167,3 +167,12 @@ def test_penalties_kept_across_a_long_completion_equal_the_from_scratch_computat
         params = SamplingParams(temperature=0, **shaping)
         shaped = Penalties.of(params, prompt, completion).apply(logits)
         assert torch.equal(shaped, from_scratch(logits, params, prompt, completion)), shaping
+
+
+def test_no_finite_logits_advises_by_the_dtype_the_model_ran_in() -> None:
+    """Review h193: a float32 model was told of a half-precision overflow and to serve in float32."""
+    from runtimes.decoding import NoFiniteLogits
+
+    assert "serve the model with dtype float32 or bfloat16" in str(NoFiniteLogits(torch.float16))
+    assert "check the model's files" in str(NoFiniteLogits(torch.float32))
+    assert "half-precision" not in str(NoFiniteLogits(torch.bfloat16))
