@@ -1251,3 +1251,22 @@ async def test_the_breaker_stays_open_through_a_look_and_a_refused_generation_se
         assert [cancel.get("why") for cancel in cancels] == ["abandoned"], cancels  # the unanswered one's alone
     finally:
         await listener.close()
+
+
+async def test_a_refusal_while_nats_is_away_is_logged_at_info_not_warning(start_box, nats_server, http, caplog):
+    """Tester h190: a NATS outage of 2.5 s under load logged every 503 refused at WARNING (4,331 lines); the outage
+    itself is said at WARNING once a minute. A 503 is a refusal to retry, as a 429 is: at INFO."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    await nats_server.stop()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="appliance.gateway.app"):
+
+            async def refused() -> bool:
+                async with http.post(url(box, "/v1/embeddings"), json={"model": "noop", "input": "x"}) as answer:
+                    return answer.status == 503
+
+            await wait_for(refused, what="a 503 while NATS is away")
+        lines = [r for r in caplog.records if r.getMessage() == "request" and getattr(r, "status", None) == 503]
+        assert lines and all(r.levelno == logging.INFO for r in lines), [r.levelname for r in lines]
+    finally:
+        await nats_server.start()
