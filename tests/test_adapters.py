@@ -678,3 +678,20 @@ async def test_an_adapter_whose_folder_was_deleted_is_not_listed_loaded_and_its_
     gateway = await start_box(role="gateway", default_model=False, model_roots=box.settings.model_roots)
     _, record = await call(http, gateway, "GET", "/v1/models/cls:gone")
     assert record["load_error"] is None, record
+
+
+async def test_an_adapter_addressed_through_its_bases_alias_is_found_by_the_model_routes(
+    start_box, http, encoder_dir, adapter_dirs
+) -> None:
+    """Tester h189: `sentiment:l1` (`sentiment` an alias of `cls`) was answered on the inference routes and 404 on
+    `GET /v1/models/{name}` and `DELETE`; the adapter is found, and deleted by its own name only (409, as an alias)."""
+    box = await start_box(default_model=False, model_roots=[encoder_dir.parent.parent])
+    base = {"name": "enc", "path": str(encoder_dir), "aliases": ["words"]}
+    assert (await call(http, box, "POST", "/v1/models", base))[0] == 201
+    registration = {"name": "enc:tuned", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "enc"}
+    assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
+    status, record = await call(http, box, "GET", "/v1/models/words:tuned")
+    assert status == 200 and record["id"] == "enc:tuned", record
+    status, refused = await call(http, box, "DELETE", "/v1/models/words:tuned")
+    assert status == 409 and "delete a model by its own name" in refused["error"]["message"], refused
+    assert (await call(http, box, "GET", "/v1/models/words:nothing"))[0] == 404
