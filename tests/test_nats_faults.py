@@ -1270,3 +1270,176 @@ async def test_a_refusal_while_nats_is_away_is_logged_at_info_not_warning(start_
         assert lines and all(r.levelno == logging.INFO for r in lines), [r.levelname for r in lines]
     finally:
         await nats_server.start()
+
+
+_FAST_FLEET = {"heartbeat_s": 0.2, "heartbeat_ttl_s": 1.0, "ack_wait_s": 1.5}  # a dead box known within ~1 s
+
+
+class _BareGateway:
+    """A gateway box as the fleet sees it: a plain subscriber to `bus.reply_subject(box_id)` that takes replies as a
+    gateway does (`_gateway_of`: a final one only with `confirms_final`), and a heartbeat in `fbx_boxes` written every
+    0.2 s. `kill` ends both at once, as a SIGKILL does: its record is left to age out."""
+
+    def __init__(self, box_id: str) -> None:
+        self.box_id = box_id
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self._nc: nats.NATS | None = None
+        self._beats: asyncio.Task[None] | None = None
+
+    async def start(self, nats_url: str, *, confirms_final: bool = True, listens: bool = True) -> _BareGateway:
+        """`listens` false: no subscriber (a gateway reconnecting), the heartbeat alone."""
+        self._nc = nc = await nats.connect(nats_url)
+
+        async def gateway(msg) -> None:
+            reply = ReplyMeta.from_headers(msg.headers)
+            if msg.reply and (confirms_final or not reply.final):
+                await msg.respond(b"")
+            await self.replies.put((reply, msg.data))
+
+        if listens:
+            await nc.subscribe(bus.reply_subject(self.box_id), cb=gateway)
+        boxes = await nc.jetstream().key_value(bus.BOXES_BUCKET)
+
+        async def beat() -> None:
+            while True:
+                record = {"box": self.box_id, "role": "gateway", "ts": time.time(), "started": 1.0}
+                await boxes.put(self.box_id, orjson.dumps(record))
+                await asyncio.sleep(0.2)
+
+        self._beats = asyncio.create_task(beat())
+        return self
+
+    async def publish(self, request_id: str, *, max_tokens: int) -> None:
+        assert self._nc is not None
+        await _publish_generation(self._nc, request_id, bus.reply_subject(self.box_id), max_tokens=max_tokens)
+
+    async def kill(self) -> None:
+        if self._beats is not None:
+            self._beats.cancel()
+            await asyncio.gather(self._beats, return_exceptions=True)
+        if self._nc is not None:
+            await self._nc.close()
+
+
+async def test_a_generation_whose_gateway_box_died_is_cancelled_and_not_given_again(
+    start_box, nats_server, generator_dir
+) -> None:
+    """Tester h190: a gateway box SIGKILLed, a box generated its requests for nobody until their deadline (300 s),
+    those it got again by redelivery in full, from the start. A box that hears the fleet cancels a generation whose
+    gateway's box has no live heartbeat any more, acks it (not given again) and counts it as cancelled, and drops one
+    of that gateway pulled later as it comes; one whose gateway is live is answered. The gateways are plain
+    subscribers with heartbeats written here (`_BareGateway`); the device thread is held until the gateway died, so
+    both generations are admitted and unfinished then, whatever the machine's pace."""
+    import threading
+
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(box_id="a", default_model=False, models=[model], **_FAST_FLEET)
+    live = await _BareGateway("gw-live").start(nats_server.url)
+    dying = await _BareGateway("gw-dying").start(nats_server.url)
+    worker, held = box.workers["gen"], threading.Event()
+    worker._device.submit(held.wait, 60)  # no step: what is admitted stays unfinished
+    consumer = bus.consumer_name(bus.model_slug("gen"), "interactive")
+
+    def cancelled() -> float | None:
+        return box.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "gen"})
+
+    async def held_by_the_box(messages: int) -> bool:  # acked: neither waiting nor held (an ack is a plain publish)
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, consumer)
+        return (info.num_ack_pending, info.num_pending) == (messages, 0)
+
+    try:
+        await live.publish("awaited", max_tokens=8)
+        await dying.publish("forsaken", max_tokens=8)
+        await wait_for(lambda: {"awaited", "forsaken"} <= set(worker._held.streams), what="both admitted")
+        assert cancelled() in (None, 0.0)
+        await dying.kill()
+        await wait_for(lambda: cancelled() == 1.0, what="the generation of the dead gateway cancelled")
+        assert set(worker._held.streams) == {"awaited"}
+        await wait_for(lambda: held_by_the_box(1), what="the cancelled request acked, not given again")
+        await _publish_generation(box.nc, "late", bus.reply_subject("gw-dying"), max_tokens=8)
+        await wait_for(lambda: cancelled() == 2.0, what="a request of the dead gateway dropped as it comes")
+        assert worker._held.copy_of("late") is None
+        await wait_for(lambda: held_by_the_box(1), what="the dropped request acked")
+        held.set()
+        while not (reply := (await asyncio.wait_for(live.replies.get(), 30))[0]).final:
+            pass
+        assert (reply.id, reply.status) == ("awaited", 200)
+        await _comes_to_nothing_held(box, consumer)
+        assert cancelled() == 2.0
+    finally:
+        held.set()
+        await live.kill()
+        await dying.kill()
+
+
+async def test_a_last_chunk_no_gateway_takes_is_given_up_once_its_gateway_box_died(
+    start_box, nats_server, generator_dir, caplog
+) -> None:
+    """Tester h190: the last chunk of an answer whose gateway box was SIGKILLed was sent again every 0.25 s, the
+    request unacked in the backlog, until its deadline, then dropped without a word. Once the gateway's box is gone
+    from the fleet's heartbeats the box stops, acks the request and says so once. Here the gateway takes every chunk
+    but the last (`_BareGateway`), then dies."""
+    caplog.set_level(logging.INFO, logger="appliance.delivery")
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    box = await start_box(box_id="a", default_model=False, models=[model], **_FAST_FLEET)
+    dying = await _BareGateway("gw-dying").start(nats_server.url, confirms_final=False)
+    worker = box.workers["gen"]
+    consumer = bus.consumer_name(bus.model_slug("gen"), "interactive")
+    try:
+        await dying.publish("unconfirmed", max_tokens=4)
+        await wait_for(lambda: "unconfirmed" in worker._held.settling, what="the last chunk awaiting its gateway")
+        await dying.kill()
+        await _comes_to_nothing_held(box, consumer)
+        assert "unconfirmed" not in worker._held.settling
+        given_up = [r for r in caplog.records if "its gateway's box is gone from the fleet; given up" in r.getMessage()]
+        assert len(given_up) == 1, caplog.text
+    finally:
+        await dying.kill()
+
+
+async def test_an_embedding_whose_gateway_box_died_is_given_up_then_its_next_one_dropped_unread(
+    start_box, nats_server, caplog
+) -> None:
+    """Tester h190, for an encoder: its reply, sent again while no gateway took it, is given up once the gateway's
+    box is gone from the heartbeats (acked, said once); a request of that gateway pulled after is dropped before it
+    is computed, counted as cancelled. The gateway here beats but never listens (`_BareGateway`), then dies."""
+    caplog.set_level(logging.INFO, logger="appliance.delivery")
+    box = await start_box(box_id="a", default_model=False, models=[noop_model()], **_FAST_FLEET)
+    dying = await _BareGateway("gw-dying").start(nats_server.url, listens=False)
+    consumer = bus.consumer_name("noop")
+
+    async def publish(request_id: str) -> None:
+        now = int(time.time() * 1000)
+        meta = RequestMeta(
+            id=request_id, task="embed", model="noop", reply=bus.reply_subject("gw-dying"), deadline_ms=now + 30_000,
+            sent_ms=now,
+        )  # fmt: skip
+        await box.js.publish(bus.request_subject("noop"), b'{"input": "x", "model": "noop"}', headers=meta.headers())
+
+    def sample(name: str) -> float:
+        return box.metrics.registry.get_sample_value(name, {"model": "noop"}) or 0.0
+
+    def said(message: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if message in r.getMessage()]
+
+    try:
+        await publish("computed")
+        await wait_for(lambda: said("reply not taken by a gateway; sending it again"), what="the reply sent again")
+        await dying.kill()
+        await _comes_to_nothing_held(box, consumer)
+        assert len(said("its gateway's box is gone from the fleet; given up")) == 1, caplog.text
+        await publish("dropped")
+        await wait_for(lambda: sample("fbx_cancelled_requests_total") == 1, what="the next request dropped")
+        await _comes_to_nothing_held(box, consumer)
+        assert sample("fbx_rows_computed_total") == 1  # the first alone
+    finally:
+        await dying.kill()
+
+
+async def _comes_to_nothing_held(box: Box, consumer: str) -> None:
+    async def nothing_held() -> bool:
+        info = await box.js.consumer_info(bus.REQUEST_STREAM, consumer)
+        stream = await box.js.stream_info(bus.REQUEST_STREAM)
+        return (info.num_ack_pending, info.num_pending, stream.state.messages) == (0, 0, 0)
+
+    await wait_for(nothing_held, timeout_s=30, what="every request acked and gone from the stream")
