@@ -130,7 +130,6 @@ class Box:
         self._tasks = Background("box")
         self._nats_servers = ""  # the NATS URLs it connects to, for its log
         self._nats_errors = FailureStreak(log, "nats connection", event="nats error", remind_s=NATS_ERROR_REMIND_S)
-        self._cut_at: float | None = None  # when NATS was last lost (monotonic), until it is back
         self._wants_tls = False  # a TLS option or a tls:// URL given: a server in the clear is refused
         self.queue = RequestQueue(self)
         self.draining = False
@@ -265,7 +264,6 @@ class Box:
         self._nats_errors.failed(exc, nats=self._nats_servers)
 
     async def _on_disconnect(self) -> None:
-        self._cut_at = self._cut_at or time.monotonic()
         if self.dispatcher is not None:  # and again once back (`_on_reconnect`): the silence meanwhile is no pace
             self.dispatcher.nats_interrupted()
         if self.draining:  # its own close as the box stops: expected, not a warning
@@ -279,23 +277,10 @@ class Box:
             return
         log.info("nats reconnected")
         self._nats_errors.succeeded()
-        cut_s, self._cut_at = time.monotonic() - (self._cut_at or time.monotonic()), None
         if self.dispatcher is not None:
             # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.
             self.dispatcher.nats_interrupted()
-            if cut_s > self.settings.heartbeat_ttl_s:
-                self._tasks.spawn(self._publish_again_after_cut(cut_s))
         self.queue.restore_soon()
-
-    async def _publish_again_after_cut(self, cut_s: float) -> None:
-        """Its heartbeat gone meanwhile, the workers took this gateway for dead and let its requests go
-        (`Fleet.gateway_gone`): what it still awaits is published again, as after a lost queue, once its heartbeat is
-        back (a worker dropped a copy pulled before it)."""
-        if self.fleet is not None:
-            with contextlib.suppress(Exception):  # not written: its next beat's, and a copy a worker judges then
-                await self.fleet.beat()
-        if self.dispatcher is not None:
-            self.dispatcher.queue_lost(why=f"cut off from NATS for {cut_s:.1f} s")
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None

@@ -257,15 +257,6 @@ class Cancellations:
         self._forget(time.monotonic())
         return request_id in self._ids
 
-    def judge_gateway(self, request_id: str, gone: bool) -> None:
-        """A request pulled: cancelled if its gateway is gone (`GatewayGone`); no longer, if it was only for that and
-        its gateway is back, publishing it again (cut off from NATS long enough to be taken for dead, it waited to
-        its deadline: the copy it published again was dropped as cancelled)."""
-        if gone:
-            self.add(request_id, why="gateway_gone")
-        elif self._ids.get(request_id) == "gateway_gone":
-            del self._ids[request_id]
-
     def why(self, request_id: str) -> CancelWhy:
         """Why `request_id` was cancelled (asked of one it `contains`)."""
         return self._ids.get(request_id, "gone")

@@ -110,9 +110,8 @@ class GenerationIntake:
             return
         if self._decoding.parks(meta.id, msg):  # the runtime drops its old copy at its next step: this one comes after
             return
-        # Given again, its gateway's box died meanwhile: dropped as a cancel of its client's would be. A first
-        # delivery's gateway published it moments ago (a copy, back from a cut that made it look dead: taken).
-        self._cancelled.judge_gateway(meta.id, msg.metadata.num_delivered > 1 and self._gateway_gone(meta.reply))
+        if self._gateway_gone(meta.reply):  # its gateway's box died: dropped as a cancel of its client's would be
+            self._cancelled.add(meta.id, why="gateway_gone")
         if self._cancelled.contains(meta.id):  # its client went away (or its deadline passed) while it was queued
             self._metrics.dropped(self._spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))

@@ -279,9 +279,8 @@ class ModelWorker:
                 else:
                     self._held[meta.id] = msg
             return
-        # Given again, its gateway's box died meanwhile: dropped as a cancel of its client's would be. A first
-        # delivery's gateway published it moments ago (a copy, back from a cut that made it look dead: taken).
-        self._cancelled.judge_gateway(meta.id, msg.metadata.num_delivered > 1 and self._gateway_gone(meta.reply))
+        if self._gateway_gone(meta.reply):  # its gateway's box died: dropped as a cancel of its client's would be
+            self._cancelled.add(meta.id, why="gateway_gone")
         if self._cancelled.contains(meta.id):
             self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))

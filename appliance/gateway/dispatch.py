@@ -430,10 +430,10 @@ class Dispatcher:
         self._admission.restart_rates()
         self._resender.interrupted()
 
-    def queue_lost(self, why: str = "request queue made anew") -> None:
-        """The request stream was made anew (or this gateway was cut off long enough to be taken for dead): what it
-        published before its last cut from NATS is published again (`Resender.queue_lost`)."""
-        self._resender.queue_lost(why)
+    def queue_lost(self) -> None:
+        """The request stream was made anew: what this gateway published before its last cut from NATS is published
+        again (`Resender.queue_lost`)."""
+        self._resender.queue_lost()
 
     def _awaits(self, request_id: str) -> bool:
         return request_id in self._waiters or request_id in self._streams

@@ -10,7 +10,6 @@ the stream again (a half-open breaker) and the rest are refused at once: each wa
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.delivery import CancelWhy
-from appliance.envelope import MSG_ID, RequestMeta
+from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,6 @@ class Publisher:
         # For `/readyz`: the publishes under way (request id -> monotonic start), and when the last one the stream did
         # not answer (no leader) ended, None once one is answered.
         self._publishing: dict[str, float] = {}
-        self._copies = itertools.count(1)  # numbers a copy published `again`: its own Nats-Msg-Id
         self._unanswered_at: float | None = None
         # The breaker: open from a publish the stream did not answer until one it answers (not a look at the stream:
         # it answers looks without a quorum, publishes not); while open, one request's publish at a time tries the
@@ -132,9 +130,7 @@ class Publisher:
                 # Too large to ride the queue: the message carries the object-store key instead.
                 meta, body = replace(meta, blob=await self._store_body(meta, body)), b""
             self._publishing[meta.id] = time.monotonic()
-            # A copy has a message id of its own: in the stream that still holds the first (its gateway cut off long
-            # enough to be taken for dead, the first let go), the first's id would have it dropped as a duplicate.
-            await self._send(slug, body, meta, msg_id=f"{meta.id}.{next(self._copies)}" if again else None)
+            await self._send(slug, body, meta)
         finally:
             self._publishing.pop(meta.id, None)
             if self._probe == meta.id:
@@ -159,11 +155,12 @@ class Publisher:
                 retry_after_s=FAILOVER_RETRY_S,
             ) from None
 
-    async def _send(self, slug: str, body: bytes, meta: RequestMeta, msg_id: str | None = None) -> None:
+    async def _send(self, slug: str, body: bytes, meta: RequestMeta) -> None:
         timeout_s = _publish_timeout_s(meta)
-        headers = meta.headers() | ({MSG_ID: msg_id} if msg_id else {})
         try:
-            await self._js.publish(bus.request_subject(slug, meta.priority), body, timeout=timeout_s, headers=headers)
+            await self._js.publish(
+                bus.request_subject(slug, meta.priority), body, timeout=timeout_s, headers=meta.headers()
+            )
             self._answered()
         except APIError as exc:
             if meta.blob:  # not queued: no box will read or delete its body

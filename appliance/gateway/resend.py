@@ -82,7 +82,7 @@ class Resender:
         if (sent := self._sent.get(request_id)) is not None:
             self._republishes.spawn(self._publish_again(sent))
 
-    def queue_lost(self, why: str = "request queue made anew") -> None:
+    def queue_lost(self) -> None:
         """The request stream was made anew: what this gateway published before its last cut from NATS is gone with
         the old one. Each such request still unstarted is published again under its id, where it waited its whole
         deadline for a 504 (146 of 200 in the fleet tester's run, with the boxes back within a second)."""
@@ -90,7 +90,7 @@ class Resender:
         unstarted = [sent for sent in lost if self._unstarted(sent.meta.id)]
         begun = [sent for sent in lost if not self._unstarted(sent.meta.id)]  # its box's, unless it died with the queue
         if unstarted:
-            log.warning(f"{why}; publishing again what it may have lost", extra={"requests": len(unstarted)})
+            log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(unstarted)})
         for sent in unstarted:
             self._republishes.spawn(self._publish_again(sent))
         lost_at = time.monotonic()
