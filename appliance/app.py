@@ -115,7 +115,6 @@ class Box:
             self._cpu_executor,
             local_reply=self._local_reply,
             announce=self._beat,
-            gateway_gone=lambda reply: self.fleet is not None and self.fleet.gateway_gone(reply),  # the fleet: below
         )
         self._dead_letters: DeadLetterWatch | None = None
         self.natsd: EmbeddedNats | None = None

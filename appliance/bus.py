@@ -118,13 +118,6 @@ def reply_subject(box_id: str) -> str:
     return f"fbx.rep.{box_id}"
 
 
-def reply_box(subject: str) -> str | None:
-    """The box whose gateway waits on `subject` (`reply_subject`); None for any other subject."""
-    prefix = reply_subject("")
-    box_id = subject[len(prefix) :] if subject.startswith(prefix) else ""
-    return box_id or None
-
-
 def pull_inbox(box_id: str, slug: str, priority: str = INTERACTIVE) -> str:
     """Where one box's pull requests for one model (and priority) are answered."""
     return f"_FBX.pull.{box_id}.{slug}.{priority}"

@@ -33,22 +33,6 @@ _COPY_TRIES = 3  # publishes of a request's copy that time out before it is nake
 LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
 
-GatewayGone = Callable[[str], bool]
-"""Whether the gateway awaiting answers on a reply subject is known to be gone (`Fleet.gateway_gone`)."""
-
-
-def never_gone(reply: str) -> bool:
-    """A `GatewayGone` for a box that knows no fleet: every gateway may still be awaiting its answers."""
-    return False
-
-
-def forsaken(msg: Msg, gateway_gone: GatewayGone) -> bool:
-    """Whether the gateway of the request `msg` is gone (`GatewayGone`)."""
-    try:
-        return gateway_gone(RequestMeta.from_headers(msg.headers).reply)
-    except ValueError:
-        return False
-
 
 class QueueEpoch:
     """When the request stream this box works from was made: a message stored before it is of a stream that is gone
@@ -151,7 +135,6 @@ async def deliver_reply(
     headers: dict[str, str],
     give_up: Callable[[], bool],
     untaken: Callable[[], Awaitable[None]] | None = None,
-    gateway_gone: GatewayGone = never_gone,
 ) -> bool:
     """Send a reply until its gateway confirms it; False if `give_up()` says stop first.
 
@@ -160,14 +143,10 @@ async def deliver_reply(
     deadline has passed nobody waits for the answer, so it counts as delivered: sent once, and where the reply
     left something behind (its body's blob), `untaken()` is called if no gateway confirmed it. A gateway drops a
     late reply and deletes its blob; with its gateway gone, the blob was left to the bucket's TTL (tester h131).
-    So does a reply whose gateway is known gone (`gateway_gone`): its box died, and sending it again every 0.25 s
-    kept the request unacked, in the backlog, until its deadline (300 s for a generation: tester h190).
     """
     attempts = 0
     while True:
         if meta.expired:
-            if attempts:  # said once, as its first try was: a reply tried to its deadline went silent (tester h190)
-                log.info("reply not taken by a gateway by the request's deadline", extra={"request_id": meta.id})
             if untaken is None:
                 await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
                 return True
@@ -184,14 +163,6 @@ async def deliver_reply(
         except (NoRespondersError, NatsTimeout):
             if give_up():
                 return False
-            if gateway_gone(meta.reply):
-                log.info(
-                    "reply not taken: its gateway's box is gone from the fleet; given up",
-                    extra={"request_id": meta.id, "reply": meta.reply, "attempts": attempts + 1},
-                )
-                if untaken is not None:
-                    await untaken()
-                return True
             # Said once per reply, then at debug: a gateway gone for good is tried every 0.25 s until the
             # request's deadline (89 lines for one reply, 2,261 for 29 when a box died: fleet tester h40).
             level = logging.INFO if attempts == 0 else logging.DEBUG
@@ -200,16 +171,11 @@ async def deliver_reply(
             await asyncio.sleep(_RESEND_S)
 
 
-async def keep_alive(
-    held: Callable[[], list[Msg]], ack_wait_s: float, let_go_forsaken: Callable[[], None] | None = None
-) -> None:
-    """Tell JetStream that held requests are still being worked on, so slow work is not redelivered; first, each
-    time, `let_go_forsaken()` drops those whose gateway is gone (the worker's `_let_go_forsaken`)."""
+async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
+    """Tell JetStream that held requests are still being worked on, so slow work is not redelivered."""
     period = max(0.5, ack_wait_s / 3)
     while True:
         await asyncio.sleep(period)
-        if let_go_forsaken is not None:
-            let_go_forsaken()
         for msg in held():
             if msg.is_acked:  # nak'd (or acked) since it was listed: an in-progress would hold back its redelivery
                 continue
@@ -222,10 +188,8 @@ async def keep_alive(
 # Why a gateway cancelled a request (`fbx.cancel`'s `why`, "gone" when it says none): its client went away, its
 # deadline passed, or the gateway answered it without the queue (a publish that went unconfirmed: a 503). Each is
 # counted as such where a box drops it (`Metrics.dropped`): only "gone" is a client that went away (tester h146).
-# A box cancels a request itself as "gateway_gone" when its gateway's box is gone from the fleet (`GatewayGone`): its
-# clients went with it, and it is counted as theirs.
-CancelWhy = Literal["gone", "expired", "abandoned", "gateway_gone"]
-CANCEL_WHYS: tuple[CancelWhy, ...] = ("gone", "expired", "abandoned")  # those a gateway says on `fbx.cancel`
+CancelWhy = Literal["gone", "expired", "abandoned"]
+CANCEL_WHYS: tuple[CancelWhy, ...] = ("gone", "expired", "abandoned")
 
 
 class Cancellations:

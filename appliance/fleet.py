@@ -67,10 +67,8 @@ class Fleet:
         self._revision: int | None = None  # of this box's last record: a beat writes over that alone (`_write`)
         self._beat_lock = asyncio.Lock()
         self._workers_seen_at = time.monotonic()  # the last heartbeat of a box taking model work (or the start)
-        self._heard_since: float | None = None  # monotonic: since when its own heartbeat is seen unbroken
 
     async def start(self) -> None:
-        self._heard_since = None  # a watch begun afresh (a start, a reconnect): nobody is known gone from it yet
         self._kv = await open_boxes_bucket(self._js, self._ttl_s, self._replicas)
         self._watcher = watcher = await self._kv.watchall()
         seen = set()
@@ -168,9 +166,6 @@ class Fleet:
                 self._heartbeats.succeeded()
             if self._blind():  # nothing known of the workers meanwhile: their absence is counted from sight again
                 self._workers_seen_at = time.monotonic()
-                self._heard_since = None
-            elif self._heard_since is None:
-                self._heard_since = time.monotonic()
 
     def _blind(self) -> bool:
         """Whether this box's view of the heartbeats is stale: its own record, written each beat, is not among the
@@ -225,21 +220,6 @@ class Fleet:
                 return False
             return held.value == self.box_id.encode()
         return True
-
-    def gateway_gone(self, reply: str) -> bool:
-        """Whether the gateway awaiting answers on `reply` (`bus.reply_subject`) is known to be gone, so that no
-        worker should spend a decode slot, a batch or the backlog on them: its box has no live heartbeat, while this
-        box has seen its own unbroken for over a TTL since it began watching (a view filling after a start or a
-        reconnect, or one cut off from NATS, knows nothing of who is gone), and its own last beat is more than a TTL
-        newer than the gateway's (NATS cut off, every beat stops at once: the gateway's falls no TTL behind). A
-        gateway restarted under its id is live again, and confirms and drops the answers it no longer awaits."""
-        box = bus.reply_box(reply)
-        if box is None or box == self.box_id or self._heard_since is None or self._blind():
-            return False
-        if time.monotonic() - self._heard_since <= self._ttl_s:
-            return False
-        record = self._boxes.get(box)
-        return record is None or _ts(self._boxes[self.box_id]) - _ts(record) > self._ttl_s
 
     def without_workers_s(self) -> float:
         """Seconds since a live box taking model work was last heard of (or since this box started, or last saw the

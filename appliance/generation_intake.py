@@ -29,7 +29,7 @@ from appliance.adapter_hold import (
 from appliance.adapters import AdapterHold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import Cancellations, CancelWhy, GatewayGone, another_copy, keeps_held, never_gone
+from appliance.delivery import Cancellations, CancelWhy, another_copy, keeps_held
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.generation_decode import DecodeLoop
@@ -70,7 +70,6 @@ class GenerationIntake:
         *,
         cancel: CancelGeneration,
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
-        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self._spec = spec
         self._runtime = runtime
@@ -85,7 +84,6 @@ class GenerationIntake:
         self._decoding = decoding
         self._cancel = cancel  # the worker's: a request cancelled while it was admitted
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
-        self._gateway_gone = gateway_gone  # its box died: nobody awaits the answer
         self.retired = False  # the model was deleted: whatever still arrives is answered 404
         self._started = time.time()  # a request sent before it waited for this model's load (cold start)
 
@@ -110,8 +108,6 @@ class GenerationIntake:
             return
         if self._decoding.parks(meta.id, msg):  # the runtime drops its old copy at its next step: this one comes after
             return
-        if self._gateway_gone(meta.reply):  # its gateway's box died: dropped as a cancel of its client's would be
-            self._cancelled.add(meta.id, why="gateway_gone")
         if self._cancelled.contains(meta.id):  # its client went away (or its deadline passed) while it was queued
             self._metrics.dropped(self._spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))

@@ -33,15 +33,12 @@ from appliance.deadletter import DeadLetters
 from appliance.delivery import (
     Cancellations,
     CancelWhy,
-    GatewayGone,
     HandBack,
     LocalReply,
     QueueEpoch,
     another_copy,
-    forsaken,
     keep_alive,
     keeps_held,
-    never_gone,
 )
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
@@ -81,12 +78,10 @@ class ModelWorker:
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
         queue_epoch: QueueEpoch | None = None,
-        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
         self._cancelled = cancelled
-        self._gateway_gone = gateway_gone  # its requests are cancelled: nobody awaits their answers (tester h190)
         self.runtime = runtime
         self._settings = settings
         self._metrics = metrics
@@ -144,7 +139,6 @@ class ModelWorker:
             let_go=self._let_go,
             poke=self.puller.poke,
             spawn=self._spawn,
-            gateway_gone=gateway_gone,
         )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
@@ -279,8 +273,6 @@ class ModelWorker:
                 else:
                     self._held[meta.id] = msg
             return
-        if self._gateway_gone(meta.reply):  # its gateway's box died: dropped as a cancel of its client's would be
-            self._cancelled.add(meta.id, why="gateway_gone")
         if self._cancelled.contains(meta.id):
             self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))
@@ -396,21 +388,7 @@ class ModelWorker:
         await keep_alive(
             lambda: [held.handle if isinstance(held, Job) else held for held in self._held.values()],
             self._settings.ack_wait_s,
-            self._let_go_forsaken,
         )
-
-    def _let_go_forsaken(self) -> None:
-        """Cancel the requests held here whose gateway's box is gone from the fleet (`GatewayGone`), as a cancel of
-        their clients' would: one not computed yet is dropped and acked (one being prepared, once it is: `_submit`);
-        a batch on the device finishes, and its reply is given up (`deliver_reply`)."""
-        for request_id, held in list(self._held.items()):
-            if isinstance(held, Job):
-                gone = not held.done and self._gateway_gone(held.meta.reply)
-            else:
-                gone = forsaken(held, self._gateway_gone)
-            if gone:
-                self._cancelled.add(request_id, why="gateway_gone")
-                self.cancel(request_id, why="gateway_gone")
 
     def _let_go(self, request_id: str) -> None:
         """The request is no longer this box's: forget it, and let its adapter be unloaded again."""
