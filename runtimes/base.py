@@ -163,6 +163,7 @@ class ModelInfo:
     labels: tuple[str, ...] = ()
     # score/classify/extract: the head weights its folder lacks; it answers only through adapters bringing their own
     untrained_head: tuple[str, ...] = ()
+    vocab_size: int | None = None  # an encoder's embedding rows (config.json): a token id past them cannot be looked up
 
 
 class Backend(Protocol):

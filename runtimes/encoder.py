@@ -40,7 +40,8 @@ class EncoderRuntime:
     def __init__(self, source: ModelSource, backend: Backend) -> None:
         self.tokenizer = TextTokenizer(source.path)
         self.backend = backend
-        self._hidden_size = _hidden_size(source.path)
+        self._hidden_size = _config_int(source.path, "hidden_size")
+        self._vocab_size = _config_int(source.path, "vocab_size")
 
     def _measure(self, **info: object) -> ModelInfo:
         """Warm up, then describe the model; subclasses call this last in their `__init__`."""
@@ -49,6 +50,7 @@ class EncoderRuntime:
             max_length=self.tokenizer.max_length,
             nbytes=self.backend.weight_bytes + self._warm_up(),
             untrained_head=getattr(self.backend, "untrained_head", ()),
+            vocab_size=self._vocab_size,
             **info,  # type: ignore[arg-type]
         )
 
@@ -218,9 +220,9 @@ def build_encoder_runtime(source: ModelSource, backend: Backend) -> EncoderRunti
         raise
 
 
-def _hidden_size(folder: Path) -> int | None:
+def _config_int(folder: Path, field: str) -> int | None:
     config = folder / "config.json"
     if not config.is_file():
         return None
-    value = json.loads(config.read_text()).get("hidden_size")
-    return value if isinstance(value, int) else None
+    value = json.loads(config.read_text()).get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

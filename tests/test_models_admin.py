@@ -499,6 +499,29 @@ async def test_an_encoder_whose_tokenizer_has_ids_past_its_vocabulary_is_refused
         assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
 
 
+async def test_an_input_holding_an_added_token_past_an_encoders_vocabulary_is_a_422(
+    start_box, http, encoder_dir, tmp_path
+) -> None:
+    """Review h193: an encoder's own tokenizer may hold an added special token past its embedding (Gemma 3's
+    `<image_soft_token>`), so registration lets it be; an input holding it, looked up, failed its batch, was retried
+    and dead-lettered (422 `dead_lettered` after max_deliver tries). It is a 422 naming the token at once."""
+    folder = tmp_path / "extra"
+    shutil.copytree(encoder_dir, folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": vocab, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    box = await start_box(default_model=False, model_roots=[tmp_path])
+    assert (await call(http, box, "POST", "/v1/models", {"name": "extra", "path": "extra"}))[0] == 201
+    body = {"model": "extra", "input": ["plain words", "words and <|extra|>"], "timeout": 20}
+    status, refused = await call(http, box, "POST", "/v1/embeddings", body)
+    assert (status, refused["error"]["code"]) == (422, "invalid_input"), refused
+    assert f"input 1 holds token {vocab}, which the model does not have" in refused["error"]["message"], refused
+    status, answered = await call(http, box, "POST", "/v1/embeddings", {"model": "extra", "input": "plain words"})
+    assert status == 200, answered
+
+
 async def test_names_that_would_make_routes_ambiguous_are_refused(start_box, http, encoder_dir, tmp_path_factory):
     """`cls/pin` would be pinned by POST /v1/models/cls/pin as `cls`; `a/../b` and `a//b` are not one path."""
     box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
