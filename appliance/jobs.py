@@ -49,7 +49,7 @@ class _EncoderJobs:
             rows = self.tokenize(request, runtime)
         except InputTooLong as exc:
             raise PayloadTooLarge(str(exc), code="input_too_long") from None
-        refuse_tokens_past_vocab(rows, runtime.info.vocab_size)
+        _refuse_unknown_tokens(rows, runtime.info.vocab_size)
         return rows, request
 
     def check(self, request: Any, runtime: Runtime) -> None:
@@ -67,7 +67,7 @@ class _EncoderJobs:
         raise NotImplementedError
 
 
-def refuse_tokens_past_vocab(rows: list[Tokenized], vocab_size: int | None) -> None:
+def _refuse_unknown_tokens(rows: list[Tokenized], vocab_size: int | None) -> None:
     """422 for an input holding a token the model's embedding has no row for: an added special token past it (Gemma
     3's `<image_soft_token>`, registered with its own tokenizer: review h193) written as text. Looked up, it failed
     the whole batch, then was retried and dead-lettered."""

@@ -66,8 +66,8 @@ def refuse_links_out(folder: Path, roots: list[Path], raw: str) -> None:
                         "copy the file into the folder, or add a root with --model-root / FBX_MODEL_ROOTS",
                         code="path_outside_model_roots",
                     )
-            if target.is_dir():
-                pending.append((target if target is not entry else entry.resolve(), reached / entry.name))
+            if target.is_dir():  # resolved: a link's target, or an entry of a resolved folder that is no link
+                pending.append((target, reached / entry.name))
 
 
 def unreadable(raw: str, exc: BaseException) -> Unprocessable:

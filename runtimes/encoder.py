@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,8 +41,9 @@ class EncoderRuntime:
     def __init__(self, source: ModelSource, backend: Backend) -> None:
         self.tokenizer = TextTokenizer(source.path)
         self.backend = backend
-        self._hidden_size = _config_int(source.path, "hidden_size")
-        self._vocab_size = _config_int(source.path, "vocab_size")
+        config = _config(source.path)
+        self._hidden_size = _int_field(config, "hidden_size")
+        self._vocab_size = _int_field(config, "vocab_size")
 
     def _measure(self, **info: object) -> ModelInfo:
         """Warm up, then describe the model; subclasses call this last in their `__init__`."""
@@ -220,9 +222,11 @@ def build_encoder_runtime(source: ModelSource, backend: Backend) -> EncoderRunti
         raise
 
 
-def _config_int(folder: Path, field: str) -> int | None:
+def _config(folder: Path) -> dict[str, Any]:
     config = folder / "config.json"
-    if not config.is_file():
-        return None
-    value = json.loads(config.read_text()).get(field)
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def _int_field(config: dict[str, Any], field: str) -> int | None:
+    value = config.get(field)
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -86,9 +86,11 @@ class Resender:
         """The request stream was made anew: what this gateway published before its last cut from NATS is gone with
         the old one. Each such request still unstarted is published again under its id, where it waited its whole
         deadline for a 504 (146 of 200 in the fleet tester's run, with the boxes back within a second)."""
-        lost = [sent for sent in self._sent.values() if sent.epoch < self._epoch]
-        unstarted = [sent for sent in lost if self._unstarted(sent.meta.id)]
-        begun = [sent for sent in lost if not self._unstarted(sent.meta.id)]  # its box's, unless it died with the queue
+        unstarted: list[_Sent] = []
+        begun: list[_Sent] = []  # its box's to finish, unless it died with the queue
+        for sent in self._sent.values():
+            if sent.epoch < self._epoch:
+                (unstarted if self._unstarted(sent.meta.id) else begun).append(sent)
         if unstarted:
             log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(unstarted)})
         for sent in unstarted:
