@@ -345,3 +345,16 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self._by_name)
+
+
+def slug_taken(name: str, slug: str, holder: str | None) -> str:
+    """The refusal of model `name`, whose slug model `holder` has, named: it is listed under its name ('RR', 'k:l'),
+    not its slug (tester h189; review h197: a racing 409 named no one). None: the slug's taker is gone already."""
+    if holder is None:
+        return f"a model with slug {slug!r} was registered meanwhile and is deleted since; register again"
+    if holder == name:
+        return f"model {name!r} was registered meanwhile (by a registration racing this one); delete it first"
+    return (
+        f"model name {name!r} has the same slug {slug!r} as model {holder!r} (names that differ only in "
+        "case or punctuation share one queue subject); choose another name"
+    )

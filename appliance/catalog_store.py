@@ -29,7 +29,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from appliance import bus
-from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelChange, ModelSpec
+from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelChange, ModelSpec, slug_taken
 from appliance.catalog_mirror import CatalogMirror
 from appliance.errors import Conflict, NotFound
 from appliance.names import Claim, NameClaims
@@ -204,9 +204,11 @@ class CatalogStore:
             revision = await self._kv.create(spec.slug, spec.to_json())
         except KeyWrongLastSequenceError:
             await self._names.give_back(claims)
+            with suppress(NatsError):  # who won is read, to be named as a refusal without a race names it
+                await self._look_again(spec.slug)
+            holder = self.catalog.by_slug(spec.slug)
             raise Conflict(
-                f"a model with slug {spec.slug!r} exists already (registered meanwhile); delete it first",
-                code="model_exists",
+                slug_taken(spec.name, spec.slug, holder.name if holder else None), code="model_exists"
             ) from None
         # Any other failure (a timeout, a cancel) may come after the server stored the model: its claims
         # are kept, to lapse with their TTL, rather than freed under a model that may exist.

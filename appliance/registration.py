@@ -26,6 +26,7 @@ from appliance.catalog import (
     batching_of,
     default_batching,
     knobs_given,
+    slug_taken,
     spec_of,
 )
 from appliance.catalog_store import CatalogStore
@@ -248,11 +249,7 @@ async def register(
     holder = catalog.by_slug(slug)
     if holder is not None and await store.still_holds(holder):
         # Named: the holder is listed under its own name ('k:l', 'RR'), so "an existing model's slug" named no one.
-        raise Conflict(
-            f"model name {name!r} has the same slug {slug!r} as model {holder.name!r} (names that differ only in "
-            "case or punctuation share one queue subject); choose another name",
-            code="model_exists",
-        )
+        raise Conflict(slug_taken(name, slug, holder.name), code="model_exists")
     if "cache_dir" in registration.options:  # a folder every box would write to: each box's own config says it
         raise Forbidden(
             "options.cache_dir is set in a box's config file, not through the API "

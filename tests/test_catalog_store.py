@@ -170,6 +170,21 @@ async def test_a_delete_does_not_take_away_a_registration_made_since_on_another_
     assert a.catalog.get("d") is not None and a.catalog.get("d").aliases == ("dee",)
 
 
+async def test_the_loser_of_a_race_for_a_slug_is_told_which_model_holds_it(two_stores) -> None:
+    """Review h197: a registration refused by the catalog's own check (another box's registration of the slug written
+    first, which this box had not heard of) said "a model with slug 'case' exists already" and named no model, where
+    the refusal without a race names it ('case' beside 'Case'). The writes race for real: each box's catalog lags."""
+    a, b = two_stores
+    await a.create(spec("Case"))
+    with pytest.raises(Conflict) as other_name:
+        await b.create(spec("case"))  # b may not have heard of Case yet: the bucket's create refuses it
+    assert other_name.value.code == "model_exists"
+    assert "model name 'case' has the same slug 'case' as model 'Case'" in other_name.value.message
+    with pytest.raises(Conflict) as same_name:
+        await b.create(spec("Case"))
+    assert "model 'Case' was registered meanwhile" in same_name.value.message
+
+
 async def test_a_registration_whose_second_look_at_a_name_fails_is_a_409_as_before(start_box, http) -> None:
     """The bucket lookup before a 409 (a name this box sees taken) fails with NATS away: not a 500."""
     box = await start_box(default_model=False, models=[noop_model("kept")])
