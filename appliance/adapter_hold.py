@@ -76,10 +76,10 @@ async def hold_adapter(
     waits = sent_for and (deliveries or 1) < min(NOT_HEARD_DELIVERIES, max_deliver)
     try:
         adapter = _adapter_spec(catalog, base, name)
-    except NotFound:
+    except NotFound:  # its gateway resolved it (one it does not know is its own 404): deleted since it was sent
         if waits:
             raise RegistrationNotHeard(name) from None
-        raise
+        raise adapter_deleted(name) from None
     if sent_for and adapter.registered_ms != sent_for:
         # Not the registration its gateway resolved: its requests share its base's queue, which a deletion cannot
         # purge of them alone, and the new folder's weights answered them (h102).

@@ -88,6 +88,23 @@ async def answers_as_sent(box, sent: dict[str, tuple[int, int]]) -> dict[str, tu
         await nc.close()
 
 
+async def test_a_request_whose_adapter_was_deleted_while_it_waited_is_told_so(
+    start_box, http, classifier_dir, classifier_adapters
+) -> None:
+    """Review h197: a request queued for an adapter deleted before a worker took it was answered "model 'cls:x' does
+    not exist; available models: ...", as if the client had named no such model, where a request for a deleted
+    model is told it was deleted while it waited. Its gateway resolved the adapter (a gateway refuses one it does not
+    know): a registration it names (asked again twice first, as one not heard of yet) or none (a config file's)."""
+    box = await classifier_box(start_box, http, classifier_dir)
+    await register_adapter(http, box, "cls:x", classifier_adapters[0])
+    registered = box.catalog.get("cls:x").registered_ms
+    assert (await call(http, box, "DELETE", "/v1/models/cls:x"))[0] == 200
+    answers = await answers_as_sent(box, {"resolved": (registered, registered), "config": (0, registered)})
+    for request_id, (status, answer) in answers.items():
+        assert (status, answer["error"]["code"]) == (404, "model_not_found"), (request_id, answer)
+        assert answer["error"]["message"] == "adapter 'cls:x' was deleted while this request waited for it", answer
+
+
 def loaded_adapters(box) -> tuple[str, ...]:
     """The names of the adapters the runtime has loaded (it knows them by keys of their own)."""
     resident = box.residency.get("cls")

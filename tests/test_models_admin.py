@@ -666,17 +666,18 @@ async def test_a_name_whose_slug_another_model_holds_is_refused_naming_that_mode
     assert sorted(model["id"] for model in listing["data"]) == ["RR", "RR:l"]
 
 
-async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_for_an_unknown_model(
+async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_told_it_was_deleted(
     encoder_dir, adapter_dirs
 ) -> None:
     """The worker's own look-up, for a request the gateway sent before the deletion reached the box: it said
-    "model rr has no adapter 'rr:a2'"; it answers as the gateway would now. No residency is reached."""
+    "model rr has no adapter 'rr:a2'", then "model 'rr:a2' does not exist" as if the client had named no such model
+    (review h197); it is told the adapter was deleted, as a deleted model's requests are. No residency is reached."""
     from runtimes import RuntimeKind, Task
 
     batching = Batching(max_batch_tokens=512, max_batch_size=8, max_wait_ms=0.0)
     base = ModelSpec("rr", "rr", Task.EMBED, RuntimeKind.TORCH, encoder_dir, batching)
     kept = replace(base, name="rr:a1", slug="rr-a1", path=adapter_dirs[Task.EMBED], adapter_of="rr")
-    with pytest.raises(NotFound, match=r"^model 'rr:a2' does not exist; available models: rr, rr:a1$") as caught:
+    with pytest.raises(NotFound, match=r"^adapter 'rr:a2' was deleted while this request waited for it$") as caught:
         meta = RequestMeta(id="r", task="embed", model="rr", reply="x", deadline_ms=0, sent_ms=0, adapter="rr:a2")
         await hold_adapter(Catalog([base, kept]), None, base, meta)  # type: ignore[arg-type]
     assert caught.value.code == "model_not_found"
