@@ -7,7 +7,10 @@ models and is not draining judges it by its own measure (the `fits` control verb
 is refused, 507, naming each box and why, since every request for the model would be a 503. Some able to: the pin
 is made, and its answer names the others (`not_held_by`); refusing it there would leave a fleet of unequal boxes
 unable to pin a model its large boxes hold (review h178). A box that does not answer within `_ASK_S` is not
-waited for, and the pin is made (`not_judged_by`): its refusal, if any, stays in its record as before.
+waited for, and the pin is made (`not_judged_by`): its refusal, if any, stays in its record as before. A box whose
+last load of the model failed says so with its verdict, and the pin's answer names it (`load_failed_on`): the pin is
+still made, as it is what has every box try the load again (every 30 s, for a folder mended or mounted late), but it
+answered 200 saying nothing of a failure the fleet already knew (review h197).
 """
 
 from __future__ import annotations
@@ -42,13 +45,17 @@ class PinJudge:
     box_id: str
     nc: NATS
     live_boxes: list[dict[str, Any]]
+    load_error: Callable[[str], str | None] = lambda name: None  # why this box's last load of a model failed
     not_held_by: dict[str, str] = field(default_factory=dict)
     not_judged_by: list[str] = field(default_factory=list)
+    load_failed_on: dict[str, str] = field(default_factory=dict)
 
     def said(self) -> dict[str, Any]:
-        """What a pin's answer adds: the boxes that will not hold the model, and those that did not say, if any."""
+        """What a pin's answer adds: the boxes that will not hold the model, those that did not say, and those whose
+        last load of it failed, if any."""
         said: dict[str, Any] = {"not_held_by": self.not_held_by} if self.not_held_by else {}
-        return said | ({"not_judged_by": self.not_judged_by} if self.not_judged_by else {})
+        said |= {"not_judged_by": self.not_judged_by} if self.not_judged_by else {}
+        return said | ({"load_failed_on": self.load_failed_on} if self.load_failed_on else {})
 
     async def pin(self, spec: ModelSpec) -> None:
         """Judge the pin of a model as the catalog holds it: one pinned already is not judged again."""
@@ -66,6 +73,8 @@ class PinJudge:
             try:
                 await self.here(spec)
                 verdicts[self.box_id] = None
+                if (failed := self.load_error(spec.name)) is not None:
+                    self.load_failed_on[self.box_id] = failed
             except InsufficientMemory as exc:
                 verdicts[self.box_id] = exc
         others = sorted({str(record["box"]) for record in taking_work(self.live_boxes, MODEL_ROLES)} - {self.box_id})
@@ -81,6 +90,8 @@ class PinJudge:
                 self.not_judged_by.append(other)
             else:
                 verdicts[other] = None
+                if isinstance(answer, dict) and isinstance(answer.get("load_error"), str):  # from `fits`
+                    self.load_failed_on[other] = answer["load_error"]
         self.not_held_by = {box: error.message for box, error in verdicts.items() if error is not None}
         if verdicts and len(self.not_held_by) == len(verdicts) and not self.not_judged_by:
             said = "; ".join(f"box {box}: {why}" for box, why in self.not_held_by.items())

@@ -63,13 +63,15 @@ def control_verbs(box: Box) -> dict[str, Handler]:
         return {"model": spec.name, "pinned": True} | judge.said()
 
     async def fits(payload: dict[str, Any]) -> dict[str, Any]:
-        """Whether this box could hold the model pinned beside its own pinned models: 507 if not (`pin_fits.py`).
-        The model as the asking box sent it (`spec`: a registration's, before the catalog has it), else by name."""
+        """Whether this box could hold the model pinned beside its own pinned models: 507 if not (`pin_fits.py`), with
+        why its last load here failed, if it did. The model as the asking box sent it (`spec`: a registration's,
+        before the catalog has it), else by name."""
         sent = payload.get("spec")
         spec = ModelSpec.from_json(sent.encode()) if isinstance(sent, str) else await _model(box, payload)
         _runs_models(box)
         await box.residency.check_fits(spec)
-        return {"model": spec.name, "fits": True}
+        failed = box.residency.load_error(spec.name)
+        return {"model": spec.name, "fits": True} | ({"load_error": failed} if failed is not None else {})
 
     async def unpin(payload: dict[str, Any]) -> dict[str, Any]:
         assert box.store is not None
@@ -147,7 +149,7 @@ def pin_judge(box: Box) -> PinJudge:
     assert box.nc is not None
     here = box.residency.check_fits if box.settings.runs_models and not box.draining else None
     live = box.fleet.live_boxes() if box.fleet is not None else []
-    return PinJudge(here=here, box_id=box.box_id, nc=box.nc, live_boxes=live)
+    return PinJudge(here=here, box_id=box.box_id, nc=box.nc, live_boxes=live, load_error=box.residency.load_error)
 
 
 def refuse_adapter(spec: ModelSpec, verb: str) -> None:

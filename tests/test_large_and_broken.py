@@ -227,6 +227,34 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
 
 
+async def test_a_pin_of_a_model_whose_load_failed_says_where_and_why(start_box, http, tmp_path) -> None:
+    """Review h197: pinning a registered model whose last load raised answered 200 and its record, as any pin, with
+    no word of the failure from the box where it failed (a gateway has no `load_error` of its own to show). The pin is
+    made (it has every box try the load again, for a folder mended meanwhile) and names each box whose last load
+    failed, with why: the box that took the pin, and through the `fits` verb the others."""
+    folder_that_fails_to_load(tmp_path / "models" / "broken")
+    box = await start_box(box_id="work", default_model=False, model_roots=[tmp_path / "models"])
+    door = await start_box(box_id="door", role="gateway", default_model=False, model_roots=[tmp_path / "models"])
+    async with http.post(url(door, "/v1/models"), json={"name": "broken", "path": "broken"}) as response:
+        assert response.status == 201
+    async with http.post(url(box, "/v1/models/broken/load")) as response:
+        assert response.status == 503
+    await wait_for(lambda: "work" in {record["box"] for record in door.fleet.live_boxes()}, what="door to see work")
+    for through in (door, box):
+        # The pin has the box try the load again: judged once that try, if any, has failed too.
+        await wait_for(
+            lambda: box.residency.load_error("broken") is not None and not box.residency.is_loading("broken"),
+            what="the model's last load on work to have failed",
+        )
+        async with http.post(url(through, "/v1/models/broken/pin")) as response:
+            assert response.status == 200, await response.text()
+            pinned = await response.json()
+        assert pinned["pinned"] is True and list(pinned.get("load_failed_on", {})) == ["work"], (through, pinned)
+        assert NOT_ITS_WEIGHTS in pinned["load_failed_on"]["work"], pinned
+        async with http.post(url(through, "/v1/models/broken/unpin")) as response:
+            assert response.status == 200 and "load_failed_on" not in await response.json()
+
+
 async def test_a_refusal_of_a_model_that_failed_to_load_is_acked_only_once_its_gateway_confirms_it(
     start_box, nats_server, http, tmp_path
 ) -> None:

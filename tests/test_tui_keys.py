@@ -427,3 +427,5 @@ def test_a_pin_some_boxes_cannot_hold_says_which_in_its_notification() -> None:
     answer = {"ok": True, "box": "door", "model": "m", "pinned": True, "not_held_by": {"small": "model m needs ..."}}
     assert describe(answer) == "pinned, not held by small (too little memory) (answered by door)"
     assert describe({"box": "door", "model": "m", "pinned": True}) == "pinned (answered by door)"
+    failed = {"box": "door", "model": "m", "pinned": True, "load_failed_on": {"work": "its weights ..."}}  # h197
+    assert describe(failed) == "pinned, its last load failed on work (see its load_error) (answered by door)"

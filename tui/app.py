@@ -173,5 +173,7 @@ def describe(result: dict[str, Any]) -> str:
         parts.append("deleted")
     if result.get("not_held_by"):  # a pin some boxes cannot hold beside their own pinned models (pin_fits.py)
         parts.append(f"not held by {', '.join(sorted(result['not_held_by']))} (too little memory)")
+    if result.get("load_failed_on"):  # a pin of a model whose last load failed there: tried again, likely to fail
+        parts.append(f"its last load failed on {', '.join(sorted(result['load_failed_on']))} (see its load_error)")
     by = f" (answered by {result['box']})" if result.get("box") else ""
     return (", ".join(parts) or "done") + by
