@@ -197,12 +197,17 @@ class Choice:
     profile: Profile | None = None
 
     def describe(self, spec: ModelSpec) -> dict[str, Any]:
-        """What GET /v1/models shows: the match, the file, and the settings the model runs with."""
+        """What GET /v1/models shows: the match, which profile, and the settings the model runs with.
+
+        The profile is named as under a profiles folder (`<model-slug>/<hardware-slug>`), never by its path:
+        where a box keeps its files is none of an API client's business (the `profile chosen` log says it).
+        """
         return {
             "match": self.match,
             "hardware": self.hardware,
             "profile_hardware": self.profile.hardware if self.profile else None,
-            "file": str(self.profile.path) if self.profile and self.profile.path else None,
+            "name": self.name,
+            "tuned": self.profile is not None,
             "runtime": spec.runtime.value,
             "dtype": spec.dtype,
             "max_batch_tokens": spec.batching.max_batch_tokens,
@@ -211,6 +216,14 @@ class Choice:
             "concurrent_batches": spec.batching.concurrent_batches,
             "threads": spec.threads,
         }
+
+    @property
+    def name(self) -> str | None:
+        if self.profile is None:
+            return None
+        if self.profile.path is None:
+            return f"{self.profile.model}/{self.profile.hardware}"
+        return f"{self.profile.path.parent.name}/{self.profile.path.stem}"
 
 
 def available(roots: list[Path], model_slug: str) -> dict[str, list[Path]]:

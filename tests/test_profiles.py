@@ -3,6 +3,7 @@ profile changes in a model's settings, and a real box applying one and showing i
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -240,8 +241,11 @@ async def test_box_applies_its_hardware_profile_and_lists_it(start_box, http, en
     shown = records["tiny"]["profile"]
     assert shown["match"] == "exact" and shown["hardware"] == hardware
     assert (shown["max_batch_tokens"], shown["max_batch_size"], shown["threads"]) == (777, 7, 1)
-    assert shown["file"].endswith(f"tiny/{hardware}.toml")
-    assert records["tiny-untuned"]["profile"]["match"] == "off"
+    assert (shown["name"], shown["tuned"]) == (f"tiny/{hardware}", True)
+    untuned = records["tiny-untuned"]["profile"]
+    assert (untuned["match"], untuned["name"], untuned["tuned"]) == ("off", None, False)
+    # A client is told which profile, never where it lies on the box's disk.
+    assert "file" not in shown and str(tmp_path) not in json.dumps(records)
     async with http.post(url(box, "/v1/embeddings"), json={"model": "tiny", "input": ["hello", "world"]}) as r:
         assert r.status == 200 and len((await r.json())["data"]) == 2
 
