@@ -171,6 +171,36 @@ async def test_browser_apps_on_allowed_origins_may_call_the_api(start_box, http,
         box.draining = False
 
 
+async def test_a_preflight_is_allowed_only_for_a_route_and_method_the_box_has(start_box, http) -> None:
+    """A preflight was answered 204, allowing every method, for any path and any method asked (tester finding): a
+    browser was told a route exists that does not. Now a path without the method asked gets the answer a request
+    without CORS would (404, or 405), with no Access-Control-Allow-* header; one with it is allowed its own methods."""
+    box = await start_box(default_model=False, models=[noop_model()], cors_allow_origins="https://app.example.com")
+    app = {"Origin": "https://app.example.com"}
+
+    async def preflight(path: str, method: str) -> tuple[int, dict[str, str]]:
+        asking = app | {"Access-Control-Request-Method": method, "Access-Control-Request-Headers": "authorization"}
+        async with http.options(url(box, path), headers=asking) as response:
+            allow = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-allow")}
+            return response.status, allow
+
+    for path, method, status in (
+        ("/v1/no-such-route", "POST", 404),
+        ("/v1/embeddings", "DELETE", 405),
+        ("/v1/embeddings", "PUT", 405),
+        ("/healthz", "POST", 405),
+    ):
+        assert await preflight(path, method) == (status, {}), (path, method)
+    status, allow = await preflight("/v1/embeddings", "POST")
+    assert status == 204 and allow["Access-Control-Allow-Origin"] == "https://app.example.com"
+    assert "POST" in allow["Access-Control-Allow-Methods"].split(", ")
+    assert "DELETE" not in allow["Access-Control-Allow-Methods"].split(", ")
+    status, allow = await preflight("/v1/models/noop", "DELETE")  # an admin route: the key is checked on the call
+    assert status == 204 and "DELETE" in allow["Access-Control-Allow-Methods"].split(", ")
+    status, allow = await preflight("/healthz", "GET")
+    assert status == 204 and "POST" not in allow["Access-Control-Allow-Methods"].split(", ")
+
+
 async def test_no_cors_headers_unless_origins_are_allowed(start_box, http) -> None:
     box = await start_box(default_model=False, models=[noop_model()])
     headers = {"Origin": "https://app.example.com"}
