@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import defaultdict
 from datetime import datetime
@@ -165,8 +166,11 @@ class RequestQueue:
                 if not gone and box.dispatcher is not None:
                     box.dispatcher.nats_interrupted()  # what it published before now was in the stream deleted
                 self.stream_ok, missing, gone = False, True, True
+                box.metrics.backlog.set(math.nan)
             except Exception as exc:
                 self.stream_ok = False
+                # No value, not the last one read: a dashboard showed a backlog through a NATS outage (tester finding).
+                box.metrics.backlog.set(math.nan)
                 streak.failed(exc)
             # Not at the first look: a model deleted on another box loses its consumers before this catalog hears.
             short = short + 1 if missing else 0

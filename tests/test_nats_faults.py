@@ -1270,3 +1270,23 @@ async def test_a_refusal_while_nats_is_away_is_logged_at_info_not_warning(start_
         assert lines and all(r.levelno == logging.INFO for r in lines), [r.levelname for r in lines]
     finally:
         await nats_server.start()
+
+
+async def test_the_backlog_gauge_says_nothing_while_the_stream_cannot_be_read(start_box, nats_server, http) -> None:
+    """fbx_stream_backlog kept its last value through a NATS outage, so a dashboard showed a backlog nobody could
+    read (tester finding): it is NaN (no value) until the stream answers again, then the count once more."""
+    box = await start_box(default_model=False, models=[noop_model()])
+
+    async def backlog() -> str:
+        async with http.get(url(box, "/metrics")) as response:
+            lines = (await response.text()).splitlines()
+        return next(line.split()[1] for line in lines if line.startswith("fbx_stream_backlog "))
+
+    await wait_for(lambda: box.queue.stream_ok, what="the stream read once")
+    assert await backlog() == "0.0"
+    await nats_server.stop()
+    await wait_for(lambda: not box.queue.stream_ok, what="the stream monitor to miss the stream")
+    assert await backlog() == "NaN"
+    await nats_server.start()
+    await wait_for(lambda: box.queue.stream_ok, what="the stream read again")
+    assert await backlog() == "0.0"
