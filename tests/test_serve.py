@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import json
 import os
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -152,6 +153,46 @@ async def test_a_stopping_serve_answers_every_request_its_kept_alive_connections
             line["status"] for line in lines if line["event"] == "request" and line["route"] == route
         )
         assert box_answered == {status: outcomes[status] for status in (answered, 503) if outcomes[status]}, outcomes
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+async def test_serve_warns_at_start_when_api_keys_alone_also_open_the_admin_routes(tmp_path) -> None:
+    """`fleetbox serve` as run, not `open_routes_warnings` called alone: with FBX_API_KEYS and no FBX_ADMIN_KEYS its
+    log says, before the box is ready, that every API key may also change the catalog; then SIGTERM stops it."""
+    http_port, nats_port = free_port(), free_port()
+    config = tmp_path / "box.toml"
+    config.write_text('default_model = false\n[[models]]\nname = "noop"\nruntime = "noop"\npinned = true\n')
+    log = tmp_path / "box.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FBX_")} | {"FBX_API_KEYS": "user-key"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve", "--port", str(http_port), "--nats-port", str(nats_port),
+         "--state-dir", str(tmp_path / "state"), "--config", str(config), "--device", "cpu"],
+        env=env,
+        stderr=log.open("wb"),
+    )  # fmt: skip
+    with killed_if_left(process):
+        async with aiohttp.ClientSession() as http:
+            await until_ready(http, http_port, process, log.read_text)
+        warnings = [
+            record for line in log.read_text().splitlines()
+            if line.startswith("{") and (record := json.loads(line))["level"] == "warning"
+        ]  # fmt: skip
+        assert [r["event"] for r in warnings if "FBX_ADMIN_KEYS" in r["event"]] == [
+            "FBX_API_KEYS is set and FBX_ADMIN_KEYS is not: every API key may also register, change, delete, pin, "
+            "load and evict models; set FBX_ADMIN_KEYS to keep those to operators"
+        ], log.read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 20) == 0
+
+
+@contextlib.contextmanager
+def killed_if_left(process: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """A `fleetbox serve` a failed test left running is killed, not left holding its ports."""
+    try:
+        yield process
     finally:
         if process.poll() is None:
             process.kill()
