@@ -293,10 +293,13 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
         assert response.status == 200
         assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"  # tester h81: read as latin-1
         assert response.headers["Fbx-Request-Id"] == response.headers["X-Request-Id"]  # OpenAI's SDK reads the latter
+        request_id = response.headers["Fbx-Request-Id"]
         raw = await response.text()
     events = [line[len("data: ") :] for line in raw.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [orjson.loads(e) for e in events[:-1]]
+    # The request id, unique across gateways (a clock's nanoseconds were not: h200), finds the box's log lines.
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{request_id}"}
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
@@ -304,6 +307,7 @@ async def test_streamed_chat_sends_openai_chunks_and_ends_with_done(task_box, ht
     whole = await post(http, task_box, "/v1/chat/completions", {**body, "stream": False, "stream_options": None})
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert streamed == whole[1]["choices"][0]["message"]["content"]
+    assert whole[1]["id"].startswith("chatcmpl-") and whole[1]["id"] != chunks[0]["id"]
 
 
 async def test_a_clients_own_request_id_is_echoed_in_x_request_id(task_box, http) -> None:
@@ -489,7 +493,7 @@ async def test_bad_generation_requests_are_clear_4xx(task_box, http, path, body,
         assert "`$.seed`" in payload["error"]["message"] and "9223372036854775" in payload["error"]["message"]
 
 
-async def test_rerank_scores_take_the_activation_the_reranker_was_saved_with(
+async def test_rerank_scores_take_the_activation_the_reranker_was_saved_with_but_at_teis_shape_teis(
     start_box, http, cross_encoder_dir, tmp_path
 ):
     """Stock-client tester: a reranker whose config.json names `Identity` (sentence-transformers' field) answered
@@ -508,6 +512,14 @@ async def test_rerank_scores_take_the_activation_the_reranker_was_saved_with(
     expected = CrossEncoder(str(folder), device="cpu").predict([("capital", doc) for doc in DOCS])
     np.testing.assert_allclose([scores[i] for i in range(len(DOCS))], expected, atol=1e-5)
     assert min(expected) < 0  # logits, not probabilities
+    # TEI's shape scores as a TEI server does (its `predict`: the sigmoid of a one-logit model's score unless
+    # `raw_scores`), whatever the config names: a TEI client's threshold of 0.5 keeps meaning what it meant (h200).
+    tei = {"model": "plain", "query": "capital", "texts": DOCS}
+    for raw, squash in ((False, lambda x: 1 / (1 + np.exp(-x))), (True, lambda x: x)):
+        status, listed = await post(http, box, "/rerank", {**tei, "raw_scores": raw})
+        assert status == 200, listed
+        got = {result["index"]: result["score"] for result in listed}
+        np.testing.assert_allclose([got[i] for i in range(len(DOCS))], squash(expected), atol=1e-5)
 
 
 async def test_rerank_max_tokens_per_doc_scores_each_documents_first_tokens(task_box, http, model_dirs) -> None:

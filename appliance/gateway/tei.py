@@ -42,6 +42,7 @@ from appliance.schemas import (
     TeiSimilarityRequest,
 )
 from runtimes import InputTooLong, Task
+from runtimes.tasks.score import sigmoid
 
 _decoders: dict[type, msgspec.json.Decoder] = {
     schema: msgspec.json.Decoder(schema)
@@ -74,9 +75,12 @@ async def rerank_at_root(request: web.Request, body: bytes | None = None, served
         "texts",
         query=tei.query,
         documents=tei.texts,
-        raw_scores=tei.raw_scores,
+        raw_scores=True,
     )
-    scores = np.frombuffer(reply, dtype="<f4")
+    # TEI squashes a one-logit score by the sigmoid unless `raw_scores`, whatever activation the model's config names
+    # (`/v1/rerank` applies that one, as sentence-transformers does): a TEI client's threshold keeps its meaning.
+    logits = np.frombuffer(reply, dtype="<f4")
+    scores = logits if tei.raw_scores else sigmoid(logits)
     results = []
     for index in np.argsort(-scores, kind="stable").tolist():
         result: dict[str, Any] = {"index": index, "score": float(scores[index])}
