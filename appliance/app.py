@@ -29,7 +29,7 @@ from nats.nuid import NUID
 from appliance import box_status, bus
 from appliance.blobs import Blobs
 from appliance.build import build_id
-from appliance.catalog import Catalog, ModelSpec
+from appliance.catalog import Catalog
 from appliance.catalog_changes import on_catalog_change
 from appliance.catalog_store import CatalogStore
 from appliance.configured import configured_specs
@@ -78,11 +78,8 @@ def new_box_id() -> str:
 
 
 class Box:
-    def __init__(self, settings: Settings, configured: list[ModelSpec] | None = None) -> None:
-        """`configured`: the config file's models, already judged (`fleetbox serve` judges them before a start);
-        None judges them at the start."""
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._configured = configured
         self.box_id = settings.box_id or new_box_id()
         self.catalog = Catalog()
         self.metrics = Metrics()
@@ -173,9 +170,7 @@ class Box:
         self.workers.attach(self.nc, self.js, self.blobs)
         self.store = CatalogStore(self.js, self.catalog, replicas=s.replicas, file_storage=s.durable, registers=True)
         self.store.on_change(partial(on_catalog_change, self))
-        # Judged off the loop: each folder's tokenizer is read whole, its config maybe in a child process.
-        configured = self._configured if self._configured is not None else await asyncio.to_thread(configured_specs, s)
-        await when_jetstream_answers(lambda: self.store.open(configured, judged=True))
+        await when_jetstream_answers(lambda: self.store.open(configured_specs(s), judged=True))
         await self.queue.open_catalogued()
         self.fleet = Fleet(
             self.js,

@@ -118,7 +118,7 @@ def serve(
                 blob_threshold=blob_threshold,
                 memory_budget=memory_budget,
             )
-            configured = configured_specs(settings)  # every [[models]] entry's folder, judged before anything starts
+            configured_specs(settings)  # every [[models]] entry's folder and task, checked before anything starts
         except Exception as exc:  # pydantic's ValidationError or a missing file: a usage error, not a crash
             _refuse_settings(settings_problems(exc))
             raise typer.Exit(2) from None
@@ -150,7 +150,7 @@ def serve(
             log.warning(warning)
         import uvloop
 
-        code = uvloop.run(serving.serve_box(settings, tui=tui, watchdog=True, configured=configured))
+        code = uvloop.run(serving.serve_box(settings, tui=tui, watchdog=True))
         serving.exit_now(code)
 
 

@@ -1,14 +1,12 @@
 """The models a box's config file declares, and the packaged default model, as catalog entries.
 
 Read before a box starts (a bad `[[models]]` entry is a settings error, exit 2) and offered to the
-fleet's catalog at start, where an entry already registered wins. A folder whose task the entry leaves out is
-judged as a registration through the API judges it (its task detected, then `check_loadable`), and an adapter
-serves its base's task.
+fleet's catalog at start, where an entry already registered wins. Each folder's task is detected as
+a registration through the API detects it, and an adapter serves its base's task.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,11 +23,8 @@ from appliance.catalog import (
 from appliance.settings import ModelEntry, Settings
 from appliance.settings_load import SettingsProblems
 from runtimes import RuntimeKind, Task, UnsupportedModel
-from runtimes.config_check import ConfigNotJudged
-from runtimes.detect import check_loadable, detect_task
+from runtimes.detect import detect_task
 from runtimes.options import option_problems
-
-log = logging.getLogger(__name__)
 
 
 def configured_specs(settings: Settings) -> list[ModelSpec]:
@@ -74,10 +69,9 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
             raise ValueError(f"model {entry.name!r} needs a path")
         path = Path(".")
     defaults = default_batching(settings)
-    judged = entry.task is None and runtime is not RuntimeKind.NOOP and entry.adapter_of is None
     if entry.task is not None:
         task = Task(entry.task)
-    elif not judged:
+    elif runtime is RuntimeKind.NOOP or entry.adapter_of is not None:
         task = Task.EMBED  # an adapter's task is its base's, set when it is resolved
     else:
         try:
@@ -86,8 +80,6 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
             raise UnsupportedModel(f"model {entry.name!r}: {exc}") from None
     for option, problem in option_problems(task, runtime, entry.options).items():
         raise ValueError(f"model {entry.name!r}: options.{option} {problem}")
-    if judged:
-        _check_loadable(entry, path, task, runtime)
     if entry.adapter_of is not None and entry.options:
         raise ValueError(f"model {entry.name!r} is an adapter: it runs with its base's options (set them there)")
     knobs = knobs_given(entry)
@@ -95,18 +87,3 @@ def spec_from_entry(entry: ModelEntry, settings: Settings) -> ModelSpec:
         where = "its base's batches" if entry.adapter_of is not None else "a decode batch set by its options"
         raise ValueError(f"model {entry.name!r} runs in {where}: {', '.join(knobs)} would not apply to it")
     return spec_of(entry, task=task, path=path, batching=batching_of(entry, defaults), adapter_of=entry.adapter_of)
-
-
-def _check_loadable(entry: ModelEntry, path: Path, task: Task, runtime: RuntimeKind) -> None:
-    """The rest of a registration's judgement of its folder: what a load would certainly refuse, or what would fail
-    every request (a tokenizer with ids past the model's vocabulary) is a bad setting, as a folder `detect_task`
-    refuses is, where such an entry was served and failed each request (review h197)."""
-    try:
-        check_loadable(path, task, runtime, entry.options)
-    except ConfigNotJudged as exc:  # this box could not judge it in time (a slow child): not the folder's fault
-        log.warning(
-            f"model {entry.name!r} of the config file could not be judged; its first load will judge it",
-            extra={"model": entry.name, "error": str(exc)},
-        )
-    except UnsupportedModel as exc:
-        raise UnsupportedModel(f"model {entry.name!r}: {exc}") from None

@@ -25,7 +25,6 @@ from appliance.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from appliance.app import Box
-    from appliance.catalog import ModelSpec
 
 log = logging.getLogger("appliance.serving")
 
@@ -88,30 +87,25 @@ def _give_up(box: Box) -> None:
         os._exit(1 if box.failure else 0)
 
 
-async def serve_box(
-    settings: Settings, tui: bool = False, *, watchdog: bool = False, configured: list[ModelSpec] | None = None
-) -> int:
-    """Run a box until SIGTERM, SIGINT, the `drain` verb or the TUI's quit; its exit status. `watchdog`: see `_stop`;
-    `configured`: the config file's models, judged already (`Box`)."""
+async def serve_box(settings: Settings, tui: bool = False, *, watchdog: bool = False) -> int:
+    """Run a box until SIGTERM, SIGINT, the `drain` verb or the TUI's quit; its exit status. `watchdog`: see `_stop`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        return await _run_box(settings, tui, stop, watchdog, configured)
+        return await _run_box(settings, tui, stop, watchdog)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
 
 
-async def _run_box(
-    settings: Settings, tui: bool, stop: asyncio.Event, watchdog: bool, configured: list[ModelSpec] | None
-) -> int:
+async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog: bool) -> int:
     from appliance.app import Box
     from appliance.errors import FleetboxError
     from appliance.natsd import EmbeddedNatsRefused
 
-    box = Box(settings, configured)
+    box = Box(settings)
     starting = asyncio.create_task(box.start())
     signalled = asyncio.create_task(stop.wait())
     await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)

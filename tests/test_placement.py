@@ -145,8 +145,7 @@ async def test_a_pinned_model_whose_load_failed_is_tried_again_without_a_request
     shutil.copytree(encoder_dir, folder)
     weights = folder / "model.safetensors"
     kept = weights.rename(tmp_path / "model.safetensors")  # a folder whose weights are gone: its load fails
-    # Its task given: the folder is read at its first load (a folder judged at start would be a bad setting).
-    model = ModelEntry(name="enc", path=folder, task="embed", pinned=True)
+    model = ModelEntry(name="enc", path=folder, pinned=True)
     box = await start_box(default_model=False, models=[model], model_roots=[tmp_path])
     assert "enc" not in box.workers and box.residency.load_error("enc") is not None
     kept.rename(weights)

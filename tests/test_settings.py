@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from appliance.configured import configured_specs
 from appliance.natsd import free_port
 from appliance.settings import MAX_CONCURRENT_BATCHES, ModelEntry, Settings, memory_budget_bytes
 from appliance.settings_load import load_settings, unknown_variables
-from tests.models import save_cross_encoder
 
 
 def test_precedence_flags_env_toml_defaults(tmp_path, monkeypatch) -> None:
@@ -92,25 +90,6 @@ def test_a_generators_options_are_judged_at_start(tmp_path, options: str, refusa
     config.write_text(f'[[models]]\nname = "gen"\nruntime = "noop"\ntask = "generate"\noptions = {options}\n')
     with pytest.raises(ValueError, match=f"models.0: model 'gen': {refusal}"):
         configured_specs(load_settings(config, default_model=False))
-
-
-def test_a_models_entry_is_judged_as_a_registration_judges_its_folder(tmp_path) -> None:
-    """Review h197: an entry's folder was judged by its task's detection only, so a reranker given another model's
-    tokenizer (ids past its vocab_size) was served and failed every request, where `POST /v1/models` refuses the
-    folder (422 `unsupported_model`). It is a bad setting, named with its place, as a folder with no model is; a
-    folder that passes (a vocab_size padded past the tokenizer's) still starts."""
-    save_cross_encoder(tmp_path / "smallvocab", vocab_size=1000)
-    save_cross_encoder(tmp_path / "padded", vocab_size=30528)
-    config = tmp_path / "box.toml"
-    config.write_text(
-        f'[[models]]\nname = "padded"\npath = "{tmp_path / "padded"}"\n'
-        f'[[models]]\nname = "sv"\npath = "{tmp_path / "smallvocab"}"\n'
-    )
-    refusal = "tokenizer.json has 29,522 tokens which the model does not have, up to id 30521"
-    with pytest.raises(ValueError, match=re.escape(f"models.1: model 'sv': {tmp_path / 'smallvocab'}/{refusal}")):
-        configured_specs(load_settings(config, default_model=False))
-    config.write_text(f'[[models]]\nname = "padded"\npath = "{tmp_path / "padded"}"\n')
-    assert [spec.task.value for spec in configured_specs(load_settings(config, default_model=False))] == ["score"]
 
 
 def test_concurrent_batches_must_be_positive() -> None:
