@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runtimes.attention import layer_types_in, refuse_other_layers
 from runtimes.base import (
@@ -39,9 +39,6 @@ from runtimes.config_check import judge_config
 from runtimes.implemented import implemented, model_types
 from runtimes.tasks.classify import labels_from_config
 from runtimes.tasks.score import ScoreHead, check_one_logit
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
 
 __all__ = [
     "SUPPORTED",
@@ -270,10 +267,12 @@ def check_loadable(folder: Path, task: Task, runtime: RuntimeKind, options: Mapp
         if task is Task.GENERATE:  # the families config.json alone cannot tell, judged as the load judges them
             refuse_other_layers(layer_types or (), folder)
     if task is not Task.GENERATE and runtime is not RuntimeKind.NOOP:  # last: a config its weights refute says more
-        refuse_tokens_past_vocab(folder, tokenizer, json_object(folder / "config.json"))
+        refuse_tokens_past_vocab(
+            folder, tokenizer.get_vocab(with_added_tokens=False), json_object(folder / "config.json")
+        )
 
 
-def refuse_tokens_past_vocab(folder: Path, tokenizer: Tokenizer, config: Mapping[str, Any]) -> None:
+def refuse_tokens_past_vocab(folder: Path, vocab: Mapping[str, int], config: Mapping[str, Any]) -> None:
     """Refuse a tokenizer with token ids the model's embedding has no row for (config.json's `vocab_size`, which the
     weights are held to above): an encoder looks up every id of every input and its padding, so a folder given
     another model's tokenizer registered 201 and then dead-lettered every request with "index out of range in
@@ -281,18 +280,19 @@ def refuse_tokens_past_vocab(folder: Path, tokenizer: Tokenizer, config: Mapping
     tokenizer may carry added tokens past its embedding that prompts never hold (a pad token added without resizing
     the model, say), with which it serves, and `runtimes/generate.py` refuses a prompt that holds one. The regular
     vocabulary only: added special tokens may lie past the embedding in a model's own tokenizer (Gemma 3's, and so
-    EmbeddingGemma's, `<image_soft_token>` at id `vocab_size`: review h193), which text seldom holds."""
-    vocab = config.get("vocab_size")
-    if not isinstance(vocab, int) or isinstance(vocab, bool):
+    EmbeddingGemma's, `<image_soft_token>` at id `vocab_size`: review h193), which text seldom holds. `vocab` is
+    the tokenizer's regular vocabulary (token to id). The encoder runtime checks again at load, for a model of a
+    box's config file, which start-up does not judge (review h201)."""
+    rows = config.get("vocab_size")
+    if not isinstance(rows, int) or isinstance(rows, bool):
         return
-    ids = tokenizer.get_vocab(with_added_tokens=False)
-    past = sorted((index, token) for token, index in ids.items() if index >= vocab)
+    past = sorted((index, token) for token, index in vocab.items() if index >= rows)
     if past:
         top, token = past[-1]
         which = "a token" if len(past) == 1 else f"{len(past):,} tokens"
         raise UnsupportedModel(
             f"{folder}/tokenizer.json has {which} which the model does not have, "
-            f"{'id' if len(past) == 1 else 'up to id'} {top} ({token!r}), where config.json's vocab_size is {vocab} "
+            f"{'id' if len(past) == 1 else 'up to id'} {top} ({token!r}), where config.json's vocab_size is {rows} "
             "(the rows of its token embedding): its tokenizer does not match it. Put the model's own tokenizer in "
             "the folder"
         )

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from runtimes.base import Backend, ModelInfo, ModelSource, Task, Tokenized, UnknownAdapter, UnsupportedModel, pad
+from runtimes.detect import refuse_tokens_past_vocab
 from runtimes.tasks.classify import ClassifyHead
 from runtimes.tasks.embed import EmbedHead
 from runtimes.tasks.extract import ExtractHead
@@ -42,6 +43,8 @@ class EncoderRuntime:
         self.tokenizer = TextTokenizer(source.path)
         self.backend = backend
         config = _config(source.path)
+        # A model of a box's config file reaches here unjudged; another model's tokenizer fails every batch.
+        refuse_tokens_past_vocab(source.path, self.tokenizer.regular_vocab, config)
         self._hidden_size = _int_field(config, "hidden_size")
         self._vocab_size = _int_field(config, "vocab_size")
 

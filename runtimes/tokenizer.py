@@ -107,6 +107,11 @@ class TextTokenizer:
         self._char_cap = self.max_length * _CHARS_PER_TOKEN
         self.pad_id = self._truncating.token_to_id("[PAD]") or 0
 
+    @property
+    def regular_vocab(self) -> dict[str, int]:
+        """Token to id, added (special) tokens left out: the ids a model's embedding must hold."""
+        return self._truncating.get_vocab(with_added_tokens=False)
+
     def tokenize(
         self,
         texts: Sequence[str],

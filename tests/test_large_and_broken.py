@@ -227,6 +227,25 @@ async def test_model_that_fails_to_load_answers_503_not_a_timeout(start_box, htt
         assert "broken" in error["message"] and "could not be loaded" in error["message"]
 
 
+async def test_a_config_file_model_with_another_models_tokenizer_fails_its_load_not_every_batch(
+    start_box, http, tmp_path
+) -> None:
+    """Tester h192: a model of a box's config file is not judged as a registration is, so a reranker given another
+    model's tokenizer (ids past its vocab_size) was served and dead-lettered every request ("index out of range in
+    self"), after 5 tries each. Its load refuses it now, and a request is told why at once."""
+    from appliance.settings import ModelEntry
+    from tests.models import save_cross_encoder
+
+    folder = save_cross_encoder(tmp_path / "smallvocab", vocab_size=1000)
+    box = await start_box(default_model=False, models=[ModelEntry(name="sv", path=folder)])
+    body = {"model": "sv", "query": "q", "documents": ["a", "b"], "timeout": 60}
+    async with http.post(url(box, "/v1/rerank"), json=body) as response:
+        assert response.status == 503, await response.text()
+        error = (await response.json())["error"]
+    assert "could not be loaded" in error["message"], error
+    assert "tokens which the model does not have" in error["message"], error
+
+
 async def test_a_pin_of_a_model_whose_load_failed_says_where_and_why(start_box, http, tmp_path) -> None:
     """Review h197: pinning a registered model whose last load raised answered 200 and its record, as any pin, with
     no word of the failure from the box where it failed (a gateway has no `load_error` of its own to show). The pin is
