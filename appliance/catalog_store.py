@@ -204,9 +204,18 @@ class CatalogStore:
             revision = await self._kv.create(spec.slug, spec.to_json())
         except KeyWrongLastSequenceError:
             await self._names.give_back(claims)
-            with suppress(NatsError):  # who won is read, to be named as a refusal without a race names it
+            read = True
+            try:  # who won is read, to be named as a refusal without a race names it
                 await self._look_again(spec.slug)
+            except NatsError:
+                read = False
             holder = self.catalog.by_slug(spec.slug)
+            if holder is None and not read:  # unread, the winner is there for all this box knows (review h201)
+                raise Conflict(
+                    f"a model with slug {spec.slug!r} was registered meanwhile (by a registration racing this one); "
+                    "delete it first, or choose another name",
+                    code="model_exists",
+                ) from None
             raise Conflict(
                 slug_taken(spec.name, spec.slug, holder.name if holder else None), code="model_exists"
             ) from None

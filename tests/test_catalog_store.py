@@ -170,7 +170,7 @@ async def test_a_delete_does_not_take_away_a_registration_made_since_on_another_
     assert a.catalog.get("d") is not None and a.catalog.get("d").aliases == ("dee",)
 
 
-async def test_the_loser_of_a_race_for_a_slug_is_told_which_model_holds_it(two_stores) -> None:
+async def test_the_loser_of_a_race_for_a_slug_is_told_which_model_holds_it(two_stores, monkeypatch) -> None:
     """Review h197: a registration refused by the catalog's own check (another box's registration of the slug written
     first, which this box had not heard of) said "a model with slug 'case' exists already" and named no model, where
     the refusal without a race names it ('case' beside 'Case'). The writes race for real: each box's catalog lags."""
@@ -183,6 +183,18 @@ async def test_the_loser_of_a_race_for_a_slug_is_told_which_model_holds_it(two_s
     with pytest.raises(Conflict) as same_name:
         await b.create(spec("Case"))
     assert "model 'Case' was registered meanwhile" in same_name.value.message
+
+    async def no_answer(*args, **kwargs):
+        raise NatsTimeout
+
+    # The winner not heard of yet and not read (NATS does not answer): not told it was deleted and to register
+    # again, which would be refused again (review h201).
+    b._kv.get = no_answer
+    monkeypatch.setattr(b.catalog, "by_slug", lambda slug: None)
+    with pytest.raises(Conflict) as unread:
+        await b.create(spec("CASE"))
+    assert unread.value.code == "model_exists"
+    assert "was registered meanwhile" in unread.value.message and "deleted" not in unread.value.message
 
 
 async def test_a_registration_whose_second_look_at_a_name_fails_is_a_409_as_before(start_box, http) -> None:

@@ -189,6 +189,7 @@ async def test_a_preflight_is_allowed_only_for_a_route_and_method_the_box_has(st
         ("/v1/embeddings", "DELETE", 405),
         ("/v1/embeddings", "PUT", 405),
         ("/healthz", "POST", 405),
+        ("/v1/embeddings", "OPTIONS", 405),  # a plain OPTIONS is a 405 too: it was allowed (review h201)
     ):
         assert await preflight(path, method) == (status, {}), (path, method)
     status, allow = await preflight("/v1/embeddings", "POST")

@@ -33,11 +33,12 @@ def _allowed(request: web.Request, origins: list[str]) -> str | None:
 def _methods_of(request: web.Request) -> frozenset[str]:
     """The methods the preflight's path takes, as the router found them for its OPTIONS (none: no such path).
 
-    No route takes OPTIONS itself, so the router's answer to it is a 405 naming the path's methods, or a 404.
+    No route takes OPTIONS itself, so the router's answer to it is a 405 naming the path's methods, or a 404; nor
+    is OPTIONS allowed, then: a plain OPTIONS is that 405 (review h201).
     """
     refused = request.match_info.http_exception
     if isinstance(refused, web.HTTPMethodNotAllowed):
-        return frozenset(refused.allowed_methods) | {"OPTIONS"}
+        return frozenset(refused.allowed_methods)
     return frozenset()
 
 
