@@ -52,7 +52,8 @@ def serve(
     host: Annotated[str | None, typer.Option(help="HTTP bind address [FBX_HOST, default 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port [FBX_PORT, default 8080]")] = None,
     nats: Annotated[
-        str | None, typer.Option("--nats", help="NATS URL(s), comma-separated; none starts an embedded server")
+        str | None,
+        typer.Option("--nats", help="NATS URL(s), comma-separated [FBX_NATS]; none starts an embedded server"),
     ] = None,
     nats_port: Annotated[int | None, typer.Option(help="embedded NATS port [FBX_NATS_PORT, default 4222]")] = None,
     # Paths as text: click turned "" into Path("."), the working directory, which the settings refuse when empty.

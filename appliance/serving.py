@@ -137,6 +137,13 @@ async def _run_box(settings: Settings, tui: bool, stop: asyncio.Event, watchdog:
             typer.echo(f"fleetbox: {exc.message}", err=True)
         elif isinstance(exc, NatsInTheClear):
             typer.echo(f"fleetbox: {exc}", err=True)
+        elif isinstance(exc, JetStreamAPIError) and exc.description is None:  # no responders: no JetStream there
+            # It printed ": None" after a minute of retries (tester h199); the TUI's words for the same server.
+            typer.echo(
+                f"fleetbox: JetStream does not answer at {settings.nats or 'the embedded server'} (a nats-server "
+                "without -js?): the box needs JetStream for its queue and buckets",
+                err=True,
+            )
         elif isinstance(exc, JetStreamAPIError):  # its repr is `ServerError()`: the server's words are its description
             typer.echo(f"fleetbox: JetStream refused the box's streams or buckets: {exc.description}", err=True)
         await _stop(box, settings, watchdog=watchdog)

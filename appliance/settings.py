@@ -34,6 +34,11 @@ BOX_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 # characters, no invisible or direction-changing ones (a name shown reversed by U+202E), and no space at either end.
 _HIDDEN = r"\x00-\x1f\x7f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
 MODEL_NAME_PATTERN = rf"^[^\s{_HIDDEN}](?:[^{_HIDDEN}]*[^\s{_HIDDEN}])?$"
+# What the pattern means, said where a name is refused (pydantic and msgspec quote the pattern itself).
+MODEL_NAME_RULE = (
+    "a model's name or alias may hold no control, invisible or direction-changing characters, nor begin or end with "
+    "a space"
+)
 # What a name given to address a model may hold: any name registered before the pattern above was (no control
 # characters), so an older model can still be named to delete or change it.
 MODEL_NAME_REFERENCE = r"[^\x00-\x1f\x7f]+"
@@ -244,6 +249,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"max_receiving_bytes ({self.max_receiving_bytes}) is less than max_body_bytes "
                 f"({self.max_body_bytes}): a body of the largest size could never be received"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _a_heartbeat_outlives_its_interval(self) -> Settings:
+        # A record that expires before the next one is written comes and goes: the fleet view flickered, boxes and
+        # holders seen gone between beats (tester h199). Two beats a TTL leave room for one late write.
+        if self.heartbeat_ttl_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s:g}) is less than twice heartbeat_s ({self.heartbeat_s:g}): a "
+                "box's record would expire between its beats, and the fleet would see it come and go"
             )
         return self
 

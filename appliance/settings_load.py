@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from appliance.settings import ModelEntry, Settings
+from appliance.settings import MODEL_NAME_RULE, ModelEntry, Settings
 
 _NOT_SETTINGS = frozenset({"FBX_CONFIG"})  # variables read beside the settings: the TOML file's path
 
@@ -108,6 +108,8 @@ def settings_problems(exc: BaseException) -> list[str]:
         given = error.get("input")
         if error["type"] == "string_pattern_mismatch" and where in _PATTERN_RULES:
             message = _PATTERN_RULES[where]
+        elif error["type"] == "string_pattern_mismatch" and error["loc"][:1] == ("models",):
+            message = MODEL_NAME_RULE  # a name or an alias: the API's words, not the pattern (tester h199)
         if error["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted"
             fields = ModelEntry.model_fields if error["loc"][0] == "models" else Settings.model_fields
             message = f"not a setting{_did_you_mean(str(error['loc'][-1]), list(fields))}"

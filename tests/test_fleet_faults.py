@@ -617,7 +617,9 @@ async def test_a_gateway_with_no_worker_for_a_while_answers_503_at_once(start_bo
     (here 0, and a TTL of 1 s) with no worker, a 503 at once; once a worker joins, requests are answered."""
     monkeypatch.setattr(context, "NO_WORKER_GRACE_S", 0.0)
     models = [noop_model("a", pinned=False)]
-    gateway = await start_box(role="gateway", box_id="door", default_model=False, models=models, heartbeat_ttl_s=1.0)
+    gateway = await start_box(
+        role="gateway", box_id="door", default_model=False, models=models, heartbeat_s=0.3, heartbeat_ttl_s=1.0
+    )
     body = {"model": "a", "input": "x", "timeout": 2}  # queued within the grace: a 504 after 2 s
 
     async def refused_at_once() -> bool:
@@ -670,7 +672,9 @@ async def test_a_gateway_queueing_for_a_worker_to_come_back_refuses_what_it_cann
     gateway already awaits 60 requests", `Retry-After: 1`: nothing was overloaded, no box held the model. They get
     a 503 that says so; what was queued waits for a worker (here none comes: a 504 at the deadline)."""
     models = [ModelEntry(name="a", runtime="noop", max_batch_size=2)]  # rounds of 2 rows: a handful is queued
-    gateway = await start_box(role="gateway", box_id="door", default_model=False, models=models, heartbeat_ttl_s=1.0)
+    gateway = await start_box(
+        role="gateway", box_id="door", default_model=False, models=models, heartbeat_s=0.3, heartbeat_ttl_s=1.0
+    )
 
     async def embed(i: int) -> tuple[int, dict[str, str], dict]:
         body = {"model": "a", "input": f"x{i}", "timeout": 2}

@@ -17,7 +17,7 @@ from appliance.app import new_box_id
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog
 from appliance.configured import configured_specs
 from appliance.natsd import free_port
-from appliance.settings import MAX_CONCURRENT_BATCHES, ModelEntry, Settings, memory_budget_bytes
+from appliance.settings import MAX_CONCURRENT_BATCHES, MODEL_NAME_RULE, ModelEntry, Settings, memory_budget_bytes
 from appliance.settings_load import load_settings, unknown_variables
 
 
@@ -219,6 +219,8 @@ def test_bad_log_level_or_budget_is_a_settings_error() -> None:
         ([], {"FBX_DEFAULT_TIMEOUT_S": "inf"}),  # accepted, then only capped by max_timeout_s
         ([], {"FBX_DEFAULT_TIMEOUT_S": "nan"}),
         ([], {"FBX_HEARTBEAT_TTL_S": "inf"}),
+        ([], {"FBX_HEARTBEAT_TTL_S": "0.5"}),  # under two beats: the fleet saw the box come and go (tester h199)
+        ([], {"FBX_HEARTBEAT_S": "3"}),
         # Past what NATS takes: the box started, /readyz ready, and every model's queue was refused (tester h73)
         ([], {"FBX_ACK_WAIT_S": "1e12"}),
         ([], {"FBX_MAX_DELIVER": "99999999999999999999"}),
@@ -266,6 +268,22 @@ def test_a_misspelt_key_of_the_config_file_is_refused_with_the_setting_it_is_nea
     assert sorted(result.output.splitlines()) == [
         "fleetbox: bad settings: max_body_byte: not a setting (did you mean max_body_bytes?)",
         "fleetbox: bad settings: models.0.pined: not a setting (did you mean pinned?)",
+    ]
+
+
+def test_a_models_name_that_breaks_the_rule_is_refused_in_words_not_by_its_pattern(tmp_path) -> None:
+    """Tester h199: a config file's name or alias with a space at its end (or an invisible character) was refused
+    quoting the 100-character pattern, where the API says the rule."""
+    config = tmp_path / "box.toml"
+    config.write_text(
+        '[[models]]\nname = " g"\nruntime = "noop"\n'
+        '[[models]]\nname = "h"\nruntime = "noop"\naliases = ["ok", "bad "]\n'
+    )
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--config", str(config)])
+    assert result.exit_code == 2
+    assert sorted(result.output.splitlines()) == [
+        f"fleetbox: bad settings: models.0.name: {MODEL_NAME_RULE} (got ' g')",
+        f"fleetbox: bad settings: models.1.aliases.1: {MODEL_NAME_RULE} (got 'bad ')",
     ]
 
 

@@ -286,6 +286,29 @@ async def test_a_nats_without_jetstream_is_said_to_have_no_fleet_at_once(tmp_pat
         await server.wait()
 
 
+async def test_serve_against_a_nats_without_jetstream_says_so(tmp_path, monkeypatch, capsys) -> None:
+    """Tester h199: `fleetbox serve --nats` at a nats-server without JetStream retried a minute (as for a cluster
+    electing its leaders), then said `JetStream refused the box's streams or buckets: None`."""
+    from appliance import connect
+    from appliance.serving import serve_box
+
+    monkeypatch.setattr(connect, "_JETSTREAM_SETTLE_S", 1.0)
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(nats_server_binary(), "-a", "127.0.0.1", "-p", str(port))
+    try:
+        address = f"nats://127.0.0.1:{port}"
+        nc = await wait_for_nats(address)
+        await nc.close()
+        settings = box_settings(address, role="gateway", default_model=False, state_dir=tmp_path / "state")
+        assert await asyncio.wait_for(serve_box(settings), 60) == 1
+        said = capsys.readouterr().err
+        assert f"fleetbox: JetStream does not answer at {address} (a nats-server without -js?)" in said, said
+        assert "None" not in said
+    finally:
+        server.terminate()
+        await server.wait()
+
+
 async def wait_for_nats(url: str) -> nats.NATS:
     for _ in range(100):
         with contextlib.suppress(Exception):

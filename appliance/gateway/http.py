@@ -29,7 +29,7 @@ from appliance.errors import (
     UnsupportedMediaType,
 )
 from appliance.schemas import MIN_TIMEOUT_S
-from appliance.settings import Settings
+from appliance.settings import MODEL_NAME_RULE, Settings
 
 T = TypeVar("T")
 
@@ -200,10 +200,7 @@ def decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
         message = str(exc)
         if "matching regex" in message and (name := _NAME_FIELD.search(message)) is not None:
             # msgspec quotes the pattern (292 characters of it); say what it means (regression tester h53).
-            message = (
-                "a model's name or alias may hold no control, invisible or direction-changing characters, nor "
-                f"begin or end with a space - at `{name.group(1)}`"
-            )
+            message = f"{MODEL_NAME_RULE} - at `{name.group(1)}`"
         raise Unprocessable(f"invalid request: {message}") from None
     except msgspec.DecodeError as exc:
         if not body.strip():  # msgspec calls it truncated, as if the upload were cut off
