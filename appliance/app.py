@@ -115,6 +115,7 @@ class Box:
             self._cpu_executor,
             local_reply=self._local_reply,
             announce=self._beat,
+            gateway_gone=lambda reply: self.fleet is not None and self.fleet.gateway_gone(reply),  # the fleet: below
         )
         self._dead_letters: DeadLetterWatch | None = None
         self.natsd: EmbeddedNats | None = None
@@ -180,6 +181,7 @@ class Box:
             ttl_s=s.heartbeat_ttl_s,
             replicas=s.replicas,
             on_taken=self.id_taken,
+            on_lapse=self._heartbeat_lapsed,
         )
         await when_jetstream_answers(self.fleet.start)
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
@@ -280,6 +282,14 @@ class Box:
             # Before this callback the client already takes publishes: the rate was also restarted at the disconnect.
             self.dispatcher.nats_interrupted()
         self.queue.restore_soon()
+
+    def _heartbeat_lapsed(self, lapsed_s: float) -> None:
+        """No heartbeat of this box written for over a TTL (it was frozen, stalled, or cut off from NATS): the workers
+        may have taken its gateway for gone and let its requests go (`Fleet.gateway_gone`); what they let go is
+        published again once they have all heard its heartbeat and let go what they were letting go, a TTL on
+        (`Resender.lapsed`)."""
+        if self.dispatcher is not None:
+            self.dispatcher.heartbeat_lapsed(lapsed_s, settle_s=self.settings.heartbeat_ttl_s)
 
     async def _start_http(self) -> None:
         assert self.nc is not None and self.js is not None and self.store is not None

@@ -102,9 +102,10 @@ def cancel_subject() -> str:
     return "fbx.cancel"
 
 
-def request_blob_key(request_id: str) -> str:
-    """A request body's object in BLOBS_BUCKET: put once, by the gateway that queued it."""
-    return request_id
+def request_blob_key(request_id: str, copy: int = 0) -> str:
+    """A request body's object in BLOBS_BUCKET: put once, by the gateway that queued it; a copy it published again
+    (`RequestMeta.copy`) has its own, since acking the first deletes the first's."""
+    return f"{request_id}.copy{copy}" if copy else request_id
 
 
 def reply_blob_key(request_id: str, box_id: str) -> str:
@@ -116,6 +117,13 @@ def reply_blob_key(request_id: str, box_id: str) -> str:
 def reply_subject(box_id: str) -> str:
     """Where a gateway waits for its answers; the request carries it in `Fbx-Reply`."""
     return f"fbx.rep.{box_id}"
+
+
+def reply_box(subject: str) -> str | None:
+    """The box whose gateway waits on `subject` (`reply_subject`); None for any other subject."""
+    prefix = reply_subject("")
+    box_id = subject[len(prefix) :] if subject.startswith(prefix) else ""
+    return box_id or None
 
 
 def pull_inbox(box_id: str, slug: str, priority: str = INTERACTIVE) -> str:

@@ -28,10 +28,38 @@ log = logging.getLogger(__name__)
 _CANCEL_MEMORY_S = 600.0  # how long a cancelled id is remembered (beyond any request deadline)
 _CONFIRM_TIMEOUT_S = 5.0  # how long a gateway may take to confirm it has a reply
 _RESEND_S = 0.25  # pause before sending a reply again that no gateway took
+LET_GO_WAIT_S = 1.0  # a copy that came while the first is let go comes back after this (`Cancellations.letting_go`)
 _COPY_TRIES = 3  # publishes of a request's copy that time out before it is naked after all (`HandBack`)
 
 LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
+
+GatewayGone = Callable[[str], bool]
+"""Whether the gateway awaiting answers on a reply subject is known to be gone (`Fleet.gateway_gone`)."""
+
+
+def never_gone(reply: str) -> bool:
+    """A `GatewayGone` for a box that knows no fleet: every gateway may still be awaiting its answers."""
+    return False
+
+
+def forsaken(held: Msg | RequestMeta, gateway_gone: GatewayGone) -> bool:
+    """Whether a request held (its message, or its meta) is let go as its gateway is gone (`GatewayGone`): never a
+    copy its gateway published again (`RequestMeta.copy`), as its heartbeat came back and before this box may have
+    heard it."""
+    try:
+        meta = held if isinstance(held, RequestMeta) else RequestMeta.from_headers(held.headers)
+    except ValueError:
+        return False
+    return not meta.copy and gateway_gone(meta.reply)
+
+
+def gone_at_intake(meta: RequestMeta, msg: Msg, gateway_gone: GatewayGone) -> bool:
+    """Whether a request taken in is dropped as its gateway is gone (`GatewayGone`): not a copy on its first delivery
+    (published as its gateway's heartbeat came back: `RequestMeta.copy`); a copy given again is judged as any."""
+    if meta.copy and (msg.metadata.num_delivered or 1) <= 1:
+        return False
+    return gateway_gone(meta.reply)
 
 
 class QueueEpoch:
@@ -135,6 +163,7 @@ async def deliver_reply(
     headers: dict[str, str],
     give_up: Callable[[], bool],
     untaken: Callable[[], Awaitable[None]] | None = None,
+    gateway_gone: GatewayGone = never_gone,
 ) -> bool:
     """Send a reply until its gateway confirms it; False if `give_up()` says stop first.
 
@@ -143,10 +172,14 @@ async def deliver_reply(
     deadline has passed nobody waits for the answer, so it counts as delivered: sent once, and where the reply
     left something behind (its body's blob), `untaken()` is called if no gateway confirmed it. A gateway drops a
     late reply and deletes its blob; with its gateway gone, the blob was left to the bucket's TTL (tester h131).
+    So does a reply whose gateway is known gone (`gateway_gone`): its box died, and sending it again every 0.25 s
+    kept the request unacked, in the backlog, until its deadline (300 s for a generation: tester h190).
     """
     attempts = 0
     while True:
         if meta.expired:
+            if attempts:  # said once, as its first try was: a reply tried to its deadline went silent (tester h190)
+                log.info("reply not taken by a gateway by the request's deadline", extra={"request_id": meta.id})
             if untaken is None:
                 await nc.publish(meta.reply, body, headers=headers)  # a late answer: best effort is enough
                 return True
@@ -163,6 +196,14 @@ async def deliver_reply(
         except (NoRespondersError, NatsTimeout):
             if give_up():
                 return False
+            if gateway_gone(meta.reply):
+                log.info(
+                    "reply not taken: its gateway's box is gone from the fleet; given up",
+                    extra={"request_id": meta.id, "reply": meta.reply, "attempts": attempts + 1},
+                )
+                if untaken is not None:
+                    await untaken()
+                return True
             # Said once per reply, then at debug: a gateway gone for good is tried every 0.25 s until the
             # request's deadline (89 lines for one reply, 2,261 for 29 when a box died: fleet tester h40).
             level = logging.INFO if attempts == 0 else logging.DEBUG
@@ -171,11 +212,16 @@ async def deliver_reply(
             await asyncio.sleep(_RESEND_S)
 
 
-async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
-    """Tell JetStream that held requests are still being worked on, so slow work is not redelivered."""
+async def keep_alive(
+    held: Callable[[], list[Msg]], ack_wait_s: float, let_go_forsaken: Callable[[], None] | None = None
+) -> None:
+    """Tell JetStream that held requests are still being worked on, so slow work is not redelivered; first, each
+    time, `let_go_forsaken()` drops those whose gateway is gone (the worker's `_let_go_forsaken`)."""
     period = max(0.5, ack_wait_s / 3)
     while True:
         await asyncio.sleep(period)
+        if let_go_forsaken is not None:
+            let_go_forsaken()
         for msg in held():
             if msg.is_acked:  # nak'd (or acked) since it was listed: an in-progress would hold back its redelivery
                 continue
@@ -188,8 +234,10 @@ async def keep_alive(held: Callable[[], list[Msg]], ack_wait_s: float) -> None:
 # Why a gateway cancelled a request (`fbx.cancel`'s `why`, "gone" when it says none): its client went away, its
 # deadline passed, or the gateway answered it without the queue (a publish that went unconfirmed: a 503). Each is
 # counted as such where a box drops it (`Metrics.dropped`): only "gone" is a client that went away (tester h146).
-CancelWhy = Literal["gone", "expired", "abandoned"]
-CANCEL_WHYS: tuple[CancelWhy, ...] = ("gone", "expired", "abandoned")
+# A box cancels a request itself as "gateway_gone" when its gateway's box is gone from the fleet (`GatewayGone`): its
+# clients went with it, and it is counted as theirs.
+CancelWhy = Literal["gone", "expired", "abandoned", "gateway_gone"]
+CANCEL_WHYS: tuple[CancelWhy, ...] = ("gone", "expired", "abandoned")  # those a gateway says on `fbx.cancel`
 
 
 class Cancellations:
@@ -220,6 +268,20 @@ class Cancellations:
     def contains(self, request_id: str) -> bool:
         self._forget(time.monotonic())
         return request_id in self._ids
+
+    def judge_gateway(self, request_id: str, gone: bool) -> None:
+        """A request taken in: cancelled if its gateway is gone (`gone_at_intake`); no longer, if it was only for that
+        and this is its gateway's copy, published again once its heartbeat came back (`Resender.lapsed`)."""
+        if gone:
+            self.add(request_id, why="gateway_gone")
+        elif self._ids.get(request_id) == "gateway_gone":
+            del self._ids[request_id]
+
+    def letting_go(self, meta: RequestMeta) -> bool:
+        """Whether `meta` is a copy its gateway published again (`RequestMeta.copy`) of a request this box is letting
+        go as its gateway's (`gateway_gone`): taken in the held one's place, the let-go would ack the copy. The
+        worker naks it instead (`LET_GO_WAIT_S`), to come back once the first is let go."""
+        return bool(meta.copy) and self._ids.get(meta.id) == "gateway_gone"
 
     def why(self, request_id: str) -> CancelWhy:
         """Why `request_id` was cancelled (asked of one it `contains`)."""

@@ -35,6 +35,7 @@ DIMS = "Fbx-Dims"
 USAGE_TOKENS = "Fbx-Usage-Tokens"
 SEQ = "Fbx-Seq"  # a streamed reply's chunk number, from 0
 FINAL = "Fbx-Final"  # "1" on a streamed reply's last chunk
+COPY = "Fbx-Copy"  # a request its gateway published again: its copy's number (`RequestMeta.copy`)
 RETRY_AFTER = "Fbx-Retry-After"  # an error reply's Retry-After, in seconds, for the gateway to pass on
 
 INTERACTIVE = "interactive"
@@ -56,6 +57,11 @@ class RequestMeta:
     blob: str | None = None
     adapter_registered_ms: int = 0  # `ModelSpec.registered_ms` of the adapter as its gateway resolved it; 0 unknown
     registered_ms: int = 0  # `ModelSpec.registered_ms` of the model as its gateway resolved it; 0 unknown or none
+    # A copy its gateway published again (after a lost queue or a lapse of its heartbeat), numbered from 1; 0 for the
+    # first. A copy has a `Nats-Msg-Id` of its own (the stream's duplicate window knows the first's) and a blob key of
+    # its own (the first's is deleted when the first is acked), and no worker takes its gateway for gone as it takes
+    # its first delivery in, nor lets it go (`delivery.let_go`): it was published as its gateway's heartbeat came back.
+    copy: int = 0
 
     @property
     def expired(self) -> bool:
@@ -65,7 +71,7 @@ class RequestMeta:
     def headers(self) -> dict[str, str]:
         headers = {
             ID: self.id,
-            MSG_ID: self.id,
+            MSG_ID: f"{self.id}.copy{self.copy}" if self.copy else self.id,
             TASK: self.task,
             MODEL: self.model,
             REPLY: self.reply,
@@ -82,6 +88,8 @@ class RequestMeta:
             headers[BLOB] = self.blob
         if self.registered_ms:
             headers[REGISTERED] = str(self.registered_ms)
+        if self.copy:
+            headers[COPY] = str(self.copy)
         return headers
 
     @classmethod
@@ -110,6 +118,7 @@ class RequestMeta:
             blob=headers.get(BLOB) or None,
             adapter_registered_ms=_int(headers, ADAPTER_REGISTERED, default=0),
             registered_ms=_int(headers, REGISTERED, default=0),
+            copy=_int(headers, COPY, default=0),
         )
 
 

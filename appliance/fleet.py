@@ -28,6 +28,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from appliance import bus
 from appliance.batch_cost import PaceLine
 from appliance.errors import Conflict
+from appliance.hearing import Hearing
 from appliance.logs import FailureStreak
 from appliance.settings import GATEWAY_ROLES, MODEL_ROLES
 from appliance.tasks import cancel_and_wait
@@ -48,6 +49,7 @@ class Fleet:
         ttl_s: float,
         replicas: int = 1,
         on_taken: Callable[[str], None] | None = None,
+        on_lapse: Callable[[float], None] | None = None,
     ) -> None:
         self._js = js
         self.box_id = box_id
@@ -67,8 +69,12 @@ class Fleet:
         self._revision: int | None = None  # of this box's last record: a beat writes over that alone (`_write`)
         self._beat_lock = asyncio.Lock()
         self._workers_seen_at = time.monotonic()  # the last heartbeat of a box taking model work (or the start)
+        self._hearing = Hearing(box_id, ttl_s)  # when each box's record reached this one (`gateway_gone`)
+        self._on_lapse = on_lapse  # told how long this box's heartbeat lapsed, once it writes one again
+        self._written_at: float | None = None  # monotonic: this box's last heartbeat written
 
     async def start(self) -> None:
+        self._hearing.watch_begins()
         self._kv = await open_boxes_bucket(self._js, self._ttl_s, self._replicas)
         self._watcher = watcher = await self._kv.watchall()
         seen = set()
@@ -78,6 +84,7 @@ class Fleet:
         for gone in set(self._boxes) - seen:  # removed while nobody watched (before a reopen)
             del self._boxes[gone]
             self._holdings = None
+        self._hearing.watching()
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
@@ -164,8 +171,18 @@ class Fleet:
                 self._heartbeats.failed(exc)
             else:
                 self._heartbeats.succeeded()
+                self._written(time.monotonic())
             if self._blind():  # nothing known of the workers meanwhile: their absence is counted from sight again
                 self._workers_seen_at = time.monotonic()
+
+    def _written(self, now: float) -> None:
+        """A heartbeat of this box's written: if the last was over a TTL ago (this box frozen, stalled, behind a
+        half-open link or cut off from NATS), the other boxes may have taken its gateway for gone and let its
+        requests go (`gateway_gone`): `on_lapse` says so, and its gateway publishes again what it awaits."""
+        lapsed_s = now - self._written_at if self._written_at is not None else 0.0
+        self._written_at = now
+        if lapsed_s > self._ttl_s and self._on_lapse is not None:
+            self._on_lapse(lapsed_s)
 
     def _blind(self) -> bool:
         """Whether this box's view of the heartbeats is stale: its own record, written each beat, is not among the
@@ -221,6 +238,13 @@ class Fleet:
             return held.value == self.box_id.encode()
         return True
 
+    def gateway_gone(self, reply: str) -> bool:
+        """Whether the gateway awaiting answers on `reply` (`bus.reply_subject`) is known gone (`Hearing.gone`), so
+        that no worker spends a decode slot, a batch or the backlog on them. A gateway only frozen or cut off
+        publishes again what it awaits once it writes its heartbeat again (`on_lapse`)."""
+        box = bus.reply_box(reply)
+        return box is not None and self._hearing.gone(box)
+
     def without_workers_s(self) -> float:
         """Seconds since a live box taking model work was last heard of (or since this box started, or last saw the
         heartbeats): 0 while one is live, or while this box does not see its own (`_blind`). A gateway queues
@@ -251,6 +275,7 @@ class Fleet:
         with suppress(orjson.JSONDecodeError):
             record = orjson.loads(entry.value)
             if isinstance(record, dict):
+                self._hearing.heard(entry.key)
                 self._boxes[entry.key] = record
                 self._holdings = None
                 if taking_work([record], MODEL_ROLES):

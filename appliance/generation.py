@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from appliance import bus
+from appliance import bus, delivery
 from appliance.adapter_hold import adapter_deleted
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
@@ -65,8 +65,11 @@ class GenerateWorker:
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
         queue_epoch: QueueEpoch | None = None,
+        gateway_gone: delivery.GatewayGone = delivery.never_gone,
     ) -> None:
         self.box_id = box_id
+        self._cancelled = cancelled
+        self._gateway_gone = gateway_gone  # its requests are cancelled: nobody awaits their answers (tester h190)
         self._queue_epoch = queue_epoch or QueueEpoch()
         self._hand_back = HandBack(nc, settings.max_deliver, self._queue_epoch, ack_wait_s=settings.ack_wait_s)
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
@@ -116,6 +119,7 @@ class GenerateWorker:
             stopping=lambda: self._stopping,
             spawn=self._spawn,
             poke=self.puller.poke,
+            gateway_gone=gateway_gone,
         )
         self._decoding = DecodeLoop(
             spec.name,
@@ -143,13 +147,14 @@ class GenerateWorker:
             self._decoding,
             cancel=self.cancel,
             spawn=self._spawn,
+            gateway_gone=gateway_gone,
         )
 
     async def start(self) -> None:
         self.pulling.set()  # before its pullers: nothing to warm up, and a caller of `serve` may wait on it
         self._stepper = asyncio.create_task(self._decoding.run(), name=f"generate:{self.spec.slug}")
         self._stepper.add_done_callback(self._stepper_ended)
-        in_progress = keep_alive(self._held.messages, self._settings.ack_wait_s)
+        in_progress = keep_alive(self._held.messages, self._settings.ack_wait_s, self._let_go_forsaken)
         self._ticker = asyncio.create_task(in_progress, name=f"in-progress:{self.spec.slug}")
         await self.puller.start()
         await self.bulk_puller.start()
@@ -204,6 +209,20 @@ class GenerateWorker:
             self._spawn(self._blobs.ack(stream.msg, stream.meta.blob))
         self.puller.poke()
         return True
+
+    def _let_go_forsaken(self) -> None:
+        """Cancel the generations held here whose gateway's box is gone from the fleet (`GatewayGone`), as a cancel of
+        their clients' would: stopped at the next decode step and acked, or, being admitted, once they are
+        (`GenerationIntake`). A last chunk no gateway takes is given up (`deliver_reply`). Box A generated two answers
+        for a gateway SIGKILLed, then the two it had held, redelivered, in full, and sent each last chunk again every
+        0.25 s, unacked in the backlog, until the deadline, 300 s (tester h190)."""
+        for request_id, stream in list(self._held.streams.items()):
+            if delivery.forsaken(stream.meta, self._gateway_gone):
+                self._cancelled.add(request_id, why="gateway_gone")
+                self.cancel(request_id, why="gateway_gone")
+        for request_id, msg in list(self._held.preparing.items()):
+            if delivery.forsaken(msg, self._gateway_gone):
+                self._cancelled.add(request_id, why="gateway_gone")
 
     def adapters_retired(self) -> None:
         """An adapter left the catalog, or was registered again on another folder: a request for it that has made no

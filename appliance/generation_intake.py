@@ -29,7 +29,16 @@ from appliance.adapter_hold import (
 from appliance.adapters import AdapterHold
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import Cancellations, CancelWhy, another_copy, keeps_held
+from appliance.delivery import (
+    LET_GO_WAIT_S,
+    Cancellations,
+    CancelWhy,
+    GatewayGone,
+    another_copy,
+    gone_at_intake,
+    keeps_held,
+    never_gone,
+)
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
 from appliance.generation_decode import DecodeLoop
@@ -70,6 +79,7 @@ class GenerationIntake:
         *,
         cancel: CancelGeneration,
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self._spec = spec
         self._runtime = runtime
@@ -84,6 +94,7 @@ class GenerationIntake:
         self._decoding = decoding
         self._cancel = cancel  # the worker's: a request cancelled while it was admitted
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
+        self._gateway_gone = gateway_gone  # its box died: nobody awaits the answer
         self.retired = False  # the model was deleted: whatever still arrives is answered 404
         self._started = time.time()  # a request sent before it waited for this model's load (cold start)
 
@@ -103,11 +114,15 @@ class GenerationIntake:
             return
         held = self._held.copy_of(meta.id)
         if held is not None:  # a redelivery of what this box generates: its keep-alive holds it
-            if another_copy(held, msg):  # published again after the queue was lost: see ModelWorker._on_message
+            if self._cancelled.letting_go(meta):
+                self._spawn(msg.nak(delay=LET_GO_WAIT_S))
+            elif another_copy(held, msg):  # published again after the queue was lost: see ModelWorker._on_message
                 self._held.take_copy(meta.id, msg)
             return
         if self._decoding.parks(meta.id, msg):  # the runtime drops its old copy at its next step: this one comes after
             return
+        # Its gateway's box is gone: dropped as a cancel of its client's would be (a copy of a gateway back: taken).
+        self._cancelled.judge_gateway(meta.id, gone_at_intake(meta, msg, self._gateway_gone))
         if self._cancelled.contains(meta.id):  # its client went away (or its deadline passed) while it was queued
             self._metrics.dropped(self._spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))

@@ -19,7 +19,7 @@ from nats.errors import Error as NatsError
 
 from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
-from appliance.delivery import HandBack, LocalReply, deliver_reply
+from appliance.delivery import GatewayGone, HandBack, LocalReply, deliver_reply, never_gone
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, InternalError
 from appliance.generation_held import HeldGenerations, Stream
@@ -42,6 +42,7 @@ class GenerationReplies:
         stopping: Callable[[], bool],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         poke: Callable[[], None],
+        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self._box_id = box_id
         self._nc = nc
@@ -53,6 +54,7 @@ class GenerationReplies:
         self._stopping = stopping  # draining: a reply no gateway takes is handed back instead of retried
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
         self._poke = poke  # a request answered or handed back: the worker has room again
+        self._gateway_gone = gateway_gone  # a last chunk whose gateway is gone is not sent again
 
     async def send(self, stream: Stream, output: StepOutput, step_ms: float) -> None:
         """One chunk of text; the last one (with the usage) is confirmed then acked off the caller's path."""
@@ -140,7 +142,9 @@ class GenerationReplies:
         if self._local_reply is not None and self._local_reply(meta.reply, reply, body):
             return True
         if confirmed:
-            return await deliver_reply(self._nc, meta, body, reply.headers(), self._stopping)
+            return await deliver_reply(
+                self._nc, meta, body, reply.headers(), self._stopping, gateway_gone=self._gateway_gone
+            )
         await self._nc.publish(meta.reply, body, headers=reply.headers())
         return True
 

@@ -121,9 +121,9 @@ class Metrics:
         )
 
     def dropped(self, model: str, why: str) -> None:
-        """A request a box dropped on a cancel (`delivery.CancelWhy`): its client gone, its deadline passed, or one
-        its gateway answered without the queue, which neither counts."""
-        if why == "gone":
+        """A request a box dropped on a cancel (`delivery.CancelWhy`): its client gone (or its gateway's box, with
+        its clients), its deadline passed, or one its gateway answered without the queue, which neither counts."""
+        if why in ("gone", "gateway_gone"):
             self.cancelled.labels(model).inc()
         elif why == "expired":
             self.expired.labels(model).inc()

@@ -31,14 +31,19 @@ from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import (
+    LET_GO_WAIT_S,
     Cancellations,
     CancelWhy,
+    GatewayGone,
     HandBack,
     LocalReply,
     QueueEpoch,
     another_copy,
+    forsaken,
+    gone_at_intake,
     keep_alive,
     keeps_held,
+    never_gone,
 )
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
@@ -78,10 +83,12 @@ class ModelWorker:
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
         queue_epoch: QueueEpoch | None = None,
+        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self.box_id = box_id
         self.spec = spec
         self._cancelled = cancelled
+        self._gateway_gone = gateway_gone  # its requests are cancelled: nobody awaits their answers (tester h190)
         self.runtime = runtime
         self._settings = settings
         self._metrics = metrics
@@ -139,6 +146,7 @@ class ModelWorker:
             let_go=self._let_go,
             poke=self.puller.poke,
             spawn=self._spawn,
+            gateway_gone=gateway_gone,
         )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
@@ -263,7 +271,9 @@ class ModelWorker:
             return
         held = self._held.get(meta.id)
         if held is not None:  # a redelivery of something this box is already working on: its keep-alive holds it
-            if another_copy(held.handle if isinstance(held, Job) else held, msg):
+            if self._cancelled.letting_go(meta):
+                self._spawn(msg.nak(delay=LET_GO_WAIT_S))
+            elif another_copy(held.handle if isinstance(held, Job) else held, msg):
                 # The copy its gateway published again when the queue was lost (made anew): the one in hand is in a
                 # stream that is gone, so this box holds the new one instead, keeps it alive and acks it when it
                 # answers. Ignored, it came back after each ack_wait_s and was dead-lettered while its answer was
@@ -273,6 +283,8 @@ class ModelWorker:
                 else:
                     self._held[meta.id] = msg
             return
+        # Its gateway's box is gone: dropped as a cancel of its client's would be (a copy of a gateway back: taken).
+        self._cancelled.judge_gateway(meta.id, gone_at_intake(meta, msg, self._gateway_gone))
         if self._cancelled.contains(meta.id):
             self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))
             self._spawn(self._blobs.ack(msg, meta.blob))
@@ -388,7 +400,21 @@ class ModelWorker:
         await keep_alive(
             lambda: [held.handle if isinstance(held, Job) else held for held in self._held.values()],
             self._settings.ack_wait_s,
+            self._let_go_forsaken,
         )
+
+    def _let_go_forsaken(self) -> None:
+        """Cancel the requests held here whose gateway's box is gone from the fleet (`GatewayGone`), as a cancel of
+        their clients' would: one not computed yet is dropped and acked (one being prepared, once it is: `_submit`);
+        a batch on the device finishes, and its reply is given up (`deliver_reply`)."""
+        for request_id, held in list(self._held.items()):
+            if isinstance(held, Job):
+                gone = not held.done and forsaken(held.meta, self._gateway_gone)
+            else:
+                gone = forsaken(held, self._gateway_gone)
+            if gone:
+                self._cancelled.add(request_id, why="gateway_gone")
+                self.cancel(request_id, why="gateway_gone")
 
     def _let_go(self, request_id: str) -> None:
         """The request is no longer this box's: forget it, and let its adapter be unloaded again."""

@@ -23,7 +23,7 @@ from nats.errors import Error as NatsError
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.deadletter import DeadLetters
-from appliance.delivery import HandBack, LocalReply, deliver_reply
+from appliance.delivery import GatewayGone, HandBack, LocalReply, deliver_reply, never_gone
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError
 from appliance.jobs import jobs_for
@@ -56,6 +56,7 @@ class WorkerReplies:
         let_go: Callable[[str], None],
         poke: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self._box_id = box_id
         self._nc = nc
@@ -72,6 +73,7 @@ class WorkerReplies:
         self._let_go = let_go  # the request is no longer the worker's
         self._poke = poke  # a request settled: the worker has room again
         self._spawn = spawn  # the worker's background tasks, waited for at its drain
+        self._gateway_gone = gateway_gone  # a reply whose gateway is gone is not sent again
 
     async def answer(self, job: Job, error: Exception | None) -> None:
         """A job its batch finished (or failed on): its answer made and sent, or its error handled."""
@@ -128,7 +130,9 @@ class WorkerReplies:
                 if self._blobs.needed(body):
                     reply = replace(reply, blob=await self._blobs.put(bus.reply_blob_key(meta.id, self._box_id), body))
                     body, untaken = b"", partial(self._blobs.delete, reply.blob)
-                if not await deliver_reply(self._nc, meta, body, reply.headers(), self._stopping, untaken):
+                if not await deliver_reply(
+                    self._nc, meta, body, reply.headers(), self._stopping, untaken, self._gateway_gone
+                ):
                     # This box is stopping with the answer undelivered: another box answers it (with a blob of its own).
                     await self._hand_back(self._current(meta.id, msg))
                     if untaken is not None:  # in the background: a redelivery meanwhile would find it still held

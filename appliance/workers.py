@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
-from appliance.delivery import CANCEL_WHYS, Cancellations, LocalReply, QueueEpoch
+from appliance.delivery import CANCEL_WHYS, Cancellations, GatewayGone, LocalReply, QueueEpoch, never_gone
 from appliance.errors import Conflict, NotFound, ServiceUnavailable, UnloadedWhileStarting
 from appliance.metrics import Metrics
 from appliance.profiles import ProfileBook
@@ -57,6 +57,7 @@ class Workers:
         cpu_executor: Executor,
         local_reply: LocalReply,
         announce: Callable[[], Awaitable[None]],
+        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self._box_id = box_id
         self._settings = settings
@@ -68,6 +69,7 @@ class Workers:
         self._cpu_executor = cpu_executor
         self._local_reply = local_reply
         self._announce = announce  # tells the fleet at once (a heartbeat) that a model came or went
+        self._gateway_gone = gateway_gone  # a request whose gateway's box is gone is cancelled (`Fleet.gateway_gone`)
         self._table: dict[str, Worker] = {}
         self._terms_said: set[tuple[str, tuple[tuple[str, float], ...]]] = set()  # (model, values) warned of once
         self.stopping = False  # the box drains its workers (`drain_all`): none starts after that
@@ -278,6 +280,7 @@ class Workers:
                 self._cancelled,
                 local_reply=self._local_reply,
                 queue_epoch=self.queue_epoch,
+                gateway_gone=self._gateway_gone,
             )
         return ModelWorker(
             self._box_id,
@@ -295,6 +298,7 @@ class Workers:
             self._cancelled,
             local_reply=self._local_reply,
             queue_epoch=self.queue_epoch,
+            gateway_gone=self._gateway_gone,
         )
 
     async def evict(self, name: str) -> bool:

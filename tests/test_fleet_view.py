@@ -4,6 +4,8 @@ nats-server, as boxes write them, and read back through a `Fleet`'s watch."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from typing import Any
 
@@ -11,8 +13,9 @@ import nats
 import orjson
 import pytest
 
+from appliance import bus
 from appliance.fleet import Fleet, open_boxes_bucket
-from tests.conftest import wait_for
+from tests.conftest import freeze, wait_for
 
 LINE = {"fixed_s": 0.01, "token_s": 0.0001, "rows": 8, "tokens": 1024, "slots": 1, "row_tokens": 32.0}
 
@@ -66,4 +69,56 @@ async def test_what_a_gateway_reads_of_a_model_follows_each_heartbeat(nats_serve
         assert fleet.holders("m") == []  # c's record is too old, a drains
     finally:
         await fleet.stop(connected=False)
+        await nc.close()
+
+
+async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_a_sound_view(nats_server) -> None:
+    """Review h195: a box judged a gateway gone by the time written in its records, its writer's wall clock, and a
+    live gateway whose clock ran 5 s behind a worker's had its requests cancelled. Judged by when the records reach
+    this box, by its own clock: a gateway beating with a clock five minutes behind is live; one no record of which
+    arrives for twice the TTL is gone, once this box has watched that long; and a box cut off from NATS (the server
+    frozen here), its own record no longer reaching it, judges nobody gone."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    kv = await open_boxes_bucket(js, ttl_s=30)
+    ttl_s = 0.5
+    fleet = Fleet(js, "w", lambda: {"role": "worker", "started": 1.0}, period_s=0.1, ttl_s=ttl_s)
+
+    def gone(box: str) -> bool:
+        return fleet.gateway_gone(bus.reply_subject(box))
+
+    async def beat_behind() -> None:
+        while True:
+            await kv.put("gw-behind", record("gw-behind", [], role="gateway", ts=time.time() - 300))
+            await asyncio.sleep(0.1)
+
+    beats = asyncio.create_task(beat_behind())
+    started = time.monotonic()
+    await fleet.start()
+    frozen = False
+    try:
+        assert not gone("gw-never")  # its view is not twice the TTL old yet
+        await wait_for(lambda: gone("gw-never"), what="a gateway never heard judged gone")
+        assert time.monotonic() - started > 2 * ttl_s
+        assert not gone("gw-behind")  # its records arrive: its clock says nothing
+        assert not gone("w") and not fleet.gateway_gone("test.reply")  # its own; not a gateway's subject
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        assert not gone("gw-behind")
+        await wait_for(lambda: gone("gw-behind"), what="the gateway whose records stopped judged gone")
+
+        beats = asyncio.create_task(beat_behind())
+        await wait_for(lambda: not gone("gw-behind"), what="the gateway beating again live")
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        await freeze(nats_server)
+        frozen = True
+        cut_at = time.monotonic()
+        await wait_for(lambda: time.monotonic() - cut_at > 3 * ttl_s, what="three TTLs cut off")
+        assert not gone("gw-behind") and not gone("gw-never")  # its own record does not reach it either
+    finally:
+        beats.cancel()
+        if frozen:
+            nats_server.process.send_signal(signal.SIGCONT)
+        await fleet.stop()
         await nc.close()

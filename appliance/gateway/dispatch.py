@@ -435,6 +435,11 @@ class Dispatcher:
         again (`Resender.queue_lost`)."""
         self._resender.queue_lost()
 
+    def heartbeat_lapsed(self, lapsed_s: float, settle_s: float) -> None:
+        """This box wrote no heartbeat for `lapsed_s`, over a TTL: what it awaits and the workers let go meanwhile is
+        published again, once they have heard its heartbeat again (`settle_s`: `Resender.lapsed`)."""
+        self._resender.lapsed(lapsed_s, settle_s)
+
     def _awaits(self, request_id: str) -> bool:
         return request_id in self._waiters or request_id in self._streams
 

@@ -10,6 +10,7 @@ the stream again (a half-open breaker) and the rest are refused at once: each wa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from nats.js.errors import APIError, NoStreamResponseError
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.delivery import CancelWhy
-from appliance.envelope import RequestMeta
+from appliance.envelope import ID, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Publisher:
         # not answer (no leader) ended, None once one is answered.
         self._publishing: dict[str, float] = {}
         self._unanswered_at: float | None = None
+        self._copies = itertools.count(1)  # numbers each copy published `again` (`RequestMeta.copy`)
         # The breaker: open from a publish the stream did not answer until one it answers (not a look at the stream:
         # it answers looks without a quorum, publishes not); while open, one request's publish at a time tries the
         # stream (`_probe`), the others are refused at once.
@@ -117,10 +119,13 @@ class Publisher:
                 "not connected to the request queue (NATS); retry shortly", retry_after_s=FAILOVER_RETRY_S
             )
 
-    async def publish(self, slug: str, body: bytes, meta: RequestMeta, *, again: bool = False) -> None:
+    async def publish(self, slug: str, body: bytes, meta: RequestMeta, *, again: bool = False) -> int:
         """Queue a request for model `slug` (the caller checked the connection, with no wait since). `again`: one
         queued before, whose queue was lost since: it tries the stream whatever the breaker says (all of a lost
-        queue's are published again at once, and all but one were refused)."""
+        queue's are published again at once, and all but one were refused), as a copy (`RequestMeta.copy`). Says
+        its sequence in the request stream."""
+        if again:
+            meta = replace(meta, copy=next(self._copies))
         if self._breaker_open and not again:
             if self._probe is not None:  # another publish is trying the stream: this one would wait as it does
                 raise ServiceUnavailable(_NOT_ANSWERING, retry_after_s=FAILOVER_RETRY_S)
@@ -130,7 +135,7 @@ class Publisher:
                 # Too large to ride the queue: the message carries the object-store key instead.
                 meta, body = replace(meta, blob=await self._store_body(meta, body)), b""
             self._publishing[meta.id] = time.monotonic()
-            await self._send(slug, body, meta)
+            return await self._send(slug, body, meta)
         finally:
             self._publishing.pop(meta.id, None)
             if self._probe == meta.id:
@@ -143,7 +148,7 @@ class Publisher:
         timeout_s = _publish_timeout_s(meta)
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._blobs.put(bus.request_blob_key(meta.id), body)
+                return await self._blobs.put(bus.request_blob_key(meta.id, meta.copy), body)
         except TimeoutError:  # NATS's too; nothing was published, so nothing to cancel (a part stored: the TTL's)
             if timeout_s < _PUBLISH_TIMEOUT_S:
                 raise self._past_deadline(meta) from None
@@ -155,13 +160,14 @@ class Publisher:
                 retry_after_s=FAILOVER_RETRY_S,
             ) from None
 
-    async def _send(self, slug: str, body: bytes, meta: RequestMeta) -> None:
+    async def _send(self, slug: str, body: bytes, meta: RequestMeta) -> int:
         timeout_s = _publish_timeout_s(meta)
         try:
-            await self._js.publish(
+            ack = await self._js.publish(
                 bus.request_subject(slug, meta.priority), body, timeout=timeout_s, headers=meta.headers()
             )
             self._answered()
+            return int(ack.seq)
         except APIError as exc:
             if meta.blob:  # not queued: no box will read or delete its body
                 await self._blobs.delete(meta.blob)
@@ -178,6 +184,15 @@ class Publisher:
             error = self._unanswered(meta, timeout_s if isinstance(exc, NatsTimeout) else _PUBLISH_TIMEOUT_S)
             await self.cancel(meta.id, why="expired" if isinstance(error, GatewayTimeout) else "abandoned")
             raise error from None
+
+    async def queued(self, seq: int, request_id: str) -> bool:
+        """Whether message `seq` of the request stream is still `request_id`'s: not acked yet (waiting, or held by a
+        box). False where it cannot tell (NATS away): publishing again costs a duplicate, never an answer."""
+        try:
+            msg = await self._js.get_msg(bus.REQUEST_STREAM, seq)
+        except NatsError:  # not found (acked, or a stream made anew since) or not answered
+            return False
+        return bool(msg.headers) and msg.headers.get(ID) == request_id
 
     def _answered(self) -> None:
         """The stream answered a publish: it is not stalled, and the breaker closes."""

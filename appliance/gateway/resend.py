@@ -34,6 +34,9 @@ class _Sent:
     body: bytes
     meta: RequestMeta
     epoch: int  # the gateway's count of cuts from NATS when it was published
+    at: float  # monotonic, when it was published
+    again: bool  # a copy published again (`RequestMeta.copy`)
+    seq: int  # its message's sequence in the request stream
 
 
 class Resender:
@@ -68,10 +71,10 @@ class Resender:
 
     async def publish(self, spec: ModelSpec, body: bytes, meta: RequestMeta, *, again: bool = False) -> None:
         """Queue a request, and keep what `queue_lost` needs to publish it again while it is awaited."""
-        sent = _Sent(spec, body, meta, self._epoch)
-        await self._publisher.publish(spec.slug, body, meta, again=again)
+        epoch, at = self._epoch, time.monotonic()
+        seq = await self._publisher.publish(spec.slug, body, meta, again=again)
         if self._awaited(meta.id):  # still awaited: its client has not gone
-            self._sent[meta.id] = sent
+            self._sent[meta.id] = _Sent(spec, body, meta, epoch, at, again, seq)
 
     def forget(self, request_id: str) -> None:
         """Its client has its answer, or went away."""
@@ -86,13 +89,49 @@ class Resender:
         """The request stream was made anew: what this gateway published before its last cut from NATS is gone with
         the old one. Each such request still unstarted is published again under its id, where it waited its whole
         deadline for a 504 (146 of 200 in the fleet tester's run, with the boxes back within a second)."""
+        lost = [sent for sent in self._sent.values() if sent.epoch < self._epoch]
+        self._publish_all_again(lost, "request queue made anew; publishing again what it lost")
+
+    def lapsed(self, lapsed_s: float, settle_s: float) -> None:
+        """This gateway's heartbeat lapsed for `lapsed_s`, over a TTL (its box frozen, stalled, behind a half-open
+        link, cut off from NATS): the workers may have taken it for gone and let go what it published
+        (`Fleet.gateway_gone`), and its clients waited to their deadline for nothing (review h195). Once every box
+        has heard its heartbeat again (`settle_s`), each request it awaits that no box answered and whose message is
+        gone from the queue (acked: let go) is published again, as a copy no worker lets go (`RequestMeta.copy`); one
+        still queued or held is left be, so a lapse no worker took for gone (a NATS restart with `--durable`) doubles
+        nothing. A generation begun is published again once its answer is silent for `silence_s` (its box let it go),
+        else it is its box's to finish. A copy published since the lapse began (after a reconnect) is not looked at."""
+        began = time.monotonic() - lapsed_s
+        lapsed = [sent for sent in self._sent.values() if not (sent.again and sent.at >= began)]
+        self._republishes.spawn(self._publish_again_if_let_go(lapsed, lapsed_s, settle_s))
+
+    async def _publish_again_if_let_go(self, lapsed: list[_Sent], lapsed_s: float, settle_s: float) -> None:
+        await asyncio.sleep(settle_s)
+        let_go: list[_Sent] = []
+        lost_at = time.monotonic()
+        for sent in lapsed:
+            request_id = sent.meta.id
+            if not self._awaited(request_id) or self._sent.get(request_id) is not sent:  # answered, or published again
+                continue
+            if not self._unstarted(request_id):
+                self._republishes.spawn(self._publish_again_if_silent(sent, lost_at))
+            elif not await self._publisher.queued(sent.seq, request_id):
+                let_go.append(sent)
+        level = logging.WARNING if let_go else logging.INFO
+        log.log(level, f"heartbeat lapsed for {lapsed_s:.1f} s; publishing again what was let go meanwhile",
+                extra={"requests": len(let_go), "awaited": len(lapsed)})  # fmt: skip
+        for sent in let_go:
+            if self._awaited(sent.meta.id) and self._unstarted(sent.meta.id):
+                self._republishes.spawn(self._publish_again(sent))
+
+    def _publish_all_again(self, lost: list[_Sent], why: str) -> None:
+        """Publish `lost` again: one unstarted at once, a begun generation once silent (`_publish_again_if_silent`)."""
         unstarted: list[_Sent] = []
-        begun: list[_Sent] = []  # its box's to finish, unless it died with the queue
-        for sent in self._sent.values():
-            if sent.epoch < self._epoch:
-                (unstarted if self._unstarted(sent.meta.id) else begun).append(sent)
+        begun: list[_Sent] = []  # its box's to finish, unless it died with the queue (or let it go)
+        for sent in lost:
+            (unstarted if self._unstarted(sent.meta.id) else begun).append(sent)
         if unstarted:
-            log.warning("request queue made anew; publishing again what it lost", extra={"requests": len(unstarted)})
+            log.warning(why, extra={"requests": len(unstarted)})
         for sent in unstarted:
             self._republishes.spawn(self._publish_again(sent))
         lost_at = time.monotonic()
