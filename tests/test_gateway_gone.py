@@ -315,3 +315,78 @@ async def test_a_lapse_publishes_nothing_again_that_is_still_queued_and_a_copy_h
             assert response.status == 200, await response.text()
     finally:
         sent.cancel()
+
+
+class _Relay:
+    """A TCP relay between one box and the nats-server, that can be cut: that box cut off from NATS while the rest of
+    the fleet is not (a network partition, a long pause), as no signal to the shared server can make it."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream_port = upstream_port
+        self._open: set[asyncio.StreamWriter] = set()
+        self._cut = False
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._cut:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream_port)
+        self._open |= {writer, up_writer}
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self._cut = True
+        for writer in self._open:
+            writer.close()
+        self._open.clear()
+
+    def mend(self) -> None:
+        self._cut = False
+
+    def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_a_gateway_cut_off_long_enough_to_be_taken_for_gone_publishes_again_what_was_let_go(
+    start_box, nats_server, http
+) -> None:
+    """Review of h194's change: a gateway cut off from NATS (here, it alone: the rest of the fleet is not) for longer
+    than the workers wait to take it for gone has its request's reply given up and acked; back on NATS, its client
+    waited to its deadline for nothing. Its first heartbeat written after the cut, over a TTL after the last, has it
+    publish again what was let go meanwhile: answered."""
+    relay = _Relay(int(nats_server.url.rsplit(":", 1)[1]))
+    gateway = await start_box(role="gateway", box_id="cut-off", nats=await relay.start(), default_model=False,
+                              models=[noop_model(cost_ms=4_000)], **_FAST_FLEET)  # fmt: skip
+    worker = await start_box(role="worker", box_id="w", default_model=False, models=[noop_model(cost_ms=4_000)],
+                             **_FAST_FLEET)  # fmt: skip
+    try:
+        body = {"model": "noop", "input": "x", "timeout": 25}
+        answer = asyncio.create_task(http.post(url(gateway, "/v1/embeddings"), json=body))
+        await wait_for(lambda: bool(worker.workers["noop"].batcher._in_flight), what="the request on the device")
+        relay.cut()
+        await _comes_to_nothing_held(worker, bus.consumer_name("noop"))  # let go: the gateway taken for gone
+        relay.mend()
+        async with await answer as response:
+            assert response.status == 200, await response.text()
+        computed = worker.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"})
+        assert computed == 2  # the first, whose reply was given up, then its copy
+    finally:
+        relay.close()
