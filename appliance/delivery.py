@@ -277,6 +277,15 @@ class Cancellations:
         elif self._ids.get(request_id) == "gateway_gone":
             del self._ids[request_id]
 
+    def still_cancelled(self, meta: RequestMeta, gateway_gone: GatewayGone) -> bool:
+        """Whether a request cancelled while it was being prepared (its blob read, its adapter loaded) stays so once
+        prepared: not one cancelled only as its gateway was gone, if that gateway is heard again. Back, it found the
+        message still held here, published no copy, and awaits this answer: dropped, its client had a 504 at its
+        deadline (review h202)."""
+        if self._ids.get(meta.id) == "gateway_gone" and not forsaken(meta, gateway_gone):
+            del self._ids[meta.id]
+        return self.contains(meta.id)
+
     def letting_go(self, meta: RequestMeta) -> bool:
         """Whether `meta` is a copy its gateway published again (`RequestMeta.copy`) of a request this box is letting
         go as its gateway's (`gateway_gone`): taken in the held one's place, the let-go would ack the copy. The

@@ -198,7 +198,7 @@ class GenerationIntake:
             msg = self._held.preparing.pop(meta.id, msg)  # the copy it holds now (`on_message` may have taken another)
         self._held.generating(Stream(meta, msg, adapter=loaded))
         self._decoding.wake()
-        if self._cancelled.contains(meta.id):  # cancelled while it was being prepared
+        if self._cancelled.still_cancelled(meta, self._gateway_gone):  # cancelled while it was being prepared
             self._cancel(meta.id, why=self._cancelled.why(meta.id))
 
     async def _hold_adapter(self, meta: RequestMeta, msg: Msg) -> AdapterHold:

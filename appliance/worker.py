@@ -384,7 +384,7 @@ class ModelWorker:
     def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
         msg = self._current(meta.id, msg)
         self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
-        if self._cancelled.contains(meta.id):  # cancelled while its body was being prepared
+        if self._cancelled.still_cancelled(meta, self._gateway_gone):  # cancelled while its body was being prepared
             self._let_go(meta.id)
             self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))  # as a cancel of one held or queued is
             self._spawn(self._blobs.ack(msg, meta.blob))

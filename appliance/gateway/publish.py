@@ -22,7 +22,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from appliance import bus
 from appliance.blobs import Blobs
@@ -185,13 +185,16 @@ class Publisher:
             await self.cancel(meta.id, why="expired" if isinstance(error, GatewayTimeout) else "abandoned")
             raise error from None
 
-    async def queued(self, seq: int, request_id: str) -> bool:
+    async def queued(self, seq: int, request_id: str) -> bool | None:
         """Whether message `seq` of the request stream is still `request_id`'s: not acked yet (waiting, or held by a
-        box). False where it cannot tell (NATS away): publishing again costs a duplicate, never an answer."""
+        box). None where it cannot tell (the stream not answering, a failover): taken for gone, each request still
+        queued would be published twice, and its client failed where that copy was not taken (review h202)."""
         try:
             msg = await self._js.get_msg(bus.REQUEST_STREAM, seq)
-        except NatsError:  # not found (acked, or a stream made anew since) or not answered
+        except NotFoundError:  # acked, or a stream made anew since
             return False
+        except NatsError:
+            return None
         return bool(msg.headers) and msg.headers.get(ID) == request_id
 
     def _answered(self) -> None:

@@ -25,6 +25,9 @@ from appliance.tasks import Background
 
 log = logging.getLogger(__name__)
 
+_CONCURRENT_LOOKS = 32  # looks at the request stream at once after a lapse: thousands awaited need not wait in turn
+_LOOK_AGAIN_S = 1.0  # a look the stream did not answer is made again after this
+
 
 @dataclass(slots=True, frozen=True)
 class _Sent:
@@ -107,22 +110,39 @@ class Resender:
 
     async def _publish_again_if_let_go(self, lapsed: list[_Sent], lapsed_s: float, settle_s: float) -> None:
         await asyncio.sleep(settle_s)
-        let_go: list[_Sent] = []
         lost_at = time.monotonic()
+        unstarted: list[_Sent] = []
         for sent in lapsed:
-            request_id = sent.meta.id
-            if not self._awaited(request_id) or self._sent.get(request_id) is not sent:  # answered, or published again
+            if not self._first_awaited(sent):  # answered, or published again
                 continue
-            if not self._unstarted(request_id):
+            if self._unstarted(sent.meta.id):
+                unstarted.append(sent)
+            else:
                 self._republishes.spawn(self._publish_again_if_silent(sent, lost_at))
-            elif not await self._publisher.queued(sent.seq, request_id):
-                let_go.append(sent)
+        looks = asyncio.Semaphore(_CONCURRENT_LOOKS)
+        let_go = sum(await asyncio.gather(*(self._publish_again_once_let_go(sent, looks) for sent in unstarted)))
         level = logging.WARNING if let_go else logging.INFO
-        log.log(level, f"heartbeat lapsed for {lapsed_s:.1f} s; publishing again what was let go meanwhile",
-                extra={"requests": len(let_go), "awaited": len(lapsed)})  # fmt: skip
-        for sent in let_go:
-            if self._awaited(sent.meta.id) and self._unstarted(sent.meta.id):
-                self._republishes.spawn(self._publish_again(sent))
+        log.log(level, f"heartbeat lapsed for {lapsed_s:.1f} s; published again what was let go meanwhile",
+                extra={"requests": let_go, "awaited": len(lapsed)})  # fmt: skip
+
+    async def _publish_again_once_let_go(self, sent: _Sent, looks: asyncio.Semaphore) -> bool:
+        """Publish `sent` again if its message is gone from the queue (acked: let go), looking until the stream says
+        so or its client has its answer: a look the stream does not answer tells nothing (review h202). Whether it
+        was published again."""
+        while self._first_awaited(sent) and self._unstarted(sent.meta.id):
+            async with looks:
+                queued = await self._publisher.queued(sent.seq, sent.meta.id)
+            if queued is False:
+                await self._publish_again(sent)
+                return True
+            if queued:
+                return False
+            await asyncio.sleep(_LOOK_AGAIN_S)
+        return False
+
+    def _first_awaited(self, sent: _Sent) -> bool:
+        """Whether `sent` is still awaited, as it was published (not since published again)."""
+        return self._awaited(sent.meta.id) and self._sent.get(sent.meta.id) is sent
 
     def _publish_all_again(self, lost: list[_Sent], why: str) -> None:
         """Publish `lost` again: one unstarted at once, a begun generation once silent (`_publish_again_if_silent`)."""

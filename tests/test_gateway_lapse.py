@@ -1,0 +1,188 @@
+"""A gateway taken for gone while it lived, and heard again: what the workers let go is published again, and only
+that (issue 6, review h202).
+
+A request still being prepared when its gateway is taken for gone is computed once that gateway is heard again (it
+found the message held, and published no copy); a look at the request stream that is not answered tells nothing, so
+nothing is published again on it, and it is made again until the stream says. Real nats-server and boxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import nats
+import nats.errors
+
+from appliance import bus
+from appliance.delivery import Cancellations
+from appliance.envelope import RequestMeta
+from appliance.settings import ModelEntry
+from tests.conftest import hold, noop_model, url, wait_for
+
+_FAST_FLEET = {"heartbeat_s": 0.2, "heartbeat_ttl_s": 1.0, "ack_wait_s": 1.5}  # a lapse judged within ~2 s
+
+
+def _meta(request_id: str, *, reply: str = "fbx.reply.gw", copy: int = 0) -> RequestMeta:
+    return RequestMeta(
+        id=request_id, task="embed", model="noop", reply=reply, deadline_ms=10**13, sent_ms=10**12, copy=copy
+    )
+
+
+def test_a_cancel_only_for_a_gone_gateway_is_lifted_once_that_gateway_is_heard_again() -> None:
+    cancelled = Cancellations()
+    cancelled.add("r1", why="gateway_gone")
+    assert cancelled.still_cancelled(_meta("r1"), lambda reply: True)  # still gone: dropped
+    assert not cancelled.still_cancelled(_meta("r1"), lambda reply: False)  # heard again: computed
+    assert not cancelled.contains("r1")
+    cancelled.add("r2", why="gone")  # its client went away: whatever its gateway is
+    assert cancelled.still_cancelled(_meta("r2"), lambda reply: False)
+    assert not cancelled.still_cancelled(_meta("r3"), lambda reply: True)  # never cancelled
+
+
+async def test_a_request_being_prepared_when_its_gateway_was_taken_for_gone_is_answered_once_it_is_heard_again(
+    start_box, http, caplog
+) -> None:
+    """Review h202: a held request still being prepared (here its body read from the object store, held back) when
+    the worker takes its gateway for gone was dropped once prepared, whenever that was. Prepared after the gateway
+    came back and looked (it found the message held, so published no copy), its client had a 504 at its deadline.
+    Seen failing so: 504 after 12 s."""
+    caplog.set_level(logging.INFO, logger="appliance.gateway.resend")
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()], "blob_threshold": 2048}
+    worker = await start_box(role="worker", box_id="wk", **settings)
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.fleet is not None and worker.fleet is not None
+    noop = worker.workers["noop"]
+    read = asyncio.Event()
+    blobs = noop._blobs
+
+    class HeldBackBlobs:
+        """The worker's object store, its reads held back until `read` is set: a long preparation."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(blobs, name)
+
+        async def get(self, key: str) -> bytes:
+            await read.wait()
+            return await blobs.get(key)
+
+    noop._blobs = HeldBackBlobs()
+
+    async def no_beat() -> None:
+        return None
+
+    sent = asyncio.ensure_future(
+        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "word " * 1000, "timeout": 12})
+    )
+    try:
+        await wait_for(lambda: len(noop._held) == 1, what="the request held, being prepared")
+        (request_id,) = list(noop._held)
+        gateway.fleet.beat = no_beat  # the gateway's box frozen or cut off: no heartbeat written
+        await wait_for(lambda: noop._cancelled.contains(request_id), what="let go as its gateway's")
+        del gateway.fleet.beat  # back: its lapse judged, a TTL waited, the stream looked at
+        await wait_for(lambda: "heartbeat lapsed" in caplog.text, timeout_s=10, what="the lapse judged")
+        assert not worker.fleet.gateway_gone(bus.reply_subject("gw"))
+        read.set()  # prepared after the gateway looked
+        async with await asyncio.wait_for(sent, 30) as response:
+            assert response.status == 200, await response.text()
+    finally:
+        read.set()
+        vars(gateway.fleet).pop("beat", None)
+        sent.cancel()
+
+
+async def test_a_generation_being_admitted_when_its_gateway_was_taken_for_gone_is_answered_once_it_is_heard_again(
+    start_box, http, generator_dir, caplog
+) -> None:
+    """The same for a generation (review h202): one being admitted (its body read, its adapter held, its prompt
+    rendered: here held before its admission runs) when its gateway is taken for gone is generated once that
+    gateway is heard again, not cancelled once admitted. Seen failing with the check as it was: a 504 after 12 s."""
+    caplog.set_level(logging.INFO, logger="appliance.gateway.resend")
+    model = ModelEntry(name="gen", path=generator_dir, task="generate", pinned=True)
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [model]}
+    worker = await start_box(role="worker", box_id="wk", **settings)
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.fleet is not None and worker.fleet is not None
+    gen = worker.workers["gen"]
+    admitting, go_on = hold(gen._intake, "_admit")
+
+    async def no_beat() -> None:
+        return None
+
+    body = {"model": "gen", "prompt": "The quick brown fox", "max_tokens": 4, "timeout": 12}
+    sent = asyncio.ensure_future(http.post(url(gateway, "/v1/completions"), json=body))
+    try:
+        await asyncio.wait_for(admitting.wait(), 20)
+        (request_id,) = list(gen._held.preparing)
+        gateway.fleet.beat = no_beat
+        await wait_for(lambda: gen._cancelled.contains(request_id), what="let go as its gateway's")
+        del gateway.fleet.beat
+        await wait_for(lambda: "heartbeat lapsed" in caplog.text, timeout_s=10, what="the lapse judged")
+        assert not worker.fleet.gateway_gone(bus.reply_subject("gw"))
+        go_on.set()
+        async with await asyncio.wait_for(sent, 30) as response:
+            assert response.status == 200, await response.text()
+            assert (await response.json())["usage"]["completion_tokens"] >= 1
+    finally:
+        go_on.set()
+        vars(gateway.fleet).pop("beat", None)
+        sent.cancel()
+
+
+async def test_a_look_at_the_stream_that_is_not_answered_publishes_nothing_and_is_made_again(
+    start_box, http, nats_server, caplog
+) -> None:
+    """Review h202: a look at the request stream after a lapse that was not answered (a stream leader moving) was
+    taken for "let go": every request still queued was published again, and a client whose copy's publish was not
+    answered either was told 503 though its first was queued. Now nothing is published again on an unanswered look,
+    and the look is made again: once the stream answers that the message is gone, a copy is published and answered.
+    Seen failing on the code before: no second look (the first, unanswered, taken for "let go")."""
+    caplog.set_level(logging.INFO, logger="appliance.gateway.resend")
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.dispatcher is not None and gateway.js is not None
+    js = gateway.js
+    looks: list[int] = []
+    answering = False
+    get_msg = js.get_msg
+
+    async def unanswered_get_msg(*args: Any, **kwargs: Any) -> Any:
+        looks.append(1)
+        if not answering:
+            raise nats.errors.TimeoutError
+        return await get_msg(*args, **kwargs)
+
+    nc = await nats.connect(nats_server.url)
+    own = nc.jetstream()
+
+    async def messages() -> int:
+        return (await own.stream_info(bus.REQUEST_STREAM)).state.messages
+
+    async def queued(count: int) -> bool:
+        return await messages() == count
+
+    sent = asyncio.ensure_future(
+        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
+    )
+    try:
+        await wait_for(lambda: queued(1), what="the request queued")
+        js.get_msg = unanswered_get_msg
+        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+        await wait_for(lambda: len(looks) >= 2, what="a look made again")
+        assert await messages() == 1  # nothing published again
+        assert not sent.done()
+        seq = (await own.stream_info(bus.REQUEST_STREAM)).state.first_seq
+        await own.delete_msg(bus.REQUEST_STREAM, seq)  # let go meanwhile, as a worker that took it for gone acks it
+        answering = True
+        await wait_for(lambda: queued(1), what="its copy queued")
+        copy = await own.get_msg(bus.REQUEST_STREAM, (await own.stream_info(bus.REQUEST_STREAM)).state.last_seq)
+        assert RequestMeta.from_headers(copy.headers).copy == 1
+        await start_box(role="worker", box_id="wk", **settings)
+        async with await asyncio.wait_for(sent, 20) as response:
+            assert response.status == 200, await response.text()
+        assert "published again what was let go" in caplog.text
+    finally:
+        vars(js).pop("get_msg", None)
+        sent.cancel()
+        await nc.close()
