@@ -187,7 +187,9 @@ class Box:
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
         await self._control.start()
         await self.nc.subscribe(bus.cancel_subject(), cb=self.workers.on_cancel)
-        self._dead_letters = DeadLetterWatch(self.box_id, self.nc, self.js, self.blobs, self.metrics.dead_lettered)
+        self._dead_letters = DeadLetterWatch(
+            self.box_id, self.nc, self.js, self.blobs, self.metrics.dead_lettered, self.fleet.gateway_gone
+        )
         await self._dead_letters.start()
         if s.runs_models:
             await self.workers.serve_pinned()

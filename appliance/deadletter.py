@@ -28,7 +28,7 @@ from prometheus_client import Counter
 
 from appliance import bus
 from appliance.blobs import Blobs
-from appliance.delivery import deliver_reply, retry_delay_s
+from appliance.delivery import GatewayGone, deliver_reply, never_gone, retry_delay_s
 from appliance.envelope import BLOB, ReplyMeta, RequestMeta
 from appliance.errors import Unprocessable
 from appliance.tasks import Background
@@ -98,13 +98,21 @@ async def _body_to_keep(
 
 
 async def tell_dead_lettered(
-    nc: NATS, meta: RequestMeta, *, deliveries: int, reason: str, box_id: str, give_up: Callable[[], bool]
+    nc: NATS,
+    meta: RequestMeta,
+    *,
+    deliveries: int,
+    reason: str,
+    box_id: str,
+    give_up: Callable[[], bool],
+    gateway_gone: GatewayGone = never_gone,
 ) -> bool:
-    """Tell a dead-lettered request's client until its gateway confirms it: False if `give_up()` said stop first
-    (the box is stopping), when the request must not be settled as if its client knew."""
+    """Tell a dead-lettered request's client until its gateway confirms it, or is known gone (`GatewayGone`: nobody
+    to tell; told again every 0.25 s to its deadline, review h202): False if `give_up()` said stop first (the box is
+    stopping), when the request must not be settled as if its client knew."""
     error = dead_letter_error(meta, deliveries, reason)
     reply = ReplyMeta.for_error(meta.id, error, box_id)
-    return await deliver_reply(nc, meta, error.to_json(), reply.headers(), give_up)
+    return await deliver_reply(nc, meta, error.to_json(), reply.headers(), give_up, gateway_gone=gateway_gone)
 
 
 class DeadLetters:
@@ -120,8 +128,10 @@ class DeadLetters:
         dead_lettered: Counter,
         *,
         stopping: Callable[[], bool],
+        gateway_gone: GatewayGone = never_gone,
     ) -> None:
         self._box_id = box_id
+        self._gateway_gone = gateway_gone
         self._nc = nc
         self._js = js
         self._blobs = blobs
@@ -143,7 +153,13 @@ class DeadLetters:
         if not kept:
             blob = None  # the dead letter kept before may not carry the body: its blob is left to the bucket's TTL
         told = await tell_dead_lettered(
-            self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=self._stopping
+            self._nc,
+            meta,
+            deliveries=deliveries,
+            reason=reason,
+            box_id=self._box_id,
+            give_up=self._stopping,
+            gateway_gone=self._gateway_gone,
         )
         if not told:
             # The box is stopping with its client not told: past its last delivery, JetStream's max-deliveries
@@ -167,8 +183,17 @@ class DeadLetterWatch:
     a reply waiting for its gateway's confirmation would hold up every other advisory.
     """
 
-    def __init__(self, box_id: str, nc: NATS, js: JetStreamContext, blobs: Blobs, dead_lettered: Counter) -> None:
+    def __init__(
+        self,
+        box_id: str,
+        nc: NATS,
+        js: JetStreamContext,
+        blobs: Blobs,
+        dead_lettered: Counter,
+        gateway_gone: GatewayGone = never_gone,
+    ) -> None:
         self._box_id = box_id
+        self._gateway_gone = gateway_gone
         self._nc = nc
         self._js = js
         self._blobs = blobs
@@ -238,7 +263,13 @@ class DeadLetterWatch:
         if await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason):
             removed.kept_blob = blob
         told = await tell_dead_lettered(
-            self._nc, meta, deliveries=deliveries, reason=reason, box_id=self._box_id, give_up=lambda: self._stopping
+            self._nc,
+            meta,
+            deliveries=deliveries,
+            reason=reason,
+            box_id=self._box_id,
+            give_up=lambda: self._stopping,
+            gateway_gone=self._gateway_gone,
         )
         if not told:
             # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.

@@ -159,8 +159,8 @@ class Fleet:
         if self._kv is None or self._snapshot is None or not self._beating:  # not before `_take_id` judged no twin
             return
         async with self._beat_lock:  # one write at a time: each over the last
-            record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
-            try:
+            try:  # a record that cannot be made is a failed beat too, not the end of the beats (review h202)
+                record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
                 self._revision = await self._write(record)
             except Conflict as exc:
                 self._beating = False  # nor its stop deletes the other box's record

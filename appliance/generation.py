@@ -106,7 +106,14 @@ class GenerateWorker:
         )
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         dead_letters = DeadLetters(
-            box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._stopping
+            box_id,
+            nc,
+            js,
+            blobs,
+            settings.max_deliver,
+            dead_lettered,
+            stopping=lambda: self._stopping,
+            gateway_gone=gateway_gone,
         )
         self._replies = GenerationReplies(
             box_id,

@@ -17,6 +17,7 @@ class Hearing:
         self._ttl_s = ttl_s
         self._at: dict[str, float] = {}  # box -> monotonic arrival of its last record here
         self._since: float | None = None  # monotonic: since when the watch runs; None while it is (re)made
+        self._pruned_at = time.monotonic()
 
     def watch_begins(self) -> None:
         """The watch is being made afresh (a start, a reconnect): nobody is known gone from it yet."""
@@ -28,7 +29,18 @@ class Hearing:
 
     def heard(self, box: str) -> None:
         """A record of `box` reached this box."""
-        self._at[box] = time.monotonic()
+        now = self._at[box] = time.monotonic()
+        if now - self._pruned_at > 2 * self._ttl_s:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Forget boxes not heard for over twice the TTL: `gone` judges them the same from `_since` (the watch ran
+        that long, or nobody is judged yet), and a fleet whose gateways restart under new ids kept one entry for each
+        id ever seen (review h202)."""
+        self._pruned_at = now
+        judged_s = 2 * self._ttl_s
+        for box in [box for box, at in self._at.items() if now - at > judged_s and box != self._box_id]:
+            del self._at[box]
 
     def gone(self, box: str) -> bool:
         """Whether `box` is known gone: no record of it arrived for over twice the TTL, from a sound view."""

@@ -128,7 +128,14 @@ class ModelWorker:
         )
         dead_lettered = metrics.dead_lettered.labels(spec.name)
         dead_letters = DeadLetters(
-            box_id, nc, js, blobs, settings.max_deliver, dead_lettered, stopping=lambda: self._draining
+            box_id,
+            nc,
+            js,
+            blobs,
+            settings.max_deliver,
+            dead_lettered,
+            stopping=lambda: self._draining,
+            gateway_gone=gateway_gone,
         )
         self._replies = WorkerReplies(
             box_id,

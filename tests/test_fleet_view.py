@@ -122,3 +122,33 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
             nats_server.process.send_signal(signal.SIGCONT)
         await fleet.stop()
         await nc.close()
+
+
+async def test_a_heartbeat_whose_record_cannot_be_made_is_a_failed_beat_not_the_end_of_the_beats(nats_server) -> None:
+    """Review h202: a record that raised while it was made ended the heartbeat task for good, the box serving on with
+    no heartbeat, so the workers took its gateway for gone and dropped every request it published."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    kv = await open_boxes_bucket(js, ttl_s=2)
+    broken = [True]
+
+    def snapshot() -> dict[str, Any]:
+        if broken[0]:
+            raise RuntimeError("a status field not read")
+        return {"role": "gateway", "started": 1.0}
+
+    fleet = Fleet(js, "gw", lambda: {"role": "gateway", "started": 1.0}, period_s=0.1, ttl_s=2)
+    await fleet.start()
+    try:
+        fleet._snapshot = snapshot
+        await asyncio.sleep(0.3)  # beats fail meanwhile
+        broken[0] = False
+        written_at = time.time()
+
+        async def written_again() -> bool:
+            return orjson.loads((await kv.get("gw")).value)["ts"] > written_at
+
+        await wait_for(written_again, timeout_s=5, what="a heartbeat written after the failed ones")
+    finally:
+        await fleet.stop()
+        await nc.close()

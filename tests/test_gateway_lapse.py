@@ -16,6 +16,7 @@ import nats
 import nats.errors
 
 from appliance import bus
+from appliance.deadletter import tell_dead_lettered
 from appliance.delivery import Cancellations
 from appliance.envelope import RequestMeta
 from appliance.settings import ModelEntry
@@ -185,4 +186,19 @@ async def test_a_look_at_the_stream_that_is_not_answered_publishes_nothing_and_i
     finally:
         vars(js).pop("get_msg", None)
         sent.cancel()
+        await nc.close()
+
+
+async def test_a_dead_letter_whose_gateway_is_gone_is_not_told_to_its_deadline(nats_server) -> None:
+    """Review h202: a dead-lettered request's client was told again every 0.25 s to its deadline (300 s for a
+    generation) when its gateway's box was gone, the message held unacked meanwhile. Known gone, it is given up at
+    once, as a plain reply is (`deliver_reply`)."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        meta = _meta("r1", reply=bus.reply_subject("gw-dead"))  # nobody listens there
+        told = tell_dead_lettered(
+            nc, meta, deliveries=5, reason="boom", box_id="wk", give_up=lambda: False, gateway_gone=lambda reply: True
+        )
+        assert await asyncio.wait_for(told, 10)
+    finally:
         await nc.close()
