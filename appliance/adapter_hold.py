@@ -79,6 +79,13 @@ async def hold_adapter(
     except NotFound:  # its gateway resolved it (one it does not know is its own 404): deleted since it was sent
         if waits:
             raise RegistrationNotHeard(name) from None
+        if not sent_for:  # a config file's (no registration said): this box's may not list it (review h201)
+            raise NotFound(
+                f"adapter {name!r} is not in the catalog of the box that took this request: deleted while it waited, "
+                "or a config file's adapter that this box's config file does not list (list it on every box that "
+                "serves its base model)",
+                code="model_not_found",
+            ) from None
         raise adapter_deleted(name) from None
     if sent_for and adapter.registered_ms != sent_for:
         # Not the registration its gateway resolved: its requests share its base's queue, which a deletion cannot

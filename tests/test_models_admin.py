@@ -21,7 +21,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError
 
 from appliance import bus, pin_fits, registration
-from appliance.adapter_hold import hold_adapter
+from appliance.adapter_hold import NOT_HEARD_DELIVERIES, hold_adapter
 from appliance.box_status import heartbeat
 from appliance.bus import model_slug
 from appliance.catalog import Batching, Catalog, ModelChange, ModelSpec
@@ -678,8 +678,17 @@ async def test_a_request_whose_adapter_was_deleted_before_a_worker_took_it_is_to
     base = ModelSpec("rr", "rr", Task.EMBED, RuntimeKind.TORCH, encoder_dir, batching)
     kept = replace(base, name="rr:a1", slug="rr-a1", path=adapter_dirs[Task.EMBED], adapter_of="rr")
     with pytest.raises(NotFound, match=r"^adapter 'rr:a2' was deleted while this request waited for it$") as caught:
-        meta = RequestMeta(id="r", task="embed", model="rr", reply="x", deadline_ms=0, sent_ms=0, adapter="rr:a2")
-        await hold_adapter(Catalog([base, kept]), None, base, meta)  # type: ignore[arg-type]
+        meta = RequestMeta(
+            id="r",
+            task="embed",
+            model="rr",
+            reply="x",
+            deadline_ms=0,
+            sent_ms=0,
+            adapter="rr:a2",
+            adapter_registered_ms=1,
+        )  # its gateway resolved a registration (not a config file's): past the deliveries it waits for it, deleted
+        await hold_adapter(Catalog([base, kept]), None, base, meta, deliveries=NOT_HEARD_DELIVERIES)  # type: ignore[arg-type]
     assert caught.value.code == "model_not_found"
 
 
