@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from datetime import datetime
 from typing import Literal
 
@@ -43,15 +43,34 @@ def never_gone(reply: str) -> bool:
     return False
 
 
-def forsaken(held: Msg | RequestMeta, gateway_gone: GatewayGone) -> bool:
-    """Whether a request held (its message, or its meta) is let go as its gateway is gone (`GatewayGone`): never a
-    copy its gateway published again (`RequestMeta.copy`), as its heartbeat came back and before this box may have
-    heard it."""
-    try:
-        meta = held if isinstance(held, RequestMeta) else RequestMeta.from_headers(held.headers)
-    except ValueError:
-        return False
-    return not meta.copy and gateway_gone(meta.reply)
+class Forsaken:
+    """Which requests held here are let go as their gateway's box is gone (`GatewayGone`). A copy its gateway
+    published again (`RequestMeta.copy`) only once that gateway has stayed gone for `grace_s` while it was held: it
+    was published as the gateway's heartbeat came back, and this box may not have heard that yet; never let go, the
+    copies of a gateway that lapsed, came back and then died for good were computed in full (review h202)."""
+
+    def __init__(self, gateway_gone: GatewayGone, grace_s: float) -> None:
+        self._gateway_gone = gateway_gone
+        self._grace_s = grace_s
+        self._copies_gone_at: dict[str, float] = {}  # a held copy's id -> monotonic, first judged with its gateway gone
+
+    def __call__(self, held: Msg | RequestMeta) -> bool:
+        try:
+            meta = held if isinstance(held, RequestMeta) else RequestMeta.from_headers(held.headers)
+        except ValueError:
+            return False
+        if not self._gateway_gone(meta.reply):
+            self._copies_gone_at.pop(meta.id, None)
+            return False
+        if not meta.copy:
+            return True
+        now = time.monotonic()
+        return now - self._copies_gone_at.setdefault(meta.id, now) > self._grace_s
+
+    def held_now(self, request_ids: Collection[str]) -> None:
+        """Forget the copies no longer held (answered, let go, handed back): the ids of those that are."""
+        if self._copies_gone_at:
+            self._copies_gone_at = {i: at for i, at in self._copies_gone_at.items() if i in request_ids}
 
 
 def gone_at_intake(meta: RequestMeta, msg: Msg, gateway_gone: GatewayGone) -> bool:
@@ -282,7 +301,7 @@ class Cancellations:
         prepared: not one cancelled only as its gateway was gone, if that gateway is heard again. Back, it found the
         message still held here, published no copy, and awaits this answer: dropped, its client had a 504 at its
         deadline (review h202)."""
-        if self._ids.get(meta.id) == "gateway_gone" and not forsaken(meta, gateway_gone):
+        if self._ids.get(meta.id) == "gateway_gone" and not gateway_gone(meta.reply):
             del self._ids[meta.id]
         return self.contains(meta.id)
 

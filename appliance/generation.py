@@ -70,6 +70,7 @@ class GenerateWorker:
         self.box_id = box_id
         self._cancelled = cancelled
         self._gateway_gone = gateway_gone  # its requests are cancelled: nobody awaits their answers (tester h190)
+        self._forsaken = delivery.Forsaken(gateway_gone, grace_s=2 * settings.heartbeat_ttl_s)
         self._queue_epoch = queue_epoch or QueueEpoch()
         self._hand_back = HandBack(nc, settings.max_deliver, self._queue_epoch, ack_wait_s=settings.ack_wait_s)
         self._stopping = False  # draining: a reply no gateway takes is handed back instead of retried
@@ -223,12 +224,13 @@ class GenerateWorker:
         (`GenerationIntake`). A last chunk no gateway takes is given up (`deliver_reply`). Box A generated two answers
         for a gateway SIGKILLed, then the two it had held, redelivered, in full, and sent each last chunk again every
         0.25 s, unacked in the backlog, until the deadline, 300 s (tester h190)."""
+        self._forsaken.held_now(self._held.streams.keys() | self._held.preparing.keys())
         for request_id, stream in list(self._held.streams.items()):
-            if delivery.forsaken(stream.meta, self._gateway_gone):
+            if self._forsaken(stream.meta):
                 self._cancelled.add(request_id, why="gateway_gone")
                 self.cancel(request_id, why="gateway_gone")
         for request_id, msg in list(self._held.preparing.items()):
-            if delivery.forsaken(msg, self._gateway_gone):
+            if self._forsaken(msg):
                 self._cancelled.add(request_id, why="gateway_gone")
 
     def adapters_retired(self) -> None:

@@ -34,12 +34,12 @@ from appliance.delivery import (
     LET_GO_WAIT_S,
     Cancellations,
     CancelWhy,
+    Forsaken,
     GatewayGone,
     HandBack,
     LocalReply,
     QueueEpoch,
     another_copy,
-    forsaken,
     gone_at_intake,
     keep_alive,
     keeps_held,
@@ -89,6 +89,7 @@ class ModelWorker:
         self.spec = spec
         self._cancelled = cancelled
         self._gateway_gone = gateway_gone  # its requests are cancelled: nobody awaits their answers (tester h190)
+        self._forsaken = Forsaken(gateway_gone, grace_s=2 * settings.heartbeat_ttl_s)
         self.runtime = runtime
         self._settings = settings
         self._metrics = metrics
@@ -414,11 +415,12 @@ class ModelWorker:
         """Cancel the requests held here whose gateway's box is gone from the fleet (`GatewayGone`), as a cancel of
         their clients' would: one not computed yet is dropped and acked (one being prepared, once it is: `_submit`);
         a batch on the device finishes, and its reply is given up (`deliver_reply`)."""
+        self._forsaken.held_now(self._held)
         for request_id, held in list(self._held.items()):
             if isinstance(held, Job):
-                gone = not held.done and forsaken(held.meta, self._gateway_gone)
+                gone = not held.done and self._forsaken(held.meta)
             else:
-                gone = forsaken(held, self._gateway_gone)
+                gone = self._forsaken(held)
             if gone:
                 self._cancelled.add(request_id, why="gateway_gone")
                 self.cancel(request_id, why="gateway_gone")

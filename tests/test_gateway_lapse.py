@@ -131,6 +131,61 @@ async def test_a_generation_being_admitted_when_its_gateway_was_taken_for_gone_i
         sent.cancel()
 
 
+async def test_a_copy_whose_gateway_died_after_it_came_back_is_let_go_after_a_grace(start_box, http) -> None:
+    """Review h202: a copy its gateway published again once its heartbeat came back was never let go, so the copies
+    of a gateway that lapsed, came back and then died for good were computed in full. A copy is let go once its
+    gateway has stayed gone for twice the TTL while it was held (not at once: the gateway's fresh heartbeat may not
+    have reached the box when the copy did). Here: a request dropped at intake while its gateway is taken for gone,
+    its copy published when it beats again, held in its body's read, then the gateway silent for good. Seen failing
+    before: the copy not let go."""
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()], "blob_threshold": 2048}
+    worker = await start_box(role="worker", box_id="wk", **settings)
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.fleet is not None and worker.fleet is not None
+    noop = worker.workers["noop"]
+    read = asyncio.Event()
+    blobs = noop._blobs
+
+    class HeldBackBlobs:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(blobs, name)
+
+        async def get(self, key: str) -> bytes:
+            await read.wait()
+            return await blobs.get(key)
+
+    noop._blobs = HeldBackBlobs()
+
+    def cancelled() -> float:
+        return worker.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "noop"}) or 0.0
+
+    async def no_beat() -> None:
+        return None
+
+    gateway.fleet.beat = no_beat
+    sent = None
+    try:
+        await wait_for(lambda: worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway taken for gone")
+        body = {"model": "noop", "input": "word " * 1000, "timeout": 30}
+        sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json=body))
+        await wait_for(lambda: cancelled() == 1.0, what="the first dropped at intake")
+        del gateway.fleet.beat  # back: its lapse judged, the first found let go, its copy published
+        await wait_for(lambda: len(noop._held) == 1, timeout_s=15, what="its copy held, being prepared")
+        (request_id,) = list(noop._held)
+        assert RequestMeta.from_headers(noop._held[request_id].headers).copy == 1
+        gateway.fleet.beat = no_beat  # gone for good, as the fleet sees it
+        await wait_for(lambda: noop._cancelled.contains(request_id), timeout_s=15, what="the copy let go")
+        read.set()
+        await wait_for(lambda: not noop._held, what="the copy dropped once prepared")
+        assert cancelled() == 2.0
+        assert worker.metrics.registry.get_sample_value("fbx_rows_computed_total", {"model": "noop"}) in (None, 0.0)
+    finally:
+        read.set()
+        vars(gateway.fleet).pop("beat", None)
+        if sent is not None:
+            sent.cancel()
+
+
 async def test_a_look_at_the_stream_that_is_not_answered_publishes_nothing_and_is_made_again(
     start_box, http, nats_server, caplog
 ) -> None:
