@@ -31,6 +31,27 @@ def _meta(request_id: str, *, reply: str = "fbx.reply.gw", copy: int = 0) -> Req
     )
 
 
+def _hold_blob_reads(worker: Any) -> asyncio.Event:
+    """The worker's object store, its reads held back until the event is set: a long preparation."""
+    read = asyncio.Event()
+    blobs = worker._blobs
+
+    class HeldBackBlobs:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(blobs, name)
+
+        async def get(self, key: str) -> bytes:
+            await read.wait()
+            return await blobs.get(key)
+
+    worker._blobs = HeldBackBlobs()
+    return read
+
+
+async def no_beat() -> None:
+    """A `Fleet.beat` that writes nothing: the box frozen or cut off, as the fleet sees it."""
+
+
 def test_a_cancel_only_for_a_gone_gateway_is_lifted_once_that_gateway_is_heard_again() -> None:
     cancelled = Cancellations()
     cancelled.add("r1", why="gateway_gone")
@@ -55,23 +76,7 @@ async def test_a_request_being_prepared_when_its_gateway_was_taken_for_gone_is_a
     gateway = await start_box(role="gateway", box_id="gw", **settings)
     assert gateway.fleet is not None and worker.fleet is not None
     noop = worker.workers["noop"]
-    read = asyncio.Event()
-    blobs = noop._blobs
-
-    class HeldBackBlobs:
-        """The worker's object store, its reads held back until `read` is set: a long preparation."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(blobs, name)
-
-        async def get(self, key: str) -> bytes:
-            await read.wait()
-            return await blobs.get(key)
-
-    noop._blobs = HeldBackBlobs()
-
-    async def no_beat() -> None:
-        return None
+    read = _hold_blob_reads(noop)
 
     sent = asyncio.ensure_future(
         http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "word " * 1000, "timeout": 12})
@@ -108,9 +113,6 @@ async def test_a_generation_being_admitted_when_its_gateway_was_taken_for_gone_i
     gen = worker.workers["gen"]
     admitting, go_on = hold(gen._intake, "_admit")
 
-    async def no_beat() -> None:
-        return None
-
     body = {"model": "gen", "prompt": "The quick brown fox", "max_tokens": 4, "timeout": 12}
     sent = asyncio.ensure_future(http.post(url(gateway, "/v1/completions"), json=body))
     try:
@@ -143,24 +145,10 @@ async def test_a_copy_whose_gateway_died_after_it_came_back_is_let_go_after_a_gr
     gateway = await start_box(role="gateway", box_id="gw", **settings)
     assert gateway.fleet is not None and worker.fleet is not None
     noop = worker.workers["noop"]
-    read = asyncio.Event()
-    blobs = noop._blobs
-
-    class HeldBackBlobs:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(blobs, name)
-
-        async def get(self, key: str) -> bytes:
-            await read.wait()
-            return await blobs.get(key)
-
-    noop._blobs = HeldBackBlobs()
+    read = _hold_blob_reads(noop)
 
     def cancelled() -> float:
         return worker.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "noop"}) or 0.0
-
-    async def no_beat() -> None:
-        return None
 
     gateway.fleet.beat = no_beat
     sent = None
