@@ -551,10 +551,10 @@ async def test_queued_generation_of_a_gone_client_is_never_generated(start_box, 
 
         await wait_for(lambda: _at_least(pending(), 3), what="generations waiting in the queue")
         await wait_for(lambda: box.dispatcher.waiting == 8, what="the eight to be awaited")
-        awaited = set(box.dispatcher._streams)
+        awaited = set(box.dispatcher._waiters._streams)
         gone = asyncio.create_task(http.post(url(box, "/v1/completions"), json=body("gone")))
         await wait_for(lambda: box.dispatcher.waiting == 9, what="the last one to be queued")
-        (gone_id,) = set(box.dispatcher._streams) - awaited
+        (gone_id,) = set(box.dispatcher._waiters._streams) - awaited
         gone.cancel()  # its client disconnects while it waits behind the others
         await wait_for(lambda: box.workers._cancelled.contains(gone_id), what="its cancel to reach the box")
     finally:

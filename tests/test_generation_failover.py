@@ -273,7 +273,9 @@ async def test_a_generation_begun_by_a_box_that_died_with_a_lost_queue_is_publis
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "timeout": 25}
     answer = asyncio.create_task(http.post(url(gateway, "/v1/completions"), json=body))
     await a_box_dies_mid_answer(nats_server.url, ["half an answer from a box that died with the queue"])
-    await wait_for(lambda: any(s.box == "dead-box" for s in gateway.dispatcher._streams.values()), what="chunk 0")
+    await wait_for(
+        lambda: any(s.box == "dead-box" for s in gateway.dispatcher._waiters._streams.values()), what="chunk 0"
+    )
     await nats_server.stop()
     await nats_server.start()  # memory storage: the message the dead box held is gone with the stream
 

@@ -573,8 +573,8 @@ async def a_generation_awaited(start_box, generator_dir, *, timeout_s: float) ->
         spec=gateway.catalog.get("gen"), task="generate", body=b"{}", timeout_s=timeout_s, tokens=1, new_tokens=4
     )
     first = asyncio.create_task(anext(chunks))
-    await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
-    (request_id,) = dispatcher._streams
+    await wait_for(lambda: len(dispatcher._waiters._streams) == 1, what="the generation to be awaited")
+    (request_id,) = dispatcher._waiters._streams
     return dispatcher, chunks, first, request_id
 
 
@@ -597,8 +597,8 @@ async def test_a_generation_past_its_deadline_is_cancelled_as_expired_and_one_le
                 spec=spec, task="generate", body=b"{}", timeout_s=timeout_s, tokens=1, new_tokens=4, asked_timeout_s=1
             )
             first = asyncio.create_task(anext(chunks))
-            await wait_for(lambda: len(dispatcher._streams) == 1, what="the generation to be awaited")
-            (request_id,) = dispatcher._streams
+            await wait_for(lambda: len(dispatcher._waiters._streams) == 1, what="the generation to be awaited")
+            (request_id,) = dispatcher._waiters._streams
             try:
                 if expected:  # no box answers it: its deadline passes
                     with pytest.raises(GatewayTimeout, match="deadline of 1s"):  # as asked, not what was left
@@ -669,9 +669,9 @@ async def test_a_handed_back_generation_whose_new_first_chunk_is_lost_too_is_not
     start the answer over; when that one is lost as well (the same failover), every later chunk was dropped and the
     client waited out its 300 s deadline for a 504 while a box generated the answer for nobody. Past a bound it is
     told the chunk was lost, and the boxes are told to stop."""
-    from appliance.gateway import dispatch
+    from appliance.gateway import waiters
 
-    monkeypatch.setattr(dispatch, "_RESTART_WAIT_S", 0.5)
+    monkeypatch.setattr(waiters, "_RESTART_WAIT_S", 0.5)
     cancels: asyncio.Queue = asyncio.Queue()
     nc = await nats.connect(nats_server.url)
 

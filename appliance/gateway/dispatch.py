@@ -1,27 +1,24 @@
-"""Waiting for the answers to the requests a gateway publishes (`publish.py` puts them on the queue).
+"""Sending a gateway's requests and waiting for their answers (`publish.py` puts them on the queue).
 
-One `Dispatcher` per gateway owns the table of reply waiters: a request's future is resolved by
-the first reply carrying its id; any later reply for the same id (a redelivery computed twice) is
-counted and dropped, so the client gets exactly one answer.
+One `Dispatcher` per gateway takes a request from its handler to its answer: admitted, given its envelope,
+published, awaited within its deadline, its answer's body read back where it went to the object store. The table
+of reply waiters it awaits on is its `Waiters` (`waiters.py`): the first reply carrying a request's id answers it.
 
 Before a request is published, the gateway's admission control (`Admission`, in `admission.py`)
 says whether it may wait at all: a 429 at once, rather than a 504 after its deadline, when it would
 wait too long to start, reckoned with the boxes that hold its model (`Holders`, in `holders.py`).
-The dispatcher tells it of every request awaited and every answer. A streamed answer's chunks are
-stitched into one by its `StreamWaiter` (`replies.py`); what a lost queue took is published again by
+It is told of every request awaited and every answer. What a lost queue took is published again by
 the `Resender` (`resend.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from fractions import Fraction
-from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -32,7 +29,6 @@ from nats.nuid import NUID
 from appliance import bus
 from appliance.blobs import READ_TIMEOUT_S, Blobs
 from appliance.catalog import ModelSpec
-from appliance.delivery import CancelWhy
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import FleetboxError, GatewayTimeout, ServiceUnavailable
 from appliance.gateway.admission import Admission
@@ -41,14 +37,11 @@ from appliance.gateway.model_queue import ModelQueue
 from appliance.gateway.publish import Publisher
 from appliance.gateway.replies import Reply, StreamWaiter
 from appliance.gateway.resend import Resender
+from appliance.gateway.waiters import Waiters
 from appliance.metrics import Metrics
-from appliance.tasks import Background
 
 log = logging.getLogger(__name__)
 _REPLY_READ_LEAST_S = 1.0  # an answer's body read from the object store may take this long past its deadline
-
-_DELETED_GRACE_S = 2.0  # after a model's deletion, what its boxes were computing then is answered within this
-_RESTART_WAIT_S = 20.0  # for a generation handed back after a lost chunk to send its answer's first chunk again
 
 
 def _deadline(timeout_s: float, max_timeout_s: float, *, nats_connected: bool = True) -> GatewayTimeout:
@@ -89,10 +82,7 @@ class Dispatcher:
         self._nc = nc
         self._metrics = metrics
         self._blobs = blobs
-        self._waiters: dict[str, tuple[asyncio.Future[Reply], ModelQueue]] = {}
-        self._none_awaited = asyncio.Event()  # set whenever no request is awaited (a stopping box waits for it)
         self._closed: FleetboxError | None = None  # set by `abandon`: what a request arriving after it is told
-        self._none_awaited.set()
         self._admission = Admission(metrics, max_waiting=max_waiting, max_queue_s=max_queue_s)
         self._holders = Holders(
             self._admission,
@@ -105,18 +95,24 @@ class Dispatcher:
             hears_fleet=hears_fleet,
         )
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
-        self._streams: dict[str, StreamWaiter] = {}
+        self._waiters = Waiters(
+            box_id,
+            metrics,
+            blobs,
+            self._admission,
+            self._publisher,
+            # The resender is made next, told by the waiters which requests are awaited.
+            republish=lambda request_id: self._resender.again(request_id),
+            forget=lambda request_id: self._resender.forget(request_id),
+        )
         self._resender = Resender(
             self._publisher,
-            awaited=self._awaits,
-            unstarted=self._unstarted,
-            fail=self._fail,
-            heard_at=self._heard_at,
+            awaited=self._waiters.awaits,
+            unstarted=self._waiters.unstarted,
+            fail=self._waiters.fail,
+            heard_at=self._waiters.heard_at,
             silence_s=silence_s,
         )
-        # Cancels sent for requests answered without their box, and asks to hand a generation back (`_start_over`).
-        self._cancels = Background("cancels sent")
-        self._dropped_blobs = Background("dropped reply blobs")  # deletes of the bodies of replies dropped
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
 
@@ -142,7 +138,7 @@ class Dispatcher:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters) + len(self._streams)
+        return self._waiters.waiting
 
     def waiting_for(self, model: str) -> int:
         """The requests for `model` (an adapter's count on its base) this gateway awaits: the model list's stats."""
@@ -154,13 +150,7 @@ class Dispatcher:
         Its own worker hands unstarted requests back to the queue as the box stops; other boxes
         compute them and reply here, to clients still connected to this box's HTTP port.
         """
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._none_awaited.wait()
-
-    def _settle(self) -> None:
-        if not self.waiting:
-            self._none_awaited.set()
+        await self._waiters.wait_answered(timeout_s)
 
     async def abandon(self, error: FleetboxError) -> None:
         """Answer every request still awaited with `error` and cancel it fleet-wide: the box is stopping.
@@ -169,70 +159,12 @@ class Dispatcher:
         box computes an answer nobody can be given.
         """
         self._closed = error  # a handler that reaches the queue from now on is answered at once, not left hanging
-        # Every client is answered before any cancel is sent: a publish can wait on a NATS that hangs.
-        awaited = [*self._waiters, *self._streams]
-        for future, _queue in self._waiters.values():
-            if not future.done():
-                future.set_exception(error)
-        for request_id, stream in self._streams.items():
-            stream.queue.put_nowait(self._error_reply(request_id, error))
-        for request_id in awaited:  # answered here, not gone: counted as neither a client gone nor expired (h148)
-            await self._publisher.cancel(request_id, why="abandoned")
+        await self._waiters.abandon(error)
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:
-        """A model was just deleted from the catalog: what this gateway awaits for it and is not answered within
-        `_DELETED_GRACE_S` (a batch running when it was deleted is) gets `error`, and its boxes a cancel. The
-        deletion dropped its queue, so no box would answer the rest before their deadline."""
-        calls = [request_id for queue in self._admission.forget(model) for request_id in queue.waiting]
-        streams = {request_id: s.next_seq for request_id, s in self._streams.items() if s.model == model}
-        if calls or streams:
-            asyncio.get_running_loop().call_later(_DELETED_GRACE_S, self._answer_deleted, calls, streams, error)
-
-    def _answer_deleted(self, calls: list[str], streams: dict[str, int], error: FleetboxError) -> None:
-        """The end of `abandon_model`'s grace: calls still awaited, and streams no chunk reached since, answered."""
-        for request_id in calls:
-            waiter = self._waiters.get(request_id)
-            if waiter is not None and not waiter[0].done():
-                waiter[0].set_exception(error)
-                self._cancel_soon(request_id, why="abandoned")
-        for request_id, next_seq in streams.items():
-            stream = self._streams.get(request_id)
-            if stream is not None and stream.next_seq == next_seq:
-                stream.queue.put_nowait(self._error_reply(request_id, error))
-                self._cancel_soon(request_id, why="abandoned")
-
-    def _error_reply(self, request_id: str, error: FleetboxError) -> Reply:
-        """A final reply this gateway makes up for a stream its box will not answer."""
-        return Reply(ReplyMeta.for_error(request_id, error, self.box_id), error.to_json(), error=error)
-
-    def _cancel_soon(self, request_id: str, box: str | None = None, *, why: CancelWhy = "gone") -> None:
-        self._cancels.spawn(self._publisher.cancel(request_id, box, why=why))
-
-    async def _start_over(self, request_id: str, box: str, lost: Reply) -> None:
-        """A chunk of a streamed answer was lost in transit while `box` still generates it: the box is asked to hand
-        the request back, and whichever box pulls it starts the answer over (`StreamWaiter.stitch`); where it cannot
-        (it finished meanwhile, or is gone), the client is told the chunk was lost."""
-        restarts = stream.restarts if (stream := self._streams.get(request_id)) is not None else 0
-        handed_back, publish_again = await self._publisher.hand_back(request_id, box)
-        if stream is None or self._streams.get(request_id) is not stream:
-            return  # answered meanwhile
-        if not handed_back:
-            if stream.broken and stream.box == box:
-                stream.queue.put_nowait(lost)
-            return
-        if publish_again:  # its message went with a lost queue
-            self._resender.again(request_id)
-        # The answer must now start over; if no chunk 0 comes (lost too, in the same failover), the client is told.
-        loop = asyncio.get_running_loop()
-        loop.call_later(_RESTART_WAIT_S, self._restart_overdue, request_id, stream, restarts, lost)
-
-    def _restart_overdue(self, request_id: str, stream: StreamWaiter, restarts: int, lost: Reply) -> None:
-        """A generation handed back after a lost chunk has not started over within `_RESTART_WAIT_S`: its new first
-        chunk was lost as well, or no box could take it. Waiting on, its client had a 504 at its deadline while a box
-        generated the answer for nobody (review r50): it gets the chunk's loss now, and the boxes a cancel."""
-        if self._streams.get(request_id) is stream and stream.broken and stream.restarts == restarts:
-            stream.queue.put_nowait(lost)
-            self._cancel_soon(request_id, why="abandoned")
+        """A model was just deleted from the catalog: what this gateway awaits for it is answered `error` after a
+        grace (`Waiters.abandon_model`)."""
+        self._waiters.abandon_model(model, error)
 
     async def call(
         self,
@@ -254,7 +186,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         future: asyncio.Future[Reply] = loop.create_future()
-        with self._awaiting(self._waiters, meta.id, (future, queue), queue, weight, timeout_s, inputs):
+        with self._waiters.awaiting(meta.id, (future, queue), queue, weight, timeout_s, inputs):
             try:
                 await self._resender.publish(spec, body, meta)
                 try:
@@ -338,31 +270,6 @@ class Dispatcher:
         )
         return queue, meta
 
-    @contextlib.contextmanager
-    def _awaiting(
-        self,
-        table: dict[str, Any],
-        request_id: str,
-        waiter: Any,
-        queue: ModelQueue,
-        weight: int,
-        timeout_s: float,
-        rows: int = 1,
-    ) -> Iterator[None]:
-        """Count a request (of `rows` inputs) as awaited (by its model's queue, and by a stopping box) while the
-        block runs."""
-        table[request_id] = waiter
-        self._none_awaited.clear()
-        now = time.monotonic()
-        queue.add(request_id, now, weight, deadline=now + timeout_s, rows=rows)
-        try:
-            yield
-        finally:
-            table.pop(request_id, None)
-            self._resender.forget(request_id)
-            queue.remove(request_id, time.monotonic(), answered=False)
-            self._settle()
-
     async def stream(
         self,
         *,
@@ -397,7 +304,7 @@ class Dispatcher:
         tokens = 0  # made, as the final chunk says
         arrived = time.monotonic()
         try:
-            with self._awaiting(self._streams, meta.id, waiter, queue, new_tokens, timeout_s):
+            with self._waiters.awaiting(meta.id, waiter, queue, new_tokens, timeout_s):
                 try:
                     await self._resender.publish(spec, body, meta)
                 except FleetboxError:  # the queue's refusal: the publisher sent what cancel it needed, if any
@@ -440,27 +347,6 @@ class Dispatcher:
         published again, once they have heard its heartbeat again (`settle_s`: `Resender.lapsed`)."""
         self._resender.lapsed(lapsed_s, settle_s)
 
-    def _awaits(self, request_id: str) -> bool:
-        return request_id in self._waiters or request_id in self._streams
-
-    def _unstarted(self, request_id: str) -> bool:
-        """Awaited and not begun: a call not answered, a generation before its first chunk."""
-        waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
-        return not (waiter is not None and waiter[0].done()) and not (stream is not None and stream.box is not None)
-
-    def _heard_at(self, request_id: str) -> float | None:
-        """When a begun generation's answer last came in; None for a call, or an answer whole or not begun."""
-        stream = self._streams.get(request_id)
-        return None if stream is None or stream.final_at is not None else stream.last_at
-
-    def _fail(self, request_id: str, error: FleetboxError) -> None:
-        """A request that could not be queued again: its client is told, unless it has an answer or a chunk."""
-        waiter, stream = self._waiters.get(request_id), self._streams.get(request_id)
-        if waiter is not None and not waiter[0].done():
-            waiter[0].set_exception(error)
-        elif stream is not None and stream.box is None:
-            stream.queue.put_nowait(self._error_reply(request_id, error))
-
     def retry_after_s(self) -> int:
         """Seconds until the backlog would drain at the rate answers have been arriving lately."""
         return self._admission.retry_after_s(self.waiting)
@@ -480,29 +366,6 @@ class Dispatcher:
         self.take(meta, msg.data)
 
     def take(self, meta: ReplyMeta, body: bytes) -> None:
-        """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box."""
-        stream = self._streams.get(meta.id)
-        if stream is not None:
-            stitched = stream.stitch(meta, body)
-            if stitched.replaced is not None:
-                self._cancel_soon(meta.id, stitched.replaced)
-            if stitched.late:
-                self._metrics.duplicate_replies.inc()
-            if stitched.lost is not None:
-                self._cancels.spawn(self._start_over(meta.id, meta.box, stitched.lost))
-            if stitched.reply is not None:
-                if stitched.reply.meta.final:
-                    self._admission.answered(stream.final_at or time.monotonic())
-                stream.queue.put_nowait(stitched.reply)
-            return
-        waiter = self._waiters.get(meta.id)
-        if waiter is None or waiter[0].done():
-            self._metrics.duplicate_replies.inc()
-            if meta.blob:  # the body of an answer nobody reads (each box puts its own): not left to the bucket's TTL
-                self._dropped_blobs.spawn(self._blobs.delete(meta.blob))
-            return
-        future, queue = waiter
-        now = time.monotonic()
-        self._admission.answered(now)
-        queue.remove(meta.id, now, answered=True)
-        future.set_result(Reply(meta, body))
+        """A reply for this gateway: from NATS, or handed over in-process by a worker of the same box
+        (`Waiters.take`)."""
+        self._waiters.take(meta, body)

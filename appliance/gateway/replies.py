@@ -36,7 +36,7 @@ class Stitched:
     """What one chunk did to a stream: the reply its client is given (None: dropped), the box told to stop (one
     whose answer another box started over), whether it was a late chunk of such a box (a duplicate), and, when a
     chunk was lost while its box still generates, the error the client is given if that box cannot hand the
-    request back (`lost`: the caller asks it, `Dispatcher.take`)."""
+    request back (`lost`: the caller asks it, `Waiters.take`)."""
 
     reply: Reply | None
     replaced: str | None = None
