@@ -29,7 +29,7 @@ from pathlib import Path
 from appliance.adapters import AdapterHold, BaseAdapters
 from appliance.catalog import ModelSpec
 from appliance.errors import InsufficientMemory, reason_of
-from appliance.eviction import Demand, fewest_first, idle_cost, turn_ends
+from appliance.eviction import Demand, EvictionOrder
 from appliance.metrics import Metrics
 from appliance.model_bytes import estimate_bytes, size_text
 from runtimes import Runtime, RuntimeKind, UnsupportedModel, load_runtime, released_together
@@ -77,13 +77,8 @@ class Residency:
         self._metrics = metrics
         self._executor = executor
         self._before_evict = before_evict
-        self._in_use = in_use or (lambda name: False)  # whether a model has requests in hand now
-        # A model loaded for requests keeps its place for its turn (`_turn_ends`): it serves at least this long from
-        # its first answer, or as long as its load took if longer; before its first answer, this long at most.
-        self._min_serve_s = min_serve_s
-        self._first_answer_s = first_answer_s
+        self._order = EvictionOrder(in_use or (lambda name: False), min_serve_s, first_answer_s)
         self._resident: dict[str, Resident] = {}
-        self._demand: dict[str, Demand] = {}  # model -> how often it is asked for, kept across its evictions
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._loading_specs: dict[str, ModelSpec] = {}  # what each load in `_loading` loads
         self._evicting: dict[str, asyncio.Event] = {}  # set once the model is gone
@@ -123,7 +118,7 @@ class Residency:
         if measured is not None and (spec is None or spec.load_key() != measured[1]):
             del self._measured[name]
         if spec is None:
-            self._demand.pop(name, None)
+            self._order.forget(name)
 
     @property
     def used_bytes(self) -> int:
@@ -144,10 +139,10 @@ class Residency:
             if resident.first_used is None:
                 resident.first_used = now
             if answered:
-                self._demand.setdefault(name, Demand()).add(answered, now)
+                self._order.answered(name, answered, now)
 
     def demand(self, name: str) -> Demand | None:
-        return self._demand.get(name)
+        return self._order.demand(name)
 
     async def check_fits(self, spec: ModelSpec) -> None:
         """Refuse (507) a model that could never fit, even with every unpinned model evicted, beside the pinned
@@ -311,46 +306,20 @@ class Residency:
             if victim is None:
                 return  # check_fits left room beside the pinned models; loads in flight hold the rest for now
             now = time.monotonic()
-            if self._in_its_turn(victim, now):  # so is every other: wait for one's turn to end, not evict it
-                await asyncio.sleep(min(_PROTECTION_POLL_S, self._turn_ends(victim) - now))
+            if self._order.in_its_turn(victim, now):  # so is every other: wait for one's turn to end, not evict it
+                await asyncio.sleep(min(_PROTECTION_POLL_S, self._order.turn_ends(victim) - now))
                 continue
             await self.evict(victim.spec.name, reason="budget")
 
     def _victim(self, keep: str, shortfall: int = 0) -> Resident | None:
-        """The model that may be evicted for `keep` (not pinned, not already on its way out) that goes first: one
-        in its turn last, then an idle one before one with requests in hand (a generator asked once and still
-        generating was "least recently used" beside a model asked since, and the load waited out its answer to evict
-        it: a 504), then the one whose bytes will wait longest for their next request (`_idle_cost`), then the
-        least recently used. Of the models that order would evict to free `shortfall` bytes, only the fewest that
-        free them: a small model first in the order, whose bytes alone would not do, stays when the larger one after
-        it frees enough."""
+        """The model that may be evicted for `keep` (not pinned, not already on its way out) that goes first, to free
+        `shortfall` bytes (`EvictionOrder.first`)."""
         candidates = [
             r
             for r in self._resident.values()
             if r.spec.name not in self.pinned and r.spec.name != keep and r.spec.name not in self._evicting
         ]
-        if not candidates:
-            return None
-        now = time.monotonic()
-        ordered = sorted(
-            candidates,
-            key=lambda r: (self._in_its_turn(r, now), self._in_use(r.spec.name), -self._idle_cost(r, now), r.last_used),
-        )
-        return fewest_first(ordered, shortfall)
-
-    def _idle_cost(self, resident: Resident, now: float) -> float:
-        """What keeping a model costs until it is asked for again, in byte-seconds (`eviction.idle_cost`)."""
-        return idle_cost(resident, self._demand.get(resident.spec.name), now)
-
-    def _in_its_turn(self, resident: Resident, now: float) -> bool:
-        """A model with requests in hand, loaded lately, keeps its place until its turn ends (`_turn_ends`). With
-        more models asked for than the budget holds, the one just loaded had not answered yet, so it was the least
-        recently used: each load evicted it before its worker pulled, and the box answered almost nothing but 504s
-        (tester h95: 29 of 155 requests in 120 s, 212 of 234 loads unloaded while they started)."""
-        return now < self._turn_ends(resident) and self._in_use(resident.spec.name)
-
-    def _turn_ends(self, resident: Resident) -> float:
-        return turn_ends(resident, self._min_serve_s, self._first_answer_s)
+        return self._order.first(candidates, shortfall)
 
     async def hold_adapter(self, base: str, adapter: ModelSpec) -> AdapterHold:
         """A LoRA adapter's registration loaded onto its resident base (once), and kept loaded until the hold is
