@@ -4,7 +4,7 @@ A request stream made anew (a nats-server that kept it in memory restarted: the 
 lost what was queued in the old one. The one idea: every request is kept, as published, while its client awaits it,
 with the count of this gateway's cuts from NATS at its publish (its epoch); a request published before the last cut
 may have gone with the old stream, and is published again under its id. A box that had pulled the old copy may
-answer it too: the gateway takes the first answer (`dispatch.py`). A generation already begun is its box's to
+answer it too: the gateway takes the first answer (`waiters.py`). A generation already begun is its box's to
 finish, from the copy in hand, unless that box died with the queue: then its answer falls silent, and it is
 published again once silent for `silence_s`, as JetStream would have redelivered it.
 """
@@ -43,7 +43,7 @@ class _Sent:
 
 
 class Resender:
-    """One gateway's requests as published, while awaited. The dispatcher that owns the waiters says which are
+    """One gateway's requests as published, while awaited. The gateway's `Waiters` (waiters.py) say which are
     `awaited`, which are `unstarted` (a call not answered, a generation before its first chunk), when a begun
     generation's answer last came in (`heard_at`, monotonic; None once it is whole), and how a client whose request
     could not be queued again is answered (`fail`)."""
