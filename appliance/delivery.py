@@ -278,6 +278,8 @@ class Cancellations:
         now = time.monotonic()
         self._forget(now)
         if request_id in self._ids:
+            if self._ids[request_id] == "gateway_gone":  # a gateway's own word outranks this box's guess (h204)
+                self._ids[request_id] = why
             return
         if len(self._order) >= self._most:
             self._ids.pop(self._order.popleft()[1], None)

@@ -14,6 +14,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import orjson
 
 from appliance import bus
 from appliance.deadletter import tell_dead_lettered
@@ -58,6 +59,9 @@ def test_a_cancel_only_for_a_gone_gateway_is_lifted_once_that_gateway_is_heard_a
     assert cancelled.still_cancelled(_meta("r1"), lambda reply: True)  # still gone: dropped
     assert not cancelled.still_cancelled(_meta("r1"), lambda reply: False)  # heard again: computed
     assert not cancelled.contains("r1")
+    cancelled.add("r1", why="gateway_gone")
+    cancelled.add("r1", why="gone")  # then its gateway, back, says its client went away meanwhile (review h204)
+    assert cancelled.still_cancelled(_meta("r1"), lambda reply: False)
     cancelled.add("r2", why="gone")  # its client went away: whatever its gateway is
     assert cancelled.still_cancelled(_meta("r2"), lambda reply: False)
     assert not cancelled.still_cancelled(_meta("r3"), lambda reply: True)  # never cancelled
@@ -88,7 +92,7 @@ async def test_a_request_being_prepared_when_its_gateway_was_taken_for_gone_is_a
         await wait_for(lambda: noop._cancelled.contains(request_id), what="let go as its gateway's")
         del gateway.fleet.beat  # back: its lapse judged, a TTL waited, the stream looked at
         await wait_for(lambda: "heartbeat lapsed" in caplog.text, timeout_s=10, what="the lapse judged")
-        assert not worker.fleet.gateway_gone(bus.reply_subject("gw"))
+        await wait_for(lambda: not worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway heard again")
         read.set()  # prepared after the gateway looked
         async with await asyncio.wait_for(sent, 30) as response:
             assert response.status == 200, await response.text()
@@ -122,7 +126,7 @@ async def test_a_generation_being_admitted_when_its_gateway_was_taken_for_gone_i
         await wait_for(lambda: gen._cancelled.contains(request_id), what="let go as its gateway's")
         del gateway.fleet.beat
         await wait_for(lambda: "heartbeat lapsed" in caplog.text, timeout_s=10, what="the lapse judged")
-        assert not worker.fleet.gateway_gone(bus.reply_subject("gw"))
+        await wait_for(lambda: not worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway heard again")
         go_on.set()
         async with await asyncio.wait_for(sent, 30) as response:
             assert response.status == 200, await response.text()
@@ -243,5 +247,102 @@ async def test_a_dead_letter_whose_gateway_is_gone_is_not_told_to_its_deadline(n
             nc, meta, deliveries=5, reason="boom", box_id="wk", give_up=lambda: False, gateway_gone=lambda reply: True
         )
         assert await asyncio.wait_for(told, 10)
+    finally:
+        await nc.close()
+
+
+async def test_a_request_whose_client_went_away_while_its_gateway_was_taken_for_gone_is_not_computed(
+    start_box, http
+) -> None:
+    """Review h204: a request being prepared, let go as its gateway's; its gateway, back, says on `fbx.cancel` that
+    its client went away. That cancel was swallowed (the id was cancelled already), and the gateway_gone one lifted
+    once the gateway was heard: computed for nobody (h204's reproduction: one row computed). Seen failing on the code
+    before: the client's cancel not recorded."""
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()], "blob_threshold": 2048}
+    worker = await start_box(role="worker", box_id="wk", **settings)
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.fleet is not None and worker.fleet is not None and gateway.nc is not None
+    noop = worker.workers["noop"]
+    read = _hold_blob_reads(noop)
+
+    def sample(name: str) -> float:
+        return worker.metrics.registry.get_sample_value(name, {"model": "noop"}) or 0.0
+
+    body = {"model": "noop", "input": "word " * 1000, "timeout": 12}
+    sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json=body))
+    try:
+        await wait_for(lambda: len(noop._held) == 1, what="the request held, being prepared")
+        (request_id,) = list(noop._held)
+        gateway.fleet.beat = no_beat
+        await wait_for(lambda: noop._cancelled.contains(request_id), what="let go as its gateway's")
+        await gateway.nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))  # as its dispatcher does
+        await wait_for(lambda: noop._cancelled.why(request_id) == "gone", what="its client's cancel heard")
+        del gateway.fleet.beat
+        await wait_for(lambda: not worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway heard again")
+        read.set()
+        await wait_for(lambda: sample("fbx_cancelled_requests_total") == 1.0, what="dropped once prepared")
+        assert not noop._held and sample("fbx_rows_computed_total") == 0.0
+    finally:
+        read.set()
+        vars(gateway.fleet).pop("beat", None)
+        sent.cancel()
+
+
+async def test_two_lapses_whose_looks_overlap_publish_one_copy(start_box, http, nats_server) -> None:
+    """Review h204: each lapse looked at each awaited request in a loop of its own, so two lapses close together
+    (a flapping link) while the stream answered looks slowly both found the message gone and both published a copy.
+    One look loop per request now, and one copy at a time (h204's reproduction, these steps: 2 copies)."""
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.dispatcher is not None and gateway.js is not None
+    js, resender = gateway.js, gateway.dispatcher._resender
+    answering = False
+    get_msg = js.get_msg
+
+    async def slow_get_msg(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.5)
+        if not answering:
+            raise nats.errors.TimeoutError
+        return await get_msg(*args, **kwargs)
+
+    nc = await nats.connect(nats_server.url)
+    own = nc.jetstream()
+
+    async def queued(count: int) -> bool:
+        return (await own.stream_info(bus.REQUEST_STREAM)).state.messages == count
+
+    sent = asyncio.ensure_future(
+        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
+    )
+    try:
+        await wait_for(lambda: queued(1), what="the request queued")
+        js.get_msg = slow_get_msg
+        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+        await asyncio.sleep(0.3)  # the first lapse's look under way
+        gateway.dispatcher.heartbeat_lapsed(3.0, settle_s=0.0)
+        await own.delete_msg(bus.REQUEST_STREAM, (await own.stream_info(bus.REQUEST_STREAM)).state.first_seq)
+        answering = True
+        await wait_for(lambda: queued(1), what="a copy queued")
+        await wait_for(lambda: not resender._looking and not resender._republishing, what="every look ended")
+        assert await queued(1)
+    finally:
+        vars(js).pop("get_msg", None)
+        sent.cancel()
+        await nc.close()
+
+
+async def test_a_look_at_a_missing_request_stream_tells_nothing(start_box, nats_server) -> None:
+    """Review h204: nats-py raises NotFoundError for a stream that does not exist as for a message that is gone, so a
+    lapse while the stream was missing (being made anew) took every request for let go, and their copies failed to
+    publish into nothing: a 503. A missing stream tells nothing (None): `queue_lost` publishes them again once it is
+    made anew."""
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[noop_model()])
+    assert gateway.dispatcher is not None
+    publisher = gateway.dispatcher._publisher
+    nc = await nats.connect(nats_server.url)
+    try:
+        assert await publisher.queued(1, "r1") is False  # the stream is there; no such message: gone
+        await nc.jetstream().delete_stream(bus.REQUEST_STREAM)
+        assert await publisher.queued(1, "r1") is None
     finally:
         await nc.close()

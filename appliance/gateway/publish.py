@@ -39,6 +39,7 @@ _HAND_BACK_TIMEOUT_S = 2.0  # a box that holds the generation answers at once; n
 _SHORT_DEADLINE_S = 0.1  # a publish past a deadline shorter than this: the deadline, not the queue, is advised on
 FAILOVER_RETRY_S = 2  # Retry-After while the stream has no leader: a NATS election takes about that long
 _STREAM_FULL_CODES = {10077, 10078, 10027}  # max messages, max bytes, (per-subject) limits
+_STREAM_NOT_FOUND = 10059  # JetStream's err_code for a stream that does not exist (a message not found: 10037)
 _NOT_ANSWERING = "the request queue (NATS JetStream) is not answering; retry shortly"
 _BODY_NOT_STORED = (
     "the request body could not be stored beside the queue (NATS object store is not answering); retry shortly"
@@ -187,12 +188,13 @@ class Publisher:
 
     async def queued(self, seq: int, request_id: str) -> bool | None:
         """Whether message `seq` of the request stream is still `request_id`'s: not acked yet (waiting, or held by a
-        box). None where it cannot tell (the stream not answering, a failover): taken for gone, each request still
-        queued would be published twice, and its client failed where that copy was not taken (review h202)."""
+        box). None where it cannot tell (the stream not answering, a failover, missing while it is made anew): taken for
+        gone, each request still queued would be published twice, and its client failed where that copy was not taken
+        (review h202)."""
         try:
             msg = await self._js.get_msg(bus.REQUEST_STREAM, seq)
-        except NotFoundError:  # acked, or a stream made anew since
-            return False
+        except NotFoundError as exc:  # acked (or a stream made anew since), unless the stream itself is missing
+            return None if exc.err_code == _STREAM_NOT_FOUND else False
         except NatsError:
             return None
         return bool(msg.headers) and msg.headers.get(ID) == request_id

@@ -67,6 +67,9 @@ class Resender:
         self._sent: dict[str, _Sent] = {}  # what is awaited, as published (`queue_lost` publishes it again)
         self._epoch = 0  # cuts from NATS, and returns: a publish before the last one may be in a lost stream
         self._republishes = Background("requests published again")
+        self._republishing: set[str] = set()  # ids being published again now: one copy at a time (review h204)
+        self._looking: set[str] = set()  # ids whose message is being looked at after a lapse: one look loop each
+        self._looks = asyncio.Semaphore(_CONCURRENT_LOOKS)
 
     def interrupted(self) -> None:
         """Cut off from NATS, or back on it: what was published until now may be in a stream that is lost."""
@@ -115,30 +118,35 @@ class Resender:
         for sent in lapsed:
             if not self._first_awaited(sent):  # answered, or published again
                 continue
+            if sent.meta.id in self._looking:  # an earlier lapse's look at it goes on
+                continue
             if self._unstarted(sent.meta.id):
                 unstarted.append(sent)
             else:
                 self._republishes.spawn(self._publish_again_if_silent(sent, lost_at))
-        looks = asyncio.Semaphore(_CONCURRENT_LOOKS)
-        let_go = sum(await asyncio.gather(*(self._publish_again_once_let_go(sent, looks) for sent in unstarted)))
+        let_go = sum(await asyncio.gather(*(self._publish_again_once_let_go(sent) for sent in unstarted)))
         level = logging.WARNING if let_go else logging.INFO
         log.log(level, f"heartbeat lapsed for {lapsed_s:.1f} s; published again what was let go meanwhile",
                 extra={"requests": let_go, "awaited": len(lapsed)})  # fmt: skip
 
-    async def _publish_again_once_let_go(self, sent: _Sent, looks: asyncio.Semaphore) -> bool:
+    async def _publish_again_once_let_go(self, sent: _Sent) -> bool:
         """Publish `sent` again if its message is gone from the queue (acked: let go), looking until the stream says
         so or its client has its answer: a look the stream does not answer tells nothing (review h202). Whether it
         was published again."""
-        while self._first_awaited(sent) and self._unstarted(sent.meta.id):
-            async with looks:
-                queued = await self._publisher.queued(sent.seq, sent.meta.id)
-            if queued is False:
-                await self._publish_again(sent)
-                return True
-            if queued:
-                return False
-            await asyncio.sleep(_LOOK_AGAIN_S)
-        return False
+        request_id = sent.meta.id
+        self._looking.add(request_id)
+        try:
+            while self._first_awaited(sent) and self._unstarted(request_id):
+                async with self._looks:
+                    queued = await self._publisher.queued(sent.seq, request_id)
+                if queued is False:
+                    return await self._publish_again(sent)
+                if queued:
+                    return False
+                await asyncio.sleep(_LOOK_AGAIN_S)
+            return False
+        finally:
+            self._looking.discard(request_id)
 
     def _first_awaited(self, sent: _Sent) -> bool:
         """Whether `sent` is still awaited, as it was published (not since published again)."""
@@ -172,10 +180,16 @@ class Resender:
                 return
             await asyncio.sleep(self._silence_s - silent_s)
 
-    async def _publish_again(self, sent: _Sent) -> None:
+    async def _publish_again(self, sent: _Sent) -> bool:
+        """Publish `sent` again, unless it was since (its copy is what is awaited now) or is being so: a lost queue
+        and a lapse, or two lapses, each published a copy of one request (review h204). Whether it was."""
         request_id = sent.meta.id
+        if request_id in self._republishing or self._sent.get(request_id) is not sent:
+            return False
+        self._republishing.add(request_id)
         try:
             await self.publish(sent.spec, sent.body, sent.meta, again=True)
+            return True
         except Exception as exc:  # the new queue refused it (full, not answering, NATS gone again): its client is told
             error = (
                 exc
@@ -188,3 +202,6 @@ class Resender:
             if not isinstance(exc, FleetboxError):
                 log.warning("request not published again", extra={"request_id": request_id, "error": repr(exc)})
             self._fail(request_id, error)
+            return False
+        finally:
+            self._republishing.discard(request_id)
