@@ -346,3 +346,47 @@ async def test_a_look_at_a_missing_request_stream_tells_nothing(start_box, nats_
         assert await publisher.queued(1, "r1") is None
     finally:
         await nc.close()
+
+
+async def test_a_request_published_as_the_heartbeat_came_back_and_let_go_is_published_again(start_box, http) -> None:
+    """Tester h205: what a lapse looks at again was taken when the gateway's first heartbeat after it was written,
+    but the boxes hear that heartbeat a moment later, and let go what they pull of the gateway's meanwhile: a request
+    published in that moment was let go and never published again, a 504 at its deadline (4 of 4 runs of a 6 s
+    freeze). What it awaits is taken once the boxes have heard it (`settle_s`). Here the worker's view is held at
+    "gone" while the gateway's lapse settles and a request is published. Seen failing before: a 504."""
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
+    worker = await start_box(role="worker", box_id="wk", **settings)
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.dispatcher is not None and worker.fleet is not None
+    heard = asyncio.Event()
+
+    def cancelled() -> float:
+        return worker.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "noop"}) or 0.0
+
+    worker.fleet.gateway_gone = lambda reply: not heard.is_set()  # the gateway's fresh heartbeat not heard yet
+    gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=1.0)  # its first heartbeat after a 6 s freeze written
+    body = {"model": "noop", "input": "x", "timeout": 8}
+    sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json=body))
+    try:
+        await wait_for(lambda: cancelled() == 1.0, what="the request let go as its gateway's")
+        heard.set()
+        async with await asyncio.wait_for(sent, 15) as response:
+            assert response.status == 200, await response.text()
+    finally:
+        heard.set()
+        vars(worker.fleet).pop("gateway_gone", None)
+        sent.cancel()
+
+
+async def test_a_lapse_restarts_the_rates_admission_measures(start_box, monkeypatch) -> None:
+    """Tester h205: after a freeze, the seconds frozen counted as seconds in which nothing was answered: each model's
+    rate came out near nothing, and requests were refused 429 "would take about 101s to start" for a backlog
+    cleared in 5 s. A lapse restarts the rates, as a cut from NATS does. Seen failing before: not restarted."""
+    gateway = await start_box(role="gateway", box_id="gw", default_model=False, models=[noop_model()])
+    assert gateway.dispatcher is not None
+    admission = gateway.dispatcher._admission
+    restarts: list[float] = []
+    restart_rates = admission.restart_rates
+    monkeypatch.setattr(admission, "restart_rates", lambda: (restarts.append(1), restart_rates())[1])
+    gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+    assert restarts == [1]

@@ -106,8 +106,8 @@ class Holders:
         if not self._hears_fleet():
             raise ServiceUnavailable(
                 f"this gateway hears neither its own box's heartbeat now nor any box holding model {model} (NATS "
-                f"JetStream is not taking or delivering heartbeats: see /readyz), and already awaits {count} "
-                f"request{'s' if count != 1 else ''} for it; retry in 2s",
+                "JetStream is not taking or delivering heartbeats, or this box was stalled: see /readyz), and already "
+                f"awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
                 retry_after_s=2,
             )
         raise ServiceUnavailable(
