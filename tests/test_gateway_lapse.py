@@ -53,6 +53,52 @@ async def no_beat() -> None:
     """A `Fleet.beat` that writes nothing: the box frozen or cut off, as the fleet sees it."""
 
 
+class _Looks:
+    """A gateway's looks at the request stream (`js.get_msg`), each after `delay_s`, not answered (a TimeoutError,
+    as during a failover) while `answering` is false; counted."""
+
+    def __init__(self, js: Any, delay_s: float = 0.0) -> None:
+        self.count = 0
+        self.answering = True
+        self._js, self._get_msg, self._delay_s = js, js.get_msg, delay_s
+        js.get_msg = self._look
+
+    async def _look(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        await asyncio.sleep(self._delay_s)
+        if not self.answering:
+            raise nats.errors.TimeoutError
+        return await self._get_msg(*args, **kwargs)
+
+    def stop_answering(self) -> None:
+        self.answering, self.count = False, 0
+
+    def restore(self) -> None:
+        vars(self._js).pop("get_msg", None)
+
+
+class _RequestStream:
+    """The request stream as the test reads it, on a connection of its own."""
+
+    def __init__(self, nc: nats.NATS) -> None:
+        self._nc, self._js = nc, nc.jetstream()
+
+    async def holds(self, count: int) -> bool:
+        return (await self._js.stream_info(bus.REQUEST_STREAM)).state.messages == count
+
+    async def let_go_first(self) -> None:
+        """Remove the first message, as a worker that took its gateway for gone acks it."""
+        await self._js.delete_msg(bus.REQUEST_STREAM, (await self._js.stream_info(bus.REQUEST_STREAM)).state.first_seq)
+
+    async def last(self) -> Any:
+        return await self._js.get_msg(
+            bus.REQUEST_STREAM, (await self._js.stream_info(bus.REQUEST_STREAM)).state.last_seq
+        )
+
+    async def close(self) -> None:
+        await self._nc.close()
+
+
 def test_a_cancel_only_for_a_gone_gateway_is_lifted_once_that_gateway_is_heard_again() -> None:
     cancelled = Cancellations()
     cancelled.add("r1", why="gateway_gone")
@@ -190,50 +236,30 @@ async def test_a_look_at_the_stream_that_is_not_answered_publishes_nothing_and_i
     settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
     gateway = await start_box(role="gateway", box_id="gw", **settings)
     assert gateway.dispatcher is not None and gateway.js is not None
-    js = gateway.js
-    looks: list[int] = []
-    answering = False
-    get_msg = js.get_msg
-
-    async def unanswered_get_msg(*args: Any, **kwargs: Any) -> Any:
-        looks.append(1)
-        if not answering:
-            raise nats.errors.TimeoutError
-        return await get_msg(*args, **kwargs)
-
-    nc = await nats.connect(nats_server.url)
-    own = nc.jetstream()
-
-    async def messages() -> int:
-        return (await own.stream_info(bus.REQUEST_STREAM)).state.messages
-
-    async def queued(count: int) -> bool:
-        return await messages() == count
-
+    looks = _Looks(gateway.js)
+    stream = _RequestStream(await nats.connect(nats_server.url))
     sent = asyncio.ensure_future(
         http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
     )
     try:
-        await wait_for(lambda: queued(1), what="the request queued")
-        js.get_msg = unanswered_get_msg
+        await wait_for(lambda: stream.holds(1), what="the request queued")
+        looks.stop_answering()
         gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
-        await wait_for(lambda: len(looks) >= 2, what="a look made again")
-        assert await messages() == 1  # nothing published again
+        await wait_for(lambda: looks.count >= 2, what="a look made again")
+        assert await stream.holds(1)  # nothing published again
         assert not sent.done()
-        seq = (await own.stream_info(bus.REQUEST_STREAM)).state.first_seq
-        await own.delete_msg(bus.REQUEST_STREAM, seq)  # let go meanwhile, as a worker that took it for gone acks it
-        answering = True
-        await wait_for(lambda: queued(1), what="its copy queued")
-        copy = await own.get_msg(bus.REQUEST_STREAM, (await own.stream_info(bus.REQUEST_STREAM)).state.last_seq)
-        assert RequestMeta.from_headers(copy.headers).copy == 1
+        await stream.let_go_first()
+        looks.answering = True
+        await wait_for(lambda: stream.holds(1), what="its copy queued")
+        assert RequestMeta.from_headers((await stream.last()).headers).copy == 1
         await start_box(role="worker", box_id="wk", **settings)
         async with await asyncio.wait_for(sent, 20) as response:
             assert response.status == 200, await response.text()
         assert "published again what was let go" in caplog.text
     finally:
-        vars(js).pop("get_msg", None)
+        looks.restore()
         sent.cancel()
-        await nc.close()
+        await stream.close()
 
 
 async def test_a_dead_letter_whose_gateway_is_gone_is_not_told_to_its_deadline(nats_server) -> None:
@@ -295,40 +321,27 @@ async def test_two_lapses_whose_looks_overlap_publish_one_copy(start_box, http, 
     settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
     gateway = await start_box(role="gateway", box_id="gw", **settings)
     assert gateway.dispatcher is not None and gateway.js is not None
-    js, resender = gateway.js, gateway.dispatcher._resender
-    answering = False
-    get_msg = js.get_msg
-
-    async def slow_get_msg(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.5)
-        if not answering:
-            raise nats.errors.TimeoutError
-        return await get_msg(*args, **kwargs)
-
-    nc = await nats.connect(nats_server.url)
-    own = nc.jetstream()
-
-    async def queued(count: int) -> bool:
-        return (await own.stream_info(bus.REQUEST_STREAM)).state.messages == count
-
+    resender = gateway.dispatcher._resender
+    looks = _Looks(gateway.js, delay_s=0.5)
+    stream = _RequestStream(await nats.connect(nats_server.url))
     sent = asyncio.ensure_future(
         http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
     )
     try:
-        await wait_for(lambda: queued(1), what="the request queued")
-        js.get_msg = slow_get_msg
+        await wait_for(lambda: stream.holds(1), what="the request queued")
+        looks.stop_answering()
         gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
         await asyncio.sleep(0.3)  # the first lapse's look under way
         gateway.dispatcher.heartbeat_lapsed(3.0, settle_s=0.0)
-        await own.delete_msg(bus.REQUEST_STREAM, (await own.stream_info(bus.REQUEST_STREAM)).state.first_seq)
-        answering = True
-        await wait_for(lambda: queued(1), what="a copy queued")
+        await stream.let_go_first()
+        looks.answering = True
+        await wait_for(lambda: stream.holds(1), what="a copy queued")
         await wait_for(lambda: not resender._looking and not resender._republishing, what="every look ended")
-        assert await queued(1)
+        assert await stream.holds(1)
     finally:
-        vars(js).pop("get_msg", None)
+        looks.restore()
         sent.cancel()
-        await nc.close()
+        await stream.close()
 
 
 async def test_a_look_at_a_missing_request_stream_tells_nothing(start_box, nats_server) -> None:
