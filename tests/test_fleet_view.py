@@ -94,9 +94,9 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
 
     beats = asyncio.create_task(beat_behind())
     started = time.monotonic()
-    await fleet.start()
     frozen = False
     try:
+        await asyncio.wait_for(fleet.start(), 30)
         assert not gone("gw-never")  # its view is not twice the TTL old yet
         await wait_for(lambda: gone("gw-never"), what="a gateway never heard judged gone")
         assert time.monotonic() - started > 2 * ttl_s
@@ -111,8 +111,8 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
         await wait_for(lambda: not gone("gw-behind"), what="the gateway beating again live")
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
+        frozen = True  # before: its SIGSTOP is sent at once, and a freeze that times out must be SIGCONTed too
         await freeze(nats_server)
-        frozen = True
         cut_at = time.monotonic()
         await wait_for(lambda: time.monotonic() - cut_at > 3 * ttl_s, what="three TTLs cut off")
         assert not gone("gw-behind") and not gone("gw-never")  # its own record does not reach it either
@@ -120,8 +120,8 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
         beats.cancel()
         if frozen:
             nats_server.process.send_signal(signal.SIGCONT)
-        await fleet.stop()
-        await nc.close()
+        await asyncio.wait_for(fleet.stop(), 30)
+        await asyncio.wait_for(nc.close(), 30)
 
 
 async def test_a_heartbeat_whose_record_cannot_be_made_is_a_failed_beat_not_the_end_of_the_beats(nats_server) -> None:
