@@ -195,7 +195,6 @@ class Residency:
         future: asyncio.Future[Runtime] = asyncio.get_running_loop().create_future()
         self._loading[spec.name] = future
         self._loading_specs[spec.name] = spec
-        self._load_errors.pop(spec.name, None)
         try:
             runtime = await self._load(spec)
         except BaseException as exc:
@@ -207,6 +206,9 @@ class Residency:
         finally:
             self._loading.pop(spec.name, None)
             self._loading_specs.pop(spec.name, None)
+        # The last failure stands until a load succeeds: a try again after it is no news yet (cleared as it began,
+        # a pin during it named no failure, and `/readyz` counted the model as not resident yet while it ran).
+        self._load_errors.pop(spec.name, None)
         future.set_result(runtime)
         return runtime
 

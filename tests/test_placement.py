@@ -14,7 +14,7 @@ from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.errors import ServiceUnavailable, UnloadedWhileStarting
 from appliance.puller import stop_pullers
 from appliance.settings import ModelEntry
-from tests.conftest import noop_model, url, wait_for
+from tests.conftest import hold, noop_model, url, wait_for
 from tests.test_worker import publish_raw
 
 
@@ -149,6 +149,37 @@ async def test_a_pinned_model_whose_load_failed_is_tried_again_without_a_request
     box = await start_box(default_model=False, models=[model], model_roots=[tmp_path])
     assert "enc" not in box.workers and box.residency.load_error("enc") is not None
     kept.rename(weights)
+    await wait_for(lambda: "enc" in box.workers, 20.0, "the pinned model loaded once its folder was mended")
+    assert box.residency.load_error("enc") is None
+
+
+async def test_a_pinned_models_load_failure_stands_while_its_load_is_tried_again(
+    start_box, http, encoder_dir, tmp_path, monkeypatch
+) -> None:
+    """Review h201: a load tried again cleared the last failure as it began, so a pin during it named no failure
+    (`load_failed_on`), and `/readyz`, which stops counting a pinned model whose load failed, counted it as "not
+    resident yet" for as long as the try ran: the box out of rotation every 30 s. The failure stands until a load
+    succeeds. Seen failing before: `load_error` None during the try."""
+    from appliance import placement
+
+    monkeypatch.setattr(placement, "_RETRY_AFTER_FAILURE_S", 0.5)
+    folder = tmp_path / "enc"
+    shutil.copytree(encoder_dir, folder)
+    weights = folder / "model.safetensors"
+    kept = weights.rename(tmp_path / "model.safetensors")
+    model = ModelEntry(name="enc", path=folder, pinned=True)
+    box = await start_box(default_model=False, models=[model], model_roots=[tmp_path])
+    failed = box.residency.load_error("enc")
+    assert failed is not None
+    trying, go_on = hold(box.residency, "_load_runtime")
+    kept.rename(weights)
+    try:
+        await asyncio.wait_for(trying.wait(), 20)
+        assert box.residency.load_error("enc") == failed
+        async with http.get(url(box, "/readyz")) as response:
+            assert response.status == 200, await response.text()
+    finally:
+        go_on.set()
     await wait_for(lambda: "enc" in box.workers, 20.0, "the pinned model loaded once its folder was mended")
     assert box.residency.load_error("enc") is None
 
