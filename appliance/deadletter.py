@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import orjson
 from nats.aio.client import Client as NATS
@@ -130,14 +131,12 @@ class DeadLetters:
         stopping: Callable[[], bool],
         gateway_gone: GatewayGone = never_gone,
     ) -> None:
-        self._box_id = box_id
-        self._gateway_gone = gateway_gone
-        self._nc = nc
+        # The worker drains (`stopping`): an error reply no gateway takes is handed back, not retried.
+        self._tell = partial(tell_dead_lettered, nc, box_id=box_id, give_up=stopping, gateway_gone=gateway_gone)
         self._js = js
         self._blobs = blobs
         self._max_deliver = max_deliver
         self._dead_lettered = dead_lettered  # the worker's model's count of them
-        self._stopping = stopping  # the worker drains: an error reply no gateway takes is handed back, not retried
 
     async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> bool:
         """Nak it for another try after a back-off (maybe on another box), or on its `max_deliver`-th
@@ -152,15 +151,7 @@ class DeadLetters:
         kept = await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
         if not kept:
             blob = None  # the dead letter kept before may not carry the body: its blob is left to the bucket's TTL
-        told = await tell_dead_lettered(
-            self._nc,
-            meta,
-            deliveries=deliveries,
-            reason=reason,
-            box_id=self._box_id,
-            give_up=self._stopping,
-            gateway_gone=self._gateway_gone,
-        )
+        told = await self._tell(meta, deliveries=deliveries, reason=reason)
         if not told:
             # The box is stopping with its client not told: past its last delivery, JetStream's max-deliveries
             # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it and answer it, and count it:
@@ -192,8 +183,9 @@ class DeadLetterWatch:
         dead_lettered: Counter,
         gateway_gone: GatewayGone = never_gone,
     ) -> None:
-        self._box_id = box_id
-        self._gateway_gone = gateway_gone
+        self._tell = partial(
+            tell_dead_lettered, nc, box_id=box_id, give_up=lambda: self._stopping, gateway_gone=gateway_gone
+        )
         self._nc = nc
         self._js = js
         self._blobs = blobs
@@ -262,15 +254,7 @@ class DeadLetterWatch:
         )
         if await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason):
             removed.kept_blob = blob
-        told = await tell_dead_lettered(
-            self._nc,
-            meta,
-            deliveries=deliveries,
-            reason=reason,
-            box_id=self._box_id,
-            give_up=lambda: self._stopping,
-            gateway_gone=self._gateway_gone,
-        )
+        told = await self._tell(meta, deliveries=deliveries, reason=reason)
         if not told:
             # Its deliveries are used up and this advisory was the last word on it: nobody else will answer it.
             log.warning("dead-lettered request's client not told: the box is stopping", extra={"request_id": meta.id})

@@ -303,8 +303,8 @@ class Cancellations:
         prepared: not one cancelled only as its gateway was gone, if that gateway is heard again. Back, it found the
         message still held here, published no copy, and awaits this answer: dropped, its client had a 504 at its
         deadline (review h202)."""
-        if self._ids.get(meta.id) == "gateway_gone" and not gateway_gone(meta.reply):
-            del self._ids[meta.id]
+        if not gateway_gone(meta.reply):
+            self.judge_gateway(meta.id, gone=False)
         return self.contains(meta.id)
 
     def letting_go(self, meta: RequestMeta) -> bool:
