@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Coroutine
@@ -115,7 +116,8 @@ class Box:
             self._cpu_executor,
             local_reply=self._local_reply,
             announce=self._beat,
-            gateway_gone=lambda reply: self.fleet is not None and self.fleet.gateway_gone(reply),  # the fleet: below
+            # The fleet is made below, at start.
+            gateway_gone=lambda meta: self.fleet is not None and self.fleet.gateway_gone(meta.reply, meta.run),
         )
         self._dead_letters: DeadLetterWatch | None = None
         self.natsd: EmbeddedNats | None = None
@@ -136,6 +138,7 @@ class Box:
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
         self.started_at = time.time()
+        self.run = secrets.token_hex(4)  # this start's own: its reply subject and heartbeat name it (`Hearing.ended`)
         self.build = build_id()  # read once here: a git checkout's commit costs a subprocess
         self.ready = False  # its start finished: a box refused at start (a twin of a live box id) never was
         # Its start finished, or `/readyz` said ready: from then a model pinned (or loading) is no reason to leave
@@ -298,6 +301,7 @@ class Box:
         if self.settings.serves_http:
             self.dispatcher = Dispatcher(
                 self.box_id,
+                self.run,
                 self.nc,
                 self.js,
                 self.metrics,

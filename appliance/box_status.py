@@ -159,6 +159,7 @@ def heartbeat(box: Box) -> dict[str, Any]:
         "version": __version__,
         "build": box.build,
         "started": box.started_at,
+        "run": box.run,
         "uptime_s": round(time.time() - box.started_at, 1),
         "draining": box.draining,
         "http_port": box.http_port,

@@ -34,11 +34,11 @@ _COPY_TRIES = 3  # publishes of a request's copy that time out before it is nake
 LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
 
-GatewayGone = Callable[[str], bool]
-"""Whether the gateway awaiting answers on a reply subject is known to be gone (`Fleet.gateway_gone`)."""
+GatewayGone = Callable[[RequestMeta], bool]
+"""Whether the gateway awaiting a request's answer is known to be gone (`Fleet.gateway_gone`)."""
 
 
-def never_gone(reply: str) -> bool:
+def never_gone(meta: RequestMeta) -> bool:
     """A `GatewayGone` for a box that knows no fleet: every gateway may still be awaiting its answers."""
     return False
 
@@ -59,7 +59,7 @@ class Forsaken:
             meta = held if isinstance(held, RequestMeta) else RequestMeta.from_headers(held.headers)
         except ValueError:
             return False
-        if not self._gateway_gone(meta.reply):
+        if not self._gateway_gone(meta):
             self._copies_gone_at.pop(meta.id, None)
             return False
         if not meta.copy:
@@ -78,7 +78,7 @@ def gone_at_intake(meta: RequestMeta, msg: Msg, gateway_gone: GatewayGone) -> bo
     (published as its gateway's heartbeat came back: `RequestMeta.copy`); a copy given again is judged as any."""
     if meta.copy and (msg.metadata.num_delivered or 1) <= 1:
         return False
-    return gateway_gone(meta.reply)
+    return gateway_gone(meta)
 
 
 class QueueEpoch:
@@ -215,7 +215,7 @@ async def deliver_reply(
         except (NoRespondersError, NatsTimeout):
             if give_up():
                 return False
-            if gateway_gone(meta.reply):
+            if gateway_gone(meta):
                 log.info(
                     "reply not taken: its gateway's box is gone from the fleet; given up",
                     extra={"request_id": meta.id, "reply": meta.reply, "attempts": attempts + 1},
@@ -303,7 +303,7 @@ class Cancellations:
         prepared: not one cancelled only as its gateway was gone, if that gateway is heard again. Back, it found the
         message still held here, published no copy, and awaits this answer: dropped, its client had a 504 at its
         deadline (review h202)."""
-        if not gateway_gone(meta.reply):
+        if not gateway_gone(meta):
             self.judge_gateway(meta.id, gone=False)
         return self.contains(meta.id)
 

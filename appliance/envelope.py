@@ -35,6 +35,7 @@ DIMS = "Fbx-Dims"
 USAGE_TOKENS = "Fbx-Usage-Tokens"
 SEQ = "Fbx-Seq"  # a streamed reply's chunk number, from 0
 FINAL = "Fbx-Final"  # "1" on a streamed reply's last chunk
+RUN = "Fbx-Run"  # the run of the gateway's box that published it (`RequestMeta.run`)
 COPY = "Fbx-Copy"  # a request its gateway published again: its copy's number (`RequestMeta.copy`)
 RETRY_AFTER = "Fbx-Retry-After"  # an error reply's Retry-After, in seconds, for the gateway to pass on
 
@@ -51,6 +52,10 @@ class RequestMeta:
     reply: str
     deadline_ms: int  # unix ms
     sent_ms: int  # unix ms, when the gateway published it
+    # The run of the gateway's box (a token drawn at each start, in its heartbeat too): a box restarted under its id
+    # awaits nothing of its last run, and a worker lets such a request go (`Hearing.ended`). "" from a gateway that
+    # names none: judged by its heartbeat's arrival alone.
+    run: str = ""
     tokens: int = 0  # the gateway's cheap estimate
     adapter: str | None = None
     priority: str = INTERACTIVE
@@ -88,6 +93,8 @@ class RequestMeta:
             headers[BLOB] = self.blob
         if self.registered_ms:
             headers[REGISTERED] = str(self.registered_ms)
+        if self.run:
+            headers[RUN] = self.run
         if self.copy:
             headers[COPY] = str(self.copy)
         return headers
@@ -110,6 +117,7 @@ class RequestMeta:
             task=task,
             model=model,
             reply=reply,
+            run=headers.get(RUN, ""),
             deadline_ms=_int(headers, DEADLINE),
             sent_ms=_int(headers, SENT, default=0),
             tokens=_int(headers, TOKENS, default=0),

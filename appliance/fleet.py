@@ -238,12 +238,13 @@ class Fleet:
             return held.value == self.box_id.encode()
         return True
 
-    def gateway_gone(self, reply: str) -> bool:
-        """Whether the gateway awaiting answers on `reply` (`bus.reply_subject`) is known gone (`Hearing.gone`), so
-        that no worker spends a decode slot, a batch or the backlog on them. A gateway only frozen or cut off
-        publishes again what it awaits once it writes its heartbeat again (`on_lapse`)."""
+    def gateway_gone(self, reply: str, run: str = "") -> bool:
+        """Whether the gateway awaiting answers on `reply` (`bus.reply_subject`) is known gone (`Hearing.gone`), or
+        its run `run` over (`RequestMeta.run`, `Hearing.ended`: its box restarted under its id), so that no worker
+        spends a decode slot, a batch or the backlog on them. A gateway only frozen or cut off publishes again what
+        it awaits once it writes its heartbeat again (`on_lapse`)."""
         box = bus.reply_box(reply)
-        return box is not None and self._hearing.gone(box)
+        return box is not None and (self._hearing.gone(box) or self._hearing.ended(box, run))
 
     def without_workers_s(self) -> float:
         """Seconds since a live box taking model work was last heard of (or since this box started, or last saw the
@@ -275,7 +276,7 @@ class Fleet:
         with suppress(orjson.JSONDecodeError):
             record = orjson.loads(entry.value)
             if isinstance(record, dict):
-                self._hearing.heard(entry.key)
+                self._hearing.heard(entry.key, str(record.get("run") or ""))
                 self._boxes[entry.key] = record
                 self._holdings = None
                 if taking_work([record], MODEL_ROLES):

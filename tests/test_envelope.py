@@ -11,8 +11,8 @@ from appliance.errors import ServiceUnavailable, Unprocessable
 
 
 def test_request_meta_round_trips_through_headers() -> None:
-    meta = RequestMeta(id="a1", task="embed", model="m", reply="fbx.rep.b", deadline_ms=10, sent_ms=5, tokens=3,
-                       adapter="lora", priority="batch", blob="k", adapter_registered_ms=1_700_000_000_123,
+    meta = RequestMeta(id="a1", task="embed", model="m", reply="fbx.rep.b", run="0a1b", deadline_ms=10, sent_ms=5,
+                       tokens=3, adapter="lora", priority="batch", blob="k", adapter_registered_ms=1_700_000_000_123,
                        registered_ms=1_700_000_000_000)  # fmt: skip
     headers = meta.headers()
     assert headers["Nats-Msg-Id"] == "a1"

@@ -49,6 +49,22 @@ def _hold_blob_reads(worker: Any) -> asyncio.Event:
     return read
 
 
+HELD_BACK_SETTINGS: dict[str, Any] = {
+    **_FAST_FLEET,
+    "default_model": False,
+    "models": [noop_model()],
+    "blob_threshold": 2048,
+}
+
+
+async def held_back_fleet(start_box: Any) -> tuple[Any, Any, asyncio.Event]:
+    """A worker box `wk` and a gateway box `gw` (fast heartbeats, the no-op model) whose worker's body reads are
+    held back until the event returned is set: a request of 5,000 bytes stays held, being prepared."""
+    worker = await start_box(role="worker", box_id="wk", **HELD_BACK_SETTINGS)
+    gateway = await start_box(role="gateway", box_id="gw", **HELD_BACK_SETTINGS)
+    return worker, gateway, _hold_blob_reads(worker.workers["noop"])
+
+
 async def no_beat() -> None:
     """A `Fleet.beat` that writes nothing: the box frozen or cut off, as the fleet sees it."""
 
@@ -121,12 +137,9 @@ async def test_a_request_being_prepared_when_its_gateway_was_taken_for_gone_is_a
     came back and looked (it found the message held, so published no copy), its client had a 504 at its deadline.
     Seen failing so: 504 after 12 s."""
     caplog.set_level(logging.INFO, logger="appliance.gateway.resend")
-    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()], "blob_threshold": 2048}
-    worker = await start_box(role="worker", box_id="wk", **settings)
-    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    worker, gateway, read = await held_back_fleet(start_box)
     assert gateway.fleet is not None and worker.fleet is not None
     noop = worker.workers["noop"]
-    read = _hold_blob_reads(noop)
 
     sent = asyncio.ensure_future(
         http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "word " * 1000, "timeout": 12})
@@ -190,12 +203,9 @@ async def test_a_copy_whose_gateway_died_after_it_came_back_is_let_go_after_a_gr
     have reached the box when the copy did). Here: a request dropped at intake while its gateway is taken for gone,
     its copy published when it beats again, held in its body's read, then the gateway silent for good. Seen failing
     before: the copy not let go."""
-    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()], "blob_threshold": 2048}
-    worker = await start_box(role="worker", box_id="wk", **settings)
-    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    worker, gateway, read = await held_back_fleet(start_box)
     assert gateway.fleet is not None and worker.fleet is not None
     noop = worker.workers["noop"]
-    read = _hold_blob_reads(noop)
 
     def cancelled() -> float:
         return worker.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "noop"}) or 0.0
@@ -284,12 +294,9 @@ async def test_a_request_whose_client_went_away_while_its_gateway_was_taken_for_
     its client went away. That cancel was swallowed (the id was cancelled already), and the gateway_gone one lifted
     once the gateway was heard: computed for nobody (h204's reproduction: one row computed). Seen failing on the code
     before: the client's cancel not recorded."""
-    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()], "blob_threshold": 2048}
-    worker = await start_box(role="worker", box_id="wk", **settings)
-    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    worker, gateway, read = await held_back_fleet(start_box)
     assert gateway.fleet is not None and worker.fleet is not None and gateway.nc is not None
     noop = worker.workers["noop"]
-    read = _hold_blob_reads(noop)
 
     def sample(name: str) -> float:
         return worker.metrics.registry.get_sample_value(name, {"model": "noop"}) or 0.0
@@ -376,7 +383,7 @@ async def test_a_request_published_as_the_heartbeat_came_back_and_let_go_is_publ
     def cancelled() -> float:
         return worker.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "noop"}) or 0.0
 
-    worker.fleet.gateway_gone = lambda reply: not heard.is_set()  # the gateway's fresh heartbeat not heard yet
+    worker.fleet.gateway_gone = lambda reply, run="": not heard.is_set()  # the gateway's fresh heartbeat not heard yet
     gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=1.0)  # its first heartbeat after a 6 s freeze written
     body = {"model": "noop", "input": "x", "timeout": 8}
     sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json=body))

@@ -61,6 +61,7 @@ class Dispatcher:
     def __init__(
         self,
         box_id: str,
+        run: str,
         nc: NATS,
         js: JetStreamContext,
         metrics: Metrics,
@@ -115,6 +116,7 @@ class Dispatcher:
         )
         self._nuid = NUID()
         self._reply_subject = bus.reply_subject(box_id)
+        self._run = run
 
     async def start(self) -> None:
         await self._nc.subscribe(self._reply_subject, cb=self._on_reply)
@@ -259,6 +261,7 @@ class Dispatcher:
             task=task,
             model=spec.name,
             reply=self._reply_subject,
+            run=self._run,
             deadline_ms=now_ms + int(timeout_s * 1000),
             sent_ms=now_ms,
             tokens=tokens,
