@@ -20,6 +20,7 @@ from appliance import bus
 from appliance.deadletter import tell_dead_lettered
 from appliance.delivery import Cancellations
 from appliance.envelope import RequestMeta
+from appliance.errors import ServiceUnavailable
 from appliance.settings import ModelEntry
 from tests.conftest import hold, noop_model, url, wait_for
 
@@ -410,3 +411,32 @@ async def test_a_lapse_restarts_the_rates_admission_measures(start_box, monkeypa
     monkeypatch.setattr(admission, "restart_rates", lambda: (restarts.append(1), restart_rates())[1])
     gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
     assert restarts == [1]
+
+
+async def test_a_stopping_gateway_stops_publishing_again(start_box, http, nats_server) -> None:
+    """Review h204 L4: a lapse's look loops (and a generation's wait for silence) went on through a box's stop, each
+    until its request was no longer awaited; the box's stop now ends them before it answers what it awaits. Seen
+    failing on the code before: the look loop still running after `abandon`."""
+    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
+    gateway = await start_box(role="gateway", box_id="gw", **settings)
+    assert gateway.dispatcher is not None and gateway.js is not None
+    resender = gateway.dispatcher._resender
+    looks = _Looks(gateway.js)
+    stream = _RequestStream(await nats.connect(nats_server.url))
+    sent = asyncio.ensure_future(
+        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
+    )
+    try:
+        await wait_for(lambda: stream.holds(1), what="the request queued")
+        looks.stop_answering()
+        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+        await wait_for(lambda: looks.count >= 1, what="the stream looked at")
+        assert len(resender._republishes) == 1
+        await gateway.dispatcher.abandon(ServiceUnavailable("box gw is stopping", retry_after_s=1))
+        assert len(resender._republishes) == 0 and not resender._looking
+        async with await asyncio.wait_for(sent, 20) as response:
+            assert response.status == 503, await response.text()
+    finally:
+        looks.restore()
+        sent.cancel()
+        await stream.close()

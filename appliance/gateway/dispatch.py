@@ -161,6 +161,7 @@ class Dispatcher:
         box computes an answer nobody can be given.
         """
         self._closed = error  # a handler that reaches the queue from now on is answered at once, not left hanging
+        await self._resender.close()
         await self._waiters.abandon(error)
 
     def abandon_model(self, model: str, error: FleetboxError) -> None:

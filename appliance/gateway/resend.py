@@ -86,6 +86,13 @@ class Resender:
         """Its client has its answer, or went away."""
         self._sent.pop(request_id, None)
 
+    async def close(self) -> None:
+        """Stop publishing again: the box is stopping and answers every request it awaits (`Dispatcher.abandon`).
+        A lapse's looks at the stream, a generation's wait for silence, or a copy's publish went on to their ends,
+        each for as long as its request stayed awaited (review h204 L4); a copy published then was queued for
+        nobody."""
+        await self._republishes.cancel()
+
     def again(self, request_id: str) -> None:
         """Publish one request again now (a generation handed back whose message went with a lost queue)."""
         if (sent := self._sent.get(request_id)) is not None:
