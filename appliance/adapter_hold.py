@@ -1,6 +1,6 @@
 """The LoRA adapter a request names, on the box that took it: judged against the registration its gateway resolved,
-then made resident on its base and held for the request (both kinds of worker: `worker.py`, `generation_intake.py`); and
-the model's own registration judged the same way (`judge_registration`).
+then made resident on its base and held for the request (both kinds of worker: `worker_intake.py`,
+`generation_intake.py`); and the model's own registration judged the same way (`judge_registration`).
 
 The one idea: a request is answered by the registration of the adapter it was sent for, or not at all. An adapter's
 requests share its base's queue, which a deletion cannot purge of them alone, so a request queued for a registration

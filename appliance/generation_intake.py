@@ -116,7 +116,7 @@ class GenerationIntake:
         if held is not None:  # a redelivery of what this box generates: its keep-alive holds it
             if self._cancelled.letting_go(meta):
                 self._spawn(msg.nak(delay=LET_GO_WAIT_S))
-            elif another_copy(held, msg):  # published again after the queue was lost: see ModelWorker._on_message
+            elif another_copy(held, msg):  # published again after the queue was lost: see WorkerIntake.on_message
                 self._held.take_copy(meta.id, msg)
             return
         if self._decoding.parks(meta.id, msg):  # the runtime drops its old copy at its next step: this one comes after

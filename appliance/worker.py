@@ -5,7 +5,8 @@ for, with at most one pull request outstanding per model. Room is measured in ti
 box could still answer within `hold_ms` at its measured batch cost (at least one batch once its
 device is nearly free, at most `worker_capacity` requests). A fast box asks for more, a slow or stalled one for less,
 and no router ever guesses its state. How an answer then leaves the box (the reply its gateway confirms first, then
-the ack) is `worker_replies.py`.
+the ack) is `worker_replies.py`; how a request is taken in (judged as delivered, then prepared for the batcher) is
+`worker_intake.py`.
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from appliance import bus
-from appliance.adapter_hold import NOT_HEARD_DELAY_S, RegistrationNotHeard, hold_adapter, judge_registration
 from appliance.adapters import AdapterHold
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Batching, Catalog, ModelSpec
 from appliance.deadletter import DeadLetters
 from appliance.delivery import (
-    LET_GO_WAIT_S,
     Cancellations,
     CancelWhy,
     Forsaken,
@@ -39,15 +38,11 @@ from appliance.delivery import (
     HandBack,
     LocalReply,
     QueueEpoch,
-    another_copy,
-    gone_at_intake,
     keep_alive,
     keeps_held,
     never_gone,
 )
-from appliance.envelope import RequestMeta
-from appliance.errors import FleetboxError, UnloadedWhileStarting, Unprocessable, deadline_passed
-from appliance.jobs import TaskJobs, jobs_for
+from appliance.errors import UnloadedWhileStarting
 from appliance.metrics import Metrics
 from appliance.puller import BULK_IDLE_S, Puller, bulk_puller, stop_pullers
 from appliance.recent_answers import RecentAnswers
@@ -55,12 +50,11 @@ from appliance.residency import Residency
 from appliance.settings import Settings
 from appliance.tasks import Background, cancel_and_wait
 from appliance.work import Job
+from appliance.worker_intake import WorkerIntake
 from appliance.worker_replies import WorkerReplies
 from runtimes import Runtime
 
 log = logging.getLogger(__name__)
-
-_BIG_BODY = 16 * 1024  # tokenise bodies above this off the event loop
 
 
 class ModelWorker:
@@ -88,17 +82,12 @@ class ModelWorker:
         self.box_id = box_id
         self.spec = spec
         self._cancelled = cancelled
-        self._gateway_gone = gateway_gone  # its requests are cancelled: nobody awaits their answers (tester h190)
         self._forsaken = Forsaken(gateway_gone, grace_s=2 * settings.heartbeat_ttl_s)
         self.runtime = runtime
         self._settings = settings
         self._metrics = metrics
-        self._cpu_executor = cpu_executor
-        self._residency = residency
-        self._catalog = catalog
         self._blobs = blobs
         self._hand_back = HandBack(nc, settings.max_deliver, queue_epoch, ack_wait_s=settings.ack_wait_s)
-        self._started = time.time()
         self._answered = RecentAnswers()
         self._held: dict[str, Job | Msg] = {}  # request id -> its job (or message, while preparing)
         self._holds: dict[str, AdapterHold] = {}  # request id -> the adapter kept loaded for it
@@ -156,9 +145,27 @@ class ModelWorker:
             spawn=self._spawn,
             gateway_gone=gateway_gone,
         )
+        self._intake = WorkerIntake(
+            spec,
+            runtime,
+            settings,
+            metrics,
+            cpu_executor,
+            catalog,
+            residency,
+            blobs,
+            cancelled,
+            self.batcher,
+            self._replies,
+            self._held,
+            self._holds,
+            current=self._current,
+            let_go=self._let_go,
+            spawn=self._spawn,
+            gateway_gone=gateway_gone,
+        )
         self._ticker: asyncio.Task[None] | None = None
         self._draining = False
-        self._rows_per_request = 1.0  # EWMA of inputs per request, to turn rows of room into requests
         self.pulling = asyncio.Event()  # set once warmed up and pulling: ready for this model (`/readyz`, `serve`)
         self.pulling_since: float | None = None  # monotonic time its pullers started (`Box._in_use`)
         self._starting: asyncio.Future[None] | None = None  # the start, warm-up to pulling (`drain` waits)
@@ -232,7 +239,7 @@ class ModelWorker:
         # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still
         # being prepared is already spoken for.
         rows = self.batcher.room(self._settings.hold_ms / 1000, for_bulk=for_bulk)
-        per_request = max(1.0, self._rows_per_request)
+        per_request = max(1.0, self._intake.rows_per_request)
         rows -= per_request * sum(1 for held in self._held.values() if not isinstance(held, Job))
         requests = math.ceil(rows / per_request) if rows > 0 else 0
         return max(0, min(self._settings.worker_capacity - len(self._held), requests))
@@ -271,135 +278,14 @@ class ModelWorker:
         return True
 
     def _on_message(self, msg: Msg) -> None:
-        try:
-            meta = RequestMeta.from_headers(msg.headers)
-        except ValueError as exc:
-            log.warning("malformed request message dropped", extra={"error": str(exc)})
-            self._spawn(msg.term())
-            return
-        held = self._held.get(meta.id)
-        if held is not None:  # a redelivery of something this box is already working on: its keep-alive holds it
-            if self._cancelled.letting_go(meta):
-                self._spawn(msg.nak(delay=LET_GO_WAIT_S))
-            elif another_copy(held.handle if isinstance(held, Job) else held, msg):
-                # The copy its gateway published again when the queue was lost (made anew): the one in hand is in a
-                # stream that is gone, so this box holds the new one instead, keeps it alive and acks it when it
-                # answers. Ignored, it came back after each ack_wait_s and was dead-lettered while its answer was
-                # made (review r41); acked at once, a nak or a crash of this box had nothing left to redeliver (r42).
-                if isinstance(held, Job):
-                    held.handle = msg
-                else:
-                    self._held[meta.id] = msg
-            return
-        # Its gateway's box is gone: dropped as a cancel of its client's would be (a copy of a gateway back: taken).
-        self._cancelled.judge_gateway(meta.id, gone_at_intake(meta, msg, self._gateway_gone))
-        if self._cancelled.contains(meta.id):
-            self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))
-            self._spawn(self._blobs.ack(msg, meta.blob))
-            return
-        if msg.metadata.num_delivered > 1:
-            self._metrics.redelivered.labels(self.spec.name).inc()
-        self._held[meta.id] = msg
-        if meta.expired:
-            self._metrics.expired.labels(self.spec.name).inc()
-            self._spawn(self._replies.fail(meta, msg, deadline_passed(meta.id)))
-            return
-        try:
-            judge_registration(self._catalog, self.spec, meta, msg.metadata.num_delivered, self._settings.max_deliver)
-        except RegistrationNotHeard:
-            self._spawn(self._replies.ask_again(meta, msg, NOT_HEARD_DELAY_S))
-            return
-        except FleetboxError as exc:
-            self._spawn(self._replies.fail(meta, msg, exc))
-            return
-        jobs = jobs_for(meta.task)
-        if jobs is None or meta.task != self.spec.task.value:
-            error = Unprocessable(f"model {self.spec.name} serves {self.spec.task}, not {meta.task}", code="wrong_task")
-            self._spawn(self._replies.fail(meta, msg, error))
-            return
-        untrained = self.runtime.info.untrained_head
-        if meta.adapter is None and untrained:  # a LoRA base: its own head is random
-            self._spawn(self._replies.fail(meta, msg, _untrained_head(self.spec.name, untrained)))
-            return
-        if meta.sent_ms and meta.sent_ms < self._started * 1000:
-            self._metrics.cold_start_ms.labels(self.spec.name).observe(self._started * 1000 - meta.sent_ms)
-        if meta.adapter is not None or meta.blob is not None:
-            self._spawn(self._prepare_async(meta, msg, jobs))
-        elif len(msg.data) > _BIG_BODY:
-            self._spawn(self._prepare_off_loop(meta, msg, jobs, msg.data))
-        else:
-            self._prepare(meta, msg, jobs)
-
-    async def _prepare_async(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
-        """Fetch an offloaded body and load the request's LoRA adapter (once), then prepare as usual."""
-        try:
-            body = await self._blobs.get(meta.blob) if meta.blob else msg.data
-            if meta.adapter is not None:
-                hold = await hold_adapter(
-                    self._catalog,
-                    self._residency,
-                    self.spec,
-                    meta,
-                    msg.metadata.num_delivered,
-                    self._settings.max_deliver,
-                )
-                self._holds[meta.id] = hold
-                meta = replace(meta, adapter=hold.key)  # the batch runs it under its name in the runtime
-        except Exception as exc:
-            await self._not_prepared(meta, msg, exc)
-            return
-        await self._prepare_off_loop(meta, msg, jobs, body)
-
-    def _prepare(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs) -> None:
-        try:
-            rows, params = jobs.prepare(msg.data, self.runtime)
-        except Exception as exc:
-            self._spawn(self._not_prepared(meta, msg, exc))
-            return
-        self._submit(meta, msg, rows, params)
-
-    async def _prepare_off_loop(self, meta: RequestMeta, msg: Msg, jobs: TaskJobs, body: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            rows, params = await loop.run_in_executor(self._cpu_executor, jobs.prepare, body, self.runtime)
-        except Exception as exc:
-            await self._not_prepared(meta, msg, exc)
-            return
-        self._submit(meta, msg, rows, params)
-
-    async def _not_prepared(self, meta: RequestMeta, msg: Msg, error: Exception) -> None:
-        """A request that could not be made ready: the client's error is answered; any other is retried.
-
-        Anything else (its body's blob not fetched, a NATS hiccup, a bug) must not leave the request
-        held: a held request is kept in progress, so JetStream would never hand it to anyone again.
-        """
-        if isinstance(error, FleetboxError):
-            await self._replies.fail(meta, msg, error)
-            return
-        if isinstance(error, RegistrationNotHeard):
-            await self._replies.ask_again(meta, msg, NOT_HEARD_DELAY_S)
-            return
-        log.error("request not prepared", extra={"model": self.spec.name, "request_id": meta.id, "error": repr(error)})
-        await self._replies.retry_or_dead_letter(meta, msg, error)
+        self._intake.on_message(msg)
 
     def _current(self, request_id: str, msg: Msg) -> Msg:
-        """The message this box holds for a request now: `msg`, or a copy `_on_message` took in its place."""
+        """The message this box holds for a request now: `msg`, or a copy its intake (`on_message`) took instead."""
         held = self._held.get(request_id)
         if isinstance(held, Job):
             return held.handle
         return held if held is not None else msg
-
-    def _submit(self, meta: RequestMeta, msg: Msg, rows: list, params: object) -> None:
-        msg = self._current(meta.id, msg)
-        self._rows_per_request = 0.9 * self._rows_per_request + 0.1 * len(rows)
-        if self._cancelled.still_cancelled(meta, self._gateway_gone):  # cancelled while its body was being prepared
-            self._let_go(meta.id)
-            self._metrics.dropped(self.spec.name, self._cancelled.why(meta.id))  # as a cancel of one held or queued is
-            self._spawn(self._blobs.ack(msg, meta.blob))
-            return
-        job = Job(meta=meta, rows=rows, params=params, handle=msg)
-        self._held[meta.id] = job
-        self.batcher.submit(job)
 
     def _on_done(self, job: Job, error: Exception | None) -> None:
         self._spawn(self._replies.answer(job, error))
@@ -413,8 +299,8 @@ class ModelWorker:
 
     def _let_go_forsaken(self) -> None:
         """Cancel the requests held here whose gateway's box is gone from the fleet (`GatewayGone`), as a cancel of
-        their clients' would: one not computed yet is dropped and acked (one being prepared, once it is: `_submit`);
-        a batch on the device finishes, and its reply is given up (`deliver_reply`)."""
+        their clients' would: one not computed yet is dropped and acked (one being prepared, once it is:
+        `WorkerIntake._submit`); a batch on the device finishes, and its reply is given up (`deliver_reply`)."""
         self._forsaken.held_now(self._held)
         for request_id, held in list(self._held.items()):
             if isinstance(held, Job):
@@ -434,12 +320,3 @@ class ModelWorker:
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks.spawn(coro)
-
-
-def _untrained_head(model: str, weights: tuple[str, ...]) -> Unprocessable:
-    """The answer for a LoRA base called without an adapter: its folder holds no trained head (random logits)."""
-    return Unprocessable(
-        f"model {model} has no trained head (its folder lacks {', '.join(weights)}): call it through one of its LoRA "
-        "adapters, which bring their own",
-        code="untrained_head",
-    )

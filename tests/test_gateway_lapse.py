@@ -34,9 +34,11 @@ def _meta(request_id: str, *, reply: str = "fbx.reply.gw", copy: int = 0) -> Req
 
 
 def _hold_blob_reads(worker: Any) -> asyncio.Event:
-    """The worker's object store, its reads held back until the event is set: a long preparation."""
+    """The object store of the worker's intake (`WorkerIntake`), its reads held back until the event is set: a long
+    preparation."""
     read = asyncio.Event()
-    blobs = worker._blobs
+    intake = worker._intake
+    blobs = intake._blobs
 
     class HeldBackBlobs:
         def __getattr__(self, name: str) -> Any:
@@ -46,7 +48,7 @@ def _hold_blob_reads(worker: Any) -> asyncio.Event:
             await read.wait()
             return await blobs.get(key)
 
-    worker._blobs = HeldBackBlobs()
+    intake._blobs = HeldBackBlobs()
     return read
 
 
