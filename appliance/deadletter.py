@@ -117,7 +117,8 @@ async def tell_dead_lettered(
 
 
 class DeadLetters:
-    """What a worker does with a request its model raised on: another try, or FBX_DLQ after `max_deliver`."""
+    """What a worker does with a request its model raised on: another try, or FBX_DLQ after `max_deliver`. One per
+    worker, of either kind, made with it by the box's table of workers (`Workers`)."""
 
     def __init__(
         self,
@@ -128,20 +129,21 @@ class DeadLetters:
         max_deliver: int,
         dead_lettered: Counter,
         *,
-        stopping: Callable[[], bool],
         gateway_gone: GatewayGone = never_gone,
     ) -> None:
-        # The worker drains (`stopping`): an error reply no gateway takes is handed back, not retried.
-        self._tell = partial(tell_dead_lettered, nc, box_id=box_id, give_up=stopping, gateway_gone=gateway_gone)
+        self._tell = partial(tell_dead_lettered, nc, box_id=box_id, gateway_gone=gateway_gone)
         self._js = js
         self._blobs = blobs
         self._max_deliver = max_deliver
         self._dead_lettered = dead_lettered  # the worker's model's count of them
 
-    async def retry_or_dead_letter(self, meta: RequestMeta, msg: Msg, error: Exception) -> bool:
+    async def retry_or_dead_letter(
+        self, meta: RequestMeta, msg: Msg, error: Exception, *, stopping: Callable[[], bool]
+    ) -> bool:
         """Nak it for another try after a back-off (maybe on another box), or on its `max_deliver`-th
         delivery keep it in FBX_DLQ with why, answer its client and ack it. Either way it is settled.
-        True where it was dead-lettered, its client told and the message acked: no copy of it is to be tried again."""
+        True where it was dead-lettered, its client told and the message acked: no copy of it is to be tried again.
+        The worker drains (`stopping`): an error reply no gateway takes is handed back, not retried."""
         deliveries = msg.metadata.num_delivered or 1
         if deliveries < self._max_deliver:
             await msg.nak(delay=retry_delay_s(msg))
@@ -151,7 +153,7 @@ class DeadLetters:
         kept = await keep_dead_letter(self._js, meta, headers, body, deliveries=deliveries, reason=reason)
         if not kept:
             blob = None  # the dead letter kept before may not carry the body: its blob is left to the bucket's TTL
-        told = await self._tell(meta, deliveries=deliveries, reason=reason)
+        told = await self._tell(meta, deliveries=deliveries, reason=reason, give_up=stopping)
         if not told:
             # The box is stopping with its client not told: past its last delivery, JetStream's max-deliveries
             # advisory has a box of the fleet (`DeadLetterWatch`) dead-letter it and answer it, and count it:

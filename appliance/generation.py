@@ -22,7 +22,6 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from appliance import bus, delivery
 from appliance.adapter_hold import adapter_deleted
@@ -61,7 +60,7 @@ class GenerateWorker:
         residency: Residency,
         catalog: Catalog,
         blobs: Blobs,
-        js: JetStreamContext,
+        dead_letters: DeadLetters,
         cancelled: Cancellations,
         local_reply: LocalReply | None = None,
         queue_epoch: QueueEpoch | None = None,
@@ -104,17 +103,6 @@ class GenerateWorker:
         )
         self.bulk_puller = bulk_puller(
             nc, box_id, spec.slug, self._bulk_room, self._on_message, self._keeps_late, hand_back=self._hand_back
-        )
-        dead_lettered = metrics.dead_lettered.labels(spec.name)
-        dead_letters = DeadLetters(
-            box_id,
-            nc,
-            js,
-            blobs,
-            settings.max_deliver,
-            dead_lettered,
-            stopping=lambda: self._stopping,
-            gateway_gone=gateway_gone,
         )
         self._replies = GenerationReplies(
             box_id,

@@ -107,7 +107,7 @@ class GenerationReplies:
         self._held.retrying[meta.id] = msg
         dead_lettered = False
         try:
-            dead_lettered = await self._dead_letters.retry_or_dead_letter(meta, msg, error)
+            dead_lettered = await self._dead_letters.retry_or_dead_letter(meta, msg, error, stopping=self._stopping)
         finally:
             copy = self._held.retrying.pop(meta.id, None)
             if copy is not None and copy is not msg:

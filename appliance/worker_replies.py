@@ -112,7 +112,7 @@ class WorkerReplies:
         """The model raised on this request: try again (maybe elsewhere), or give up after max_deliver."""
         msg = self._current(meta.id, msg)
         try:
-            await self._dead_letters.retry_or_dead_letter(meta, msg, error)
+            await self._dead_letters.retry_or_dead_letter(meta, msg, error, stopping=self._stopping)
         finally:
             self._let_go(meta.id)
             self._poke()

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from appliance import bus
 from appliance.blobs import Blobs
 from appliance.catalog import DEFAULT_MODEL_NAME, Catalog, ModelSpec
+from appliance.deadletter import DeadLetters
 from appliance.delivery import CANCEL_WHYS, Cancellations, GatewayGone, LocalReply, QueueEpoch, never_gone
 from appliance.errors import Conflict, NotFound, ServiceUnavailable, UnloadedWhileStarting
 from appliance.metrics import Metrics
@@ -262,6 +263,15 @@ class Workers:
 
     def _new_worker(self, spec: ModelSpec, runtime: Runtime, settings: Settings) -> Worker:
         assert self._nc is not None
+        dead_letters = DeadLetters(
+            self._box_id,
+            self._nc,
+            self._js,
+            self._blobs,
+            settings.max_deliver,
+            self._metrics.dead_lettered.labels(spec.name),
+            gateway_gone=self._gateway_gone,
+        )
         if spec.task is Task.GENERATE:
             from appliance.generation import GenerateWorker  # torch and transformers: only a box that generates
 
@@ -276,7 +286,7 @@ class Workers:
                 self._residency,
                 self._catalog,
                 self._blobs,
-                self._js,
+                dead_letters,
                 self._cancelled,
                 local_reply=self._local_reply,
                 queue_epoch=self.queue_epoch,
@@ -294,7 +304,7 @@ class Workers:
             self._residency,
             self._catalog,
             self._blobs,
-            self._js,
+            dead_letters,
             self._cancelled,
             local_reply=self._local_reply,
             queue_epoch=self.queue_epoch,

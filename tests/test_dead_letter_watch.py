@@ -268,8 +268,9 @@ async def test_a_worker_whose_blob_read_times_out_still_dead_letters_with_the_mo
     [msg] = await puller.fetch(1, timeout=5)
     metrics = Metrics()
     dead_letters = DeadLetters("worker", queue.nc, queue.js, BlobReadsTimeOut(queue.blobs), 1,  # type: ignore[arg-type]
-                               metrics.dead_lettered.labels("noop"), stopping=lambda: False)  # fmt: skip
-    await dead_letters.retry_or_dead_letter(RequestMeta.from_headers(msg.headers), msg, RuntimeError("model failed"))
+                               metrics.dead_lettered.labels("noop"))  # fmt: skip
+    meta = RequestMeta.from_headers(msg.headers)
+    await dead_letters.retry_or_dead_letter(meta, msg, RuntimeError("model failed"), stopping=lambda: False)
 
     reply = await asyncio.wait_for(queue.replies.get(), 30)
     assert "model failed" in orjson.loads(reply.data)["error"]["message"]

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import aiohttp
@@ -582,7 +583,9 @@ async def test_the_copy_that_took_a_dead_lettered_generations_place_is_settled_w
     held, copy = HeldGenerations(), _SettledMsg()
 
     class DeadLettering:
-        async def retry_or_dead_letter(self, meta: RequestMeta, msg: object, error: Exception) -> bool:
+        async def retry_or_dead_letter(
+            self, meta: RequestMeta, msg: object, error: Exception, *, stopping: Callable[[], bool]
+        ) -> bool:
             held.take_copy(meta.id, copy)  # what the intake does with the copy that arrives meanwhile
             return dead_lettered
 
