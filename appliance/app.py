@@ -45,6 +45,7 @@ from appliance.connect import (
 )
 from appliance.control import ControlServer
 from appliance.deadletter import DeadLetterWatch
+from appliance.delivery import GatewayState
 from appliance.devices import cpu_cores, hardware_slug, resolve_device
 from appliance.envelope import ReplyMeta
 from appliance.errors import ServiceUnavailable
@@ -116,8 +117,8 @@ class Box:
             self._cpu_executor,
             local_reply=self._local_reply,
             announce=self._beat,
-            # The fleet is made below, at start.
-            gateway_gone=lambda meta: self.fleet is not None and self.fleet.gateway_gone(meta.reply, meta.run),
+            # The fleet is made below, at start; no worker pulls before it holds this box's id (`Workers.id_held`).
+            gateway_gone=lambda meta: self.fleet.gateway_gone(meta) if self.fleet is not None else GatewayState.AWAITS,
         )
         self._dead_letters: DeadLetterWatch | None = None
         self.natsd: EmbeddedNats | None = None
@@ -138,7 +139,7 @@ class Box:
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None  # why the box stopped itself, for a non-zero exit
         self.started_at = time.time()
-        self.run = secrets.token_hex(4)  # this start's own: its reply subject and heartbeat name it (`Hearing.ended`)
+        self.run = secrets.token_hex(4)  # this start's own: its requests (`Fbx-Run`) and heartbeat name it
         self.build = build_id()  # read once here: a git checkout's commit costs a subprocess
         self.ready = False  # its start finished: a box refused at start (a twin of a live box id) never was
         # Its start finished, or `/readyz` said ready: from then a model pinned (or loading) is no reason to leave
@@ -185,8 +186,11 @@ class Box:
             replicas=s.replicas,
             on_taken=self.id_taken,
             on_lapse=self._heartbeat_lapsed,
+            on_held_again=lambda models: self.dispatcher is not None and self.dispatcher.held_again(models),
+            run_memory_s=max(s.stream_max_age_s, s.max_timeout_s),  # while an ended run's request may be about
         )
         await when_jetstream_answers(self.fleet.start)
+        self.workers.id_held()
         self._control = ControlServer(self.nc, self.box_id, control_verbs(self))
         await self._control.start()
         await self.nc.subscribe(bus.cancel_subject(), cb=self.workers.on_cancel)

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection
 from datetime import datetime
+from enum import IntEnum
 from typing import Literal
 
 from nats.aio.client import Client as NATS
@@ -34,13 +35,22 @@ _COPY_TRIES = 3  # publishes of a request's copy that time out before it is nake
 LocalReply = Callable[[str, ReplyMeta, bytes], bool]
 """Hands a reply to this box's own gateway in-process when the reply subject is its: True if it did."""
 
-GatewayGone = Callable[[RequestMeta], bool]
-"""Whether the gateway awaiting a request's answer is known to be gone (`Fleet.gateway_gone`)."""
+
+class GatewayState(IntEnum):
+    """What a box knows of the gateway awaiting a request (`Fleet.gateway_gone`): falsy while it may await it."""
+
+    AWAITS = 0
+    GONE = 1  # its box unheard for twice the TTL; one only frozen or cut off comes back, and publishes copies
+    OVER = 2  # its run is over (its box restarted under its id): nothing of that run comes back
 
 
-def never_gone(meta: RequestMeta) -> bool:
+GatewayGone = Callable[[RequestMeta], GatewayState]
+"""Whether the gateway awaiting a request's answer is known to be gone (`Fleet.gateway_gone`), and for good."""
+
+
+def never_gone(meta: RequestMeta) -> GatewayState:
     """A `GatewayGone` for a box that knows no fleet: every gateway may still be awaiting its answers."""
-    return False
+    return GatewayState.AWAITS
 
 
 class Forsaken:
@@ -59,10 +69,11 @@ class Forsaken:
             meta = held if isinstance(held, RequestMeta) else RequestMeta.from_headers(held.headers)
         except ValueError:
             return False
-        if not self._gateway_gone(meta):
+        gone = self._gateway_gone(meta)
+        if not gone:
             self._copies_gone_at.pop(meta.id, None)
             return False
-        if not meta.copy:
+        if not meta.copy or gone is GatewayState.OVER:  # an ended run's copies: no heartbeat of it is to come
             return True
         now = time.monotonic()
         return now - self._copies_gone_at.setdefault(meta.id, now) > self._grace_s
@@ -75,10 +86,12 @@ class Forsaken:
 
 def gone_at_intake(meta: RequestMeta, msg: Msg, gateway_gone: GatewayGone) -> bool:
     """Whether a request taken in is dropped as its gateway is gone (`GatewayGone`): not a copy on its first delivery
-    (published as its gateway's heartbeat came back: `RequestMeta.copy`); a copy given again is judged as any."""
+    (published as its gateway's heartbeat came back: `RequestMeta.copy`) unless its gateway's run is over; a copy
+    given again is judged as any."""
+    gone = gateway_gone(meta)
     if meta.copy and (msg.metadata.num_delivered or 1) <= 1:
-        return False
-    return gateway_gone(meta)
+        return gone is GatewayState.OVER
+    return bool(gone)
 
 
 class QueueEpoch:

@@ -27,8 +27,10 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from appliance import bus
 from appliance.batch_cost import PaceLine
+from appliance.delivery import GatewayState
+from appliance.envelope import RequestMeta
 from appliance.errors import Conflict
-from appliance.hearing import Hearing
+from appliance.hearing import RUN_MEMORY_S, Hearing
 from appliance.logs import FailureStreak
 from appliance.settings import GATEWAY_ROLES, MODEL_ROLES
 from appliance.tasks import cancel_and_wait
@@ -50,6 +52,8 @@ class Fleet:
         replicas: int = 1,
         on_taken: Callable[[str], None] | None = None,
         on_lapse: Callable[[float], None] | None = None,
+        on_held_again: Callable[[list[str]], None] | None = None,
+        run_memory_s: float = RUN_MEMORY_S,
     ) -> None:
         self._js = js
         self.box_id = box_id
@@ -66,11 +70,13 @@ class Fleet:
         self._beating = False
         self._on_taken = on_taken  # told why when another box beats under this box's id now
         self._started: object = None  # this box's `started`, which its records carry
+        self._run: object = None  # and its `run` (`RequestMeta.run`)
         self._revision: int | None = None  # of this box's last record: a beat writes over that alone (`_write`)
         self._beat_lock = asyncio.Lock()
         self._workers_seen_at = time.monotonic()  # the last heartbeat of a box taking model work (or the start)
-        self._hearing = Hearing(box_id, ttl_s)  # when each box's record reached this one (`gateway_gone`)
+        self._hearing = Hearing(box_id, ttl_s, run_memory_s)  # when each box's record reached this one (`gateway_gone`)
         self._on_lapse = on_lapse  # told how long this box's heartbeat lapsed, once it writes one again
+        self._on_held_again = on_held_again  # told of models resident on a live box again after none held them
         self._written_at: float | None = None  # monotonic: this box's last heartbeat written
 
     async def start(self) -> None:
@@ -88,7 +94,9 @@ class Fleet:
         self._tasks.append(asyncio.create_task(self._follow(watcher), name="fleet-watch"))
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
-            self._started = started = self._snapshot().get("started")
+            snapshot = self._snapshot()
+            self._started = started = snapshot.get("started")
+            self._run = snapshot.get("run")
             await self._take_id(started)
             self._beating = True  # from now the record under this id is this box's: its stop deletes it
             await self.beat()
@@ -238,13 +246,33 @@ class Fleet:
             return held.value == self.box_id.encode()
         return True
 
-    def gateway_gone(self, reply: str, run: str = "") -> bool:
-        """Whether the gateway awaiting answers on `reply` (`bus.reply_subject`) is known gone (`Hearing.gone`), or
-        its run `run` over (`RequestMeta.run`, `Hearing.ended`: its box restarted under its id), so that no worker
-        spends a decode slot, a batch or the backlog on them. A gateway only frozen or cut off publishes again what
-        it awaits once it writes its heartbeat again (`on_lapse`)."""
-        box = bus.reply_box(reply)
-        return box is not None and (self._hearing.gone(box) or self._hearing.ended(box, run))
+    def gateway_gone(self, meta: RequestMeta) -> GatewayState:
+        """Whether the gateway awaiting `meta`'s answer is known gone (`Hearing.gone`), or its run over (its box
+        restarted under its id: `RequestMeta.run`, `Hearing.ended`, `_own_run_over`), so that no worker spends a
+        decode slot, a batch or the backlog on it. A gateway only frozen or cut off publishes again what it awaits
+        once it writes its heartbeat again (`on_lapse`); an ended run never comes back."""
+        box = bus.reply_box(meta.reply)
+        if box is None:
+            return GatewayState.AWAITS
+        if self._hearing.ended(box, meta.run) or (box == self.box_id and self._own_run_over(meta)):
+            return GatewayState.OVER
+        return GatewayState.GONE if self._hearing.gone(box) else GatewayState.AWAITS
+
+    def _own_run_over(self, meta: RequestMeta) -> bool:
+        """Whether `meta`, on this box's own reply subject, is of a run of this box before this one: it names another
+        run and was sent before this one started. This box's fresh `Hearing` may never have heard that run (its last
+        record expired before this start). Judged only once this box holds its id (`_take_id`): a twin refused at
+        start would take the live box's requests for its own dead run's (review h209). A box whose id was taken
+        while it was frozen holds it no more, yet judges until its next beat says so: the other's requests were sent
+        after this one started, so it lets none go."""
+        started = self._started
+        return (
+            self._beating
+            and bool(meta.run)
+            and meta.run != self._run
+            and isinstance(started, int | float)
+            and 0 < meta.sent_ms < started * 1000
+        )
 
     def without_workers_s(self) -> float:
         """Seconds since a live box taking model work was last heard of (or since this box started, or last saw the
@@ -277,14 +305,28 @@ class Fleet:
             record = orjson.loads(entry.value)
             if isinstance(record, dict):
                 self._hearing.heard(entry.key, str(record.get("run") or ""))
+                held_again = self._held_again(entry.key, record) if self._on_held_again is not None else []
                 self._boxes[entry.key] = record
                 self._holdings = None
                 if taking_work([record], MODEL_ROLES):
                     self._workers_seen_at = time.monotonic()
+                if held_again and self._on_held_again is not None:
+                    self._on_held_again(held_again)
+
+    def _held_again(self, box: str, record: dict[str, Any]) -> list[str]:
+        """The models `record` has resident that no live box took work for until it came: not `box`'s last record
+        (live, of the same run), nor another box's. A gateway measures their rates afresh (`Dispatcher.held_again`)."""
+        resident = _resident(record)
+        last = self._boxes.get(box)
+        if resident and last is not None and last.get("run") == record.get("run") and self._live(last):
+            resident -= _resident(last)
+        return [model for model in resident if all(holder == box for holder in self.holders(model))]
+
+    def _live(self, record: dict[str, Any]) -> bool:
+        return time.time() - float(record.get("ts", 0)) <= self._ttl_s
 
     def live_boxes(self) -> list[dict[str, Any]]:
-        now = time.time()
-        return [r for r in self._boxes.values() if now - float(r.get("ts", 0)) <= self._ttl_s]
+        return [record for record in self._boxes.values() if self._live(record)]
 
     def hears_itself(self) -> bool:
         """Whether this box's own heartbeat is live in its view of the fleet: not, while JetStream takes or delivers
@@ -427,3 +469,9 @@ async def open_boxes_bucket(js: JetStreamContext, ttl_s: float, replicas: int = 
     return await bus.ensure_bucket(
         js, KeyValueConfig(bucket=bus.BOXES_BUCKET, history=1, ttl=ttl_s, replicas=replicas, storage=StorageType.MEMORY)
     )
+
+
+def _resident(record: dict[str, Any]) -> set[str]:
+    """The models a heartbeat record says are resident on its box."""
+    entries = [e for e in record.get("models", []) if isinstance(e, dict) and e.get("state") == "resident"]
+    return {name for e in entries if isinstance(name := e.get("name"), str)}

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 
-RUN_MEMORY_S = 900.0  # how long a box's runs are remembered: beyond any request's life (`max_timeout_s`, 300 s)
+RUN_MEMORY_S = 900.0  # how long a box's runs are remembered by default: beyond a request's life (`run_memory_s`)
 
 
 class Hearing:
-    def __init__(self, box_id: str, ttl_s: float) -> None:
+    def __init__(self, box_id: str, ttl_s: float, run_memory_s: float = RUN_MEMORY_S) -> None:
         self._box_id = box_id
         self._ttl_s = ttl_s
+        self._run_memory_s = run_memory_s  # as long as a request of an ended run may still be queued or held
         self._at: dict[str, float] = {}  # box -> monotonic arrival of its last record here
         self._since: float | None = None  # monotonic: since when the watch runs; None while it is (re)made
         self._pruned_at = time.monotonic()
@@ -60,9 +61,9 @@ class Hearing:
         judged_s = 2 * self._ttl_s
         for box in [box for box, at in self._at.items() if now - at > judged_s and box != self._box_id]:
             del self._at[box]
-        for box in [box for box, (_, at) in self._runs.items() if now - at > RUN_MEMORY_S]:
+        for box in [box for box, (_, at) in self._runs.items() if now - at > self._run_memory_s]:
             del self._runs[box]
-        for key in [key for key, at in self._ended.items() if now - at > RUN_MEMORY_S]:
+        for key in [key for key, at in self._ended.items() if now - at > self._run_memory_s]:
             del self._ended[key]
 
     def gone(self, box: str) -> bool:

@@ -72,6 +72,7 @@ class Workers:
         self._announce = announce  # tells the fleet at once (a heartbeat) that a model came or went
         self._gateway_gone = gateway_gone  # a request whose gateway's box is gone is cancelled (`Fleet.gateway_gone`)
         self._table: dict[str, Worker] = {}
+        self._may_pull = asyncio.Event()  # set once the box holds its id (`id_held`)
         self._terms_said: set[tuple[str, tuple[tuple[str, float], ...]]] = set()  # (model, values) warned of once
         self.stopping = False  # the box drains its workers (`drain_all`): none starts after that
         self._cancelled = Cancellations()
@@ -121,8 +122,15 @@ class Workers:
                     "pinned model failed to load; serving the others", extra={"model": spec.name, "error": repr(exc)}
                 )
 
+    def id_held(self) -> None:
+        """The box's fleet holds its id (`Fleet.start`): its workers may pull. Before, a request on the box's own
+        reply subject of another run could not be judged (a twin refused at start, or a restart under its id whose
+        last run's backlog waits: `Fleet.gateway_gone`), and was computed, for nobody in the second case."""
+        self._may_pull.set()
+
     async def serve(self, spec: ModelSpec) -> Worker:
-        """Load a model (once) and start pulling its requests."""
+        """Load a model (once) and start pulling its requests, once the box holds its id (`id_held`)."""
+        await self._may_pull.wait()
         if spec.adapter_of is not None:
             raise Conflict(f"{spec.name} is an adapter; load its base model {spec.adapter_of}")
         if spec.pinned:

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 
 from appliance import bus
 from appliance.app import Box
+from appliance.envelope import RequestMeta
 from appliance.natsd import EmbeddedNats, free_port
 from appliance.settings import ModelEntry, Settings
 from tests.models import (  # noqa: F401 - fixtures, registered by being here
@@ -139,6 +140,12 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 def url(box: Box, path: str) -> str:
     return f"http://127.0.0.1:{box.http_port}{path}"
+
+
+def awaited_on(reply: str, run: str = "") -> RequestMeta:
+    """A request whose gateway awaits its answer on `reply` (`bus.reply_subject`), of that gateway's run `run`: what
+    `Fleet.gateway_gone` judges."""
+    return RequestMeta(id="r", task="embed", model="m", reply=reply, run=run, deadline_ms=10**13, sent_ms=10**12)
 
 
 async def wait_for(

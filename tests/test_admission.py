@@ -900,6 +900,26 @@ def test_after_a_nats_outage_the_rate_is_measured_afresh_not_read_from_the_silen
     assert queue.wait_s(clock.now) is None and not refused()
 
 
+def test_a_model_held_again_after_none_held_it_has_its_rate_measured_afresh_and_only_its() -> None:
+    """Tester h208: the only worker of a model restarted; its seconds away read as the model's pace, and 429s said
+    "about 211s to start", `Retry-After: 35`, for a backlog cleared in 7 s. `restart_rates` of the models held again
+    measures theirs afresh, and leaves another model's rate as measured."""
+    clock = Clock()
+    gate = admission(clock)
+    queue = gate.admit("m", "interactive", 30.0, 0, weight=10, budget=DEFAULT_BUDGET)
+    other = gate.admit("n", "interactive", 30.0, 0, weight=10, budget=DEFAULT_BUDGET)
+    now = busy(queue, clock.now, 2.0, per_s=50, weight=10)
+    busy(other, clock.now, 2.0, per_s=50, weight=10)
+    for i in range(100):
+        queue.add(f"held{i}", now, 10)  # its worker restarts with these awaited
+    clock.now = now + 8.0
+    assert queue.wait_s(clock.now) is not None
+    rate = other.rate(clock.now)
+    gate.restart_rates(["m"])
+    assert queue.wait_s(clock.now) is None  # measured afresh
+    assert other.rate(clock.now) == rate  # n's stands
+
+
 def test_answers_made_together_on_one_of_two_boxes_are_timed_at_that_boxs_pace() -> None:
     """A gateway counting the decode slots of two boxes (2 each): two answers of 100 tokens made together in 1 s
     (on one box, which pulled both) were read as though the fleet's four slots shared one box's time: twice the

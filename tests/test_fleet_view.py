@@ -15,7 +15,7 @@ import pytest
 
 from appliance import bus
 from appliance.fleet import Fleet, open_boxes_bucket
-from tests.conftest import freeze, wait_for
+from tests.conftest import awaited_on, freeze, wait_for
 
 LINE = {"fixed_s": 0.01, "token_s": 0.0001, "rows": 8, "tokens": 1024, "slots": 1, "row_tokens": 32.0}
 
@@ -72,6 +72,36 @@ async def test_what_a_gateway_reads_of_a_model_follows_each_heartbeat(nats_serve
         await nc.close()
 
 
+async def test_a_model_resident_again_after_no_live_box_held_it_is_told(nats_server) -> None:
+    """Tester h208: a gateway measures a model's rate afresh once a box holds it again after none did (its only worker
+    restarted); told of each such model, not of one another live box held, nor at each beat of a box holding it."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    kv = await open_boxes_bucket(js, ttl_s=30)
+    told: list[list[str]] = []
+    fleet = Fleet(js, "reader", None, period_s=1, ttl_s=5, on_held_again=told.append)
+    await fleet.start()
+    m = {"name": "m", "state": "resident"}
+    try:
+        await kv.put("a", record("a", [m, {"name": "x", "state": "loading"}], run="r1"))
+        await wait_for(lambda: told == [["m"]], what="m held: none held it before")
+        await kv.put("a", record("a", [m], run="r1"))
+        await kv.put("b", record("b", [m], run="s1"))  # a holds m: nothing to tell
+        await kv.put("c", record("c", [{"name": "y", "state": "resident"}], run="t1"))
+        await wait_for(lambda: fleet.holders("y") == ["c"])
+        assert told == [["m"], ["y"]]
+        await kv.delete("a")
+        await kv.delete("b")
+        await wait_for(lambda: fleet.holders("m") == [])
+        await kv.put("a", record("a", [m], run="r2"))  # a restarted: m held again
+        await wait_for(lambda: told[-1] == ["m"] and len(told) == 3, what="m held again")
+        await kv.put("a", record("a", [m], run="r3"))  # restarted again, its last record live: m unheld meanwhile
+        await wait_for(lambda: len(told) == 4, what="m held by a new run")
+    finally:
+        await fleet.stop(connected=False)
+        await nc.close()
+
+
 async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_a_sound_view(nats_server) -> None:
     """Review h195: a box judged a gateway gone by the time written in its records, its writer's wall clock, and a
     live gateway whose clock ran 5 s behind a worker's had its requests cancelled. Judged by when the records reach
@@ -85,7 +115,7 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
     fleet = Fleet(js, "w", lambda: {"role": "worker", "started": 1.0}, period_s=0.1, ttl_s=ttl_s)
 
     def gone(box: str) -> bool:
-        return fleet.gateway_gone(bus.reply_subject(box))
+        return fleet.gateway_gone(awaited_on(bus.reply_subject(box)))
 
     async def beat_behind() -> None:
         while True:
@@ -101,7 +131,7 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
         await wait_for(lambda: gone("gw-never"), what="a gateway never heard judged gone")
         assert time.monotonic() - started > 2 * ttl_s
         assert not gone("gw-behind")  # its records arrive: its clock says nothing
-        assert not gone("w") and not fleet.gateway_gone("test.reply")  # its own; not a gateway's subject
+        assert not gone("w") and not fleet.gateway_gone(awaited_on("test.reply"))  # its own; not a gateway's subject
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
         assert not gone("gw-behind")

@@ -22,7 +22,9 @@ from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.settings import ModelEntry
-from tests.conftest import noop_model, url, wait_for
+from tests.conftest import awaited_on, noop_model, url, wait_for
+
+AWAITED_BY_GW = awaited_on(bus.reply_subject("gw"))  # a request the gateway box `gw` awaits
 
 
 async def _publish_generation(nc: nats.NATS, request_id: str, reply: str, *, max_tokens: int) -> None:
@@ -224,7 +226,7 @@ async def test_a_live_gateway_whose_clock_runs_minutes_behind_is_answered_not_ta
 
     try:
         await wait_for(view_old_enough, what="the worker's view of the fleet old enough to judge")
-        assert not fleet.gateway_gone(bus.reply_subject("gw-behind"))
+        assert not fleet.gateway_gone(awaited_on(bus.reply_subject("gw-behind")))
         now = int(time.time() * 1000)
         meta = RequestMeta(
             id="behind", task="embed", model="noop", reply=bus.reply_subject("gw-behind"), deadline_ms=now + 30_000,
@@ -263,7 +265,7 @@ async def test_a_gateway_whose_heartbeat_lapsed_while_it_lived_has_its_request_a
 
     gateway.fleet.beat = held_back  # type: ignore[method-assign]
     try:
-        await wait_for(lambda: worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway taken for gone")
+        await wait_for(lambda: worker.fleet.gateway_gone(AWAITED_BY_GW), what="the gateway taken for gone")
         sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": text}))
         await wait_for(lambda: sample("fbx_cancelled_requests_total") == 1, what="its request dropped as it came")
         del gateway.fleet.beat  # written again: over a TTL after the last

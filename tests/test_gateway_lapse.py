@@ -22,7 +22,9 @@ from appliance.delivery import Cancellations
 from appliance.envelope import RequestMeta
 from appliance.errors import ServiceUnavailable
 from appliance.settings import ModelEntry
-from tests.conftest import hold, noop_model, url, wait_for
+from tests.conftest import awaited_on, hold, noop_model, url, wait_for
+
+AWAITED_BY_GW = awaited_on(bus.reply_subject("gw"))  # a request the gateway box `gw` awaits
 
 _FAST_FLEET = {"heartbeat_s": 0.2, "heartbeat_ttl_s": 1.0, "ack_wait_s": 1.5}  # a lapse judged within ~2 s
 
@@ -154,7 +156,7 @@ async def test_a_request_being_prepared_when_its_gateway_was_taken_for_gone_is_a
         await wait_for(lambda: noop._cancelled.contains(request_id), what="let go as its gateway's")
         del gateway.fleet.beat  # back: its lapse judged, a TTL waited, the stream looked at
         await wait_for(lambda: "heartbeat lapsed" in caplog.text, timeout_s=10, what="the lapse judged")
-        await wait_for(lambda: not worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway heard again")
+        await wait_for(lambda: not worker.fleet.gateway_gone(AWAITED_BY_GW), what="the gateway heard again")
         read.set()  # prepared after the gateway looked
         async with await asyncio.wait_for(sent, 30) as response:
             assert response.status == 200, await response.text()
@@ -188,7 +190,7 @@ async def test_a_generation_being_admitted_when_its_gateway_was_taken_for_gone_i
         await wait_for(lambda: gen._cancelled.contains(request_id), what="let go as its gateway's")
         del gateway.fleet.beat
         await wait_for(lambda: "heartbeat lapsed" in caplog.text, timeout_s=10, what="the lapse judged")
-        await wait_for(lambda: not worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway heard again")
+        await wait_for(lambda: not worker.fleet.gateway_gone(AWAITED_BY_GW), what="the gateway heard again")
         go_on.set()
         async with await asyncio.wait_for(sent, 30) as response:
             assert response.status == 200, await response.text()
@@ -216,7 +218,7 @@ async def test_a_copy_whose_gateway_died_after_it_came_back_is_let_go_after_a_gr
     gateway.fleet.beat = no_beat
     sent = None
     try:
-        await wait_for(lambda: worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway taken for gone")
+        await wait_for(lambda: worker.fleet.gateway_gone(AWAITED_BY_GW), what="the gateway taken for gone")
         body = {"model": "noop", "input": "word " * 1000, "timeout": 30}
         sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json=body))
         await wait_for(lambda: cancelled() == 1.0, what="the first dropped at intake")
@@ -314,7 +316,7 @@ async def test_a_request_whose_client_went_away_while_its_gateway_was_taken_for_
         await gateway.nc.publish(bus.cancel_subject(), orjson.dumps({"id": request_id}))  # as its dispatcher does
         await wait_for(lambda: noop._cancelled.why(request_id) == "gone", what="its client's cancel heard")
         del gateway.fleet.beat
-        await wait_for(lambda: not worker.fleet.gateway_gone(bus.reply_subject("gw")), what="the gateway heard again")
+        await wait_for(lambda: not worker.fleet.gateway_gone(AWAITED_BY_GW), what="the gateway heard again")
         read.set()
         await wait_for(lambda: sample("fbx_cancelled_requests_total") == 1.0, what="dropped once prepared")
         assert not noop._held and sample("fbx_rows_computed_total") == 0.0
@@ -386,7 +388,7 @@ async def test_a_request_published_as_the_heartbeat_came_back_and_let_go_is_publ
     def cancelled() -> float:
         return worker.metrics.registry.get_sample_value("fbx_cancelled_requests_total", {"model": "noop"}) or 0.0
 
-    worker.fleet.gateway_gone = lambda reply, run="": not heard.is_set()  # the gateway's fresh heartbeat not heard yet
+    worker.fleet.gateway_gone = lambda meta: not heard.is_set()  # the gateway's fresh heartbeat not heard yet
     gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=1.0)  # its first heartbeat after a 6 s freeze written
     body = {"model": "noop", "input": "x", "timeout": 8}
     sent = asyncio.ensure_future(http.post(url(gateway, "/v1/embeddings"), json=body))

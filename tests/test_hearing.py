@@ -66,6 +66,6 @@ def test_runs_are_remembered_beyond_any_request_then_forgotten(clock: list[float
     clock[0] += 10.0  # gone long past twice the TTL, and not forgotten yet: its runs outlive its hearing
     heard.heard("me", "m")
     assert heard.ended("gw", "a")
-    clock[0] += hearing.RUN_MEMORY_S
+    clock[0] += hearing.RUN_MEMORY_S  # the default; a box remembers as long as its stream keeps a request
     heard.heard("me", "m")
     assert not heard.ended("gw", "a") and "gw" not in heard._runs

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from fractions import Fraction
 
 from appliance.catalog import Batching
@@ -151,12 +151,15 @@ class Admission:
         """A request was answered (a stream: its last chunk) at monotonic time `now`."""
         self._answered.append(now)
 
-    def restart_rates(self) -> None:
-        """The gateway was cut off from NATS, or is back on it: every model's rate is measured afresh."""
+    def restart_rates(self, models: Collection[str] | None = None) -> None:
+        """The gateway was cut off from NATS, or is back on it: every model's rate is measured afresh; or those of
+        `models` only, held again by a live box after none held them."""
         now = self._clock()
-        for queue in self._queues.values():
-            queue.restart_rate(now)
-        self._answered.clear()  # none came meanwhile: not a backlog draining slowly
+        for (model, _), queue in self._queues.items():
+            if models is None or model in models:
+                queue.restart_rate(now)
+        if models is None:
+            self._answered.clear()  # none came meanwhile: not a backlog draining slowly
 
     def waiting_for(self, model: str) -> int:
         """The requests for `model` this gateway awaits, every priority (a generation: until its answer starts)."""
