@@ -32,6 +32,7 @@ from appliance.envelope import RequestMeta
 from appliance.errors import Conflict
 from appliance.hearing import RUN_MEMORY_S, Hearing
 from appliance.logs import FailureStreak
+from appliance.own_record import OwnRecord
 from appliance.settings import GATEWAY_ROLES, MODEL_ROLES
 from appliance.tasks import cancel_and_wait
 
@@ -69,9 +70,8 @@ class Fleet:
         self._watcher: KeyValue.KeyWatcher | None = None
         self._beating = False
         self._on_taken = on_taken  # told why when another box beats under this box's id now
-        self._started: object = None  # this box's `started`, which its records carry
-        self._run: object = None  # and its `run` (`RequestMeta.run`)
-        self._revision: int | None = None  # of this box's last record: a beat writes over that alone (`_write`)
+        self._own = OwnRecord(box_id, period_s, lambda: self._boxes.get(box_id))  # its record, its `started`
+        self._run: object = None  # this box's `run` (`RequestMeta.run`), which its records carry
         self._beat_lock = asyncio.Lock()
         self._workers_seen_at = time.monotonic()  # the last heartbeat of a box taking model work (or the start)
         self._hearing = Hearing(box_id, ttl_s, run_memory_s)  # when each box's record reached this one (`gateway_gone`)
@@ -95,64 +95,17 @@ class Fleet:
         if self._snapshot is not None:
             self._beating = False  # no beat of this box's (nor a delete by its stop) until it is judged no twin
             snapshot = self._snapshot()
-            self._started = started = snapshot.get("started")
             self._run = snapshot.get("run")
-            await self._take_id(started)
+            await self._own.take(self._kv, snapshot.get("started"), self._record)
             self._beating = True  # from now the record under this id is this box's: its stop deletes it
             await self.beat()
             self._tasks.append(asyncio.create_task(self._beat_forever(), name="heartbeat"))
-
-    async def _take_id(self, started: object) -> None:
-        """Write this box's first record under its id, over none, a dead box's, or its own (a reopen); raise
-        `Conflict` when another live box beats under it: two boxes shared one heartbeat and one set of control
-        subjects, and one `fleetbox box drain` stopped both (operator tester h60). The record judged is the one read
-        from the bucket and the write is made over that revision alone: judged from the watch, two boxes started
-        under one id at the same moment could each see none, and one wrote over the other's fresh record (h64)."""
-        assert self._kv is not None and self._snapshot is not None
-        for _ in range(3):
-            try:
-                entry: KeyValue.Entry | None = await self._kv.get(self.box_id)
-            except KeyNotFoundError:  # none, or deleted
-                entry = None
-            except NatsError as exc:  # the periodic beat writes it; a NATS hiccup is no reason to fail the start
-                log.warning("first heartbeat not written", extra={"error": repr(exc)})
-                return
-            if entry is not None and entry.value:
-                if _started(entry.value) == started:  # its own (a reopen)
-                    self._revision = entry.revision
-                    return
-                await self._refuse_a_live_twin(entry.value)
-            record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
-            try:
-                if entry is None:
-                    self._revision = await self._kv.create(self.box_id, record)
-                else:
-                    self._revision = await self._kv.update(self.box_id, record, last=entry.revision)
-                return
-            except KeyWrongLastSequenceError:  # written since it was read: judged afresh on the next pass
-                continue
-            except NatsError as exc:
-                log.warning("first heartbeat not written", extra={"error": repr(exc)})
-                return
-        raise _taken(self.box_id)  # written over three times while this box judged it: boxes beat under it
-
-    async def _refuse_a_live_twin(self, value: bytes) -> None:
-        """Raise `Conflict` unless the record `value` of another start is a box that died moments ago (a record
-        lives a TTL): it is a live box's if a newer beat of another start comes within two and a half periods."""
-        seen = _ts(value)
-        loop = asyncio.get_running_loop()
-        until = loop.time() + 2.5 * self._period_s
-        while loop.time() < until:
-            await asyncio.sleep(self._period_s / 4)
-            current = self._boxes.get(self.box_id)
-            if current is not None and current.get("started") != self._started and _ts(current) > seen:
-                raise _taken(self.box_id)
 
     async def reopen(self) -> None:
         """After a reconnect: a NATS server that restarted lost this bucket (it lives in memory), and
         its watch with it. Make the bucket again if it is gone, and watch it afresh."""
         await self._stop_tasks()
-        self._revision = None
+        self._own.forget()
         await self.start()
 
     async def _stop_tasks(self, *, connected: bool = True) -> None:
@@ -164,12 +117,11 @@ class Fleet:
 
     async def beat(self) -> None:
         """Publish this box's record now (also called on state changes, so others see them at once)."""
-        if self._kv is None or self._snapshot is None or not self._beating:  # not before `_take_id` judged no twin
+        if self._kv is None or self._snapshot is None or not self._beating:  # not before `OwnRecord.take` saw no twin
             return
         async with self._beat_lock:  # one write at a time: each over the last
             try:  # a record that cannot be made is a failed beat too, not the end of the beats (review h202)
-                record = orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
-                self._revision = await self._write(record)
+                await self._own.write(self._kv, self._record())
             except Conflict as exc:
                 self._beating = False  # nor its stop deletes the other box's record
                 log.error("another box beats under this box's id", extra={"error": exc.message})
@@ -200,25 +152,10 @@ class Fleet:
         record = self._boxes.get(self.box_id)
         return record is None or time.time() - float(record.get("ts", 0)) > self._ttl_s
 
-    async def _write(self, record: bytes) -> int:
-        """Write this box's record over its last one only, and say its revision; `Conflict` when another box's
-        record is there now. A box frozen past its TTL (SIGSTOP, a paused VM) whose id a box started meanwhile
-        took wrote over that box's record when it woke, and both beat on: every request computed twice (h82)."""
-        assert self._kv is not None
-        for _ in range(3):
-            if self._revision is not None:
-                with suppress(KeyWrongLastSequenceError):
-                    return int(await self._kv.update(self.box_id, record, last=self._revision))
-            try:
-                entry = await self._kv.get(self.box_id)
-            except KeyNotFoundError:  # aged out while this box was cut off or frozen, or deleted: no box took it
-                with suppress(KeyWrongLastSequenceError):
-                    return int(await self._kv.create(self.box_id, record))
-                continue
-            if entry.value and _started(entry.value) != self._started:
-                raise _taken(self.box_id)
-            self._revision = entry.revision  # its own, written by a beat whose answer was lost
-        raise RuntimeError("this box's heartbeat record kept changing under it")
+    def _record(self) -> bytes:
+        """This box's record as it is now, for the first write under its id (`OwnRecord.take`) and each beat."""
+        assert self._snapshot is not None
+        return orjson.dumps({**self._snapshot(), "box": self.box_id, "ts": time.time()})
 
     async def _beat_forever(self) -> None:
         while True:
@@ -261,11 +198,11 @@ class Fleet:
     def _own_run_over(self, meta: RequestMeta) -> bool:
         """Whether `meta`, on this box's own reply subject, is of a run of this box before this one: it names another
         run and was sent before this one started. This box's fresh `Hearing` may never have heard that run (its last
-        record expired before this start). Judged only once this box holds its id (`_take_id`): a twin refused at
+        record expired before this start). Judged only once this box holds its id (`OwnRecord.take`): a twin refused at
         start would take the live box's requests for its own dead run's (review h209). A box whose id was taken
         while it was frozen holds it no more, yet judges until its next beat says so: the other's requests were sent
         after this one started, so it lets none go."""
-        started = self._started
+        started = self._own.started
         return (
             self._beating
             and bool(meta.run)
@@ -412,30 +349,9 @@ class Fleet:
         """Stop beating and take this box's record out of `fbx_boxes`; cut off from NATS, the record is left to
         its TTL (the delete would wait out the shutdown step's bound for nothing)."""
         await self._stop_tasks(connected=connected)
-        if connected and self._kv is not None and self._beating:  # not a twin's record (`_take_id`)
+        if connected and self._kv is not None and self._beating:  # not a twin's record (`OwnRecord.take`)
             with suppress(Exception):
                 await self._kv.delete(self.box_id)
-
-
-def _taken(box_id: str) -> Conflict:
-    return Conflict(
-        f"box id {box_id} is taken: another live box of the fleet beats under it; give this box another --box-id"
-        " (or stop that box)"
-    )
-
-
-def _ts(record: bytes | dict[str, Any]) -> float:
-    """When a heartbeat record was written (0 when unreadable)."""
-    with suppress(orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-        return float((orjson.loads(record) if isinstance(record, bytes) else record).get("ts", 0))
-    return 0.0
-
-
-def _started(value: bytes) -> object:
-    """The `started` of a heartbeat record (None when unreadable)."""
-    with suppress(orjson.JSONDecodeError, AttributeError):
-        return orjson.loads(value).get("started")
-    return None
 
 
 def taking_work(records: list[dict[str, Any]], roles: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -111,7 +111,7 @@ class RequestQueue:
         assert box.js is not None
         try:
             created = await restore_after_reconnect(box.js, box.settings, box.catalog, box.store, box.fleet)
-        except Conflict as exc:  # its id taken while it was cut off (`Fleet._take_id`): the other box stays
+        except Conflict as exc:  # its id taken while it was cut off (`OwnRecord.take`): the other box stays
             box.id_taken(exc.message)
             return
         box.workers.pull_again()
