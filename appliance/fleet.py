@@ -198,13 +198,14 @@ class Fleet:
     def _own_run_over(self, meta: RequestMeta) -> bool:
         """Whether `meta`, on this box's own reply subject, is of a run of this box before this one: it names another
         run and was sent before this one started. This box's fresh `Hearing` may never have heard that run (its last
-        record expired before this start). Judged only once this box holds its id (`OwnRecord.take`): a twin refused at
-        start would take the live box's requests for its own dead run's (review h209). A box whose id was taken
-        while it was frozen holds it no more, yet judges until its next beat says so: the other's requests were sent
-        after this one started, so it lets none go."""
+        record expired before this start). Judged only while this box holds its id (`OwnRecord.holds`): a twin,
+        refused at start or not yet judged (its first write failed), would take the live box's requests for its own
+        dead run's (reviews h209, h211). A box whose id was taken while it was frozen holds it no more, yet judges
+        until its next beat says so: the other's requests were sent after this one started (by the two hosts'
+        clocks: one far behind would have some let go), so it lets none go."""
         started = self._own.started
         return (
-            self._beating
+            self._own.holds
             and bool(meta.run)
             and meta.run != self._run
             and isinstance(started, int | float)
@@ -241,8 +242,8 @@ class Fleet:
         with suppress(orjson.JSONDecodeError):
             record = orjson.loads(entry.value)
             if isinstance(record, dict):
-                self._hearing.heard(entry.key, str(record.get("run") or ""))
                 held_again = self._held_again(entry.key, record) if self._on_held_again is not None else []
+                self._hearing.heard(entry.key, str(record.get("run") or ""))
                 self._boxes[entry.key] = record
                 self._holdings = None
                 if taking_work([record], MODEL_ROLES):
@@ -255,7 +256,9 @@ class Fleet:
         (live, of the same run), nor another box's. A gateway measures their rates afresh (`Dispatcher.held_again`)."""
         resident = _resident(record)
         last = self._boxes.get(box)
-        if resident and last is not None and last.get("run") == record.get("run") and self._live(last):
+        # Its last record live by when it arrived here, not by the time its writer wrote in it: a box whose clock ran
+        # 4.5 s behind had its models held again at every beat, and their rates never measured (review h211).
+        if resident and last is not None and last.get("run") == record.get("run") and self._hearing.heard_within(box):
             resident -= _resident(last)
         return [model for model in resident if all(holder == box for holder in self.holders(model))]
 

@@ -49,6 +49,11 @@ class Hearing:
         if now - self._pruned_at > 2 * self._ttl_s:
             self._prune(now)
 
+    def heard_within(self, box: str) -> bool:
+        """Whether a record of `box` reached this box within the TTL."""
+        at = self._at.get(box)
+        return at is not None and time.monotonic() - at <= self._ttl_s
+
     def ended(self, box: str, run: str) -> bool:
         """Whether `box`'s run `run` is over: a record of another run of `box` arrived after one of `run`."""
         return (box, run) in self._ended

@@ -35,6 +35,13 @@ class OwnRecord:
         self.started: object = None  # this box's `started`, which its records carry
         self._revision: int | None = None  # of this box's last record: a beat writes over that alone (`write`)
 
+    @property
+    def holds(self) -> bool:
+        """Whether this box holds its id: its last write under it was made over a record it judged (none, a dead
+        box's, or its own). Not after a start whose first write failed on a NATS error (its record unjudged: a twin
+        of a live box is refused only at its next beat, review h211), nor after `forget`."""
+        return self._revision is not None
+
     def forget(self) -> None:
         """After a reconnect the bucket may be made anew (a restarted server lost it): the next write reads first."""
         self._revision = None

@@ -5,8 +5,10 @@ nats-server, as boxes write them, and read back through a `Fleet`'s watch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -72,17 +74,27 @@ async def test_what_a_gateway_reads_of_a_model_follows_each_heartbeat(nats_serve
         await nc.close()
 
 
-async def test_a_model_resident_again_after_no_live_box_held_it_is_told(nats_server) -> None:
-    """Tester h208: a gateway measures a model's rate afresh once a box holds it again after none did (its only worker
-    restarted); told of each such model, not of one another live box held, nor at each beat of a box holding it."""
+@contextlib.asynccontextmanager
+async def _told_fleet(nats_server: Any) -> AsyncIterator[tuple[Any, Fleet, list[list[str]]]]:
+    """The heartbeats' bucket, and a reader's `Fleet` that lists what it is told is held again (`on_held_again`)."""
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     kv = await open_boxes_bucket(js, ttl_s=30)
     told: list[list[str]] = []
     fleet = Fleet(js, "reader", None, period_s=1, ttl_s=5, on_held_again=told.append)
     await fleet.start()
-    m = {"name": "m", "state": "resident"}
     try:
+        yield kv, fleet, told
+    finally:
+        await fleet.stop(connected=False)
+        await nc.close()
+
+
+async def test_a_model_resident_again_after_no_live_box_held_it_is_told(nats_server) -> None:
+    """Tester h208: a gateway measures a model's rate afresh once a box holds it again after none did (its only worker
+    restarted); told of each such model, not of one another live box held, nor at each beat of a box holding it."""
+    async with _told_fleet(nats_server) as (kv, fleet, told):
+        m = {"name": "m", "state": "resident"}
         await kv.put("a", record("a", [m, {"name": "x", "state": "loading"}], run="r1"))
         await wait_for(lambda: told == [["m"]], what="m held: none held it before")
         await kv.put("a", record("a", [m], run="r1"))
@@ -97,9 +109,20 @@ async def test_a_model_resident_again_after_no_live_box_held_it_is_told(nats_ser
         await wait_for(lambda: told[-1] == ["m"] and len(told) == 3, what="m held again")
         await kv.put("a", record("a", [m], run="r3"))  # restarted again, its last record live: m unheld meanwhile
         await wait_for(lambda: len(told) == 4, what="m held by a new run")
-    finally:
-        await fleet.stop(connected=False)
-        await nc.close()
+
+
+async def test_a_box_whose_clock_runs_behind_is_not_held_again_at_each_beat(nats_server) -> None:
+    """Review h211: `_held_again` judged the box's last record live by the `ts` its writer's clock wrote, not by its
+    arrival (hearing.py's one idea). A worker whose clock runs 4.5 s behind (TTL 5 s): each beat, the last one's
+    `ts` read 5.5 s old, so the model was "held again" at every beat and each gateway restarted its rate every
+    second: never measured. Seen failing so ([['m']] * 4)."""
+    async with _told_fleet(nats_server) as (kv, fleet, told):
+        m = {"name": "m", "state": "resident"}
+        for _ in range(4):
+            await kv.put("a", orjson.dumps({**orjson.loads(record("a", [m], run="r1")), "ts": time.time() - 4.5}))
+            await wait_for(lambda: fleet.holders("m") == ["a"])
+            await asyncio.sleep(1.0)
+        assert told == [["m"]], told
 
 
 async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_a_sound_view(nats_server) -> None:

@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import nats
 import orjson
 import pytest
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import KeyNotFoundError
 
+import appliance.fleet as fleet_module
 from appliance import bus
 from appliance.app import Box
+from appliance.delivery import GatewayState
 from appliance.envelope import RequestMeta
 from appliance.errors import Conflict
+from appliance.fleet import Fleet, open_boxes_bucket
 from tests.conftest import awaited_on, box_settings, url, wait_for
 from tests.test_gateway_lapse import HELD_BACK_SETTINGS, held_back_fleet, no_beat
 
@@ -128,23 +135,34 @@ async def test_a_copy_of_an_ended_run_is_let_go_at_intake_not_computed(start_box
     assert sample("fbx_rows_computed_total") == 0, "an ended run's copy computed for nobody"
 
 
+_TWIN_SETTINGS = {**_SLOWER_TTL, "heartbeat_s": 0.5}
+
+
+async def _live_gateway_awaiting(
+    start_box: Any, http: Any, *, timeout_s: float
+) -> tuple[asyncio.Future[Any], Callable[[], Awaitable[bool]]]:
+    """A live gateway box `gw` with one request of its client's queued (no worker yet): the client's answer to come,
+    and whether the stream still holds that request alone."""
+    live = await start_box(role="gateway", box_id="gw", **_TWIN_SETTINGS)
+    body = {"model": "noop", "input": "x", "timeout": timeout_s}
+    sent = asyncio.ensure_future(http.post(url(live, "/v1/embeddings"), json=body))
+    js = live.js
+    assert js is not None
+
+    async def queued() -> bool:
+        return (await js.stream_info(bus.REQUEST_STREAM)).state.messages == 1
+
+    await wait_for(queued, what="the live gateway's request queued (no worker yet)")
+    return sent, queued
+
+
 async def test_a_twin_refused_at_start_lets_no_live_request_go(start_box, nats_server, http) -> None:
     """A guard for the rule above (review h209): "a request on this box's reply subject of another run is a dead
     run's" holds only once the box holds its id. A twin refused at start pulls nothing (its workers wait for the id),
     so the live gateway's request stays queued and is answered by the worker that comes next. Seen failing with the
     rule judged before the id is taken, and the twin pulling: the request let go, a 504."""
-    settings = {**_SLOWER_TTL, "heartbeat_s": 0.5}  # the twin waits 2.5 beats (1.25 s) before it is refused
-    live = await start_box(role="gateway", box_id="gw", **settings)
-    sent = asyncio.ensure_future(
-        http.post(url(live, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
-    )
-    assert live.js is not None
-
-    async def queued() -> bool:
-        assert live.js is not None
-        return (await live.js.stream_info(bus.REQUEST_STREAM)).state.messages == 1
-
-    await wait_for(queued, what="the live gateway's request queued (no worker yet)")
+    settings = _TWIN_SETTINGS  # the twin waits 2.5 beats (1.25 s) before it is refused
+    sent, queued = await _live_gateway_awaiting(start_box, http, timeout_s=20)
     twin = Box(box_settings(nats_server.url, role="all", box_id="gw", **settings))
     try:
         with pytest.raises(Conflict):
@@ -181,3 +199,80 @@ async def test_an_advisory_whose_client_is_away_settles_its_request_out_of_the_q
     messages = (await worker.js.stream_info(bus.REQUEST_STREAM)).state.messages
     dead = worker.metrics.registry.get_sample_value("fbx_dead_lettered_requests_total", {"model": "noop"})
     assert messages == 0 and dead == 1.0
+
+
+class _GetTimesOut:
+    """A `fbx_boxes` handle whose reads by key time out (a KV stream whose leader is being elected, say), while its
+    watch and writes go through the real one."""
+
+    def __init__(self, kv: Any) -> None:
+        self._kv = kv
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        raise NatsTimeout
+
+
+async def test_a_twin_whose_id_read_failed_judges_no_live_request_over(
+    nats_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review h211: `OwnRecord.take` returns (the start goes on: a NATS hiccup is no reason to fail it) when its read
+    of the record under the id fails, unjudged. `_own_run_over` read `_beating` as "this box holds its id", so a twin
+    started beside a live box under one id, its read timed out, judged every live request of the live box sent
+    before the twin's start OVER: let go, its client a 504. It reads `OwnRecord.holds` now (a judged write). Seen
+    failing so."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await open_boxes_bucket(js, ttl_s=5)
+    live = Fleet(js, "gw", lambda: {"role": "all", "started": 100.0, "run": "live"}, period_s=0.2, ttl_s=5)
+    await live.start()
+    real_open = fleet_module.open_boxes_bucket
+
+    async def flaky_open(*args: Any, **kwargs: Any) -> Any:
+        return _GetTimesOut(await real_open(*args, **kwargs))
+
+    monkeypatch.setattr(fleet_module, "open_boxes_bucket", flaky_open)
+    twin = Fleet(js, "gw", lambda: {"role": "all", "started": 200.0, "run": "twin"}, period_s=0.2, ttl_s=5)
+    taken: list[str] = []
+    twin._on_taken = taken.append
+    try:
+        await twin.start()  # no Conflict: the start goes on, and the box calls `Workers.id_held`
+        await asyncio.sleep(1.0)  # the live box beats on; the twin's beats fail on the read, never say Conflict
+        live_request = RequestMeta(
+            id="r", task="embed", model="m", reply=bus.reply_subject("gw"), run="live",
+            deadline_ms=int(time.time() * 1000) + 30_000, sent_ms=150_000,  # sent by the live run, before the twin
+        )  # fmt: skip
+        assert not live.gateway_gone(live_request)
+        assert not taken
+        assert twin.gateway_gone(live_request) is not GatewayState.OVER, "a live run's request judged OVER"
+    finally:
+        await twin.stop(connected=False)
+        await live.stop()
+        await nc.close()
+
+
+async def test_a_twin_box_whose_id_read_failed_lets_no_live_request_go(
+    start_box, nats_server, http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with real boxes (review h211): a live gateway `gw` has a request queued (no worker yet); a twin
+    `worker` box is started under `gw` while reads of `fbx_boxes` by key time out. Its start goes on (no Conflict);
+    its worker pulled the live request and let it go as its own dead run's: 504 at the deadline. Now it computes it,
+    and the reply goes over NATS to the live gateway: 200. Seen failing so."""
+    settings = _TWIN_SETTINGS
+    sent, _ = await _live_gateway_awaiting(start_box, http, timeout_s=6)
+    real_open = fleet_module.open_boxes_bucket
+
+    async def flaky_open(*args: Any, **kwargs: Any) -> Any:
+        return _GetTimesOut(await real_open(*args, **kwargs))
+
+    monkeypatch.setattr(fleet_module, "open_boxes_bucket", flaky_open)
+    twin = Box(box_settings(nats_server.url, role="worker", box_id="gw", **settings))
+    try:
+        await twin.start()  # not refused
+        async with await asyncio.wait_for(sent, 30) as response:
+            assert response.status == 200, f"{response.status}: {await response.text()}"
+    finally:
+        await twin.stop()
+        sent.cancel()
