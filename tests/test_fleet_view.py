@@ -17,6 +17,7 @@ import pytest
 
 from appliance import bus
 from appliance.fleet import Fleet, open_boxes_bucket
+from appliance.tasks import cancel_and_wait
 from tests.conftest import awaited_on, freeze, wait_for
 
 LINE = {"fixed_s": 0.01, "token_s": 0.0001, "rows": 8, "tokens": 1024, "slots": 1, "row_tokens": 32.0}
@@ -155,22 +156,20 @@ async def test_a_gateway_is_known_gone_by_when_its_records_arrive_and_only_from_
         assert time.monotonic() - started > 2 * ttl_s
         assert not gone("gw-behind")  # its records arrive: its clock says nothing
         assert not gone("w") and not fleet.gateway_gone(awaited_on("test.reply"))  # its own; not a gateway's subject
-        beats.cancel()
-        await asyncio.gather(beats, return_exceptions=True)
+        await cancel_and_wait([beats])  # a loop of NATS requests: a lone cancel can be lost (appliance/tasks.py)
         assert not gone("gw-behind")
         await wait_for(lambda: gone("gw-behind"), what="the gateway whose records stopped judged gone")
 
         beats = asyncio.create_task(beat_behind())
         await wait_for(lambda: not gone("gw-behind"), what="the gateway beating again live")
-        beats.cancel()
-        await asyncio.gather(beats, return_exceptions=True)
+        await cancel_and_wait([beats])
         frozen = True  # before: its SIGSTOP is sent at once, and a freeze that times out must be SIGCONTed too
         await freeze(nats_server)
         cut_at = time.monotonic()
         await wait_for(lambda: time.monotonic() - cut_at > 3 * ttl_s, what="three TTLs cut off")
         assert not gone("gw-behind") and not gone("gw-never")  # its own record does not reach it either
     finally:
-        beats.cancel()
+        await cancel_and_wait([beats])
         if frozen:
             nats_server.process.send_signal(signal.SIGCONT)
         await asyncio.wait_for(fleet.stop(), 30)

@@ -22,6 +22,7 @@ from appliance import bus
 from appliance.app import Box
 from appliance.envelope import ReplyMeta, RequestMeta
 from appliance.settings import ModelEntry
+from appliance.tasks import cancel_and_wait
 from tests.conftest import awaited_on, noop_model, url, wait_for
 
 AWAITED_BY_GW = awaited_on(bus.reply_subject("gw"))  # a request the gateway box `gw` awaits
@@ -80,8 +81,7 @@ class _BareGateway:
 
     async def kill(self) -> None:
         if self._beats is not None:
-            self._beats.cancel()
-            await asyncio.gather(self._beats, return_exceptions=True)
+            await cancel_and_wait([self._beats])  # a loop of NATS requests: a lone cancel can be lost
         if self._nc is not None:
             await self._nc.close()
 

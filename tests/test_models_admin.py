@@ -30,6 +30,7 @@ from appliance.envelope import RequestMeta
 from appliance.errors import InsufficientMemory, NotFound, ServiceUnavailable
 from appliance.schemas import ModelRegistration
 from appliance.settings import ModelEntry
+from appliance.tasks import cancel_and_wait
 from runtimes import Task
 from runtimes.config_check import ConfigNotJudged
 from tests.conftest import noop_model, url, wait_for
@@ -994,8 +995,7 @@ async def test_a_name_deleted_on_one_box_is_free_on_another_before_its_watch_hea
         await wait_for(partial(_knows, second, body["name"]), what="the second box to see the registration")
     store = second.store
     assert store is not None and store._task is not None and store._watcher is not None
-    store._task.cancel()  # the second box's watch falls behind: what it would bring waits in its queue
-    await asyncio.gather(store._task, return_exceptions=True)
+    await cancel_and_wait([store._task])  # the second box's watch falls behind: what it would bring waits in its queue
     for name in ("m1", "m2"):
         assert (await call(http, first, "DELETE", f"/v1/models/{name}"))[0] == 200
     assert second.catalog.get("m1-alias") is not None and second.catalog.get("m2") is not None  # stale
@@ -1259,7 +1259,6 @@ async def test_a_model_registered_on_another_box_is_found_before_this_box_hears_
     answered 404 "does not exist", and the model stayed registered (3 of 10 runs). An admin route or verb that does
     not find the model in its box's catalog looks in the catalog's bucket first. Here b never hears."""
     from appliance.control import call_box
-    from appliance.tasks import cancel_and_wait
 
     roots = [tmp_path_factory.getbasetemp()]
     first = await start_box(box_id="a", default_model=False, model_roots=roots)
