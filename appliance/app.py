@@ -187,7 +187,7 @@ class Box:
             on_taken=self.id_taken,
             on_lapse=self._heartbeat_lapsed,
             on_held_again=lambda models: self.dispatcher is not None and self.dispatcher.held_again(models),
-            run_memory_s=max(s.stream_max_age_s, s.max_timeout_s),  # while an ended run's request may be about
+            run_memory_s=max(s.stream_max_age_s, s.max_timeout_s),  # while an ended run's request may be queued or held
         )
         await when_jetstream_answers(self.fleet.start)
         self.workers.id_held()
