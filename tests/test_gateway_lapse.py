@@ -412,7 +412,7 @@ async def test_a_lapse_restarts_the_rates_admission_measures(start_box, monkeypa
     admission = gateway.dispatcher._admission
     restarts: list[float] = []
     restart_rates = admission.restart_rates
-    monkeypatch.setattr(admission, "restart_rates", lambda: (restarts.append(1), restart_rates())[1])
+    monkeypatch.setattr(admission, "restart_rates", lambda models=None: (restarts.append(1), restart_rates(models))[1])
     gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
     assert restarts == [1]
 
