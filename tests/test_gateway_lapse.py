@@ -9,7 +9,9 @@ nothing is published again on it, and it is made again until the stream says. Re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -118,6 +120,34 @@ class _RequestStream:
 
     async def close(self) -> None:
         await self._nc.close()
+
+
+_LOOKS_SETTINGS: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
+
+
+@contextlib.asynccontextmanager
+async def _lapsed_with_a_request_queued(
+    start_box: Any, http: Any, nats_server: Any, *, look_delay_s: float = 0.0
+) -> AsyncIterator[tuple[Any, _Looks, _RequestStream, asyncio.Future[Any]]]:
+    """A gateway-only box `gw` with one request of its client's queued (no worker), then its heartbeat lapsed while
+    the stream answers none of its looks (each after `look_delay_s`): the box, the looks, the stream as the test
+    reads it, and the client's answer to come."""
+    gateway = await start_box(role="gateway", box_id="gw", **_LOOKS_SETTINGS)
+    assert gateway.dispatcher is not None and gateway.js is not None
+    looks = _Looks(gateway.js, delay_s=look_delay_s)
+    stream = _RequestStream(await nats.connect(nats_server.url))
+    sent = asyncio.ensure_future(
+        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
+    )
+    try:
+        await wait_for(lambda: stream.holds(1), what="the request queued")
+        looks.stop_answering()
+        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+        yield gateway, looks, stream, sent
+    finally:
+        looks.restore()
+        sent.cancel()
+        await stream.close()
 
 
 def test_a_cancel_only_for_a_gone_gateway_is_lifted_once_that_gateway_is_heard_again() -> None:
@@ -248,18 +278,7 @@ async def test_a_look_at_the_stream_that_is_not_answered_publishes_nothing_and_i
     and the look is made again: once the stream answers that the message is gone, a copy is published and answered.
     Seen failing on the code before: no second look (the first, unanswered, taken for "let go")."""
     caplog.set_level(logging.INFO, logger="appliance.gateway.resend")
-    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
-    gateway = await start_box(role="gateway", box_id="gw", **settings)
-    assert gateway.dispatcher is not None and gateway.js is not None
-    looks = _Looks(gateway.js)
-    stream = _RequestStream(await nats.connect(nats_server.url))
-    sent = asyncio.ensure_future(
-        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
-    )
-    try:
-        await wait_for(lambda: stream.holds(1), what="the request queued")
-        looks.stop_answering()
-        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+    async with _lapsed_with_a_request_queued(start_box, http, nats_server) as (_, looks, stream, sent):
         await wait_for(lambda: looks.count >= 2, what="a look made again")
         assert await stream.holds(1)  # nothing published again
         assert not sent.done()
@@ -267,14 +286,10 @@ async def test_a_look_at_the_stream_that_is_not_answered_publishes_nothing_and_i
         looks.answering = True
         await wait_for(lambda: stream.holds(1), what="its copy queued")
         assert RequestMeta.from_headers((await stream.last()).headers).copy == 1
-        await start_box(role="worker", box_id="wk", **settings)
+        await start_box(role="worker", box_id="wk", **_LOOKS_SETTINGS)
         async with await asyncio.wait_for(sent, 20) as response:
             assert response.status == 200, await response.text()
         assert "published again what was let go" in caplog.text
-    finally:
-        looks.restore()
-        sent.cancel()
-        await stream.close()
 
 
 async def test_a_dead_letter_whose_gateway_is_gone_is_not_told_to_its_deadline(nats_server) -> None:
@@ -330,19 +345,9 @@ async def test_two_lapses_whose_looks_overlap_publish_one_copy(start_box, http, 
     """Review h204: each lapse looked at each awaited request in a loop of its own, so two lapses close together
     (a flapping link) while the stream answered looks slowly both found the message gone and both published a copy.
     One look loop per request now, and one copy at a time (h204's reproduction, these steps: 2 copies)."""
-    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
-    gateway = await start_box(role="gateway", box_id="gw", **settings)
-    assert gateway.dispatcher is not None and gateway.js is not None
-    resender = gateway.dispatcher._resender
-    looks = _Looks(gateway.js, delay_s=0.5)
-    stream = _RequestStream(await nats.connect(nats_server.url))
-    sent = asyncio.ensure_future(
-        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
-    )
-    try:
-        await wait_for(lambda: stream.holds(1), what="the request queued")
-        looks.stop_answering()
-        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+    async with _lapsed_with_a_request_queued(start_box, http, nats_server, look_delay_s=0.5) as lapsed:
+        gateway, looks, stream, _ = lapsed
+        resender = gateway.dispatcher._resender
         await asyncio.sleep(0.3)  # the first lapse's look under way
         gateway.dispatcher.heartbeat_lapsed(3.0, settle_s=0.0)
         await stream.let_go_first()
@@ -350,10 +355,6 @@ async def test_two_lapses_whose_looks_overlap_publish_one_copy(start_box, http, 
         await wait_for(lambda: stream.holds(1), what="a copy queued")
         await wait_for(lambda: not resender._looking and not resender._republishing, what="every look ended")
         assert await stream.holds(1)
-    finally:
-        looks.restore()
-        sent.cancel()
-        await stream.close()
 
 
 async def test_a_look_at_a_missing_request_stream_tells_nothing(start_box, nats_server) -> None:
@@ -421,26 +422,11 @@ async def test_a_stopping_gateway_stops_publishing_again(start_box, http, nats_s
     """Review h204 L4: a lapse's look loops (and a generation's wait for silence) went on through a box's stop, each
     until its request was no longer awaited; the box's stop now ends them before it answers what it awaits. Seen
     failing on the code before: the look loop still running after `abandon`."""
-    settings: dict[str, Any] = {**_FAST_FLEET, "default_model": False, "models": [noop_model()]}
-    gateway = await start_box(role="gateway", box_id="gw", **settings)
-    assert gateway.dispatcher is not None and gateway.js is not None
-    resender = gateway.dispatcher._resender
-    looks = _Looks(gateway.js)
-    stream = _RequestStream(await nats.connect(nats_server.url))
-    sent = asyncio.ensure_future(
-        http.post(url(gateway, "/v1/embeddings"), json={"model": "noop", "input": "x", "timeout": 20})
-    )
-    try:
-        await wait_for(lambda: stream.holds(1), what="the request queued")
-        looks.stop_answering()
-        gateway.dispatcher.heartbeat_lapsed(6.0, settle_s=0.0)
+    async with _lapsed_with_a_request_queued(start_box, http, nats_server) as (gateway, looks, _, sent):
+        resender = gateway.dispatcher._resender
         await wait_for(lambda: looks.count >= 1, what="the stream looked at")
         assert len(resender._republishes) == 1
         await gateway.dispatcher.abandon(ServiceUnavailable("box gw is stopping", retry_after_s=1))
         assert len(resender._republishes) == 0 and not resender._looking
         async with await asyncio.wait_for(sent, 20) as response:
             assert response.status == 503, await response.text()
-    finally:
-        looks.restore()
-        sent.cancel()
-        await stream.close()
