@@ -150,7 +150,7 @@ class Fleet:
         workers' records age out too, and a gateway-only box said "no box in the fleet runs models" with three
         workers up, until 4 s after the cluster was back (tester h87)."""
         record = self._boxes.get(self.box_id)
-        return record is None or time.time() - float(record.get("ts", 0)) > self._ttl_s
+        return record is None or not self._live(record)
 
     def _record(self) -> bytes:
         """This box's record as it is now, for the first write under its id (`OwnRecord.take`) and each beat."""
@@ -263,6 +263,7 @@ class Fleet:
         return [model for model in resident if all(holder == box for holder in self.holders(model))]
 
     def _live(self, record: dict[str, Any]) -> bool:
+        """Whether a heartbeat record is live: written (by its writer's clock) within the TTL."""
         return time.time() - float(record.get("ts", 0)) <= self._ttl_s
 
     def live_boxes(self) -> list[dict[str, Any]]:
