@@ -172,5 +172,27 @@ def heartbeat(box: Box) -> dict[str, Any]:
             }
         ],
         "models": models,
+        "load_failed": load_failures(box),
         "backlog": box.queue.backlog,
     }
+
+
+LOAD_FAILED_MAX = 16  # models a heartbeat names as failing to load here (the newest): the record stays small
+LOAD_ERROR_CHARS = 200  # of each one's error, on one line: the whole is `GET /v1/models/{name}`'s `load_error`
+
+
+def load_failures(box: Box) -> list[dict[str, Any]]:
+    """The models whose last load on this box failed, with why (one line, cut) and when: a separate field, not
+    entries of `models`, which placement and admission read as held or on their way. A load that fails between two
+    beats (a corrupt folder fails in ms) left no trace in the fleet's records: the TUI showed such a model `cold`
+    with no error (tester h212). Kept while a load tried again runs; gone once one succeeds or the model is
+    deleted or registered again differently (`Residency.forget_load_error`)."""
+    return [
+        {"name": name, "error": _one_line(why, LOAD_ERROR_CHARS), "at": round(at, 3)}
+        for name, why, at in box.residency.load_failures()[:LOAD_FAILED_MAX]
+    ]
+
+
+def _one_line(text: str, limit: int) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -86,8 +86,9 @@ class Residency:
         self._reserved: dict[str, int] = {}  # estimated bytes of models being loaded
         self._max_adapters = max_adapters
         self._onnx_cache = onnx_cache
-        # model -> why its last load on this box failed, and what that load depended on (`ModelSpec.load_key`)
-        self._load_errors: dict[str, tuple[str, tuple[object, ...]]] = {}
+        # model -> why its last load on this box failed, what that load depended on (`ModelSpec.load_key`), and when
+        # (unix s: the heartbeat says it, so the fleet's readers see a load that failed between two beats)
+        self._load_errors: dict[str, tuple[str, tuple[object, ...], float]] = {}
         # model -> the bytes a load of it measured when that was refused, and what that load depended on
         self._measured: dict[str, tuple[int, tuple[object, ...]]] = {}
         self.pinned: set[str] = set()
@@ -108,6 +109,11 @@ class Residency:
         """Why the last load of `name` on this box failed; None when it succeeded or none was tried."""
         failed = self._load_errors.get(name)
         return failed[0] if failed is not None else None
+
+    def load_failures(self) -> list[tuple[str, str, float]]:
+        """(model, why, when) of each model whose last load on this box failed, newest first."""
+        failures = [(name, why, at) for name, (why, _, at) in self._load_errors.items()]
+        return sorted(failures, key=lambda failure: -failure[2])
 
     def forget_load_error(self, name: str, spec: ModelSpec | None) -> None:
         """The catalog says `name` is now `spec` (None: deleted): a failed load of another `load_key` is not its."""
@@ -199,7 +205,7 @@ class Residency:
             runtime = await self._load(spec)
         except BaseException as exc:
             if isinstance(exc, Exception):
-                self._load_errors[spec.name] = (reason_of(exc), spec.load_key())
+                self._load_errors[spec.name] = (reason_of(exc), spec.load_key(), time.time())
             future.set_exception(exc)
             future.exception()  # retrieved here: each waiter re-raises it
             raise
@@ -330,7 +336,7 @@ class Residency:
         try:
             hold = AdapterHold(table, await table.acquire(adapter, hold=True))
         except UnsupportedModel as exc:  # its folder does not load onto the base: its record says why (h102)
-            self._load_errors[adapter.name] = (str(exc), adapter.load_key())
+            self._load_errors[adapter.name] = (str(exc), adapter.load_key(), time.time())
             raise
         self._load_errors.pop(adapter.name, None)
         return hold

@@ -2,7 +2,8 @@
 
 Boxes publish state, not events; so an event is a difference between two successive views: a box
 id that appears (joined) or whose status changes (draining, late, dead, left), a model that
-appears on a box (loaded) or leaves it (evicted), a catalog entry added, removed, pinned or
+appears on a box (loaded) or leaves it (evicted), a box's record newly saying a model's load failed
+there and why (failed to load), a catalog entry added, removed, pinned or
 unpinned, an error count that grows. Losing NATS and getting it back are events too (the views
 then say `connected`). Operator actions and their failures are added directly.
 The log keeps the newest `limit` events; nothing else writes to it. `Throughput` keeps the
@@ -139,11 +140,18 @@ def _model_changes(at: float, old: BoxState, new: BoxState) -> Iterator[Event]:
         elif model.state == "resident" and (previous is None or previous.state != "resident"):
             size = f" ({human_bytes(model.nbytes)})" if model.nbytes else ""
             yield Event(at, "load", name, f"{name} loaded on {new.box}{size}")
+    failed_before = {f.name: f.error for f in old.load_failed}
+    failed_now = {f.name: f.error for f in new.load_failed}
     for name in sorted(was.keys() - now.keys()):
         if was[name].state == "resident":
             yield Event(at, "evict", name, f"{name} evicted from {new.box}")
-        else:
+        elif name not in failed_now:  # else said below, with why (a box of an older version says no why)
             yield Event(at, "error", name, f"{name} failed to load on {new.box}")
+    # One event per failure that is new on the box, or whose reason changed: a pinned model's load tried again
+    # every 30 s that fails again for the same reason is the same failure (its record keeps it in between).
+    for name, error in sorted(failed_now.items()):
+        if failed_before.get(name) != error:
+            yield Event(at, "error", name, f"{name} failed to load on {new.box}: {error}")
 
 
 class Throughput:

@@ -40,6 +40,15 @@ class Resident:
 
 
 @dataclass(slots=True, frozen=True)
+class LoadFailure:
+    """A model whose last load on one box failed, as that box's heartbeat says (its `load_failed`)."""
+
+    name: str
+    error: str  # one line, cut by the box
+    at: float  # when (the box's clock)
+
+
+@dataclass(slots=True, frozen=True)
 class BoxState:
     box: str
     host: str
@@ -54,6 +63,7 @@ class BoxState:
     models: tuple[Resident, ...]
     backlog: int
     status: str = "live"  # live | late | draining | dead | left: set by the source, not the box
+    load_failed: tuple[LoadFailure, ...] = ()
 
     @classmethod
     def from_heartbeat(cls, record: dict[str, Any], status: str | None = None) -> BoxState:
@@ -84,6 +94,11 @@ class BoxState:
             for m in record.get("models") or ()
             if isinstance(m, dict)
         )
+        load_failed = tuple(
+            LoadFailure(name=str(f.get("name", "")), error=str(f.get("error", "")), at=float(f.get("at") or 0.0))
+            for f in record.get("load_failed") or ()
+            if isinstance(f, dict)
+        )
         draining = bool(record.get("draining"))
         return cls(
             box=str(record.get("box", "?")),
@@ -99,6 +114,7 @@ class BoxState:
             models=models,
             backlog=int(record.get("backlog") or 0),
             status=status or ("draining" if draining else "live"),
+            load_failed=load_failed,
         )
 
     @property
@@ -194,7 +210,7 @@ class ModelRow:
     runtime: str
     adapter_of: str | None
     pinned: bool
-    state: str  # resident | loading | cold
+    state: str  # resident | loading | failed | cold
     boxes: tuple[str, ...]
     nbytes: int | None
     backlog: int
@@ -202,6 +218,7 @@ class ModelRow:
     p50_ms: float
     p99_ms: float
     errors: int
+    load_failed_on: dict[str, str] = field(default_factory=dict)  # box -> why its last load of the model failed
 
 
 def listing_order(catalog: Sequence[ModelSpec]) -> list[ModelSpec]:
@@ -223,7 +240,8 @@ def model_rows(view: FleetView) -> list[ModelRow]:
 
     Latency percentiles of a model held by several boxes are the worst box's (percentiles of
     different boxes cannot be merged from summaries); errors add each box's count to the
-    model's dead letters.
+    model's dead letters. A model no live box holds or loads afresh, whose last load failed on a
+    live box, is `failed`, with each such box's error in `load_failed_on`.
     """
     queue = view.queue
     backlog: dict[str, int] = {}
@@ -247,7 +265,10 @@ def model_rows(view: FleetView) -> list[ModelRow]:
                 if m.name == spec.adapter_of and spec.name in m.adapters
             ]
         resident = [(b, m) for b, m in holders if m.state == "resident"]
-        state = "resident" if resident else "loading" if holders else "cold"
+        failed_on = {b.box: f.error for b in view.boxes if b.usable for f in b.load_failed if f.name == spec.name}
+        # A box loading it again after its load failed there (a pinned model, every 30 s) is no news: still failed.
+        loading = [b for b, m in holders if m.state == "loading" and b.box not in failed_on]
+        state = "resident" if resident else "loading" if loading else "failed" if failed_on else "cold"
         measured = resident if spec.adapter_of is None else []  # an adapter's figures are its base's
         rows.append(
             ModelRow(
@@ -264,6 +285,7 @@ def model_rows(view: FleetView) -> list[ModelRow]:
                 p50_ms=max((m.p50_ms for _, m in measured), default=0.0),
                 p99_ms=max((m.p99_ms for _, m in measured), default=0.0),
                 errors=sum(m.errors for _, m in measured) + dead.get(spec.slug, 0),
+                load_failed_on=dict(sorted(failed_on.items())),
             )
         )
     return rows

@@ -14,6 +14,13 @@ from tui.dialogs import Choose, Confirm, RegisterForm
 from tui.model import FleetView, ModelRow, model_rows
 from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, selected_key, sync_rows
 
+_STATE_STYLES = {"resident": "green", "loading": "yellow", "failed": "red", "cold": "dim"}
+
+
+def _failed_on(box: str, why: str) -> tuple[tuple[str, str], str]:
+    """A line of the detail: a box where the model's last load failed, and why (as the box's heartbeat says)."""
+    return ("failed", "red"), f" on {box}: {why}\n"
+
 
 class ModelsScreen(DataScreen):
     TITLE = "Models"
@@ -54,7 +61,7 @@ class ModelsScreen(DataScreen):
 
     def _cells(self, row: ModelRow, stale: bool) -> Cells:
         # While NATS is out of reach the state is the last known one: shown, but not in colour.
-        state_style = "dim" if stale else {"resident": "green", "loading": "yellow", "cold": "dim"}[row.state]
+        state_style = "dim" if stale else _STATE_STYLES[row.state]
         name = fmt.short_name(row.name if row.adapter_of is None else f"↳ {row.name}", 17)
         latency = f"{fmt.ms(row.p50_ms)}/{fmt.ms(row.p99_ms)}" if row.p99_ms else "-"
         return (
@@ -82,12 +89,13 @@ class ModelsScreen(DataScreen):
             spark.data = []
             return
         history = self.fleet_app.throughput.of(row.name)
-        where = ", ".join(row.boxes) or "nowhere (cold)"
+        where = ", ".join(row.boxes) or f"nowhere ({row.state})"
         base = f" · adapter of {row.adapter_of}" if row.adapter_of else ""
         detail.update(
             Text.assemble(
                 (row.name, "bold"),
                 f"  {row.task} · {row.runtime}{base} · {fmt.human_bytes(row.nbytes)} · on {where}\n",
+                *(part for box, why in row.load_failed_on.items() for part in _failed_on(box, why)),
                 f"req/s over the last {len(history)} refreshes: now {fmt.rate(row.rps)},"
                 f" peak {fmt.rate(max(history, default=0.0))}",
             )

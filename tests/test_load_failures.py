@@ -1,0 +1,48 @@
+"""A load that failed on a box is in that box's heartbeat record (`load_failed`), so the fleet's readers (the TUI,
+`fleetbox models list`) see it: a corrupt folder fails in milliseconds, between two beats, and the record's `models`
+never caught it `loading` (tester h212: the TUI showed such a model `cold`, with no error and no event)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.app import Box
+from appliance.box_status import LOAD_ERROR_CHARS
+from appliance.connect import NO_AUTH
+from tests.conftest import url, wait_for
+from tests.test_large_and_broken import NOT_ITS_WEIGHTS, box_with_a_broken_model
+from tui.commands import list_models
+
+
+def own_record(box: Box) -> dict[str, Any]:
+    """This box's heartbeat as the fleet reads it from `fbx_boxes` (its watched copy), or {} before the first."""
+    assert box.fleet is not None
+    return next((r for r in box.fleet.live_boxes() if r.get("box") == box.box_id), {})
+
+
+async def test_a_failed_load_is_in_the_box_record_and_models_list_until_the_model_is_deleted(
+    start_box, http, tmp_path, encoder_dir, nats_server
+) -> None:
+    box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
+        assert response.status == 503
+
+    def failures() -> list[dict[str, Any]]:
+        return own_record(box).get("load_failed", [])
+
+    await wait_for(lambda: [f["name"] for f in failures()] == ["mine"], what="the failure in the box's heartbeat")
+    (failure,) = failures()
+    assert NOT_ITS_WEIGHTS in failure["error"] and "\n" not in failure["error"], failure
+    assert len(failure["error"]) <= LOAD_ERROR_CHARS and isinstance(failure["at"], float), failure
+    # Not an entry of `models`, which placement and admission read as held or on its way.
+    assert all(m["name"] != "mine" for m in own_record(box)["models"]), own_record(box)
+    assert box.fleet is not None and box.fleet.holders("mine", loading=True) == []
+
+    # `fleetbox models list` (its body, attached over NATS as the command is)
+    (row,) = [row for row in await list_models(nats_server.url, NO_AUTH) if row.name == "mine"]
+    assert row.state == "failed" and list(row.load_failed_on) == [box.box_id], row
+    assert NOT_ITS_WEIGHTS in row.load_failed_on[box.box_id]
+
+    async with http.delete(url(box, "/v1/models/mine")) as response:
+        assert response.status == 200
+    await wait_for(lambda: "load_failed" in own_record(box) and failures() == [], what="the failure forgotten")
