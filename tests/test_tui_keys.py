@@ -429,3 +429,40 @@ def test_a_pin_some_boxes_cannot_hold_says_which_in_its_notification() -> None:
     assert describe({"box": "door", "model": "m", "pinned": True}) == "pinned (answered by door)"
     failed = {"box": "door", "model": "m", "pinned": True, "load_failed_on": {"work": "its weights ..."}}  # h197
     assert describe(failed) == "pinned, its last load failed on work (see its load_error) (answered by door)"
+
+
+def test_before_nats_is_reached_the_screens_say_the_fleet_is_unknown_not_empty() -> None:
+    """Tester h212: before the TUI had ever reached NATS the Models screen said `the catalog is empty: r registers a
+    model`, and `l` on the Fleet screen `no box selected`; nothing was known, and now they say why."""
+    app = FleetboxApp(Tailored(lambda view: unreached), refresh_s=0)
+    unreached = FleetView(
+        address="nats://127.0.0.1:1",
+        taken_at=0.0,
+        connected=False,
+        waiting_for="connecting to NATS at nats://127.0.0.1:1…",
+        problem="connection refused; retrying…",
+    )
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.pause()
+        fleet_detail = str(app.screen.query_one("#detail", Static).visual)
+        assert fleet_detail == "the fleet is not known: cannot reach NATS: connection refused; retrying…"
+        await pilot.press("l")
+        assert [n.message for n in app._notifications] == [
+            "no box known: cannot reach NATS: connection refused; retrying…"
+        ]
+        await pilot.press("2")
+        models_detail = str(app.screen.query_one("#detail", Static).visual)
+        assert models_detail == "the catalog is not known: cannot reach NATS: connection refused; retrying…"
+
+    drive(app, script)
+
+
+def test_a_fleet_read_with_no_model_says_the_catalog_is_empty() -> None:
+    app = FleetboxApp(Tailored(lambda view: replace(view, catalog=())), refresh_s=0)
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.press("2")
+        assert str(app.screen.query_one("#detail", Static).visual) == "the catalog is empty: r registers a model"
+
+    drive(app, script)

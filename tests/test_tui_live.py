@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from appliance import bus, cli, fleet_cli
 from appliance.app import Box
 from appliance.connect import NatsAuth
+from appliance.errors import ServiceUnavailable
 from appliance.natsd import EmbeddedNats, free_port
 from tests.conftest import box_settings, freeze, noop_model, url, wait_for
 from tui import commands, ops
@@ -471,6 +472,41 @@ async def test_a_nats_outage_keeps_the_fleet_as_last_seen_and_an_action_fails_in
             kinds = [e.kind for e in app.events.newest_first()]
             assert "outage" in kinds and "reconnect" in kinds
             assert (await model(http, box, "alpha"))["pinned"] is True  # the unpin never ran
+    finally:
+        await source.stop()
+
+
+async def test_an_action_before_nats_was_ever_reached_waits_for_it_then_goes_to_the_fleet_read(
+    start_box, nats_server, http, monkeypatch
+) -> None:
+    """Tester h212: before the TUI had ever reached NATS an action failed at once (`no live box in the fleet to
+    ask`), the box chosen from none known before waiting for NATS. Now it waits for NATS within the bound and fails
+    with the CLI's words; and NATS and a box coming up meanwhile take the action, sent to the box once read."""
+    await nats_server.stop()
+    monkeypatch.setattr(ops, "REACH_TIMEOUT_S", 1.0)
+    unreached = NatsSource.dialing(nats_server.url, period_s=0.2)
+    await unreached.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailable) as refused:
+            await unreached.ops.unpin("alpha")
+        assert refused.value.message == f"cannot reach NATS at {nats_server.url}: connection refused"
+        assert time.monotonic() - started >= 0.9
+    finally:
+        await unreached.stop()
+
+    monkeypatch.setattr(ops, "REACH_TIMEOUT_S", 60.0)
+    source = NatsSource.dialing(nats_server.url, period_s=0.2)
+    await source.start()
+    try:
+        unpin = asyncio.create_task(source.ops.unpin("alpha"))
+        await wait_for(lambda: source.view().problem is not None, 10.0, "the source refused by NATS")
+        assert not unpin.done()
+        await nats_server.start()
+        box = await start_box(default_model=False, models=[noop_model("alpha")], heartbeat_s=0.3)
+        answer = await asyncio.wait_for(unpin, 30.0)
+        assert answer["ok"] is True
+        assert (await model(http, box, "alpha"))["pinned"] is False
     finally:
         await source.stop()
 

@@ -11,12 +11,15 @@ A verb is sent only once NATS is connected and answers: nats-py would hold a req
 during an outage and send it on reconnecting, and a server that hangs (SIGSTOP) with the
 connection up would read it when it wakes, so an action taken then would run, unannounced, long
 after its operator was told nothing. While NATS is out of reach an action waits for it at most
-`REACH_TIMEOUT_S` (the bound of the CLI's connect), then fails with the CLI's words.
+`REACH_TIMEOUT_S` (the bound of the CLI's connect), then fails with the CLI's words. The box is chosen only
+after that wait, and after the fleet is read (within the same bound): before the TUI first reaches NATS it
+knows no box, and an action then failed at once with `no live box in the fleet to ask` (tester h212).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 from collections.abc import Callable, Sequence
@@ -62,6 +65,7 @@ class FleetOps:
         address: str = "",
         why_unreachable: Callable[[], str | None] = lambda: None,
         reach_timeout_s: float | None = None,
+        fleet_read: Callable[[], bool] = lambda: True,
     ) -> None:
         self._nc = nc
         self._boxes = boxes  # the live view of the fleet, from heartbeats
@@ -69,19 +73,20 @@ class FleetOps:
         self._address = address
         self._why_unreachable = why_unreachable  # the last connection problem, while NATS is down
         self._reach_timeout_s = reach_timeout_s or REACH_TIMEOUT_S
+        self._fleet_read = fleet_read  # whether the boxes seen are the fleet's, read since NATS last answered
 
     async def pin(self, model: str) -> dict[str, Any]:
-        return await self._call(self._any_box(), "pin", {"model": model})
+        return await self._call(self._any_box, "pin", {"model": model})
 
     async def unpin(self, model: str) -> dict[str, Any]:
-        return await self._call(self._any_box(), "unpin", {"model": model})
+        return await self._call(self._any_box, "unpin", {"model": model})
 
     async def update(self, model: str, change: dict[str, Any]) -> dict[str, Any]:
         """Change a model in place (the body of `PATCH /v1/models/{name}`): aliases, pin, batching knobs."""
-        return await self._call(self._any_box(), "update", {"model": model, "change": change})
+        return await self._call(self._any_box, "update", {"model": model, "change": change})
 
     async def load(self, model: str, box: str | None = None) -> dict[str, Any]:
-        return await self._call(box or self.roomiest_box(), "load", {"model": model})
+        return await self._call(box or self.roomiest_box, "load", {"model": model})
 
     async def evict(self, model: str, box: str | None = None) -> dict[str, Any]:
         """Evict from `box`, or from every live box that holds the model; says where it was evicted.
@@ -90,12 +95,13 @@ class FleetOps:
         it does not hold the model (evicting from every box is done when none still holds it)."""
         if box:
             return await self._evict_from(model, box)
-        targets = self.holders(model)
         # With no holder in the heartbeats, one box is asked all the same: it answers 404 for a model
         # that does not exist, and evicts one that became resident since its last heartbeat. A model no
         # box holds is evicted from every box already: `evicted_from: []`, as POST /v1/models/{name}/evict.
         # A box that runs models is asked: a gateway refuses the verb (tester h120: exit 1 behind a gateway).
         # With none that runs models live, a gateway is asked, only to judge the name ("where": it holds nothing).
+        await self._answering()  # the holders are judged from a fleet read, not from none known yet
+        targets = self.holders(model)
         evicted, name = [], model
         for target in targets or [self._any_box(running_models=True)]:
             result = await self._call(target, "evict", {"model": model, "where": "every holder"})
@@ -119,11 +125,11 @@ class FleetOps:
     async def delete(self, model: str) -> dict[str, Any]:
         """Delete a model (or adapter) from the fleet's catalog, as `DELETE /v1/models/{name}`: its queued requests are
         answered 404 and it is unloaded everywhere; a base with adapters is refused until they are deleted."""
-        return await self._call(self._any_box(), "delete", {"model": model})
+        return await self._call(self._any_box, "delete", {"model": model})
 
     async def register(self, registration: dict[str, Any], box: str | None = None) -> dict[str, Any]:
         """Register a model folder (the body of `POST /v1/models`); judged by `box` or a box on this host."""
-        return await self._call(box or self._local_box(), "register", registration)
+        return await self._call(box or self._local_box, "register", registration)
 
     # -- choosing a box ---------------------------------------------------------------------------
 
@@ -159,12 +165,15 @@ class FleetOps:
             raise ServiceUnavailable("no live box in the fleet to ask")
         return (local or live)[0].box
 
-    async def _call(self, box: str, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, box: str | Callable[[], str], verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Send `verb` to `box`, or to the box `box()` chooses once NATS answers and the fleet is read."""
         await self._answering()
-        return await call_box(self._nc, box, verb, payload, timeout_s=self._timeout_s)
+        target = box if isinstance(box, str) else box()
+        return await call_box(self._nc, target, verb, payload, timeout_s=self._timeout_s)
 
     async def _answering(self) -> None:
-        """Return once NATS is connected and answers; raise after `reach_timeout_s` without it (nothing is sent).
+        """Return once NATS is connected and answers, and the fleet is read; raise after `reach_timeout_s` without
+        NATS (nothing is sent). A fleet still not read by then (no box ever started there) is the choice's to refuse.
 
         The answer asked for is a read the TUI makes each period anyway (the request stream's info), so it
         needs no permission more. Not `nc.flush(timeout)`: on a timeout it cancels its PONG's waiter, and the
@@ -186,4 +195,8 @@ class FleetOps:
         except TimeoutError:
             raise ServiceUnavailable(f"cannot reach NATS at {self._address}: no answer") from None
         except NatsError:  # no such stream (yet), no JetStream: answers all the same
-            return
+            pass
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while not self._fleet_read():  # noqa: ASYNC110
+                    await asyncio.sleep(_CONNECTED_POLL_S)

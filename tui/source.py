@@ -65,6 +65,10 @@ class FleetSource(Protocol):
     ops: Operations
 
     async def start(self) -> None: ...
+    def _read(self) -> bool:
+        """Whether the boxes known are the fleet's now: read since NATS last answered, or found to be none yet."""
+        return not self._stale() or self._no_fleet_since is not None
+
     def view(self) -> FleetView: ...
     async def stop(self) -> None: ...
 
@@ -103,7 +107,9 @@ class NatsSource:
         self._silent = False  # a read of the connected server timed out, and none was answered since
         self._reconnects_read = nc.stats["reconnects"]  # the fleet was read after this many reconnects
         self._fresh_at: float | None = None  # when the view was last judged from a connected, attached fleet
-        self.ops = FleetOps(nc, self._current_boxes, address=address, why_unreachable=lambda: self._reason)
+        self.ops = FleetOps(
+            nc, self._current_boxes, address=address, why_unreachable=lambda: self._reason, fleet_read=self._read
+        )
 
     @classmethod
     def dialing(cls, servers: str, auth: NatsAuth = NO_AUTH, *, period_s: float = 1.0) -> NatsSource:
@@ -160,6 +166,10 @@ class NatsSource:
     def _stale(self) -> bool:
         """Whether heartbeats cannot be arriving: NATS is out of reach, or the fleet is not (yet again) read."""
         return not self._reachable() or self._fleet is None or self._nc.stats["reconnects"] != self._reconnects_read
+
+    def _read(self) -> bool:
+        """Whether the boxes known are the fleet's now: read since NATS last answered, or found to be none yet."""
+        return not self._stale() or self._no_fleet_since is not None
 
     def view(self) -> FleetView:
         now = self._clock()

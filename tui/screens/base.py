@@ -94,6 +94,14 @@ def status_line(view: FleetView, screen: str) -> Text:
     return line
 
 
+def not_read_why(view: FleetView) -> str | None:
+    """Why the fleet is not read (yet, or again), or None when it is: an empty table then means an unknown fleet,
+    not an empty one (tester h212: `the catalog is empty` before NATS was ever reached)."""
+    if not view.connected:
+        return f"cannot reach NATS: {view.problem}" if view.problem else "not connected to NATS"
+    return view.waiting_for
+
+
 class DataScreen(Screen[None]):
     """What the four screens share: the status line on top, the keys in the footer."""
 

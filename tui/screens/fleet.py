@@ -12,7 +12,7 @@ from textual.widgets import DataTable, Static
 from tui import format as fmt
 from tui.dialogs import Choose, Confirm
 from tui.model import BoxState, FleetView
-from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, selected_key, sync_rows
+from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, not_read_why, selected_key, sync_rows
 
 _STATUS_STYLE = {"live": "green", "late": "yellow", "draining": "yellow", "dead": "red", "left": "dim"}
 _STATUS_MARK = {"live": "●", "late": "◐", "draining": "↓", "dead": "✗", "left": "○"}
@@ -80,7 +80,13 @@ class FleetScreen(DataScreen):
         box = view.box(selected_key(self.table()) or "")
         detail = self.query_one("#detail", Static)
         if box is None:
-            detail.update("[dim]no box has sent a heartbeat yet[/]" if not view.boxes else "")
+            why = not_read_why(view)
+            if view.boxes:
+                detail.update("")
+            elif why:
+                detail.update(Text(f"the fleet is not known: {why}", style="dim"))
+            else:
+                detail.update(Text("no box has sent a heartbeat yet", style="dim"))
             return
         status = f"{box.status} when last seen" if view.stale_since is not None else box.status
         lines = [
@@ -126,7 +132,10 @@ class FleetScreen(DataScreen):
 
     def _selected_box(self) -> BoxState | None:
         box = self.fleet_app.view.box(selected_key(self.table()) or "")
-        if box is None:
+        why = not_read_why(self.fleet_app.view)
+        if box is None and why and not self.fleet_app.view.boxes:  # no box, for none is known: say why, not "selected"
+            self.notify(f"no box known: {why}", severity="warning")
+        elif box is None:
             self.notify("no box selected", severity="warning")
         elif not box.usable:
             self.notify(f"{box.box} is {box.status}: it answers nothing", severity="warning")

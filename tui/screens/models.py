@@ -12,7 +12,7 @@ from textual.widgets import DataTable, Sparkline, Static
 from tui import format as fmt
 from tui.dialogs import Choose, Confirm, RegisterForm
 from tui.model import FleetView, ModelRow, model_rows
-from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, selected_key, sync_rows
+from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, not_read_why, selected_key, sync_rows
 
 _STATE_STYLES = {"resident": "green", "loading": "yellow", "failed": "red", "cold": "dim"}
 
@@ -85,7 +85,13 @@ class ModelsScreen(DataScreen):
         detail = self.query_one("#detail", Static)
         spark = self.query_one("#spark", Sparkline)
         if row is None:
-            detail.update("[dim]the catalog is empty: r registers a model[/]" if not view.catalog else "")
+            why = not_read_why(view)
+            if view.catalog:
+                detail.update("")
+            elif why:  # NATS never reached, or no fleet there yet: the catalog is unknown, not empty
+                detail.update(Text(f"the catalog is not known: {why}", style="dim"))
+            else:
+                detail.update(Text("the catalog is empty: r registers a model", style="dim"))
             spark.data = []
             return
         history = self.fleet_app.throughput.of(row.name)
