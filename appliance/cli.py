@@ -92,8 +92,9 @@ def serve(
 ) -> None:
     """Run a box: gateway, worker and (without --nats) an embedded nats-server."""
     with serving.stop_signals_end_the_start():  # until the box's event loop takes them over
-        if tui and not sys.stdout.isatty():
-            typer.echo("fleetbox: --tui needs a terminal", err=True)
+        stream = fleet_cli.not_a_terminal() if tui else None
+        if stream is not None:
+            typer.echo(f"fleetbox: --tui needs a terminal: its {stream} is not one", err=True)
             raise typer.Exit(2)
         from appliance.configured import configured_specs
 

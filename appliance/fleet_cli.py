@@ -105,8 +105,10 @@ def tui_command(
     """Watch and steer a fleet from the terminal, attached through NATS alone."""
     from tui.commands import run_tui
 
-    if not has_terminal():  # as `serve --tui`: it ran for ever, writing a screen's escapes into a pipe (h114)
-        typer.echo("fleetbox: tui needs a terminal (use `fleetbox models list` for a table)", err=True)
+    stream = not_a_terminal()
+    if stream is not None:  # as `serve --tui`
+        table = "use `fleetbox models list` for a table"
+        typer.echo(f"fleetbox: tui needs a terminal: its {stream} is not one ({table})", err=True)
         raise typer.Exit(2)
 
     code = _fleet_command(run_tui(fleet.nats, fleet.auth, refresh))
@@ -265,8 +267,16 @@ def box_drain(
     _print_action(fleet, "drain", box=box)
 
 
-def has_terminal() -> bool:
-    return sys.stdout.isatty()
+def not_a_terminal() -> str | None:
+    """Which stream the TUI needs as a terminal is not one (`stdout`, `stderr`), or None when both are.
+
+    Textual's Linux driver draws on `sys.__stderr__`: with stderr in a file the whole screen went into it and
+    the terminal stayed blank (tester h212); with stdout in a pipe the screen's escapes went there (h114)."""
+    if not sys.stdout.isatty():
+        return "stdout"
+    if sys.__stderr__ is None or not sys.__stderr__.isatty():
+        return "stderr"
+    return None
 
 
 def _print_action(fleet: FleetAccess, verb: str, **args: Any) -> None:

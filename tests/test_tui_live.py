@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -710,7 +711,7 @@ def test_the_tui_command_exits_non_zero_when_the_app_fails(monkeypatch) -> None:
 
     monkeypatch.setattr(NatsSource, "dialing", classmethod(lambda cls, *a, **k: Broken()))
     monkeypatch.setattr(FleetboxApp, "run_async", functools.partialmethod(FleetboxApp.run_async, headless=True))
-    monkeypatch.setattr(fleet_cli, "has_terminal", lambda: True)
+    monkeypatch.setattr(fleet_cli, "not_a_terminal", lambda: None)
     result = CliRunner().invoke(cli.app, ["tui", "--nats", "nats://127.0.0.1:1"])
     assert result.exit_code == 1, result.output
 
@@ -720,6 +721,34 @@ def test_the_tui_without_a_terminal_says_so() -> None:
     `serve --tui` refuses."""
     result = CliRunner().invoke(cli.app, ["tui", "--nats", "nats://127.0.0.1:1"])
     assert result.exit_code == 2 and result.output.startswith("fleetbox: tui needs a terminal"), result.output
+
+
+@pytest.mark.parametrize("verb", ["tui", "serve"])
+def test_the_tui_with_its_stderr_not_a_terminal_says_so(verb: str, tmp_path) -> None:
+    """Tester h212: `fleetbox tui 2>err.log` drew the whole screen into the file (Textual draws on stderr) and left
+    the terminal blank, where a piped stdout is refused. Its stdout and stdin a terminal here, its stderr a file."""
+    import pty
+
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())]  # were it to start, on ports of its own
+    command = ["tui", "--nats", "nats://127.0.0.1:1"] if verb == "tui" else ["serve", "--tui", *ports]
+    controller, terminal = pty.openpty()
+    errors = tmp_path / "err.log"
+    try:
+        with errors.open("wb") as err:
+            result = subprocess.run(
+                [sys.executable, "-m", "appliance.cli", *command],
+                stdin=terminal,
+                stdout=terminal,
+                stderr=err,
+                timeout=30,
+                env={**os.environ, "FBX_STATE_DIR": str(tmp_path / "state")},
+            )
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    said = errors.read_text()
+    assert result.returncode == 2 and said.startswith("fleetbox: ") and "needs a terminal" in said, said
+    assert "its stderr is not one" in said and "\x1b[" not in said, said
 
 
 def test_version_is_printed_by_the_option_and_the_command() -> None:
