@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import DataTable, Footer, Input, Sparkline, Static
 from textual.widgets._footer import FooterKey
 from textual.widgets.data_table import ColumnKey
 
@@ -464,5 +464,29 @@ def test_a_fleet_read_with_no_model_says_the_catalog_is_empty() -> None:
     async def script(pilot: Pilot) -> None:
         await pilot.press("2")
         assert str(app.screen.query_one("#detail", Static).visual) == "the catalog is empty: r registers a model"
+
+    drive(app, script)
+
+
+def test_the_models_sparkline_is_drawn_from_zero_so_a_steady_rate_looks_steady() -> None:
+    """Tester h212: a steady 20.1 → 19.9 req/s drew as full-height drops, Textual's Sparkline scaling its data's
+    min..max; from zero, every bar of a steady rate is near full height (the top line is all but blank-free)."""
+    app = FleetboxApp(FakeSource(), refresh_s=0)
+
+    def at(view: FleetView, rps: float) -> FleetView:
+        boxes = tuple(replace(b, models=tuple(replace(m, rps=rps) for m in b.models)) for b in view.boxes)
+        return replace(view, boxes=boxes)
+
+    async def script(pilot: Pilot) -> None:
+        for n in range(60):
+            app.throughput.record(at(fleet_view(29), 20.1 if n % 2 else 19.9))
+        await pilot.press("2")
+        await pilot.pause()
+        spark = app.screen.query_one("#spark", Sparkline)
+        console = Console(width=spark.size.width, file=io.StringIO(), color_system=None)
+        console.print(spark.render())
+        top, bottom = console.file.getvalue().splitlines()[:2]
+        assert len(top) >= spark.size.width and top.count(" ") <= 2, top  # a column of the zero floor at most
+        assert " " not in bottom, bottom
 
     drive(app, script)

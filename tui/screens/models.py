@@ -106,7 +106,9 @@ class ModelsScreen(DataScreen):
                 f" peak {fmt.rate(max(history, default=0.0))}",
             )
         )
-        spark.data = list(history) if any(history) else []
+        # Textual's Sparkline scales its data's min..max (no floor to set): a 0 first puts the floor at zero, so
+        # a steady 20.1 → 19.9 req/s draws as steady, not as full-height drops (tester h212).
+        spark.data = [0.0, *history] if any(history) else []
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._render_detail(self.fleet_app.view)
