@@ -490,3 +490,26 @@ def test_the_models_sparkline_is_drawn_from_zero_so_a_steady_rate_looks_steady()
         assert " " not in bottom, bottom
 
     drive(app, script)
+
+
+@pytest.mark.parametrize("status", ["dead", "left"])
+def test_a_box_gone_shows_no_rates_or_latencies(status: str) -> None:
+    """Tester h212: a dead box kept its last req/s and p99 on its row (`✗ boxb … 20.0 22.9 dead`) and its models'
+    in the detail (`clf: resident 4.8M · 10.0 req/s`) for the two minutes it stays listed: figures it no longer has."""
+
+    def gone(view: FleetView) -> FleetView:
+        return replace(view, boxes=(replace(view.boxes[0], status=status), *view.boxes[1:]))
+
+    app = FleetboxApp(Tailored(gone), refresh_s=0)
+
+    async def script(pilot: Pilot) -> None:
+        await pilot.pause()
+        box = app.view.boxes[0]
+        assert box.rps > 0 and box.p99_ms > 0 and box.status == status  # what it last reported
+        row = app.screen.query_one(DataTable).get_row(box.box)
+        assert [str(cell) for cell in row[5:]] == ["-", "-", status]
+        lines = str(app.screen.query_one("#detail", Static).visual).splitlines()
+        models = [line for line in lines if line.startswith("  ") and ": " in line]
+        assert models and all("· - req/s · p50 - p99 - ms · holds -" in line for line in models), lines
+
+    drive(app, script)

@@ -17,6 +17,7 @@ from tui.screens.base import Cells, DataScreen, confirm_evict, make_table, not_r
 _STATUS_STYLE = {"live": "green", "late": "yellow", "draining": "yellow", "dead": "red", "left": "dim"}
 _STATUS_MARK = {"live": "●", "late": "◐", "draining": "↓", "dead": "✗", "left": "○"}
 _UNKNOWN_MARK = "?"  # NATS is out of reach: the box's state now is not known
+_GONE = ("dead", "left")  # kept on screen a while, with no rate or latency: what it last reported is past
 
 
 class FleetScreen(DataScreen):
@@ -71,8 +72,8 @@ class FleetScreen(DataScreen):
             devices,
             fmt.share(box.used_bytes, box.budget_bytes, width=5) if box.runs_models else Text("-", style="dim"),
             models,
-            fmt.rate(box.rps),
-            fmt.ms(box.p99_ms),
+            "-" if box.status in _GONE else fmt.rate(box.rps),
+            "-" if box.status in _GONE else fmt.ms(box.p99_ms),
             Text(beat, style=style),
         )
 
@@ -107,13 +108,15 @@ class FleetScreen(DataScreen):
         if len(shown) > room:
             fits = max(room - 1, 0)
             shown, more = shown[:fits], shown[fits:]
+        gone = box.status in _GONE
         for model in shown:
             size = fmt.human_bytes(model.nbytes)
             pin = " pinned" if model.pinned else ""
+            rps, p50, p99 = ("-",) * 3 if gone else (fmt.rate(model.rps), fmt.ms(model.p50_ms), fmt.ms(model.p99_ms))
             lines.append(
                 Text(
-                    f"  {model.name}: {model.state} {size}{pin} · {fmt.rate(model.rps)} req/s"
-                    f" · p50 {fmt.ms(model.p50_ms)} p99 {fmt.ms(model.p99_ms)} ms · holds {model.held}",
+                    f"  {model.name}: {model.state} {size}{pin} · {rps} req/s"
+                    f" · p50 {p50} p99 {p99} ms · holds {'-' if gone else model.held}",
                     no_wrap=True,
                     overflow="ellipsis",
                 )
