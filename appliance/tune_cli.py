@@ -44,7 +44,10 @@ def resolve_model(model: str, settings: Settings, name: str | None = None) -> Mo
     """A model name or alias the box knows (its config file, the default model), or a model folder.
 
     Everything that would fail the tune at its end (a name no profile folder can be made of) or at its
-    first load (no torch weights) is refused here, before anything runs."""
+    first load (no torch weights) is refused here, before anything runs. An empty MODEL is no model, not the
+    current folder (`Path("")` is `.`)."""
+    if not model.strip():
+        raise ValueError(f"MODEL {model!r} names no model; give a model's name or a model folder")
     spec = Catalog(configured_specs(settings)).get(model)
     if spec is not None:
         if not tunable(spec):
@@ -150,7 +153,9 @@ def run_tune(
         if inputs is not None:
             try:
                 load = replace(load, sample=read_sample(inputs, target.task), sample_source=inputs.name)
-            except (OSError, ValueError) as exc:
+            except OSError as exc:  # its words, not Python's `[Errno 2] …: '/x'` (tester h212)
+                return refuse(f"--inputs: cannot read {inputs}: {exc.strerror or exc}")
+            except ValueError as exc:
                 return refuse(f"--inputs: {exc}")
         config = TuneConfig(
             name=target.name,

@@ -436,3 +436,24 @@ def test_a_second_ctrl_c_landing_in_a_weakref_callback_still_aborts_without_a_tr
     assert landed and ref() is None and ctrl_c.aborted
     err = capfd.readouterr().err
     assert "Exception ignored" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("model", ["", "  "])
+def test_an_empty_model_is_named_as_no_model_not_taken_as_the_current_folder(model: str, tmp_path: Path) -> None:
+    """Tester h212: `fleetbox tune ""` tuned the current folder (`. has no config.json…`), where every other verb
+    says the MODEL names no model."""
+    result = CliRunner().invoke(app, ["tune", model, "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"fleetbox tune: MODEL {model!r} names no model; give a model's name or a model folder\n"
+
+
+def test_an_inputs_file_that_cannot_be_read_is_one_clear_line(encoder_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Tester h212: `--inputs /nonexistent` showed Python's `[Errno 2] No such file or directory: '/nonexistent'`."""
+    monkeypatch.setenv("FBX_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FBX_DEFAULT_MODEL", "false")
+    args = ["tune", str(encoder_dir), "--device", "cpu", "--dry-run", "--inputs"]
+    missing = tmp_path / "missing.jsonl"
+    for given, why in ((missing, "No such file or directory"), (tmp_path, "Is a directory")):
+        result = CliRunner().invoke(app, [*args, str(given)])
+        assert result.exit_code == 2, result.output
+        assert result.output == f"fleetbox tune: --inputs: cannot read {given}: {why}\n"
