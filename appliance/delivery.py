@@ -11,10 +11,10 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from datetime import datetime
 from enum import IntEnum
-from typing import Literal
+from typing import Any, Literal
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -114,6 +114,17 @@ def another_copy(held: Msg, msg: Msg) -> bool:
         msg.metadata.sequence.stream,
         msg.metadata.timestamp,
     )
+
+
+def request_meta(msg: Msg, spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> RequestMeta | None:
+    """A delivered request's headers, or None when they cannot be read: such a message is terminated (logged), as no
+    delivery of it will read better."""
+    try:
+        return RequestMeta.from_headers(msg.headers)
+    except ValueError as exc:
+        log.warning("malformed request message dropped", extra={"error": str(exc)})
+        spawn(msg.term())
+        return None
 
 
 def keeps_held(msg: Msg, holds: Callable[[str], bool], take: Callable[[Msg], None]) -> bool:

@@ -38,6 +38,7 @@ from appliance.delivery import (
     gone_at_intake,
     keeps_held,
     never_gone,
+    request_meta,
 )
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, NotFound, Unprocessable, deadline_passed
@@ -106,11 +107,8 @@ class GenerationIntake:
 
     def on_message(self, msg: Msg) -> None:
         """A request delivered to the worker: a copy of one it holds kept, any other judged then admitted."""
-        try:
-            meta = RequestMeta.from_headers(msg.headers)
-        except ValueError as exc:
-            log.warning("malformed request message dropped", extra={"error": str(exc)})
-            self._spawn(msg.term())
+        meta = request_meta(msg, self._spawn)
+        if meta is None:
             return
         held = self._held.copy_of(meta.id)
         if held is not None:  # a redelivery of what this box generates: its keep-alive holds it

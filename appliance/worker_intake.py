@@ -25,7 +25,15 @@ from appliance.adapters import AdapterHold
 from appliance.batcher import Batcher
 from appliance.blobs import Blobs
 from appliance.catalog import Catalog, ModelSpec
-from appliance.delivery import LET_GO_WAIT_S, Cancellations, GatewayGone, another_copy, gone_at_intake, never_gone
+from appliance.delivery import (
+    LET_GO_WAIT_S,
+    Cancellations,
+    GatewayGone,
+    another_copy,
+    gone_at_intake,
+    never_gone,
+    request_meta,
+)
 from appliance.envelope import RequestMeta
 from appliance.errors import FleetboxError, Unprocessable, deadline_passed
 from appliance.jobs import TaskJobs, jobs_for
@@ -87,11 +95,8 @@ class WorkerIntake:
 
     def on_message(self, msg: Msg) -> None:
         """A request delivered to the worker: a copy of one it holds kept, any other judged then prepared."""
-        try:
-            meta = RequestMeta.from_headers(msg.headers)
-        except ValueError as exc:
-            log.warning("malformed request message dropped", extra={"error": str(exc)})
-            self._spawn(msg.term())
+        meta = request_meta(msg, self._spawn)
+        if meta is None:
             return
         held = self._held.get(meta.id)
         if held is not None:  # a redelivery of something this box is already working on: its keep-alive holds it

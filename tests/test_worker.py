@@ -130,6 +130,33 @@ async def test_message_already_expired_on_arrival_is_answered_504_and_not_comput
     await nc.close()
 
 
+async def test_a_message_whose_headers_cannot_be_read_is_terminated_and_the_next_is_served(
+    start_box, nats_server
+) -> None:
+    """A message on a model's subject that no gateway made (no envelope headers) is terminated, not redelivered until
+    `max_deliver` dead-letters it, and the worker serves the request queued after it."""
+    box = await start_box(default_model=False, models=[noop_model()])
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().publish(bus.request_subject(bus.model_slug("noop")), NOOP_RAW)
+        consumer = bus.consumer_name(bus.model_slug("noop"))
+
+        async def settled() -> bool:
+            info = await box.js.consumer_info(bus.REQUEST_STREAM, consumer)
+            return info.delivered.stream_seq >= 1 and info.num_ack_pending == 0 and info.num_redelivered == 0
+
+        await wait_for(settled, what="the headerless message taken and terminated at once")
+        assert (await box.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0
+    finally:
+        await nc.close()
+    nc, replies = await publish_raw(nats_server.url, NOOP_RAW, id="after-1")
+    reply = await asyncio.wait_for(replies.get(), 10)
+    assert ReplyMeta.from_headers(reply.headers).status == 200
+    await nc.close()
+    info = await box.js.consumer_info(bus.REQUEST_STREAM, consumer)
+    assert info.delivered.consumer_seq == 2  # each message delivered once: the headerless one was not tried again
+
+
 async def test_a_request_whose_blob_is_gone_is_retried_then_dead_lettered_not_held_for_ever(
     start_box, nats_server
 ) -> None:
