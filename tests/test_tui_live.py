@@ -353,6 +353,16 @@ def test_connect_problems_are_named_in_words() -> None:
     assert connect_problem(TimeoutError()) == "no answer"
 
 
+async def test_a_dialing_source_stopped_before_its_dial_began_stops_cleanly() -> None:
+    """The TUI quitting at once stops its source before the dial ran: nats-py's `close()` of a client never
+    connected raised an AssertionError (helper h216)."""
+    never_started = NatsSource.dialing(f"nats://127.0.0.1:{free_port()}", period_s=0.2)
+    await never_started.stop()
+    started = NatsSource.dialing(f"nats://127.0.0.1:{free_port()}", period_s=0.2)
+    await started.start()  # its dial is a task not yet run
+    await started.stop()
+
+
 async def test_the_tui_says_why_it_cannot_reach_nats_and_attaches_once_it_can(tmp_path) -> None:
     """The screen is drawn at once; its status line names the problem, and the TUI keeps trying."""
     port = free_port()

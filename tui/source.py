@@ -102,6 +102,7 @@ class NatsSource:
         self._attach_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._dial_to: tuple[str, NatsAuth] | None = None  # connect in start(), for `dialing`
+        self._dial_begun = False  # `dialing`'s connect was tried: before it, its client has nothing to close
         self._problem: str | None = None  # why the connection is down, while it is
         self._reason: str | None = None  # the same, without "retrying…"
         self._silent = False  # a read of the connected server timed out, and none was answered since
@@ -127,6 +128,7 @@ class NatsSource:
     async def _connect_and_attach(self) -> None:
         if self._dial_to is not None:
             servers, auth = self._dial_to
+            self._dial_begun = True
             try:
                 await dial(self._nc, servers, auth, give_up_after_s=None, on_problem=self._connect_failed)
             except NatsUnreachable as exc:  # nothing to retry: a URL or credentials nats-py cannot use
@@ -367,7 +369,8 @@ class NatsSource:
         (closing a connection whose reconnects failed raises `Connection lost`: quitting the TUI then exited 1)."""
         await cancel_and_wait([self._follow_task, self._attach_task])
         await self._drop_readers()
-        if self._own:
+        # Stopped before its dial began (the TUI quit at once): nats-py asserts in `close()` a client never connected.
+        if self._own and (self._dial_begun or self._dial_to is None):
             try:
                 async with asyncio.timeout(3.0):  # not wait_for: on Python 3.11 it can swallow a cancel
                     await self._nc.close()
