@@ -268,14 +268,18 @@ def box_drain(
 
 
 def not_a_terminal() -> str | None:
-    """Which stream the TUI needs as a terminal is not one (`stdout`, `stderr`), or None when both are.
+    """Which stream the TUI needs as a terminal is not one (`stdout`, `stderr`, `stdin`), or None when all are.
 
     Textual's Linux driver draws on `sys.__stderr__`: with stderr in a file the whole screen went into it and
-    the terminal stayed blank (tester h212); with stdout in a pipe the screen's escapes went there (h114)."""
+    the terminal stayed blank (tester h212); with stdout in a pipe the screen's escapes went there (h114); it reads
+    keys from stdin: with stdin not a terminal (`</dev/null`) it drew and ran for ever, deaf to `q` and Ctrl-C
+    (review h219)."""
     if not sys.stdout.isatty():
         return "stdout"
     if sys.__stderr__ is None or not sys.__stderr__.isatty():
         return "stderr"
+    if sys.__stdin__ is None or not sys.__stdin__.isatty():
+        return "stdin"
     return None
 
 

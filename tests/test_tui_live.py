@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -363,6 +364,15 @@ async def test_a_dialing_source_stopped_before_its_dial_began_stops_cleanly() ->
     await started.stop()
 
 
+async def test_a_dialing_source_whose_dial_gave_up_before_connecting_stops_cleanly(nats_server) -> None:
+    """`fleetbox tui --tls-ca ...` against a server without TLS gives up before nats-py's connect (review h219):
+    quitting then exited 1 with nats-py's AssertionError from closing a client never connected."""
+    source = NatsSource.dialing(nats_server.url, NatsAuth(tls=ssl.create_default_context()), period_s=0.2)
+    await source.start()
+    await wait_for(lambda: "not retrying" in (source.view().problem or ""), 10.0, "the dial to give up")
+    await source.stop()
+
+
 async def test_the_tui_says_why_it_cannot_reach_nats_and_attaches_once_it_can(tmp_path) -> None:
     """The screen is drawn at once; its status line names the problem, and the TUI keeps trying."""
     port = free_port()
@@ -506,6 +516,24 @@ async def test_an_action_before_nats_was_ever_reached_waits_for_it_then_goes_to_
     finally:
         await unreached.stop()
 
+    await unpin_pressed_before_nats_then_a_box_comes(start_box, nats_server, http, monkeypatch, fleet_read_first=False)
+
+
+async def test_an_action_pressed_before_the_first_box_beats_waits_for_it(
+    start_box, nats_server, http, monkeypatch
+) -> None:
+    """Review h219: a TUI that reaches NATS before any box made its buckets (`fleetbox tui` started before `fleetbox
+    serve`) reads the fleet as none, and an action then failed at once with `no live box in the fleet to ask`. Now
+    the box is looked for again within the bound, and the first box to beat takes the action."""
+    await nats_server.stop()
+    await unpin_pressed_before_nats_then_a_box_comes(start_box, nats_server, http, monkeypatch, fleet_read_first=True)
+
+
+async def unpin_pressed_before_nats_then_a_box_comes(
+    start_box, nats_server, http, monkeypatch, *, fleet_read_first: bool
+) -> None:
+    """An unpin pressed while NATS (stopped) refuses the TUI is taken by the box that starts once NATS is back; with
+    `fleet_read_first`, only after the TUI has read the fleet as none (no box there yet)."""
     monkeypatch.setattr(ops, "REACH_TIMEOUT_S", 60.0)
     source = NatsSource.dialing(nats_server.url, period_s=0.2)
     await source.start()
@@ -514,6 +542,9 @@ async def test_an_action_before_nats_was_ever_reached_waits_for_it_then_goes_to_
         await wait_for(lambda: source.view().problem is not None, 10.0, "the source refused by NATS")
         assert not unpin.done()
         await nats_server.start()
+        if fleet_read_first:
+            await wait_for(lambda: "no fleet" in (source.view().waiting_for or ""), 10.0, "no fleet read yet")
+            assert not unpin.done()
         box = await start_box(default_model=False, models=[noop_model("alpha")], heartbeat_s=0.3)
         answer = await asyncio.wait_for(unpin, 30.0)
         assert answer["ok"] is True
@@ -759,6 +790,31 @@ def test_the_tui_with_its_stderr_not_a_terminal_says_so(verb: str, tmp_path) -> 
     said = errors.read_text()
     assert result.returncode == 2 and said.startswith("fleetbox: ") and "needs a terminal" in said, said
     assert "its stderr is not one" in said and "\x1b[" not in said, said
+
+
+@pytest.mark.parametrize("verb", ["tui", "serve"])
+def test_the_tui_with_its_stdin_not_a_terminal_says_so(verb: str, tmp_path) -> None:
+    """Review h219: `fleetbox tui </dev/null` drew and ran for ever, deaf to `q` and Ctrl-C (Textual reads its keys
+    from stdin). Its stdout and stderr a terminal here, its stdin /dev/null."""
+    import pty
+
+    ports = ["--port", str(free_port()), "--nats-port", str(free_port())]  # were it to start, on ports of its own
+    command = ["tui", "--nats", "nats://127.0.0.1:1"] if verb == "tui" else ["serve", "--tui", *ports]
+    controller, terminal = pty.openpty()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "appliance.cli", *command],
+            stdin=subprocess.DEVNULL,
+            stdout=terminal,
+            stderr=terminal,
+            timeout=30,
+            env={**os.environ, "FBX_STATE_DIR": str(tmp_path / "state")},
+        )
+        said = os.read(controller, 65536).decode(errors="replace")
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    assert result.returncode == 2 and "needs a terminal: its stdin is not one" in said, said
 
 
 def test_version_is_printed_by_the_option_and_the_command() -> None:

@@ -13,7 +13,8 @@ connection up would read it when it wakes, so an action taken then would run, un
 after its operator was told nothing. While NATS is out of reach an action waits for it at most
 `REACH_TIMEOUT_S` (the bound of the CLI's connect), then fails with the CLI's words. The box is chosen only
 after that wait, and after the fleet is read (within the same bound): before the TUI first reaches NATS it
-knows no box, and an action then failed at once with `no live box in the fleet to ask` (tester h212).
+knows no box, and an action then failed at once with `no live box in the fleet to ask` (tester h212). A choice
+that finds no box is made again until the bound, as a fleet read before its first box beat knows none yet.
 """
 
 from __future__ import annotations
@@ -167,13 +168,27 @@ class FleetOps:
 
     async def _call(self, box: str | Callable[[], str], verb: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Send `verb` to `box`, or to the box `box()` chooses once NATS answers and the fleet is read."""
-        await self._answering()
-        target = box if isinstance(box, str) else box()
+        deadline = await self._answering()
+        target = box if isinstance(box, str) else await self._chosen(box, deadline)
         return await call_box(self._nc, target, verb, payload, timeout_s=self._timeout_s)
 
-    async def _answering(self) -> None:
-        """Return once NATS is connected and answers, and the fleet is read; raise after `reach_timeout_s` without
-        NATS (nothing is sent). A fleet still not read by then (no box ever started there) is the choice's to refuse.
+    async def _chosen(self, choose: Callable[[], str], deadline: float) -> str:
+        """The box `choose` picks, asked again until the action's bound while it finds none: a fleet read before its
+        first box beat (a TUI started before `fleetbox serve`, whose NATS is up a moment before its box's buckets
+        and first heartbeat) knows no box yet (review h219)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return choose()
+            except ServiceUnavailable:
+                if loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(_CONNECTED_POLL_S)
+
+    async def _answering(self) -> float:
+        """Return once NATS is connected and answers, and the fleet is read, with the action's deadline (the loop's
+        time); raise after `reach_timeout_s` without NATS (nothing is sent). A fleet still not read by then (no box
+        ever started there) is the choice's to refuse.
 
         The answer asked for is a read the TUI makes each period anyway (the request stream's info), so it
         needs no permission more. Not `nc.flush(timeout)`: on a timeout it cancels its PONG's waiter, and the
@@ -200,3 +215,4 @@ class FleetOps:
             async with asyncio.timeout_at(deadline):
                 while not self._fleet_read():  # noqa: ASYNC110
                     await asyncio.sleep(_CONNECTED_POLL_S)
+        return deadline

@@ -65,10 +65,6 @@ class FleetSource(Protocol):
     ops: Operations
 
     async def start(self) -> None: ...
-    def _read(self) -> bool:
-        """Whether the boxes known are the fleet's now: read since NATS last answered, or found to be none yet."""
-        return not self._stale() or self._no_fleet_since is not None
-
     def view(self) -> FleetView: ...
     async def stop(self) -> None: ...
 
@@ -102,7 +98,6 @@ class NatsSource:
         self._attach_task: asyncio.Task[None] | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._dial_to: tuple[str, NatsAuth] | None = None  # connect in start(), for `dialing`
-        self._dial_begun = False  # `dialing`'s connect was tried: before it, its client has nothing to close
         self._problem: str | None = None  # why the connection is down, while it is
         self._reason: str | None = None  # the same, without "retrying…"
         self._silent = False  # a read of the connected server timed out, and none was answered since
@@ -128,7 +123,6 @@ class NatsSource:
     async def _connect_and_attach(self) -> None:
         if self._dial_to is not None:
             servers, auth = self._dial_to
-            self._dial_begun = True
             try:
                 await dial(self._nc, servers, auth, give_up_after_s=None, on_problem=self._connect_failed)
             except NatsUnreachable as exc:  # nothing to retry: a URL or credentials nats-py cannot use
@@ -369,13 +363,19 @@ class NatsSource:
         (closing a connection whose reconnects failed raises `Connection lost`: quitting the TUI then exited 1)."""
         await cancel_and_wait([self._follow_task, self._attach_task])
         await self._drop_readers()
-        # Stopped before its dial began (the TUI quit at once): nats-py asserts in `close()` a client never connected.
-        if self._own and (self._dial_begun or self._dial_to is None):
+        if self._own and _opened(self._nc):
             try:
                 async with asyncio.timeout(3.0):  # not wait_for: on Python 3.11 it can swallow a cancel
                     await self._nc.close()
             except _READ_ERRORS as exc:
                 log.debug("closing the TUI's NATS connection failed", extra={"error": repr(exc)})
+
+
+def _opened(nc: NATS) -> bool:
+    """Whether a client has a connection to close, or one being made: one never connected (the TUI quit before its
+    dial began, or its dial gave up before connecting: a plain server where TLS was asked) has none, and nats-py's
+    `close()` of it raises an AssertionError (review h219)."""
+    return nc.is_connected or nc.is_reconnecting or nc.is_connecting
 
 
 def _stream_state(info: Any) -> StreamState:
