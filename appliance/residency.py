@@ -110,6 +110,13 @@ class Residency:
         failed = self._load_errors.get(name)
         return failed[0] if failed is not None else None
 
+    def _load_failed(self, name: str, why: str, load_key: tuple[object, ...]) -> None:
+        """The same failure again (a pinned model's load retried each 30 s) keeps its first time: restamped, the
+        heartbeat's newest-16 cut took turns over more, each back as news to the TUI (review h219)."""
+        failed = self._load_errors.get(name)
+        at = failed[2] if failed is not None and failed[:2] == (why, load_key) else time.time()
+        self._load_errors[name] = (why, load_key, at)
+
     def load_failures(self) -> list[tuple[str, str, float]]:
         """(model, why, when) of each model whose last load on this box failed, newest first."""
         failures = [(name, why, at) for name, (why, _, at) in self._load_errors.items()]
@@ -205,7 +212,7 @@ class Residency:
             runtime = await self._load(spec)
         except BaseException as exc:
             if isinstance(exc, Exception):
-                self._load_errors[spec.name] = (reason_of(exc), spec.load_key(), time.time())
+                self._load_failed(spec.name, reason_of(exc), spec.load_key())
             future.set_exception(exc)
             future.exception()  # retrieved here: each waiter re-raises it
             raise
@@ -336,7 +343,7 @@ class Residency:
         try:
             hold = AdapterHold(table, await table.acquire(adapter, hold=True))
         except UnsupportedModel as exc:  # its folder does not load onto the base: its record says why (h102)
-            self._load_errors[adapter.name] = (str(exc), adapter.load_key(), time.time())
+            self._load_failed(adapter.name, str(exc), adapter.load_key())
             raise
         self._load_errors.pop(adapter.name, None)
         return hold

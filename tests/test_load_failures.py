@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from appliance.app import Box
 from appliance.box_status import LOAD_ERROR_CHARS
 from appliance.connect import NO_AUTH
@@ -37,6 +39,15 @@ async def test_a_failed_load_is_in_the_box_record_and_models_list_until_the_mode
     # Not an entry of `models`, which placement and admission read as held or on its way.
     assert all(m["name"] != "mine" for m in own_record(box)["models"]), own_record(box)
     assert box.fleet is not None and box.fleet.holders("mine", loading=True) == []
+
+    # The same failure again keeps its first time (review h219: restamped at each try, the record's newest-16 cut
+    # took turns over more failing models than that, each back as news to the TUI).
+    ((_, _, first_at),) = box.residency.load_failures()
+    spec = box.catalog.get("mine")
+    assert spec is not None
+    with pytest.raises(Exception, match=NOT_ITS_WEIGHTS):
+        await box.residency.ensure_loaded(spec)  # tried again, as a pinned model's load is each 30 s
+    assert box.residency.load_failures() == [("mine", box.residency.load_error("mine"), first_at)]
 
     # `fleetbox models list` (its body, attached over NATS as the command is)
     (row,) = [row for row in await list_models(nats_server.url, NO_AUTH) if row.name == "mine"]

@@ -76,6 +76,26 @@ def test_a_model_whose_load_failed_between_two_beats_reads_failed_with_why_and_i
     assert model_rows(view(T0 + 200, dead))[0].state == "cold"
 
 
+def test_a_failure_a_box_already_holds_when_it_joins_or_comes_back_is_an_event() -> None:
+    """Review h219: a box first seen (joining) or back from dead with a failure in its record read `failed` on the
+    Models screen while the Events screen never said so (failures were compared only between two usable beats)."""
+    log = EventLog()
+    failed = ({"name": "brk2", "error": WHY, "at": T0 + 1},)
+    log.observe(view(T0))  # attached: no box yet
+    log.observe(view(T0 + 2, beat("boxb", T0 + 2, failed=failed)))
+    dead = replace(beat("boxb", T0 + 2, failed=failed), status="dead")  # as last seen, as the TUI's source keeps it
+    log.observe(view(T0 + 20, dead))
+    log.observe(view(T0 + 22, beat("boxb", T0 + 22, failed=failed)))  # back: the same failure, no news
+    again = ({"name": "brk2", "error": "OSError: gone", "at": T0 + 21},)
+    log.observe(view(T0 + 40, dead))
+    log.observe(view(T0 + 42, beat("boxb", T0 + 42, failed=again)))  # back: failed anew meanwhile, for another why
+    texts = [e.text for e in reversed(log.newest_first())]
+    assert [t for t in texts if "failed to load" in t] == [
+        f"brk2 failed to load on boxb: {WHY}",
+        "brk2 failed to load on boxb: OSError: gone",
+    ], texts
+
+
 def test_the_models_screen_shows_a_failed_model_and_why_in_its_detail() -> None:
     failed = ({"name": "brk2", "error": WHY, "at": T0},)
 

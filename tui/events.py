@@ -96,12 +96,15 @@ def _differences(before: FleetView, after: FleetView) -> Iterator[Event]:
         if old is None:
             if box.usable:
                 yield Event(at, "join", box.box, f"{box.box} joined ({box.role}, host {box.host or '?'})")
+                yield from _new_failures(at, {}, box)  # a failure its first record holds is news too (review h219)
             continue
         if box.status != old.status and box.status in _STATUS_EVENTS:
             kind, text = _STATUS_EVENTS[box.status]
             yield Event(at, kind, box.box, text.format(box=box.box))
         if box.usable and old.usable:
             yield from _model_changes(at, old, box)
+        elif box.usable:  # back from dead or late: what failed meanwhile
+            yield from _new_failures(at, {f.name: f.error for f in old.load_failed}, box)
     old_specs = {s.name: s for s in before.catalog}
     new_specs = {s.name: s for s in after.catalog}
     for name in sorted(new_specs.keys() - old_specs.keys()):
@@ -147,11 +150,15 @@ def _model_changes(at: float, old: BoxState, new: BoxState) -> Iterator[Event]:
             yield Event(at, "evict", name, f"{name} evicted from {new.box}")
         elif name not in failed_now:  # else said below, with why (a box of an older version says no why)
             yield Event(at, "error", name, f"{name} failed to load on {new.box}")
-    # One event per failure that is new on the box, or whose reason changed: a pinned model's load tried again
-    # every 30 s that fails again for the same reason is the same failure (its record keeps it in between).
-    for name, error in sorted(failed_now.items()):
-        if failed_before.get(name) != error:
-            yield Event(at, "error", name, f"{name} failed to load on {new.box}: {error}")
+    yield from _new_failures(at, failed_before, new)
+
+
+def _new_failures(at: float, failed_before: dict[str, str], box: BoxState) -> Iterator[Event]:
+    """One event per failure that is new on the box, or whose reason changed: a pinned model's load tried again
+    every 30 s that fails again for the same reason is the same failure (its record keeps it in between)."""
+    for failure in sorted(box.load_failed, key=lambda f: f.name):
+        if failed_before.get(failure.name) != failure.error:
+            yield Event(at, "error", failure.name, f"{failure.name} failed to load on {box.box}: {failure.error}")
 
 
 class Throughput:
