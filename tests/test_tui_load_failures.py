@@ -96,6 +96,28 @@ def test_a_failure_a_box_already_holds_when_it_joins_or_comes_back_is_an_event()
     ], texts
 
 
+def test_a_load_that_ends_unnamed_as_a_failure_is_no_failure_on_a_box_that_names_failures() -> None:
+    """Review h219: a model gone from a box's `models` while it loaded (deleted meanwhile, or unloaded while starting)
+    read `failed to load` on the Events screen though the box's `load_failed` named no failure; a box of an older
+    version, whose record has no `load_failed`, still gets that event (it names no failure any other way)."""
+    loading = ({"name": "brk2", "state": "loading", "bytes": None, "pinned": False},)
+    older = {"box": "boxa", "role": "all", "models": []}
+    for box, said in (("boxb", []), ("boxa", ["brk2 failed to load on boxa"])):
+        log = EventLog()
+
+        def state(at: float, models: tuple[dict[str, Any], ...] = (), box: str = box) -> BoxState:
+            return (
+                beat(box, at, models)
+                if box == "boxb"
+                else BoxState.from_heartbeat(older | {"ts": at, "models": list(models)})
+            )
+
+        log.observe(view(T0, state(T0)))
+        log.observe(view(T0 + 1, state(T0 + 1, loading)))
+        log.observe(view(T0 + 2, state(T0 + 2)))
+        assert [e.text for e in log.newest_first() if "failed" in e.text] == said
+
+
 def test_the_models_screen_shows_a_failed_model_and_why_in_its_detail() -> None:
     failed = ({"name": "brk2", "error": WHY, "at": T0},)
 

@@ -144,11 +144,11 @@ def _model_changes(at: float, old: BoxState, new: BoxState) -> Iterator[Event]:
             size = f" ({human_bytes(model.nbytes)})" if model.nbytes else ""
             yield Event(at, "load", name, f"{name} loaded on {new.box}{size}")
     failed_before = {f.name: f.error for f in old.load_failed}
-    failed_now = {f.name: f.error for f in new.load_failed}
     for name in sorted(was.keys() - now.keys()):
         if was[name].state == "resident":
             yield Event(at, "evict", name, f"{name} evicted from {new.box}")
-        elif name not in failed_now:  # else said below, with why (a box of an older version says no why)
+        elif not new.names_failures:  # a box of an older version: no why; a newer one names each failure below, so
+            # a model gone from it while loading, not named, did not fail (deleted, or unloaded while starting)
             yield Event(at, "error", name, f"{name} failed to load on {new.box}")
     yield from _new_failures(at, failed_before, new)
 

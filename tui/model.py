@@ -64,6 +64,7 @@ class BoxState:
     backlog: int
     status: str = "live"  # live | late | draining | dead | left: set by the source, not the box
     load_failed: tuple[LoadFailure, ...] = ()
+    names_failures: bool = False  # its record has `load_failed` (a box of an older version's has not)
 
     @classmethod
     def from_heartbeat(cls, record: dict[str, Any], status: str | None = None) -> BoxState:
@@ -115,6 +116,7 @@ class BoxState:
             backlog=int(record.get("backlog") or 0),
             status=status or ("draining" if draining else "live"),
             load_failed=load_failed,
+            names_failures="load_failed" in record,
         )
 
     @property
