@@ -320,6 +320,7 @@ class Box:
                 pace=self.fleet.pace_per_gateway if self.fleet is not None else None,
                 holders=self.fleet.holders if self.fleet is not None else None,
                 hears_fleet=self.fleet.hears_itself if self.fleet is not None else None,
+                can_load=self.fleet.can_load if self.fleet is not None else None,
             )
             await self.dispatcher.start()
         context = GatewayContext(

@@ -306,6 +306,12 @@ class Fleet:
         boxes = (held.record["box"] for held in holdings if held.state in states)
         return list(dict.fromkeys(boxes))
 
+    def can_load(self, model: str) -> bool:
+        """Whether a live box would serve `model` in its turn: one taking model work, which loads any model of the
+        catalog that requests wait for (placement), evicting others for budget. A model evicted so is not gone: its
+        refusals are overload, where with no such box live they are not (`Holders`)."""
+        return bool(taking_work(self.live_boxes(), MODEL_ROLES))
+
     def box_round(self, model: str, field: str = "round_tokens") -> int | None:
         """The tokens one round of `model`'s batches takes on a box that holds it, as its heartbeat says (its
         profile may batch far smaller than the catalog: 1,024 tokens against 16,384 for the default model on a

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 
+import aiohttp
 import nats
 import orjson
 import pytest
@@ -665,6 +666,19 @@ async def test_a_gateway_that_cannot_see_the_heartbeats_does_not_say_no_box_runs
     assert not gateway.fleet.holders("a") and gateway.fleet.without_workers_s() == 0.0
 
 
+async def embed_at_once(
+    http: aiohttp.ClientSession, box: Box, count: int, *, timeout_s: float
+) -> list[tuple[int, dict[str, str], dict]]:
+    """`count` embeddings of model "a" sent to `box` at once: each one's status, headers and body."""
+
+    async def embed(i: int) -> tuple[int, dict[str, str], dict]:
+        body = {"model": "a", "input": f"x{i}", "timeout": timeout_s}
+        async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+            return response.status, dict(response.headers), await response.json()
+
+    return await asyncio.gather(*(embed(i) for i in range(count)))
+
+
 async def test_a_gateway_queueing_for_a_worker_to_come_back_refuses_what_it_cannot_queue_with_a_503(
     start_box, http
 ) -> None:
@@ -675,19 +689,31 @@ async def test_a_gateway_queueing_for_a_worker_to_come_back_refuses_what_it_cann
     gateway = await start_box(
         role="gateway", box_id="door", default_model=False, models=models, heartbeat_s=0.3, heartbeat_ttl_s=1.0
     )
-
-    async def embed(i: int) -> tuple[int, dict[str, str], dict]:
-        body = {"model": "a", "input": f"x{i}", "timeout": 2}
-        async with http.post(url(gateway, "/v1/embeddings"), json=body) as response:
-            return response.status, dict(response.headers), await response.json()
-
-    outcomes = await asyncio.gather(*(embed(i) for i in range(20)))
+    outcomes = await embed_at_once(http, gateway, 20, timeout_s=2)
     statuses = sorted(status for status, _, _ in outcomes)
     assert set(statuses) == {503, 504}, statuses
     for status, headers, body in outcomes:
         if status == 503:
             assert "held by no live box now" in body["error"]["message"], body
             assert headers["Retry-After"] == "2"
+
+
+async def test_a_full_queue_for_a_model_a_live_box_has_not_loaded_is_a_429_not_a_503(start_box, http) -> None:
+    """Tester h214: under churn on a tight memory budget, a model the box had evicted (and would load again in its
+    turn) had its full queue refused with a 503 "held by no live box now (its boxes restarting, or one loading it)".
+    A live box that runs models loads it: that is overload, a 429. Here the model is cold on a live box (not pinned:
+    loaded once requests wait); seen failing so (503s)."""
+    models = [ModelEntry(name="a", runtime="noop", max_batch_size=2)]  # rounds of 2 rows: a handful is let wait
+    box = await start_box(default_model=False, models=models, heartbeat_s=0.3, heartbeat_ttl_s=1.0)
+    await wait_for(box.fleet.hears_itself, what="its own heartbeat")
+    assert not box.fleet.holders("a") and box.fleet.can_load("a")
+    outcomes = await embed_at_once(http, box, 20, timeout_s=10)
+    statuses = sorted(status for status, _, _ in outcomes)
+    assert set(statuses) == {200, 429}, outcomes
+    for status, headers, body in outcomes:
+        if status == 429:
+            assert body["error"]["message"].startswith("model a is overloaded: "), body
+            assert int(headers["Retry-After"]) >= 1
 
 
 async def test_a_box_started_under_the_id_of_a_live_box_is_refused_and_leaves_its_record(

@@ -152,16 +152,24 @@ class Admission:
         self._answered.append(now)
 
     def restart_rates(self, models: Collection[str] | None = None) -> None:
-        """The gateway was cut off from NATS, or is back on it: every model's rate is measured afresh; or those of
-        `models` only, held again by a live box after none held them."""
+        """The gateway was cut off from NATS, or is back on it: every model's rate is measured afresh; or, of
+        `models` only, held again by a live box after none held them, the time away is not counted (`away`)."""
         now = self._clock()
         for (model, _), queue in self._queues.items():
-            if models is None or model in models:
+            if models is None:
                 queue.restart_rate(now)
+            elif model in models:
+                queue.away()
         # None came meanwhile (from those models): not a backlog draining slowly. Those from before an outage shorter
         # than the 10 s they are counted over read as a rate halved: Retry-After 37 s for a backlog cleared in 8 s
         # (review h211). Another model's answers are measured again within a second.
         self._answered.clear()
+
+    def away(self, model: str) -> None:
+        """No live box holds `model` now: its rate is not diluted by the time until one does (`ModelQueue.away`)."""
+        for (name, _), queue in self._queues.items():
+            if name == model:
+                queue.away()
 
     def waiting_for(self, model: str) -> int:
         """The requests for `model` this gateway awaits, every priority (a generation: until its answer starts)."""

@@ -77,6 +77,7 @@ class Dispatcher:
         pace: Callable[[str, float], tuple[float, float] | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
         hears_fleet: Callable[[], bool] | None = None,
+        can_load: Callable[[str], bool] | None = None,
     ) -> None:
         self.box_id = box_id
         self._max_timeout_s = max_timeout_s  # every request's deadline is at most this
@@ -94,6 +95,7 @@ class Dispatcher:
             pace=pace,
             holders=holders,
             hears_fleet=hears_fleet,
+            can_load=can_load,
         )
         self._publisher = Publisher(nc, js, blobs, lambda why: self._admission.overloaded(why, self.waiting))
         self._waiters = Waiters(
@@ -342,8 +344,9 @@ class Dispatcher:
         self._resender.interrupted()
 
     def held_again(self, models: list[str]) -> None:
-        """Models resident on a live box again after none held them (their only worker restarted): the seconds
-        nobody held them answered nothing, and say nothing of their pace. Counted, 429s after a lone worker's
+        """Models resident on a live box again after none held them (their only worker restarted, or their box
+        evicted them for budget): the seconds nobody held them answered nothing, and say nothing of their pace; the
+        pace timed while they were served stands (`ModelQueue.away`). Counted, 429s after a lone worker's
         restart said "about 211s to start", `Retry-After: 35`, for a backlog cleared in 7 s (tester h208)."""
         self._admission.restart_rates(models)
 

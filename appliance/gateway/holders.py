@@ -3,8 +3,9 @@
 The one idea: until its rate of answers is measured, the work a gateway lets wait for a model is bounded by what the
 boxes holding it start at once (a generator's decode slots, an encoder's round of batches, or the pace its holders
 measured), and each gateway counts only its share of them (`Fleet.holders_per_gateway`), so that the gateways
-together fill the holders once, not once each. A refusal while no live box holds the model is not overload: it is
-said as a 503.
+together fill the holders once, not once each. A refusal while no live box holds the model, nor any that could load
+it is live, is not overload: it is said as a 503. While a live box can load it (it was evicted for budget, or is
+cold), a full queue is: a 429, and the seconds the model is away are not read as its pace (`ModelQueue.away`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Holders:
         pace: Callable[[str, float], tuple[float, float] | None] | None = None,
         holders: Callable[[str], list[str]] | None = None,
         hears_fleet: Callable[[], bool] | None = None,
+        can_load: Callable[[str], bool] | None = None,
     ) -> None:
         self._admission = admission
         self._max_queue_s = max_queue_s
@@ -50,6 +52,7 @@ class Holders:
         self._holders = holders or (lambda model: [])  # the live boxes holding a model (`Fleet.holders`)
         self._knows_holders = holders is not None  # without a fleet (a test's dispatcher), none is known of
         self._hears_fleet = hears_fleet or (lambda: True)  # this box's own heartbeat live in its view (`Fleet`)
+        self._can_load = can_load or (lambda model: False)  # a live box would load a model held by none (`Fleet`)
 
     def admit(
         self, spec: ModelSpec, priority: str, timeout_s: float, waiting: int, *, weight: int, inputs: int = 1
@@ -59,6 +62,9 @@ class Holders:
         `weight` is what the request costs its model: its tokens, or a generation's `max_tokens` (see `ModelQueue`);
         `inputs` the rows it takes in a batch (an encoder's); `waiting` the requests this gateway awaits.
         """
+        held = self._holders(spec.name)
+        if self._knows_holders and not held:  # evicted, or its boxes restarting: the time away is not its pace
+            self._admission.away(spec.name)
         decode_batch = box_decode_batch = None
         boxes = self._holders_per_gateway(spec.name)
         paced = 0
@@ -88,17 +94,20 @@ class Holders:
                 paced=paced,
                 decode_batch=decode_batch,
                 box_decode_batch=box_decode_batch,
-                holders=frozenset(self._holders(spec.name)) if decode_batch is not None else None,
+                holders=frozenset(held) if decode_batch is not None else None,
             )
         except TooManyRequests:
-            self._refuse_unheld(spec.name)
+            if self._knows_holders and not held:
+                self._refuse_unheld(spec.name)
             raise
 
     def _refuse_unheld(self, model: str) -> None:
-        """A refusal while no live box holds `model` is not overload: nothing answers it (its boxes restarting, or one
-        loading it). Said as a 429 "already awaits 60 requests", `Retry-After: 1`, with every worker dead (tester
-        h82); a 503 saying so, as a gateway past the grace without workers answers."""
-        if not self._knows_holders or self._holders(model):
+        """A refusal while no live box holds `model`, nor any that could load it is live, is not overload: nothing
+        answers it (its boxes restarting). Said as a 429 "already awaits 60 requests", `Retry-After: 1`, with every
+        worker dead (tester h82); a 503 saying so, as a gateway past the grace without workers answers. A model a live
+        box evicted for budget, or has not loaded yet, is loaded again in its turn: a full queue for it is overload, a
+        429 (tester h214: 503 "held by no live box" under churn on a live box)."""
+        if self._can_load(model):
             return
         count = self._admission.waiting_for(model)
         # Its own heartbeat missing too: the heartbeats are not coming through NATS. Others' may be heard (not of a box
@@ -111,7 +120,7 @@ class Holders:
                 retry_after_s=2,
             )
         raise ServiceUnavailable(
-            f"model {model} is held by no live box now (its boxes restarting, or one loading it), and this gateway "
-            f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
+            f"model {model} is held by no live box now, and no box that could load it is live (its boxes restarting), "
+            f"and this gateway already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
             retry_after_s=2,
         )

@@ -2,9 +2,9 @@
 that work is answered; from them the wait a new request can expect, for `admission.Admission` to bound.
 
 The one idea: the rate is the weight answered per second *while work waited*, timed in spans from a busy spell's
-first answer, so idle time does not dilute it and a stall does (Little's law: the weight awaited ÷ that rate is
-the wait). A generator's queue (`decode_admission.DecodeQueue`) is one of these whose wait is counted in decode
-slots instead.
+first answer, so idle time (and time no box held the model) does not dilute it and a stall does (Little's law:
+the weight awaited ÷ that rate is the wait). A generator's queue (`decode_admission.DecodeQueue`) is one of these
+whose wait is counted in decode slots instead.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class ModelQueue:
     read the others' run as a stall), or the last one when answers come seconds apart (large requests),
     and the span still open, or over those of the last `_STEADY_WINDOW_S` when that is slower (a box whose pace
     swings, on shared cores say, must not take in ten seconds of work in a fast second); none before a span has
-    closed (one batch answered at once is no rate). Idle time does not dilute it; a stall does, so a queue that
-    stops being answered stops admitting. A spell that starts after an idle gap forgets the old spans: the model
-    may be elsewhere now, or reloading. What outlasts the gap is the last spell's pace (the weight answered in
-    it ÷ its whole length, a floor on how fast the model went then), how much it answered, and the most a spell
-    answered in the last minute, used only to admit more than the rounds of batches a burst gets.
+    closed (one batch answered at once is no rate). Idle time does not dilute it, nor time away (`away`); a stall
+    does, so a queue that stops being answered stops admitting. A spell that starts after an idle gap forgets the
+    old spans: the model may be elsewhere now, or reloading. What outlasts the gap is the last spell's pace (the
+    weight answered in it ÷ its whole length, a floor on how fast the model went then), how much it answered, and
+    the most a spell answered in the last minute, used only to admit more than the rounds of batches a burst gets.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -118,6 +118,14 @@ class ModelQueue:
         self.spans.clear()
         self._since, self._done = None, 0
         self._spell_began, self._spell_done = now, 0
+
+    def away(self) -> None:
+        """No live box holds the model now (evicted for budget, its box restarting): the open span stops, and the
+        clock starts again at the first answer once a box holds it again. The seconds it was away answered nothing and
+        say nothing of its pace: counted, the open span and the span its first answer back closed read a model
+        answered at 13 s p99 as "about 10081s to start" (tester h214). The spans measured while it was served stand:
+        measured afresh, each re-load under churn put it back on the rounds of an unmeasured model."""
+        self._since, self._done = None, 0
 
     def rate(self, now: float) -> float | None:
         """Weight answered per second while work waited, lately; None before a span of answers has closed."""
