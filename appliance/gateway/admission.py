@@ -246,7 +246,9 @@ class Admission:
                 # dropped at its deadline, whichever is sooner (a generation may wait on slots alone).
                 gone_s = queue.latest_deadline() - now if queue.waiting else math.inf
                 retry = _retry_s(min(wait_s, gone_s) - limit)
-                why = f"what this gateway awaits for it would take about {wait_s:.0f}s to start, {over}"
+                # Said as the Retry-After reckons it: "about 10081s", retry in 60s, was no wait it would advise (h214).
+                said_s = min(wait_s, limit + retry)
+                why = f"what this gateway awaits for it would take about {said_s:.0f}s to start, {over}"
                 self._refuse(model, why, retry)
             return
         scale = 1.0
