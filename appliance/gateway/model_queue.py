@@ -47,7 +47,8 @@ class ModelQueue:
     does, so a queue that stops being answered stops admitting. A spell that starts after an idle gap forgets the
     old spans: the model may be elsewhere now, or reloading. What outlasts the gap is the last spell's pace (the
     weight answered in it ÷ its whole length, a floor on how fast the model went then), how much it answered, and
-    the most a spell answered in the last minute, used only to admit more than the rounds of batches a burst gets.
+    the most a spell answered in the last minute, used only to admit more than the rounds of batches a burst gets, and
+    the pace of the last spell long enough to be timed (`timed_pace`), trusted for a minute.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -66,13 +67,17 @@ class ModelQueue:
     _most_shown: int = 0  # the most weight a busy spell answered in the `_SHOWN_MEMORY_S` before `_most_shown_at`
     _most_shown_at: float = -math.inf  # when that spell ended
     _waited: float = 0.0  # how long the last request answered had waited: the span of answers the queue ahead took
+    _spell_rows: int = 0  # inputs answered in this busy spell
+    # The last busy spell that ran at least `_RATE_SPAN_S`, as a rate's span must: its weight a second and a row
+    # (`timed_pace`), and when it ended.
+    _timed: tuple[float, float, float] = (0.0, 1.0, -math.inf)
 
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf, rows: int = 1) -> None:
         """A request of `rows` inputs sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has
         passed."""
         if not self.waiting:
             self._since, self._done = None, 0
-            self._spell_began, self._spell_done = now, 0
+            self._spell_began, self._spell_done, self._spell_rows = now, 0, 0
             self._deadlines.clear()
             if self.spans and self.spans[-1][0] < now - _RATE_WINDOW_S:
                 self.spans.clear()
@@ -89,15 +94,19 @@ class ModelQueue:
         if entry is None:
             return
         self.weight -= entry[1]
-        self.rows -= self._rows_of.pop(request_id, 1)
+        rows = self._rows_of.pop(request_id, 1)
+        self.rows -= rows
         if answered:
             self._spell_done += entry[1]
+            self._spell_rows += rows
             self._waited = now - entry[0]
             self._count(entry[1], now)
         if not self.waiting and now > self._spell_began:
             self._pace, self._shown = self._spell_done / (now - self._spell_began), self._spell_done
             if self._spell_done >= self._most_shown or now - self._most_shown_at > _SHOWN_MEMORY_S:
                 self._most_shown, self._most_shown_at = self._spell_done, now
+            if self._spell_done and now - self._spell_began >= _RATE_SPAN_S:
+                self._timed = (self._pace, self._spell_done / max(1, self._spell_rows), now)
 
     def _count(self, weight: int, now: float) -> None:
         if self._since is None:  # the spell's first answer starts the clock
@@ -117,7 +126,7 @@ class ModelQueue:
         "about 41s to start, retry in 31s" for a backlog cleared in 2 s). What the last spells showed stays."""
         self.spans.clear()
         self._since, self._done = None, 0
-        self._spell_began, self._spell_done = now, 0
+        self._spell_began, self._spell_done, self._spell_rows = now, 0, 0
 
     def away(self) -> None:
         """No live box holds the model now (evicted for budget, its box restarting): the open span stops, and the
@@ -160,6 +169,18 @@ class ModelQueue:
             pace = self._spell_done / (now - self._spell_began)
             shown = max(shown, min(pace * seconds, 2.0 * self._spell_done))
         return max(shown, (self.rate(now) or 0.0) * seconds)
+
+    def timed_pace(self, now: float, per_row: float) -> float:
+        """The weight a second the model was timed at in its last busy spell of at least `_RATE_SPAN_S` (a rate's
+        span), from that spell's first request to its last answer, if it ended in the last `_SHOWN_MEMORY_S`; 0 if
+        none did. In the gateway's own weights, so the estimate's error is in it (the holders' pace is in padded
+        tokens); its rows go no faster than that spell's did: rows of `per_row` weight, shorter, at its rows a second.
+        Held to twice that spell's work (`room`), 10 concurrent reranks of 64 documents on an idle box that had just
+        answered one such in 2 s had 8 refused (tester h214), 4 s of work let in against a bound of 10 s."""
+        pace, spell_per_row, ended = self._timed
+        if now - ended > _SHOWN_MEMORY_S:
+            return 0.0
+        return pace * min(1.0, per_row / spell_per_row)
 
     def held(self, weight: int) -> int | None:
         """The weight held to the bound while the model's rate is not measured if a request of `weight` joins: the
