@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
+from appliance.errors import TooManyRequests
+from appliance.gateway.admission import paced_round
 from tests.test_admission import Clock, admission, drive
 
 RERANK = 64 * 512  # the gateway's estimate of 64 documents of 400 words: 512 tokens each, at most
@@ -35,8 +38,6 @@ def test_a_burst_on_an_idle_model_this_gateway_timed_is_let_in_as_far_as_its_pac
 
 def test_the_429_of_a_burst_says_the_wait_at_the_pace_the_model_was_timed_at() -> None:
     """The words were "as much as it lets wait before it has timed the model's answers": untrue of a model timed."""
-    from appliance.errors import TooManyRequests
-
     clock = Clock()
     gate = admission(clock)
     drive(gate, clock, [100.0], weight=RERANK, per_s=RERANK_PER_S, budget=16_384)
@@ -51,6 +52,49 @@ def test_the_429_of_a_burst_says_the_wait_at_the_pace_the_model_was_timed_at() -
         raise AssertionError("the seventh was let in")
     assert "the 6 requests this gateway awaits for it would take about 12s to start" in message
     assert "at the pace this gateway timed its answers at, over 10s; retry in 2s" in message
+
+
+def _burst_after(idle_s: float, paced_then: int, paced_now: int) -> int:
+    """Of 10 reranks sent at once `idle_s` after one answered in 2 s, how many are let in; the holders' heartbeats
+    said a pace of `paced_then` then (`paced_round`), `paced_now` at the burst."""
+    clock = Clock()
+    gate = admission(clock)
+    queue = gate.admit("m", "interactive", 60.0, 0, weight=RERANK, budget=16_384, paced=paced_then)
+    queue.add("warm", clock.now, RERANK, rows=64)
+    clock.now += 2.0
+    queue.remove("warm", clock.now, answered=True)
+    clock.now += idle_s
+    admitted = 0
+    for i in range(10):
+        try:
+            queue = gate.admit("m", "interactive", 60.0, i, weight=RERANK, budget=16_384, paced=paced_now)
+        except TooManyRequests:
+            continue
+        queue.add(f"r{i}", clock.now, RERANK, rows=64)
+        admitted += 1
+    return admitted
+
+
+HEARTBEAT = paced_round(12_000.0, None, None)  # the holders say 12,000 padded tokens a second: halved, 60,000 in 10 s
+
+
+@pytest.mark.parametrize(
+    ("idle_s", "paced_then", "paced_now", "admitted"),
+    [
+        (4.0, HEARTBEAT, HEARTBEAT, 6),
+        (65.0, HEARTBEAT, HEARTBEAT, 6),  # a minute on, the same holders' pace: the timing still holds (was 2)
+        (4.0, HEARTBEAT, HEARTBEAT // 2, 3),  # the holders go half as fast now: so does the pace timed
+        (65.0, HEARTBEAT, HEARTBEAT // 2, 3),
+        (65.0, 0, 0, 2),  # no holders' pace to follow, a minute on: twice the spell's work, as before
+    ],
+)
+def test_a_pace_this_gateway_timed_holds_for_like_work_as_far_as_the_holders_pace_now_allows(
+    idle_s: float, paced_then: int, paced_now: int, admitted: int
+) -> None:
+    """Tester h214's burst, sent a while after the model was timed: the gateway's own timing is in its own estimate
+    (here 512 tokens a document where the model takes 404), the holders' pace in padded tokens, halved for that, 2
+    of the 10. Kept, the timing follows the holders' pace: a box slower now is not taken at its old pace."""
+    assert _burst_after(idle_s, paced_then, paced_now) == admitted
 
 
 async def test_ten_concurrent_requests_of_64_long_inputs_a_timed_box_starts_within_the_bound_are_answered(

@@ -15,7 +15,7 @@ of them that work has started or been dropped and a retry gets in. Before a rate
 an idle model) the work awaited is bounded by the model's batches: what arrives with a busy spell's first
 request (a burst) may fill four rounds of them, what keeps coming after (a flood) one, or what the model
 has shown it starts within the bound if that is more; never nothing, never unbounded. Where its pace is known
-(the holders' heartbeats, halved for the estimate's error, or a busy spell this gateway timed in the last minute),
+(the holders' heartbeats, halved for the estimate's error, or a busy spell this gateway timed, as they follow it),
 a request goes whose work *ahead* starts within the bound at that pace: its own work does not delay its start.
 Batch-priority work, bounded by its deadline instead of `max_queue_s`, gets those rounds times deadline ÷
 `max_queue_s`.
@@ -143,6 +143,7 @@ class Admission:
         is a `DecodeQueue`; `holders` the boxes holding it (its pace is kept over a pause while they are the same).
         """
         queue = self._queue(model, priority, decode_batch, box_decode_batch)
+        queue.holders_pace = paced * 2 * _BURST_ROUNDS / self._max_queue_s  # `paced_round`'s pace, a second
         if holders is not None and isinstance(queue, DecodeQueue):
             queue.decoder.holders = holders
         self._bound(model, queue, timeout_s, priority, weight, budget, paced)
@@ -226,9 +227,10 @@ class Admission:
         deadlines was let in whole and 197 ended 504, black-box finding). Where the holders have timed their batches
         (`paced`), what they compute in half the bound is let in for a flood as for a burst: held to one round, a
         short request sent while a long one ran on an idle box was refused (tester h70). Where this gateway timed
-        the model in a busy spell of the last minute (`ModelQueue.timed_pace`), what that pace starts within the
-        bound. Either pace is held to the work ahead of the request, not its own too: 8 of 10 concurrent reranks
-        of 64 documents, 2 s each, were refused on an idle box that starts about 5 of them within 10 s (tester h214).
+        the model in a busy spell (`ModelQueue.timed_pace`: as the holders' pace follows it), what that pace starts
+        within the bound. Either pace is held to the work ahead of the request, not its own too: 8 of 10 concurrent
+        reranks of 64 documents, 2 s each, were refused on an idle box that starts about 5 of them within 10 s
+        (tester h214).
         A request alone always goes. Refused by a pace, the 429 says the wait at it and its Retry-After is the
         seconds past the bound; refused by the rounds alone, Retry-After is 1: the rate is soon measured, or the
         burst answered.

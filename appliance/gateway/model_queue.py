@@ -48,7 +48,7 @@ class ModelQueue:
     old spans: the model may be elsewhere now, or reloading. What outlasts the gap is the last spell's pace (the
     weight answered in it ÷ its whole length, a floor on how fast the model went then), how much it answered, and
     the most a spell answered in the last minute, used only to admit more than the rounds of batches a burst gets, and
-    the pace of the last spell long enough to be timed (`timed_pace`), trusted for a minute.
+    the pace of the last spell long enough to be timed (`timed_pace`), as far as the holders' pace since allows.
     """
 
     waiting: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (monotonic send time, weight)
@@ -68,9 +68,10 @@ class ModelQueue:
     _most_shown_at: float = -math.inf  # when that spell ended
     _waited: float = 0.0  # how long the last request answered had waited: the span of answers the queue ahead took
     _spell_rows: int = 0  # inputs answered in this busy spell
-    # The last busy spell that ran at least `_RATE_SPAN_S`, as a rate's span must: its weight a second and a row
-    # (`timed_pace`), and when it ended.
-    _timed: tuple[float, float, float] = (0.0, 1.0, -math.inf)
+    holders_pace: float = 0.0  # the weight a second its holders' heartbeats said lately (`Admission`), 0 unknown
+    # The last busy spell that ran at least `_RATE_SPAN_S`, as a rate's span must: its weight a second and a row,
+    # when it ended, and the holders' pace then (`timed_pace`).
+    _timed: tuple[float, float, float, float] = (0.0, 1.0, -math.inf, 0.0)
 
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf, rows: int = 1) -> None:
         """A request of `rows` inputs sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has
@@ -106,7 +107,7 @@ class ModelQueue:
             if self._spell_done >= self._most_shown or now - self._most_shown_at > _SHOWN_MEMORY_S:
                 self._most_shown, self._most_shown_at = self._spell_done, now
             if self._spell_done and now - self._spell_began >= _RATE_SPAN_S:
-                self._timed = (self._pace, self._spell_done / max(1, self._spell_rows), now)
+                self._timed = (self._pace, self._spell_done / max(1, self._spell_rows), now, self.holders_pace)
 
     def _count(self, weight: int, now: float) -> None:
         if self._since is None:  # the spell's first answer starts the clock
@@ -172,14 +173,20 @@ class ModelQueue:
 
     def timed_pace(self, now: float, per_row: float) -> float:
         """The weight a second the model was timed at in its last busy spell of at least `_RATE_SPAN_S` (a rate's
-        span), from that spell's first request to its last answer, if it ended in the last `_SHOWN_MEMORY_S`; 0 if
-        none did. In the gateway's own weights, so the estimate's error is in it (the holders' pace is in padded
-        tokens); its rows go no faster than that spell's did: rows of `per_row` weight, shorter, at its rows a second.
-        Held to twice that spell's work (`room`), 10 concurrent reranks of 64 documents on an idle box that had just
-        answered one such in 2 s had 8 refused (tester h214), 4 s of work let in against a bound of 10 s."""
-        pace, spell_per_row, ended = self._timed
-        if now - ended > _SHOWN_MEMORY_S:
+        span), from that spell's first request to its last answer; 0 if none was. In the gateway's own weights, so
+        the estimate's error is in it (the holders' pace is in padded tokens). No faster than the holders' pace
+        now allows against theirs then (a box slower now, its pace read at these rows); past `_SHOWN_MEMORY_S`, only
+        for work like that spell's (rows of half to twice its weight) and while the holders say a pace, to follow.
+        Its rows go no faster than that spell's did: rows of `per_row` weight, shorter, at its rows a second. Held
+        to twice that spell's work (`room`), 10 concurrent reranks of 64 documents on an idle box that had answered
+        one such in 2 s had 8 refused (tester h214), 4 s of work let in against a bound of 10 s."""
+        pace, spell_per_row, ended, holders_then = self._timed
+        like = 0.5 <= per_row / spell_per_row <= 2.0
+        followed = holders_then > 0 and self.holders_pace > 0
+        if not pace or (now - ended > _SHOWN_MEMORY_S and not (like and followed)):
             return 0.0
+        if followed:
+            pace *= min(1.0, self.holders_pace / holders_then)
         return pace * min(1.0, per_row / spell_per_row)
 
     def held(self, weight: int) -> int | None:
