@@ -281,8 +281,9 @@ class Admission:
             awaits = f"the {count} request{'s' if count != 1 else ''} this gateway awaits for it"
             wait_s = ahead * limit / by_pace
             whose = "this gateway timed its answers at" if timed * limit >= by_pace else "its holders measured, halved"
-            why = f"{awaits} would take about {wait_s:.0f}s to start at the pace {whose}, {over}"
-            self._refuse(model, why, _retry_s(wait_s - limit))
+            retry = _retry_s(wait_s - limit)
+            why = f"{awaits} would take about {min(wait_s, limit + retry):.0f}s to start at the pace {whose}, {over}"
+            self._refuse(model, why, retry)
         generating = len(queue.decoder.running) if isinstance(queue, DecodeQueue) else 0
         also = f" and {generating} generating" if generating else ""
         # Not "would wait too long": nothing is known of its pace yet (the box may clear them in a blink).
