@@ -323,7 +323,9 @@ class Catalog:
         model's deleted that model (tester h89). A base model goes after its adapters (409): deleting it would
         leave them serving nothing."""
         if unicodedata.normalize("NFC", named) != spec.name:  # a decomposed spelling of its name is its name
-            raise Conflict(f"{named!r} is an alias of model {spec.name!r}; delete a model by its own name")
+            through_base = spec.adapter_of and named not in spec.aliases  # `sent:support`, `sent` its base's alias
+            what = "the address, through an alias of its base, of adapter" if through_base else "an alias of model"
+            raise Conflict(f"{named!r} is {what} {spec.name!r}; delete a model by its own name")
         adapters = self.adapters_of(spec.name)
         if adapters:
             raise Conflict(

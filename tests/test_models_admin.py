@@ -1278,15 +1278,24 @@ async def test_a_model_registered_on_another_box_is_found_before_this_box_hears_
     await wait_for(lambda: not {"m1", "m2"} & set(first.catalog.names()), what="both deletions heard on a")
 
 
-async def test_a_model_is_deleted_by_its_name_not_an_alias(start_box, http, encoder_dir, tmp_path_factory) -> None:
+async def test_a_model_is_deleted_by_its_name_not_an_alias(
+    start_box, http, encoder_dir, adapter_dirs, tmp_path_factory
+) -> None:
     """Tester h89: `DELETE /v1/models/{alias}` deleted the model, and a name that had meanwhile become another
-    model's alias deleted that other model. A model is deleted by its own name (409 naming it)."""
+    model's alias deleted that other model. A model is deleted by its own name (409 naming it). An adapter's address
+    through its base's alias is no alias of the adapter's own: the 409 says which it is (tester h221)."""
     box = await start_box(default_model=False, model_roots=[tmp_path_factory.getbasetemp()])
     registration = {"name": "jm", "path": str(encoder_dir), "aliases": ["jm-alias"]}
     assert (await call(http, box, "POST", "/v1/models", registration))[0] == 201
     status, body = await call(http, box, "DELETE", "/v1/models/jm-alias")
     assert status == 409 and "'jm-alias' is an alias of model 'jm'" in body["error"]["message"], body
     assert box.catalog.get("jm") is not None
+    adapter = {"name": "jm:tuned", "path": str(adapter_dirs[Task.EMBED]), "adapter_of": "jm"}
+    assert (await call(http, box, "POST", "/v1/models", adapter))[0] == 201
+    status, body = await call(http, box, "DELETE", "/v1/models/jm-alias:tuned")
+    said = "'jm-alias:tuned' is the address, through an alias of its base, of adapter 'jm:tuned'"
+    assert status == 409 and said in body["error"]["message"], body
+    assert (await call(http, box, "DELETE", "/v1/models/jm:tuned"))[0] == 200
     assert (await call(http, box, "DELETE", "/v1/models/jm"))[0] == 200
 
 

@@ -148,7 +148,9 @@ class Admission:
             queue.decoder.holders = holders
         self._bound(model, queue, timeout_s, priority, weight, budget, paced)
         if waiting >= self._max_waiting:
-            raise self.overloaded(f"this gateway already waits on {waiting} requests", waiting)
+            raise self.overloaded(
+                f"this gateway already waits on {waiting} request{'s' if waiting != 1 else ''}", waiting
+            )
         return queue
 
     def answered(self, now: float) -> None:

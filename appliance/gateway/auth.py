@@ -74,7 +74,9 @@ def inference(handler: Handler) -> Handler:
             return await handler(request)
         in_flight = request.app[IN_FLIGHT]
         if in_flight.get(key, 0) >= limit:
-            raise TooManyRequests(f"this API key already has {limit} requests in flight", retry_after_s=1)
+            raise TooManyRequests(
+                f"this API key already has {limit} request{'s' if limit != 1 else ''} in flight", retry_after_s=1
+            )
         in_flight[key] = in_flight.get(key, 0) + 1
         try:
             return await handler(request)
