@@ -47,7 +47,7 @@ def test_the_seconds_a_model_was_evicted_are_not_read_as_its_pace() -> None:
     over 10s; retry in 60s" here)."""
     clock = Clock()
     held = ["worker"]
-    _, holders = gateway(clock, held)
+    _, holders = gateway(clock, held, can_load=True)  # the live box that evicted it loads it again in its turn
     queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
     queue.add("head", clock.now, 0)  # awaited throughout
     serve(queue, clock, 2.0, per_s=50, weight=10)  # served: 500 a second
@@ -99,3 +99,48 @@ def test_a_full_queue_for_a_model_no_live_box_can_load_is_a_503() -> None:
     with pytest.raises(ServiceUnavailable, match=r"^model m is held by no live box now, and no box that could load"):
         for i in range(100):
             holders.admit(SPEC, "interactive", 30.0, i, weight=10).add(f"r{i}", 100.0, 10)
+
+
+def test_a_crashed_sole_worker_whose_record_expired_does_not_reopen_admission() -> None:
+    """Review h222: the sole worker crashes (no clean delete) with work awaited; while its record is live the open span
+    shows the stall and admission refuses (429). Once the record expired, the time away was dropped (`away`), the rate
+    snapped back to the healthy spans, and 301 more were let in for a model no live box holds or can load. The stall
+    stands: each is refused (503, no box to load it)."""
+    clock = Clock()
+    held = ["worker"]
+    _, holders = gateway(clock, held, can_load=False)
+    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
+    queue.add("head", clock.now, 0)
+    serve(queue, clock, 2.0, per_s=50, weight=10)  # 500 a second
+    for i in range(200):
+        queue.add(f"held{i}", clock.now, 10)  # 4 s of work at its pace
+    clock.now += 6.0  # the worker died 6 s ago; its record is still live (TTL)
+    with pytest.raises(TooManyRequests):
+        holders.admit(SPEC, "interactive", 30.0, 201, weight=10)  # the stall is seen
+    held.clear()  # its record expired: no live box holds it, none can load it
+    clock.now += 0.1
+    for i in range(20):
+        with pytest.raises(ServiceUnavailable):
+            holders.admit(SPEC, "interactive", 30.0, 201 + i, weight=10)
+
+
+def test_a_model_held_again_by_another_box_is_measured_afresh() -> None:
+    """Review h222: held again by a box whose heartbeat pace is a tenth of the one that timed it, the gateway kept the
+    old spans and let in 10 s of the old box's pace (100 s of the new one's). Held by other boxes than timed it, its
+    rate is measured afresh, and the new holders' pace bounds what waits meanwhile."""
+    clock = Clock()
+    held = ["fast"]
+    admission_, holders = gateway(clock, held, can_load=True)
+    holders._pace = lambda model, per_row: (50.0, 5.0)  # the holders' pace now: 50 tokens (5 rows of 10) a second
+    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
+    queue.add("head", clock.now, 0)
+    serve(queue, clock, 2.0, per_s=50, weight=10)  # the old box: 500 tokens a second
+    held[:] = ["slow"]
+    admission_.restart_rates(["m"])  # held again, by another box
+    admitted = 0
+    with pytest.raises(TooManyRequests):
+        for i in range(2000):
+            holders.admit(SPEC, "interactive", 30.0, i, weight=10).add(f"r{i}", clock.now, 10)
+            admitted += 1
+            clock.now += 0.001
+    assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new holder's pace"

@@ -171,6 +171,13 @@ class Admission:
         # (review h211). Another model's answers are measured again within a second.
         self._answered.clear()
 
+    def restart_rate(self, model: str) -> None:
+        """`model`'s rate measured afresh: it is held now by other boxes than those that answered it."""
+        now = self._clock()
+        for (name, _), queue in self._queues.items():
+            if name == model:
+                queue.restart_rate(now)
+
     def away(self, model: str) -> None:
         """No live box holds `model` now: its rate is not diluted by the time until one does (`ModelQueue.away`)."""
         for (name, _), queue in self._queues.items():

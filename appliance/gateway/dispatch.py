@@ -346,7 +346,8 @@ class Dispatcher:
     def held_again(self, models: list[str]) -> None:
         """Models resident on a live box again after none held them (their only worker restarted, or their box
         evicted them for budget): the seconds nobody held them answered nothing, and say nothing of their pace; the
-        pace timed while they were served stands (`ModelQueue.away`). Counted, 429s after a lone worker's
+        pace timed while they were served stands (`ModelQueue.away`), unless other boxes hold them now (`Holders`,
+        measured afresh at their next admission). Counted, 429s after a lone worker's
         restart said "about 211s to start", `Retry-After: 35`, for a backlog cleared in 7 s (tester h208)."""
         self._admission.restart_rates(models)
 

@@ -53,6 +53,7 @@ class Holders:
         self._knows_holders = holders is not None  # without a fleet (a test's dispatcher), none is known of
         self._hears_fleet = hears_fleet or (lambda: True)  # this box's own heartbeat live in its view (`Fleet`)
         self._can_load = can_load or (lambda model: False)  # a live box would load a model held by none (`Fleet`)
+        self._timed_on: dict[str, frozenset[str]] = {}  # model -> the boxes that held it when last admitted to
 
     def admit(
         self, spec: ModelSpec, priority: str, timeout_s: float, waiting: int, *, weight: int, inputs: int = 1
@@ -63,8 +64,8 @@ class Holders:
         `inputs` the rows it takes in a batch (an encoder's); `waiting` the requests this gateway awaits.
         """
         held = self._holders(spec.name)
-        if self._knows_holders and not held:  # evicted, or its boxes restarting: the time away is not its pace
-            self._admission.away(spec.name)
+        if self._knows_holders:
+            self._judge_pace(spec.name, held)
         decode_batch = box_decode_batch = None
         boxes = self._holders_per_gateway(spec.name)
         paced = 0
@@ -100,6 +101,22 @@ class Holders:
             if self._knows_holders and not held:
                 self._refuse_unheld(spec.name)
             raise
+
+    def _judge_pace(self, model: str, held: list[str]) -> None:
+        """Whether the pace timed lately still tells how fast `model` goes. Evicted by a live box that loads it again
+        in its turn: the time away is not its pace (`ModelQueue.away`). Held by none and no box live to load it (its
+        only worker crashed): the stall stands, and the gateway stops admitting (review h222: the time away dropped,
+        the healthy spans before the crash let in 10 s of a dead box's pace once its record expired). Held now only by
+        boxes that did not time it (another box, slower or faster): measured afresh (review h222: 100 s of a slower
+        box's work let in at the pace of the one before)."""
+        if not held:
+            if self._can_load(model):
+                self._admission.away(model)
+            return
+        timed_on = self._timed_on.get(model)
+        if timed_on is not None and timed_on.isdisjoint(held):
+            self._admission.restart_rate(model)
+        self._timed_on[model] = frozenset(held)
 
     def _refuse_unheld(self, model: str) -> None:
         """A refusal while no live box holds `model`, nor any that could load it is live, is not overload: nothing
