@@ -137,7 +137,8 @@ class Holders:
                 retry_after_s=2,
             )
         raise ServiceUnavailable(
-            f"model {model} is held by no live box now, and no box that could load it is live (its boxes restarting), "
-            f"and this gateway already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
+            f"model {model} is held by no live box now, and no box that could load it is live (its boxes restarting "
+            f"or draining), and this gateway already awaits {count} request{'s' if count != 1 else ''} for it; "
+            "retry in 2s",
             retry_after_s=2,
         )
