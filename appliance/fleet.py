@@ -309,8 +309,13 @@ class Fleet:
     def can_load(self, model: str) -> bool:
         """Whether a live box would serve `model` in its turn: one taking model work, which loads any model of the
         catalog that requests wait for (placement), evicting others for budget. A model evicted so is not gone: its
-        refusals are overload, where with no such box live they are not (`Holders`)."""
-        return bool(taking_work(self.live_boxes(), MODEL_ROLES))
+        refusals are overload, where with no such box live they are not (`Holders`). Not a box whose last load of it
+        failed (its heartbeat's `load_failed`): counted as one, a refusal for a model whose folder fails on every box
+        read as overload (a 429 "retry in 1s") where no box would answer it."""
+        return any(
+            not any(isinstance(each, dict) and each.get("name") == model for each in record.get("load_failed", []))
+            for record in taking_work(self.live_boxes(), MODEL_ROLES)
+        )
 
     def box_round(self, model: str, field: str = "round_tokens") -> int | None:
         """The tokens one round of `model`'s batches takes on a box that holds it, as its heartbeat says (its

@@ -57,3 +57,20 @@ async def test_a_failed_load_is_in_the_box_record_and_models_list_until_the_mode
     async with http.delete(url(box, "/v1/models/mine")) as response:
         assert response.status == 200
     await wait_for(lambda: "load_failed" in own_record(box) and failures() == [], what="the failure forgotten")
+
+
+async def test_a_box_whose_load_of_a_model_failed_is_not_one_that_would_load_it(
+    start_box, http, tmp_path, encoder_dir
+) -> None:
+    """`Fleet.can_load` tells a full queue for a model held by no live box as overload (429: a live box loads it in its
+    turn, tester h214) from nothing answering it (503). A box whose last load of the model failed (its heartbeat names
+    it in `load_failed`) would not load it in its turn: counted as one (as since efa99bb), a refusal for a model whose
+    folder fails on every box read as overload, a 429, where no box would answer it. The box would still load another
+    model."""
+    box = await box_with_a_broken_model(start_box, http, tmp_path, encoder_dir)
+    assert box.fleet is not None
+    await wait_for(lambda: box.fleet.can_load("mine"), what="the box's heartbeat")
+    async with http.post(url(box, "/v1/embeddings"), json={"model": "mine", "input": "x"}) as response:
+        assert response.status == 503
+    await wait_for(lambda: own_record(box).get("load_failed"), what="the failed load in the box's heartbeat")
+    assert not box.fleet.can_load("mine") and box.fleet.can_load("good") and box.fleet.holders("mine") == []

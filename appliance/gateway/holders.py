@@ -120,10 +120,10 @@ class Holders:
 
     def _refuse_unheld(self, model: str) -> None:
         """A refusal while no live box holds `model`, nor any that could load it is live, is not overload: nothing
-        answers it (its boxes restarting). Said as a 429 "already awaits 60 requests", `Retry-After: 1`, with every
-        worker dead (tester h82); a 503 saying so, as a gateway past the grace without workers answers. A model a live
-        box evicted for budget, or has not loaded yet, is loaded again in its turn: a full queue for it is overload, a
-        429 (tester h214: 503 "held by no live box" under churn on a live box)."""
+        answers it (its boxes restarting, or its load failed on each). Said as a 429 "already awaits 60 requests",
+        `Retry-After: 1`, with every worker dead (tester h82); a 503 saying so, as a gateway past the grace without
+        workers answers. A model a live box evicted for budget, or has not loaded yet, is loaded again in its turn: a
+        full queue for it is overload, a 429 (tester h214: 503 "held by no live box" under churn on a live box)."""
         if self._can_load(model):
             return
         count = self._admission.waiting_for(model)
@@ -138,7 +138,7 @@ class Holders:
             )
         raise ServiceUnavailable(
             f"model {model} is held by no live box now, and no box that could load it is live (its boxes restarting "
-            f"or draining), and this gateway already awaits {count} request{'s' if count != 1 else ''} for it; "
-            "retry in 2s",
+            f"or draining, or its load failed on each: see load_error in GET /v1/models/{model}), and this gateway "
+            f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
             retry_after_s=2,
         )
