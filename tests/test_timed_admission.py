@@ -15,6 +15,7 @@ import pytest
 
 from appliance.errors import TooManyRequests
 from appliance.gateway.admission import paced_round
+from appliance.gateway.model_queue import ModelQueue
 from tests.test_admission import Clock, admission, drive
 
 RERANK = 64 * 512  # the gateway's estimate of 64 documents of 400 words: 512 tokens each, at most
@@ -95,6 +96,40 @@ def test_a_pace_this_gateway_timed_holds_for_like_work_as_far_as_the_holders_pac
     (here 512 tokens a document where the model takes 404), the holders' pace in padded tokens, halved for that, 2
     of the 10. Kept, the timing follows the holders' pace: a box slower now is not taken at its old pace."""
     assert _burst_after(idle_s, paced_then, paced_now) == admitted
+
+
+def _timed_queue() -> ModelQueue:
+    """A model timed at 16,384 weight a second (64 rows of 512 in 2 s) while its holders said a pace of 1,000."""
+    queue = ModelQueue()
+    queue.holders_pace = 1000.0
+    queue.add("a", 0.0, 32768, rows=64)
+    queue.remove("a", 2.0, answered=True)
+    assert queue.timed_pace(2.0, 512) > 0
+    return queue
+
+
+def test_a_timed_pace_is_not_trusted_for_holders_that_did_not_time_it() -> None:
+    """Review h223: the pace timed on one box outlived a change of holders for a minute: measured afresh
+    (`restart_rate`, another box holds it now) or evicted and loaded afresh by a box that says no pace yet, the old
+    box's pace still let in 10 s of its work for a box never timed."""
+    afresh = _timed_queue()
+    afresh.restart_rate(5.0)
+    assert afresh.timed_pace(5.0, 512) == 0.0
+    reloaded = _timed_queue()
+    reloaded.away()
+    reloaded.holders_pace = 0.0  # its holders say no pace now
+    assert reloaded.timed_pace(30.0, 512) == 0.0
+    reloaded.holders_pace = 1000.0  # the same pace as when it was timed: trusted again
+    assert reloaded.timed_pace(30.0, 512) == pytest.approx(16384.0)
+
+
+def test_a_pace_timed_on_short_rows_is_not_trusted_for_rows_over_twice_as_long() -> None:
+    """Review h223: rows longer than the spell's may go slower a token (attention, padding); its pace was applied to
+    them in full for a minute."""
+    queue = _timed_queue()
+    assert queue.timed_pace(10.0, 1024) == pytest.approx(16384.0)  # twice as long: like work
+    assert queue.timed_pace(10.0, 1025) == 0.0
+    assert queue.timed_pace(10.0, 256) == pytest.approx(8192.0)  # shorter: no more rows a second than the spell's
 
 
 async def test_ten_concurrent_requests_of_64_long_inputs_a_timed_box_starts_within_the_bound_are_answered(

@@ -27,6 +27,7 @@ _BURST_S = 0.1
 # How long the most weight a busy spell answered is remembered, as what the model has shown it can take in: the
 # last spell's alone (one small request) held a request sent while a large one ran to a round of rows (tester h70).
 _SHOWN_MEMORY_S = 60.0
+_NOT_TIMED = (0.0, 1.0, -math.inf, 0.0)  # `ModelQueue._timed` before any spell was timed: no pace
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class ModelQueue:
     holders_pace: float = 0.0  # the weight a second its holders' heartbeats said lately (`Admission`), 0 unknown
     # The last busy spell that ran at least `_RATE_SPAN_S`, as a rate's span must: its weight a second and a row,
     # when it ended, and the holders' pace then (`timed_pace`).
-    _timed: tuple[float, float, float, float] = (0.0, 1.0, -math.inf, 0.0)
+    _timed: tuple[float, float, float, float] = _NOT_TIMED
 
     def add(self, request_id: str, now: float, weight: int, deadline: float = math.inf, rows: int = 1) -> None:
         """A request of `rows` inputs sent at `now`, dropped unstarted by any box once `deadline` (monotonic) has
@@ -128,6 +129,7 @@ class ModelQueue:
         self.spans.clear()
         self._since, self._done = None, 0
         self._spell_began, self._spell_done, self._spell_rows = now, 0, 0
+        self._timed = _NOT_TIMED  # held now by other boxes, or back after an outage: not the pace of those it timed
 
     def away(self) -> None:
         """No live box holds the model now (evicted for budget, its box restarting): the open span stops, and the
@@ -184,6 +186,10 @@ class ModelQueue:
         like = 0.5 <= per_row / spell_per_row <= 2.0
         followed = holders_then > 0 and self.holders_pace > 0
         if not pace or (now - ended > _SHOWN_MEMORY_S and not (like and followed)):
+            return 0.0
+        # Rows over twice that spell's may go slower a token (attention, padding); holders that said a pace then and
+        # say none now are not those that were timed (a box loading it afresh): review h223.
+        if per_row > 2.0 * spell_per_row or (holders_then > 0 and self.holders_pace <= 0):
             return 0.0
         if followed:
             pace *= min(1.0, self.holders_pace / holders_then)
