@@ -104,7 +104,7 @@ def _differences(before: FleetView, after: FleetView) -> Iterator[Event]:
         if box.usable and old.usable:
             yield from _model_changes(at, old, box)
         elif box.usable:  # back from dead or late: what failed meanwhile
-            yield from _new_failures(at, {f.name: f.error for f in old.load_failed}, box)
+            yield from _new_failures(at, old.failed_loads, box)
     old_specs = {s.name: s for s in before.catalog}
     new_specs = {s.name: s for s in after.catalog}
     for name in sorted(new_specs.keys() - old_specs.keys()):
@@ -143,14 +143,13 @@ def _model_changes(at: float, old: BoxState, new: BoxState) -> Iterator[Event]:
         elif model.state == "resident" and (previous is None or previous.state != "resident"):
             size = f" ({human_bytes(model.nbytes)})" if model.nbytes else ""
             yield Event(at, "load", name, f"{name} loaded on {new.box}{size}")
-    failed_before = {f.name: f.error for f in old.load_failed}
     for name in sorted(was.keys() - now.keys()):
         if was[name].state == "resident":
             yield Event(at, "evict", name, f"{name} evicted from {new.box}")
         elif not new.names_failures:  # a box of an older version: no why; a newer one names each failure below, so
             # a model gone from it while loading, not named, did not fail (deleted, or unloaded while starting)
             yield Event(at, "error", name, f"{name} failed to load on {new.box}")
-    yield from _new_failures(at, failed_before, new)
+    yield from _new_failures(at, old.failed_loads, new)
 
 
 def _new_failures(at: float, failed_before: dict[str, str], box: BoxState) -> Iterator[Event]:

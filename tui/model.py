@@ -141,6 +141,11 @@ class BoxState:
         return self.role in ("all", "worker")
 
     @property
+    def failed_loads(self) -> dict[str, str]:
+        """Model -> why its last load on this box failed, as its record says."""
+        return {f.name: f.error for f in self.load_failed}
+
+    @property
     def usable(self) -> bool:
         """Whether a control verb sent now would be answered by a box that keeps serving."""
         return self.status in ("live", "late")

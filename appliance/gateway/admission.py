@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from fractions import Fraction
 
 from appliance.catalog import Batching
@@ -174,19 +174,21 @@ class Admission:
     def restart_rate(self, model: str) -> None:
         """`model`'s rate measured afresh: it is held now by other boxes than those that answered it."""
         now = self._clock()
-        for (name, _), queue in self._queues.items():
-            if name == model:
-                queue.restart_rate(now)
+        for queue in self._queues_of(model):
+            queue.restart_rate(now)
 
     def away(self, model: str) -> None:
         """No live box holds `model` now: its rate is not diluted by the time until one does (`ModelQueue.away`)."""
-        for (name, _), queue in self._queues.items():
-            if name == model:
-                queue.away()
+        for queue in self._queues_of(model):
+            queue.away()
 
     def waiting_for(self, model: str) -> int:
         """The requests for `model` this gateway awaits, every priority (a generation: until its answer starts)."""
-        return sum(len(queue.waiting) for (name, _), queue in self._queues.items() if name == model)
+        return sum(len(queue.waiting) for queue in self._queues_of(model))
+
+    def _queues_of(self, model: str) -> Iterator[ModelQueue]:
+        """`model`'s queues, one a priority."""
+        return (queue for (name, _), queue in self._queues.items() if name == model)
 
     def per_input(self, model: str, priority: str, weight: int, inputs: int) -> float:
         """The tokens an input weighs in the work `model`'s queue would await with a request of `weight` over
@@ -212,7 +214,7 @@ class Admission:
             if decode_batch is None:
                 queue = ModelQueue()
             else:
-                others = (other for (name, _), other in self._queues.items() if name == model)
+                others = self._queues_of(model)
                 shared = next((other.decoder for other in others if isinstance(other, DecodeQueue)), Decoder())
                 queue = DecodeQueue(decoder=shared)
             self._queues[(model, priority)] = queue
