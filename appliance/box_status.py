@@ -73,26 +73,30 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
     if spec is not None and spec.adapter_of is not None:
         return _adapter_state(box, spec, spec.adapter_of)
     boxes, nbytes, loading, max_length = [], None, False, None
+    failed_on = _load_failed_on(box, name)
     for record in box.fleet.live_boxes() if box.fleet else []:
         if record.get("box") == box.box_id:
             continue
         for model in record.get("models", []):
             if model.get("name") == name:
-                if model.get("state") == "loading":
-                    loading = True
-                else:
+                if model.get("state") != "loading":
                     boxes.append(record["box"])
                     nbytes = model.get("bytes")
                     max_length = model.get("max_length", max_length)
+                elif record["box"] not in failed_on:  # a load tried again after it failed there is no news
+                    loading = True
+    load_error = box.residency.load_error(name)
     resident = box.residency.get(name)
     if resident is not None:
         nbytes = resident.nbytes
         max_length = resident.runtime.info.max_length
         if box.box_id not in boxes:
             boxes.append(box.box_id)
-    if box.residency.is_loading(name) or (box.placement is not None and name in box.placement.loading):
+    if load_error is None and (
+        box.residency.is_loading(name) or (box.placement is not None and name in box.placement.loading)
+    ):
         loading = True
-    state = "resident" if boxes else "loading" if loading else "cold"
+    state = "resident" if boxes else "loading" if loading else "failed" if failed_on else "cold"
     profile = None
     if box.profiles is not None and spec is not None:
         profile = box.profiles.describe(spec, has_adapters=bool(box.catalog.adapters_of(spec.name)))
@@ -102,8 +106,26 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
         "bytes": nbytes,
         "max_model_len": max_length,  # vLLM's name: the tokens it takes, a generator's context (prompt and answer)
         "profile": profile,
-        "load_error": box.residency.load_error(name),
+        "load_error": load_error,
+        "load_failed_on": failed_on,
     }
+
+
+def _load_failed_on(box: Box, name: str) -> dict[str, str]:
+    """Box -> why its last load of `name` failed, for each live box whose record says so (this one: as it is now,
+    its record up to a beat old), as the TUI's models table reads them: no live box holding or newly loading the
+    model, it is `failed`, not `cold` (the API said `cold` where the TUI and `fleetbox models list` said `failed`)."""
+    failed_on = {
+        record["box"]: failure.get("error", "")
+        for record in (box.fleet.live_boxes() if box.fleet else [])
+        if record.get("box") != box.box_id
+        for failure in record.get("load_failed") or ()
+        if failure.get("name") == name
+    }
+    load_error = box.residency.load_error(name)
+    if load_error is not None:
+        failed_on[box.box_id] = _one_line(load_error, LOAD_ERROR_CHARS)
+    return dict(sorted(failed_on.items()))
 
 
 def _adapter_state(box: Box, spec: ModelSpec, base: str) -> dict[str, Any]:
@@ -120,15 +142,19 @@ def _adapter_state(box: Box, spec: ModelSpec, base: str) -> dict[str, Any]:
     }
     if name in box.residency.adapter_names(base):
         boxes.add(box.box_id)
-    state = "resident" if boxes else "cold"
+    # Its folder missing here matters only where it would be loaded: a gateway-only box may hold no model files.
+    load_error = (missing_folder(spec) if box.settings.runs_models else None) or box.residency.load_error(name)
+    failed_on = _load_failed_on(box, name)
+    if load_error is not None:
+        failed_on[box.box_id] = _one_line(load_error, LOAD_ERROR_CHARS)
     return {
-        "state": state,
+        "state": "resident" if boxes else "failed" if failed_on else "cold",
         "boxes": sorted(boxes),
         "bytes": None,
         "max_model_len": model_state(box, base)["max_model_len"],  # its base's: it runs in it
         "profile": None,
-        # Its folder missing here matters only where it would be loaded: a gateway-only box may hold no model files.
-        "load_error": (missing_folder(spec) if box.settings.runs_models else None) or box.residency.load_error(name),
+        "load_error": load_error,
+        "load_failed_on": dict(sorted(failed_on.items())),
     }
 
 

@@ -531,8 +531,9 @@ async def test_an_adapter_that_fails_to_load_says_why_in_its_record(
     status, answer = await classify(http, box, "cls:bad")
     assert (status, answer["error"]["code"]) == (422, "bad_adapter"), answer
     status, record = await call(http, box, "GET", "/v1/models/cls:bad")
-    assert status == 200 and record["state"] == "cold", record
+    assert status == 200 and record["state"] == "failed", record
     assert "does not fit this base model" in (record["load_error"] or ""), record
+    assert list(record["load_failed_on"]) == [box.box_id], record
 
 
 async def test_an_adapter_registered_while_its_base_is_deleted_on_another_box_is_not_left_without_it(
@@ -690,10 +691,10 @@ async def test_an_adapter_whose_folder_was_deleted_is_not_listed_loaded_and_its_
     status, answer = await classify(http, box, "cls:gone")
     assert (status, answer["error"]["code"]) == (503, "adapter_folder_missing"), answer
     _, record = await call(http, box, "GET", "/v1/models/cls:gone")
-    assert (record["state"], record["boxes"]) == ("cold", []), record
+    assert (record["state"], record["boxes"]) == ("failed", []), record
     assert f"its folder {folder} does not exist on this box" in (record["load_error"] or ""), record
     _, listed = await call(http, box, "GET", "/v1/models")
-    assert [m["state"] for m in listed["data"] if m["id"] == "cls:gone"] == ["cold"], listed
+    assert [m["state"] for m in listed["data"] if m["id"] == "cls:gone"] == ["failed"], listed
     beat = {model["name"]: model for model in heartbeat(box)["models"]}
     assert "cls:gone" not in beat["cls"]["adapters"], beat
     assert (await classify(http, box, "cls"))[0] == 200  # the base answers as before

@@ -271,7 +271,9 @@ async def test_a_pin_of_a_model_whose_load_failed_says_where_and_why(start_box, 
         assert pinned["pinned"] is True and list(pinned.get("load_failed_on", {})) == ["work"], (through, pinned)
         assert NOT_ITS_WEIGHTS in pinned["load_failed_on"]["work"], pinned
         async with http.post(url(through, "/v1/models/broken/unpin")) as response:
-            assert response.status == 200 and "load_failed_on" not in await response.json()
+            assert response.status == 200, await response.text()
+            # A record's own `load_failed_on`, from the heartbeats (up to a beat old): no box but work's.
+            assert set((await response.json())["load_failed_on"]) <= {"work"}
 
 
 async def test_a_refusal_of_a_model_that_failed_to_load_is_acked_only_once_its_gateway_confirms_it(
@@ -331,7 +333,7 @@ async def test_a_model_loaded_here_after_its_load_failed_is_served_at_once(
     await wait_for(lambda: "mine" not in box.placement.refusing, timeout_s=2.0, what="the refusal to end")
 
 
-async def test_a_model_whose_load_just_failed_reads_cold_with_its_error_not_loading(
+async def test_a_model_whose_load_just_failed_reads_failed_with_its_error_not_loading(
     start_box, http, tmp_path, encoder_dir
 ) -> None:
     """Stock-client tester: right after the 503, GET /v1/models/{name} said "loading" beside the load error (the
@@ -341,7 +343,7 @@ async def test_a_model_whose_load_just_failed_reads_cold_with_its_error_not_load
         assert response.status == 503
     async with http.get(url(box, "/v1/models/mine")) as response:
         record = await response.json()
-    assert record["state"] == "cold" and NOT_ITS_WEIGHTS in record["load_error"], record
+    assert record["state"] == "failed" and NOT_ITS_WEIGHTS in record["load_error"], record
 
 
 async def test_a_model_that_failed_to_load_then_was_registered_again_on_a_good_folder_is_served_at_once(
@@ -485,11 +487,11 @@ async def test_a_model_whose_load_measures_more_than_every_budget_is_unloaded_an
         async with http.get(url(box, "/v1/models/long")) as response:
             return await response.json()
 
-    async def cold() -> bool:
-        return (await record())["state"] == "cold"
+    async def failed() -> bool:
+        return (await record())["state"] == "failed"
 
     assert "measured 8 MiB loaded" in (await record())["load_error"]
-    await wait_for(cold, timeout_s=5, what="the heartbeat to say the load is over")
+    await wait_for(failed, timeout_s=5, what="the heartbeat to say the load is over")
 
 
 async def test_a_folder_whose_weights_do_not_cover_its_config_is_refused_not_served_with_random_weights(

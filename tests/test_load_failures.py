@@ -54,6 +54,20 @@ async def test_a_failed_load_is_in_the_box_record_and_models_list_until_the_mode
     assert row.state == "failed" and list(row.load_failed_on) == [box.box_id], row
     assert NOT_ITS_WEIGHTS in row.load_failed_on[box.box_id]
 
+    # `GET /v1/models/{name}` says so too, on this box and on a gateway-only box that reads it from the heartbeat
+    # (it said `cold`, where the TUI and `fleetbox models list` said `failed`).
+    gateway = await start_box(role="gateway", default_model=False, model_roots=box.settings.model_roots)
+    assert gateway.fleet is not None
+    await wait_for(lambda: any(r.get("load_failed") for r in gateway.fleet.live_boxes()), what="the box's record")
+    for reader in (box, gateway):
+        async with http.get(url(reader, "/v1/models/mine")) as response:
+            record = await response.json()
+        assert (record["state"], record["boxes"], list(record["load_failed_on"])) == ("failed", [], [box.box_id])
+        assert NOT_ITS_WEIGHTS in record["load_failed_on"][box.box_id], record
+    async with http.get(url(gateway, "/v1/models")) as response:
+        listed = {m["id"]: m for m in (await response.json())["data"]}
+    assert listed["mine"]["state"] == "failed" and listed["mine"]["load_error"] is None, listed  # none of its own
+
     async with http.delete(url(box, "/v1/models/mine")) as response:
         assert response.status == 200
     await wait_for(lambda: "load_failed" in own_record(box) and failures() == [], what="the failure forgotten")
