@@ -6,6 +6,7 @@ A model a live box evicted for budget (or has not loaded yet) is loaded again in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,39 @@ def test_a_model_held_again_by_another_box_is_measured_afresh() -> None:
             admitted += 1
             clock.now += 0.001
     assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new holder's pace"
+
+
+def test_a_model_registered_again_differently_is_measured_afresh() -> None:
+    """A model deleted and registered again on another folder (or its runtime, dtype, options, profile or batching
+    changed) is another model to its boxes, loaded again where it was: held again by the same box, the gateway kept
+    the old one's spans and let in 10 s at its pace. Its rate is measured afresh, and its holders' pace bounds what
+    waits meanwhile."""
+    clock = Clock()
+    held = ["worker"]
+    admission_, holders = gateway(clock, held, can_load=True)
+    holders._pace = lambda model, per_row: (50.0, 5.0)  # the holders' pace now: 50 tokens (5 rows of 10) a second
+    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
+    queue.add("head", clock.now, 0)
+    serve(queue, clock, 2.0, per_s=50, weight=10)  # the old folder's model: 500 tokens a second
+    held.clear()  # the box evicts it to load the new folder's
+    admission_.restart_rates(["m"])  # and holds it again
+    held.append("worker")
+    again = replace(SPEC, path=Path("/elsewhere"))
+    admitted = 0
+    with pytest.raises(TooManyRequests):
+        for i in range(2000):
+            holders.admit(again, "interactive", 30.0, i, weight=10).add(f"r{i}", clock.now, 10)
+            admitted += 1
+            clock.now += 0.001
+    assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new model's pace"
+
+
+def test_a_model_whose_aliases_or_pin_changed_keeps_its_pace() -> None:
+    """Not every change is another model: its aliases or its pin leave the measured rate as it was."""
+    clock = Clock()
+    _, holders = gateway(clock, ["worker"], can_load=True)
+    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
+    queue.add("head", clock.now, 0)
+    serve(queue, clock, 2.0, per_s=50, weight=10)
+    holders.admit(replace(SPEC, aliases=("mm",), pinned=True), "interactive", 30.0, 1, weight=10)
+    assert queue.rate(clock.now) == pytest.approx(500, rel=0.1)

@@ -54,6 +54,7 @@ class Holders:
         self._hears_fleet = hears_fleet or (lambda: True)  # this box's own heartbeat live in its view (`Fleet`)
         self._can_load = can_load or (lambda model: False)  # a live box would load a model held by none (`Fleet`)
         self._timed_on: dict[str, frozenset[str]] = {}  # model -> the boxes that held it when last admitted to
+        self._timed_as: dict[str, tuple[object, ...]] = {}  # model -> what its pace depended on when last admitted to
 
     def admit(
         self, spec: ModelSpec, priority: str, timeout_s: float, waiting: int, *, weight: int, inputs: int = 1
@@ -64,6 +65,7 @@ class Holders:
         `inputs` the rows it takes in a batch (an encoder's); `waiting` the requests this gateway awaits.
         """
         held = self._holders(spec.name)
+        self._judge_registration(spec)
         if self._knows_holders:
             self._judge_pace(spec.name, held)
         decode_batch = box_decode_batch = None
@@ -102,6 +104,16 @@ class Holders:
                 self._refuse_unheld(spec.name)
             raise
 
+    def _judge_registration(self, spec: ModelSpec) -> None:
+        """A model registered again on another folder, or with another runtime, dtype, options, profile or batching,
+        is another model to its boxes (loaded again where it was): its rate is measured afresh. Held again by the
+        same box, the gateway kept the old one's spans and let in `max_queue_s` at its pace. Its aliases or its pin
+        changed, it is the same model."""
+        paced_as = (spec.load_key(), spec.batching, spec.threads)
+        if self._timed_as.setdefault(spec.name, paced_as) != paced_as:
+            self._admission.restart_rate(spec.name)
+            self._timed_as[spec.name] = paced_as
+
     def _judge_pace(self, model: str, held: list[str]) -> None:
         """Whether the pace timed lately still tells how fast `model` goes. Evicted by a live box that loads it again
         in its turn: the time away is not its pace (`ModelQueue.away`). Held by none and no box live to load it (its
@@ -138,7 +150,7 @@ class Holders:
             )
         raise ServiceUnavailable(
             f"model {model} is held by no live box now, and no box that could load it is live (its boxes restarting "
-            f"or draining, or its load failed on each: see load_error in GET /v1/models/{model}), and this gateway "
+            f"or draining, or its load failed on each: see load_failed_on in GET /v1/models/{model}), and this gateway "
             f"already awaits {count} request{'s' if count != 1 else ''} for it; retry in 2s",
             retry_after_s=2,
         )
