@@ -138,13 +138,19 @@ def test_a_model_held_again_by_another_box_is_measured_afresh() -> None:
     serve(queue, clock, 2.0, per_s=50, weight=10)  # the old box: 500 tokens a second
     held[:] = ["slow"]
     admission_.restart_rates(["m"])  # held again, by another box
+    admitted = admitted_until_refused(holders, SPEC, clock)
+    assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new holder's pace"
+
+
+def admitted_until_refused(holders: Holders, spec: ModelSpec, clock: Clock) -> int:
+    """How many requests of 10 tokens, a millisecond apart, are let in before the first 429."""
     admitted = 0
     with pytest.raises(TooManyRequests):
         for i in range(2000):
-            holders.admit(SPEC, "interactive", 30.0, i, weight=10).add(f"r{i}", clock.now, 10)
+            holders.admit(spec, "interactive", 30.0, i, weight=10).add(f"r{i}", clock.now, 10)
             admitted += 1
             clock.now += 0.001
-    assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new holder's pace"
+    return admitted
 
 
 def test_a_model_registered_again_differently_is_measured_afresh() -> None:
@@ -162,13 +168,7 @@ def test_a_model_registered_again_differently_is_measured_afresh() -> None:
     held.clear()  # the box evicts it to load the new folder's
     admission_.restart_rates(["m"])  # and holds it again
     held.append("worker")
-    again = replace(SPEC, path=Path("/elsewhere"))
-    admitted = 0
-    with pytest.raises(TooManyRequests):
-        for i in range(2000):
-            holders.admit(again, "interactive", 30.0, i, weight=10).add(f"r{i}", clock.now, 10)
-            admitted += 1
-            clock.now += 0.001
+    admitted = admitted_until_refused(holders, replace(SPEC, path=Path("/elsewhere")), clock)
     assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new model's pace"
 
 
