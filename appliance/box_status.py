@@ -74,9 +74,7 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
         return _adapter_state(box, spec, spec.adapter_of)
     boxes, nbytes, loading, max_length = [], None, False, None
     failed_on = _load_failed_on(box, name)
-    for record in box.fleet.live_boxes() if box.fleet else []:
-        if record.get("box") == box.box_id:
-            continue
+    for record in _other_boxes(box):
         for model in record.get("models", []):
             if model.get("name") == name:
                 if model.get("state") != "loading":
@@ -90,10 +88,12 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
     if resident is not None:
         nbytes = resident.nbytes
         max_length = resident.runtime.info.max_length
-        if box.box_id not in boxes:
+        if not box.draining:
             boxes.append(box.box_id)
-    if load_error is None and (
-        box.residency.is_loading(name) or (box.placement is not None and name in box.placement.loading)
+    if (
+        load_error is None
+        and not box.draining
+        and (box.residency.is_loading(name) or (box.placement is not None and name in box.placement.loading))
     ):
         loading = True
     state = "resident" if boxes else "loading" if loading else "failed" if failed_on else "cold"
@@ -111,20 +111,27 @@ def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str,
     }
 
 
+def _other_boxes(box: Box) -> list[dict[str, Any]]:
+    """The heartbeat records of the live boxes besides this one that are not draining: where a model is, as the TUI's
+    models table and `fleetbox models list` count it (a draining box finishes what it took and takes nothing new)."""
+    records = box.fleet.live_boxes() if box.fleet else []
+    return [r for r in records if r.get("box") != box.box_id and not r.get("draining")]
+
+
 def _load_failed_on(box: Box, name: str) -> dict[str, str]:
-    """Box -> why its last load of `name` failed, for each live box whose record says so (this one: as it is now,
-    its record up to a beat old), as the TUI's models table reads them: no live box holding or newly loading the
-    model, it is `failed`, not `cold` (the API said `cold` where the TUI and `fleetbox models list` said `failed`)."""
+    """Box -> why its last load of `name` failed, for each live box not draining whose record says so (this one: as
+    it is now, its record up to a beat old), as the TUI's models table reads them: no such box holding or newly
+    loading the model, it is `failed`, not `cold` (the API said `cold` where the TUI and `fleetbox models list` said
+    `failed`)."""
     failed_on = {
         record["box"]: failure.get("error", "")
-        for record in (box.fleet.live_boxes() if box.fleet else [])
-        if record.get("box") != box.box_id
+        for record in _other_boxes(box)
         for failure in record.get("load_failed") or ()
         if failure.get("name") == name
     }
     load_error = box.residency.load_error(name)
-    if load_error is not None:
-        failed_on[box.box_id] = _one_line(load_error, LOAD_ERROR_CHARS)
+    if load_error is not None and not box.draining:
+        failed_on[box.box_id] = one_line(load_error, LOAD_ERROR_CHARS)
     return dict(sorted(failed_on.items()))
 
 
@@ -135,26 +142,23 @@ def _adapter_state(box: Box, spec: ModelSpec, base: str) -> dict[str, Any]:
     name = spec.name
     boxes = {
         record["box"]
-        for record in (box.fleet.live_boxes() if box.fleet else [])
-        if record.get("box") != box.box_id
+        for record in _other_boxes(box)
         for model in record.get("models", [])
         if model.get("name") == base and name in (model.get("adapters") or ())
     }
-    if name in box.residency.adapter_names(base):
+    if name in box.residency.adapter_names(base) and not box.draining:
         boxes.add(box.box_id)
-    # Its folder missing here matters only where it would be loaded: a gateway-only box may hold no model files.
-    load_error = (missing_folder(spec) if box.settings.runs_models else None) or box.residency.load_error(name)
     failed_on = _load_failed_on(box, name)
-    if load_error is not None:
-        failed_on[box.box_id] = _one_line(load_error, LOAD_ERROR_CHARS)
     return {
         "state": "resident" if boxes else "failed" if failed_on else "cold",
         "boxes": sorted(boxes),
         "bytes": None,
         "max_model_len": model_state(box, base)["max_model_len"],  # its base's: it runs in it
         "profile": None,
-        "load_error": load_error,
-        "load_failed_on": dict(sorted(failed_on.items())),
+        # Its folder missing here matters only where it would be loaded: a gateway-only box may hold no model files.
+        # Said here alone, not in the heartbeats: not a failed load the fleet's readers see, so not its `state`.
+        "load_error": (missing_folder(spec) if box.settings.runs_models else None) or box.residency.load_error(name),
+        "load_failed_on": failed_on,
     }
 
 
@@ -214,11 +218,11 @@ def load_failures(box: Box) -> list[dict[str, Any]]:
     with no error (tester h212). Kept while a load tried again runs; gone once one succeeds or the model is
     deleted or registered again differently (`Residency.forget_load_error`)."""
     return [
-        {"name": name, "error": _one_line(why, LOAD_ERROR_CHARS), "at": round(at, 3)}
+        {"name": name, "error": one_line(why, LOAD_ERROR_CHARS), "at": round(at, 3)}
         for name, why, at in box.residency.load_failures()[:LOAD_FAILED_MAX]
     ]
 
 
-def _one_line(text: str, limit: int) -> str:
+def one_line(text: str, limit: int) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -23,6 +23,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from appliance.box_status import LOAD_ERROR_CHARS, one_line
 from appliance.catalog import ModelSpec
 from appliance.control import call_box
 from appliance.errors import InsufficientMemory
@@ -74,7 +75,7 @@ class PinJudge:
                 await self.here(spec)
                 verdicts[self.box_id] = None
                 if (failed := self.load_error(spec.name)) is not None:
-                    self.load_failed_on[self.box_id] = failed
+                    self.load_failed_on[self.box_id] = one_line(failed, LOAD_ERROR_CHARS)
             except InsufficientMemory as exc:
                 verdicts[self.box_id] = exc
         others = sorted({str(record["box"]) for record in taking_work(self.live_boxes, MODEL_ROLES)} - {self.box_id})
@@ -91,7 +92,7 @@ class PinJudge:
             else:
                 verdicts[other] = None
                 if isinstance(answer, dict) and isinstance(answer.get("load_error"), str):  # from `fits`
-                    self.load_failed_on[other] = answer["load_error"]
+                    self.load_failed_on[other] = one_line(answer["load_error"], LOAD_ERROR_CHARS)
         self.not_held_by = {box: error.message for box, error in verdicts.items() if error is not None}
         if verdicts and len(self.not_held_by) == len(verdicts) and not self.not_judged_by:
             said = "; ".join(f"box {box}: {why}" for box, why in self.not_held_by.items())

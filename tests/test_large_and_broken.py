@@ -270,6 +270,9 @@ async def test_a_pin_of_a_model_whose_load_failed_says_where_and_why(start_box, 
             pinned = await response.json()
         assert pinned["pinned"] is True and list(pinned.get("load_failed_on", {})) == ["work"], (through, pinned)
         assert NOT_ITS_WEIGHTS in pinned["load_failed_on"]["work"], pinned
+        # As a record says it, on one line, cut (review h225: the whole error, its lines and all).
+        assert "\n" not in pinned["load_failed_on"]["work"] and len(pinned["load_failed_on"]["work"]) <= 200
+        assert pinned["state"] == "failed", pinned
         async with http.post(url(through, "/v1/models/broken/unpin")) as response:
             assert response.status == 200, await response.text()
             # A record's own `load_failed_on`, from the heartbeats (up to a beat old): no box but work's.

@@ -20,6 +20,7 @@ from appliance.fleet import taking_work
 from appliance.gateway.context import GatewayContext
 from appliance.gateway.http import decode, json_response, read_body
 from appliance.model_update import change_model, update_from
+from appliance.pin_fits import PinJudge
 from appliance.registration import MODEL_VERBS, register
 from appliance.schemas import BoxTarget, ModelRegistration
 from appliance.settings import MODEL_ROLES
@@ -56,6 +57,17 @@ def model_record(ctx: GatewayContext, spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def judged_record(ctx: GatewayContext, spec: ModelSpec, judge: PinJudge) -> dict[str, Any]:
+    """The model's record with what judging its pin found: each box whose last load of it failed as that box said it
+    just now, over what the heartbeats say (a box that did not answer in time stays as its heartbeat has it; review
+    h225: the judge's replaced the record's whole)."""
+    record = model_record(ctx, spec)
+    said = judge.said()
+    failed = dict(sorted((record["load_failed_on"] | said.pop("load_failed_on", {})).items()))
+    state = "failed" if failed and record["state"] == "cold" else record["state"]
+    return record | said | {"state": state, "load_failed_on": failed}
+
+
 def _stats(ctx: GatewayContext, spec: ModelSpec, batching: Batching) -> dict[str, int | None]:
     """Infinity's model list gives each model a `stats` object (its client fails on a record without one): here the
     figures this gateway has, never estimates of another box's: the catalog's batch size (a generator's decode batch,
@@ -74,7 +86,7 @@ async def register_model(request: web.Request) -> web.Response:
     registration = decode(await read_body(request, ctx.settings), _registration)
     judge = ctx.pin_judge()  # pinned or not, a model no box could hold is refused
     spec = await register(registration, ctx.catalog, ctx.store, ctx.settings, judge, ctx.open_queue)
-    return json_response(model_record(ctx, spec) | judge.said(), status=201)
+    return json_response(judged_record(ctx, spec, judge), status=201)
 
 
 async def named_model(ctx: GatewayContext, request: web.Request) -> ModelSpec:
@@ -125,7 +137,7 @@ async def update_model(request: web.Request) -> web.Response:
     if update.pinned:
         await judge.pin(spec)
     spec = await change_model(spec, update, ctx.catalog, ctx.store)
-    return json_response(model_record(ctx, spec) | judge.said())
+    return json_response(judged_record(ctx, spec, judge))
 
 
 async def delete_model(request: web.Request) -> web.Response:
@@ -156,7 +168,7 @@ async def _set_pinned(request: web.Request, pinned: bool) -> web.Response:
     else:
         await judge.pin(spec)
     spec = await ctx.store.update(spec, ModelChange(pinned=pinned))
-    return json_response(model_record(ctx, spec) | judge.said())
+    return json_response(judged_record(ctx, spec, judge))
 
 
 async def _target_box(request: web.Request) -> str | None:
