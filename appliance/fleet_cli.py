@@ -45,6 +45,8 @@ DTYPES = get_args(Dtype)
 
 
 Model = Annotated[str, typer.Argument(help="a model's name or alias", callback=check_model_argument)]
+# A deletion takes the model's own name: an alias is refused ("delete a model by its own name").
+OwnName = Annotated[str, typer.Argument(help="a model's own name (not an alias)", callback=check_model_argument)]
 FleetUrl = Annotated[
     str,
     typer.Option(
@@ -210,7 +212,7 @@ def models_register(
 
 @models_app.command("delete")
 @_reaches_the_fleet
-def models_delete(model: Model, fleet: FleetAccess) -> None:
+def models_delete(model: OwnName, fleet: FleetAccess) -> None:
     """Delete a model or adapter from the fleet, as DELETE /v1/models/NAME: requests waiting for it get a 404."""
     _print_action(fleet, "delete", model=model)
 
@@ -248,7 +250,8 @@ def box_list(
     fleet: FleetAccess,
     json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
-    """Every box of the fleet: status (live, late, draining, dead), role, devices, memory, models, req/s, last beat."""
+    """Every live box of the fleet: status (live, late, draining), role, devices, memory, models, req/s, last beat.
+    A box whose heartbeat record expired (stopped or dead) is not listed: the TUI shows it `dead` or `left`."""
     from tui.commands import boxes_as_json, list_boxes, print_boxes
 
     boxes, taken_at = _fleet_command(list_boxes(fleet.nats, fleet.auth))

@@ -664,6 +664,37 @@ def test_evict_from_a_named_box_says_when_it_is_a_gateway_or_does_not_hold_the_m
     assert sent == ["w"]  # the gateway is never asked
 
 
+def test_evict_by_an_alias_evicts_from_every_box_that_holds_the_model() -> None:
+    """Tester h226: `fleetbox models evict ALIAS` matched the heartbeats (which name a model by its own name) against
+    the alias, found no holder, asked one box, and said `evicted_from: []` (or the one box asked) with the model still
+    resident on the others, exit 0. The box's answer names the model: its holders by that name are asked too."""
+    from tui.model import BoxState
+
+    def beat(box: str, held: list[str]) -> BoxState:
+        models = [{"name": name, "state": "resident"} for name in held]
+        return BoxState.from_heartbeat({"box": box, "role": "all", "ts": time.time(), "models": models})
+
+    holding = {"a": ["other"], "b": ["mini"], "c": ["mini"]}
+    fleet_ops = ops.FleetOps(None, lambda: [beat(box, held) for box, held in holding.items()])  # type: ignore[arg-type]
+    sent: list[str] = []
+
+    async def call(box: str, verb: str, payload: dict[str, Any]) -> dict[str, Any]:
+        sent.append(box)
+        evicted = "mini" in holding[box]
+        return {"model": "mini", "evicted": evicted}
+
+    async def answering() -> float:
+        return 0.0
+
+    fleet_ops._call = call  # type: ignore[method-assign]
+    fleet_ops._answering = answering  # type: ignore[method-assign]
+    assert asyncio.run(fleet_ops.evict("m")) == {"ok": True, "model": "mini", "evicted_from": ["b", "c"]}
+    assert sent == ["a", "b", "c"]  # one box to learn the name, then its holders, each once
+    sent.clear()
+    assert asyncio.run(fleet_ops.evict("mini")) == {"ok": True, "model": "mini", "evicted_from": ["b", "c"]}
+    assert sent == ["b", "c"]
+
+
 def test_a_verb_for_any_box_goes_to_one_beating_on_time_before_a_late_one() -> None:
     """Planning note: `models delete` asked the first live box by name, a frozen one (only late until its heartbeat
     expires) included, and waited the verb's 120 s for it."""

@@ -101,14 +101,19 @@ class FleetOps:
         # box holds is evicted from every box already: `evicted_from: []`, as POST /v1/models/{name}/evict.
         # A box that runs models is asked: a gateway refuses the verb (tester h120: exit 1 behind a gateway).
         # With none that runs models live, a gateway is asked, only to judge the name ("where": it holds nothing).
+        # The heartbeats name a model by its own name: where `model` is an alias, the first box's answer names it,
+        # and its holders by that name are asked too (tester h226: by an alias, none or one of them was).
         await self._answering()  # the holders are judged from a fleet read, not from none known yet
-        targets = self.holders(model)
-        evicted, name = [], model
-        for target in targets or [self._any_box(running_models=True)]:
-            result = await self._call(target, "evict", {"model": model, "where": "every holder"})
-            name = result.get("model", name)  # its name, where `model` may be an alias
-            if result.get("evicted"):
-                evicted.append(target)
+        targets = self.holders(model) or [self._any_box(running_models=True)]
+        evicted, name, asked = [], model, set()
+        while targets:
+            for target in targets:
+                asked.add(target)
+                result = await self._call(target, "evict", {"model": model, "where": "every holder"})
+                name = result.get("model", name)  # its name, where `model` may be an alias
+                if result.get("evicted"):
+                    evicted.append(target)
+            targets = [holder for holder in self.holders(name) if holder not in asked]
         return {"ok": True, "model": name, "evicted_from": evicted}
 
     async def _evict_from(self, model: str, box: str) -> dict[str, Any]:
