@@ -109,7 +109,7 @@ class Holders:
         is another model to its boxes (loaded again where it was): its rate is measured afresh. Held again by the
         same box, the gateway kept the old one's spans and let in `max_queue_s` at its pace. Its aliases or its pin
         changed, it is the same model."""
-        paced_as = (spec.load_key(), spec.batching, spec.threads)
+        paced_as = (spec.load_key(), spec.batching)  # the catalog's spec: a box's profile never reaches a gateway
         if self._timed_as.setdefault(spec.name, paced_as) != paced_as:
             self._admission.restart_rate(spec.name)
             self._timed_as[spec.name] = paced_as
