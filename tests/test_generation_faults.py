@@ -493,6 +493,37 @@ async def test_a_client_gone_mid_stream_is_no_server_error(start_box, generator_
     await wait_for(lambda: not box.workers[MODEL].runtime.has_work, what="the generation to stop")
 
 
+async def test_a_client_gone_before_the_stream_opens_is_no_server_error(
+    start_box, generator_dir, http, monkeypatch, caplog
+) -> None:
+    """Tester h224: a client that dropped its stream just before the first event made the headers' write raise
+    ClientConnectionResetError in `_open`, logged as an unhandled error and counted a 500 (43 of 80 streams dropped
+    at once). The headers' write is made to raise just that, once they are written."""
+    from aiohttp import ClientConnectionResetError, web
+
+    box, _ = await generating_box(start_box, generator_dir)
+    prepare = web.StreamResponse.prepare
+
+    async def closing_prepare(self, request):
+        writer = await prepare(self, request)
+        if self.content_type == "text/event-stream":
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return writer
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", closing_prepare)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": True}
+    with caplog.at_level(logging.WARNING):
+        async with http.post(url(box, "/v1/completions"), json=body) as response:
+            with contextlib.suppress(aiohttp.ClientPayloadError):  # the stream is ended as the client is taken gone
+                await response.read()
+    route = {"route": "/v1/completions"}
+    sample = box.metrics.registry.get_sample_value
+    assert sample("fbx_http_requests_total", route | {"status": "499"}) == 1
+    assert sample("fbx_http_requests_total", route | {"status": "500"}) is None
+    assert not [r for r in caplog.records if r.message == "unhandled error"]
+    await wait_for(lambda: not box.workers[MODEL].runtime.has_work, what="the generation to stop")
+
+
 async def test_a_client_that_hangs_up_is_counted_499(start_box, generator_dir) -> None:
     """Tester h74: a client gone mid-stream cancels its handler, and the request was counted under no status at
     all (api.md says 499). The stream is cut after its first event, as an impatient client does."""
