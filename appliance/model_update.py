@@ -57,10 +57,13 @@ async def change_model(spec: ModelSpec, update: ModelUpdate, catalog: Catalog, s
     """Judge `update` for the model and write it to the fleet's catalog; the model as written."""
     knobs = {field: getattr(update, field) for field in _BATCHING if getattr(update, field) is not None}
     if update.aliases is None and update.pinned is None and not knobs:
-        raise Unprocessable(
-            "nothing to change: give aliases, pinned, max_batch_tokens, max_batch_size or max_wait_ms",
-            code="nothing_to_change",
-        )
+        # What this model takes: an adapter its aliases alone, a generator no batching knobs (tester h224).
+        takes = "aliases, pinned, max_batch_tokens, max_batch_size or max_wait_ms"
+        if spec.adapter_of is not None:
+            takes = "aliases (an adapter's pin and batching are its base model's)"
+        elif spec.task is Task.GENERATE:
+            takes = "aliases or pinned (a generator's decode batch is set by its options, at registration)"
+        raise Unprocessable(f"nothing to change: give {takes}", code="nothing_to_change")
     check_integers(knobs)
     if spec.adapter_of is not None:
         if update.pinned is not None:  # as the pin and unpin verbs refuse it

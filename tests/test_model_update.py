@@ -360,3 +360,28 @@ async def test_an_adapters_record_shows_its_bases_batching_as_a_patch_of_the_bas
         *(await call(http, box, "GET", "/v1/models"))[1]["data"],
     ):
         assert listed["batching"] == base, listed
+
+
+@pytest.mark.parametrize(
+    ("task", "adapter_of", "said"),
+    [
+        ("embed", None, "give aliases, pinned, max_batch_tokens, max_batch_size or max_wait_ms"),
+        ("generate", None, "give aliases or pinned (a generator's decode batch is set by its options"),
+        ("classify", "base", "give aliases (an adapter's pin and batching are its base model's)"),
+    ],
+)
+def test_nothing_to_change_names_what_the_model_takes(task: str, adapter_of: str | None, said: str) -> None:
+    """Tester h224: `PATCH {}` on a generator or an adapter listed the batching knobs (and, to an adapter, the pin),
+    which each refuses."""
+    from pathlib import Path
+
+    from appliance.catalog import ModelSpec
+    from appliance.errors import Unprocessable
+    from runtimes import RuntimeKind, Task
+
+    spec = ModelSpec(
+        "m", "m", Task(task), RuntimeKind.TORCH, Path("/x"), Batching(256, 4, 0.0, 1), adapter_of=adapter_of
+    )
+    with pytest.raises(Unprocessable, match=r"^nothing to change: ") as refused:
+        asyncio.run(change_model(spec, ModelUpdate(), None, None))  # type: ignore[arg-type]
+    assert said in refused.value.message and refused.value.code == "nothing_to_change"
