@@ -397,10 +397,16 @@ class Box:
             await _bounded("placement", self.placement.stop())
         await _bounded("background tasks", self._tasks.cancel())
         drains = self.workers.drain_all()
+
+        async def drained() -> None:
+            await drains
+            if self.fleet is not None:  # what it handed back is seen waiting now (`held` 0), not a beat later
+                await self.fleet.beat()
+
         # Meanwhile the gateway waits for what its clients still await: the work its own worker hands
         # back is computed by other boxes and answered here. What is left after the grace gets a 503.
         grace = self.settings.shutdown_grace_s
-        steps = [_bounded("workers", drains, grace + _STOP_STEP_S)]
+        steps = [_bounded("workers", drained(), grace + _STOP_STEP_S)]
         if self.dispatcher is not None and self._other_workers():
             steps.append(_bounded("answers", self.dispatcher.wait_answered(grace), grace + _STOP_STEP_S))
         await asyncio.gather(*steps)

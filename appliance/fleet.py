@@ -306,6 +306,16 @@ class Fleet:
         boxes = (held.record["box"] for held in holdings if held.state in states)
         return list(dict.fromkeys(boxes))
 
+    def held_by_draining(self, model: str) -> int:
+        """The requests for `model` that live draining boxes holding it still compute (their heartbeats' `held`): of
+        its unacked requests, those are taken; the rest a draining box handed back (a nak, unseen in the queue's
+        pending count) or a dead box took, and wait for a box to pull them."""
+        return sum(
+            int(held.entry.get("held") or 0)
+            for held in self._live_holdings(model)
+            if held.record.get("draining") and held.state == "resident"
+        )
+
     def can_load(self, model: str) -> bool:
         """Whether a live box would serve `model` in its turn: one taking model work, which loads any model of the
         catalog that requests wait for (placement), evicting others for budget. A model evicted so is not gone: its

@@ -130,8 +130,7 @@ class Placement:
                     self._loading.add(spec.name)
                     self._loads.spawn(self._load(spec, claimed=False))
                 continue
-            # A draining holder still computes what it took (ack-pending, not waiting); what it hands back is pending.
-            waiting = await self._waiting(spec.slug, self._holders(spec.name, draining=True))
+            waiting = await self._waiting(spec.slug, self._taken(spec.name))
             if waiting == 0 or not self._should_load(spec.name, waiting) or not await self._could_fit(spec):
                 continue
             await asyncio.sleep(random.uniform(0, _JITTER_S))
@@ -189,10 +188,19 @@ class Placement:
     def _should_load(self, name: str, waiting: int) -> bool:
         return not self._holders(name) or waiting >= self._box.settings.cold_backlog
 
-    async def _waiting(self, slug: str, holders: list[str]) -> int:
-        """Requests waiting for a model: those in its queue, and with no live box holding it, those a box
-        that died had taken: they come back to the queue once their `ack_wait` runs out, and need a box
-        pulling for them then (counting only the queue, such a request waited out its deadline)."""
+    def _taken(self, name: str) -> int | None:
+        """Of a model's unacked requests, how many are being computed: None (all of them) while a live box that is
+        not draining holds or loads it; else what its draining holders still compute (`Fleet.held_by_draining`).
+        The rest wait for a box to pull them: a dead box's come back once their `ack_wait` runs out, and what a
+        draining box hands back is a nak, never in the queue's pending count (tester h226: the sole holder's own
+        clients, every request pulled before its drain, waited out its grace for a 503 while another box idled)."""
+        if self._holders(name):
+            return None
+        return self._box.fleet.held_by_draining(name) if self._box.fleet is not None else 0
+
+    async def _waiting(self, slug: str, taken: int | None) -> int:
+        """Requests waiting for a model: those in its queue, and of those taken but not acked, all but `taken`
+        (counting only the queue, a dead box's request waited out its deadline)."""
         assert self._box.js is not None
         waiting = 0
         for priority in PRIORITIES:
@@ -201,8 +209,9 @@ class Placement:
             except NotFoundError:
                 continue
             waiting += int(info.num_pending or 0)
-            if not holders:
-                waiting += int(info.num_ack_pending or 0)
+            if taken is not None:
+                waiting += max(0, int(info.num_ack_pending or 0) - taken)
+                taken = max(0, taken - int(info.num_ack_pending or 0))  # the held are counted once over both
         return waiting
 
     async def _load(self, spec: ModelSpec, claimed: bool) -> None:

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import aiohttp
 import nats
@@ -386,6 +387,42 @@ async def test_a_stopping_box_that_alone_held_a_model_has_its_clients_answered_b
         assert stays.residency.is_resident("slow")
 
 
+async def test_a_stopping_sole_holder_that_had_pulled_every_request_has_them_answered_by_a_box_that_loads_it(
+    start_box, nats_server, http
+) -> None:
+    """Tester h226: the sole holder had pulled all its own clients' requests when it drained (steady load on it); it
+    handed them back with a nak, which the queue's pending count never shows, so the other box saw nothing waiting,
+    did not load the model, and the clients waited out the grace for a 503. Of a model's unacked requests, all but
+    those its draining holders still compute (their heartbeats' `held`) wait."""
+    # It pulls what it expects to answer within 5 s: all six at once, the first batch held while they are.
+    async with sole_holder_leaving(start_box, nats_server, cost_ms=10, hold_ms=5000) as (stays, leaving):
+        worker = leaving.workers["slow"]
+
+        async def one(i: int) -> int:
+            body = {"model": "slow", "input": f"r{i}", "timeout": 30}
+            async with http.post(url(leaving, "/v1/embeddings"), json=body) as response:
+                await response.read()
+                return response.status
+
+        assert await asyncio.gather(*(one(i) for i in range(40))) == [200] * 40  # timed: it pulls by its pace
+        run, computing, release = worker.runtime.run, threading.Event(), threading.Event()
+
+        def held_run(batch, adapter=None):  # the first batch is computed only once the box is stopping
+            computing.set()
+            release.wait(20)
+            return run(batch, adapter)
+
+        worker.runtime.run = held_run
+        calls = [asyncio.create_task(one(i)) for i in range(6)]
+        await wait_for(lambda: computing.is_set() and worker.held == 6, what="all six pulled by the box that leaves")
+        stopping = asyncio.create_task(leaving.stop())
+        await wait_for(lambda: leaving.draining, what="the box to drain")
+        release.set()
+        await stopping
+        assert await asyncio.gather(*calls) == [200] * 6
+        assert stays.residency.is_resident("slow")
+
+
 async def test_a_stopping_box_that_alone_held_a_model_and_hands_nothing_back_has_no_box_load_it(
     start_box, nats_server, http
 ) -> None:
@@ -435,14 +472,17 @@ async def test_a_stopping_box_hands_back_a_request_on_its_last_delivery_without_
 
 
 @contextlib.asynccontextmanager
-async def sole_holder_leaving(start_box, nats_server, *, cost_ms: int) -> AsyncIterator[tuple[Box, Box]]:
+async def sole_holder_leaving(start_box, nats_server, *, cost_ms: int, **knobs: Any) -> AsyncIterator[tuple[Box, Box]]:
     """Two boxes of no-op model `slow` (`cost_ms` a row, one row a batch): "stays", which does not hold it, and
-    "leaves", the one box that does, for the test to stop (stopped at the end if it did not)."""
+    "leaves", the one box that does (with settings `knobs`), for the test to stop (stopped at the end if it did
+    not)."""
     from appliance.control import call_box
 
     slow = [noop_model("slow", pinned=False, cost_ms=cost_ms)]
     stays = await start_box(box_id="stays", default_model=False, models=slow, max_batch_size=1)
-    leaving = Box(box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1))
+    leaving = Box(
+        box_settings(nats_server.url, box_id="leaves", default_model=False, models=slow, max_batch_size=1, **knobs)
+    )
     await leaving.start()
     try:
         assert leaving.nc is not None
