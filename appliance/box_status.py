@@ -64,31 +64,36 @@ def _not_ready_reason(box: Box) -> str | None:
     return None
 
 
-def model_state(box: Box, name: str, spec: ModelSpec | None = None) -> dict[str, Any]:
+def model_state(box: Box, name: str, spec: ModelSpec | None = None, *, draining: bool = False) -> dict[str, Any]:
     """Where a model is resident in the fleet, from this box's own state and the other boxes' heartbeats (its own
     heartbeat is up to a beat old: a load that had just failed read "loading", with its `load_error` beside it).
     `spec`: the model as just changed, where the catalog may not have it yet (a PATCH's answer showed the profile
-    its batching had before)."""
+    its batching had before). A draining box is in `boxes` only with `draining` (an eviction's holders), but its
+    `bytes` and `max_length` count: a gateway weighs a generation by the context of a sole holder that drains."""
     spec = spec or box.catalog.get(name)
     if spec is not None and spec.adapter_of is not None:
         return _adapter_state(box, spec, spec.adapter_of)
     boxes, nbytes, loading, max_length = [], None, False, None
     failed_on = _load_failed_on(box, name)
-    for record in _other_boxes(box):
+    for record in box.fleet.live_boxes() if box.fleet else []:
+        if record.get("box") == box.box_id:
+            continue
+        counted = draining or not record.get("draining")
         for model in record.get("models", []):
             if model.get("name") == name:
                 if model.get("state") != "loading":
-                    boxes.append(record["box"])
                     nbytes = model.get("bytes")
                     max_length = model.get("max_length", max_length)
-                elif record["box"] not in failed_on:  # a load tried again after it failed there is no news
+                    if counted:
+                        boxes.append(record["box"])
+                elif counted and record["box"] not in failed_on:  # a load tried again after it failed is no news
                     loading = True
     load_error = box.residency.load_error(name)
     resident = box.residency.get(name)
     if resident is not None:
         nbytes = resident.nbytes
         max_length = resident.runtime.info.max_length
-        if not box.draining:
+        if draining or not box.draining:
             boxes.append(box.box_id)
     if (
         load_error is None

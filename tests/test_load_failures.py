@@ -97,3 +97,42 @@ async def test_a_box_whose_load_of_a_model_failed_is_not_one_that_would_load_it(
         assert response.status == 503
     await wait_for(lambda: own_record(box).get("load_failed"), what="the failed load in the box's heartbeat")
     assert not box.fleet.can_load("mine") and box.fleet.can_load("good") and box.fleet.holders("mine") == []
+
+
+def a_gateway_beside(work_draining: bool) -> Any:
+    """A gateway-only box (its state stubbed) whose one other live box, `work`, holds generator `gen`."""
+    from types import SimpleNamespace
+
+    record = {
+        "box": "work",
+        "draining": work_draining,
+        "models": [{"name": "gen", "state": "resident", "bytes": 10, "max_length": 128}],
+    }
+    residency = SimpleNamespace(
+        load_error=lambda name: None,
+        get=lambda name: None,
+        is_loading=lambda name: False,
+        adapter_names=lambda name: [],
+    )
+    return SimpleNamespace(
+        box_id="gw",
+        draining=False,
+        catalog=SimpleNamespace(get=lambda name: None),
+        fleet=SimpleNamespace(live_boxes=lambda: [record]),
+        residency=residency,
+        placement=None,
+        profiles=None,
+    )
+
+
+def test_a_sole_holder_that_drains_is_no_holder_but_still_says_the_model_s_context() -> None:
+    """Review h228: once a draining box counted nowhere, a gateway read `max_model_len` None while the sole holder
+    drained, and weighed a generation's `max_tokens` as sent (100,000 on a 128-token model), and an eviction of every
+    holder skipped the draining one, which kept the model loaded. It is no holder (`boxes`, `state`), but its context
+    and size stand, and an eviction (`draining=True`) asks it too."""
+    from appliance.box_status import model_state
+
+    assert model_state(a_gateway_beside(False), "gen")["boxes"] == ["work"]
+    state = model_state(a_gateway_beside(True), "gen")
+    assert (state["state"], state["boxes"], state["max_model_len"], state["bytes"]) == ("cold", [], 128, 10), state
+    assert model_state(a_gateway_beside(True), "gen", draining=True)["boxes"] == ["work"]

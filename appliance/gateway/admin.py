@@ -192,7 +192,8 @@ async def evict_model(request: web.Request) -> web.Response:
     spec = await named_model(ctx, request)
     refuse_adapter(spec, "evict")
     box = await _target_box(request)
-    boxes = [box] if box is not None else ctx.model_state(spec.name)["boxes"]
+    # Every holder, a draining one too: it keeps the model loaded until it exits (review h228).
+    boxes = [box] if box is not None else ctx.model_state(spec.name, draining=True)["boxes"]
     evicted = []
     for target in boxes:
         result = await call_box(ctx.nc, target, "evict", {"model": spec.name})

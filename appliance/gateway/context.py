@@ -36,7 +36,7 @@ class GatewayContext:
     # Whether the box is stopping (it takes no new requests).
     is_draining: Callable[[], bool]
     # Per model name: state, the boxes holding it and its bytes, for GET /v1/models.
-    model_state: Callable[..., dict[str, Any]]  # (name, spec=None): box_status.model_state
+    model_state: Callable[..., dict[str, Any]]  # (name, spec=None, *, draining=False): box_status.model_state
     # Heartbeat records of the live boxes.
     live_boxes: Callable[[], list[dict[str, Any]]]
     # Seconds since a live box taking model work was last heard of (`Fleet.without_workers_s`).
