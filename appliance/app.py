@@ -69,6 +69,10 @@ from appliance.workers import Workers
 log = logging.getLogger(__name__)
 
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
+# What a stop keeps after its wait for the others' requests (the box hosting the fleet's NATS): the heartbeat, catalog,
+# NATS drain and close, and the nats-server's own stop, within `fleetbox serve`'s bound of `shutdown_grace_s` + 4 s.
+_STOP_RESERVE_S = 1.5
+_QUEUE_POLL_S = 0.1
 NATS_ERROR_REMIND_S = 60.0  # while NATS cannot be reached, "nats error" is a warning this often (DEBUG between)
 FIRST_PULL_S = 1.0  # a worker whose pullers started this lately counts as starting: its first pulls are coming
 
@@ -380,6 +384,22 @@ class Box:
         records = self.fleet.live_boxes() if self.fleet is not None else []
         return [r["box"] for r in taking_work(records, MODEL_ROLES) if r.get("box") != self.box_id]
 
+    def _others_on_this_nats(self) -> list[str]:
+        """The live boxes besides this one (from the heartbeats) that use the nats-server this box runs: none
+        unless it runs the embedded one."""
+        if self.natsd is None or self.fleet is None or self.nc is None or not self.nc.is_connected:
+            return []
+        return sorted(str(r["box"]) for r in self.fleet.live_boxes() if r.get("box") != self.box_id)
+
+    async def _queue_emptied(self, deadline: float) -> None:
+        """Wait till the request stream holds nothing (a work queue: a request leaves it once answered, acked), or
+        `deadline` (monotonic): the other boxes compute, and load a model for, what is left in it."""
+        assert self.js is not None
+        while time.monotonic() < deadline:
+            if (await self.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0:
+                return
+            await asyncio.sleep(_QUEUE_POLL_S)
+
     async def stop(self) -> None:
         """Close the door, finish in-flight batches, hand back unstarted work, stop NATS.
 
@@ -387,6 +407,7 @@ class Box:
         that hangs) must not keep a stopping box alive past its SIGTERM budget.
         """
         log.info("box stopping", extra={"box": self.box_id, "ready": self.ready})
+        deadline = time.monotonic() + self.settings.shutdown_grace_s + _STOP_STEP_S - _STOP_RESERVE_S
         # The gateway answers new requests 503, each with its connection closed (`/readyz` says why), until the
         # listener closes. Idle kept-alive connections stay open till then: closing one a client had just sent a
         # request on dropped that request unanswered.
@@ -411,6 +432,12 @@ class Box:
             steps.append(_bounded("answers", self.dispatcher.wait_answered(grace), grace + _STOP_STEP_S))
         await asyncio.gather(*steps)
         self.workers.clear()
+        others = self._others_on_this_nats()
+        if others:
+            # This box hosts the fleet's queue: what the other boxes' gateways sent, and what this box handed back,
+            # is in it. It stays up till all is answered (`fleet.md`, "Stopping a box"), within the stop's budget.
+            left_s = max(0.01, deadline - time.monotonic())
+            await _bounded("the others' requests", self._queue_emptied(deadline), left_s)
         if self.dispatcher is not None:
             stopped = ServiceUnavailable(f"box {self.box_id} is stopping; send the request again", retry_after_s=1)
             await _bounded("unanswered", self.dispatcher.abandon(stopped))
@@ -434,6 +461,11 @@ class Box:
         self._device_executor.shutdown(wait=False, cancel_futures=True)
         self._cpu_executor.shutdown(wait=False, cancel_futures=True)
         if self.natsd is not None:
+            if others:
+                log.warning(
+                    "stopping the embedded nats-server the other boxes use; they are cut off from the fleet",
+                    extra={"boxes": others},
+                )
             await self.natsd.stop()
         log.info("box stopped", extra={"box": self.box_id, "ready": self.ready})
 

@@ -397,14 +397,8 @@ async def test_a_stopping_sole_holder_that_had_pulled_every_request_has_them_ans
     # It pulls what it expects to answer within 5 s: all six at once, the first batch held while they are.
     async with sole_holder_leaving(start_box, nats_server, cost_ms=10, hold_ms=5000) as (stays, leaving):
         worker = leaving.workers["slow"]
-
-        async def one(i: int) -> int:
-            body = {"model": "slow", "input": f"r{i}", "timeout": 30}
-            async with http.post(url(leaving, "/v1/embeddings"), json=body) as response:
-                await response.read()
-                return response.status
-
-        assert await asyncio.gather(*(one(i) for i in range(40))) == [200] * 40  # timed: it pulls by its pace
+        timing = (embed_slow(http, leaving, i) for i in range(40))
+        assert await asyncio.gather(*timing) == [200] * 40  # timed: it pulls by its pace
         run, computing, release = worker.runtime.run, threading.Event(), threading.Event()
 
         def held_run(batch, adapter=None):  # the first batch is computed only once the box is stopping
@@ -413,7 +407,7 @@ async def test_a_stopping_sole_holder_that_had_pulled_every_request_has_them_ans
             return run(batch, adapter)
 
         worker.runtime.run = held_run
-        calls = [asyncio.create_task(one(i)) for i in range(6)]
+        calls = [asyncio.create_task(embed_slow(http, leaving, i)) for i in range(6)]
         await wait_for(lambda: computing.is_set() and worker.held == 6, what="all six pulled by the box that leaves")
         stopping = asyncio.create_task(leaving.stop())
         await wait_for(lambda: leaving.draining, what="the box to drain")
@@ -469,6 +463,52 @@ async def test_a_stopping_box_hands_back_a_request_on_its_last_delivery_without_
     finally:
         if leaving.nc is not None and leaving.nc.is_connected:
             await leaving.stop()
+
+
+async def test_the_box_hosting_the_fleets_nats_stays_up_till_the_others_requests_are_answered(
+    tmp_path, http, caplog
+) -> None:
+    """Tester h226: the box running the embedded nats-server (box 1 of `fleet.md`) stopped while it alone held a model
+    the other box's clients used; its nats-server went with it at once, before the other box had loaded the model
+    for what it handed back, and those clients had a 504. Now its stop keeps the server up till the request stream
+    is empty, then says whom it cuts off."""
+    from appliance.control import call_box
+    from appliance.natsd import free_port
+
+    slow = [noop_model("slow", pinned=False, cost_ms=400)]
+    knobs = {"default_model": False, "models": slow, "max_batch_size": 1, "hold_ms": 10_000}
+    host = Box(Settings(host="127.0.0.1", port=0, device="cpu", nats_port=free_port(), state_dir=tmp_path / "a",
+                        box_id="hosts", **knobs))  # fmt: skip
+    await host.start()
+    other: Box | None = None
+    try:
+        assert host.natsd is not None and host.nc is not None
+        other = Box(box_settings(host.natsd.url, box_id="other", **knobs))
+        await other.start()
+        await call_box(host.nc, "hosts", "load", {"model": "slow"}, timeout_s=20)
+        await wait_for(lambda: other.fleet.holders("slow") == ["hosts"], what="the other box to see who holds it")
+
+        calls = [asyncio.create_task(embed_slow(http, other, i, timeout_s=20)) for i in range(3)]
+        await wait_for(lambda: host.workers["slow"].held >= 2, what="the one box holding it to take two or more")
+        with caplog.at_level(logging.WARNING, logger="appliance.app"):
+            await host.stop()  # one on its device, answered; the rest handed back, for the other box to load it
+        assert await asyncio.gather(*calls) == [200] * 3
+        assert other.residency.is_resident("slow")
+        cut = [r for r in caplog.records if r.message.startswith("stopping the embedded nats-server")]
+        assert [r.boxes for r in cut] == [["other"]]
+    finally:
+        if other is not None:
+            await other.stop()
+        if host.nc is not None and host.nc.is_connected:
+            await host.stop()
+
+
+async def embed_slow(http: aiohttp.ClientSession, box: Box, i: int, *, timeout_s: float = 30) -> int:
+    """One request for model `slow` at `box`'s gateway: its status."""
+    body = {"model": "slow", "input": f"r{i}", "timeout": timeout_s}
+    async with http.post(url(box, "/v1/embeddings"), json=body) as response:
+        await response.read()
+        return response.status
 
 
 @contextlib.asynccontextmanager
