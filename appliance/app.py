@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 _STOP_STEP_S = 3.0  # the most one NATS-facing shutdown step may take
 # What a stop keeps after its wait for the others' requests (the box hosting the fleet's NATS): the heartbeat, catalog,
 # NATS drain and close, and the nats-server's own stop, within `fleetbox serve`'s bound of `shutdown_grace_s` + 4 s.
-_STOP_RESERVE_S = 1.5
+_STOP_RESERVE_S = 2.5
 _QUEUE_POLL_S = 0.1
 NATS_ERROR_REMIND_S = 60.0  # while NATS cannot be reached, "nats error" is a warning this often (DEBUG between)
 FIRST_PULL_S = 1.0  # a worker whose pullers started this lately counts as starting: its first pulls are coming
@@ -392,11 +392,16 @@ class Box:
         return sorted(str(r["box"]) for r in self.fleet.live_boxes() if r.get("box") != self.box_id)
 
     async def _queue_emptied(self, deadline: float) -> None:
-        """Wait till the request stream holds nothing (a work queue: a request leaves it once answered, acked), or
-        `deadline` (monotonic): the other boxes compute, and load a model for, what is left in it."""
+        """Wait till the requests in the stream now have left it (a work queue: a request leaves it once answered,
+        acked), or `deadline` (monotonic), while another box that computes is live: the others compute, and load a
+        model for, what is in it. Not for what comes after (the others' gateways publish all along: the stream of a
+        busy fleet is never empty), nor with none to compute it (a gateway-only box, or the whole fleet stopping):
+        either kept box 1 up for its whole budget (review h229)."""
         assert self.js is not None
-        while time.monotonic() < deadline:
-            if (await self.js.stream_info(bus.REQUEST_STREAM)).state.messages == 0:
+        last = (await self.js.stream_info(bus.REQUEST_STREAM)).state.last_seq
+        while time.monotonic() < deadline and self._other_workers():
+            state = (await self.js.stream_info(bus.REQUEST_STREAM)).state
+            if state.messages == 0 or state.first_seq > last:
                 return
             await asyncio.sleep(_QUEUE_POLL_S)
 

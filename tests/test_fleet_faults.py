@@ -503,6 +503,37 @@ async def test_the_box_hosting_the_fleets_nats_stays_up_till_the_others_requests
             await host.stop()
 
 
+async def test_the_box_hosting_the_fleets_nats_waits_for_no_request_that_no_other_box_would_compute(
+    tmp_path, caplog
+) -> None:
+    """Review h229: with only a gateway-only box beside it (or the whole fleet stopping), one request no box would take
+    kept box 1 and its nats-server up for its whole budget, as did a stream a busy fleet keeps filling. It waits only
+    while another box computes, and only for what was in the stream when it began."""
+    from appliance.natsd import free_port
+
+    knobs = {"default_model": False, "models": [noop_model("slow", pinned=False, cost_ms=10)]}
+    host = Box(Settings(host="127.0.0.1", port=0, device="cpu", nats_port=free_port(), state_dir=tmp_path / "a",
+                        box_id="hosts", **knobs))  # fmt: skip
+    await host.start()
+    door: Box | None = None
+    try:
+        assert host.natsd is not None and host.js is not None and host.fleet is not None
+        door = Box(box_settings(host.natsd.url, box_id="door", role="gateway", **knobs))
+        await door.start()
+        await wait_for(lambda: "door" in {r.get("box") for r in host.fleet.live_boxes()}, what="box 1 to see the door")
+        await host.js.publish(bus.request_subject("nosuch"), b"x", stream=bus.REQUEST_STREAM)  # no box takes it
+        with caplog.at_level(logging.WARNING, logger="appliance.app"):
+            await host.stop()
+        assert not [r for r in caplog.records if "the others' requests" in r.getMessage()]  # not timed out: not waited
+        cut = [r for r in caplog.records if r.message.startswith("stopping the embedded nats-server")]
+        assert [r.boxes for r in cut] == [["door"]]
+    finally:
+        if door is not None:
+            await door.stop()
+        if host.nc is not None and host.nc.is_connected:
+            await host.stop()
+
+
 async def embed_slow(http: aiohttp.ClientSession, box: Box, i: int, *, timeout_s: float = 30) -> int:
     """One request for model `slow` at `box`'s gateway: its status."""
     body = {"model": "slow", "input": f"r{i}", "timeout": timeout_s}
