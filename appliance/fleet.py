@@ -307,11 +307,11 @@ class Fleet:
         return list(dict.fromkeys(boxes))
 
     def held_by_draining(self, model: str) -> int:
-        """The requests for `model` that live draining boxes holding it still compute (their heartbeats' `held`): of
-        its unacked requests, those are taken; the rest a draining box handed back (a nak, unseen in the queue's
-        pending count) or a dead box took, and wait for a box to pull them."""
+        """The requests for `model` that live draining boxes holding it still keep (their heartbeats' `unacked`, a
+        box's of an older version `held`): of its unacked requests, those are taken; the rest a draining box handed
+        back (a nak, unseen in the queue's pending count) or a dead box took, and wait for a box to pull them."""
         return sum(
-            int(held.entry.get("held") or 0)
+            int(held.entry.get("unacked", held.entry.get("held")) or 0)
             for held in self._live_holdings(model)
             if held.record.get("draining") and held.state == "resident"
         )

@@ -179,7 +179,10 @@ class GenerateWorker:
     def stats(self, window_s: float = 10.0) -> dict[str, float]:
         """As a ModelWorker's, for the heartbeat: answers/s and whole-generation p50/p99 (ms) over `window_s`
         (they were left out: `fleetbox models list` showed a busy generator idle, h62), and the decode batch."""
-        return {**self._answered.summary(window_s), "held": self.held, "active": self.runtime.active}
+        # `unacked`: every request it keeps in progress, its last chunks settling and its retries too (placement counts
+        # the rest of a draining box's unacked as waiting; by `held`, those read as handed back: review h229).
+        held = {"held": self.held, "unacked": len(self._held.messages())}
+        return {**self._answered.summary(window_s), **held, "active": self.runtime.active}
 
     def _room(self) -> int:
         return max(0, min(self._capacity, self._settings.worker_capacity) - self.held)

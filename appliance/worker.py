@@ -221,7 +221,8 @@ class ModelWorker:
             "rows_per_s": None if now is None else round(now[1], 1),
             "batch_cost": None if line is None else line.to_json(),  # the pace at any row length (`PaceLine`)
         }
-        return {**self._answered.summary(window_s), "held": len(self._held), **pace}
+        held = {"held": len(self._held), "unacked": len(self._held)}  # each one it holds is kept in progress
+        return {**self._answered.summary(window_s), **held, **pace}
 
     def _room(self, *, for_bulk: bool = False) -> int:
         # Rows this box could still answer within `hold_ms` at its measured batch cost; a request still

@@ -65,6 +65,13 @@ async def test_what_a_gateway_reads_of_a_model_follows_each_heartbeat(nats_serve
         await wait_for(lambda: fleet.holders("m") == [])
         assert fleet.box_round("m") is None and fleet.pace_per_gateway("m", 32.0) is None
 
+        # what a draining holder still keeps in progress: a generator's last chunks settling too (`unacked`, review
+        # h229), else its `held` (a box of an older version)
+        await kv.put("e", record("e", [{"name": "g", "state": "resident", "held": 1, "unacked": 3}], draining=True))
+        await kv.put("f", record("f", [{"name": "g", "state": "resident", "held": 2}], draining=True))
+        await wait_for(lambda: sorted(fleet.holders("g", draining=True)) == ["e", "f"])
+        assert fleet.held_by_draining("g") == 5 and fleet.holders("g") == []
+
         # a record past its TTL is read as gone, with no heartbeat to say so
         await kv.put("c", record("c", [{"name": "m", "state": "resident"}], ts=time.time() - 60))
         await kv.put("d", record("d", [{"name": "x", "state": "resident"}]))  # seen after c: the watch keeps order
