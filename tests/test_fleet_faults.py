@@ -473,18 +473,11 @@ async def test_the_box_hosting_the_fleets_nats_stays_up_till_the_others_requests
     for what it handed back, and those clients had a 504. Now its stop keeps the server up till the request stream
     is empty, then says whom it cuts off."""
     from appliance.control import call_box
-    from appliance.natsd import free_port
 
     slow = [noop_model("slow", pinned=False, cost_ms=400)]
     knobs = {"default_model": False, "models": slow, "max_batch_size": 1, "hold_ms": 10_000}
-    host = Box(Settings(host="127.0.0.1", port=0, device="cpu", nats_port=free_port(), state_dir=tmp_path / "a",
-                        box_id="hosts", **knobs))  # fmt: skip
-    await host.start()
-    other: Box | None = None
-    try:
-        assert host.natsd is not None and host.nc is not None
-        other = Box(box_settings(host.natsd.url, box_id="other", **knobs))
-        await other.start()
+    async with box_1_and_another(tmp_path, "other", knobs) as (host, other):
+        assert host.nc is not None and other.fleet is not None
         await call_box(host.nc, "hosts", "load", {"model": "slow"}, timeout_s=20)
         await wait_for(lambda: other.fleet.holders("slow") == ["hosts"], what="the other box to see who holds it")
 
@@ -494,13 +487,7 @@ async def test_the_box_hosting_the_fleets_nats_stays_up_till_the_others_requests
             await host.stop()  # one on its device, answered; the rest handed back, for the other box to load it
         assert await asyncio.gather(*calls) == [200] * 3
         assert other.residency.is_resident("slow")
-        cut = [r for r in caplog.records if r.message.startswith("stopping the embedded nats-server")]
-        assert [r.boxes for r in cut] == [["other"]]
-    finally:
-        if other is not None:
-            await other.stop()
-        if host.nc is not None and host.nc.is_connected:
-            await host.stop()
+        assert cut_off(caplog) == [["other"]]
 
 
 async def test_the_box_hosting_the_fleets_nats_waits_for_no_request_that_no_other_box_would_compute(
@@ -509,29 +496,44 @@ async def test_the_box_hosting_the_fleets_nats_waits_for_no_request_that_no_othe
     """Review h229: with only a gateway-only box beside it (or the whole fleet stopping), one request no box would take
     kept box 1 and its nats-server up for its whole budget, as did a stream a busy fleet keeps filling. It waits only
     while another box computes, and only for what was in the stream when it began."""
-    from appliance.natsd import free_port
-
     knobs = {"default_model": False, "models": [noop_model("slow", pinned=False, cost_ms=10)]}
-    host = Box(Settings(host="127.0.0.1", port=0, device="cpu", nats_port=free_port(), state_dir=tmp_path / "a",
-                        box_id="hosts", **knobs))  # fmt: skip
-    await host.start()
-    door: Box | None = None
-    try:
-        assert host.natsd is not None and host.js is not None and host.fleet is not None
-        door = Box(box_settings(host.natsd.url, box_id="door", role="gateway", **knobs))
-        await door.start()
+    async with box_1_and_another(tmp_path, "door", knobs, role="gateway") as (host, _):
+        assert host.js is not None and host.fleet is not None
         await wait_for(lambda: "door" in {r.get("box") for r in host.fleet.live_boxes()}, what="box 1 to see the door")
         await host.js.publish(bus.request_subject("nosuch"), b"x", stream=bus.REQUEST_STREAM)  # no box takes it
         with caplog.at_level(logging.WARNING, logger="appliance.app"):
             await host.stop()
         assert not [r for r in caplog.records if "the others' requests" in r.getMessage()]  # not timed out: not waited
-        cut = [r for r in caplog.records if r.message.startswith("stopping the embedded nats-server")]
-        assert [r.boxes for r in cut] == [["door"]]
+        assert cut_off(caplog) == [["door"]]
+
+
+@contextlib.asynccontextmanager
+async def box_1_and_another(
+    tmp_path, other_id: str, knobs: dict[str, Any], **other_knobs: Any
+) -> AsyncIterator[tuple[Box, Box]]:
+    """Box "hosts", running the embedded nats-server (box 1 of `fleet.md`), and box `other_id` joined to it (with
+    `other_knobs` besides `knobs`); each stopped at the end if the test did not."""
+    from appliance.natsd import free_port
+
+    host = Box(Settings(host="127.0.0.1", port=0, device="cpu", nats_port=free_port(), state_dir=tmp_path / "a",
+                        box_id="hosts", **knobs))  # fmt: skip
+    await host.start()
+    other: Box | None = None
+    try:
+        assert host.natsd is not None
+        other = Box(box_settings(host.natsd.url, box_id=other_id, **knobs, **other_knobs))
+        await other.start()
+        yield host, other
     finally:
-        if door is not None:
-            await door.stop()
+        if other is not None:
+            await other.stop()
         if host.nc is not None and host.nc.is_connected:
             await host.stop()
+
+
+def cut_off(caplog: pytest.LogCaptureFixture) -> list[list[str]]:
+    """The boxes each stop of an embedded nats-server said it cut off."""
+    return [r.boxes for r in caplog.records if r.message.startswith("stopping the embedded nats-server")]
 
 
 async def embed_slow(http: aiohttp.ClientSession, box: Box, i: int, *, timeout_s: float = 30) -> int:

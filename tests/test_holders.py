@@ -131,15 +131,22 @@ def test_a_model_held_again_by_another_box_is_measured_afresh() -> None:
     rate is measured afresh, and the new holders' pace bounds what waits meanwhile."""
     clock = Clock()
     held = ["fast"]
-    admission_, holders = gateway(clock, held, can_load=True)
-    holders._pace = lambda model, per_row: (50.0, 5.0)  # the holders' pace now: 50 tokens (5 rows of 10) a second
-    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
-    queue.add("head", clock.now, 0)
-    serve(queue, clock, 2.0, per_s=50, weight=10)  # the old box: 500 tokens a second
+    admission_, holders = timed_then_slower(clock, held)  # the old box: 500 tokens a second
     held[:] = ["slow"]
     admission_.restart_rates(["m"])  # held again, by another box
     admitted = admitted_until_refused(holders, SPEC, clock)
     assert admitted * 10 / 50.0 <= 20.0, f"{admitted} admitted: {admitted * 10 / 50.0:.0f}s at the new holder's pace"
+
+
+def timed_then_slower(clock: Clock, held: list[str]) -> tuple[Admission, Holders]:
+    """A gateway that timed `SPEC` at 500 tokens a second for 2 s, held by `held`, whose holders' heartbeats say 50
+    tokens (5 rows of 10) a second now."""
+    admission, holders = gateway(clock, held, can_load=True)
+    holders._pace = lambda model, per_row: (50.0, 5.0)
+    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
+    queue.add("head", clock.now, 0)
+    serve(queue, clock, 2.0, per_s=50, weight=10)
+    return admission, holders
 
 
 def admitted_until_refused(holders: Holders, spec: ModelSpec, clock: Clock) -> int:
@@ -160,11 +167,7 @@ def test_a_model_registered_again_differently_is_measured_afresh() -> None:
     waits meanwhile."""
     clock = Clock()
     held = ["worker"]
-    admission_, holders = gateway(clock, held, can_load=True)
-    holders._pace = lambda model, per_row: (50.0, 5.0)  # the holders' pace now: 50 tokens (5 rows of 10) a second
-    queue = holders.admit(SPEC, "interactive", 30.0, 0, weight=10)
-    queue.add("head", clock.now, 0)
-    serve(queue, clock, 2.0, per_s=50, weight=10)  # the old folder's model: 500 tokens a second
+    admission_, holders = timed_then_slower(clock, held)  # the old folder's model: 500 tokens a second
     held.clear()  # the box evicts it to load the new folder's
     admission_.restart_rates(["m"])  # and holds it again
     held.append("worker")
